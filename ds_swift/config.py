@@ -1,0 +1,284 @@
+"""The ``"swift"`` section of a DeepSpeed JSON config, as typed dataclasses.
+
+Users write::
+
+    "swift": {
+      "enabled": true,
+      "machines": {"gpus_per_node": 8},
+      "strategy": "auto",
+      "logging": {"storage": "file:///lustre/job42/swift-logs",
+                  "storage_budget_gb": 500, "chunk_iterations": 5, "bubble_only": true},
+      "parallel_recovery": true,
+      "checkpoint": {"dir": "/lustre/job42/ckpt", "interval": 1000}
+    }
+
+Every invalid value raises :class:`ConfigError` whose message names the field (as a dotted
+path from ``swift``), the value and what is allowed. Unknown keys are errors: a typo such as
+``"chunk_iteration"`` silently falling back to a default would only show months later, when a
+recovery does not do what the user thought they had configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+from urllib.parse import urlparse
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "LoggingConfig",
+    "MachinesConfig",
+    "STORAGE_SCHEMES",
+    "Strategy",
+    "SwiftConfig",
+    "WatchdogConfig",
+    "load_ds_config",
+]
+
+Strategy = Literal["auto", "replication", "logging", "checkpoint"]
+ParallelRecoveryMode = Literal["exact", "fast"]
+
+#: URL schemes the global store understands (see ds_swift.storage). "" is a plain path.
+STORAGE_SCHEMES = ("", "file", "hdfs", "webhdfs", "s3", "memory")
+
+
+class ConfigError(ValueError):
+    """A ``swift`` config value is invalid. The message names the field and the fix."""
+
+
+def _fail(path: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"swift config: {path}={value!r} is invalid: {allowed}")
+
+
+def _check_type(path: str, value: Any, typ: type | tuple[type, ...], allowed: str) -> None:
+    # bool is an int subclass: "interval": true must not pass as 1.
+    if isinstance(value, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)):
+        raise _fail(path, value, allowed)
+    if not isinstance(value, typ):
+        raise _fail(path, value, allowed)
+
+
+@dataclass(frozen=True)
+class MachinesConfig:
+    """How ranks map onto physical machines."""
+
+    gpus_per_node: int = 8
+    """Ranks (GPUs) per machine. Ranks ``[k*gpus_per_node, (k+1)*gpus_per_node)`` share
+    machine ``k``, as the ``deepspeed`` launcher and torchrun assign them."""
+
+    def __post_init__(self) -> None:
+        _check_type("machines.gpus_per_node", self.gpus_per_node, int, "a positive integer")
+        if self.gpus_per_node < 1:
+            raise _fail("machines.gpus_per_node", self.gpus_per_node, "a positive integer")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Logging of inter-machine pipeline messages (SWIFT section 5.1)."""
+
+    storage: str = "file://./swift-logs"
+    """Global store URL for log chunks: ``file://`` (a shared filesystem such as Lustre or
+    NFS), ``hdfs://``/``webhdfs://`` (through the ``hdfs`` package), ``s3://`` (needs s3fs),
+    ``memory://`` (tests). A plain path means ``file://``."""
+
+    storage_budget_gb: float | None = None
+    """Upper bound on log bytes kept between two global checkpoints. When set, machines are
+    grouped (selective logging, section 5.3) so that the logs fit; ``None`` logs every
+    machine boundary."""
+
+    groups: int | None = None
+    """Force this many balanced machine groups instead of optimising for the budget."""
+
+    chunk_iterations: int = 5
+    """Iterations per log chunk file: the unit of upload, download and garbage collection."""
+
+    bubble_only: bool = True
+    """Copy logged tensors off the device only during pipeline bubbles (``false`` copies
+    right after each send, for comparison)."""
+
+    local_dir: str | None = None
+    """Where chunks are written before upload. ``None`` writes straight into ``storage``
+    when that is a ``file://`` URL, else into a temporary directory."""
+
+    def __post_init__(self) -> None:
+        _check_type("logging.storage", self.storage, str, "a URL such as file:///lustre/logs")
+        scheme = urlparse(self.storage).scheme
+        # A Windows-style drive letter never reaches here; single letters are not schemes we use.
+        if scheme not in STORAGE_SCHEMES:
+            allowed = ", ".join(f"{s}://" for s in STORAGE_SCHEMES if s)
+            raise _fail("logging.storage", self.storage, f"the scheme must be one of {allowed} or a plain path")
+        if self.storage_budget_gb is not None:
+            _check_type("logging.storage_budget_gb", self.storage_budget_gb, (int, float), "a positive number of GB or null")
+            if self.storage_budget_gb <= 0:
+                raise _fail("logging.storage_budget_gb", self.storage_budget_gb, "a positive number of GB or null")
+        if self.groups is not None:
+            _check_type("logging.groups", self.groups, int, "a positive integer or null")
+            if self.groups < 1:
+                raise _fail("logging.groups", self.groups, "a positive integer or null")
+            if self.storage_budget_gb is not None:
+                raise ConfigError(
+                    "swift config: logging.groups and logging.storage_budget_gb are both set: "
+                    "give one (groups forces K balanced groups, the budget lets ds-swift choose)"
+                )
+        _check_type("logging.chunk_iterations", self.chunk_iterations, int, "a positive integer")
+        if self.chunk_iterations < 1:
+            raise _fail("logging.chunk_iterations", self.chunk_iterations, "a positive integer")
+        _check_type("logging.bubble_only", self.bubble_only, bool, "true or false")
+        if self.local_dir is not None:
+            _check_type("logging.local_dir", self.local_dir, str, "a directory path or null")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Periodic global checkpoints: the safety net every strategy keeps."""
+
+    dir: str = "./swift-ckpt"
+    """Directory (shared by all machines) for DeepSpeed-format global checkpoints."""
+
+    interval: int = 1000
+    """Iterations between global checkpoints. Logs older than the last one are deleted,
+    so this also bounds log storage."""
+
+    def __post_init__(self) -> None:
+        _check_type("checkpoint.dir", self.dir, str, "a directory path")
+        if not self.dir:
+            raise _fail("checkpoint.dir", self.dir, "a non-empty directory path")
+        _check_type("checkpoint.interval", self.interval, int, "a positive number of iterations")
+        if self.interval < 1:
+            raise _fail("checkpoint.interval", self.interval, "a positive number of iterations")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Failure detection inside each worker."""
+
+    poll_interval_s: float = 0.1
+    """How often the watchdog thread reads the job's failure flag."""
+
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeat is older than this is declared failed."""
+
+    op_timeout_s: float = 30.0
+    """Timeout of every collective and point-to-point op: the longest a survivor blocked on
+    a living peer can wait before it notices the failure by itself."""
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval_s", "heartbeat_timeout_s", "op_timeout_s"):
+            value = getattr(self, name)
+            _check_type(f"watchdog.{name}", value, (int, float), "a positive number of seconds")
+            if value <= 0:
+                raise _fail(f"watchdog.{name}", value, "a positive number of seconds")
+        if self.poll_interval_s >= self.heartbeat_timeout_s:
+            raise ConfigError(
+                f"swift config: watchdog.poll_interval_s={self.poll_interval_s} must be smaller "
+                f"than watchdog.heartbeat_timeout_s={self.heartbeat_timeout_s}"
+            )
+
+
+@dataclass(frozen=True)
+class SwiftConfig:
+    """Everything ds-swift reads from ``ds_config["swift"]``."""
+
+    enabled: bool = False
+    """Turn ds-swift on. With ``false`` the engine is left exactly as DeepSpeed built it."""
+
+    machines: MachinesConfig = field(default_factory=MachinesConfig)
+    """Rank-to-machine mapping."""
+
+    strategy: Strategy = "auto"
+    """``auto`` lets the topology analyzer choose per stage (replication where a replica
+    lives on another machine, else logging where it is worth it, else checkpoint);
+    ``replication``/``logging``/``checkpoint`` force one for every stage."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Message logging for logging-based recovery."""
+
+    parallel_recovery: bool = False
+    """Let survivors share the replay of a failed machine's micro-batches (section 5.2)."""
+
+    parallel_recovery_mode: ParallelRecoveryMode = "exact"
+    """``exact`` combines micro-batch gradients in the original order (bitwise equal to
+    sequential replay); ``fast`` uses a plain all-reduce."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Global checkpoints."""
+
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Failure detection."""
+
+    run_dir: str = "./swift-run"
+    """Where recovery timelines and the job's own records are written."""
+
+    def __post_init__(self) -> None:
+        _check_type("enabled", self.enabled, bool, "true or false")
+        if self.strategy not in get_args(Strategy):
+            raise _fail("strategy", self.strategy, f"one of {', '.join(get_args(Strategy))}")
+        _check_type("parallel_recovery", self.parallel_recovery, bool, "true or false")
+        if self.parallel_recovery_mode not in get_args(ParallelRecoveryMode):
+            raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
+        _check_type("run_dir", self.run_dir, str, "a directory path")
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> SwiftConfig:
+        """Build from the ``swift`` section itself (``None`` or ``{}`` gives the defaults)."""
+        return _build(cls, section or {}, "")
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> SwiftConfig:
+        """Build from a whole DeepSpeed config: a dict, or the path of its JSON file."""
+        cfg = load_ds_config(ds_config)
+        return cls.from_dict(cfg.get("swift"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict, reading it if given a path."""
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = Path(ds_config)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} cannot be read: {exc.strerror}") from exc
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"DeepSpeed config {str(path)!r} must hold a JSON object at its top level")
+    return cfg
+
+
+_NESTED: dict[str, type] = {
+    "machines": MachinesConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "watchdog": WatchdogConfig,
+}
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        where = prefix.rstrip(".") or "swift"
+        raise ConfigError(f"swift config: {where} must be a JSON object, got {data!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"swift config: unknown key {', '.join(repr(prefix + u) for u in unknown)}; "
+            f"allowed keys under {prefix.rstrip('.') or 'swift'}: {', '.join(sorted(names))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = _NESTED.get(key) if cls is SwiftConfig else None
+        kwargs[key] = _build(sub, value, f"{prefix}{key}.") if sub is not None else value
+    return cls(**kwargs)

@@ -1,0 +1,55 @@
+"""ds-swift: fast failure recovery for DeepSpeed + Megatron 3D-parallel training."""
+
+from setuptools import setup
+
+setup(
+    name="ds-swift",
+    version="0.1.0",
+    description="Expedited failure recovery (update-undo, replication, message logging) for DeepSpeed pipelines",
+    python_requires=">=3.10",
+    packages=[
+        "ds_swift",
+        "ds_swift.undo",
+        "ds_swift.msglog",
+        "ds_swift.recovery",
+        "ds_swift.sim",
+        "ds_swift.testing",
+        "ds_swift.launch",
+        "ds_swift.patches",
+        "ds_swift.cuda_ext",
+    ],
+    # launch/, patches/ and cuda_ext/ sit at the top level (see shared/DESIGN.md) but install
+    # as sub-packages, so `import ds_swift.launch` works from a wheel and an editable install.
+    package_dir={
+        "ds_swift": "ds_swift",
+        "ds_swift.launch": "launch",
+        "ds_swift.patches": "patches",
+        "ds_swift.cuda_ext": "cuda_ext",
+    },
+    package_data={"ds_swift.cuda_ext": ["*.cpp", "*.cu", "*.h"], "ds_swift.patches": ["*.diff"]},
+    # torch is installed first, on its own (`pip install torch==2.13.0`): listing an exact
+    # version here would let pip pull a multi-GB CUDA build on machines without the CPU wheel.
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19,<0.20",
+        "megatron-core>=0.16.1",
+        "fsspec>=2024.1",
+        "hdfs>=2.7",
+        "nvidia-ml-py>=12",
+        "crc32c>=2.4",
+        "rich>=13",
+        "pyyaml>=6",
+        "matplotlib>=3.8",
+        "ninja>=1.11",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10"],
+        "s3": ["s3fs>=2024.1"],
+    },
+    entry_points={
+        "console_scripts": [
+            "ds-swift=ds_swift.cli:main",
+            "ds-swift-launch=ds_swift.launch.cli:main",
+        ]
+    },
+)
