@@ -72,10 +72,19 @@ class MachinesConfig:
     """Ranks (GPUs) per machine. Ranks ``[k*gpus_per_node, (k+1)*gpus_per_node)`` share
     machine ``k``, as the ``deepspeed`` launcher and torchrun assign them."""
 
+    rank_order: str = "tp-dp-pp"
+    """Order of the job's ranks over the 3D plan, as megatron-core's ``RankGenerator`` writes it
+    (first = fastest-varying). Megatron's default ``tp-dp-pp`` puts a stage's data-parallel
+    replicas next to each other, usually on one machine (-> logging); ``tp-pp-dp`` spreads them
+    over machines (-> replication)."""
+
     def __post_init__(self) -> None:
         _check_type("machines.gpus_per_node", self.gpus_per_node, int, "a positive integer")
         if self.gpus_per_node < 1:
             raise _fail("machines.gpus_per_node", self.gpus_per_node, "a positive integer")
+        _check_type("machines.rank_order", self.rank_order, str, "a permutation of tp, dp, pp such as tp-dp-pp")
+        if sorted(self.rank_order.split("-")) != ["dp", "pp", "tp"]:
+            raise _fail("machines.rank_order", self.rank_order, "a permutation of tp, dp, pp such as tp-dp-pp")
 
 
 @dataclass(frozen=True)
