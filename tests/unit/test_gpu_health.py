@@ -1,0 +1,60 @@
+"""GPU health verdicts, with a fake NVML (no GPU on CI)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ds_swift.gpu_health import GpuMonitor, check_gpus
+
+
+class FakeNvml:
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self, ecc: list[int], lost: set[int] = frozenset(), xids: list[int] | None = None) -> None:  # type: ignore[assignment]
+        self.ecc, self.lost, self.xids = ecc, lost, list(xids or [])
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.ecc)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if i in self.lost:
+            raise RuntimeError("GPU is lost")
+        return i
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
+        return self.ecc[h]
+
+    def nvmlEventSetCreate(self) -> object:
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, h: int, kind: int, events: object) -> None:
+        pass
+
+    def nvmlEventSetWait_v2(self, events: object, timeout_ms: int) -> SimpleNamespace:
+        if not self.xids:
+            raise TimeoutError("NVML_ERROR_TIMEOUT")
+        return SimpleNamespace(eventData=self.xids.pop(0))
+
+
+def test_no_nvml_is_healthy_and_says_it_did_not_check() -> None:
+    h = GpuMonitor(nvml=None).poll()
+    assert h.healthy
+
+
+def test_uncorrectable_ecc_marks_machine_failed() -> None:
+    h = check_gpus(nvml=FakeNvml([0, 3]))
+    assert h.checked and not h.healthy
+    assert "GPU 1: 3 uncorrectable ECC" in h.problems[0]
+
+
+def test_lost_gpu_marks_machine_failed() -> None:
+    h = check_gpus(nvml=FakeNvml([0, 0], lost={0}))
+    assert not h.healthy and "GPU 0" in h.problems[0]
+
+
+def test_critical_xid_fails_and_benign_xid_does_not() -> None:
+    assert GpuMonitor(nvml=FakeNvml([0], xids=[13])).poll().healthy  # 13: graphics engine exception (app bug)
+    h = GpuMonitor(nvml=FakeNvml([0], xids=[13, 79])).poll()
+    assert not h.healthy and "Xid 79" in h.problems[0]
