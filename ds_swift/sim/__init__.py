@@ -1,1 +1,48 @@
-"""sim."""
+"""What-if simulator: end-to-end training time with failures, per fault-tolerance strategy.
+
+Pure functions on plain data (no processes, no torch):
+
+- :mod:`ds_swift.sim.model`: ``Workload``, ``StrategySpec`` and the per-failure cost model;
+- :mod:`ds_swift.sim.failures`: ``FailureModel`` (uniform count, exponential, Weibull);
+- :mod:`ds_swift.sim.runner`: ``simulate`` (repeats, mean, 95% CI) and the sweeps;
+- :mod:`ds_swift.sim.recommend`: optimal intervals, ``recommend_for_plan`` for the planner;
+- :mod:`ds_swift.sim.schema`: the YAML input of ``ds-swift simulate`` (``load_sim_config``);
+- :mod:`ds_swift.sim.study`, :mod:`ds_swift.sim.plots`, :mod:`ds_swift.sim.cli`: the command.
+
+Names are loaded on first use so that ``ds-swift --help`` does not import numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "FailureModel",
+    "LoggingSpec",
+    "StrategySpec",
+    "Workload",
+    "load_sim_config",
+    "optimal_interval",
+    "recommend",
+    "recommend_for_plan",
+    "simulate",
+]
+
+_WHERE = {
+    "FailureModel": "ds_swift.sim.failures",
+    "LoggingSpec": "ds_swift.sim.model",
+    "StrategySpec": "ds_swift.sim.model",
+    "Workload": "ds_swift.sim.model",
+    "load_sim_config": "ds_swift.sim.schema",
+    "optimal_interval": "ds_swift.sim.recommend",
+    "recommend": "ds_swift.sim.recommend",
+    "recommend_for_plan": "ds_swift.sim.recommend",
+    "simulate": "ds_swift.sim.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'ds_swift.sim' has no attribute {name!r}")
