@@ -1,28 +1,32 @@
 """ds-swift: expedited failure recovery for DeepSpeed + Megatron 3D-parallel training.
 
-Turn it on with a ``"swift"`` section in the DeepSpeed JSON config and one call after
-``deepspeed.initialize``::
+Turn it on with a ``"swift"`` section in the DeepSpeed JSON config, and two calls::
 
-    engine, *_ = deepspeed.initialize(...)
-    engine = ds_swift.initialize(engine, ds_config)
+    ds_swift.init_distributed(ds_config)          # instead of deepspeed.init_distributed()
+    engine, *_ = deepspeed.initialize(model=model_fn(), config=ds_config, ...)
+    engine = ds_swift.initialize(engine, ds_config, model_fn=model_fn, batch_fn=batch_fn)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "SwiftConfig", "__version__", "initialize"]
-
-if TYPE_CHECKING:
-    pass
+__all__ = ["ConfigError", "SwiftConfig", "__version__", "init_distributed", "initialize"]
 
 
-def initialize(engine: Any, ds_config: Any = None) -> Any:
-    """Wrap a DeepSpeed engine with ds-swift (see ds_swift.engine)."""
+def initialize(engine: Any, ds_config: Any = None, **kwargs: Any) -> Any:
+    """Wrap a DeepSpeed pipeline engine with ds-swift; see :func:`ds_swift.engine.initialize`."""
     from ds_swift.engine import initialize as _initialize
 
-    return _initialize(engine, ds_config)
+    return _initialize(engine, ds_config, **kwargs)
+
+
+def init_distributed(ds_config: Any = None, **kwargs: Any) -> Any:
+    """Join the job (its generation, under ds-swift-launch); see :func:`ds_swift.distributed.init_distributed`."""
+    from ds_swift.distributed import init_distributed as _init
+
+    return _init(ds_config, **kwargs)
