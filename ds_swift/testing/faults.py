@@ -1,0 +1,190 @@
+"""Failure injection: kill every worker of a machine at a chosen iteration and phase, once.
+
+``ds-swift-launch --inject machine=1,iteration=7,phase=backward`` validates the spec, and every
+worker receives the normalised list in ``SWIFT_INJECT``. The worker side builds an
+:class:`Injector` and calls :meth:`Injector.maybe_fire` from its engine hooks. The first rank of
+machine 1 to reach iteration 7's backward pass SIGKILLs itself; its node agent sees the death
+and kills the rest of the machine, exactly as it handles a real crash.
+
+Each spec fires once per job: the decision is ``store.add('inject/<i>/fired', 1) == 1`` in the
+job store, so neither a sibling rank of the same machine nor a replacement worker that later
+re-runs iteration 7 fires it again. Without that, a replacement would kill itself at the same
+point forever.
+
+Keys (relative to the job prefix, ``i`` = the spec's index in ``SWIFT_INJECT``)::
+
+    inject/<i>/fired      counter; the rank that moved it to 1 fired
+    inject/<i>/t_fire     time.time() just before the SIGKILL
+    inject/<i>/rank       the rank that fired
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ds_swift.membership import WorkerEnv
+
+__all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs"]
+
+#: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
+PHASES = ("forward", "backward", "step", "send", "recv")
+_FIELDS = ("machine", "iteration", "phase")
+_EXAMPLE = "machine=1,iteration=7,phase=backward"
+
+
+class FaultSpecError(ValueError):
+    """A ``--inject`` spec is malformed. The message names the field and what is allowed."""
+
+
+class _Counter(Protocol):
+    """What the injector needs of the job store (JobStore satisfies it; tests pass a dict-backed fake)."""
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def set(self, key: str, value: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Kill every worker of ``machine`` when one of them reaches ``phase`` of ``iteration``."""
+
+    machine: int
+    """Machine id (``0 .. nnodes-1``); a replacement of that machine carries the same id."""
+
+    iteration: int
+    """Training iteration (0-based, as the worker side counts its ``train_batch`` calls)."""
+
+    phase: str = "forward"
+    """One of :data:`PHASES`."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.machine, bool) or not isinstance(self.machine, int) or self.machine < 0:
+            raise FaultSpecError(f"fault spec: machine={self.machine!r} is invalid: a machine id >= 0")
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+            raise FaultSpecError(f"fault spec: iteration={self.iteration!r} is invalid: an iteration >= 0")
+        if self.phase not in PHASES:
+            raise FaultSpecError(f"fault spec: phase={self.phase!r} is invalid: one of {'|'.join(PHASES)}")
+
+    def __str__(self) -> str:
+        return f"machine={self.machine},iteration={self.iteration},phase={self.phase}"
+
+    @classmethod
+    def parse(cls, text: str) -> list[FaultSpec]:
+        """Parse ``machine=M,iteration=I[,phase=P]`` specs separated by ``;`` (empty text: none)."""
+        return [cls._parse_one(part.strip()) for part in text.split(";") if part.strip()]
+
+    @classmethod
+    def _parse_one(cls, text: str) -> FaultSpec:
+        fields: dict[str, str] = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not sep or not key or not value:
+                raise FaultSpecError(f"fault spec {text!r}: {item.strip()!r} is not field=value (e.g. {_EXAMPLE})")
+            if key not in _FIELDS:
+                raise FaultSpecError(
+                    f"fault spec {text!r}: unknown field {key!r}; the fields are {', '.join(_FIELDS)} (e.g. {_EXAMPLE})"
+                )
+            if key in fields:
+                raise FaultSpecError(f"fault spec {text!r}: field {key!r} is given twice")
+            fields[key] = value
+        for key in ("machine", "iteration"):
+            if key not in fields:
+                raise FaultSpecError(f"fault spec {text!r} lacks {key}= (e.g. {_EXAMPLE})")
+        numbers: dict[str, int] = {}
+        for key in ("machine", "iteration"):
+            try:
+                numbers[key] = int(fields[key])
+            except ValueError:
+                raise FaultSpecError(
+                    f"fault spec {text!r}: {key}={fields[key]!r} is invalid: a non-negative integer"
+                ) from None
+        phase = fields.get("phase", "forward").lower()
+        try:
+            return cls(machine=numbers["machine"], iteration=numbers["iteration"], phase=phase)
+        except FaultSpecError as exc:
+            raise FaultSpecError(f"fault spec {text!r}: {str(exc).removeprefix('fault spec: ')}") from None
+
+
+def format_specs(specs: Sequence[FaultSpec]) -> str:
+    """The ``SWIFT_INJECT`` value: normalised specs joined by ``;`` (parse(format(x)) == x)."""
+    return ";".join(str(s) for s in specs)
+
+
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Injector:
+    """Fires the specs that target this worker's machine, each at most once per job.
+
+    Args:
+        specs: every spec of the job, in ``SWIFT_INJECT`` order (the index keys the store).
+        store: the job store (:class:`ds_swift.membership.JobStore`).
+        machine: this worker's machine id (``SWIFT_MACHINE``).
+        rank: this worker's rank, recorded with the firing (for the timeline and messages).
+        kill: what firing does; SIGKILL of this process by default. Tests pass a recorder.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[FaultSpec],
+        store: _Counter,
+        machine: int,
+        rank: int | None = None,
+        kill: Callable[[], None] | None = None,
+    ) -> None:
+        self.specs = list(specs)
+        self.store = store
+        self.machine = machine
+        self.rank = rank
+        self._kill = kill or _sigkill_self
+        # Only this machine's specs are looked at per call: maybe_fire runs in every hook.
+        self._mine = [(i, s) for i, s in enumerate(self.specs) if s.machine == machine]
+        # Specs already decided in this process: the store is asked once per spec, not per call.
+        self._decided: set[int] = set()
+        self.fired_specs: list[FaultSpec] = []
+
+    @classmethod
+    def from_env(cls, store: _Counter, env: WorkerEnv | None = None) -> Injector:
+        """The injector for a worker started by ``ds-swift-launch`` (reads SWIFT_INJECT)."""
+        from ds_swift.membership import WorkerEnv
+
+        env = env or WorkerEnv.from_env()
+        return cls(FaultSpec.parse(env.inject), store, machine=env.machine, rank=env.rank)
+
+    @property
+    def fired(self) -> int:
+        """How many specs this injector fired (only visible when ``kill`` does not end the process)."""
+        return len(self.fired_specs)
+
+    @property
+    def armed(self) -> bool:
+        """True while some spec for this machine may still fire here."""
+        return any(i not in self._decided for i, _ in self._mine)
+
+    def maybe_fire(self, phase: str, iteration: int) -> None:
+        """Fire a spec matching (this machine, ``iteration``, ``phase``) that no rank fired yet."""
+        if phase not in PHASES:
+            # A typo in a hook name would silently never fire: fail loudly instead.
+            raise ValueError(f"maybe_fire: phase={phase!r} is not one of {'|'.join(PHASES)}")
+        for i, spec in self._mine:
+            if spec.iteration != iteration or spec.phase != phase or i in self._decided:
+                continue
+            self._decided.add(i)
+            if int(self.store.add(f"inject/{i}/fired", 1)) != 1:
+                continue  # a sibling rank fired it, or it fired before this worker was a replacement
+            self.store.set(f"inject/{i}/t_fire", repr(time.time()))
+            if self.rank is not None:
+                self.store.set(f"inject/{i}/rank", str(self.rank))
+            self.fired_specs.append(spec)
+            who = f"rank {self.rank}" if self.rank is not None else f"pid {os.getpid()}"
+            print(f"[ds-swift inject] {who}: firing #{i} ({spec}): SIGKILL", file=sys.stderr, flush=True)
+            self._kill()

@@ -1,0 +1,298 @@
+"""The node agent: one per machine (and per spare), like a node's daemon.
+
+An agent starts its machine's ranks (rank = machine * nproc_per_node + local_rank), checks them
+every tick, and treats the death of any of them (a signal, or a non-zero exit) as the failure of
+the whole machine: it SIGKILLs the other local ranks, as a crash would, and declares the
+generation failed in the job store. The agent itself survives. Then, in this order:
+
+- a spare agent takes over the machine id (same ranks), if a spare is left;
+- otherwise, with ``--restart-delay``, this agent restarts the ranks after the delay;
+- otherwise, or after ``--max-failures``, the job is aborted and every agent kills its workers.
+
+Replacement workers start in the store's current generation with ``SWIFT_REPLACEMENT=1``. A
+replacement that dies is one more machine failure, handled the same way (a cascading failure).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ds_swift.membership import JobStore, WorkerEnv
+from ds_swift.testing.faults import FaultSpec, format_specs
+
+from .args import Command, LaunchArgs
+from .control import EventLog, JobControl
+from .spawn import Worker, describe_exit, spawn_worker
+
+__all__ = ["AgentState", "JobSpec", "MachineAgent"]
+
+
+class AgentState(enum.Enum):
+    SPARE = "spare"  # waiting for a machine to take over
+    RUNNING = "running"  # its machine's ranks are up
+    RESTARTING = "restarting"  # its machine failed; ranks restart after --restart-delay
+    RETIRED = "retired"  # its machine failed and went to a spare (or the job gave up)
+    DONE = "done"  # every rank of its machine exited 0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every agent knows about the job (the same on every host)."""
+
+    command: Command
+    num_machines: int
+    nproc_per_node: int
+    num_spares: int
+    max_failures: int
+    restart_delay_s: float | None
+    store_addr: str
+    store_port: int
+    token: str
+    run_dir: str
+    inject: tuple[FaultSpec, ...] = ()
+    op_timeout_s: float | None = None
+
+    @classmethod
+    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str) -> JobSpec:
+        return cls(
+            command=args.command,
+            num_machines=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            num_spares=args.spares,
+            max_failures=args.max_failures,
+            restart_delay_s=args.restart_delay_s,
+            store_addr=store_addr,
+            store_port=store_port,
+            token=token,
+            run_dir=args.run_dir,
+            inject=args.inject,
+            op_timeout_s=args.op_timeout_s,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_machines * self.nproc_per_node
+
+    def ranks(self, machine: int) -> range:
+        return range(machine * self.nproc_per_node, (machine + 1) * self.nproc_per_node)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+class MachineAgent:
+    """One machine's (or spare's) agent. ``tick()`` runs every poll interval; it never blocks."""
+
+    def __init__(
+        self,
+        node: int,
+        job: JobSpec,
+        store: JobStore,
+        events: EventLog,
+        spawn: Callable[..., Worker] = spawn_worker,
+    ) -> None:
+        self.node = node
+        self.job = job
+        self.store = store
+        self.control = JobControl(store)
+        self.events = events
+        self._spawn_fn = spawn
+        self.machine: int | None = node if node < job.num_machines else None
+        self.state = AgentState.RUNNING if self.machine is not None else AgentState.SPARE
+        self.workers: list[Worker] = []
+        self._dying: list[Worker] = []  # SIGKILLed by us, not reaped yet
+        self._restart_at = 0.0
+        self._failed_generation = 0  # the generation whose timeline the next replacement completes
+        self._scan_from = 1  # next replacement request a spare looks at
+
+    @property
+    def name(self) -> str:
+        return f"agent {self.node}" + (" (spare)" if self.node >= self.job.num_machines else "")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.state is AgentState.RUNNING:
+            self._spawn(generation=0, replacement=False)
+            self.events(
+                f"machine {self.machine}: {self._ranks_text()} started by {self.name} "
+                f"(pids {' '.join(str(w.pid) for w in self.workers)})",
+                event="spawned", node=self.node, machine=self.machine, generation=0, pids=[w.pid for w in self.workers],
+            )
+
+    def tick(self) -> None:
+        """Look at the local ranks (waitpid, no store traffic unless something happened)."""
+        self._dying = [w for w in self._dying if w.poll() is None]
+        if self.state is AgentState.RUNNING:
+            self._check_workers()
+        elif self.state is AgentState.RESTARTING and time.monotonic() >= self._restart_at:
+            self.state = AgentState.RUNNING
+            self._spawn_replacement()
+
+    def poll_store(self) -> None:
+        """A spare looks for a replacement request it can claim."""
+        if self.state is not AgentState.SPARE:
+            return
+        issued = min(self.control.spares_taken(), self.job.num_spares)
+        while self._scan_from <= issued:
+            request = self.control.request(self._scan_from)
+            if request is None:
+                return  # the counter moved a moment before the request was written: look again next tick
+            slot = self._scan_from
+            self._scan_from += 1
+            if self.control.claim(slot):
+                machine, failed_generation = request
+                self.machine = machine
+                self._failed_generation = failed_generation
+                self.state = AgentState.RUNNING
+                self.events(
+                    f"{self.name} takes over machine {machine} ({self._ranks_text()})",
+                    event="takeover", node=self.node, machine=machine, failed_generation=failed_generation,
+                )
+                self._spawn_replacement()
+                return
+
+    def signal_all(self, sig: int) -> None:
+        for w in [*self.workers, *self._dying]:
+            w.signal_group(sig)
+
+    def alive(self) -> list[Worker]:
+        """Workers not reaped yet (reaps the ones that ended)."""
+        return [w for w in [*self.workers, *self._dying] if w.poll() is None]
+
+    # ------------------------------------------------------------------ internals
+    def _ranks_text(self) -> str:
+        assert self.machine is not None
+        r = self.job.ranks(self.machine)
+        return f"ranks {r.start}..{r.stop - 1}" if len(r) > 1 else f"rank {r.start}"
+
+    def _spawn(self, generation: int, replacement: bool) -> None:
+        assert self.machine is not None
+        inject = format_specs(self.job.inject)
+        for local_rank, rank in enumerate(self.job.ranks(self.machine)):
+            wenv = WorkerEnv(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=self.job.world_size,
+                machine=self.machine,
+                num_machines=self.job.num_machines,
+                generation=generation,
+                replacement=replacement,
+                store_addr=self.job.store_addr,
+                store_port=self.job.store_port,
+                token=self.job.token,
+                run_dir=self.job.run_dir,
+                inject=inject,
+            )
+            try:
+                worker = self._spawn_fn(self.job.command, wenv, self.job.nproc_per_node, self.job.op_timeout_s)
+            except OSError as exc:
+                self._give_up(f"machine {self.machine}: cannot start rank {rank} ({self.job.command.script}): {exc}")
+                return
+            self.workers.append(worker)
+
+    def _spawn_replacement(self) -> None:
+        generation = self.store.generation()
+        self._spawn(generation=generation, replacement=True)
+        if self.state is not AgentState.RUNNING:
+            return  # the spawn failed and the job is being aborted
+        t = time.time()
+        self.control.record_replacement_spawned(self._failed_generation, t)
+        self.events(
+            f"machine {self.machine}: replacement {self._ranks_text()} started by {self.name} "
+            f"in generation {generation} (pids {' '.join(str(w.pid) for w in self.workers)})",
+            event="replacement_spawned", node=self.node, machine=self.machine, generation=generation,
+            failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers],
+        )
+
+    def _check_workers(self) -> None:
+        if not self.workers:
+            return
+        codes = [(w, w.poll()) for w in self.workers]
+        failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]
+        if failed:
+            t_detected = time.time()
+            # The machine is gone, as a crash would take it: its other ranks must not linger as
+            # half a pipeline stage that survivors could still talk to.
+            for w in self.workers:
+                w.signal_group(signal.SIGKILL)
+            self._dying.extend(self.workers)
+            self.workers = []
+            self._machine_failed(*failed[0], t_detected)
+        elif all(rc == 0 for _, rc in codes):
+            assert self.machine is not None
+            self.state = AgentState.DONE
+            self.control.mark_machine_done(self.machine)
+            self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
+                        node=self.node, machine=self.machine)
+
+    def _declare(self, reason: str) -> tuple[int, bool]:
+        """Declare the generation in force failed; returns (the generation this failure ends, first declarer)."""
+        g = self.store.generation()
+        if g >= 1 and self.store.add(f"gen{g}/joined", 0) == 0 and self.store.failure(g - 1) is not None:
+            # Nobody joined g yet, so this machine's dead ranks are not in it: g-1's failure covers
+            # them (a survivor saw the broken connection first, or another machine died at the same
+            # moment, or a replacement died before joining). g can still form, with this machine's
+            # replacement; failing it too would only cost every rank one more round.
+            return g - 1, False
+        return g, self.store.declare_failure(g, reason)
+
+    def _machine_failed(self, worker: Worker, returncode: int, t_detected: float) -> None:
+        machine = self.machine
+        assert machine is not None
+        reason = f"machine {machine}: rank {worker.rank} {describe_exit(returncode)} at {_clock(t_detected)}"
+        failed_generation, declared = self._declare(reason)
+        t_declared = time.time()
+        self.control.record_failure_timeline(failed_generation, machine, t_detected, t_declared)
+        t_fire = self._injected_kill_time(machine, t_detected)
+        latency = ""
+        fields: dict[str, object] = {}
+        if t_fire is not None:
+            fields = {"kill_to_detected_ms": (t_detected - t_fire) * 1e3, "kill_to_flag_ms": (t_declared - t_fire) * 1e3}
+            latency = (f" (injected kill -> seen {fields['kill_to_detected_ms']:.1f} ms, "
+                       f"-> gen{failed_generation}/failed {fields['kill_to_flag_ms']:.1f} ms)")
+        self.events(
+            f"{reason}: generation {failed_generation} failed{'' if declared else ' (already declared)'}{latency}",
+            event="failure", node=self.node, machine=machine, rank=worker.rank, returncode=returncode,
+            generation=failed_generation, declared=declared, t_detected=t_detected, t_declared=t_declared, **fields,
+        )
+        self._failed_generation = failed_generation
+
+        count = self.control.record_failure()
+        if count > self.job.max_failures:
+            self._give_up(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
+            return
+        if self.job.num_spares > 0:
+            slot = self.control.take_spare()
+            if slot <= self.job.num_spares:
+                self.control.request_replacement(slot, machine, failed_generation)
+                self.state = AgentState.RETIRED
+                self.events(f"machine {machine}: spare {slot} of {self.job.num_spares} requested", event="spare_requested",
+                            node=self.node, machine=machine, slot=slot)
+                return
+        if self.job.restart_delay_s is not None:
+            self.state = AgentState.RESTARTING
+            self._restart_at = time.monotonic() + self.job.restart_delay_s
+            self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
+                        f"{self.job.restart_delay_s:g} s", event="restart_scheduled", node=self.node, machine=machine)
+            return
+        why = f"all {self.job.num_spares} spares are in use" if self.job.num_spares else "no spare machines (--spares 0)"
+        self._give_up(f"{reason}; no replacement: {why} and no --restart-delay")
+
+    def _injected_kill_time(self, machine: int, t_detected: float) -> float | None:
+        """When an injected fault killed a rank of ``machine`` just before (for the latency line)."""
+        times = []
+        for i, spec in enumerate(self.job.inject):
+            if spec.machine == machine:
+                value = self.store.get(f"inject/{i}/t_fire")
+                if value is not None and 0 <= t_detected - float(value) < 60:
+                    times.append(float(value))
+        return max(times) if times else None
+
+    def _give_up(self, reason: str) -> None:
+        self.state = AgentState.RETIRED
+        self.control.abort(reason)

@@ -1,0 +1,32 @@
+"""``ds-swift-launch``: parse the command line, hand over to the launcher (a thin entry point)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from .args import LaunchUsageError, parse_args
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except LaunchUsageError as exc:
+        print(f"ds-swift-launch: error: {exc}", file=sys.stderr)
+        return 2
+    cmd = args.command
+    if not cmd.module and not cmd.no_python and not os.path.isfile(cmd.script):
+        # Otherwise every rank would exit 2 and each replacement would too, until --max-failures.
+        print(f"ds-swift-launch: error: training script {cmd.script} not found", file=sys.stderr)
+        return 2
+    # torch (the job store) is imported only now: --help and usage errors stay instant.
+    from .launcher import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

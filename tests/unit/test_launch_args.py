@@ -1,0 +1,341 @@
+"""ds-swift-launch without processes: the command line, worker argv/env, and the agent's decisions.
+
+The agent tests drive :class:`MachineAgent` with fake workers (scripted exit codes) against a
+job store served in this process, so every branch of the failure handling (spare, restart,
+abort, max failures, a generation already failed) is checked in milliseconds.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from ds_swift.launch.args import Command, LaunchUsageError, parse_args, read_hostfile
+from ds_swift.launch.cli import main
+from ds_swift.testing.faults import FaultSpec
+
+
+def parse(*argv: str, environ: dict[str, str] | None = None):  # noqa: ANN201 - LaunchArgs
+    return parse_args(list(argv), environ=environ or {})
+
+
+# ---------------------------------------------------------------------- command line
+@pytest.mark.parametrize("nodes_flag", ["--nnodes", "--num_nodes", "--num-nodes"])
+@pytest.mark.parametrize("procs_flag", ["--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus"])
+def test_deepspeed_and_torchrun_spellings(nodes_flag: str, procs_flag: str) -> None:
+    args = parse(nodes_flag, "3", procs_flag, "4", "train.py")
+    assert (args.nnodes, args.nproc_per_node, args.world_size) == (3, 4, 12)
+
+
+def test_defaults_are_a_single_simulated_machine() -> None:
+    args = parse("train.py")
+    assert (args.nnodes, args.nproc_per_node, args.spares, args.max_failures) == (1, 1, 0, 3)
+    assert args.restart_delay_s is None and args.node_rank is None and args.master_port is None
+    assert not args.multi_host and args.job_token is None
+    assert Path(args.run_dir).is_absolute()
+    assert args.command == Command("train.py")
+
+
+def test_script_arguments_pass_through_untouched() -> None:
+    args = parse("--spares", "1", "train.py", "--nnodes", "9", "--deepspeed_config", "c.json", "-m")
+    assert args.command.args == ("--nnodes", "9", "--deepspeed_config", "c.json", "-m")
+    assert args.nnodes == 1 and args.spares == 1 and not args.command.module
+
+
+def test_inject_repeatable_and_semicolon_separated() -> None:
+    args = parse("--nnodes", "2", "--inject", "machine=1,iteration=7,phase=backward",
+                 "--inject", "machine=0,iteration=2;machine=1,iteration=9,phase=step", "train.py")
+    assert args.inject == (FaultSpec(1, 7, "backward"), FaultSpec(0, 2), FaultSpec(1, 9, "step"))
+
+
+@pytest.mark.parametrize(
+    ("inject", "fragment"),
+    [
+        ("machine=1,iteration=7,phase=sideways", "--inject 'machine=1,iteration=7,phase=sideways'"),
+        ("machine=2,iteration=1", "machine=2 does not exist: the job has machines 0..1"),
+        ("machine=1", "lacks iteration="),
+    ],
+)
+def test_bad_inject_names_the_flag(inject: str, fragment: str) -> None:
+    with pytest.raises(LaunchUsageError) as info:
+        parse("--nnodes", "2", "--inject", inject, "train.py")
+    assert fragment in str(info.value) and "--inject" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--nnodes", "0", "t.py"], "--nnodes"),
+        (["--spares", "-1", "t.py"], "--spares"),
+        (["--restart-delay", "soon", "t.py"], "--restart-delay"),
+        (["--restart-delay", "nan", "t.py"], "--restart-delay"),
+        (["--max-failures", "x", "t.py"], "--max-failures"),
+    ],
+)
+def test_bad_numbers_are_argparse_errors(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(*argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_module_and_no_python_rules() -> None:
+    assert parse("-m", "pkg.train").command.module
+    with pytest.raises(LaunchUsageError, match="--no_python needs --no_local_rank"):
+        parse("--no_python", "./train.sh")
+    assert parse("--no_python", "--no_local_rank", "./train.sh").command == Command(
+        "./train.sh", no_python=True, local_rank_arg=False)
+    with pytest.raises(LaunchUsageError, match="exclude each other"):
+        parse("--module", "--no_python", "--no_local_rank", "x")
+
+
+def test_multi_host_needs_a_token_and_a_valid_node_rank() -> None:
+    with pytest.raises(LaunchUsageError, match="--job-token"):
+        parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py")
+    args = parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py",
+                 environ={"SWIFT_JOB_TOKEN": "abc"})
+    assert args.multi_host and args.job_token == "abc" and args.master_port == 29500
+    with pytest.raises(LaunchUsageError, match="agents are 0..1 .machines. and 2..2 .spares."):
+        parse("--nnodes", "2", "--spares", "1", "--node-rank", "3", "--job-token", "t", "t.py")
+
+
+def test_token_from_the_environment_is_ignored_on_one_host() -> None:
+    assert parse("t.py", environ={"SWIFT_JOB_TOKEN": "leaked"}).job_token is None
+    assert parse("--job-token", "mine", "t.py").job_token == "mine"
+
+
+def test_remote_master_addr_without_node_rank_is_refused() -> None:
+    with pytest.raises(LaunchUsageError, match="--node-rank"):
+        parse("--master_addr", "10.1.2.3", "t.py")
+
+
+# ---------------------------------------------------------------------- hostfile
+def test_hostfile_format(tmp_path: Path) -> None:
+    hf = tmp_path / "hostfile"
+    hf.write_text("# machines\nlocalhost slots=2\n\n127.0.0.1 slots=2  # same box\n127.0.0.2 slots=4\n")
+    assert [(h.host, h.slots) for h in read_hostfile(str(hf))] == [("localhost", 2), ("127.0.0.1", 2), ("127.0.0.2", 4)]
+    args = parse("--hostfile", str(hf), "--spares", "1", "t.py")
+    assert (args.nnodes, args.nproc_per_node, args.spares) == (2, 2, 1)
+    with pytest.raises(LaunchUsageError, match="exceeds the hostfile's slots"):
+        parse("--hostfile", str(hf), "--nproc-per-node", "3", "t.py")
+    with pytest.raises(LaunchUsageError, match="needs 5 hosts"):
+        parse("--hostfile", str(hf), "--nnodes", "4", "--spares", "1", "t.py")
+
+
+@pytest.mark.parametrize("line", ["worker-1", "worker-1 slots=x", "worker-1 slots=0", "worker-1 gpus=2"])
+def test_hostfile_bad_lines(tmp_path: Path, line: str) -> None:
+    hf = tmp_path / "hostfile"
+    hf.write_text(f"localhost slots=1\n{line}\n")
+    with pytest.raises(LaunchUsageError, match=f"{hf}:2"):
+        read_hostfile(str(hf))
+
+
+def test_remote_hostfile_prints_the_per_host_commands(tmp_path: Path) -> None:
+    hf = tmp_path / "hostfile"
+    hf.write_text("node-a.example slots=8\nnode-b.example slots=8\nnode-c.example slots=8\n")
+    with pytest.raises(LaunchUsageError) as info:
+        parse("--hostfile", str(hf), "--spares", "1", "train.py", "--lr", "1")
+    msg = str(info.value)
+    assert "does not start processes over ssh" in msg
+    assert "on node-c.example (spare): ds-swift-launch --nnodes 2 --nproc-per-node 8 --spares 1 --node-rank 2" in msg
+    assert "--master_addr node-a.example --master_port 29500" in msg and "train.py --lr 1" in msg
+
+
+def test_cli_main_reports_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nnodes", "1", "--inject", "machine=3,iteration=0", "t.py"]) == 2
+    assert "ds-swift-launch: error: --inject" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- worker argv and env
+def test_worker_argv_like_the_deepspeed_launcher() -> None:
+    from ds_swift.launch.spawn import worker_argv
+
+    assert worker_argv(Command("t.py", ("--x", "1")), 3, python="py") == ["py", "-u", "t.py", "--local_rank=3", "--x", "1"]
+    assert worker_argv(Command("t.py", local_rank_arg=False), 3, python="py") == ["py", "-u", "t.py"]
+    assert worker_argv(Command("pkg.t", module=True), 0, python="py") == ["py", "-u", "-m", "pkg.t", "--local_rank=0"]
+    assert worker_argv(Command("./t.sh", no_python=True, local_rank_arg=False), 0) == ["./t.sh"]
+
+
+def _wenv(**kw: object):  # noqa: ANN202
+    from ds_swift.membership import WorkerEnv
+
+    base = dict(rank=5, local_rank=1, world_size=8, machine=2, num_machines=4, generation=3, replacement=True,
+                store_addr="10.0.0.1", store_port=4242, token="tok", run_dir="/r", inject="machine=2,iteration=1,phase=forward")
+    base.update(kw)
+    return WorkerEnv(**base)  # type: ignore[arg-type]
+
+
+def test_worker_environ() -> None:
+    from ds_swift.launch.spawn import worker_environ
+
+    env = worker_environ(_wenv(), nproc_per_node=2, op_timeout_s=7.5, base={"PATH": "/bin", "SWIFT_OP_TIMEOUT_S": "1"})
+    assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("5", "1", "8", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "4242")
+    assert (env["SWIFT_GENERATION"], env["SWIFT_REPLACEMENT"], env["SWIFT_MACHINE"]) == ("3", "1", "2")
+    assert env["SWIFT_JOB_TOKEN"] == "tok" and env["SWIFT_OP_TIMEOUT_S"] == "7.5"
+    assert env["SWIFT_INJECT"] == "machine=2,iteration=1,phase=forward"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # env:// init connects to the agent's store
+    env = worker_environ(_wenv(), nproc_per_node=2, base={"OMP_NUM_THREADS": "4", "SWIFT_OP_TIMEOUT_S": "1"})
+    assert env["OMP_NUM_THREADS"] == "4"  # the user's explicit choice wins
+    assert "SWIFT_OP_TIMEOUT_S" not in env  # a stale outer value must not leak into this job
+
+
+def test_describe_exit() -> None:
+    from ds_swift.launch.spawn import describe_exit
+
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(3) == "exited with code 3"
+
+
+# ---------------------------------------------------------------------- the agent's decisions
+class FakeWorker:
+    _next_pid = 1000
+
+    def __init__(self, wenv) -> None:  # noqa: ANN001
+        FakeWorker._next_pid += 1
+        self.pid = FakeWorker._next_pid
+        self.wenv = wenv
+        self.rank = wenv.rank
+        self.rc: int | None = None
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return self.rc
+
+    def signal_group(self, sig: int) -> None:
+        self.signals.append(sig)
+        if self.rc is None:
+            self.rc = -sig
+
+
+class Cluster:
+    """Agents of a simulated job around a store served in this process; spawns are recorded, not run."""
+
+    def __init__(self, tmp_path: Path, machines: int = 2, nproc: int = 2, spares: int = 0,
+                 restart_delay: float | None = None, max_failures: int = 3) -> None:
+        from ds_swift.launch.agent import JobSpec, MachineAgent
+        from ds_swift.launch.control import EventLog, JobControl
+        from ds_swift.membership import JobStore
+
+        self.store = JobStore.host("tok", port=0)
+        self.control = JobControl(self.store)
+        self.job = JobSpec(Command("t.py"), machines, nproc, spares, max_failures, restart_delay,
+                           "127.0.0.1", self.store.port, "tok", str(tmp_path))
+        self.spawned: list[FakeWorker] = []
+        events = EventLog(str(tmp_path))
+        self.agents = [MachineAgent(n, self.job, self.store, events, spawn=self._spawn) for n in range(machines + spares)]
+        for agent in self.agents:
+            agent.start()
+
+    def _spawn(self, command: Command, wenv, nproc: int, op_timeout: float | None) -> FakeWorker:  # noqa: ANN001
+        worker = FakeWorker(wenv)
+        self.spawned.append(worker)
+        return worker
+
+    def step(self) -> None:
+        for agent in self.agents:
+            agent.tick()
+        for agent in self.agents:
+            agent.poll_store()
+
+    def worker(self, rank: int) -> FakeWorker:
+        return [w for w in self.spawned if w.rank == rank][-1]
+
+
+def test_a_dead_rank_fails_its_machine_and_a_spare_takes_over(tmp_path: Path) -> None:
+    from ds_swift.launch.agent import AgentState
+
+    c = Cluster(tmp_path, spares=1)
+    assert [w.rank for w in c.spawned] == [0, 1, 2, 3]
+    c.worker(3).rc = -signal.SIGKILL
+    c.step()
+    assert c.spawned[2].signals == [signal.SIGKILL]  # its sibling goes down with the machine
+    assert c.agents[1].state is AgentState.RETIRED and c.agents[2].state is AgentState.RUNNING
+    assert c.store.generation() == 1
+    assert "machine 1: rank 3 killed by SIGKILL" in (c.store.failure(0) or "")
+    new = c.spawned[4:]
+    assert [(w.rank, w.wenv.machine, w.wenv.generation, w.wenv.replacement) for w in new] == [
+        (2, 1, 1, True), (3, 1, 1, True)]
+    assert c.store.get("gen0/failed_machine") == "1"
+    t = [float(c.store.get(f"gen0/t/{k}") or 0) for k in ("detected", "declared", "replacement_spawned")]
+    assert 0 < t[0] <= t[1] <= t[2]
+    assert c.worker(0).signals == []  # survivors are untouched
+    assert c.control.abort_reason() is None
+
+
+def test_no_replacement_aborts_with_the_reason(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    c.worker(1).rc = 1
+    c.step()
+    reason = c.control.abort_reason() or ""
+    assert "machine 0: rank 1 exited with code 1" in reason and "no spare machines (--spares 0)" in reason
+
+
+def test_restart_on_the_same_agent_after_the_delay(tmp_path: Path) -> None:
+    from ds_swift.launch.agent import AgentState
+
+    c = Cluster(tmp_path, restart_delay=0.0)
+    c.worker(0).rc = -signal.SIGSEGV
+    c.step()
+    assert c.agents[0].state in (AgentState.RESTARTING, AgentState.RUNNING)
+    c.step()
+    assert c.agents[0].state is AgentState.RUNNING
+    assert [(w.rank, w.wenv.generation, w.wenv.replacement) for w in c.spawned[4:]] == [(0, 1, True), (1, 1, True)]
+
+
+def test_spares_first_then_restart_then_max_failures(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, machines=2, nproc=1, spares=1, restart_delay=0.0, max_failures=2)
+    c.worker(1).rc = -9  # failure 1: the spare (agent 2) takes machine 1
+    c.step()
+    assert c.agents[2].machine == 1 and c.spawned[-1].wenv.generation == 1
+    c.store.add("gen1/joined", 2)  # generation 1 formed
+    c.worker(1).rc = -9  # failure 2: no spare left, agent 2 restarts it
+    c.step()
+    c.step()
+    assert c.store.generation() == 2 and c.spawned[-1].wenv.generation == 2 and c.control.abort_reason() is None
+    c.store.add("gen2/joined", 2)
+    c.worker(0).rc = -9  # failure 3 > --max-failures 2
+    c.step()
+    assert "failure 3, more than --max-failures 2" in (c.control.abort_reason() or "")
+
+
+def test_a_generation_nobody_joined_yet_is_not_failed_again(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, spares=2)
+    c.store.declare_failure(0, "a survivor saw the broken connection first")
+    c.worker(2).rc = -9
+    c.step()
+    # Nobody joined generation 1: machine 1's ranks are not in it, so it stays open for the replacement.
+    assert c.store.generation() == 1 and c.store.failure(1) is None
+    assert c.store.get("gen0/failed_machine") == "1"
+    # Once ranks joined generation 1, a death there fails it.
+    c.store.add("gen1/joined", 3)
+    c.worker(0).rc = -9
+    c.step()
+    assert c.store.generation() == 2 and "machine 0" in (c.store.failure(1) or "")
+
+
+def test_all_ranks_exiting_zero_marks_the_machine_done(tmp_path: Path) -> None:
+    from ds_swift.launch.agent import AgentState
+
+    c = Cluster(tmp_path, spares=1)
+    c.worker(0).rc = 0
+    c.step()
+    assert c.agents[0].state is AgentState.RUNNING  # rank 1 still runs
+    c.worker(1).rc = 0
+    for r in (2, 3):
+        c.worker(r).rc = 0
+    c.step()
+    assert c.control.all_done(2) and c.agents[0].state is AgentState.DONE
+    assert c.agents[2].state is AgentState.SPARE
+
+
+def test_a_request_is_claimed_by_one_spare_only(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, machines=1, nproc=1, spares=3)
+    c.worker(0).rc = -9
+    c.step()
+    owners = [a.node for a in c.agents if a.machine == 0 and a.workers]
+    assert len(owners) == 1 and owners[0] in (1, 2, 3)
+    assert len(c.spawned) == 2
