@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,12 @@ def _check_type(path: str, value: Any, typ: type | tuple[type, ...], allowed: st
     if isinstance(value, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)):
         raise _fail(path, value, allowed)
     if not isinstance(value, typ):
+        raise _fail(path, value, allowed)
+    # json.loads accepts NaN and Infinity: a NaN timeout compares false with everything and
+    # would silently disable the check it configures.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _fail(path, value, allowed)
+    if isinstance(value, str) and typ is str and not value:
         raise _fail(path, value, allowed)
 
 
@@ -225,6 +232,9 @@ class SwiftConfig:
     """Where recovery timelines and the job's own records are written."""
 
     def __post_init__(self) -> None:
+        for name, sub in _NESTED.items():
+            if not isinstance(getattr(self, name), sub):
+                raise _fail(name, getattr(self, name), f"a {sub.__name__} (use SwiftConfig.from_dict for JSON)")
         _check_type("enabled", self.enabled, bool, "true or false")
         if self.strategy not in get_args(Strategy):
             raise _fail("strategy", self.strategy, f"one of {', '.join(get_args(Strategy))}")
@@ -237,7 +247,7 @@ class SwiftConfig:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> SwiftConfig:
         """Build from the ``swift`` section itself (``None`` or ``{}`` gives the defaults)."""
-        return _build(cls, section or {}, "")
+        return _build(cls, {} if section is None else section, "")
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> SwiftConfig:

@@ -1,0 +1,291 @@
+"""`ds-swift plan`: what ds-swift will do for a 3D plan, before the job starts.
+
+Reads the plan from flags, or from ``--deepspeed-config FILE`` plus flags (flags win): the
+``swift`` section gives gpus_per_node, rank_order, strategy, groups / storage budget, checkpoint
+interval and parallel recovery; ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps`` and ``bf16``/``fp16`` give the micro-batch size, micro-batch
+count and dtype defaults. Prints rich tables, or one JSON object with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.topology import DTYPE_BYTES, GB, STRATEGIES, ModelShape, ParallelLayout, Plan, analyze
+
+__all__ = ["build_plan", "register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="show the recovery plan (replication / logging / checkpoint per stage, log bytes) of a 3D layout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--deepspeed-config", metavar="FILE", help="DeepSpeed JSON config (its swift section and batch sizes)"
+    )
+    g = p.add_argument_group("parallel layout")
+    g.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    g.add_argument("--pp", type=int, help="pipeline stages (default 1)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default: world-size / (tp*pp), else 1)")
+    g.add_argument("--world-size", type=int, help="number of ranks; must equal tp*pp*dp")
+    g.add_argument("--order", help="megatron-core rank order, fastest-varying first (default tp-dp-pp)")
+    g.add_argument("--gpus-per-node", type=int, help="ranks per machine (default: swift config, 8)")
+    g = p.add_argument_group("model shape (message sizes)")
+    g.add_argument("--hidden", type=int, help="hidden size")
+    g.add_argument("--seq-len", type=int, help="sequence length (tokens per sample)")
+    g.add_argument(
+        "--micro-batch-size", type=int, help="samples per micro-batch (default: train_micro_batch_size_per_gpu)"
+    )
+    g.add_argument(
+        "--micro-batches", type=int, help="micro-batches per iteration (default: gradient_accumulation_steps)"
+    )
+    g.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), help="activation dtype (default: bf16/fp16 if enabled, else fp32)"
+    )
+    g.add_argument(
+        "--num-params", type=float, help="model parameters, for the log-size vs model-state check (1.3e9 ok)"
+    )
+    g = p.add_argument_group("strategy and selective logging")
+    g.add_argument("--strategy", choices=STRATEGIES, help="auto (default) or force one strategy for every stage")
+    excl = g.add_mutually_exclusive_group()
+    excl.add_argument("--groups", type=int, help="force K balanced machine groups")
+    excl.add_argument("--storage-budget-gb", type=float, help="log budget between two checkpoints: optimise the groups")
+    g.add_argument(
+        "--checkpoint-interval", type=int, help="iterations between global checkpoints (default: swift config)"
+    )
+    g.add_argument(
+        "--parallel-recovery", action=argparse.BooleanOptionalAction, default=None, help="survivors share the replay"
+    )
+    g = p.add_argument_group("timing (section 5.4 verdict, grouping objective)")
+    g.add_argument("--iteration-time", type=float, metavar="S", help="failure-free iteration time in seconds")
+    g.add_argument("--pcie-gbps", type=float, metavar="G", help="device-to-host bandwidth in GB/s (gigabytes)")
+    g.add_argument("--network-gbps", type=float, metavar="G", help="inter-machine bandwidth in GB/s, for the M/B term")
+    g.add_argument(
+        "--stage-compute-s",
+        metavar="LIST",
+        help="compute seconds per iteration: one number or one per stage, comma-separated",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+def _flag_int(flag: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{flag}={value} is invalid: a positive integer")
+    return value
+
+
+def _flag_float(flag: str, value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag}={value} is invalid: a positive finite number")
+    return value
+
+
+def _ds_int(cfg: dict[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"DeepSpeed config: {key}={value!r} is invalid: a positive integer")
+    return value
+
+
+def _ds_dtype(cfg: dict[str, Any]) -> str:
+    for key in ("bf16", "fp16"):
+        section = cfg.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return key
+    return "fp32"
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """Resolve flags against the DeepSpeed config and analyse. Raises ConfigError on bad input."""
+    ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
+    swift = SwiftConfig.from_dict(ds.get("swift"))
+    for flag in ("tp", "pp", "dp", "world_size", "gpus_per_node", "hidden", "seq_len", "micro_batch_size"):
+        _flag_int("--" + flag.replace("_", "-"), getattr(args, flag))
+    for flag in ("micro_batches", "groups", "checkpoint_interval"):
+        _flag_int("--" + flag.replace("_", "-"), getattr(args, flag))
+    for flag in ("storage_budget_gb", "iteration_time", "pcie_gbps", "network_gbps", "num_params"):
+        _flag_float("--" + flag.replace("_", "-"), getattr(args, flag))
+
+    tp, pp = args.tp or 1, args.pp or 1
+    dp = args.dp
+    if dp is None and args.world_size is not None:
+        if args.world_size % (tp * pp):
+            raise ConfigError(f"--world-size={args.world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}")
+        dp = args.world_size // (tp * pp)
+    dp = dp or 1
+    if args.world_size is not None and args.world_size != tp * pp * dp:
+        raise ConfigError(f"--world-size={args.world_size} does not match tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+    layout = ParallelLayout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        gpus_per_node=args.gpus_per_node or swift.machines.gpus_per_node,
+        order=args.order or swift.machines.rank_order,
+    )
+
+    shape = None
+    if args.hidden is not None or args.seq_len is not None:
+        for flag, value in (("--hidden", args.hidden), ("--seq-len", args.seq_len)):
+            if value is None:
+                raise ConfigError(f"{flag} is needed with --hidden/--seq-len to size the pipeline messages")
+        mbs = args.micro_batch_size or _ds_int(ds, "train_micro_batch_size_per_gpu")
+        if mbs is None:
+            raise ConfigError(
+                "--micro-batch-size is needed (or train_micro_batch_size_per_gpu in the DeepSpeed config)"
+            )
+        m = args.micro_batches or _ds_int(ds, "gradient_accumulation_steps")
+        if m is None:
+            raise ConfigError("--micro-batches is needed (or gradient_accumulation_steps in the DeepSpeed config)")
+        num_params = None
+        if args.num_params is not None:
+            num_params = int(args.num_params)
+            if num_params != args.num_params:
+                raise ConfigError(f"--num-params={args.num_params} is invalid: a whole number of parameters")
+        shape = ModelShape(
+            hidden=args.hidden,
+            seq_len=args.seq_len,
+            micro_batch_size=mbs,
+            micro_batches=m,
+            dtype=args.dtype or _ds_dtype(ds),
+            num_params=num_params,
+        )
+    else:
+        for flag in ("micro_batch_size", "micro_batches", "dtype", "num_params"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --hidden and --seq-len (the model shape)")
+
+    groups, budget = args.groups, args.storage_budget_gb
+    if groups is None and budget is None:
+        groups, budget = swift.logging.groups, swift.logging.storage_budget_gb
+    stage_compute: list[float] | None = None
+    if args.stage_compute_s is not None:
+        try:
+            stage_compute = [float(x) for x in args.stage_compute_s.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"--stage-compute-s={args.stage_compute_s!r} is invalid: numbers separated by commas"
+            ) from None
+        if len(stage_compute) not in (1, pp):
+            raise ConfigError(f"--stage-compute-s has {len(stage_compute)} values: give 1 or one per stage (pp={pp})")
+    parallel = swift.parallel_recovery if args.parallel_recovery is None else args.parallel_recovery
+    return analyze(
+        layout,
+        shape,
+        strategy=args.strategy or swift.strategy,
+        groups=groups,
+        storage_budget_gb=budget,
+        iteration_time_s=args.iteration_time,
+        pcie_gbps=args.pcie_gbps,
+        checkpoint_interval=args.checkpoint_interval or swift.checkpoint.interval,
+        stage_compute_s=stage_compute[0] if stage_compute and len(stage_compute) == 1 else stage_compute,
+        network_gbps=args.network_gbps,
+        parallel_recovery=parallel,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        _print_tables(plan)
+    return 0
+
+
+def _ranges(values: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _gb(nbytes: int | float) -> str:
+    return f"{nbytes / GB:.2f} GB"
+
+
+def _print_tables(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+    lay, js = plan.layout, plan.to_json()
+    console.print(
+        f"[bold]ds-swift plan[/bold]: tp={lay.tp} pp={lay.pp} dp={lay.dp} (order {js['layout']['order']}), "
+        f"{lay.world_size} ranks on {lay.num_machines} machines of {lay.gpus_per_node}; strategy {plan.strategy}"
+    )
+
+    # One row per run of consecutive stages with the same strategy and logging group.
+    stages = Table(title="Stages")
+    for col in ("stages", "strategy", "machines", "group"):
+        stages.add_column(col)
+    rows: list[tuple[list[int], str, set[int], set[int]]] = []
+    for s in js["stages"]:
+        grp = {plan.group_of_machine(m) for m in s["machines"]}
+        key = (s["strategy"], sorted(grp))
+        if rows and (rows[-1][1], sorted(rows[-1][3])) == key and rows[-1][0][-1] == s["stage"] - 1:
+            rows[-1][0].append(s["stage"])
+            rows[-1][2].update(s["machines"])
+        else:
+            rows.append(([s["stage"]], s["strategy"], set(s["machines"]), grp))
+    for st, strategy, machines, grp in rows:
+        stages.add_row(_ranges(st), strategy, _ranges(sorted(machines)), _ranges(sorted(grp)))
+    console.print(stages)
+
+    if len(plan.groups) > 1 or plan.logged_edges:
+        groups = Table(title=f"Logging groups ({plan.grouping_method})")
+        for col in ("group", "machines", "logged in, per iteration", "logged out, per iteration"):
+            groups.add_column(col)
+        inbound = [0] * len(plan.groups)
+        outbound = [0] * len(plan.groups)
+        for e in plan.logged_edges:
+            inbound[plan.group_of_machine(plan.machine_of(e.dst_rank))] += e.bytes_per_iteration
+            outbound[plan.group_of_machine(plan.machine_of(e.src_rank))] += e.bytes_per_iteration
+        for i, g in enumerate(plan.groups):
+            groups.add_row(str(i), _ranges(g), _gb(inbound[i]), _gb(outbound[i]))
+        console.print(groups)
+
+    summary = Table(show_header=False, title="Summary")
+    summary.add_column("what")
+    summary.add_column("value")
+    if plan.shape is None:
+        summary.add_row("log bytes / iteration", "unknown (give --hidden, --seq-len, ...)")
+    else:
+        summary.add_row(
+            "log bytes / iteration", f"{_gb(plan.log_bytes_per_iteration)} ({plan.log_bytes_per_iteration} bytes)"
+        )
+        if plan.candidate_log_bytes_per_iteration != plan.log_bytes_per_iteration:
+            summary.add_row("would log if worth it", _gb(plan.candidate_log_bytes_per_iteration))
+        summary.add_row("max per sending GPU", _gb(js["max_sender_bytes_per_iteration"] or 0))
+    if plan.bubble_ratio is not None:
+        summary.add_row("bubble ratio (p-1)/(m+p-1)", f"{plan.bubble_ratio:.3f}")
+    verdict, reason = plan.worth_logging
+    summary.add_row("worth logging", f"{'yes' if verdict else 'no'}: {reason}")
+    summary.add_row(
+        "expected recovery per replayed iteration",
+        f"{plan.expected_recovery:.4g} {plan.recovery_units} ({plan.grouping_method} grouping, section 5.3 objective)",
+    )
+    for name, found in (("greedy grouping", plan.greedy), ("exact grouping", plan.exact)):
+        if found is not None:
+            summary.add_row(
+                name,
+                f"{len(found.groups)} groups, recovery {found.recovery_time:.4g}, "
+                f"logs per interval {_gb(found.storage)}, optimal {found.optimal}",
+            )
+    for note in plan.notes:
+        summary.add_row("note", note)
+    console.print(summary)
