@@ -73,6 +73,16 @@ def register(subparsers: Any) -> None:
         metavar="LIST",
         help="compute seconds per iteration: one number or one per stage, comma-separated",
     )
+    g = p.add_argument_group("recommendation (expected end-to-end time with failures, ds_swift.sim)")
+    g.add_argument(
+        "--recommend", action="store_true", help="propose strategy, groups and checkpoint interval for a failure rate"
+    )
+    g.add_argument("--mtbf-hours", type=float, metavar="H", help="mean time between failures of the whole job")
+    g.add_argument("--total-iterations", type=int, metavar="N", help="iterations of the whole job (default 100000)")
+    g.add_argument("--checkpoint-cost-s", type=float, metavar="C", help="seconds one global checkpoint stalls training")
+    g.add_argument("--restart-s", type=float, metavar="R", help="seconds to restart the job's processes (default 60)")
+    g.add_argument("--load-s", type=float, metavar="L", help="seconds to load a checkpoint (default 0)")
+    g.add_argument("--storage-gbps", type=float, metavar="G", help="global store bandwidth for log upload/download")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
 
@@ -196,11 +206,46 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
+    js = plan.to_json()
+    rec = _recommend(args, js) if args.recommend else None
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        if rec is not None:
+            js["recommendation"] = rec
+        print(json.dumps(js, indent=2))
     else:
         _print_tables(plan)
+        if rec is not None:
+            from ds_swift.sim.recommend import print_recommendation
+
+            print_recommendation(rec)
     return 0
+
+
+def _recommend(args: argparse.Namespace, plan_json: dict[str, Any]) -> dict[str, Any]:
+    missing = [
+        flag
+        for flag, v in (
+            ("--mtbf-hours", args.mtbf_hours),
+            ("--iteration-time", args.iteration_time),
+            ("--checkpoint-cost-s", args.checkpoint_cost_s),
+        )
+        if v is None
+    ]
+    if missing:
+        raise ConfigError(f"--recommend needs {', '.join(missing)} (the failure rate and the costs it trades off)")
+    from ds_swift.sim.recommend import recommend_for_plan
+
+    return recommend_for_plan(
+        plan_json,
+        _flag_float("--mtbf-hours", args.mtbf_hours) or 0.0,
+        _flag_float("--iteration-time", args.iteration_time) or 0.0,
+        _flag_int("--total-iterations", args.total_iterations) or 100_000,
+        args.checkpoint_cost_s,
+        args.restart_s if args.restart_s is not None else 60.0,
+        load_s=args.load_s or 0.0,
+        micro_batches=plan_json.get("micro_batches"),
+        storage_gbps=args.storage_gbps,
+    )
 
 
 def _ranges(values: list[int]) -> str:
