@@ -1,0 +1,431 @@
+"""Parallel recovery (SWIFT section 5.2): survivors replay a share of the lost micro-batches.
+
+The failed stages (a contiguous run of one pipeline replica, ``layout.stages``) are replayed by
+two sub-pipelines at once: the replacements (on their own engines) and as many survivors, the
+*helpers*, each hosting a copy of one failed stage. Sub-pipeline ``r`` takes micro-batches
+``r, r+2, ...`` of every iteration (the paper's Figure 7), reading its inbound activations and
+gradients from the log like a sequential replay; the two copies of a stage then combine their
+gradients before the optimizer step, which both apply, so they stay identical.
+
+- **exact** mode: every copy records the gradient each backward call adds to each parameter
+  (a tensor hook: the value AccumulateGrad adds), the copies swap them, and each sums them in the
+  original micro-batch and call order, left to right: the accumulation the sequential run did,
+  so the result is bitwise equal to :func:`~ds_swift.recovery.replay.replay`.
+- **fast** mode: each copy accumulates its own share, the copies swap the partial sums and add
+  them in sub-pipeline order (an all-reduce of two): a different association, so the gradients
+  differ in their last bits and Adam carries that on (tests/dist/test_replay_pipeline.py measures
+  the parameters after four iterations: at most 192 ulp from the sequential result).
+
+The helpers' copies are real DeepSpeed engines: :func:`build_copy_engine` builds, on every rank
+of the job (it creates process groups), the same ``PipelineModule`` with the same partition over a
+topology in which helpers and replacements swap their pipeline coordinates; a helper's copy is
+then an ordinary stage engine (same instruction handlers, same loss scaling, same optimizer). The
+helpers' own engines and their state are not touched: nothing to save and restore afterwards.
+
+Supported: ZeRO-0 fp32 pipelines without tied weights across the failed stages (the optimizer
+state must be whole on each rank to be copied), two sub-pipelines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ds_swift.data import BatchFn
+from ds_swift.recovery.replay import (
+    CollectiveRecord,
+    CollectiveRecorder,
+    ProgressFn,
+    ReplayStats,
+    ReplayUnsupported,
+    _unwrap,
+    replay,
+)
+from ds_swift.recovery.replication import capture_state, load_state, recv_state, send_state
+
+__all__ = [
+    "GradCapture",
+    "Mode",
+    "ParallelLayout",
+    "ParallelStats",
+    "assign_micro_batches",
+    "build_copy_engine",
+    "combine_exact",
+    "combine_fast",
+    "parallel_replay",
+    "transfer_state",
+]
+
+Mode = Literal["exact", "fast"]
+#: per parameter, the gradients the backward calls of one micro-batch added, in call order
+Contribution = list[list[torch.Tensor]]
+
+
+def assign_micro_batches(micro_batches: int, workers: int) -> tuple[tuple[int, ...], ...]:
+    """Round-robin shares: worker ``r`` replays micro-batches ``r, r + workers, ...``."""
+    if workers < 1 or micro_batches < 1:
+        raise ValueError(f"need at least one worker and one micro-batch (got {workers}, {micro_batches})")
+    return tuple(tuple(range(r, micro_batches, workers)) for r in range(workers))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Which ranks replay which copy of which failed stage.
+
+    Args:
+        stages: the failed stages of one pipeline replica, contiguous, in pipeline order.
+        replacements: ``replacements[j]`` hosts ``stages[j]`` now (sub-pipeline 0).
+        helpers: ``helpers[j]`` (a survivor) hosts a copy of ``stages[j]`` (sub-pipeline 1).
+        micro_batches: micro-batches per iteration (gradient accumulation steps).
+    """
+
+    stages: tuple[int, ...]
+    replacements: tuple[int, ...]
+    helpers: tuple[int, ...]
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.stages) == len(self.replacements) == len(self.helpers) > 0):
+            raise ValueError("stages, replacements and helpers must have one entry per failed stage")
+        if list(self.stages) != list(range(self.stages[0], self.stages[0] + len(self.stages))):
+            raise ValueError(f"the failed stages {list(self.stages)} must be contiguous and in order")
+        if set(self.replacements) & set(self.helpers) or len(set(self.replacements + self.helpers)) != 2 * len(
+            self.stages
+        ):
+            raise ValueError("replacements and helpers must be distinct ranks")
+        if self.micro_batches < 2:
+            raise ValueError("parallel recovery needs at least two micro-batches per iteration")
+
+    @property
+    def shares(self) -> tuple[tuple[int, ...], ...]:
+        return assign_micro_batches(self.micro_batches, 2)
+
+    def role(self, rank: int) -> tuple[int, int] | None:
+        """(sub-pipeline, index into ``stages``) of ``rank``, or None when it takes no part."""
+        for r, ranks in enumerate((self.replacements, self.helpers)):
+            if rank in ranks:
+                return r, ranks.index(rank)
+        return None
+
+    def sub_pipeline(self, r: int) -> frozenset[int]:
+        return frozenset((self.replacements, self.helpers)[r])
+
+    def peer(self, rank: int) -> int:
+        """The rank holding the other copy of ``rank``'s stage."""
+        role = self.role(rank)
+        if role is None:
+            raise ValueError(f"rank {rank} takes no part in parallel recovery")
+        r, j = role
+        return (self.helpers, self.replacements)[r][j]
+
+
+@dataclass
+class ParallelStats:
+    replay: ReplayStats
+    mode: str
+    share: tuple[int, ...]
+    exchange_bytes: int = 0
+    exchange_s: float = 0.0
+    per_iteration_exchange_s: list[float] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- combination (pure)
+def combine_exact(contributions: Mapping[int, Contribution], num_params: int) -> list[torch.Tensor | None]:
+    """Sum every micro-batch's per-call gradients in micro-batch then call order, as AccumulateGrad did.
+
+    ``contributions[m][i]`` lists what the backward calls of micro-batch ``m`` added to parameter
+    ``i``. The first one becomes the gradient, each later one is added to it in place: the same
+    floating-point additions, in the same order, as sequential accumulation.
+    """
+    grads: list[torch.Tensor | None] = [None] * num_params
+    for m in sorted(contributions):
+        per_param = contributions[m]
+        if len(per_param) != num_params:
+            raise ValueError(f"micro-batch {m} has contributions for {len(per_param)} parameters, not {num_params}")
+        for i, calls in enumerate(per_param):
+            for c in calls:
+                g = grads[i]
+                if g is None:
+                    grads[i] = c.clone()
+                else:
+                    g.add_(c)
+    return grads
+
+
+def combine_fast(partials: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Sum the sub-pipelines' accumulated gradients in sub-pipeline order (what an all-reduce of them gives)."""
+    out: list[torch.Tensor | None] = []
+    for per_param in zip(*partials):
+        acc: torch.Tensor | None = None
+        for g in per_param:
+            if g is not None:
+                acc = g.clone() if acc is None else acc + g
+        out.append(acc)
+    return out
+
+
+# ----------------------------------------------------------------------------- the copy engine
+def _swapped_topology(topo: Any, layout: ParallelLayout) -> Any:
+    """The engine's topology with helpers and replacements trading coordinates."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    swap = {**dict(zip(layout.replacements, layout.helpers)), **dict(zip(layout.helpers, layout.replacements))}
+    new = ProcessTopology(axes=list(topo.get_axis_names()), dims=[topo.get_dim(a) for a in topo.get_axis_names()])
+    new.mapping = {coord: swap.get(rank, rank) for coord, rank in topo.mapping.items()}
+    for j, stage in enumerate(layout.stages):
+        if new.get_coord(layout.helpers[j]).pipe != stage:
+            raise ValueError(f"rank {layout.replacements[j]} does not host stage {stage}: the layout does not fit")
+    return new
+
+
+@contextmanager
+def _pipeline_globals(grid: Any | None) -> Iterator[None]:
+    """DeepSpeed keeps the pipeline grid in module globals (p2p, groups.mpu): point them at ``grid``, then back."""
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    # p2p._groups stays None: p2p always uses send/recv on the world group here (torch >= 1.8).
+    saved = (p2p._grid, groups.mpu)
+    if grid is not None:
+        p2p._grid, groups.mpu = grid, grid
+    try:
+        yield
+    finally:
+        p2p._grid, groups.mpu = saved
+
+
+def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[str, Any] | None = None) -> Any | None:
+    """Build the helpers' copies of the failed stages. Every rank of the job calls it, in the same order.
+
+    It creates process groups (collective over the world), so survivors that do not help and the
+    replacements call it too and get None back (their throw-away engine is dropped). DeepSpeed's
+    pipeline globals are left pointing at ``engine``'s grid.
+
+    Args:
+        engine: this rank's DeepSpeed pipeline engine (its module's layer specs and partition are copied).
+        layout: who replays what.
+        ds_config: the DeepSpeed config dict the engine was built from (default: ``engine.config``).
+    """
+    import deepspeed
+    from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+
+    engine = _unwrap(engine)
+    module = engine.module
+    config = ds_config if ds_config is not None else engine.config
+    if not isinstance(config, Mapping):
+        raise ValueError("build_copy_engine needs the DeepSpeed config as a dict (ds_config=...)")
+    reasons = []
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        reasons.append("parallel recovery copies whole optimizer states: ZeRO-0 fp32 only")
+    if any(isinstance(s, TiedLayerSpec) for s in module._layer_specs):
+        reasons.append("tied layers are not supported by parallel recovery")
+    if reasons:
+        raise ReplayUnsupported("; ".join(reasons))
+    parts = list(module.parts)
+
+    class FixedPartition(PipelineModule):  # type: ignore[misc]
+        # The copy must hold exactly the layers the original stage holds.
+        def _partition_layers(self, method: str = "uniform") -> None:
+            self.parts = list(parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+    with _pipeline_globals(None):
+        copy_module = FixedPartition(
+            layers=module._layer_specs,
+            topology=_swapped_topology(engine.grid._topo, layout),
+            loss_fn=module.loss_fn,
+            seed_layers=module.seed_layers,
+            seed_fn=module.seed_fn,
+            base_seed=module.base_seed,
+            activation_checkpoint_interval=module.activation_checkpoint_interval,
+            activation_checkpoint_func=module.activation_checkpoint_func,
+            checkpointable_layers=module.checkpointable_layers,
+            dynamic_shape=module.dynamic_shape,
+        )
+        copy, *_ = deepspeed.initialize(
+            model=copy_module,
+            config=dict(config),
+            model_parameters=[p for p in copy_module.parameters() if p.requires_grad],
+        )
+    if int(engine.global_rank) not in layout.helpers:
+        return None
+    return copy
+
+
+def transfer_state(engine: Any, copy: Any | None, layout: ParallelLayout, iteration: int) -> int:
+    """Replacements send their (checkpoint-loaded) state to their helper; helpers load it into ``copy``.
+
+    Returns the bytes sent (replacements) or 0. Other ranks return at once.
+    """
+    rank = int(_unwrap(engine).global_rank)
+    role = layout.role(rank)
+    if role is None:
+        return 0
+    r, _ = role
+    if r == 0:
+        return send_state(capture_state(_unwrap(engine)), layout.peer(rank))
+    if copy is None:
+        raise ValueError(f"helper rank {rank} has no copy engine (build_copy_engine returned None?)")
+    load_state(copy, recv_state(layout.peer(rank)), iteration)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the replay
+class GradCapture:
+    """Records what every backward call adds to every parameter's gradient, per micro-batch.
+
+    A tensor hook on a leaf sees the gradient AccumulateGrad is about to add (after any hook
+    registered before it), once per backward call: exactly the addends of sequential accumulation.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.current: int | None = None
+        self.contribs: dict[int, Contribution] = {}
+        self.handles = [p.register_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.current is None:
+                raise RuntimeError("a parameter gradient outside a captured micro-batch")
+            # Cloned: AccumulateGrad may adopt this very tensor as .grad and add to it in place later.
+            self.contribs[self.current][i].append(grad.detach().clone())
+
+        return hook
+
+    @contextmanager
+    def micro_batch(self, m: int) -> Iterator[None]:
+        """Attribute the backward calls made inside the block to micro-batch ``m``."""
+        self.current = m
+        self.contribs.setdefault(m, [[] for _ in self.params])
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def take(self) -> dict[int, Contribution]:
+        out, self.contribs = self.contribs, {}
+        return out
+
+    def remove(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class _Combiner:
+    """Instruction hooks that tag backward passes with their micro-batch and combine before the step."""
+
+    def __init__(self, engine: Any, layout: ParallelLayout, rank: int, share: tuple[int, ...], mode: Mode) -> None:
+        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.layout, self.rank, self.share, self.mode = layout, rank, share, mode
+        self.peer = layout.peer(rank)
+        self.backwards = 0
+        self.capture = GradCapture(self.params) if mode == "exact" else None
+        self.exchange_bytes = 0
+        self.exchange_s: list[float] = []
+
+    def _backward(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        m = self.share[self.backwards]
+        self.backwards += 1
+        if self.capture is None:
+            return call_next(**kw)
+        with self.capture.micro_batch(m):
+            return call_next(**kw)
+
+    def _swap(self, mine: Any) -> Any:
+        # The lower rank sends first: two blocking gloo transfers in opposite directions never cross.
+        if self.rank < self.peer:
+            self.exchange_bytes += send_state(mine, self.peer)
+            return recv_state(self.peer)
+        theirs = recv_state(self.peer)
+        self.exchange_bytes += send_state(mine, self.peer)
+        return theirs
+
+    def _reduce(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        if self.capture is not None:
+            mine_c = self.capture.take()
+            theirs = {int(m): c for m, c in self._swap(mine_c).items()}
+            every = {**mine_c, **theirs}
+            if sorted(every) != list(range(self.layout.micro_batches)):
+                raise RuntimeError(
+                    f"exact combination got micro-batches {sorted(every)} of {self.layout.micro_batches}"
+                )
+            grads = combine_exact(every, len(self.params))
+        else:
+            mine = [p.grad for p in self.params]
+            theirs = self._swap(mine)
+            r = (self.layout.role(self.rank) or (0, 0))[0]
+            grads = combine_fast([mine, theirs] if r == 0 else [theirs, mine])
+        for p, g in zip(self.params, grads):
+            p.grad = None if g is None else g.to(p.device)
+        self.backwards = 0
+        self.exchange_s.append(time.perf_counter() - t0)
+        return call_next(**kw)
+
+    def hooks(self) -> dict[type, Callable[..., Any]]:
+        from ds_swift.patches.instructions import schedule
+
+        return {schedule.BackwardPass: self._backward, schedule.ReduceGrads: self._reduce}
+
+    def remove(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+
+def parallel_replay(
+    engine: Any,
+    copy: Any | None,
+    layout: ParallelLayout,
+    reader: Any,
+    start_iteration: int,
+    end_iteration: int,
+    batch_fn: BatchFn,
+    progress: ProgressFn | None = None,
+    *,
+    mode: Mode = "exact",
+    seed: int | None = None,
+    collectives: CollectiveRecorder | dict[tuple[int, int], CollectiveRecord] | None = None,
+    ahead: int | None = None,
+    log_timeout_s: float = 600.0,
+) -> ParallelStats | None:
+    """Replay ``start..end`` with the replacements and the helpers splitting each iteration's micro-batches.
+
+    Replacements call it with their engine (loaded from the checkpoint), helpers with their own
+    engine and the copy :func:`build_copy_engine` gave them (after :func:`transfer_state`); other
+    ranks return None at once. On return the replacements' engines, and the helpers' copies, have
+    stepped ``end_iteration``; the helpers' own engines were never touched.
+
+    Args: as :func:`ds_swift.recovery.replay.replay`, plus ``mode`` ("exact": bitwise equal to the
+        sequential replay; "fast": partial sums, not bitwise equal).
+    """
+    if mode not in ("exact", "fast"):
+        raise ValueError(f"mode must be 'exact' or 'fast', not {mode!r}")
+    rank = int(_unwrap(engine).global_rank)
+    role = layout.role(rank)
+    if role is None:
+        return None
+    r, _ = role
+    target = _unwrap(engine) if r == 0 else _unwrap(copy) if copy is not None else None
+    if target is None:
+        raise ValueError(f"helper rank {rank} needs its copy engine")
+    share = layout.shares[r]
+    combiner = _Combiner(target, layout, rank, share, mode)
+    try:
+        with _pipeline_globals(target.grid if r == 1 else None):
+            stats = replay(
+                target, reader, layout.sub_pipeline(r), start_iteration, end_iteration, batch_fn, progress,
+                seed=seed, collectives=collectives, ahead=ahead, log_timeout_s=log_timeout_s, share=share,
+                extra_hooks=combiner.hooks(),
+            )  # fmt: skip
+    finally:
+        combiner.remove()
+    return ParallelStats(
+        stats, mode, share, combiner.exchange_bytes, sum(combiner.exchange_s), list(combiner.exchange_s)
+    )
