@@ -1,0 +1,192 @@
+"""Joining the job's process group by generation, and the pipeline's rank layout.
+
+``ds_swift.init_distributed(ds_config)`` replaces ``deepspeed.init_distributed()``. Under
+``ds-swift-launch`` it connects to the job store, joins the worker's generation and initialises
+torch.distributed on that generation's store prefix; DeepSpeed then attaches to the existing
+process group. Every later generation (after a failure) is joined the same way, in-process, by
+:func:`join_generation`. Under the stock launcher it is plain ``deepspeed.init_distributed`` (no
+replacement machines; ds-swift says so once).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_swift.config import SwiftConfig, load_ds_config
+from ds_swift.membership import GenerationFailed, JobStore, WorkerEnv
+
+__all__ = [
+    "SwiftContext",
+    "current_context",
+    "init_distributed",
+    "join_generation",
+    "pipeline_topology",
+]
+
+#: How long a rank waits in a generation's rendezvous for the others (replacements included:
+#: a fresh process must start Python, import torch and DeepSpeed, on a busy machine).
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+
+_AXIS = {"tp": "model", "dp": "data", "pp": "pipe"}
+
+
+@dataclass
+class SwiftContext:
+    """What a worker process knows about its job between ``init_distributed`` and ``initialize``."""
+
+    cfg: SwiftConfig
+    op_timeout_s: float
+    env: WorkerEnv | None = None
+    store: JobStore | None = None
+    generation: int = 0
+    t_start: float = 0.0
+    """When this worker process started (a replacement's initialization begins there)."""
+    t_joined: float = 0.0
+    backend: str = "gloo"
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    patches: list[Any] = field(default_factory=list)
+
+    @property
+    def launched(self) -> bool:
+        """True under ds-swift-launch (a job store exists; replacements can join)."""
+        return self.store is not None
+
+    @property
+    def run_dir(self) -> str:
+        return self.env.run_dir if self.env is not None else self.cfg.run_dir
+
+
+# One per process: init_distributed runs before the engine exists, initialize() after it.
+_CONTEXT: SwiftContext | None = None
+
+
+def current_context() -> SwiftContext | None:
+    return _CONTEXT
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def op_timeout_from(cfg: SwiftConfig, environ: Mapping[str, str] | None = None) -> float:
+    """The per-op timeout: ``ds-swift-launch --op-timeout`` (SWIFT_OP_TIMEOUT_S) wins over the config."""
+    env = os.environ if environ is None else environ
+    value = env.get("SWIFT_OP_TIMEOUT_S")
+    return float(value) if value else float(cfg.watchdog.op_timeout_s)
+
+
+def join_generation(
+    store: JobStore,
+    generation: int,
+    rank: int,
+    world_size: int,
+    op_timeout_s: float,
+    join_timeout_s: float,
+    backend: str = "gloo",
+    log: Callable[[str], None] | None = None,
+) -> int:
+    """Join ``generation`` (or a later one if it fails first) and initialise torch.distributed on it.
+
+    Returns the generation joined. DeepSpeed is attached afterwards by the caller.
+    """
+    while True:
+        try:
+            prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
+        except GenerationFailed as exc:
+            if log:
+                log(f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}")
+            generation += 1
+            continue
+        dist.init_process_group(
+            backend,
+            store=prefix,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=op_timeout_s),
+        )
+        return generation
+
+
+def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SwiftContext | None:
+    """Use instead of ``deepspeed.init_distributed()``. Returns the context (None when swift is off)."""
+    global _CONTEXT
+    import deepspeed
+
+    cfg = SwiftConfig.from_ds_config(load_ds_config(ds_config)) if ds_config is not None else SwiftConfig()
+    backend = _backend()
+    if not cfg.enabled:
+        if WorkerEnv.present() and not dist.is_initialized():
+            # Under ds-swift-launch MASTER_ADDR:MASTER_PORT is the job store, which rank 0 must not
+            # try to host: rendezvous through it as a member of generation 0, without recovery.
+            env = WorkerEnv.from_env()
+            join_generation(JobStore.from_env(env), env.generation, env.rank, env.world_size,
+                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend)
+        deepspeed.init_distributed(dist_backend=backend)
+        return None
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    from ds_swift.patches.deepspeed_rebuild import patch_default_timeout
+
+    op_timeout_s = op_timeout_from(cfg)
+    ctx = SwiftContext(cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time())
+    ctx.patches.append(patch_default_timeout(op_timeout_s))
+    if not WorkerEnv.present():
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                "[ds-swift] not started by ds-swift-launch: there is no job store and no replacement machine, "
+                "so a failure ends the job as with DeepSpeed alone; start it with ds-swift-launch to recover in-process",
+                file=sys.stderr,
+                flush=True,
+            )
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=op_timeout_s))
+        ctx.t_joined = time.time()
+        _CONTEXT = ctx
+        return ctx
+    env = WorkerEnv.from_env()
+    ctx.env = env
+    ctx.store = JobStore.from_env(env)
+    ctx.generation = join_generation(
+        ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend
+    )
+    ctx.t_joined = time.time()
+    # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.
+    deepspeed.init_distributed(dist_backend=backend)
+    _CONTEXT = ctx
+    return ctx
+
+
+def _process_start_time() -> float:
+    """When this process started (psutil; to about a second: the kernel's boot time is whole seconds)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - psutil comes with DeepSpeed; without it, now is close enough
+        return time.time()
+
+
+def pipeline_topology(rank_order: str, pp: int, dp: int, tp: int = 1) -> Any:
+    """DeepSpeed ``ProcessTopology`` laying ranks out as megatron-core's ``rank_order`` says.
+
+    ``rank_order`` lists the fastest-varying axis first ("tp-dp-pp": tensor-parallel ranks
+    adjacent, then data-parallel replicas, pipeline stages outermost); DeepSpeed's topology lists
+    the slowest axis first, hence the reversal.
+    """
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    names = rank_order.split("-")
+    if sorted(names) != ["dp", "pp", "tp"]:
+        raise ValueError(f"rank_order {rank_order!r} is not a permutation of tp, dp, pp")
+    sizes = {"tp": tp, "dp": dp, "pp": pp}
+    axes = [_AXIS[n] for n in reversed(names)]
+    dims = [sizes[n] for n in reversed(names)]
+    return ProcessTopology(axes=axes, dims=dims)

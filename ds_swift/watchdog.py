@@ -1,0 +1,168 @@
+"""Failure detection inside a worker: a thread that polls the job's failure flag and heartbeats.
+
+The thread has its own store connection: the main thread may sit in a store call of its own
+(a rendezvous wait) and the watchdog must not queue behind it.
+
+What the watchdog does *not* do is unblock the main thread. Nothing in gloo can interrupt a
+pending op from another thread (shared/NOTES-deepspeed-cpu.md); a worker blocked on a peer is
+woken by that peer (poison message, or its process group being destroyed) or by the op
+timeout. The watchdog's job is to make the failure known: the ``failed`` event lets the main
+thread stop before its next iteration, and the recv check (patches/deepspeed_rebuild.py) reads
+it after every receive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ds_swift.membership import JobStore
+
+__all__ = ["FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "wait_failed_machine"]
+
+
+@dataclass(frozen=True)
+class FailureSeen:
+    """The watchdog's observation of a generation's failure."""
+
+    generation: int
+    reason: str
+    t_seen: float
+
+
+class Watchdog:
+    """Polls ``gen<g>/failed`` every ``poll_interval_s`` and writes this rank's heartbeat.
+
+    Args:
+        store_factory: opens a new connection to the job store (one per thread).
+        rank: this worker's rank.
+        generation: the generation it trains in (moved on by :meth:`set_generation`).
+        poll_interval_s: seconds between polls.
+        heartbeat_timeout_s: a watched peer whose heartbeat is older declares the generation failed.
+        watch_ranks: the peers whose heartbeats this worker checks (its pipeline and replica neighbours).
+    """
+
+    def __init__(
+        self,
+        store_factory: Callable[[], JobStore],
+        rank: int,
+        generation: int,
+        poll_interval_s: float,
+        heartbeat_timeout_s: float,
+        watch_ranks: Sequence[int] = (),
+    ) -> None:
+        self._store_factory = store_factory
+        self.rank = rank
+        self.poll_interval_s = poll_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._lock = threading.Lock()
+        self._generation = generation
+        self._gen_started = time.time()
+        self._watch = list(watch_ranks)
+        self._seen: FailureSeen | None = None
+        self.failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> Watchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ds-swift-watchdog-{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def set_generation(self, generation: int, watch_ranks: Sequence[int] = ()) -> None:
+        """Watch ``generation`` from now on (after a rebuild); clears the failed event."""
+        with self._lock:
+            self._generation = generation
+            self._gen_started = time.time()
+            self._watch = list(watch_ranks)
+            self._seen = None
+            self.failed.clear()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def seen(self) -> FailureSeen | None:
+        with self._lock:
+            return self._seen
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        store = self._store_factory()
+        while not self._stop.is_set():
+            try:
+                self.poll_once(store)
+            except Exception:  # noqa: BLE001 - the store may be unreachable for a moment; keep polling
+                pass
+            self._stop.wait(self.poll_interval_s)
+
+    def poll_once(self, store: JobStore) -> FailureSeen | None:
+        """One poll (public so tests can drive it without a thread)."""
+        now = time.time()
+        store.heartbeat(self.rank)
+        with self._lock:
+            g, started, watch = self._generation, self._gen_started, list(self._watch)
+            if self._seen is not None:
+                return self._seen
+        reason = store.failure(g)
+        if reason is None and now - started > self.heartbeat_timeout_s:
+            reason = self._stale_peer(store, now, watch, g)
+        if reason is None:
+            return None
+        seen = FailureSeen(g, reason, time.time())
+        with self._lock:
+            if self._generation != g:
+                return None  # the main thread moved on while we polled
+            self._seen = seen
+        self.failed.set()
+        return seen
+
+    def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:
+        for peer in watch:
+            beat = store.last_heartbeat(peer)
+            if beat is not None and now - beat > self.heartbeat_timeout_s:
+                reason = f"rank {peer}: no heartbeat for {now - beat:.1f} s (seen by rank {self.rank})"
+                declare_failure(store, g, reason)
+                return store.failure(g) or reason
+        return None
+
+
+def declare_failure(store: JobStore, generation: int, reason: str) -> bool:
+    """``store.declare_failure`` plus repair: if the first declarer died between its store writes
+    (it may be a rank of the failing machine), the flag or the generation bump could be missing,
+    and replacements would then be started into the failed generation. Idempotent."""
+    first = store.declare_failure(generation, reason)
+    if not first:
+        if store.failure(generation) is None:
+            store.set(f"gen{generation}/failed", reason)
+        ensure_generation_moved(store, generation)
+    return first
+
+
+def ensure_generation_moved(store: JobStore, generation: int) -> None:
+    """Move the job's generation past a failed one (only from ``generation``: never backwards)."""
+    store.kv.compare_set("generation", str(generation), str(generation + 1))
+
+
+def wait_failed_machine(store: JobStore, generation: int, timeout_s: float) -> int | None:
+    """The machine whose failure ended ``generation``, as its node agent records it (None if no
+    agent says so within ``timeout_s``: a failure declared by a worker, with nobody dead)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        machine = store.get(f"gen{generation}/failed_machine")
+        if machine is not None:
+            return int(machine)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)

@@ -1,0 +1,176 @@
+"""DeepSpeed/torch internals that an in-process rebuild of the pipeline engine must touch.
+
+Measured on DeepSpeed 0.19.8 + torch 2.13 (shared/NOTES-deepspeed-cpu.md):
+
+- ``dist.new_group(ranks)`` (DeepSpeed's grid, its data-parallel and pipe groups) takes no
+  timeout and falls back to ``distributed_c10d.default_pg_timeout`` (30 min on gloo), read at
+  call time. A survivor blocked on a living peer in such a group would wait 30 minutes;
+  :func:`patch_default_timeout` makes every group use the watchdog's op timeout.
+- ``deepspeed.runtime.pipe.p2p`` keeps ``_grid``/``_groups``/``_async`` as module globals that
+  outlive an engine; :func:`reset_pipeline_globals` clears them so a rebuilt engine does not talk
+  through the dead generation's grid.
+- A 1-element "poison" send satisfies a peer's pending ``recv`` of any size without an error;
+  :func:`patch_recv_check` makes every pipeline ``p2p.recv`` call a check afterwards, so a rank
+  woken by poison raises instead of computing on a half-written buffer.
+- Gloo's ``abort()`` leaves the sockets open (peers blocked on us keep waiting until our process
+  exits); ``destroy_process_group()`` with every reference dropped closes them, and peers raise
+  "Connection closed by peer" at once. So :func:`teardown_process_groups` destroys, never aborts.
+- "Every reference" includes the user's: a training script keeps its ``model`` (the
+  ``PipelineModule``, whose ``world_group`` and ``_grid`` hold groups) and maybe the engine.
+  Measured: a survivor whose pending op's peer kept its groups alive that way waited the full op
+  timeout (15 s) in its own teardown. :func:`release_process_groups` cuts those references out of
+  the old engine, its module, grid and optimizer wrapper, whoever else still holds them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import p2p
+
+from ds_swift.patches._base import PatchError, PatchHandle, check_version
+
+__all__ = [
+    "release_process_groups",
+    "patch_default_timeout",
+    "patch_recv_check",
+    "reset_pipeline_globals",
+    "teardown_process_groups",
+]
+
+_DS_RANGE = ("0.19.0", "0.20.0")
+_TORCH_RANGE = ("2.4", "2.14")
+
+
+def _check_versions() -> None:
+    check_version("deepspeed", deepspeed.__version__, *_DS_RANGE)
+    check_version("torch", torch.__version__.split("+")[0], *_TORCH_RANGE)
+
+
+def patch_default_timeout(timeout_s: float) -> PatchHandle:
+    """Make process groups created without an explicit timeout use ``timeout_s``.
+
+    Args:
+        timeout_s: seconds; the longest a collective or p2p op may block on a living peer.
+    """
+    _check_versions()
+    c10d = dist.distributed_c10d
+    if getattr(c10d, "_ds_swift_timeout_patched", False):
+        raise PatchError("the default process-group timeout is already patched by ds-swift")
+    original = c10d.default_pg_timeout
+    c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
+    c10d._ds_swift_timeout_patched = True  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        c10d.default_pg_timeout = original
+        del c10d._ds_swift_timeout_patched  # type: ignore[attr-defined]
+
+    return PatchHandle("default_pg_timeout", restore)
+
+
+def patch_recv_check(check: Callable[[], None]) -> PatchHandle:
+    """Call ``check()`` after every ``deepspeed.runtime.pipe.p2p.recv`` returns.
+
+    ``check`` raises when the generation failed: the buffer may then hold a poison message.
+    The pipeline engine calls ``p2p.recv`` through the module attribute, so replacing it there
+    covers activations, gradients and the tensor-meta handshake of the first batch.
+    """
+    _check_versions()
+    original = p2p.recv
+    if getattr(original, "_ds_swift_recv_check", False):
+        raise PatchError("p2p.recv is already wrapped by ds-swift")
+
+    def recv(tensor: torch.Tensor, src_stage: int, async_op: bool = False) -> Any:
+        result = original(tensor, src_stage, async_op=async_op)
+        check()
+        return result
+
+    recv._ds_swift_recv_check = True  # type: ignore[attr-defined]
+    recv.__wrapped__ = original  # type: ignore[attr-defined]
+    p2p.recv = recv
+
+    def restore() -> None:
+        if p2p.recv is not recv:
+            raise PatchError("p2p.recv was re-patched by someone else after ds-swift; cannot restore it")
+        p2p.recv = original
+
+    return PatchHandle("p2p.recv check", restore)
+
+
+def reset_pipeline_globals() -> None:
+    """Forget the pipeline p2p module's grid and pending ops (they belong to a dead generation)."""
+    _check_versions()
+    p2p._grid = None
+    p2p._groups = None
+    p2p._async = []
+
+
+def release_process_groups(*roots: Any, max_depth: int = 3) -> int:
+    """Set every process-group reference held by ``roots`` (and the DeepSpeed objects they hold,
+    to ``max_depth``) to None; returns how many were cut. The objects are unusable afterwards.
+
+    Only attributes are touched, never a module's parameters, buffers or submodules.
+    """
+    seen: set[int] = set()
+    count = 0
+
+    def is_group(v: Any) -> bool:
+        return isinstance(v, dist.ProcessGroup)
+
+    skip = ("_parameters", "_buffers", "_modules")
+
+    def cut(container: dict[Any, Any], top: bool) -> None:
+        nonlocal count
+        for key, value in list(container.items()):
+            if top and key in skip:
+                continue
+            if is_group(value):
+                container[key] = None
+                count += 1
+            elif isinstance(value, list | tuple) and value and all(is_group(x) for x in value):
+                container[key] = None
+                count += 1
+            elif isinstance(value, dict):
+                cut(value, False)  # e.g. PipelineModule.tied_comms: {key: {"group": ..., ...}}
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > max_depth:
+            return
+        seen.add(id(obj))
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return
+        cut(attrs, True)
+        for key, value in list(attrs.items()):
+            # Only per-engine objects (engine, module, grid, optimizer wrappers): never process-wide
+            # singletons such as deepspeed.comm's backend, which the next generation uses.
+            if key not in skip and type(value).__module__.startswith("deepspeed.runtime"):
+                visit(value, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return count
+
+
+def teardown_process_groups() -> None:
+    """Destroy every process group of this generation so peers blocked on us fail fast.
+
+    The caller must have dropped its references to the engine (and to any exception traceback
+    that holds its frames) first: a process group still referenced is not freed and keeps its
+    sockets open, and peers blocked on it then wait for the op timeout.
+    """
+    import deepspeed.comm as dscomm
+
+    _check_versions()
+    if dscomm.is_initialized():
+        dscomm.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    reset_pipeline_globals()
+    gc.collect()

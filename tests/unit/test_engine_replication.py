@@ -1,0 +1,160 @@
+"""State transfer (ds_swift.recovery.replication) and what a survivor keeps (coordinator.KeptState)."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_swift.recovery.coordinator import KeptState, detach_undo
+from ds_swift.recovery.replication import flatten, recv_state, send_state, unflatten
+
+
+class Wire:
+    """In-process stand-in for dist.send/recv: a FIFO of tensor copies."""
+
+    def __init__(self) -> None:
+        self.q: collections.deque[torch.Tensor] = collections.deque()
+        self.sends = 0
+
+    def send(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.q.append(t.clone())
+        self.sends += 1
+
+    def recv(self, t: torch.Tensor, src: int, group: Any = None) -> None:
+        t.copy_(self.q.popleft())
+
+
+def state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "module": collections.OrderedDict(w=torch.randn(3, 4, generator=g), b=torch.randn(4, generator=g)),
+        "optimizer": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4, generator=g)}},
+                      "param_groups": [{"lr": 1e-3, "params": [0, 1], "betas": (0.9, 0.95)}]},
+        "lr_scheduler": None,
+        "counters": {"global_steps": 7},
+        "rng": {"torch": torch.get_rng_state()},
+        "ids": torch.arange(5, dtype=torch.long),
+    }
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_send_recv_round_trip_is_bitwise() -> None:
+    wire = Wire()
+    s = state()
+    sent = send_state(s, dst=1, send=wire.send)
+    got = recv_state(src=0, recv=wire.recv)
+    assert_same(s, got)
+    assert not wire.q
+    # length + skeleton + one flat buffer per dtype (float32, uint8 RNG state, long): few large sends.
+    assert wire.sends == 2 + 3
+    assert sent > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bfloat16]),
+                          st.lists(st.integers(0, 4), max_size=3)), max_size=6))
+def test_flatten_round_trip(specs: list[tuple[torch.dtype, list[int]]]) -> None:
+    obj = {"t": [torch.zeros(shape, dtype=dtype) + i for i, (dtype, shape) in enumerate(specs)], "x": (1, "a")}
+    skeleton, tensors = flatten(obj)
+    assert len(tensors) == len(specs)
+    assert_same(unflatten(skeleton, tensors), obj)
+    wire = Wire()
+    send_state(obj, 1, send=wire.send)
+    assert_same(recv_state(0, recv=wire.recv), obj)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1, momentum=0.9)
+        self.lr_scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1)
+        self.global_steps = 8
+
+
+class FakeUndo:
+    """What detach_undo needs of ds_swift.undo.EngineUndoHandle (its private parts included)."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.optimizer = self  # the InvertibleOptimizer
+        self.last_stepped_iteration = 7
+        self.can_undo = True
+        self.undone = 0
+        self._deferred = [lambda: None]
+        self.patch_removed = False
+        outer = self
+
+        class Patch:
+            def remove(self) -> None:
+                outer.patch_removed = True
+
+        self._patch = Patch()
+
+    def undo(self) -> None:
+        self.undone += 1
+
+
+def test_kept_state_keeps_references_and_undoes_once() -> None:
+    engine = FakeEngine()
+    handle = FakeUndo(engine)
+    kept = KeptState.capture(engine, handle)
+    assert handle.patch_removed and handle.engine is None and handle._deferred == []
+    assert kept.last_stepped == 7 and kept.can_undo
+    w = engine.module.weight
+    assert kept.module["weight"].data_ptr() == w.data_ptr()  # no copy
+    kept.undo_to(7)
+    assert handle.undone == 0  # already at the consensus
+    kept.undo_to(6)
+    assert handle.undone == 1 and kept.last_stepped == 6 and not kept.can_undo
+    with pytest.raises(RuntimeError):
+        kept.undo_to(5)
+
+
+def test_kept_state_without_undo_counts_global_steps() -> None:
+    kept = KeptState.capture(FakeEngine(), None)
+    assert kept.last_stepped == 7 and not kept.can_undo
+    assert set(kept.state()) == {"module", "optimizer", "lr_scheduler", "rng"}
+
+
+def test_detach_prefers_a_public_detach() -> None:
+    class WithDetach:
+        def detach(self) -> str:
+            return "inv"
+
+    assert detach_undo(WithDetach()) == "inv"
+
+
+def test_a_step_that_failed_before_touching_parameters_does_not_count() -> None:
+    """DeepSpeed all-reduces the clipping norm inside the step: a peer dying there leaves the
+    undo handle with a failed, empty record for iteration 8 while only 0..7 were applied."""
+    engine = FakeEngine()  # global_steps 8: iterations 0..7 stepped
+    handle = FakeUndo(engine)
+    handle.last_stepped_iteration = 8
+
+    class Record:
+        iteration, complete, prev_iteration = 8, False, 7
+        groups: list[Any] = []
+
+    handle.last_record = Record()  # type: ignore[attr-defined]
+    kept = KeptState.capture(engine, handle)
+    assert kept.last_stepped == 7
+    assert not kept.can_undo  # the record left describes the empty step, not iteration 7's

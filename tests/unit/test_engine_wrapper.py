@@ -1,0 +1,187 @@
+"""SwiftPipelineEngine plumbing without processes: initialize, passthrough, error triage,
+the watchdog, and the DeepSpeed rebuild patches."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch.distributed as dist
+from deepspeed.runtime.pipe import p2p
+
+from ds_swift.engine import PeerFailure, SwiftPipelineEngine, _is_comm_error, initialize
+from ds_swift.membership import JobStore
+from ds_swift.patches._base import PatchError
+from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv_check, reset_pipeline_globals
+from ds_swift.watchdog import Watchdog
+
+
+class Engine:
+    global_steps = 3
+
+    def train_batch(self) -> str:
+        return "loss"
+
+
+def test_disabled_returns_the_engine_untouched() -> None:
+    e = Engine()
+    assert initialize(e, {"swift": {"enabled": False}}) is e
+    assert initialize(e, {}) is e
+
+
+def test_enabled_needs_model_fn_and_batch_fn() -> None:
+    cfg = {"swift": {"enabled": True}}
+    with pytest.raises(ValueError, match="model_fn"):
+        initialize(Engine(), cfg, batch_fn=lambda i, m: None)
+    with pytest.raises(ValueError, match="batch_fn"):
+        initialize(Engine(), cfg, model_fn=lambda: None)
+    with pytest.raises(ValueError, match="config"):
+        initialize(Engine(), None)
+
+
+def test_attributes_pass_through_to_the_engine() -> None:
+    inner = Engine()
+    w = object.__new__(SwiftPipelineEngine)
+    object.__setattr__(w, "_engine", inner)
+    assert w.global_steps == 3
+    w.global_steps = 9  # a user setting an engine attribute sets it on the engine
+    assert inner.global_steps == 9
+    assert w.engine is inner
+    with pytest.raises(AttributeError):
+        _ = w.no_such_attribute
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
+        (RuntimeError("Read error: Connection reset by peer"), True),
+        (dist.DistBackendError("Timed out waiting 15000ms for recv operation to complete"), True),
+        (PeerFailure("generation 0 failed"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (ValueError("Connection closed"), False),
+    ],
+)
+def test_comm_errors_are_told_from_bugs(exc: BaseException, expected: bool) -> None:
+    assert _is_comm_error(exc) is expected
+
+
+@pytest.fixture
+def store() -> JobStore:
+    return JobStore.host("unit-watchdog")
+
+
+def test_watchdog_sees_the_failure_flag(store: JobStore) -> None:
+    client = JobStore.connect("127.0.0.1", store.port, "unit-watchdog")
+    wd = Watchdog(lambda: client, rank=1, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0)
+    assert wd.poll_once(client) is None and not wd.failed.is_set()
+    assert client.last_heartbeat(1) is not None
+    store.declare_failure(0, "machine 1: rank 3 killed")
+    seen = wd.poll_once(client)
+    assert seen is not None and seen.reason == "machine 1: rank 3 killed" and wd.failed.is_set()
+    wd.set_generation(1)
+    assert not wd.failed.is_set() and wd.poll_once(client) is None
+
+
+def test_watchdog_declares_a_stale_peer(store: JobStore) -> None:
+    client = JobStore.connect("127.0.0.1", store.port, "unit-watchdog")
+    client.kv.set("hb/2", repr(time.time() - 60.0))
+    wd = Watchdog(lambda: client, rank=1, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=0.05,
+                  watch_ranks=[2])
+    time.sleep(0.06)  # the generation must be older than the timeout before peers are judged
+    seen = wd.poll_once(client)
+    assert seen is not None and "rank 2: no heartbeat" in seen.reason
+    assert store.failure(0) is not None and store.generation() == 1
+
+
+def test_watchdog_thread_starts_and_stops(store: JobStore) -> None:
+    wd = Watchdog(lambda: JobStore.connect("127.0.0.1", store.port, "unit-watchdog"), rank=0, generation=0,
+                  poll_interval_s=0.01, heartbeat_timeout_s=5.0).start()
+    try:
+        store.declare_failure(0, "x")
+        assert wd.failed.wait(timeout=5.0)
+    finally:
+        wd.stop()
+
+
+def test_default_timeout_patch_is_reversible() -> None:
+    c10d = dist.distributed_c10d
+    before = c10d.default_pg_timeout
+    with patch_default_timeout(7.0):
+        assert c10d.default_pg_timeout == datetime.timedelta(seconds=7)
+        with pytest.raises(PatchError):
+            patch_default_timeout(8.0)
+    assert c10d.default_pg_timeout == before
+
+
+def test_recv_check_runs_after_every_recv(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(p2p, "recv", lambda tensor, src_stage, async_op=False: calls.append("recv"))
+    original = p2p.recv
+
+    def check() -> None:
+        calls.append("check")
+        raise PeerFailure("poisoned")
+
+    handle = patch_recv_check(check)
+    try:
+        with pytest.raises(PatchError):
+            patch_recv_check(check)
+        with pytest.raises(PeerFailure):
+            p2p.recv(None, 0)
+        assert calls == ["recv", "check"]
+    finally:
+        handle.remove()
+    assert p2p.recv is original
+
+
+def test_reset_pipeline_globals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p2p, "_grid", object())
+    monkeypatch.setattr(p2p, "_async", [object()])
+    reset_pipeline_globals()
+    assert p2p._grid is None and p2p._groups is None and p2p._async == []
+
+
+
+def test_declare_repairs_a_half_written_failure(store: JobStore) -> None:
+    """The first declarer (a rank of the failing machine) was killed after counting itself in but
+    before writing the flag and moving the generation: the next declarer completes the record."""
+    from ds_swift.watchdog import declare_failure
+
+    store.kv.add("gen0/failed_n", 1)
+    assert store.failure(0) is None and store.generation() == 0
+    assert declare_failure(store, 0, "rank 1: connection closed") is False
+    assert store.failure(0) == "rank 1: connection closed"
+    assert store.generation() == 1
+    assert declare_failure(store, 0, "late") is False  # idempotent: no second bump, reason kept
+    assert store.failure(0) == "rank 1: connection closed" and store.generation() == 1
+
+
+def test_release_process_groups_cuts_only_group_references() -> None:
+    """On a real (single-rank) gloo group: groups in attributes, lists and nested dicts are cut;
+    parameters, plain values and objects outside deepspeed.runtime are left alone."""
+    import torch
+
+    from ds_swift.patches.deepspeed_rebuild import release_process_groups
+    from ds_swift.testing.procs import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        module = torch.nn.Linear(2, 2)
+        module.world_group = group  # type: ignore[assignment]
+        module.tied_comms = {"emb": {"group": group, "ranks": [0]}}  # type: ignore[assignment]
+
+        class Holder:
+            pass
+
+        holder = Holder()
+        holder.groups = [group, group]  # type: ignore[attr-defined]
+        holder.name = "kept"  # type: ignore[attr-defined]
+        assert release_process_groups(module, holder) == 3
+        assert module.world_group is None and module.tied_comms == {"emb": {"group": None, "ranks": [0]}}
+        assert holder.groups is None and holder.name == "kept"  # type: ignore[attr-defined]
+        assert isinstance(module.weight, torch.nn.Parameter)
+    finally:
+        dist.destroy_process_group()
