@@ -200,12 +200,18 @@ class JobStore:
         return None
 
     def declare_failure(self, generation: int, reason: str) -> bool:
-        """Mark ``generation`` failed and open the next one. True for the first declarer only."""
+        """Mark ``generation`` failed and open the next one. True for the first declarer only.
+
+        Idempotent and self-repairing: the first declarer may be a rank of the machine that is
+        dying, killed between its store writes; then the flag or the generation bump is missing
+        and replacements would start into the failed generation. Every later declarer completes
+        whatever the first left undone.
+        """
         first = int(self.kv.add(f"gen{generation}/failed_n", 1)) == 1
-        if first:
+        if first or self.failure(generation) is None:
             self.kv.set(f"gen{generation}/failed", reason)
-            # Only move forward: a late declarer of an older generation must not roll it back.
-            self.kv.compare_set("generation", str(generation), str(generation + 1))
+        # Only move forward: a late declarer of an older generation must not roll it back.
+        self.kv.compare_set("generation", str(generation), str(generation + 1))
         return first
 
     def join(

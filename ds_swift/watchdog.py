@@ -139,15 +139,9 @@ class Watchdog:
 
 
 def declare_failure(store: JobStore, generation: int, reason: str) -> bool:
-    """``store.declare_failure`` plus repair: if the first declarer died between its store writes
-    (it may be a rank of the failing machine), the flag or the generation bump could be missing,
-    and replacements would then be started into the failed generation. Idempotent."""
-    first = store.declare_failure(generation, reason)
-    if not first:
-        if store.failure(generation) is None:
-            store.set(f"gen{generation}/failed", reason)
-        ensure_generation_moved(store, generation)
-    return first
+    """Declare ``generation`` failed (see :meth:`JobStore.declare_failure`, which also repairs a
+    declaration whose first writer died half-way)."""
+    return store.declare_failure(generation, reason)
 
 
 def ensure_generation_moved(store: JobStore, generation: int) -> None:

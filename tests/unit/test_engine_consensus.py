@@ -136,3 +136,18 @@ def test_plan_invariants(reports: list[RankReport]) -> None:
 def test_an_optimizer_wrapper_forces_the_checkpoint() -> None:
     plan = plan_recovery(pp2_dp2({0: 6, 1: 6}), optimizer="BF16_Optimizer")
     assert plan.strategy == "checkpoint" and "BF16_Optimizer" in plan.reason
+
+
+def test_a_later_declarer_completes_a_declaration_whose_writer_died() -> None:
+    from ds_swift.membership import JobStore
+
+    store = JobStore.host("tok-repair")
+    # the first declarer got its counter in, then died before writing the flag and the bump
+    store.kv.add("gen0/failed_n", 1)
+    assert store.failure(0) is None and store.generation() == 0
+    assert store.declare_failure(0, "machine 1 died") is False  # not first...
+    assert store.failure(0) == "machine 1 died"  # ...but the flag is there now
+    assert store.generation() == 1
+    # repeating it changes nothing, and never moves the generation backwards
+    store.declare_failure(0, "again")
+    assert store.failure(0) == "machine 1 died" and store.generation() == 1
