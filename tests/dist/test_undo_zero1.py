@@ -1,0 +1,223 @@
+"""Update-undo on a 2-rank gloo DeepSpeedEngine (data parallel 2).
+
+Variants, each trained 4 iterations of 2 micro-batches, once plain and once with
+``attach_to_engine``: the wrapped run must be bit-identical, and undoing iteration 3 must
+bring parameters, fp32 master partitions, optimizer state, engine counters and the LR
+scheduler back to their state after iteration 2.
+
+* zero1_adamw: ZeRO-1 fp32, AdamW, WarmupLR, gradient clipping (the clip coefficient is
+  recorded; the clipped flat fp32 gradient partition is kept past DeepSpeed's step);
+* zero1_bf16_sgd: ZeRO-1 bf16 (fp32 master partitions refreshed into bf16 by an all-gather),
+  SGD with momentum and weight decay, undone with refresh=False then refresh_params();
+* zero0_adagrad: ZeRO-0 fp32 (the engine's optimizer is torch's; DeepSpeed's zero_grad after
+  the step is deferred to the next backward);
+* zero0_detach: the recovery runtime's path, ``handle.detach()`` then
+  ``InvertibleOptimizer.undo()`` with the engine gone;
+* ZeRO-2 is refused at attach time, with the strategy to use instead;
+* zero1_fp16: ZeRO-1 fp16 with dynamic loss scaling, Adam: a normal step undone, and an
+  overflowing step (DeepSpeed skips it; the loss scaler reacts) undone: only the loss scaler
+  and the counters change back. DeepSpeed's CPU accelerator claims no fp16 on CPUs without
+  AVX512-FP16; torch computes fp16 on the CPU regardless, so the worker says it is supported.
+
+This file is also the worker: ``python test_undo_zero1.py OUT_DIR`` per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+WORLD = 2
+ITERATIONS = 4
+GAS = 2
+MICRO = 4
+
+
+def worker(out: Path) -> None:
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from test_undo_common import exercise, exercise_detach, exercise_overflow, write
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def config(zero: int, bf16: bool = False, clip: float = 0.0, optimizer: dict | None = None) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": GAS,
+            "zero_optimization": {"stage": zero},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": clip,
+            "steps_per_print": 10**9,
+        }
+        if optimizer is not None:
+            cfg["optimizer"] = optimizer
+        if bf16:
+            cfg["bf16"] = {"enabled": True}
+        return cfg
+
+    def run_iteration(dtype: torch.dtype) -> Any:
+        def run(engine: Any, it: int, overflow: bool = False) -> None:
+            for mb in range(GAS):
+                g = torch.Generator().manual_seed(1000 * it + 10 * mb + rank)
+                x = torch.randn(MICRO, 16, generator=g).to(dtype)
+                y = torch.sin(x[:, :4])
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                if overflow:
+                    loss = loss * float("inf")
+                engine.backward(loss)
+                engine.step()
+
+        return run
+
+    def partial_backward(engine: Any, it: int) -> None:
+        x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(it))
+        x = x.to(next(engine.module.parameters()).dtype)
+        engine.backward(engine(x).float().pow(2).mean())
+
+    results: dict[str, Any] = {}
+
+    def adamw() -> Any:
+        m = model()
+        cfg = config(
+            1,
+            clip=0.05,
+            optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        )
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+
+    results["zero1_adamw"] = exercise(adamw, run_iteration(torch.float32), ITERATIONS, partial_backward=partial_backward)
+
+    def bf16_sgd() -> Any:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        return deepspeed.initialize(model=m, optimizer=opt, config=config(1, bf16=True))[0]
+
+    results["zero1_bf16_sgd"] = exercise(bf16_sgd, run_iteration(torch.bfloat16), ITERATIONS, refresh=False)
+
+    def adagrad() -> Any:
+        m = model()
+        opt = torch.optim.Adagrad(m.parameters(), lr=0.05)
+        return deepspeed.initialize(model=m, optimizer=opt, config=config(0))[0]
+
+    results["zero0_adagrad"] = exercise(adagrad, run_iteration(torch.float32), ITERATIONS, partial_backward=partial_backward)
+
+    def adamw_zero0() -> Any:
+        m = model()
+        cfg = config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+
+    results["zero0_detach"] = exercise_detach(adamw_zero0, run_iteration(torch.float32))
+
+    def fp16_adam() -> Any:
+        m = model()
+        cfg = config(1, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}})
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+
+    results["zero1_fp16"] = exercise(fp16_adam, run_iteration(torch.float16), ITERATIONS)
+
+    from ds_swift.undo import NotInvertibleError, attach_to_engine
+
+    m = model()
+    zero2 = deepspeed.initialize(
+        model=m,
+        model_parameters=m.parameters(),
+        config=config(2, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}),
+    )[0]
+    try:
+        attach_to_engine(zero2)
+        results["zero2_refused"] = ""
+    except NotInvertibleError as e:
+        results["zero2_refused"] = str(e)
+    results["zero2_untouched"] = "_take_model_step" not in vars(zero2)
+    results["zero1_fp16_overflow"] = exercise_overflow(fp16_adam, run_iteration(torch.float16))
+    write(out, rank, results)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+
+    out = tmp_path_factory.mktemp("undo_zero1")
+    port = free_port()
+    with ProcessSet(out / "proc-logs") as procs:
+        for rank in range(WORLD):
+            env = worker_env(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(WORLD),
+                    "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1",
+                }
+            )
+            procs.spawn_python(f"rank{rank}", [__file__, str(out)], env=env)
+        codes = procs.wait_all(240)
+        assert codes == {f"rank{r}": 0 for r in range(WORLD)}, procs.logs_tail()
+    return {r: json.loads((out / f"undo_rank{r}.json").read_text()) for r in range(WORLD)}
+
+
+@pytest.mark.parametrize("variant", ["zero1_adamw", "zero1_bf16_sgd", "zero0_adagrad", "zero1_fp16"])
+def test_step_undo_restores_pre_step_state(zero_run: dict[int, dict[str, Any]], variant: str) -> None:
+    from test_undo_common import check
+
+    for rank in range(WORLD):
+        check(zero_run[rank], variant, iterations=ITERATIONS)
+
+
+def test_fp16_overflow_step_undo_restores_loss_scaler(zero_run: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        r = zero_run[rank]["zero1_fp16_overflow"]
+        assert r["skipped"] and r["iteration"] == 2 and r["loss_scale"] == 256.0, r
+        assert r["scaler_changed_by_overflow"] and r["skipped_steps_post"] == 1, r
+        assert r["scaler_restored"] and r["counters_ok"] and r["last_stepped_after"] == 1, r
+        assert r["params_untouched"] and r["masters_untouched"], r
+
+
+def test_undo_refused_once_next_backward_began(zero_run: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        for variant in ("zero1_adamw", "zero0_adagrad"):
+            assert "released" in zero_run[rank][variant]["released_error"], variant
+
+
+def test_detach_then_undo_without_engine(zero_run: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        r = zero_run[rank]["zero0_detach"]
+        assert r["engine_restored"] and r["iteration"] == 1 and r["ulp"] <= 2.0 and r["sched_ok"], r
+
+
+def test_zero2_refused_with_strategy_hint(zero_run: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        msg = zero_run[rank]["zero2_refused"]
+        assert "ZeRO stage 2" in msg and "checkpoint" in msg, msg
+        assert zero_run[rank]["zero2_untouched"]
+
+
+def test_clip_coefficient_recorded(zero_run: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        coef = zero_run[rank]["zero1_adamw"]["record"]["clip_coef"]
+        assert coef is not None and 0 < coef < 1, coef  # clipping was active at max norm 0.05
+        assert zero_run[rank]["zero0_adagrad"]["record"]["clip_coef"] is None
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    worker(Path(sys.argv[1]))

@@ -1,0 +1,192 @@
+"""Shared fixtures for the update-undo tests: optimizer factories and error measures."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_swift.undo import InvertibleOptimizer, Lamb
+from ds_swift.undo.numerics import elementwise_rel_error, ulp_error
+
+SHAPES = [(37,), (8, 5), (3,)]
+
+
+@dataclass
+class Case:
+    family: str
+    kwargs: dict[str, Any]
+    dtype: torch.dtype
+    steps: int
+    seed: int
+    grad_scale: float = 0.1
+
+    def make(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        cls: Callable[..., torch.optim.Optimizer] = {
+            "sgd": torch.optim.SGD,
+            "adam": torch.optim.Adam,
+            "adamw": torch.optim.AdamW,
+            "adagrad": torch.optim.Adagrad,
+            "rmsprop": torch.optim.RMSprop,
+            "lamb": Lamb,
+        }[self.family]
+        return cls(params, **self.kwargs)
+
+
+def make_params(case: Case) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(case.seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(case.dtype)) for s in SHAPES]
+
+
+def grads_for(case: Case, step: int) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(case.seed * 1000 + step + 1)
+    out: list[torch.Tensor | None] = []
+    for i, s in enumerate(SHAPES):
+        if i == len(SHAPES) - 1 and step % 2 == 1:
+            out.append(None)  # a parameter without a gradient in some steps: not touched
+        else:
+            out.append((torch.randn(s, generator=g) * case.grad_scale).to(case.dtype))
+    return out
+
+
+def set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    for p, gr in zip(params, grads, strict=True):
+        p.grad = None if gr is None else gr.clone()
+
+
+def state_copy(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            if p in opt.state:
+                out[i] = copy.deepcopy(dict(opt.state[p]))
+    return out
+
+
+def ill_conditioned(case: Case, opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """Elements where the forward itself is (nearly) not injective: Adagrad/RMSprop with L2
+    weight decay where lr*wd is close to the denominator sqrt(accumulator) (the Jacobian of
+    the step, parameter and accumulator together, is 1 - lr*wd/denominator). Computed from
+    the post-step state, as the undo sees it."""
+    k = case.kwargs
+    wd = float(k.get("weight_decay", 0.0))
+    none = torch.zeros(p.shape, dtype=torch.bool)
+    if wd == 0 or p not in opt.state:
+        return none
+    st = opt.state[p]
+    if case.family == "adagrad":
+        t = float(st["step"])
+        clr = k.get("lr", 1e-2) / (1 + (t - 1) * k.get("lr_decay", 0.0))
+        denom = st["sum"].double().sqrt() + k.get("eps", 1e-10)
+        return (1 - clr * wd / denom).abs() < 0.25
+    if case.family == "rmsprop" and not k.get("momentum", 0.0):
+        q = st["square_avg"].double()
+        if k.get("centered"):
+            q = q - st["grad_avg"].double() ** 2
+        denom = q.clamp_min(0).sqrt() + k.get("eps", 1e-8)
+        return (1 - k.get("lr", 1e-2) * wd / denom).abs() < 0.25
+    return none
+
+
+def tolerance(case: Case, kind: str) -> float:
+    """2 ulp, except for state that the inverse divides by a small decay factor, and where
+    torch itself overwrote g_t.
+
+    A buffer undone as b0 = (b1 - c*g')/beta carries b1's rounding (and that of g', which
+    depends on the recovered x0) times 1/beta: for beta < 0.8 (SGD/RMSprop momentum 0.5, Adam
+    beta1 0.5) the bound is 0.5 + 2.5/beta ulp. torch's foreach SGD with nesterov (no weight
+    decay, no maximize) adds mu*b into .grad in place, so g_t is recovered from the rounded
+    sum: the same bound applies to its momentum buffer for every mu.
+    """
+    k = case.kwargs
+    mutated = (
+        case.family == "sgd"
+        and k.get("nesterov", False)
+        and k.get("foreach", False)
+        and k.get("weight_decay", 0.0) == 0
+        and not k.get("maximize", False)
+    )
+    decay = None
+    if kind == "momentum_buffer":
+        decay = float(k["momentum"])
+    elif kind == "exp_avg" and "betas" in k:
+        decay = float(k["betas"][0])
+    if decay is not None and (decay < 0.8 or (mutated and kind == "momentum_buffer")):
+        return 0.5 + 2.5 / decay
+    return 2.0
+
+
+@dataclass
+class Outcome:
+    """Per tensor: (kind, ulp error vs max(|pre|, |post|), elementwise relative errors,
+    excluded count, ulp error vs |pre| only)."""
+
+    rows: list[tuple[str, float, torch.Tensor, int, float]]
+
+
+def run_case(case: Case, refine: bool = True, check_bitwise: bool = True) -> Outcome:
+    """Train ``steps`` steps wrapped (and unwrapped alongside, comparing bit for bit), undo
+    the last one, and measure every parameter and state tensor against its pre-step copy."""
+    params = make_params(case)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = case.make(params)
+    ref = case.make(twin)
+    wrapped = InvertibleOptimizer(opt, refine=refine)
+    before_p: list[torch.Tensor] = []
+    before_s: dict[int, dict[str, Any]] = {}
+    for step in range(case.steps):
+        grads = grads_for(case, step)
+        if step == case.steps - 1:
+            before_p = [p.detach().clone() for p in params]
+            before_s = state_copy(opt)
+        set_grads(params, grads)
+        set_grads(twin, grads)
+        wrapped.step()
+        ref.step()
+        if check_bitwise:
+            for a, b in zip(params, twin, strict=True):
+                assert torch.equal(a.detach(), b.detach()), f"wrapped step differs from unwrapped at step {step}"
+            for sa, sb in zip(state_copy(opt).values(), state_copy(ref).values(), strict=True):
+                for key, va in sa.items():
+                    vb = sb[key]
+                    same = torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
+                    assert same, f"state {key} differs from unwrapped at step {step}"
+    masks = [ill_conditioned(case, opt, p) for p in params]
+    post_p = [p.detach().clone() for p in params]
+    post_s = state_copy(opt)
+    wrapped.undo()
+    rows: list[tuple[str, float, torch.Tensor, int, float]] = []
+    after_s = state_copy(opt)
+    assert after_s.keys() == before_s.keys(), "state entries differ after undo"
+    for i, (param, pre) in enumerate(zip(params, before_p, strict=True)):
+        keep = ~masks[i]
+        pa = param.detach()
+        rows.append(
+            (
+                "param",
+                ulp_error(pa[keep], pre[keep], post_p[i][keep]),
+                elementwise_rel_error(pa, pre)[keep],
+                int((~keep).sum()),
+                ulp_error(pa[keep], pre[keep]),
+            )
+        )
+        for key, vb in before_s.get(i, {}).items():
+            va = after_s[i][key]
+            if not isinstance(vb, torch.Tensor) or vb.dim() == 0:
+                assert float(va) == float(vb), f"{key} not restored: {va} != {vb}"
+                continue
+            vp = post_s[i][key]
+            rows.append(
+                (
+                    key,
+                    ulp_error(va[keep], vb[keep], vp[keep]),
+                    elementwise_rel_error(va, vb)[keep],
+                    int((~keep).sum()),
+                    ulp_error(va[keep], vb[keep]),
+                )
+            )
+        assert set(after_s.get(i, {})) == set(before_s.get(i, {}))
+    return Outcome(rows)
