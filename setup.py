@@ -13,6 +13,7 @@ setup(
         "ds_swift.msglog",
         "ds_swift.recovery",
         "ds_swift.sim",
+        "ds_swift.models",
         "ds_swift.testing",
         "ds_swift.launch",
         "ds_swift.patches",

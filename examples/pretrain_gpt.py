@@ -1,101 +1,53 @@
-"""Pretrain a small GPT on DeepSpeed's pipeline engine, protected by ds-swift.
+"""Pretrain a small GPT with a Megatron 3D plan on DeepSpeed's pipeline engine, protected by ds-swift.
 
     ds-swift-launch --nnodes 2 --nproc-per-node 2 --spares 1 \\
         examples/pretrain_gpt.py --deepspeed_config configs/gpt_tiny_pp2_dp2.json --train-iters 15 --save DIR
 
-Pipeline stages come from the DeepSpeed config's ``"pipeline": {"stages": K}``, micro-batch size
-and gradient accumulation from its usual keys, the rank layout from ``swift.machines.rank_order``.
-Data is synthetic and keyed by (iteration, micro-batch), so a recovered rank reads exactly the
-samples it would have read.
+Megatron's flags set the plan (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+``--micro-batch-size``, ``--global-batch-size``); a flag left out comes from the DeepSpeed config
+(``"pipeline": {"stages": K}``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``).
+megatron-core's ``parallel_state`` builds the groups in ``swift.machines.rank_order``; the recovery
+planner reads the plan back from it. Data is the standard library's docstrings as bytes
+(``--data corpus``) or a synthetic sequence (``--data synthetic``), keyed by (iteration,
+micro-batch), so a recovered rank reads exactly the samples it would have read. ``--loss-log FILE``
+appends one JSON line per iteration (iteration, loss) from the last stage's rank of replica 0;
+iterations count from 0 there, as in ``ds-swift-launch --inject`` and the recovery timeline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
+import time
+import warnings
+from typing import Any
 
 import deepspeed
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, PipelineModule
+import torch.distributed as dist
 
 import ds_swift
+import ds_swift.megatron
+from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import micro_batches
-from ds_swift.distributed import init_distributed, pipeline_topology
-from ds_swift.engine import initialize
-
-
-class Embedding(nn.Module):
-    def __init__(self, vocab: int, seq: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(seq, hidden)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.tok(tokens) + self.pos(pos)[None])
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block: causal self-attention, then an MLP."""
-
-    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, 4 * hidden)
-        self.out = nn.Linear(4 * hidden, hidden)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(h // self.heads)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        att = self.drop(att.masked_fill(mask, float("-inf")).softmax(-1))
-        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, s, h)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
-
-
-class Head(nn.Module):
-    def __init__(self, hidden: int, vocab: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(hidden)
-        self.lm = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm(self.ln(x))
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def synthetic_batch(seed: int, iteration: int, micro_batch: int, mbs: int, seq: int, vocab: int) -> tuple:
-    """Learnable synthetic text: mostly t[i+1] = (3 t[i] + 1) mod vocab, with 10% random tokens."""
-    g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro_batch) % (1 << 62))
-    tokens = torch.empty(mbs, seq + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab, (mbs,), generator=g)
-    noise = torch.rand(mbs, seq, generator=g) < 0.1
-    rand = torch.randint(vocab, (mbs, seq), generator=g)
-    for i in range(seq):
-        tokens[:, i + 1] = torch.where(noise[:, i], rand[:, i], (3 * tokens[:, i] + 1) % vocab)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+from ds_swift.distributed import pipeline_topology
+from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, PlanError, gpt_batch_fn, gpt_pipeline, resolve_training_plan
+from ds_swift.topology import layout_from_deepspeed_topology, layout_from_parallel_state
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="default: pipeline.stages of --deepspeed_config, else 1")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="default: train_micro_batch_size_per_gpu of --deepspeed_config")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch x gradient_accumulation_steps of --deepspeed_config x dp")
     p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--lr", type=float, default=None, help="overrides the config's optimizer lr")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save", default=None, help="write a final DeepSpeed checkpoint here")
     p.add_argument("--load", default=None, help="start from the latest DeepSpeed checkpoint here")
@@ -103,48 +55,122 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=32)
-    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: 256 (bytes) for corpus, 128 for synthetic")
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=None, help="overrides the config's optimizer lr")
+    p.add_argument("--data", choices=DATA_SOURCES, default="corpus")
+    p.add_argument("--loss-log", default=None, metavar="FILE", help="append {iteration, loss} JSON lines here")
+    p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
+    ds_swift.megatron.add_arguments(p)  # --swift, --swift-config
     return p.parse_args(argv)
+
+
+def setup(args: argparse.Namespace) -> tuple[dict[str, Any], Any, GPTConfig]:
+    """Config, plan and model shape from the flags; raises PlanError/ConfigError/ValueError naming the flag."""
+    config = load_ds_config(args.deepspeed_config)
+    if args.swift or args.swift_config:
+        config["swift"] = ds_swift.megatron.swift_section(args, config)
+    if args.lr is not None:
+        config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+    plan = resolve_training_plan(
+        config,
+        int(os.environ.get("WORLD_SIZE", "1")),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+    )
+    plan.apply(config)
+    if plan.tp > 1:
+        # DeepSpeed would split activations between TP ranks with an all-gather on receipt; each
+        # TP rank holding the whole (replicated) activation keeps the p2p messages independent.
+        config["pipeline"].setdefault("pipe_partitioned", False)
+        config["pipeline"].setdefault("grad_partitioned", False)
+    vocab = args.vocab_size if args.vocab_size is not None else (256 if args.data == "corpus" else 128)
+    shape = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, vocab,
+                      args.dropout, tensor_parallel=plan.tp)
+    if args.train_iters < 1:
+        raise PlanError(f"--train-iters {args.train_iters} is invalid: a positive integer")
+    return config, plan, shape
+
+
+def import_parallel_state() -> Any:
+    """megatron-core's parallel_state (importing megatron.core takes seconds: do it before joining
+    the job, where it counts as process start-up, not as a rebuild everyone waits for)."""
+    # Megatron warns on import, once per module, that Transformer Engine and Apex are missing: on
+    # CPU they always are, and its local fallbacks are what we want.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def init_model_parallel(parallel_state: Any, tp: int, pp: int, rank_order: str, op_timeout_s: float) -> None:
+    """Build megatron-core's groups on the process group in force (after a recovery, a new one)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()  # the last generation's groups: dead
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        order=rank_order,
+        # megatron's default is 30 minutes: a rank blocked in a TP collective on a living peer
+        # must give up as soon as any other op would.
+        distributed_timeout_minutes=op_timeout_s / 60.0,  # type: ignore[arg-type]
+        # gloo is the default backend here already: megatron's gloo copies would double the groups.
+        create_gloo_process_groups=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with open(args.deepspeed_config) as f:
-        config = json.load(f)
-    if args.lr is not None:
-        config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
-    cfg = ds_swift.SwiftConfig.from_ds_config(config)
-    init_distributed(config)
-    world = torch.distributed.get_world_size()
-    pp = int(config.get("pipeline", {}).get("stages", 1))
-    if world % pp:
-        raise SystemExit(f"world size {world} is not a multiple of pipeline.stages={pp}")
-    topology = pipeline_topology(cfg.machines.rank_order, pp=pp, dp=world // pp)
-    mbs = int(config["train_micro_batch_size_per_gpu"])
+    try:
+        config, plan, shape = setup(args)
+    except (PlanError, ConfigError, ValueError) as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        return 2
+    cfg = SwiftConfig.from_ds_config(config)
+    # Start-up work before joining the job: a replacement's start-up is waited for either way, but
+    # what it does after joining counts as the rebuild of every rank.
+    parallel_state = import_parallel_state()
+    batch_fn = gpt_batch_fn(args.data, args.seed, plan.micro_batch_size, shape)
+    ds_swift.init_distributed(config)
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.machines.gpus_per_node)
+    op_timeout_s = float(os.environ.get("SWIFT_OP_TIMEOUT_S") or cfg.watchdog.op_timeout_s)
 
-    def model_fn() -> PipelineModule:
-        torch.manual_seed(args.seed)  # same initial weights in every process, every rebuild
-        layers = [LayerSpec(Embedding, args.vocab_size, args.seq_length, args.hidden_size, args.dropout)]
-        layers += [LayerSpec(Block, args.hidden_size, args.num_attention_heads, args.dropout) for _ in range(args.num_layers)]
-        layers += [LayerSpec(Head, args.hidden_size, args.vocab_size)]
-        return PipelineModule(layers=layers, topology=topology, loss_fn=lm_loss, partition_method="uniform")
+    def model_fn() -> Any:
+        # Called at start-up and by ds-swift's rebuild after a failure, on a new process group
+        # each time: megatron's groups are made again, in the same order on survivors (in their
+        # rebuild) and replacements (here, at start-up).
+        init_model_parallel(parallel_state, plan.tp, plan.pp, cfg.machines.rank_order, op_timeout_s)
+        layout = layout_from_parallel_state(gpus_per_node)  # the plan as megatron-core built it
+        topology = pipeline_topology(layout.order, pp=layout.pp, dp=layout.dp, tp=layout.tp)
+        if layout_from_deepspeed_topology(topology, gpus_per_node) != layout:
+            raise RuntimeError(f"DeepSpeed's topology disagrees with megatron-core's groups ({layout})")
+        model = gpt_pipeline(shape, topology, args.seed)
+        if plan.tp == 1:
+            # No layer uses megatron's groups: drop them, since a process group still referenced
+            # at a failure keeps its sockets open and peers blocked on it wait for the op timeout.
+            parallel_state.destroy_model_parallel()
+        layouts[:] = [layout]
+        return model
 
-    def batch_fn(iteration: int, micro_batch: int) -> tuple:
-        return synthetic_batch(args.seed, iteration, micro_batch, mbs, args.seq_length, args.vocab_size)
-
+    layouts: list[Any] = []
     model = model_fn()
+    if dist.get_rank() == 0:
+        layout = layouts[0]
+        print(f"plan: tp={layout.tp} pp={layout.pp} dp={layout.dp} order {layout.order} on "
+              f"{layout.num_machines} machine(s) of {gpus_per_node}; micro-batch {plan.micro_batch_size} x "
+              f"{plan.gradient_accumulation_steps} accumulation = global batch {plan.global_batch_size}; "
+              f"data {args.data}", flush=True)
     engine, *_ = deepspeed.initialize(
         model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
     )
+    del model  # the engine holds it; a reference here would outlive a failure's teardown
     if args.load:
         engine.load_checkpoint(args.load)
-    swift_engine = initialize(engine, config, model_fn=model_fn, batch_fn=batch_fn, seed=args.seed)
+    swift_engine = ds_swift.initialize(engine, config, model_fn=model_fn, batch_fn=batch_fn, seed=args.seed)
     protected = swift_engine is not engine  # false with "swift": {"enabled": false}: plain DeepSpeed
     engine = swift_engine
-    loss = None
     while engine.global_steps < args.train_iters:
         if protected:
             loss = engine.train_batch()  # ds-swift reads batch_fn by position itself
@@ -152,8 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             data = micro_batches(batch_fn, engine.global_steps, engine.grid.get_data_parallel_id(),
                                  engine.gradient_accumulation_steps())
             loss = engine.train_batch(data_iter=data)
-        if engine.global_rank == 0 and (engine.global_steps % 5 == 0 or engine.global_steps == args.train_iters):
-            print(f"iteration {engine.global_steps}/{args.train_iters} loss {float(loss):.4f}", flush=True)
+        step = int(engine.global_steps)
+        if args.loss_log and engine.is_last_stage() and engine.grid.get_data_parallel_id() == 0 \
+                and engine.grid.get_slice_parallel_rank() == 0:
+            # 0-based, as --inject and the recovery timeline count: the iteration that made this loss
+            record = {"iteration": step - 1, "loss": float(loss), "time": time.time(), "rank": dist.get_rank(),
+                      "generation": int(getattr(engine, "generation", 0))}
+            with open(args.loss_log, "a") as f:  # reopened per line: a killed rank leaves whole lines
+                f.write(json.dumps(record) + "\n")
+        if engine.global_rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):
+            print(f"iteration {step}/{args.train_iters} loss {float(loss):.4f}", flush=True)
     if args.save:
         engine.save_checkpoint(os.path.abspath(args.save))
     if hasattr(engine, "close"):
