@@ -88,7 +88,9 @@ class GpuMonitor:
 
     def poll(self) -> GpuHealth:
         """Health now: the ECC check plus any critical Xid seen since the last poll."""
-        health = check_gpus(self.indices, self.nv) if self.nv is not None else check_gpus(nvml=None)
+        if self.nv is None:
+            return GpuHealth(healthy=True, checked=False, reason="NVML not available")
+        health = check_gpus(self.indices, self.nv)
         if self._events is not None and self.nv is not None:
             while True:
                 try:

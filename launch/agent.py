@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ds_swift.membership import JobStore, WorkerEnv
 from ds_swift.testing.faults import FaultSpec, format_specs
@@ -27,6 +28,9 @@ from ds_swift.testing.faults import FaultSpec, format_specs
 from .args import Command, LaunchArgs
 from .control import EventLog, JobControl
 from .spawn import Worker, describe_exit, spawn_worker
+
+#: seconds between GPU health polls (NVML queries are cheap, but not free on 8 GPUs)
+GPU_POLL_S = 2.0
 
 __all__ = ["AgentState", "JobSpec", "MachineAgent"]
 
@@ -95,6 +99,7 @@ class MachineAgent:
         store: JobStore,
         events: EventLog,
         spawn: Callable[..., Worker] = spawn_worker,
+        gpu_monitor: Any | None = None,
     ) -> None:
         self.node = node
         self.job = job
@@ -109,6 +114,10 @@ class MachineAgent:
         self._restart_at = 0.0
         self._failed_generation = 0  # the generation whose timeline the next replacement completes
         self._scan_from = 1  # next replacement request a spare looks at
+        # A GPU with uncorrectable ECC errors or a critical Xid computes wrong numbers or hangs:
+        # as good as a dead machine. Without NVML (CPU machines) the monitor reports healthy.
+        self._gpu = gpu_monitor
+        self._gpu_next = 0.0
 
     @property
     def name(self) -> str:
@@ -209,8 +218,28 @@ class MachineAgent:
             failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers],
         )
 
+    def _gpu_problem(self) -> str | None:
+        if time.monotonic() < self._gpu_next:
+            return None
+        self._gpu_next = time.monotonic() + GPU_POLL_S
+        if self._gpu is None:
+            from ds_swift.gpu_health import GpuMonitor
+
+            self._gpu = GpuMonitor(indices=list(range(self.job.nproc_per_node)))
+        health = self._gpu.poll()
+        return None if health.healthy else "; ".join(health.problems)
+
     def _check_workers(self) -> None:
         if not self.workers:
+            return
+        problem = self._gpu_problem()
+        if problem is not None:
+            t_detected = time.time()
+            for w in self.workers:
+                w.signal_group(signal.SIGKILL)
+            self._dying.extend(self.workers)
+            victim, self.workers = self.workers[0], []
+            self._machine_failed(victim, -signal.SIGKILL, t_detected, why=f"failing GPU ({problem})")
             return
         codes = [(w, w.poll()) for w in self.workers]
         failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]
@@ -241,10 +270,11 @@ class MachineAgent:
             return g - 1, False
         return g, self.store.declare_failure(g, reason)
 
-    def _machine_failed(self, worker: Worker, returncode: int, t_detected: float) -> None:
+    def _machine_failed(self, worker: Worker, returncode: int, t_detected: float, why: str | None = None) -> None:
         machine = self.machine
         assert machine is not None
-        reason = f"machine {machine}: rank {worker.rank} {describe_exit(returncode)} at {_clock(t_detected)}"
+        what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
+        reason = f"machine {machine}: {what} at {_clock(t_detected)}"
         failed_generation, declared = self._declare(reason)
         t_declared = time.time()
         self.control.record_failure_timeline(failed_generation, machine, t_detected, t_declared)

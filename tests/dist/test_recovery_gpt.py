@@ -245,13 +245,18 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
 
 
 def test_pipeline_only_job_falls_back_to_the_checkpoint(tmp_path: Path, warm_deepspeed: None) -> None:
-    """pp 4 on 2 machines: a lost stage has no replica, so every rank reloads global_step8 (K=8,
-    killed at K + K/2) and trains iterations 8..11 again; the result equals a failure-free run."""
-    reference = run_job(tmp_path / "reference", PP4, [])
+    """pp 4 on 2 machines with strategy "checkpoint": every rank reloads global_step8 (K=8,
+    killed at K + K/2) and trains iterations 8..11 again; the result equals a failure-free run.
+    (With the config's own strategy, logging, the same kill is recovered by replay:
+    tests/dist/test_recovery_logging.py.)"""
+    forced = {"strategy": "checkpoint"}
+    reference = run_job(tmp_path / "reference", PP4, [], swift=forced)
     assert reference.code == 0, reference.output[-6000:]
-    job = run_job(tmp_path / "killed", PP4, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"])
+    job = run_job(
+        tmp_path / "killed", PP4, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"], swift=forced
+    )
     (tl,) = assert_ok(job, recoveries=1)
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8
-    assert "logging" in tl["reason"]  # the config asks for logging, which is a later issue: said loudly
+    assert 'forces strategy "checkpoint"' in tl["reason"]  # said loudly, with the reason
     assert "checkpoint fallback" in job.output
     assert max_ulp(final_tensors(reference.save_dir), final_tensors(job.save_dir)) == 0

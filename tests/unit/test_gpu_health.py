@@ -58,3 +58,43 @@ def test_critical_xid_fails_and_benign_xid_does_not() -> None:
     assert GpuMonitor(nvml=FakeNvml([0], xids=[13])).poll().healthy  # 13: graphics engine exception (app bug)
     h = GpuMonitor(nvml=FakeNvml([0], xids=[13, 79])).poll()
     assert not h.healthy and "Xid 79" in h.problems[0]
+
+
+def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
+    """The node agent polls its GPU monitor; an unhealthy GPU kills the machine's ranks and
+    declares the failure with the GPU's problem as the reason."""
+    from ds_swift.gpu_health import GpuHealth
+    from ds_swift.launch import agent as agent_mod
+    from ds_swift.launch.agent import MachineAgent
+    from ds_swift.membership import JobStore
+
+    class SickGpu:
+        def poll(self) -> GpuHealth:
+            return GpuHealth(healthy=False, checked=True, problems=["GPU 1: 3 uncorrectable ECC error(s) since boot"])
+
+    class FakeWorker:
+        def __init__(self, rank: int) -> None:
+            self.rank, self.pid, self.killed = rank, 1000 + rank, False
+
+        def poll(self) -> int | None:
+            return -9 if self.killed else None
+
+        def signal_group(self, sig: int) -> None:
+            self.killed = True
+
+    class Job:
+        num_machines, nproc_per_node, num_spares, max_failures, restart_delay_s = 2, 2, 0, 3, None
+        inject: tuple[object, ...] = ()
+
+    events: list[str] = []
+    store = JobStore.host("tok-gpu")
+    a = MachineAgent(1, Job(), store, lambda msg, **kw: events.append(msg), gpu_monitor=SickGpu())  # type: ignore[arg-type]
+    a.workers = [FakeWorker(2), FakeWorker(3)]  # type: ignore[list-item]
+    a.control.record_failure = lambda: 1  # type: ignore[method-assign]
+    given_up: list[str] = []
+    a._give_up = given_up.append  # type: ignore[method-assign]
+    agent_mod.GPU_POLL_S = 2.0
+    a.tick()
+    assert a.workers == [] and all(w.killed for w in a._dying)
+    assert "failing GPU (GPU 1: 3 uncorrectable ECC" in (store.failure(0) or "")
+    assert given_up and "failing GPU" in given_up[0]  # no spare, no restart: the job gives up, saying why
