@@ -1,26 +1,36 @@
-"""Time to recover from a machine failure: replication vs a global-checkpoint restart of the same job.
+"""Time to recover from a machine failure: replication and logging vs a global-checkpoint restart.
 
-Both variants run the same job (``examples/pretrain_gpt.py``, ``configs/gpt_tiny_pp2_dp2.json``:
-pp 2 x dp 2 on 2 simulated machines, each stage's replica on the other machine) under
-``ds-swift-launch`` with one spare, a global checkpoint every K iterations, and machine 1 killed
-at iteration K + K/2 (backward pass):
+Every variant runs ``examples/pretrain_gpt.py`` under ``ds-swift-launch`` on 2 simulated machines of
+2 ranks with one spare, a global checkpoint every K iterations, and machine 1 killed at iteration
+K + K/2 (backward pass):
 
-- ``replication``: the survivors keep their state; the replacement gets it from the surviving
-  replicas (ds-swift's plan for this layout);
-- ``checkpoint``: the same job with ``strategy: checkpoint``: every rank reloads the last global
-  checkpoint (iteration K) and trains the K/2 lost iterations again. Survivors do this in their
-  running processes; a restart that also relaunched every survivor would only add to this time.
+- ``replication`` (``configs/gpt_tiny_pp2_dp2.json``, pp 2 x dp 2, each stage's replica on the
+  other machine): the survivors keep their state; the replacement gets it from the surviving
+  replicas;
+- ``checkpoint``: the same pp 2 x dp 2 job with ``strategy: checkpoint``: every rank reloads the
+  last global checkpoint (iteration K) and trains the K/2 lost iterations again;
+- ``logging`` (``configs/gpt_tiny_pp4.json``, pp 4, stages 2 and 3 on machine 1, no replica): the
+  survivors keep their state; the replacements load the last global checkpoint and replay the
+  K/2 lost iterations of their stages from the message log (SWIFT section 5.1);
+- ``logging_parallel``: the same with ``parallel_recovery`` (exact mode): machine 0's survivors
+  host a copy of the lost stages and replay half of every iteration's micro-batches (section 5.2);
+- ``checkpoint_pp4``: the same pp 4 job with ``strategy: checkpoint`` (the restart the logging
+  variants are compared with). Survivors reload in their running processes; a restart that also
+  relaunched every survivor would only add to the checkpoint variants' times.
 
-The variants alternate (replication, checkpoint, replication, ...) in one process tree, so load
-from other jobs on the machine hits both alike. Each run's recovery timeline (written by the job
-into its run directory) gives the paper's three durations: initialization (first detection ->
-replacements joined, groups re-formed), recovery (-> every rank back at the pre-failure
-iteration), total (kill -> back). ``replication_vs_checkpoint`` is the ratio of the median
-totals, replication / checkpoint (0.5 = back in half the time); ``..._recovery`` the same for
-the recovery part alone (the initialization, mostly the replacement's process start, is common).
+The variants alternate (one of each per round) in one process tree, so load from other jobs on the
+machine hits all alike. Each run's recovery timeline (written by the job into its run directory)
+gives the paper's three durations: initialization (first detection -> replacements joined, groups
+re-formed), recovery (-> every rank back at the pre-failure iteration), total (kill -> back).
+``replication_vs_checkpoint`` is the ratio of the median totals, replication / checkpoint (0.5 =
+back in half the time); ``logging_vs_checkpoint`` and ``logging_parallel_vs_checkpoint`` the same
+for the logging variants against ``checkpoint_pp4``; the ``..._recovery`` keys the same ratios for
+the recovery part alone (the initialization, mostly the replacement's process start, is common to
+all of them). SWIFT reports 0.64 for logging and 0.24-0.43 with parallel recovery (recovery time).
 
-    python benchmarks/recovery_time.py                 # table
-    python benchmarks/recovery_time.py --json          # {"replication_vs_checkpoint": ..., ...}
+    python benchmarks/recovery_time.py                          # table, every variant
+    python benchmarks/recovery_time.py --json                   # {"logging_vs_checkpoint": ..., ...}
+    python benchmarks/recovery_time.py --variants logging,logging_parallel,checkpoint_pp4 --rounds 2
 """
 
 from __future__ import annotations
@@ -37,14 +47,30 @@ from ds_swift.testing.procs import ProcessSet, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
-CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
-VARIANTS = ("replication", "checkpoint")
+PP2_DP2 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
+PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
+#: variant -> (config, swift overrides, the strategy its timeline must report)
+VARIANTS: dict[str, tuple[Path, dict[str, Any], str]] = {
+    "replication": (PP2_DP2, {"strategy": "auto"}, "replication"),
+    "checkpoint": (PP2_DP2, {"strategy": "checkpoint"}, "checkpoint"),
+    "logging": (PP4, {"strategy": "logging", "parallel_recovery": False}, "logging"),
+    "logging_parallel": (PP4, {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_mode": "exact"},
+                         "logging"),
+    "checkpoint_pp4": (PP4, {"strategy": "checkpoint"}, "checkpoint"),
+}
+#: ratio key -> (numerator variant, denominator variant)
+RATIOS = {
+    "replication_vs_checkpoint": ("replication", "checkpoint"),
+    "logging_vs_checkpoint": ("logging", "checkpoint_pp4"),
+    "logging_parallel_vs_checkpoint": ("logging_parallel", "checkpoint_pp4"),
+}
 PAPER = ("initialization_s", "recovery_s", "total_s")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="runs of each variant (alternating)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--interval", type=int, default=8, help="K: iterations between global checkpoints")
     p.add_argument("--model-args", default="", help="extra arguments for pretrain_gpt.py (e.g. '--hidden-size 256')")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take")
@@ -55,10 +81,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(work: Path, variant: str, interval: int, model_args: list[str], timeout: float) -> dict[str, Any]:
     """One job with one injected machine failure; returns its recovery timeline."""
+    config, swift, expected = VARIANTS[variant]
     kill_at = interval + interval // 2
-    cfg = json.loads(CONFIG.read_text())
-    cfg["swift"]["strategy"] = "auto" if variant == "replication" else "checkpoint"
+    cfg = json.loads(config.read_text())
+    cfg["swift"].update(swift)
     cfg["swift"]["checkpoint"] = {"dir": str(work / "ckpt"), "interval": interval}
+    cfg["swift"]["logging"] = {**cfg["swift"].get("logging", {}), "storage": f"file://{work / 'logs'}"}
+    cfg["swift"]["run_dir"] = str(work / "run")
     work.mkdir(parents=True)
     (work / "ds_config.json").write_text(json.dumps(cfg))
     argv = [
@@ -66,31 +95,36 @@ def run_one(work: Path, variant: str, interval: int, model_args: list[str], time
         "--nproc-per-node", "2", "--spares", "1", "--inject", f"machine=1,iteration={kill_at},phase=backward",
         str(EXAMPLE), "--deepspeed_config", str(work / "ds_config.json"), "--train-iters", str(kill_at + 2),
         *model_args,
-    ]
-    with ProcessSet(work / "logs") as procs:
+    ]  # fmt: skip
+    with ProcessSet(work / "proc-logs") as procs:
         procs.spawn("launcher", argv, env=worker_env(), cwd=work)
         code = procs.wait("launcher", timeout)
         if code != 0:
             raise RuntimeError(f"{variant} job failed with exit code {code}:\n{procs.log('launcher')[-4000:]}")
     (path,) = sorted((work / "run").glob("timeline-gen*.json"))
     tl: dict[str, Any] = json.loads(path.read_text())
-    if tl["strategy"] != variant:
+    if tl["strategy"] != expected:
         raise RuntimeError(f"{variant} job recovered by {tl['strategy']}: {tl['reason']}")
     return tl
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], interval: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for variant in VARIANTS:
-        tls = runs[variant]
+    for variant, tls in runs.items():
         out[variant] = {k: statistics.median(t[k] for t in tls) for k in PAPER}
-        out[variant]["runs"] = [{k: t[k] for k in (*PAPER, "phases", "consensus", "checkpoint_step")} for t in tls]
-    out["replication_vs_checkpoint"] = out["replication"]["total_s"] / out["checkpoint"]["total_s"]
-    # The part the strategy decides (state transfer vs checkpoint load + re-training): the
-    # initialization before it (replacement process start, rendezvous) is the same for both.
-    out["replication_vs_checkpoint_recovery"] = out["replication"]["recovery_s"] / out["checkpoint"]["recovery_s"]
+        keep = (*PAPER, "phases", "consensus", "checkpoint_step", "replay")
+        out[variant]["runs"] = [{k: t.get(k) for k in keep} for t in tls]
+        replays = [t["replay"]["replay_s"] for t in tls if t.get("replay")]
+        if replays:
+            out[variant]["replay_s"] = statistics.median(replays)
+    for key, (num, den) in RATIOS.items():
+        if num in out and den in out:
+            out[key] = out[num]["total_s"] / out[den]["total_s"]
+            # The part the strategy decides (state transfer, or checkpoint load + replay, vs checkpoint
+            # load + re-training everywhere): the initialization before it is the same for all.
+            out[f"{key}_recovery"] = out[num]["recovery_s"] / out[den]["recovery_s"]
     out["config"] = {"checkpoint_interval": interval, "kill_iteration": interval + interval // 2,
-                     "rounds": len(runs["replication"])}
+                     "rounds": max((len(v) for v in runs.values()), default=0), "variants": list(runs)}  # fmt: skip
     return out
 
 
@@ -98,15 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.interval < 2:
         raise SystemExit("--interval must be at least 2 (the kill is at K + K/2)")
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise SystemExit(f"--variants: unknown {unknown or 'nothing given'}; choose from {', '.join(VARIANTS)}")
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="ds-swift-recovery-bench-") as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
         for r in range(args.rounds):
-            for variant in VARIANTS:
+            for variant in variants:
                 tl = run_one(base / f"{variant}-{r}", variant, args.interval, args.model_args.split(), args.timeout)
                 runs[variant].append(tl)
                 if not args.json:
-                    print(f"round {r} {variant:11s}: total {tl['total_s']:.2f} s (initialization "
+                    print(f"round {r} {variant:16s}: total {tl['total_s']:.2f} s (initialization "
                           f"{tl['initialization_s']:.2f} s, recovery {tl['recovery_s']:.2f} s)", flush=True)
     result = summarize(runs, args.interval)
     if args.json:
@@ -114,12 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"\nmedian over {args.rounds} round(s), checkpoint every {args.interval}, kill at "
           f"iteration {args.interval + args.interval // 2}:")
-    print(f"{'variant':12s} {'initialization':>15s} {'recovery':>10s} {'total':>8s}")
-    for variant in VARIANTS:
+    print(f"{'variant':17s} {'initialization':>15s} {'recovery':>10s} {'total':>8s} {'replay':>8s}")
+    for variant in variants:
         m = result[variant]
-        print(f"{variant:12s} {m['initialization_s']:14.2f}s {m['recovery_s']:9.2f}s {m['total_s']:7.2f}s")
-    print(f"replication_vs_checkpoint = {result['replication_vs_checkpoint']:.3f} (replication total / checkpoint total)")
-    print(f"replication_vs_checkpoint_recovery = {result['replication_vs_checkpoint_recovery']:.3f} (recovery part only)")
+        replay = f"{m['replay_s']:7.2f}s" if "replay_s" in m else f"{'-':>8s}"
+        print(f"{variant:17s} {m['initialization_s']:14.2f}s {m['recovery_s']:9.2f}s {m['total_s']:7.2f}s {replay}")
+    for key, (num, den) in RATIOS.items():
+        if key in result:
+            print(f"{key} = {result[key]:.3f} ({num} total / {den} total); recovery part only: "
+                  f"{result[key + '_recovery']:.3f}")
     return 0
 
 

@@ -19,6 +19,12 @@ undo, load the kept state, send it to replacements (ds_swift.recovery.coordinato
 
 replacement (``SWIFT_REPLACEMENT=1``): ``initialize`` itself runs the same consensus and receives
 its state before returning, so the user's loop simply continues at ``engine.global_steps``.
+
+Where the topology plan logs pipeline sends across machines (logging-based recovery), every rank
+also records its optimizer step's pipeline-wide collectives (``CollectiveRecorder``, kept across
+rebuilds); a survivor flushes and uploads its message log before its teardown; and a lost stage
+without a replica is restored by replaying it from the last global checkpoint and the log
+(ds_swift.recovery.logging_recovery) while the survivors keep their state.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ds_swift.checkpoint import CheckpointManager
 from ds_swift.config import SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, global_micro_batch, micro_batches, rng_seed
 from ds_swift.distributed import SwiftContext, current_context, join_generation
+from ds_swift.engine_logging import EngineLogging, cache_dir_for
 from ds_swift.membership import GenerationFailed, JobStore
 from ds_swift.recovery.coordinator import KeptState, RecoveryOutcome, optimizer_wrapper, rank_report, run_recovery
 from ds_swift.timeline import RankTimeline, collect_timeline
@@ -117,7 +124,7 @@ class SwiftPipelineEngine:
         {
             "_engine", "_config", "_cfg", "_ctx", "_model_fn", "_batch_fn", "_seed", "_engine_fn", "_handles",
             "_undo", "_watchdog", "_ckpt", "_injector", "_micro", "_recv_patch", "_pending", "_generation",
-            "recoveries", "_user_iter_warned", "_closed", "_armed", "_plan",
+            "recoveries", "_user_iter_warned", "_closed", "_armed", "_logs", "_reseed",
         }
     )  # fmt: skip
 
@@ -151,8 +158,11 @@ class SwiftPipelineEngine:
         self.recoveries: list[RecoveryOutcome] = []
         self._user_iter_warned = False
         self._closed = False
-        self._plan: Any = None
         self._armed = True  # the recv check applies to the generation in force, not during a recovery
+        self._reseed = True  # the forward hook reseeds (off while a replay keys the RNG itself)
+        self._logs = EngineLogging(
+            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), self._log
+        )  # message log and step-collective records, kept across rebuilds
         self._ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.interval, dist.get_rank())
         self._injector = self._make_injector()
         self._watchdog: Watchdog | None = None
@@ -203,33 +213,47 @@ class SwiftPipelineEngine:
             self._user_iter_warned = True
             self._log("train_batch(data_iter) given: after a recovery the iterator cannot be rewound; use batch_fn")
         attempts = 0
+        target = int(self._engine.global_steps)
+        loss = None
         while True:
             how = self._failure_seen()
             if how is None:
                 engine = self._engine
-                self._micro = 0
-                data = data_iter if data_iter is not None else self._data_for(int(engine.global_steps))
                 try:
-                    loss = engine.train_batch(data_iter=data)
-                except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
-                    how = self._classify(exc)
-                else:
+                    if self._ckpt.due(int(engine.global_steps)):
+                        # A recovery resumed at an iteration whose periodic checkpoint a failure cut
+                        # short: every rank saves it again first (a replacement never ran the save).
+                        self._save_checkpoint()
+                    # After a failure in the periodic checkpoint that followed iteration ``target``,
+                    # the recovery resumes after it: only the checkpoint is done again.
+                    if int(engine.global_steps) <= target:
+                        self._micro = 0
+                        data = data_iter if data_iter is not None else self._data_for(int(engine.global_steps))
+                        loss = engine.train_batch(data_iter=data)
                     self._after_step()
                     return loss
+                except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
+                    how = self._classify(exc)
                 finally:
                     engine = None
             attempts += 1
             if attempts > _MAX_ATTEMPTS:
                 raise RuntimeError(f"ds-swift: {_MAX_ATTEMPTS} recoveries in a row without a completed iteration")
             self._recover_as_survivor(how)
+            self._logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
     def _data_for(self, iteration: int) -> Any:
         e = self._engine
         return micro_batches(self._batch_fn, iteration, e.grid.get_data_parallel_id(), e.gradient_accumulation_steps())
 
     def _after_step(self) -> None:
-        self._ckpt.maybe_save(self._engine)
+        if self._ckpt.due(int(self._engine.global_steps)):
+            self._save_checkpoint()
         self._check_back()
+
+    def _save_checkpoint(self) -> None:
+        self._ckpt.save(self._engine)
+        self._logs.after_checkpoint(self._ckpt.ckpt_dir)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, **kwargs: Any) -> Any:
@@ -285,8 +309,9 @@ class SwiftPipelineEngine:
 
         def forward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
             # Dropout & co. depend only on the micro-batch's position, never on what ran before.
-            mb = global_micro_batch(eng.grid.get_data_parallel_id(), eng.gradient_accumulation_steps(), self._micro)
-            torch.manual_seed(rng_seed(self._seed, int(eng.global_steps), mb, eng.stage_id))
+            if self._reseed:
+                mb = global_micro_batch(eng.grid.get_data_parallel_id(), eng.gradient_accumulation_steps(), self._micro)
+                torch.manual_seed(rng_seed(self._seed, int(eng.global_steps), mb, eng.stage_id))
             self._micro += 1
             if self._injector is not None:
                 self._injector.maybe_fire("forward", int(eng.global_steps))
@@ -304,12 +329,14 @@ class SwiftPipelineEngine:
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
         self._undo = self._attach_undo(engine)
+        self._logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
-        self._attach_msglog(engine)
+        self._logs.attach_log(engine, self._handles)
 
     def _uninstall(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        self._logs.detached()
 
     def _attach_undo(self, engine: Any) -> Any:
         try:
@@ -323,38 +350,6 @@ class SwiftPipelineEngine:
         except Exception as exc:  # noqa: BLE001 - an optimizer without an inverse must not stop training
             self._log(f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload")
             return None
-
-    def _static_plan(self, engine: Any) -> Any:
-        """The topology analyzer's per-stage plan (None if ds_swift.topology cannot analyze it)."""
-        if self._plan is None:
-            try:
-                from ds_swift.topology import analyze_config, layout_from_deepspeed_topology
-
-                layout = layout_from_deepspeed_topology(engine.grid._topo, self._cfg.machines.gpus_per_node)
-                self._plan = analyze_config(layout, self._cfg)
-            except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
-                self._log(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
-                self._plan = False
-            else:
-                if dist.get_rank() == 0:
-                    print(f"[ds-swift] recovery plan per pipeline stage: {self._plan.stage_strategy} "
-                          f"(strategy {self._cfg.strategy!r})", file=sys.stderr, flush=True)
-        return self._plan or None
-
-    def _attach_msglog(self, engine: Any) -> None:
-        # Logging-based *recovery* is a later issue; the message log itself is written from the
-        # start wherever the plan logs a machine boundary, so that recovery has its input.
-        plan = self._static_plan(engine)
-        if plan is None or not plan.logged_edges:
-            return
-        try:
-            from ds_swift.msglog import install_message_logging
-
-            handle = install_message_logging(engine, plan, self._cfg)
-        except Exception as exc:  # noqa: BLE001 - logging serves recovery; it must never stop training
-            self._log(f"message logging not installed: {type(exc).__name__}: {exc}")
-            return
-        self._handles.append(handle)
 
     def _make_injector(self) -> Any:
         env, store = self._ctx.env, self._ctx.store
@@ -479,6 +474,7 @@ class SwiftPipelineEngine:
         self._log(f"generation {g} failed ({how}); recovering in-process")
         tl = RankTimeline(rank=self._ctx.env.rank, role="survivor", failed_generation=g, t_detect=t_detect, detect_how=how)
         self._poison_neighbours()
+        self._logs.flush()
         self._uninstall()
         engine = self._engine
         kept = KeptState.capture(engine, self._undo)
@@ -543,6 +539,13 @@ class SwiftPipelineEngine:
                     timeline=tl,
                     gather_timeout_s=ctx.join_timeout_s,
                     log=self._log,
+                    logging=self._logs.log_plan(
+                        self._engine, kept is not None,
+                        set_reseed=lambda on: setattr(self, "_reseed", on),
+                        set_armed=lambda on: setattr(self, "_armed", on),
+                        poison=self._poison_neighbours,
+                        suspend_logging=lambda: self._logs.suspend(self._handles, lambda: self._engine),
+                    ),  # fmt: skip
                 )
                 break
             except (GenerationFailed, RuntimeError, TimeoutError) as exc:
@@ -558,6 +561,8 @@ class SwiftPipelineEngine:
         else:
             raise RuntimeError(f"ds-swift: recovery failed {_MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
+        # The same on every rank: a checkpoint a failure cut short is saved again, by everyone.
+        self._ckpt.last_saved = outcome.latest_checkpoint
         self.recoveries.append(outcome)
         if self._watchdog is not None:
             self._watchdog.set_generation(generation, self._peers())
@@ -611,6 +616,7 @@ class SwiftPipelineEngine:
             checkpoint_step=outcome.checkpoint_step,
             run_dir=self._ctx.run_dir,
             inject_specs=len([s for s in env.inject.split(";") if s.strip()]),
+            replay=outcome.replay,
             block=block,
             log=self._log,
         )

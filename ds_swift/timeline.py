@@ -10,7 +10,8 @@ The paper's definitions (SWIFT section 7; shared/DESIGN.md), so figures compare:
 - initialization time: first detection of the failure -> the replacements joined the job
   (process start, rendezvous, DeepSpeed groups re-formed on every rank);
 - recovery time: replacements joined -> every rank back at the pre-failure iteration (state
-  transfer, or checkpoint load plus re-training the lost iterations);
+  transfer; or checkpoint load plus the replay of the lost iterations from the message log on the
+  failed machines only; or checkpoint load plus re-training them everywhere);
 - total: the kill -> back at the pre-failure iteration.
 """
 
@@ -48,6 +49,8 @@ class RankTimeline:
     t_rebuilt: float | None = None
     t_consensus: float | None = None
     t_undone: float | None = None
+    t_loaded: float | None = None  # logging: the replaying rank loaded the global checkpoint
+    t_replayed: float | None = None  # logging: the replaying rank finished its replay
     t_restored: float | None = None
     t_back: float | None = None
     undone_from: int | None = None
@@ -85,6 +88,8 @@ class Timeline:
     undo_ranks: list[int]
     donors: dict[str, int]
     checkpoint_step: int | None = None
+    replay: dict[str, Any] | None = None
+    """logging: what was replayed (iterations, ranks, log bytes, parallel mode, per-rank stats)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -114,6 +119,7 @@ def build_timeline(
     undo_ranks: list[int],
     donors: dict[int, int],
     checkpoint_step: int | None = None,
+    replay: dict[str, Any] | None = None,
 ) -> Timeline:
     """Combine every rank's stamps into the paper's three durations and per-phase durations."""
     if not ranks:
@@ -132,6 +138,8 @@ def build_timeline(
         ("rendezvous", _max([r.t_joined for r in ranks])),
         ("rebuild", joined_at),
         ("consensus_undo", _max([r.t_undone or r.t_consensus for r in ranks])),
+        ("checkpoint_load", _max([r.t_loaded for r in ranks])),
+        ("replay", _max([r.t_replayed for r in ranks])),
         ("state_restore", _max([r.t_restored for r in ranks])),
         ("catch_up", back),
     ]
@@ -161,6 +169,7 @@ def build_timeline(
         undo_ranks=sorted(undo_ranks),
         donors={str(k): v for k, v in sorted(donors.items())},
         checkpoint_step=checkpoint_step,
+        replay=replay,
     )
 
 
@@ -168,6 +177,13 @@ def summary_line(tl: Timeline) -> str:
     what = tl.strategy
     if tl.strategy == "checkpoint":
         what += f" (reload of {'global_step' + str(tl.checkpoint_step) if tl.checkpoint_step is not None else 'the initial state'})"
+    elif tl.strategy == "logging" and tl.replay:
+        r = tl.replay
+        par = f", parallel {r['parallel']}" if r.get("parallel") else ""
+        what += (
+            f" (ranks {r['ranks']} replayed iterations {r['from']}..{r['to']} from {r['source']} in "
+            f"{r['replay_s']:.2f} s, {r['log_bytes_read'] / 1e6:.1f} MB of log{par})"
+        )
     undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""
     machine = f"machine {tl.failed_machine}" if tl.failed_machine is not None else "a failure"
     kill = "kill" if tl.t_kill is not None else "detection"
@@ -208,6 +224,7 @@ def collect_timeline(
     plan: RecoveryPlan,
     checkpoint_step: int | None,
     run_dir: str,
+    replay: dict[str, Any] | None = None,
     inject_specs: int,
     block: bool,
     log: Callable[[str], None],
@@ -239,6 +256,7 @@ def collect_timeline(
         undo_ranks=list(plan.undo),
         donors=plan.donors,
         checkpoint_step=checkpoint_step,
+        replay=replay,
     )
     path = write_timeline(run_dir, tl)
     print(summary_line(tl) + f" [{path}]", flush=True)

@@ -11,18 +11,24 @@ further agreement round is needed:
   tensor-parallel coordinate (a data-parallel replica), on a machine that did not fail;
 - replication is possible when every replacement has a donor, the optimizer state is whole on
   each rank (ZeRO stage 0: a ZeRO-1/2 partition of a lost rank exists nowhere else), and every
-  survivor that must undo can; otherwise every rank reloads the last global checkpoint.
+  survivor that must undo can;
+- otherwise, when the message log covers the lost stages (:class:`LoggingSetup`, from the topology
+  plan), the failed machines' whole logging groups are replayed from the last global checkpoint
+  (SWIFT section 5.1/5.3): their ranks load it and re-execute the iterations up to the consensus
+  from the logs, while the survivors outside the groups keep their state;
+- otherwise every rank reloads the last global checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-__all__ = ["RankReport", "RecoveryPlan", "plan_recovery"]
+__all__ = ["LoggingSetup", "RankReport", "RecoveryPlan", "plan_recovery"]
 
-Strategy = Literal["replication", "checkpoint"]
+Strategy = Literal["replication", "logging", "checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,15 @@ class RecoveryPlan:
     """replacement rank -> donor rank"""
     undo: tuple[int, ...] = ()
     """survivors that undo their last step(s) down to ``consensus``"""
+    replay_ranks: tuple[int, ...] = ()
+    """logging: the ranks that load the global checkpoint and replay (the failed logging groups)"""
+    replay_from: int = 0
+    """logging: the first iteration replayed (the global checkpoint's iterations done; 0: the initial state)"""
+
+    @property
+    def replay_iterations(self) -> range:
+        """logging: the iterations replayed, ``replay_from .. consensus``."""
+        return range(self.replay_from, self.consensus + 1) if self.strategy == "logging" else range(0)
 
     @property
     def pre_failure_iteration(self) -> int:
@@ -75,11 +90,41 @@ class RecoveryPlan:
         return sorted(r for r, d in self.donors.items() if d == rank)
 
 
+@dataclass(frozen=True)
+class LoggingSetup:
+    """What logging-based recovery can use, the same on every rank.
+
+    Args:
+        replayable_stages: the pipeline stages the topology plan recovers by logging (their inbound
+            cross-group sends are logged).
+        machine_groups: the selective-logging groups of machines (section 5.3); a failure rolls the
+            whole group of the failed machine back. Machines in no group form their own.
+        checkpoint_step: the newest global checkpoint complete for every rank (iterations done;
+            -1: none yet, the replay starts from the initial state).
+        unavailable: why logging-based recovery from that checkpoint is known not to work (a replay
+            of an earlier attempt found a missing or corrupt log record), or None.
+    """
+
+    replayable_stages: frozenset[int]
+    machine_groups: tuple[tuple[int, ...], ...] = ()
+    checkpoint_step: int = -1
+    unavailable: str | None = None
+
+    def group_machines(self, machines: Collection[int]) -> set[int]:
+        """Every machine sharing a logging group with one of ``machines``."""
+        out = set(machines)
+        for group in self.machine_groups:
+            if out & set(group):
+                out |= set(group)
+        return out
+
+
 def plan_recovery(
     reports: list[RankReport],
     zero_stage: int = 0,
     forced: str = "auto",
     optimizer: str | None = None,
+    logging: LoggingSetup | None = None,
 ) -> RecoveryPlan:
     """Decide consensus, donors and strategy.
 
@@ -89,6 +134,7 @@ def plan_recovery(
         forced: the config's ``strategy`` (auto | replication | logging | checkpoint).
         optimizer: the name of an optimizer wrapper whose state survivors cannot keep across the
             rebuild (it holds process groups: DeepSpeed's bf16/fp16 wrappers), or None.
+        logging: what logging-based recovery may use (None: no message log, so it is not an option).
     """
     by_rank = {r.rank: r for r in reports}
     survivors = sorted(r.rank for r in reports if r.survivor)
@@ -107,8 +153,6 @@ def plan_recovery(
         return checkpoint(f"ranks {cannot_undo} stepped past the consensus iteration {consensus} and cannot undo")
     if forced == "checkpoint":
         return checkpoint('the config forces strategy "checkpoint"')
-    if forced == "logging" and replacements:
-        return checkpoint('the config forces strategy "logging" and logging-based recovery is not implemented yet')
     if not replacements:
         return RecoveryPlan("replication", "no rank lost its state", **base)  # type: ignore[arg-type]
     if optimizer is not None:
@@ -119,6 +163,8 @@ def plan_recovery(
             f"the partitions of ranks {replacements} are lost with their machine"
         )
     failed_machines = {by_rank[r].machine for r in replacements}
+    if forced == "logging":
+        return _logging_plan(by_rank, consensus, undo, failed_machines, logging, 'the config forces strategy "logging"')
     donors: dict[int, int] = {}
     missing: list[int] = []
     for lost in replacements:
@@ -136,13 +182,58 @@ def plan_recovery(
             missing.append(lost)
     if missing:
         stages = sorted({by_rank[r].stage for r in missing})
-        return checkpoint(
-            f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing}) and logging-based "
-            "recovery is not implemented yet"
-        )
+        why = f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing})"
+        if forced == "replication":
+            return checkpoint(f'{why} and the config forces strategy "replication"')
+        return _logging_plan(by_rank, consensus, undo, failed_machines, logging, why)
     return RecoveryPlan(
         "replication",
         f"every lost rank has a surviving replica ({', '.join(f'{d}->{r}' for r, d in sorted(donors.items()))})",
         donors=donors,
         **base,  # type: ignore[arg-type]
     )
+
+
+def _logging_plan(
+    by_rank: dict[int, RankReport],
+    consensus: int,
+    undo: tuple[int, ...],
+    failed_machines: set[int],
+    logging: LoggingSetup | None,
+    why: str,
+) -> RecoveryPlan:
+    """Replay the failed machines' logging groups from the last global checkpoint, or say why not."""
+    survivors = tuple(sorted(r for r, rep in by_rank.items() if rep.survivor))
+    replacements = tuple(sorted(r for r, rep in by_rank.items() if not rep.survivor))
+
+    def checkpoint(reason: str) -> RecoveryPlan:
+        return RecoveryPlan("checkpoint", f"{why}; {reason}", consensus, survivors, replacements, undo=undo)
+
+    if logging is None:
+        return checkpoint("logging-based recovery is not set up (the plan logs no pipeline send)")
+    machines = logging.group_machines(failed_machines)
+    group = tuple(sorted(r for r, rep in by_rank.items() if rep.machine in machines))
+    if not [r for r in survivors if r not in group]:
+        return checkpoint(f"no rank outside the failed logging group (machines {sorted(machines)}) survived")
+    uncovered = sorted({by_rank[r].stage for r in group} - logging.replayable_stages)
+    if uncovered:
+        return checkpoint(
+            f"stage(s) {uncovered} of the failed logging group are not recovered by logging in the plan "
+            f"(logged stages: {sorted(logging.replayable_stages)})"
+        )
+    start = max(0, logging.checkpoint_step)
+    source = f"global_step{logging.checkpoint_step}" if logging.checkpoint_step >= 0 else "the initial state"
+    if logging.unavailable is not None:
+        return checkpoint(f"logging-based recovery from {source} failed before ({logging.unavailable})")
+    if consensus < start - 1:
+        return checkpoint(f"the survivors' iteration {consensus} is older than {source}")
+    rolled_back = sorted(set(group) & set(survivors))
+    also = f" (rolling back survivors {rolled_back} of the group)" if rolled_back else ""
+    reason = (
+        f"{why}: ranks {list(group)} (machines {sorted(machines)}) load {source} and replay iterations "
+        f"{start}..{consensus} from the message log{also}"
+    )
+    return RecoveryPlan(
+        "logging", reason, consensus, survivors, replacements,
+        undo=tuple(r for r in undo if r not in group), replay_ranks=group, replay_from=start,
+    )  # fmt: skip

@@ -6,6 +6,9 @@ Survivors and replacements run the same function with the same inputs, in this o
 2. compute the (identical) :class:`~ds_swift.recovery.consensus.RecoveryPlan`;
 3. replication: survivors ahead of the consensus undo their last step, every survivor loads the
    state it kept into its rebuilt engine, donors send their state to the replacements;
+   logging: the same for the survivors outside the failed logging groups; the groups' ranks load
+   the global checkpoint and replay the lost iterations from the message log
+   (:mod:`ds_swift.recovery.logging_recovery`; when that is impossible every rank falls back to:)
    checkpoint: every rank loads the newest complete global checkpoint every rank can see (or,
    with none yet, starts again from the initial state);
 4. a barrier, so nobody starts training before every rank holds its state.
@@ -13,9 +16,10 @@ Survivors and replacements run the same function with the same inputs, in this o
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +28,12 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager, latest_complete, tag_for
 from ds_swift.membership import JobStore
-from ds_swift.recovery.consensus import RankReport, RecoveryPlan, plan_recovery
+from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryPlan, plan_recovery
+from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key, run_logging_recovery
 from ds_swift.recovery.replication import capture_state, load_state, recv_state, send_state, set_counters
 from ds_swift.timeline import RankTimeline
 
-__all__ = ["KeptState", "RecoveryOutcome", "optimizer_wrapper", "rank_report", "run_recovery"]
+__all__ = ["KeptState", "LogPlan", "RecoveryOutcome", "optimizer_wrapper", "rank_report", "run_recovery"]
 
 
 @dataclass
@@ -145,6 +150,25 @@ class RecoveryOutcome:
     checkpoint_step: int | None = None
     bytes_moved: int = 0
     notes: list[str] = field(default_factory=list)
+    replay: dict[str, Any] | None = None
+    """logging: what was replayed (see run_logging_recovery)."""
+    latest_checkpoint: int = -1
+    """The newest global checkpoint complete for every rank (iterations done; -1: none)."""
+
+
+@dataclass(frozen=True)
+class LogPlan:
+    """The static side of logging-based recovery, from the topology plan (the same on every rank).
+
+    Args:
+        replayable_stages: stages whose inbound cross-group sends are logged (strategy "logging").
+        machine_groups: the selective-logging groups of machines.
+        runtime: what the runtime lends the replay (data, seed, hooks, this rank's records).
+    """
+
+    replayable_stages: Collection[int]
+    machine_groups: Sequence[Sequence[int]]
+    runtime: ReplayRuntime
 
 
 def rank_report(engine: Any, kept: KeptState | None, machine: int) -> RankReport:
@@ -192,26 +216,51 @@ def run_recovery(
     timeline: RankTimeline,
     gather_timeout_s: float,
     log: Callable[[str], None],
+    logging: LogPlan | None = None,
 ) -> RecoveryOutcome:
-    """Run steps 1-4 above in ``generation`` (already joined; ``engine`` already rebuilt)."""
+    """Run steps 1-4 above in ``generation`` (already joined; ``engine`` already rebuilt).
+
+    ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
+    """
     latest = latest_complete(ckpt.ckpt_dir) if ckpt is not None else None
     store.publish(generation, "report", rank, report.to_json())
     store.publish(generation, "ckpt", rank, str(latest[0] if latest else -1))
     reports = [RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), gather_timeout_s).values()]
     ckpts = store.gather(generation, "ckpt", range(world_size), gather_timeout_s)
-    plan = plan_recovery(reports, zero_stage=zero_stage, forced=strategy, optimizer=optimizer_wrapper)
+    # Every rank must load the same tag: the newest one that is complete for all of them.
+    step = min(int(v) for v in ckpts.values())
+    setup = None
+    if logging is not None:
+        setup = LoggingSetup(
+            frozenset(logging.replayable_stages),
+            tuple(tuple(g) for g in logging.machine_groups),
+            step,
+            store.get(failed_replay_key(max(0, step))),
+        )
+    plan = plan_recovery(reports, zero_stage=zero_stage, forced=strategy, optimizer=optimizer_wrapper, logging=setup)
     timeline.t_consensus = time.time()
     if kept is not None and rank in plan.undo and not report.can_undo:
         _loud(rank, f"cannot undo iteration {kept.last_stepped}: {kept.undo_blocker()}")
     outcome = RecoveryOutcome(plan, plan.consensus + 1)
+    if plan.strategy in ("replication", "logging") and kept is not None and rank not in plan.replay_ranks:
+        if rank in plan.undo:
+            log(f"undo: last stepped iteration {kept.last_stepped} -> consensus {plan.consensus}")
+            timeline.undone_from = kept.last_stepped
+            kept.undo_to(plan.consensus)
+            timeline.t_undone = time.time()
+        load_state(engine, kept.state(), plan.consensus + 1)
+    if plan.strategy == "logging":
+        assert logging is not None
+        fallback, outcome.replay = run_logging_recovery(
+            store=store, generation=generation, rank=rank, engine=engine, plan=plan, reports=reports,
+            checkpoint_step=step, ckpt=ckpt, rt=logging.runtime, timeline=timeline,
+            gather_timeout_s=gather_timeout_s, log=log,
+        )  # fmt: skip
+        outcome.checkpoint_step = step if step >= 0 else None
+        if fallback is not None:
+            plan = dataclasses.replace(plan, strategy="checkpoint", reason=fallback, replay_ranks=())
+            outcome = RecoveryOutcome(plan, plan.consensus + 1)
     if plan.strategy == "replication":
-        if kept is not None:
-            if rank in plan.undo:
-                log(f"undo: last stepped iteration {kept.last_stepped} -> consensus {plan.consensus}")
-                timeline.undone_from = kept.last_stepped
-                kept.undo_to(plan.consensus)
-                timeline.t_undone = time.time()
-            load_state(engine, kept.state(), plan.consensus + 1)
         for dst in plan.recipients_of(rank):
             sent = send_state(capture_state(engine), dst)
             outcome.bytes_moved += sent
@@ -221,10 +270,7 @@ def run_recovery(
             state = recv_state(donor)
             load_state(engine, state, plan.consensus + 1)
             log(f"received state of iteration {plan.consensus} from donor rank {donor}")
-    else:
-        # Every rank must load the same tag: the newest one that is complete for all of them.
-        steps = [int(v) for v in ckpts.values()]
-        step = min(steps)
+    elif plan.strategy == "checkpoint":
         if step >= 0 and ckpt is not None:
             _loud(rank, f"checkpoint fallback ({plan.reason}): loading {tag_for(step)} from {ckpt.ckpt_dir}")
             loaded = ckpt.load_latest(engine, at_most=step)
@@ -239,6 +285,7 @@ def run_recovery(
             set_counters(engine, 0)
             outcome.resume_iteration = 0
         set_counters(engine, outcome.resume_iteration)
+    outcome.latest_checkpoint = step
     dist.barrier()
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved

@@ -55,6 +55,7 @@ __all__ = [
     "ParallelStats",
     "assign_micro_batches",
     "build_copy_engine",
+    "copy_unsupported_reasons",
     "combine_exact",
     "combine_fast",
     "parallel_replay",
@@ -199,6 +200,21 @@ def _pipeline_globals(grid: Any | None) -> Iterator[None]:
         p2p._grid, groups.mpu = saved
 
 
+def copy_unsupported_reasons(engine: Any) -> list[str]:
+    """Why parallel recovery cannot copy ``engine``'s stage (empty: it can). The same on every rank of a job."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+    engine = _unwrap(engine)
+    reasons = []
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        reasons.append("parallel recovery copies whole optimizer states: ZeRO-0 fp32 only")
+    if any(isinstance(s, TiedLayerSpec) for s in engine.module._layer_specs):
+        reasons.append("tied layers are not supported by parallel recovery")
+    if getattr(engine.module, "seed_layers", False):
+        reasons.append("seed_layers=True seeds layers from a forward counter: a share of micro-batches breaks it")
+    return reasons
+
+
 def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[str, Any] | None = None) -> Any | None:
     """Build the helpers' copies of the failed stages. Every rank of the job calls it, in the same order.
 
@@ -212,18 +228,14 @@ def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[st
         ds_config: the DeepSpeed config dict the engine was built from (default: ``engine.config``).
     """
     import deepspeed
-    from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.module import PipelineModule
 
     engine = _unwrap(engine)
     module = engine.module
     config = ds_config if ds_config is not None else engine.config
     if not isinstance(config, Mapping):
         raise ValueError("build_copy_engine needs the DeepSpeed config as a dict (ds_config=...)")
-    reasons = []
-    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        reasons.append("parallel recovery copies whole optimizer states: ZeRO-0 fp32 only")
-    if any(isinstance(s, TiedLayerSpec) for s in module._layer_specs):
-        reasons.append("tied layers are not supported by parallel recovery")
+    reasons = copy_unsupported_reasons(engine)
     if reasons:
         raise ReplayUnsupported("; ".join(reasons))
     parts = list(module.parts)

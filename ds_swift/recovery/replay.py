@@ -19,41 +19,57 @@ their order are those of the failure-free run (bitwise identical on CPU). Per in
   survivor recorded (:class:`CollectiveRecorder`); any other is refused up front
   (:func:`unsupported_reasons`) and, as a guard, at the call (it would wait forever on survivors).
 
-Log chunks are read by a background thread up to ``ahead`` iterations in advance (download and
-checksum of chunk k+1 while chunk k is replayed). A missing or corrupt record raises
-:class:`LogUnavailable` naming the file and record; the engine is then mid-iteration and must be
-reloaded from the checkpoint (the coordinator's loud fallback).
+Log chunks are read by a background thread ahead of the replay (:mod:`~ds_swift.recovery.replay_log`);
+the step's collectives are recorded and substituted by :mod:`~ds_swift.recovery.collectives`. A
+missing or corrupt record raises :class:`LogUnavailable` naming the file and record; the engine is
+then mid-iteration and must be reloaded from the checkpoint (the runtime's loud fallback).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import io
-import queue
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ds_swift.data import BatchFn, global_micro_batch, micro_batches, rng_seed
+from ds_swift.recovery.collectives import (
+    CollectiveRecord,
+    CollectiveRecorder,
+    ReplayUnsupported,
+    _CollectiveGuard,
+    _unwrap,
+    _wrapped_collectives,
+)
+from ds_swift.recovery.replay_log import (
+    InEdge,
+    LogFeeder,
+    LogUnavailable,
+    Message,
+    ProgressFn,
+    ReplayProgress,
+    chunks_needed,
+    rich_progress,
+    text_progress,
+)
 
+# Re-exported: the replay's public surface predates the split into replay_log and collectives.
 __all__ = [
     "CollectiveRecord",
     "CollectiveRecorder",
     "InEdge",
     "LogFeeder",
     "LogUnavailable",
+    "ProgressFn",
     "ReplayPlan",
     "ReplayProgress",
     "ReplayStats",
     "ReplayUnsupported",
+    "chunks_needed",
     "keyed_rng",
     "plan_replay",
     "replay",
@@ -62,50 +78,8 @@ __all__ = [
     "unsupported_reasons",
 ]
 
-Message = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-class LogUnavailable(RuntimeError):
-    """A message the replay needs is missing from the log or corrupt: fall back to the global checkpoint.
-
-    Attributes name what was asked for; ``file`` is the chunk file involved, when known.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        iteration: int | None = None,
-        micro_batch: int | None = None,
-        edge: InEdge | None = None,
-        file: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.iteration = iteration
-        self.micro_batch = micro_batch
-        self.edge = edge
-        self.file = file
-
-
-class ReplayUnsupported(RuntimeError):
-    """This engine/group cannot be replayed from the log (a collective leaves the group, tied weights...)."""
-
 
 # ----------------------------------------------------------------------------- plan (pure)
-@dataclass(frozen=True)
-class InEdge:
-    """A logged pipeline edge into this rank: what the log calls (kind, src stage, dst stage, dp, tp)."""
-
-    kind: str  # "act" | "grad"
-    src_stage: int
-    dst_stage: int
-    dp_rank: int
-    tp_rank: int
-
-    def __str__(self) -> str:
-        return f"{self.kind} s{self.src_stage}->s{self.dst_stage} dp{self.dp_rank} tp{self.tp_rank}"
-
-
 @dataclass(frozen=True)
 class ReplayPlan:
     """What one rank of the replayed group does with each of its two pipeline neighbours."""
@@ -157,13 +131,6 @@ def plan_replay(
         rank, stage, num_stages, dp_rank, tp_rank, micro_batches, prev_rank, next_rank, tuple(edges), next_out, prev_out,
         mine,
     )  # fmt: skip
-
-
-def _unwrap(engine: Any) -> Any:
-    # SwiftPipelineEngine (not an nn.Module) keeps the DeepSpeed engine in force in ``_engine``.
-    if not isinstance(engine, torch.nn.Module) and "_engine" in vars(engine):
-        return vars(engine)["_engine"]
-    return engine
 
 
 def _plan_of(engine: Any, group_ranks: set[int] | frozenset[int], share: Sequence[int] | None = None) -> ReplayPlan:
@@ -243,182 +210,6 @@ def unsupported_reasons(
     return reasons
 
 
-# ----------------------------------------------------------------------------- log prefetch
-@dataclass
-class _Batch:
-    iteration: int
-    messages: dict[tuple[str, int], Message]
-    nbytes: int
-
-
-class LogFeeder:
-    """Reads the records ``replay`` needs in a background thread, ``ahead`` iterations in advance.
-
-    Only the feeder's thread touches ``reader`` (LogReader caches chunks without a lock).
-
-    Args:
-        reader: a ``ds_swift.msglog.LogReader``.
-        edges: the logged edges into this rank.
-        start, end: iterations to read, inclusive.
-        micro_batches: messages per edge and iteration, or which ones (a parallel-recovery share).
-        ahead: iterations buffered (None: one chunk span plus one, so chunk k+1 loads while k replays).
-        timeout_s: the longest ``take`` waits for one iteration's records.
-    """
-
-    def __init__(
-        self,
-        reader: Any,
-        edges: tuple[InEdge, ...],
-        start: int,
-        end: int,
-        micro_batches: int | Sequence[int],
-        ahead: int | None = None,
-        timeout_s: float = 600.0,
-    ) -> None:
-        self.reader = reader
-        self.edges = edges
-        self.start, self.end = start, end
-        self.micro_batches = tuple(range(micro_batches)) if isinstance(micro_batches, int) else tuple(micro_batches)
-        self.timeout_s = timeout_s
-        self.chunks = self._chunks_needed()
-        spans = [cn.end_iteration - cn.first_iteration for cn in self.chunks.values()]
-        self.ahead = ahead if ahead is not None else max(2, (max(spans) if spans else 1) + 1)
-        self.bytes_read = 0  # payload bytes of the records handed to the replay
-        self.chunk_bytes = 0  # chunk files loaded (downloaded, for a remote store)
-        self.chunks_loaded = 0
-        self.wait_s = 0.0
-        self._queue: queue.Queue[_Batch | BaseException] = queue.Queue(maxsize=self.ahead)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ds-swift-replay-feeder", daemon=True)
-        self._thread.start()
-
-    @property
-    def chunks_total(self) -> int:
-        return len(set(self.chunks.values()))
-
-    def _chunks_needed(self) -> dict[tuple[InEdge, int], Any]:
-        """(edge, iteration) -> ChunkName, by name only (nothing downloaded): fails fast on a gap."""
-        names = self.reader.chunk_names()
-        found: dict[tuple[InEdge, int], Any] = {}
-        for edge in self.edges:
-            key = (edge.kind, edge.src_stage, edge.dst_stage, edge.dp_rank, edge.tp_rank)
-            mine = [cn for cn in names if cn.edge == key]
-            for it in range(self.start, self.end + 1):
-                cn = next((c for c in mine if c.first_iteration <= it < c.end_iteration), None)
-                if cn is None:
-                    have = sorted((c.first_iteration, c.end_iteration) for c in mine)
-                    raise LogUnavailable(
-                        f"message log {self.reader.location}: no chunk of edge {edge} holds iteration {it} "
-                        f"(replay needs {self.start}..{self.end}; chunks of this edge cover {have or 'nothing'})",
-                        iteration=it, edge=edge,
-                    )  # fmt: skip
-                found[(edge, it)] = cn
-        return found
-
-    def _run(self) -> None:
-        from ds_swift.msglog.format import FormatError
-        from ds_swift.msglog.reader import MissingRecordError
-
-        loaded: set[str] = set()
-        it, mb, edge, cn = self.start, None, None, None
-        try:
-            for it in range(self.start, self.end + 1):
-                batch = _Batch(it, {}, 0)
-                for edge in self.edges:
-                    cn = self.chunks[(edge, it)]
-                    mb = None
-                    if cn.chunk_file not in loaded:
-                        info = self.reader.chunk(cn)
-                        loaded.add(cn.chunk_file)
-                        self.chunk_bytes += int(info.size)
-                        self.chunks_loaded += 1
-                    for mb in self.micro_batches:
-                        msg = self.reader.get(
-                            it, mb, edge.kind, edge.src_stage, edge.dst_stage, edge.dp_rank, edge.tp_rank
-                        )
-                        batch.messages[(edge.kind, mb)] = msg
-                        parts = msg if isinstance(msg, tuple) else (msg,)
-                        batch.nbytes += sum(t.numel() * t.element_size() for t in parts)
-                if not self._put(batch):
-                    return
-        except (MissingRecordError, FormatError, OSError) as exc:
-            # FormatError covers CorruptRecordError; OSError a download that failed its checksum.
-            where = f" micro-batch {mb}" if mb is not None else ""
-            self._put(
-                LogUnavailable(
-                    f"cannot replay iteration {it}{where} ({edge}): {exc}",
-                    iteration=it,
-                    micro_batch=mb,
-                    edge=edge,
-                    file=str(self.reader.directory / cn.chunk_file) if cn is not None else None,
-                )  # fmt: skip
-            )
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which re-raises it
-            self._put(exc)
-
-    def _put(self, item: _Batch | BaseException) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def take(self, iteration: int) -> dict[tuple[str, int], Message]:
-        """The messages of ``iteration`` ((kind, micro-batch) -> tensor or tuple); raises what the thread hit."""
-        t0 = time.perf_counter()
-        try:
-            item = self._queue.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise LogUnavailable(
-                f"message log {self.reader.location}: iteration {iteration} not read within {self.timeout_s:.0f} s",
-                iteration=iteration,
-            ) from None
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)  # every later take raises it too
-            raise item
-        if item.iteration != iteration:
-            raise RuntimeError(f"replay asked for iteration {iteration}, the feeder is at {item.iteration}")
-        self.bytes_read += item.nbytes
-        return item.messages
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout_s)
-
-
-# ----------------------------------------------------------------------------- progress
-@dataclass(frozen=True)
-class ReplayProgress:
-    """Passed to the progress callback at the start and after every replayed iteration."""
-
-    rank: int
-    iterations_done: int
-    iterations_total: int
-    iteration: int  # the next iteration to replay
-    log_bytes_read: int
-    chunks_loaded: int
-    chunks_total: int
-    elapsed_s: float
-
-    @property
-    def eta_s(self) -> float | None:
-        if self.iterations_done == 0:
-            return None
-        return self.elapsed_s / self.iterations_done * (self.iterations_total - self.iterations_done)
-
-
-ProgressFn = Callable[[ReplayProgress], None]
-
-
 @dataclass
 class ReplayStats:
     """What one rank's replay did."""
@@ -439,42 +230,6 @@ class ReplayStats:
     recvs_live: int = 0
     collectives_substituted: int = 0  # optimizer-step collectives taken from a survivor's records
     losses: dict[int, float] = field(default_factory=dict)  # last stage: mean micro-batch loss per iteration
-
-
-def text_progress(stream: TextIO | None = None, every: int = 1) -> ProgressFn:
-    """A progress callback printing one line per ``every`` iterations."""
-
-    def show(p: ReplayProgress) -> None:
-        if p.iterations_done % every and p.iterations_done != p.iterations_total:
-            return
-        eta = f", eta {p.eta_s:.1f} s" if p.eta_s is not None else ""
-        print(
-            f"[ds-swift] rank {p.rank}: replay {p.iterations_done}/{p.iterations_total} iterations, "
-            f"{p.log_bytes_read / 1e6:.1f} MB of log, chunks {p.chunks_loaded}/{p.chunks_total}{eta}",
-            file=stream or sys.stderr, flush=True,
-        )  # fmt: skip
-
-    return show
-
-
-@contextmanager
-def rich_progress(description: str = "replay") -> Iterator[ProgressFn]:
-    """A ``rich`` progress bar (iterations, MB of log read); plain lines when rich is not installed."""
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    except ImportError:
-        yield text_progress()
-        return
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[mb]:.1f} MB log"),
-        TimeRemainingColumn(),
-    ) as bar:  # fmt: skip
-        task = bar.add_task(description, total=None, mb=0.0)
-
-        def update(p: ReplayProgress) -> None:
-            bar.update(task, completed=p.iterations_done, total=p.iterations_total, mb=p.log_bytes_read / 1e6)
-
-        yield update
 
 
 # ----------------------------------------------------------------------------- RNG keyed by position
@@ -577,186 +332,6 @@ def _send_dropped(call_next: Callable[..., Any], kw: dict[str, Any]) -> Any:
         return call_next(**kw)
     finally:
         p2p.send = original
-
-
-_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
-    "all_gather_object", "broadcast_object_list",
-)  # fmt: skip
-#: collectives whose whole result is their (one, in-place) tensor: those a record can stand in for
-_SUBSTITUTABLE = ("all_reduce", "broadcast")
-
-
-def _call_group(sig: inspect.Signature, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
-    bound = sig.bind_partial(*args, **kw)
-    group = bound.arguments.get("group")
-    if group is None or group is dist.GroupMember.WORLD:
-        return bound, tuple(range(dist.get_world_size()))
-    return bound, tuple(sorted(dist.get_process_group_ranks(group)))
-
-
-Wrapper = Callable[[str, Callable[..., Any], inspect.Signature], Callable[..., Any]]
-
-
-@contextmanager
-def _wrapped_collectives(make: Wrapper) -> Iterator[None]:
-    """Replace ``torch.distributed``'s collectives (DeepSpeed's comm layer calls them through the module)."""
-    originals: dict[str, Callable[..., Any]] = {}
-    for name in _COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            originals[name] = fn
-            # inspect.signature follows __wrapped__ (functools.wraps): wrappers stack and still bind by name
-            setattr(dist, name, functools.wraps(fn)(make(name, fn, inspect.signature(fn))))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-@dataclass(frozen=True)
-class CollectiveRecord:
-    """The result of one collective of an optimizer step: which, over which ranks, the tensor it left."""
-
-    name: str
-    ranks: tuple[int, ...]
-    tensor: torch.Tensor
-
-
-class CollectiveRecorder:
-    """Records the results of the collectives every optimizer step issues (a few scalars per iteration).
-
-    Gradient clipping (DeepSpeed's default: 1.0), ZeRO and fp16/bf16 reduce a norm or an overflow
-    flag over the model-parallel group, i.e. every stage of the pipeline, inside the step. A replayed
-    stage cannot recompute the survivors' shares of a lost iteration, but every member of the group
-    received the same result: a survivor of the same pipeline replica hands its records to the
-    replacements (:meth:`to_bytes`), and :func:`replay` uses them instead of waiting for ranks that
-    are not replaying. Records are keyed by (iteration, position among the step's collectives).
-    """
-
-    HOOK_NAME = "ds_swift.collectives"
-
-    def __init__(self, records: dict[tuple[int, int], CollectiveRecord] | None = None) -> None:
-        self.records: dict[tuple[int, int], CollectiveRecord] = dict(records or {})
-
-    def install(self, engine: Any) -> Any:
-        """Hook ``engine``'s OptimizerStep; returns the handle that removes the hook."""
-        from ds_swift.patches.instructions import hook_instructions, schedule
-
-        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            iteration, me, seq = int(eng.global_steps), threading.get_ident(), 0
-
-            def make(name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
-                def call(*args: Any, **k: Any) -> Any:
-                    nonlocal seq
-                    if threading.get_ident() != me:
-                        return fn(*args, **k)
-                    n, seq = seq, seq + 1
-                    out = fn(*args, **k)
-                    if name in _SUBSTITUTABLE:
-                        bound, ranks = _call_group(sig, args, k)
-                        if bound.arguments.get("async_op") and out is not None:
-                            out.wait()
-                        result = bound.arguments["tensor"].detach().to("cpu", copy=True)
-                        self.records[(iteration, n)] = CollectiveRecord(name, ranks, result)
-                    return out
-
-                return call
-
-            with _wrapped_collectives(make):
-                return call_next(**kw)
-
-        return hook_instructions(_unwrap(engine), self.HOOK_NAME, {schedule.OptimizerStep: step})
-
-    def discard_before(self, iteration: int) -> None:
-        """Forget iterations before ``iteration`` (a global checkpoint of it completed)."""
-        self.records = {k: v for k, v in self.records.items() if k[0] >= iteration}
-
-    def to_bytes(self) -> bytes:
-        rows = [(it, n, r.name, list(r.ranks), r.tensor) for (it, n), r in sorted(self.records.items())]
-        buf = io.BytesIO()
-        torch.save(rows, buf)
-        return buf.getvalue()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> CollectiveRecorder:
-        rows = torch.load(io.BytesIO(data), weights_only=True)
-        return cls({(int(it), int(n)): CollectiveRecord(str(name), tuple(ranks), t) for it, n, name, ranks, t in rows})
-
-
-class _DoneWork:
-    """What an ``async_op=True`` collective returns when its result came from a record."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _CollectiveGuard:
-    """During replay: collectives inside the group run; a step's collective leaving it takes its recorded
-    result; any other collective leaving it raises (it would wait forever on ranks that are not replaying)."""
-
-    def __init__(self, group_ranks: frozenset[int], records: dict[tuple[int, int], CollectiveRecord] | None) -> None:
-        self.group = group_ranks
-        self.records = records
-        self.thread = threading.get_ident()
-        self.iteration = -1
-        self.in_step = False
-        self.seq = 0
-        self.substituted = 0
-
-    def begin_step(self, iteration: int) -> None:
-        self.iteration, self.in_step, self.seq = iteration, True, 0
-
-    def end_step(self) -> None:
-        self.in_step = False
-
-    def make(self, name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
-        def call(*args: Any, **kw: Any) -> Any:
-            if threading.get_ident() != self.thread:
-                return fn(*args, **kw)
-            n = None
-            if self.in_step:
-                n, self.seq = self.seq, self.seq + 1
-            try:
-                bound, ranks = _call_group(sig, args, kw)
-            except Exception:  # noqa: BLE001 - an unknown group type: let the call decide
-                return fn(*args, **kw)
-            outside = sorted(set(ranks) - self.group)
-            if not outside:
-                return fn(*args, **kw)
-            where = f"torch.distributed.{name} over ranks {list(ranks)} in iteration {self.iteration}"
-            if n is None or name not in _SUBSTITUTABLE:
-                raise ReplayUnsupported(f"{where}: ranks {outside} are not replaying and would never join it")
-            if self.records is None:
-                raise ReplayUnsupported(
-                    f"{where} (optimizer step collective #{n}): ranks {outside} are not replaying; pass a survivor's "
-                    "CollectiveRecorder records to replay(collectives=...)"
-                )
-            rec = self.records.get((self.iteration, n))
-            tensor = bound.arguments["tensor"]
-            if rec is None:
-                raise LogUnavailable(
-                    f"{where}: no recorded result of optimizer step collective #{n}", iteration=self.iteration
-                )
-            # Shapes may differ between members (DeepSpeed's clip norm is () on one rank, (1,) on others).
-            have = (rec.name, tuple(rec.ranks), rec.tensor.dtype, rec.tensor.numel())
-            want = (name, tuple(ranks), tensor.dtype, tensor.numel())
-            if have != want:
-                raise LogUnavailable(
-                    f"{where}: the record of step collective #{n} is {have}, this collective is {want}",
-                    iteration=self.iteration,
-                )
-            with torch.no_grad():
-                tensor.copy_(rec.tensor.reshape(tensor.shape))
-            self.substituted += 1
-            return _DoneWork() if bound.arguments.get("async_op") else None
-
-        return call
 
 
 class _Replayer:

@@ -11,6 +11,19 @@ And after every recovery, with ``SWIFT_TEST_DUMP_DIR=DIR``, every rank saves the
 from as a DeepSpeed checkpoint ``DIR/recovered_gen<g>`` (what an undo left, before any further
 training amplifies its rounding).
 
+For logging-based recovery (tests/dist/test_recovery_logging.py):
+
+- every rank prints ``[test] rank R (original|replacement): load_checkpoint TAG`` whenever DeepSpeed
+  loads a checkpoint (survivors of a logging-based recovery must never print it);
+- ``SWIFT_TEST_CORRUPT_LOG="rank=R,iteration=I,micro_batch=M[,src=S]"``: rank R, when it opens the
+  message log for a replay and the log holds it, flips one payload byte of the activation (I, M)
+  stage S sent (once per job): the replay must fail on its checksum and every rank fall back to
+  the global checkpoint;
+- ``SWIFT_TEST_KILL_IN_REPLAY="rank=R,iteration=I"``: replacement rank R SIGKILLs itself when its
+  replay reaches iteration I (once per job): a cascading failure during the recovery;
+- ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
+  checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save.
+
 Together (R=2 stalls, R=3 dies after its step, both on machine 1) they make the update-undo case
 deterministic: rank 3's replica (rank 1) completed the step's collectives with rank 3 and stepped
 iteration I, rank 2's replica (rank 0) never got rank 2's gradients and did not. ``--inject``
@@ -29,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import ds_swift.engine as swift_engine
+import ds_swift.recovery.logging_recovery as logging_recovery
+import ds_swift.recovery.replay as replay_module
+from ds_swift.distributed import current_context
 from ds_swift.patches.instructions import hook_instructions, schedule
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pretrain_gpt.py"
@@ -39,9 +55,95 @@ def _spec(name: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
 
 
+def _once(key: str) -> bool:
+    """True for the first caller in the job (the job store's counter)."""
+    ctx = current_context()
+    return ctx is not None and ctx.store is not None and ctx.store.add(f"test/{key}", 1) == 1
+
+
+def _corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
+    """Flip a payload byte of the logged activation (iteration, micro-batch) sent by ``src_stage``
+    (any stage if None) in the file:// log store; False if no chunk holds it yet."""
+    from ds_swift.msglog.format import ChunkName
+    from ds_swift.msglog.reader import load_chunk
+    from ds_swift.storage import local_path_of
+
+    root = local_path_of(storage)
+    assert root is not None, "SWIFT_TEST_CORRUPT_LOG needs a file:// log store"
+    done = False
+    for path in sorted(root.iterdir()):
+        cn = ChunkName.parse(path.name)
+        if cn is None or path.name != cn.chunk_file or cn.edge[0] != "act":
+            continue
+        if not cn.first_iteration <= iteration < cn.end_iteration or src_stage not in (None, cn.edge[1]):
+            continue
+        entry = load_chunk(path).entries.get((iteration, micro_batch, "act", 0))
+        if entry is None:
+            continue
+        data = bytearray(path.read_bytes())
+        data[entry.offset + entry.length - 7] ^= 0x04
+        path.write_bytes(bytes(data))
+        done = True
+        print(f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
+              file=sys.stderr, flush=True)
+    return done
+
+
+def _patch_logging_recovery(rank: int) -> None:
+    import deepspeed
+
+    load = deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint
+    who = "replacement" if os.environ.get("SWIFT_REPLACEMENT") == "1" else "original"
+
+    def load_checkpoint(self: Any, load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        sys.stderr.write(f"[test] rank {rank} ({who}): load_checkpoint {tag}\n")  # one write: lines stay whole
+        sys.stderr.flush()
+        return load(self, load_dir, tag, *args, **kwargs)
+
+    deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    corrupt, kill = _spec("SWIFT_TEST_CORRUPT_LOG"), _spec("SWIFT_TEST_KILL_IN_REPLAY")
+    if corrupt and corrupt["rank"] == rank:
+        open_reader = logging_recovery._open_reader
+
+        def open_and_corrupt(rt: Any) -> Any:
+            ctx = current_context()
+            store = ctx.store if ctx is not None else None
+            if store is not None and store.get("test/corrupted") is None:
+                if _corrupt(rt.storage, corrupt["iteration"], corrupt["micro_batch"], corrupt.get("src")):
+                    store.set("test/corrupted", "1")  # once per job: the next replay reads what was re-logged
+            return open_reader(rt)
+
+        logging_recovery._open_reader = open_and_corrupt  # type: ignore[assignment]
+    if kill and kill["rank"] == rank:
+        run_iteration = replay_module._run_iteration
+
+        def run_or_die(engine: Any, batch_fn: Any, plan: Any, iteration: int) -> None:
+            if iteration == kill["iteration"] and _once("kill_in_replay"):
+                print(f"[test] rank {rank}: SIGKILL while replaying iteration {iteration}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            run_iteration(engine, batch_fn, plan, iteration)
+
+        replay_module._run_iteration = run_or_die  # type: ignore[assignment]
+    in_save = _spec("SWIFT_TEST_KILL_IN_SAVE")
+    if in_save and in_save["rank"] == rank:
+        from ds_swift.checkpoint import CheckpointManager
+
+        save = CheckpointManager.save
+
+        def save_or_die(self: Any, engine: Any) -> str:
+            if int(engine.global_steps) == in_save["iteration"] and _once("kill_in_save"):
+                print(f"[test] rank {rank}: SIGKILL in the checkpoint of iteration {in_save['iteration']}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save(self, engine)
+
+        CheckpointManager.save = save_or_die  # type: ignore[method-assign]
+
+
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
+    _patch_logging_recovery(rank)
     original = swift_engine.SwiftPipelineEngine._install
 
     def install(self: Any, engine: Any) -> None:

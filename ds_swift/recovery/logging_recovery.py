@@ -1,0 +1,380 @@
+"""Logging-based recovery in the runtime (SWIFT 5.1-5.3): one rank's part once the plan says "logging".
+
+Every rank of the new generation calls :func:`run_logging_recovery` with the same plan, after the
+coordinator restored the survivors' kept state (undo included). The *replayed group* is the failed
+machines' logging groups (``plan.replay_ranks``): replacements, and survivors that share a logging
+group with a failed machine (they roll back).
+
+1. **Check round** (store topic ``replay_check``): survivors outside the group say whether their
+   message log reached the store (flushed and uploaded before their teardown) and publish the
+   optimizer-step collective results they recorded (:class:`CollectiveRecorder`); the group's ranks
+   say whether they can replay (:func:`unsupported_reasons`) and whether the log holds a chunk for
+   every inbound edge and iteration to replay (by name, nothing downloaded). Everyone reads every
+   answer, so a "no" anywhere makes every rank return the same reason, and the coordinator reloads
+   the global checkpoint everywhere (loudly) in this same generation.
+2. **Replay**: the group's ranks load the global checkpoint (never a survivor outside the group) and
+   re-execute its iterations up to the consensus from the log (:func:`replay`). With parallel
+   recovery, survivors (helpers) replay a copy of each failed stage on half of the micro-batches
+   (:mod:`ds_swift.recovery.parallel`; every rank builds the copy engines, collectively).
+3. **Wait on the store** (topic ``replayed``), never in a gloo collective: a replay may outlast the
+   op timeout.
+
+A replay that meets a missing or corrupt record (:class:`LogUnavailable`) or a collective it
+cannot serve (:class:`ReplayUnsupported`) leaves its engine mid-iteration and its in-group peers
+blocked in live receives. That rank records ``replay_failed/<checkpoint>`` in the job store (the
+next plan reads it and reloads the checkpoint everywhere), says so loudly, declares the generation
+failed, wakes its pipeline neighbours (poison + their receive check) and raises GenerationFailed.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from ds_swift.data import BatchFn
+from ds_swift.membership import GenerationFailed, JobStore
+from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.consensus import RankReport, RecoveryPlan
+from ds_swift.recovery.parallel import (
+    Mode,
+    ParallelLayout,
+    build_copy_engine,
+    copy_unsupported_reasons,
+    parallel_replay,
+    transfer_state,
+)
+from ds_swift.recovery.replay import _plan_of, replay, unsupported_reasons
+from ds_swift.recovery.replay_log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
+from ds_swift.timeline import RankTimeline
+
+__all__ = ["ReplayRuntime", "failed_replay_key", "parallel_layout", "run_logging_recovery"]
+
+Records = dict[tuple[int, int], CollectiveRecord]
+
+
+def _noop(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class ReplayRuntime:
+    """What the runtime lends the logging-based recovery of one rank.
+
+    Args:
+        batch_fn: ``batch_fn(iteration, micro_batch)``, as in training.
+        seed: the runtime's RNG seed (keyed per iteration, micro-batch and stage).
+        storage: the message log's store URL (``logging.storage``).
+        ds_config: the DeepSpeed config dict (parallel recovery builds copy engines from it).
+        parallel: parallel recovery is on; ``mode`` is "exact" or "fast".
+        recorder: this rank's recorder of optimizer-step collectives (survivors publish its records).
+        log_error: survivors: why their message log could not be flushed and uploaded, or None.
+        set_reseed: switches the runtime's own per-forward reseeding on/off (the replay keys the RNG
+            itself, by the micro-batches it actually runs).
+        set_armed: switches the runtime's after-receive failure check on/off (on while replaying, so
+            a peer's poison wakes a live receive with an error instead of garbage).
+        poison: wakes this rank's pipeline neighbours blocked in a receive from it.
+        suspend_logging: stops this rank's message logger and returns what restarts it (parallel
+            recovery: a share of the micro-batches would be logged under the wrong numbers).
+        cache_dir: where a remote store's log chunks are downloaded (default: a temporary directory).
+        wait_timeout_s: the longest anyone waits for the replay to finish (a dead replayer is seen
+            sooner, through the generation's failure flag).
+    """
+
+    batch_fn: BatchFn
+    seed: int
+    storage: str
+    ds_config: Mapping[str, Any]
+    parallel: bool = False
+    mode: Mode = "exact"
+    recorder: CollectiveRecorder | None = None
+    log_error: str | None = None
+    set_reseed: Callable[[bool], None] = _noop
+    set_armed: Callable[[bool], None] = _noop
+    poison: Callable[[], None] = _noop
+    suspend_logging: Callable[[], Callable[[], None]] = lambda: _noop
+    cache_dir: str | None = None
+    wait_timeout_s: float = 7 * 24 * 3600.0
+    progress: ProgressFn | None = field(default=None, repr=False)
+
+
+def failed_replay_key(checkpoint_step: int) -> str:
+    """The job-store key saying why replaying from ``checkpoint_step`` failed (read by the next plan)."""
+    return f"replay_failed/{checkpoint_step}"
+
+
+def _loud(rank: int, msg: str) -> None:
+    print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
+
+
+def _source(checkpoint_step: int) -> str:
+    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
+
+
+# ----------------------------------------------------------------------------- parallel layout (pure)
+def parallel_layout(plan: RecoveryPlan, reports: list[RankReport], micro_batches: int) -> ParallelLayout | str:
+    """Who replays what with parallel recovery, or why it cannot be used for this plan.
+
+    The replacements host the failed stages (sub-pipeline 0); as many survivors outside the
+    replayed group, lowest ranks first, host a copy each (sub-pipeline 1).
+    """
+    by_rank = {r.rank: r for r in reports}
+    group = list(plan.replay_ranks)
+    if micro_batches < 2:
+        return "parallel recovery needs at least two micro-batches per iteration"
+    if len({(by_rank[r].dp, by_rank[r].tp) for r in group}) != 1:
+        return "the replayed group spans several data- or tensor-parallel ranks (two sub-pipelines of one replica only)"
+    ordered = sorted(group, key=lambda r: by_rank[r].stage)
+    stages = [by_rank[r].stage for r in ordered]
+    if stages != list(range(stages[0], stages[0] + len(stages))):
+        return f"the replayed stages {stages} are not contiguous"
+    helpers = [r for r in plan.survivors if r not in group][: len(group)]
+    if len(helpers) < len(group):
+        return f"{len(helpers)} survivors outside the replayed group cannot host copies of {len(group)} stages"
+    return ParallelLayout(tuple(stages), tuple(ordered), tuple(helpers), micro_batches)
+
+
+# ----------------------------------------------------------------------------- the protocol
+def _records_for(dp: int, answers: dict[int, dict[str, Any]], by_rank: dict[int, RankReport]) -> Records | None:
+    """The step-collective records of the lowest surviving rank of replica ``dp`` that published some."""
+    for r in sorted(answers):
+        blob = answers[r].get("records")
+        if blob and by_rank[r].dp == dp:
+            return CollectiveRecorder.from_bytes(base64.b64decode(blob)).records
+    return None
+
+
+def _check(engine: Any, plan: RecoveryPlan, rank: int, recorded: bool, reader: Any, reader_error: str | None) -> list[str]:
+    """A replaying rank's answer in the check round: why it cannot replay (empty: it can)."""
+    group = frozenset(plan.replay_ranks)
+    reasons = unsupported_reasons(engine, group, step_collectives_recorded=recorded)
+    edges = _plan_of(engine, group).from_log
+    if reasons or not edges:
+        return reasons
+    if reader is None:
+        return [f"rank {rank}: {reader_error}"]
+    try:
+        chunks_needed(reader, edges, plan.replay_from, plan.consensus)
+    except LogUnavailable as exc:
+        return [f"rank {rank}: {exc}"]
+    return []
+
+
+def _open_reader(rt: ReplayRuntime) -> tuple[Any, str | None]:
+    from ds_swift.msglog import LogReader
+
+    try:
+        cache = rt.cache_dir or tempfile.mkdtemp(prefix="ds-swift-replay-")
+        return LogReader(rt.storage, cache_dir=cache), None
+    except Exception as exc:  # noqa: BLE001 - any failure to open the log is a reason to fall back
+        return None, f"message log {rt.storage} cannot be opened: {type(exc).__name__}: {exc}"
+
+
+@contextmanager
+def _progress(rt: ReplayRuntime, total: int) -> Iterator[ProgressFn]:
+    if rt.progress is not None:
+        yield rt.progress
+    elif sys.stderr.isatty():
+        with rich_progress("ds-swift replay") as show:
+            yield show
+    else:
+        yield text_progress(every=max(1, total // 10))
+
+
+def _fail(
+    store: JobStore, generation: int, rank: int, start: int, source: str, exc: BaseException, rt: ReplayRuntime
+) -> NoReturn:
+    what = f"{type(exc).__name__}: {exc}"
+    store.set(failed_replay_key(start), f"rank {rank}: {what}"[:2000])
+    _loud(
+        rank,
+        f"LOGGING-BASED RECOVERY FAILED: {what}. Generation {generation} is abandoned; in the next one ALL "
+        f"RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source}) and train the lost iterations again.",
+    )
+    store.declare_failure(generation, f"rank {rank}: logging-based recovery failed: {what[:200]}")
+    rt.poison()
+    raise GenerationFailed(generation, f"logging-based recovery failed on rank {rank}") from exc
+
+
+def _load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
+    from ds_swift.recovery.collectives import _CollectiveGuard, _wrapped_collectives
+    from ds_swift.recovery.replication import set_counters
+
+    if checkpoint_step < 0 or ckpt is None:
+        set_counters(engine, 0)  # the rebuilt engine is the initial state (model_fn seeds it)
+        log("replay starts from the initial state (no global checkpoint yet)")
+        return
+    # Loading must not need the survivors: a collective leaving the group raises instead of hanging.
+    with _wrapped_collectives(_CollectiveGuard(frozenset(plan.replay_ranks), None).make):
+        loaded = ckpt.load_latest(engine, at_most=checkpoint_step)
+    if loaded != checkpoint_step:
+        raise LogUnavailable(f"global checkpoint global_step{checkpoint_step} could not be loaded (got {loaded})")
+    set_counters(engine, checkpoint_step)
+    log(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay")
+
+
+def _summary(stats: Any) -> dict[str, Any]:
+    rep = getattr(stats, "replay", stats)
+    out = {
+        "iterations": rep.iterations,
+        "from": rep.start_iteration,
+        "to": rep.end_iteration,
+        "wall_s": rep.wall_s,
+        "messages_from_log": rep.messages_from_log,
+        "log_bytes_read": rep.log_bytes_read,
+        "chunk_bytes": rep.chunk_bytes,
+        "chunks_loaded": rep.chunks_loaded,
+        "log_wait_s": rep.log_wait_s,
+        "sends_dropped": rep.sends_dropped,
+        "collectives_substituted": rep.collectives_substituted,
+    }
+    if rep is not stats:
+        out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
+                   exchange_s=stats.exchange_s)  # fmt: skip
+    return out
+
+
+def run_logging_recovery(
+    *,
+    store: JobStore,
+    generation: int,
+    rank: int,
+    engine: Any,
+    plan: RecoveryPlan,
+    reports: list[RankReport],
+    checkpoint_step: int,
+    ckpt: Any,
+    rt: ReplayRuntime,
+    timeline: RankTimeline,
+    gather_timeout_s: float,
+    log: Callable[[str], None],
+) -> tuple[str | None, dict[str, Any]]:
+    """Steps 1-3 above for this rank. Returns ``(None, summary)`` once every replayer is done, or
+    ``(reason, {})`` when every rank must reload the global checkpoint instead (same on every rank).
+
+    Args:
+        engine: this rank's rebuilt DeepSpeed engine (survivors outside the group: with their kept state).
+        plan: the logging plan (identical on every rank).
+        reports: every rank's report (coordinates, survivor or not).
+        checkpoint_step: the global checkpoint replayed from (-1: the initial state).
+        ckpt: the CheckpointManager (replaying ranks load from it).
+    """
+    by_rank = {r.rank: r for r in reports}
+    group = frozenset(plan.replay_ranks)
+    world = sorted(by_rank)
+    source = _source(checkpoint_step)
+    start, end = plan.replay_from, plan.consensus
+    me = by_rank[rank]
+    outside = [r for r in plan.survivors if r not in group]
+    recorded = any(by_rank[s].dp == me.dp for s in outside)
+
+    # 1. the check round
+    reader, reader_error = _open_reader(rt) if rank in group else (None, None)
+    answer: dict[str, Any] = {"why": []}
+    if rank in group:
+        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
+    else:
+        if rt.log_error is not None:
+            answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
+        if rt.recorder is not None:
+            answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
+    total = end - start + 1
+    layout: ParallelLayout | str | None = None
+    if rt.parallel and total > 0:
+        blockers = copy_unsupported_reasons(engine)
+        gas = int(engine.gradient_accumulation_steps())
+        layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
+    store.publish(generation, "replay_check", rank, json.dumps(answer))
+    answers = {r: json.loads(v) for r, v in store.gather(generation, "replay_check", world, gather_timeout_s).items()}
+    problems = [w for r in world for w in answers[r]["why"]]
+    if problems:
+        reason = "logging-based recovery impossible: " + "; ".join(problems)
+        _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")
+        return reason, {}
+    if isinstance(layout, str):
+        if rank == min(world):
+            log(f"parallel recovery not used ({layout}): sequential replay")
+        layout = None
+
+    # 2. the replay
+    role = layout.role(rank) if layout is not None else None
+    replayer = rank in group or role is not None
+    summary: dict[str, Any] = {}
+    if rank in group:
+        try:
+            _load_start(engine, ckpt, plan, checkpoint_step, log)
+        except (LogUnavailable, ReplayUnsupported) as exc:
+            _fail(store, generation, rank, start, source, exc, rt)
+        timeline.t_loaded = time.time()
+        timeline.extra["checkpoint_loaded"] = checkpoint_step
+    stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else me.dp
+    records = _records_for(stage_dp, answers, by_rank) if replayer else None
+    if replayer and reader is None:
+        reader, reader_error = _open_reader(rt)
+        if reader is None:
+            _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
+    if layout is not None:
+        resume = rt.suspend_logging() if rank in group else _noop
+        copy = build_copy_engine(engine, layout, rt.ds_config)  # every rank, collectively
+        try:
+            transfer_state(engine, copy, layout, start)
+            if replayer:
+                rt.set_reseed(False)
+                rt.set_armed(True)
+                try:
+                    with _progress(rt, total) as progress:
+                        pstats = parallel_replay(
+                            engine, copy, layout, reader, start, end, rt.batch_fn, progress,
+                            mode=rt.mode, seed=rt.seed, collectives=records,
+                        )  # fmt: skip
+                except (LogUnavailable, ReplayUnsupported) as exc:
+                    _fail(store, generation, rank, start, source, exc, rt)
+                finally:
+                    rt.set_armed(False)
+                    rt.set_reseed(True)
+                if pstats is not None:
+                    summary = _summary(pstats)
+        finally:
+            copy = None  # a helper's copy of the failed stage goes now
+            gc.collect()
+            resume()
+    elif rank in group:
+        rt.set_reseed(False)
+        rt.set_armed(True)
+        try:
+            with _progress(rt, total) as progress:
+                stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed, collectives=records)
+        except (LogUnavailable, ReplayUnsupported) as exc:
+            _fail(store, generation, rank, start, source, exc, rt)
+        finally:
+            rt.set_armed(False)
+            rt.set_reseed(True)
+        summary = _summary(stats)
+    if replayer:
+        timeline.t_replayed = time.time()
+        timeline.extra["replay"] = summary
+        store.publish(generation, "replayed", rank, json.dumps(summary))
+
+    # 3. wait on the store, not in a collective
+    replayers = sorted(group | (set(layout.helpers) if layout is not None else set()))
+    done = store.gather(generation, "replayed", replayers, rt.wait_timeout_s)
+    per_rank = {r: json.loads(v) for r, v in done.items()}
+    return None, {
+        "machines": sorted({by_rank[r].machine for r in group}),
+        "from": start,
+        "to": end,
+        "source": source,
+        "ranks": replayers,
+        "parallel": rt.mode if layout is not None else None,
+        "iterations": total,
+        "replay_s": max((s.get("wall_s", 0.0) for s in per_rank.values()), default=0.0),
+        "log_bytes_read": sum(s.get("log_bytes_read", 0) for s in per_rank.values()),
+        "per_rank": {str(r): s for r, s in per_rank.items()},
+    }
