@@ -24,9 +24,7 @@ replacement in the middle of its replay. The last tests check the plan itself (n
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 
+from ds_swift.demo import checkpoint_tensors
 from ds_swift.testing.procs import ProcessSet, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,27 +100,6 @@ def run_job(
         code = procs.wait("launcher", JOB_DEADLINE_S)
         output = procs.log("launcher")
     return Job(code, output, run_dir, save_dir, float(cfg["swift"]["watchdog"]["op_timeout_s"]))
-
-
-def checkpoint_tensors(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one DeepSpeed checkpoint tag (layer files + per-stage model/optimizer states)."""
-    out: dict[str, torch.Tensor] = {}
-    files = sorted(glob.glob(str(tag_dir / "*.pt")))
-    assert files, f"no checkpoint files in {tag_dir}"
-
-    def walk(x: Any, path: str) -> None:
-        if isinstance(x, torch.Tensor):
-            out[path] = x
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}/{k}")
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(v, f"{path}[{i}]")
-
-    for f in files:
-        walk(torch.load(f, map_location="cpu", weights_only=False), os.path.basename(f))
-    return out
 
 
 def final_tensors(save_dir: Path) -> dict[str, torch.Tensor]:
