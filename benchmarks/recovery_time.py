@@ -6,7 +6,9 @@ K + K/2 (backward pass):
 
 - ``replication`` (``configs/gpt_tiny_pp2_dp2.json``, pp 2 x dp 2, each stage's replica on the
   other machine): the survivors keep their state; the replacement gets it from the surviving
-  replicas;
+  replicas; the spare's workers are warm (started and imported before the failure, the default);
+- ``replication_cold``: the same with ``ds-swift-launch --cold-spares``: the spare starts its
+  workers only when the machine fails (interpreter, imports, CUDA context: the cost warm spares hide);
 - ``checkpoint``: the same pp 2 x dp 2 job with ``strategy: checkpoint``: every rank reloads the
   last global checkpoint (iteration K) and trains the K/2 lost iterations again;
 - ``logging`` (``configs/gpt_tiny_pp4.json``, pp 4, stages 2 and 3 on machine 1, no replica): the
@@ -43,23 +45,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ds_swift.testing.procs import ProcessSet, worker_env
+from ds_swift.testing.jobs import JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 PP2_DP2 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
 PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
-#: variant -> (config, swift overrides, the strategy its timeline must report)
-VARIANTS: dict[str, tuple[Path, dict[str, Any], str]] = {
-    "replication": (PP2_DP2, {"strategy": "auto"}, "replication"),
-    "checkpoint": (PP2_DP2, {"strategy": "checkpoint"}, "checkpoint"),
-    "logging": (PP4, {"strategy": "logging", "parallel_recovery": False}, "logging"),
+#: variant -> (config, swift overrides, the strategy its timeline must report, extra ds-swift-launch flags)
+VARIANTS: dict[str, tuple[Path, dict[str, Any], str, tuple[str, ...]]] = {
+    "replication": (PP2_DP2, {"strategy": "auto"}, "replication", ()),
+    "replication_cold": (PP2_DP2, {"strategy": "auto"}, "replication", ("--cold-spares",)),
+    "checkpoint": (PP2_DP2, {"strategy": "checkpoint"}, "checkpoint", ()),
+    "logging": (PP4, {"strategy": "logging", "parallel_recovery": False}, "logging", ()),
     "logging_parallel": (PP4, {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_mode": "exact"},
-                         "logging"),
-    "checkpoint_pp4": (PP4, {"strategy": "checkpoint"}, "checkpoint"),
+                         "logging", ()),
+    "checkpoint_pp4": (PP4, {"strategy": "checkpoint"}, "checkpoint", ()),
 }
 #: ratio key -> (numerator variant, denominator variant)
 RATIOS = {
+    "warm_vs_cold_spares": ("replication", "replication_cold"),
     "replication_vs_checkpoint": ("replication", "checkpoint"),
     "logging_vs_checkpoint": ("logging", "checkpoint_pp4"),
     "logging_parallel_vs_checkpoint": ("logging_parallel", "checkpoint_pp4"),
@@ -81,28 +85,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(work: Path, variant: str, interval: int, model_args: list[str], timeout: float) -> dict[str, Any]:
     """One job with one injected machine failure; returns its recovery timeline."""
-    config, swift, expected = VARIANTS[variant]
+    config, swift, expected, flags = VARIANTS[variant]
     kill_at = interval + interval // 2
-    cfg = json.loads(config.read_text())
-    cfg["swift"].update(swift)
-    cfg["swift"]["checkpoint"] = {"dir": str(work / "ckpt"), "interval": interval}
-    cfg["swift"]["logging"] = {**cfg["swift"].get("logging", {}), "storage": f"file://{work / 'logs'}"}
-    cfg["swift"]["run_dir"] = str(work / "run")
-    work.mkdir(parents=True)
-    (work / "ds_config.json").write_text(json.dumps(cfg))
-    argv = [
-        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(work / "run"), "--nnodes", "2",
-        "--nproc-per-node", "2", "--spares", "1", "--inject", f"machine=1,iteration={kill_at},phase=backward",
-        str(EXAMPLE), "--deepspeed_config", str(work / "ds_config.json"), "--train-iters", str(kill_at + 2),
-        *model_args,
-    ]  # fmt: skip
-    with ProcessSet(work / "proc-logs") as procs:
-        procs.spawn("launcher", argv, env=worker_env(), cwd=work)
-        code = procs.wait("launcher", timeout)
-        if code != 0:
-            raise RuntimeError(f"{variant} job failed with exit code {code}:\n{procs.log('launcher')[-4000:]}")
-    (path,) = sorted((work / "run").glob("timeline-gen*.json"))
-    tl: dict[str, Any] = json.loads(path.read_text())
+    spec = JobSpec(
+        EXAMPLE, config, kill_at + 2,
+        ["--spares", "1", *flags, "--inject", f"machine=1,iteration={kill_at},phase=backward"],
+        model_args, swift={**swift, "checkpoint": {"interval": interval}}, save=False,
+    )  # fmt: skip
+    job = run_job(work, spec, timeout)
+    if job.code != 0:
+        raise RuntimeError(f"{variant} job failed with exit code {job.code}:\n{job.output[-4000:]}")
+    (tl,) = job.timelines()
     if tl["strategy"] != expected:
         raise RuntimeError(f"{variant} job recovered by {tl['strategy']}: {tl['reason']}")
     return tl

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -193,16 +191,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if spec["engine"]:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    from ds_swift.testing.procs import free_port, worker_env
+    from ds_swift.testing.ranks import rank_env
+
+    # A DeepSpeed engine needs a (one-rank) process group; the plain optimizer runs need none.
+    env = rank_env(0, 1, free_port()) if spec["engine"] else worker_env({"OMP_NUM_THREADS": "1"})
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         env=env,

@@ -19,14 +19,14 @@ __all__ = ["ConfigError", "SwiftConfig", "__version__", "init_distributed", "ini
 
 
 def initialize(engine: Any, ds_config: Any = None, **kwargs: Any) -> Any:
-    """Wrap a DeepSpeed pipeline engine with ds-swift; see :func:`ds_swift.engine.initialize`."""
-    from ds_swift.engine import initialize as _initialize
+    """Wrap a DeepSpeed pipeline engine with ds-swift; see :func:`ds_swift.runtime.engine.initialize`."""
+    from ds_swift.runtime.engine import initialize as _initialize
 
     return _initialize(engine, ds_config, **kwargs)
 
 
 def init_distributed(ds_config: Any = None, **kwargs: Any) -> Any:
-    """Join the job (its generation, under ds-swift-launch); see :func:`ds_swift.distributed.init_distributed`."""
-    from ds_swift.distributed import init_distributed as _init
+    """Join the job (its generation, under ds-swift-launch); see :func:`ds_swift.runtime.context.init_distributed`."""
+    from ds_swift.runtime.context import init_distributed as _init
 
     return _init(ds_config, **kwargs)

@@ -16,10 +16,11 @@ from ds_swift.config import ConfigError
 
 #: sub-command modules, in the order `--help` lists them
 SUBCOMMANDS = (
-    "ds_swift.plan_cli",  # ds-swift plan
+    "ds_swift.plan.cli",  # ds-swift plan
     "ds_swift.sim.cli",  # ds-swift simulate
     "ds_swift.msglog.cli",  # ds-swift logs
     "ds_swift.demo",  # ds-swift demo
+    "ds_swift.megatron_patch",  # ds-swift megatron-patch
 )
 
 

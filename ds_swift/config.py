@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 __all__ = [
+    "BuddyConfig",
     "CheckpointConfig",
     "ConfigError",
     "LoggingConfig",
@@ -71,6 +72,14 @@ def _check_type(path: str, value: Any, typ: type | tuple[type, ...], allowed: st
         raise _fail(path, value, allowed)
 
 
+def _is_machine_list(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in value)
+    )
+
+
 @dataclass(frozen=True)
 class MachinesConfig:
     """How ranks map onto physical machines."""
@@ -85,7 +94,19 @@ class MachinesConfig:
     replicas next to each other, usually on one machine (-> logging); ``tp-pp-dp`` spreads them
     over machines (-> replication)."""
 
+    failure_domains: tuple[tuple[int, ...], ...] = ()
+    """Groups of machines that can fail together (a rack, a power feed), as lists of machine
+    indices, e.g. ``[[0, 1], [2, 3]]``. Buddy copies never sit in their owner's domain; machines
+    not named form a domain each."""
+
     def __post_init__(self) -> None:
+        domains = self.failure_domains
+        if not isinstance(domains, list | tuple) or not all(_is_machine_list(d) for d in domains):
+            raise _fail("machines.failure_domains", domains, "a list of non-empty lists of machine indices")
+        flat = [m for d in domains for m in d]
+        if len(flat) != len(set(flat)):
+            raise _fail("machines.failure_domains", domains, "each machine may appear in one domain only")
+        object.__setattr__(self, "failure_domains", tuple(tuple(d) for d in domains))
         _check_type("machines.gpus_per_node", self.gpus_per_node, int, "a positive integer")
         if self.gpus_per_node < 1:
             raise _fail("machines.gpus_per_node", self.gpus_per_node, "a positive integer")
@@ -171,6 +192,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class BuddyConfig:
+    """Buddy copies of each rank's optimizer partition (ZeRO-1, BF16_Optimizer), for recovery
+    without the checkpoint when a partition's machine fails (ds_swift.recovery.buddy)."""
+
+    enabled: bool = True
+    """Copy each rank's partition to its buddies after every step (asynchronously, in host
+    memory). Has no effect where the optimizer state is not partitioned (a replica holds it)."""
+
+    replication_factor: int = 1
+    """How many buddies, each on another machine (and failure domain), hold each partition."""
+
+    def __post_init__(self) -> None:
+        _check_type("buddy.enabled", self.enabled, bool, "true or false")
+        _check_type("buddy.replication_factor", self.replication_factor, int, "a positive integer")
+        if self.replication_factor < 1:
+            raise _fail(
+                "buddy.replication_factor", self.replication_factor, "a positive integer (disable with enabled: false)"
+            )
+
+
+@dataclass(frozen=True)
 class WatchdogConfig:
     """Failure detection inside each worker."""
 
@@ -228,6 +270,9 @@ class SwiftConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Failure detection."""
 
+    buddy: BuddyConfig = field(default_factory=BuddyConfig)
+    """Buddy copies of ZeRO-1 / BF16_Optimizer partitions."""
+
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
 
@@ -282,6 +327,7 @@ _NESTED: dict[str, type] = {
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
     "watchdog": WatchdogConfig,
+    "buddy": BuddyConfig,
 }
 
 

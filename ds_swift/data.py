@@ -4,7 +4,8 @@ A recovering rank resumes at an iteration it did not run before (a replacement) 
 (after an undo or a checkpoint reload). Reading the next item of a stateful iterator would give
 it the wrong samples; asking ``batch_fn(iteration, micro_batch)`` gives the right ones. Likewise
 dropout: the RNG is reseeded before every forward pass from (seed, iteration, micro-batch,
-stage), never carried over from whatever ran before.
+stage), never carried over from whatever ran before (ds_swift.runtime.hooks.key_forward_rng, in
+training and in the replay alike).
 
 Micro-batch numbering: within iteration ``t``, data-parallel replica ``d`` trains micro-batches
 ``d * gas .. d * gas + gas - 1`` (``gas`` = gradient accumulation steps), so every sample of the

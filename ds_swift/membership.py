@@ -1,7 +1,10 @@
 """Job membership: the key-value store, generations, the failure flag, heartbeats.
 
-One ``TCPStore`` serves the whole job. It lives in the node agent of machine 0 (never in a
-worker: a store inside a worker dies with that worker and takes every client with it). All keys
+One store serves the whole job: by default a ``TCPStore`` in the node agent of machine 0 (never
+in a worker: a store inside a worker dies with that worker and takes every client with it); with
+``ds-swift-launch --store tcp://HOST:PORT`` a ``TCPStore`` served elsewhere (the launch host);
+with ``--store etcd://H1:P1,H2:P2`` an etcd cluster (:mod:`ds_swift.etcd_store`), which outlives
+every training machine, machine 0 included. Workers learn which from ``SWIFT_STORE_URL``. All keys
 sit under ``swift/<token>/``: a worker started with another job's token sees none of them and
 :meth:`JobStore.connect` refuses it, so a stale worker of an earlier job that reached a reused
 port cannot join this one.
@@ -34,6 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from ds_swift.store_url import StoreURL
 
 __all__ = [
     "GenerationFailed",
@@ -74,6 +79,8 @@ class WorkerEnv:
     token: str
     run_dir: str
     inject: str
+    store_url: str = ""
+    """``etcd://...`` when the job store is an etcd cluster; empty: the TCPStore at store_addr:store_port."""
 
     ENV_KEYS = (
         "RANK",
@@ -88,6 +95,7 @@ class WorkerEnv:
         "SWIFT_JOB_TOKEN",
         "SWIFT_RUN_DIR",
         "SWIFT_INJECT",
+        "SWIFT_STORE_URL",
     )
 
     @staticmethod
@@ -119,6 +127,7 @@ class WorkerEnv:
             token=env["SWIFT_JOB_TOKEN"],
             run_dir=env.get("SWIFT_RUN_DIR", "./swift-run"),
             inject=env.get("SWIFT_INJECT", ""),
+            store_url=env.get("SWIFT_STORE_URL", ""),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -135,6 +144,7 @@ class WorkerEnv:
             "SWIFT_JOB_TOKEN": self.token,
             "SWIFT_RUN_DIR": self.run_dir,
             "SWIFT_INJECT": self.inject,
+            "SWIFT_STORE_URL": self.store_url,
         }
 
 
@@ -185,7 +195,48 @@ class JobStore:
         return js
 
     @classmethod
+    def open(cls, url: str, token: str, timeout_s: float = 60.0, create: bool = False) -> JobStore:
+        """Connect to the store at ``url`` (see :class:`StoreURL`), hosted by nobody in this job.
+
+        ``create``: an agent initialises the job's keys if no agent did yet (idempotent, so every
+        agent may); a worker (False) is refused when they are missing, as with :meth:`connect`.
+        """
+        where = StoreURL.parse(url)
+        if where.scheme == "tcp":
+            (addr, port), = where.endpoints
+            if not create:
+                return cls.connect(addr, port, token, timeout_s)
+            try:
+                raw: dist.Store = dist.TCPStore(
+                    addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True
+                )
+            except (RuntimeError, OSError) as exc:
+                raise MembershipError(f"cannot reach the job store at {where}: {exc}") from exc
+        else:
+            from ds_swift.etcd_store import EtcdStore
+
+            raw = EtcdStore(where.endpoints, timeout=datetime.timedelta(seconds=timeout_s))
+        js = cls(raw, token)
+        try:
+            present = bool(js.kv.check(["token"]))
+            if create and not present:
+                js.kv.set("token", token)
+                # compare_set from "absent": the first agent's "0", never a reset of a running job's generation.
+                js.kv.compare_set("generation", "", "0")
+                present = True
+        except (RuntimeError, OSError) as exc:
+            raise MembershipError(f"cannot reach the job store at {where}: {exc}") from exc
+        if not present:
+            raise MembershipError(
+                f"the store at {where} does not serve job token {token[:8]}...: "
+                "this worker belongs to another job (or the job ended)"
+            )
+        return js
+
+    @classmethod
     def from_env(cls, env: WorkerEnv, timeout_s: float = 60.0) -> JobStore:
+        if env.store_url:
+            return cls.open(env.store_url, env.token, timeout_s)
         return cls.connect(env.store_addr, env.store_port, env.token, timeout_s)
 
     # ------------------------------------------------------------------ generations
@@ -281,3 +332,9 @@ class JobStore:
 
     def add(self, key: str, amount: int) -> int:
         return int(self.kv.add(key, amount))
+
+    def clear(self) -> None:
+        """Delete the job's keys from a store that outlives the job (etcd); a no-op for a TCPStore."""
+        delete_prefix = getattr(self.raw, "delete_prefix", None)
+        if delete_prefix is not None:
+            delete_prefix(f"swift/{self.token}/")

@@ -31,9 +31,10 @@ import ds_swift
 import ds_swift.megatron
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import micro_batches
-from ds_swift.distributed import pipeline_topology
-from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, PlanError, gpt_batch_fn, gpt_pipeline, resolve_training_plan
-from ds_swift.topology import layout_from_deepspeed_topology, layout_from_parallel_state
+from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, gpt_batch_fn, gpt_pipeline
+from ds_swift.models.training_plan import PlanError, resolve_training_plan
+from ds_swift.plan import layout_from_deepspeed_topology, layout_from_parallel_state
+from ds_swift.runtime.context import pipeline_topology
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,6 +4,9 @@
 - :mod:`.spawn`: starting, watching and killing one machine's workers;
 - :mod:`.control`: what agents tell each other through the job store, and the event log;
 - :mod:`.agent`: the node agent (failure -> spare, restart or abort);
+- :mod:`.liveness`: agents watching each other's liveness (a machine lost with its agent);
 - :mod:`.launcher`: the loop that runs the agents of this process;
+- :mod:`.hostfile`, :mod:`.slurm`, :mod:`.remote`: which hosts run agents, and starting them
+  under SLURM (``srun``) or with pdsh/ssh;
 - :mod:`.cli`: the console script.
 """

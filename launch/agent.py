@@ -11,6 +11,12 @@ generation failed in the job store. The agent itself survives. Then, in this ord
 
 Replacement workers start in the store's current generation with ``SWIFT_REPLACEMENT=1``. A
 replacement that dies is one more machine failure, handled the same way (a cascading failure).
+A spare keeps a pool of warm workers (:mod:`.warm`, on unless ``--cold-spares``), already imported
+and waiting: taking over a machine hands them their ranks instead of starting processes.
+
+Multi-host, an agent can die with its machine; another agent then notices (:mod:`.liveness`) and
+calls :meth:`MachineAgent.adopt_lost_machine`, which handles that machine's failure the same way
+(without the restart option: there is no agent left to restart on).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
 from .control import EventLog, JobControl
-from .spawn import Worker, describe_exit, spawn_worker
+from .spawn import Worker, describe_exit, spawn_warm, spawn_worker, supports_warm
+from .warm import WarmPool
 
 #: seconds between GPU health polls (NVML queries are cheap, but not free on 8 GPUs)
 GPU_POLL_S = 2.0
@@ -59,9 +66,13 @@ class JobSpec:
     run_dir: str
     inject: tuple[FaultSpec, ...] = ()
     op_timeout_s: float | None = None
+    store_url: str = ""
+    """``etcd://...`` or ``tcp://...`` when no agent hosts the store (workers get it as SWIFT_STORE_URL)."""
+    warm_spares: bool = False
+    """Spares keep warm workers (ds-swift-launch: on unless ``--cold-spares``)."""
 
     @classmethod
-    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str) -> JobSpec:
+    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "") -> JobSpec:
         return cls(
             command=args.command,
             num_machines=args.nnodes,
@@ -75,6 +86,8 @@ class JobSpec:
             run_dir=args.run_dir,
             inject=args.inject,
             op_timeout_s=args.op_timeout_s,
+            store_url=store_url,
+            warm_spares=not args.cold_spares,
         )
 
     @property
@@ -100,6 +113,7 @@ class MachineAgent:
         events: EventLog,
         spawn: Callable[..., Worker] = spawn_worker,
         gpu_monitor: Any | None = None,
+        warm_start: Callable[..., Any] = spawn_warm,
     ) -> None:
         self.node = node
         self.job = job
@@ -118,13 +132,26 @@ class MachineAgent:
         # as good as a dead machine. Without NVML (CPU machines) the monitor reports healthy.
         self._gpu = gpu_monitor
         self._gpu_next = 0.0
+        self._pool: WarmPool | None = None
+        if self.state is AgentState.SPARE and job.warm_spares and supports_warm(job.command):
+            self._pool = WarmPool(job.nproc_per_node, lambda lr: warm_start(job.command, lr, job.nproc_per_node))
 
     @property
     def name(self) -> str:
         return f"agent {self.node}" + (" (spare)" if self.node >= self.job.num_machines else "")
 
     # ------------------------------------------------------------------ lifecycle
+    def _publish_machine(self) -> None:
+        """What a watcher must know if this agent dies: the machine it runs ("" when none)."""
+        running = self.state in (AgentState.RUNNING, AgentState.RESTARTING) and self.machine is not None
+        self.store.set(f"launch/machine_of/{self.node}", str(self.machine) if running else "")
+
     def start(self) -> None:
+        self._publish_machine()
+        if self._pool is not None:
+            pids = self._pool.fill()
+            self.events(f"{self.name}: {len(pids)} warm worker(s) started (pids {' '.join(map(str, pids))})",
+                        event="warm_started", node=self.node, pids=pids)
         if self.state is AgentState.RUNNING:
             self._spawn(generation=0, replacement=False)
             self.events(
@@ -141,6 +168,11 @@ class MachineAgent:
         elif self.state is AgentState.RESTARTING and time.monotonic() >= self._restart_at:
             self.state = AgentState.RUNNING
             self._spawn_replacement()
+        elif self.state is AgentState.SPARE and self._pool is not None:
+            lines = self._pool.check()
+            if lines:
+                pids = [wp.pid for wp in self._pool.procs.values()]
+                self.events(f"{self.name}: " + "; ".join(lines), event="warm_replaced", node=self.node, pids=pids)
 
     def poll_store(self) -> None:
         """A spare looks for a replacement request it can claim."""
@@ -158,6 +190,7 @@ class MachineAgent:
                 self.machine = machine
                 self._failed_generation = failed_generation
                 self.state = AgentState.RUNNING
+                self._publish_machine()
                 self.events(
                     f"{self.name} takes over machine {machine} ({self._ranks_text()})",
                     event="takeover", node=self.node, machine=machine, failed_generation=failed_generation,
@@ -168,10 +201,13 @@ class MachineAgent:
     def signal_all(self, sig: int) -> None:
         for w in [*self.workers, *self._dying]:
             w.signal_group(sig)
+        if self._pool is not None:
+            self._pool.signal_all(sig)
 
-    def alive(self) -> list[Worker]:
-        """Workers not reaped yet (reaps the ones that ended)."""
-        return [w for w in [*self.workers, *self._dying] if w.poll() is None]
+    def alive(self) -> list[Any]:
+        """Workers (warm ones included) not reaped yet (reaps the ones that ended)."""
+        warm = self._pool.alive() if self._pool is not None else []
+        return [*(w for w in [*self.workers, *self._dying] if w.poll() is None), *warm]
 
     # ------------------------------------------------------------------ internals
     def _ranks_text(self) -> str:
@@ -179,11 +215,11 @@ class MachineAgent:
         r = self.job.ranks(self.machine)
         return f"ranks {r.start}..{r.stop - 1}" if len(r) > 1 else f"rank {r.start}"
 
-    def _spawn(self, generation: int, replacement: bool) -> None:
+    def _worker_envs(self, generation: int, replacement: bool) -> list[WorkerEnv]:
         assert self.machine is not None
         inject = format_specs(self.job.inject)
-        for local_rank, rank in enumerate(self.job.ranks(self.machine)):
-            wenv = WorkerEnv(
+        return [
+            WorkerEnv(
                 rank=rank,
                 local_rank=local_rank,
                 world_size=self.job.world_size,
@@ -196,26 +232,41 @@ class MachineAgent:
                 token=self.job.token,
                 run_dir=self.job.run_dir,
                 inject=inject,
+                store_url=self.job.store_url,
             )
+            for local_rank, rank in enumerate(self.job.ranks(self.machine))
+        ]
+
+    def _spawn(self, generation: int, replacement: bool) -> bool:
+        """Start the machine's ranks: handed to the warm pool's workers where it has them; True if so."""
+        wenvs = self._worker_envs(generation, replacement)
+        if self._pool is not None:
+            # Empties the pool either way (one takeover per spare); it keeps what it killed, to be reaped.
+            warm = self._pool.take(wenvs, (self.job.nproc_per_node, self.job.op_timeout_s))
+            if warm is not None:
+                self.workers.extend(warm)
+                return True
+        for wenv in wenvs:
             try:
                 worker = self._spawn_fn(self.job.command, wenv, self.job.nproc_per_node, self.job.op_timeout_s)
             except OSError as exc:
-                self._give_up(f"machine {self.machine}: cannot start rank {rank} ({self.job.command.script}): {exc}")
-                return
+                self._give_up(f"machine {self.machine}: cannot start rank {wenv.rank} ({self.job.command.script}): {exc}")
+                return False
             self.workers.append(worker)
+        return False
 
     def _spawn_replacement(self) -> None:
         generation = self.store.generation()
-        self._spawn(generation=generation, replacement=True)
+        warm = self._spawn(generation=generation, replacement=True)
         if self.state is not AgentState.RUNNING:
             return  # the spawn failed and the job is being aborted
         t = time.time()
         self.control.record_replacement_spawned(self._failed_generation, t)
         self.events(
-            f"machine {self.machine}: replacement {self._ranks_text()} started by {self.name} "
-            f"in generation {generation} (pids {' '.join(str(w.pid) for w in self.workers)})",
+            f"machine {self.machine}: replacement {self._ranks_text()} {'handed to warm workers' if warm else 'started'} "
+            f"by {self.name} in generation {generation} (pids {' '.join(str(w.pid) for w in self.workers)})",
             event="replacement_spawned", node=self.node, machine=self.machine, generation=generation,
-            failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers],
+            failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers], warm=warm,
         )
 
     def _gpu_problem(self) -> str | None:
@@ -223,7 +274,7 @@ class MachineAgent:
             return None
         self._gpu_next = time.monotonic() + GPU_POLL_S
         if self._gpu is None:
-            from ds_swift.gpu_health import GpuMonitor
+            from .gpu_health import GpuMonitor
 
             self._gpu = GpuMonitor(indices=list(range(self.job.nproc_per_node)))
         health = self._gpu.poll()
@@ -255,6 +306,7 @@ class MachineAgent:
         elif all(rc == 0 for _, rc in codes):
             assert self.machine is not None
             self.state = AgentState.DONE
+            self._publish_machine()
             self.control.mark_machine_done(self.machine)
             self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
                         node=self.node, machine=self.machine)
@@ -275,43 +327,71 @@ class MachineAgent:
         assert machine is not None
         what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
+        outcome = self._handle_failure(machine, reason, t_detected, own=True, rank=worker.rank, returncode=returncode)
+        if outcome == "restart":
+            self.state = AgentState.RESTARTING
+            self._restart_at = time.monotonic() + (self.job.restart_delay_s or 0.0)
+            self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
+                        f"{self.job.restart_delay_s:g} s", event="restart_scheduled", node=self.node, machine=machine)
+        else:
+            self.state = AgentState.RETIRED
+        self._publish_machine()
+
+    def adopt_lost_machine(self, node: int, silent_s: float) -> None:
+        """Agent ``node`` died (its liveness counter stopped): fail the machine it ran, as it would have."""
+        t_detected = time.time()
+        value = self.store.get(f"launch/machine_of/{node}")
+        self.store.add("launch/lost_agents", 1)
+        if not value:
+            self.events(f"agent {node} is gone (silent for {silent_s:.1f} s); it ran no machine",
+                        event="agent_lost", node=self.node, lost_node=node)
+            return
+        machine = int(value)
+        reason = f"machine {machine}: its agent {node} is gone (silent for {silent_s:.1f} s) at {_clock(t_detected)}"
+        self.events(f"{self.name} handles the failure of machine {machine} for dead agent {node}",
+                    event="agent_lost", node=self.node, lost_node=node, machine=machine)
+        self._handle_failure(machine, reason, t_detected, own=False, lost_node=node)
+
+    def _handle_failure(self, machine: int, reason: str, t_detected: float, own: bool, **fields: object) -> str:
+        """Declare ``machine``'s failure, then request a spare; returns "spare", "restart" or "abort"."""
         failed_generation, declared = self._declare(reason)
         t_declared = time.time()
         self.control.record_failure_timeline(failed_generation, machine, t_detected, t_declared)
         t_fire = self._injected_kill_time(machine, t_detected)
         latency = ""
-        fields: dict[str, object] = {}
         if t_fire is not None:
-            fields = {"kill_to_detected_ms": (t_detected - t_fire) * 1e3, "kill_to_flag_ms": (t_declared - t_fire) * 1e3}
+            fields = {**fields, "kill_to_detected_ms": (t_detected - t_fire) * 1e3,
+                      "kill_to_flag_ms": (t_declared - t_fire) * 1e3}
             latency = (f" (injected kill -> seen {fields['kill_to_detected_ms']:.1f} ms, "
                        f"-> gen{failed_generation}/failed {fields['kill_to_flag_ms']:.1f} ms)")
         self.events(
             f"{reason}: generation {failed_generation} failed{'' if declared else ' (already declared)'}{latency}",
-            event="failure", node=self.node, machine=machine, rank=worker.rank, returncode=returncode,
-            generation=failed_generation, declared=declared, t_detected=t_detected, t_declared=t_declared, **fields,
+            event="failure", node=self.node, machine=machine, generation=failed_generation, declared=declared,
+            t_detected=t_detected, t_declared=t_declared, **fields,
         )
-        self._failed_generation = failed_generation
+        if own:
+            self._failed_generation = failed_generation
 
         count = self.control.record_failure()
         if count > self.job.max_failures:
-            self._give_up(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
-            return
+            self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
+            return "abort"
         if self.job.num_spares > 0:
             slot = self.control.take_spare()
             if slot <= self.job.num_spares:
                 self.control.request_replacement(slot, machine, failed_generation)
-                self.state = AgentState.RETIRED
                 self.events(f"machine {machine}: spare {slot} of {self.job.num_spares} requested", event="spare_requested",
                             node=self.node, machine=machine, slot=slot)
-                return
-        if self.job.restart_delay_s is not None:
-            self.state = AgentState.RESTARTING
-            self._restart_at = time.monotonic() + self.job.restart_delay_s
-            self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
-                        f"{self.job.restart_delay_s:g} s", event="restart_scheduled", node=self.node, machine=machine)
-            return
+                return "spare"
+        if own and self.job.restart_delay_s is not None:
+            return "restart"
         why = f"all {self.job.num_spares} spares are in use" if self.job.num_spares else "no spare machines (--spares 0)"
-        self._give_up(f"{reason}; no replacement: {why} and no --restart-delay")
+        if not own:
+            why += " (a dead agent's machine cannot restart in place)"
+        elif self.job.restart_delay_s is None:
+            why += " and no --restart-delay"
+        self.control.abort(f"{reason}; no replacement: {why}")
+        return "abort"
 
     def _injected_kill_time(self, machine: int, t_detected: float) -> float | None:
         """When an injected fault killed a rank of ``machine`` just before (for the latency line)."""

@@ -2,8 +2,10 @@
 
 Flags mirror the ``deepspeed`` launcher where they overlap (``--num_nodes``, ``--num_gpus``,
 ``--hostfile``, ``--master_addr``, ``--master_port``, ``--no_local_rank``, ``--module``,
-``--no_python``), with torchrun spellings as aliases (``--nnodes``, ``--nproc-per-node``,
-``--node-rank``). Nothing here imports torch, so ``--help`` and usage errors are instant.
+``--no_python``, ``--launcher``, ``--include``, ``--exclude``), with torchrun spellings as aliases
+(``--nnodes``, ``--nproc-per-node``, ``--node-rank``). Under ``srun`` the node rank, node count and
+hosts come from SLURM (:mod:`.slurm`). Nothing here imports torch, so ``--help`` and usage errors
+are instant.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ds_swift.store_url import StoreURL
 from ds_swift.testing.faults import FaultSpec, FaultSpecError
 
-__all__ = ["Command", "HostEntry", "LaunchArgs", "LaunchUsageError", "build_parser", "parse_args", "read_hostfile"]
+from .hostfile import HostEntry, HostfileError, filter_resources, is_local, read_hostfile
+from .slurm import SlurmStep, in_slurm_step
+
+__all__ = ["Command", "LaunchArgs", "LaunchUsageError", "build_parser", "parse_args"]
 
 DEFAULT_MASTER_PORT = 29500  # the deepspeed launcher's default
 DEFAULT_MAX_FAILURES = 3
+#: an agent whose liveness counter has not moved for this long is dead, with its machine
+DEFAULT_AGENT_TIMEOUT_S = 10.0
+LAUNCHERS = ("local", "slurm", "pdsh", "ssh")
 
 
 class LaunchUsageError(ValueError):
@@ -42,14 +51,6 @@ class Command:
 
 
 @dataclass(frozen=True)
-class HostEntry:
-    """One line of a DeepSpeed hostfile: ``hostname slots=N``."""
-
-    host: str
-    slots: int
-
-
-@dataclass(frozen=True)
 class LaunchArgs:
     """A validated ``ds-swift-launch`` command line."""
 
@@ -58,6 +59,8 @@ class LaunchArgs:
     """Machines the job trains on (spares come on top)."""
     nproc_per_node: int = 1
     spares: int = 0
+    cold_spares: bool = False
+    """Spares start their workers at a failure instead of keeping warm ones (slower; for comparison)."""
     restart_delay_s: float | None = None
     """Restart a failed machine's ranks on the same agent after this delay (None: never)."""
     max_failures: int = DEFAULT_MAX_FAILURES
@@ -71,6 +74,17 @@ class LaunchArgs:
     inject: tuple[FaultSpec, ...] = ()
     op_timeout_s: float | None = None
     hosts: tuple[HostEntry, ...] = field(default=())
+    launcher: str = "local"
+    """local (this process runs its agents), slurm (one srun task = one agent), pdsh or ssh (start them)."""
+    store_url: str | None = None
+    """``tcp://HOST:PORT`` or ``etcd://...``: a store no agent hosts; None: agent 0 hosts a TCPStore."""
+    agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    agent_hosts: tuple[str, ...] = ()
+    """pdsh/ssh: the hosts whose agents this launcher starts, in rank order."""
+    agent_slots: tuple[tuple[int, ...], ...] = ()
+    """pdsh/ssh: the GPU slots each of those hosts uses (--include/--exclude)."""
+    job_id: str | None = None
+    """SLURM_JOB_ID under srun (shown in the events)."""
 
     @property
     def multi_host(self) -> bool:
@@ -128,8 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="machines the job trains on (default 1, or the hostfile's hosts minus spares)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", dest="nproc_per_node",
                    type=_positive_int, default=None, metavar="P", help="ranks per machine (default 1, or the hostfile's slots)")
-    p.add_argument("--spares", type=_non_negative_int, default=0, metavar="S",
-                   help="spare machines that replace failed ones (default 0)")
+    p.add_argument("--spares", type=_non_negative_int, default=None, metavar="S",
+                   help="spare machines that replace failed ones (default 0; under srun the allocation's nodes "
+                        "beyond --nnodes)")
+    p.add_argument("--cold-spares", "--cold_spares", dest="cold_spares", action="store_true",
+                   help="spares start their workers only when a machine fails (default: each spare keeps its "
+                        "workers started and imported, waiting, and hands them the failed machine's ranks)")
     p.add_argument("--restart-delay", "--restart_delay", dest="restart_delay", type=_seconds, default=None, metavar="SEC",
                    help="with no spare left, restart a failed machine's ranks on the same agent after SEC seconds "
                         "(default: never, the job fails)")
@@ -144,8 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master_port", "--master-port", dest="master_port", type=_positive_int, default=None, metavar="PORT",
                    help=f"job store port (default: a free port on one host, {DEFAULT_MASTER_PORT} multi-host)")
     p.add_argument("--hostfile", default=None, metavar="FILE",
-                   help="DeepSpeed hostfile ('host slots=N' lines). Hosts other than this one are not reached by ssh: "
-                        "ds-swift-launch prints the command to run on each")
+                   help="DeepSpeed hostfile ('host slots=N' lines). With --launcher pdsh|ssh one agent is started on "
+                        "each host; without, remote hosts are not reached: ds-swift-launch prints the command for each")
+    p.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="how agents start: local (this process; default), slurm (each `srun` task is one node's "
+                        "agent; the default inside an srun step), pdsh or ssh (one agent per --hostfile host)")
+    p.add_argument("--include", default=None, metavar="SPEC",
+                   help="pdsh/ssh: only these hosts/slots, deepspeed syntax: 'host1@host2:0,2'")
+    p.add_argument("--exclude", default=None, metavar="SPEC",
+                   help="pdsh/ssh: all hosts/slots but these, deepspeed syntax: 'host1@host2:0,2'")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="the job store: etcd://H1:2379,H2:2379 (an etcd cluster: survives every training machine) "
+                        "or tcp://HOST:PORT (a TCPStore served there; pdsh/ssh: by this launcher). Default: agent 0 "
+                        "hosts it (one host: in-process)")
+    p.add_argument("--agent-timeout", "--agent_timeout", dest="agent_timeout", type=_seconds,
+                   default=DEFAULT_AGENT_TIMEOUT_S, metavar="SEC",
+                   help="multi-host: an agent silent this long is dead with its machine (default %(default)s)")
+    # Set by --launcher pdsh|ssh on each host's command line: the agent's rank is its host's index.
+    p.add_argument("--node-host", dest="node_host", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--agent-hosts", dest="agent_hosts", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-token", "--job_token", dest="job_token", default=None, metavar="TOKEN",
                    help="the job's secret (default: random on one host; multi-host: the same on every host, "
                         "or env SWIFT_JOB_TOKEN)")
@@ -164,42 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("user_script", help="the training script")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return p
-
-
-def read_hostfile(path: str) -> tuple[HostEntry, ...]:
-    """Read a DeepSpeed hostfile; blank lines and ``#`` comments are skipped."""
-    try:
-        with open(path) as f:
-            lines = f.readlines()
-    except OSError as exc:
-        raise LaunchUsageError(f"--hostfile {path}: cannot read it: {exc.strerror}") from None
-    hosts: list[HostEntry] = []
-    for n, raw in enumerate(lines, 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots="):
-            raise LaunchUsageError(f"--hostfile {path}:{n}: {raw.strip()!r} is not 'hostname slots=N'")
-        try:
-            slots = int(parts[1].removeprefix("slots="))
-        except ValueError:
-            slots = -1
-        if slots < 1:
-            raise LaunchUsageError(f"--hostfile {path}:{n}: slots must be a positive integer in {raw.strip()!r}")
-        if any(h.host == parts[0] for h in hosts):
-            raise LaunchUsageError(f"--hostfile {path}:{n}: host {parts[0]} is listed twice")
-        hosts.append(HostEntry(parts[0], slots))
-    if not hosts:
-        raise LaunchUsageError(f"--hostfile {path}: no hosts in it")
-    return tuple(hosts)
-
-
-def _is_local(host: str) -> bool:
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return True
-    names = {socket.gethostname(), socket.getfqdn()}
-    return host in names or host.split(".")[0] in {n.split(".")[0] for n in names}
 
 
 def _parse_inject(values: Sequence[str], nnodes: int) -> tuple[FaultSpec, ...]:
@@ -224,9 +223,9 @@ def _ssh_message(hosts: Sequence[HostEntry], ns: argparse.Namespace, nnodes: int
     addr = ns.master_addr or hosts[0].host
     script = shlex.join([ns.user_script, *ns.user_args])
     lines = [
-        f"--hostfile {ns.hostfile} lists remote hosts; ds-swift-launch does not start processes over ssh.",
-        "Start one agent per host (same --job-token everywhere, e.g. from `python -c 'import secrets; "
-        "print(secrets.token_hex(16))'`):",
+        f"--hostfile {ns.hostfile} lists remote hosts: give --launcher pdsh or --launcher ssh to start an agent "
+        "on each, or start one agent per host yourself (same --job-token everywhere, e.g. from "
+        "`python -c 'import secrets; print(secrets.token_hex(16))'`):",
     ]
     for rank, h in enumerate(hosts[: nnodes + spares]):
         role = "machine" if rank < nnodes else "spare"
@@ -237,13 +236,8 @@ def _ssh_message(hosts: Sequence[HostEntry], ns: argparse.Namespace, nnodes: int
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> LaunchArgs:
-    """Parse and validate; argparse exits on syntax errors, LaunchUsageError covers the rest."""
-    ns = build_parser().parse_args(argv)
-    env = dict(os.environ if environ is None else environ)
-    hosts = read_hostfile(ns.hostfile) if ns.hostfile else ()
-
-    spares = ns.spares
+def _sizes(ns: argparse.Namespace, hosts: Sequence[HostEntry], spares: int) -> tuple[int, int]:
+    """(machines, ranks per machine) from the flags and the hostfile."""
     nnodes = ns.nnodes
     nproc = ns.nproc_per_node
     if hosts:
@@ -260,8 +254,101 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
             nproc = min_slots
         elif nproc > min_slots:
             raise LaunchUsageError(f"--nproc-per-node {nproc} exceeds the hostfile's slots ({min_slots} on some host)")
-    nnodes = nnodes or 1
-    nproc = nproc or 1
+    return nnodes or 1, nproc or 1
+
+
+def _slurm_sizes(ns: argparse.Namespace, env: dict[str, str]) -> tuple[SlurmStep, int, int]:
+    """(the step, machines, spares) of an srun task: nodes beyond --nnodes are spares."""
+    try:
+        step = SlurmStep.from_env(env)
+    except (ValueError, KeyError) as exc:
+        raise LaunchUsageError(f"--launcher slurm: {exc}") from None
+    n = step.num_nodes
+    nnodes = ns.nnodes if ns.nnodes is not None else n - (ns.spares or 0)
+    if nnodes < 1 or nnodes > n:
+        raise LaunchUsageError(f"--nnodes {nnodes} does not fit the allocation's {n} nodes (SLURM_NNODES)")
+    if ns.spares is not None and ns.spares != n - nnodes:
+        raise LaunchUsageError(
+            f"--spares {ns.spares}: the allocation has {n} nodes, so --nnodes {nnodes} leaves {n - nnodes} spares; "
+            "give one of --nnodes/--spares, or allocate --nodes=NNODES+SPARES"
+        )
+    return step, nnodes, n - nnodes
+
+
+def _store(ns: argparse.Namespace) -> str | None:
+    if ns.store is None:
+        return None
+    try:
+        return str(StoreURL.parse(ns.store))
+    except ValueError as exc:
+        raise LaunchUsageError(f"--store: {exc}") from None
+
+
+@dataclass
+class _Placement:
+    """Where the agents run: from the flags, the hostfile, SLURM's environment."""
+
+    hosts: tuple[HostEntry, ...]
+    nnodes: int
+    nproc: int
+    spares: int
+    node_rank: int | None
+    master_default: str
+    agent_hosts: tuple[str, ...] = ()
+    agent_slots: tuple[tuple[int, ...], ...] = ()
+    step: SlurmStep | None = None
+
+
+def _place(ns: argparse.Namespace, env: dict[str, str], launcher: str) -> _Placement:
+    if launcher == "slurm":
+        step, nnodes, spares = _slurm_sizes(ns, env)
+        return _Placement((), nnodes, ns.nproc_per_node or 1, spares, step.node_rank, step.hosts[0], step=step)
+    try:
+        hosts = read_hostfile(ns.hostfile) if ns.hostfile else ()
+    except HostfileError as exc:
+        raise LaunchUsageError(str(exc)) from None
+    node_rank = ns.node_rank
+    remote = launcher in ("pdsh", "ssh")
+    chosen: list[tuple[str, list[int]]] = []
+    if remote:
+        if not hosts:
+            raise LaunchUsageError(f"--launcher {launcher} needs --hostfile (the hosts to start agents on)")
+        if node_rank is not None:
+            raise LaunchUsageError(f"--launcher {launcher} starts every agent itself: drop --node-rank")
+        try:
+            chosen = filter_resources(hosts, ns.include, ns.exclude)
+        except HostfileError as exc:
+            raise LaunchUsageError(str(exc)) from None
+        hosts = tuple(HostEntry(h, len(slots)) for h, slots in chosen)
+    if ns.node_host is not None:  # an agent that --launcher pdsh|ssh started: its rank is its host's index
+        order = (ns.agent_hosts or "").split(",")
+        if ns.node_host not in order:
+            raise LaunchUsageError(f"--node-host {ns.node_host} is not in --agent-hosts {ns.agent_hosts}")
+        node_rank = order.index(ns.node_host)
+    spares = ns.spares or 0
+    nnodes, nproc = _sizes(ns, hosts, spares)
+    if not remote:
+        master = hosts[0].host if hosts and node_rank is not None else "127.0.0.1"
+        return _Placement(hosts, nnodes, nproc, spares, node_rank, master)
+    n = nnodes + spares
+    # The launch host serves the store: its name, as the hosts reach it.
+    return _Placement(hosts, nnodes, nproc, spares, None, socket.getfqdn(),
+                      agent_hosts=tuple(h.host for h in hosts[:n]),
+                      agent_slots=tuple(tuple(slots) for _, slots in chosen[:n]))
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> LaunchArgs:
+    """Parse and validate; argparse exits on syntax errors, LaunchUsageError covers the rest."""
+    ns = build_parser().parse_args(argv)
+    env = dict(os.environ if environ is None else environ)
+    launcher = ns.launcher or (
+        "slurm" if ns.node_rank is None and ns.node_host is None and in_slurm_step(env) else "local"
+    )
+    store_url = _store(ns)
+    if (ns.include or ns.exclude) and launcher not in ("pdsh", "ssh"):
+        raise LaunchUsageError("--include/--exclude select hostfile hosts for --launcher pdsh|ssh")
+    place = _place(ns, env, launcher)
+    hosts, nnodes, nproc, spares, node_rank = place.hosts, place.nnodes, place.nproc, place.spares, place.node_rank
 
     if ns.module and ns.no_python:
         raise LaunchUsageError("--module and --no_python exclude each other")
@@ -269,15 +356,19 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         # Same rule as the deepspeed launcher: a non-Python program rarely parses --local_rank.
         raise LaunchUsageError("--no_python needs --no_local_rank")
 
-    node_rank = ns.node_rank
-    if node_rank is None and hosts and not all(_is_local(h.host) for h in hosts[: nnodes + spares]):
+    remote = launcher in ("pdsh", "ssh")
+    if node_rank is None and not remote and hosts and not all(is_local(h.host) for h in hosts[: nnodes + spares]):
         raise LaunchUsageError(_ssh_message(hosts, ns, nnodes, nproc, spares))
 
-    master_addr = ns.master_addr or (hosts[0].host if hosts and node_rank is not None else "127.0.0.1")
+    master_addr = ns.master_addr or place.master_default
     master_port = ns.master_port
     # The env var only counts multi-host: on one host a leaked SWIFT_JOB_TOKEN (a launcher started from
     # inside a worker) must not make two jobs share a token.
-    token = ns.job_token or (env.get("SWIFT_JOB_TOKEN") if node_rank is not None else None) or None
+    token = ns.job_token or (env.get("SWIFT_JOB_TOKEN") if node_rank is not None or remote else None) or None
+    if place.step is not None and token is None:
+        # Every task of the step derives the same one; unique per job step, so a stale agent of an
+        # earlier step in the same allocation cannot join. (Export SWIFT_JOB_TOKEN for a secret one.)
+        token = f"slurm-{place.step.job_id}.{place.step.step_id}"
     if node_rank is not None:
         if node_rank >= nnodes + spares:
             raise LaunchUsageError(
@@ -291,7 +382,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
                 "only this job's workers can use the job store"
             )
         master_port = master_port or DEFAULT_MASTER_PORT
-    elif ns.master_addr is not None and not _is_local(ns.master_addr):
+    elif not remote and ns.master_addr is not None and not is_local(ns.master_addr):
         raise LaunchUsageError(
             f"--master_addr {ns.master_addr} without --node-rank: on one host the job store is local; "
             "give --node-rank to run one agent of a multi-host job"
@@ -309,6 +400,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         nnodes=nnodes,
         nproc_per_node=nproc,
         spares=spares,
+        cold_spares=ns.cold_spares,
         restart_delay_s=ns.restart_delay,
         max_failures=ns.max_failures,
         node_rank=node_rank,
@@ -319,4 +411,10 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         inject=_parse_inject(ns.inject, nnodes),
         op_timeout_s=ns.op_timeout,
         hosts=hosts,
+        launcher=launcher,
+        store_url=store_url,
+        agent_timeout_s=ns.agent_timeout,
+        agent_hosts=place.agent_hosts,
+        agent_slots=place.agent_slots,
+        job_id=place.step.job_id if place.step is not None else None,
     )

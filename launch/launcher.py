@@ -5,6 +5,11 @@ within one tick, with no thread per worker and no race between agents sharing th
 The loop ends when every machine is done (exit 0), when some agent aborted the job (exit 1), or on
 SIGINT/SIGTERM (exit 130/143). Whatever way it ends, every worker is killed and reaped before the
 launcher returns: ``finally`` SIGKILLs each process group that is still alive.
+
+Multi-host, the loop also beats this agent's liveness counter and watches the other agents'
+(:mod:`.liveness`): a dead agent's machine fails as if its ranks had died. The job store is agent
+0's TCPStore by default, or, with ``--store``, one that no agent hosts (etcd, or a TCPStore on the
+launch host), which then outlives agent 0 too. ``--launcher pdsh|ssh`` hands over to :mod:`.remote`.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import traceback
 from types import FrameType
 
 from ds_swift.membership import JobStore, MembershipError
+from ds_swift.store_url import StoreURL
 
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs
 from .control import EventLog, JobControl
+from .liveness import AgentLiveness
 
 __all__ = ["Supervisor", "run"]
 
@@ -46,6 +53,8 @@ class Supervisor:
         hosts_store: bool,
         remote_agents: int = 0,
         poll_s: float = POLL_S,
+        liveness: AgentLiveness | None = None,
+        clear_after: int = 0,
     ) -> None:
         self.agents = agents
         self.store = store
@@ -56,6 +65,9 @@ class Supervisor:
         self.remote_agents = remote_agents
         """Agents in other processes (multi-host): the store host waits for them before closing."""
         self.poll_s = poll_s
+        self.liveness = liveness
+        self.clear_after = clear_after
+        """External store: the launcher processes of the job; the last of them to end deletes its keys."""
         self._signal: int | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -119,6 +131,10 @@ class Supervisor:
                 )
             for agent in self.agents:
                 agent.poll_store()
+            if self.liveness is not None:
+                for node in self.liveness.step():
+                    if self.liveness.claim(node):
+                        self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
             self._sleep()
 
     def _sleep(self) -> None:
@@ -135,7 +151,17 @@ class Supervisor:
                 pass
 
     # ------------------------------------------------------------------ endings
+    def _leave(self) -> None:
+        """Before reaping (which can take seconds): the other agents must not take the silence for a death."""
+        if self.liveness is None:
+            return
+        try:
+            self.liveness.leave()
+        except Exception:  # noqa: BLE001 - the store may be what went away
+            pass
+
     def _end(self, code: int, message: str, **fields: object) -> int:
+        self._leave()
         if code != 0:
             for agent in self.agents:
                 agent.signal_all(signal.SIGKILL)
@@ -146,6 +172,7 @@ class Supervisor:
 
     def _stop_on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
+        self._leave()
         self.events(f"got {name}: stopping every worker", event="signal", signal=name)
         if self.remote_agents or not self.hosts_store:
             # Other hosts' agents must stop their workers too.
@@ -176,6 +203,9 @@ class Supervisor:
         try:
             if not self.hosts_store:
                 self.control.ack_exit()
+                lost = self.store.add("launch/lost_agents", 0)
+                if self.clear_after and self.control.exits() >= self.clear_after - lost:
+                    self.store.clear()  # the last agent out: a shared etcd keeps no finished job's keys
             elif self.remote_agents:
                 deadline = time.monotonic() + timeout_s
                 while self.control.exits() < self.remote_agents and time.monotonic() < deadline:
@@ -191,37 +221,58 @@ class Supervisor:
             print(f"[ds-swift-launch] could not reap pids {alive}", file=sys.stderr, flush=True)
 
 
-def _describe(args: LaunchArgs, addr: str, port: int) -> str:
+def _describe(args: LaunchArgs, where: str) -> str:
     parts = [f"{args.nnodes} machine(s) x {args.nproc_per_node} rank(s)", f"{args.spares} spare(s)"]
     if args.restart_delay_s is not None:
         parts.append(f"restart after {args.restart_delay_s:g} s")
     parts.append(f"max {args.max_failures} failure(s)")
     if args.inject:
         parts.append("inject " + "; ".join(str(s) for s in args.inject))
-    return f"job store {addr}:{port}; " + ", ".join(parts) + f"; run dir {args.run_dir}"
+    if args.job_id:
+        parts.append(f"SLURM job {args.job_id}")
+    return f"job store {where}; " + ", ".join(parts) + f"; run dir {args.run_dir}"
+
+
+def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]:
+    """(store, address and port for the workers' MASTER_ADDR/PORT, whether this process hosts it)."""
+    if args.store_url is not None:
+        store = JobStore.open(args.store_url, token, create=True)
+        host, port = StoreURL.parse(args.store_url).endpoints[0]
+        return store, host, port, False
+    if args.node_rank is None:
+        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1")
+        return store, "127.0.0.1", store.port, True
+    if args.node_rank == 0:
+        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr)
+        return store, args.master_addr, store.port, True
+    assert args.master_port is not None
+    return JobStore.connect(args.master_addr, args.master_port, token), args.master_addr, args.master_port, False
 
 
 def run(args: LaunchArgs) -> int:
     """Start the job described by ``args``; returns the launcher's exit code."""
+    if args.launcher in ("pdsh", "ssh"):
+        from .remote import run_remote
+
+        return run_remote(args)
     events = EventLog(args.run_dir, node=args.node_rank)
     token = args.job_token or secrets.token_hex(16)
     try:
-        if args.node_rank is None:
-            store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1")
-            addr, nodes, hosts_store, remote = "127.0.0.1", list(range(args.num_agents)), True, 0
-        elif args.node_rank == 0:
-            store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr)
-            addr, nodes, hosts_store, remote = args.master_addr, [0], True, args.num_agents - 1
-        else:
-            assert args.master_port is not None
-            store = JobStore.connect(args.master_addr, args.master_port, token)
-            addr, nodes, hosts_store, remote = args.master_addr, [args.node_rank], False, 0
+        store, addr, port, hosts_store = _open_store(args, token)
     except (MembershipError, RuntimeError, OSError) as exc:
-        print(f"ds-swift-launch: error: job store at {args.master_addr}:{args.master_port}: {exc}", file=sys.stderr)
+        where = args.store_url or f"{args.master_addr}:{args.master_port}"
+        print(f"ds-swift-launch: error: job store at {where}: {exc}", file=sys.stderr)
         return 1
-    job = JobSpec.from_args(args, addr, store.port if hosts_store else int(args.master_port or 0), token)
+    nodes = list(range(args.num_agents)) if args.node_rank is None else [args.node_rank]
+    remote = args.num_agents - 1 if hosts_store and args.node_rank == 0 else 0
+    job = JobSpec.from_args(args, addr, port, token, store_url=args.store_url or "")
     where = "simulated on this host" if args.node_rank is None else f"this host is agent {args.node_rank}"
-    events(_describe(args, addr, job.store_port) + f" ({where})", event="start", store_port=job.store_port)
+    events(_describe(args, args.store_url or f"{addr}:{port}") + f" ({where})", event="start", store_port=port)
     agents = [MachineAgent(node, job, store, events) for node in nodes]
-    supervisor = Supervisor(agents, store, events, args.nnodes, hosts_store=hosts_store, remote_agents=remote)
+    liveness = None
+    if args.node_rank is not None:
+        liveness = AgentLiveness(store, nodes, args.num_agents, args.agent_timeout_s)
+    clear_after = 0 if args.store_url is None else (1 if args.node_rank is None else args.num_agents)
+    supervisor = Supervisor(agents, store, events, args.nnodes, hosts_store=hosts_store, remote_agents=remote,
+                            liveness=liveness, clear_after=clear_after)
     return supervisor.run()

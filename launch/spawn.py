@@ -9,6 +9,7 @@ order. On Linux each worker also asks the kernel for SIGKILL when its launcher d
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,19 @@ from ds_swift.membership import WorkerEnv
 
 from .args import Command
 
-__all__ = ["Worker", "describe_exit", "spawn_worker", "worker_argv", "worker_environ"]
+__all__ = [
+    "Worker",
+    "assign_warm",
+    "describe_exit",
+    "signal_group",
+    "spawn_warm",
+    "spawn_worker",
+    "supports_warm",
+    "warm_argv",
+    "warm_environ",
+    "worker_argv",
+    "worker_environ",
+]
 
 # Runs before the user's interpreter: set the parent-death signal, then exec the real command
 # (same pid, so the launcher's Popen and killpg keep working). The ppid check closes the race
@@ -106,17 +119,28 @@ class Worker:
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker and everything it started; a no-op once it is gone."""
-        if self.proc.returncode is not None:
-            # Reaped: its pid may be reused, and a process group outliving its leader is left to PDEATHSIG.
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            # The group id went to an unrelated process (cannot happen while we have not reaped it,
-            # but a kill must never hit a stranger): fall back to the pid we own.
-            self.proc.send_signal(sig)
+        signal_group(self.proc, sig)
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (``start_new_session``); a no-op once it is reaped."""
+    if proc.returncode is not None:
+        # Reaped: its pid may be reused, and a process group outliving its leader is left to PDEATHSIG.
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        # The group id went to an unrelated process (cannot happen while we have not reaped it,
+        # but a kill must never hit a stranger): fall back to the pid we own.
+        proc.send_signal(sig)
+
+
+def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen[bytes]:
+    if sys.platform.startswith("linux"):
+        argv = [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
+    return subprocess.Popen(argv, env=env, stdin=stdin, start_new_session=True)
 
 
 def spawn_worker(
@@ -126,13 +150,62 @@ def spawn_worker(
     op_timeout_s: float | None = None,
     base_env: Mapping[str, str] | None = None,
 ) -> Worker:
-    argv = worker_argv(command, wenv.local_rank)
-    if sys.platform.startswith("linux"):
-        argv = [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
-    proc = subprocess.Popen(
-        argv,
-        env=worker_environ(wenv, nproc_per_node, op_timeout_s, base_env),
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    env = worker_environ(wenv, nproc_per_node, op_timeout_s, base_env)
+    proc = _popen(worker_argv(command, wenv.local_rank), env, subprocess.DEVNULL)
+    return Worker(rank=wenv.rank, local_rank=wenv.local_rank, generation=wenv.generation, proc=proc)
+
+
+# ---------------------------------------------------------------------------- warm spares
+def supports_warm(command: Command) -> bool:
+    """Whether ``command`` can run in a warm worker (a Python script or module: not ``--no_python``)."""
+    return not command.no_python
+
+
+def warm_argv(command: Command, local_rank: int, python: str = sys.executable) -> list[str]:
+    """A warm worker's command line: ds_swift.runtime.warm, then the script and its arguments."""
+    script_argv = worker_argv(command, local_rank, python)
+    # worker_argv is [python, -u, (-m,) script, args...]: the warm runner takes the script and args.
+    rest = script_argv[4:] if command.module else script_argv[3:]
+    return [python, "-u", "-m", "ds_swift.runtime.warm", *(["--module"] if command.module else []), command.script,
+            *rest]
+
+
+def warm_environ(local_rank: int, nproc_per_node: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A warm worker's environment before its assignment: no rank, generation or job secret yet, but
+    everything that is read at import time (threads, the local GPU) as its cold counterpart has it."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, as in worker_environ
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOCAL_RANK"] = str(local_rank)
+    env["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
+    env["SWIFT_WARM"] = "1"
+    for key in WorkerEnv.ENV_KEYS:
+        if key != "LOCAL_RANK":
+            env.pop(key, None)  # a launcher started from inside a worker must not leak its job into the spare
+    return env
+
+
+def spawn_warm(
+    command: Command, local_rank: int, nproc_per_node: int, base_env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a warm worker for ``local_rank``; it imports and then waits on its stdin (see :func:`assign_warm`)."""
+    return _popen(warm_argv(command, local_rank), warm_environ(local_rank, nproc_per_node, base_env), subprocess.PIPE)
+
+
+def assign_warm(
+    proc: subprocess.Popen[bytes],
+    wenv: WorkerEnv,
+    nproc_per_node: int,
+    op_timeout_s: float | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> Worker | None:
+    """Hand ``wenv`` to the warm worker ``proc``: it becomes that rank's worker. None if it is gone."""
+    if proc.poll() is not None or proc.stdin is None:
+        return None
+    env = worker_environ(wenv, nproc_per_node, op_timeout_s, base_env)
+    try:
+        proc.stdin.write(json.dumps({"env": env}).encode() + b"\n")
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        return None  # it died a moment ago; the caller starts this rank cold
     return Worker(rank=wenv.rank, local_rank=wenv.local_rank, generation=wenv.generation, proc=proc)

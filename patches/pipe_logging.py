@@ -1,6 +1,7 @@
 """Capture what a DeepSpeed PipelineEngine sends to its neighbour stages, and its idle points.
 
-Seam: the engine's instruction table (ds_swift.patches.instructions), per engine instance.
+Seams: the engine's instruction table (ds_swift.patches.instructions), per engine instance, and
+the p2p module around one handler call (ds_swift.patches.pipe_p2p).
 
 - ``SendActivation`` / ``SendGrad``: while DeepSpeed's handler runs, ``p2p.send`` is wrapped so
   that the *exact* tensors handed to the wire are captured (after DeepSpeed's own casts: the
@@ -20,19 +21,17 @@ Pinned to DeepSpeed >=0.19,<0.20 (the p2p module and ``_send_tensor_meta`` are i
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
 import torch
-from deepspeed.runtime.pipe import p2p
 
 from ds_swift.patches._base import PatchHandle, check_version
 from ds_swift.patches.instructions import hook_instructions, schedule
+from ds_swift.patches.pipe_p2p import capture_sends
 
-__all__ = ["IdleCallback", "PipelinePosition", "SendCallback", "install", "pipeline_position"]
+__all__ = ["IdleCallback", "SendCallback", "install"]
 
 #: (kind "act" | "grad", tensors as sent)
 SendCallback = Callable[[str, list[torch.Tensor]], None]
@@ -40,46 +39,15 @@ SendCallback = Callable[[str, list[torch.Tensor]], None]
 IdleCallback = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class PipelinePosition:
-    """Where an engine sits in the 3D grid, and whom it sends to."""
-
-    rank: int
-    stage: int
-    num_stages: int
-    dp_rank: int
-    tp_rank: int
-    next_rank: int | None  # receives this rank's activations
-    prev_rank: int | None  # receives this rank's gradients
-
-
-def pipeline_position(engine: Any) -> PipelinePosition:
-    grid = engine.grid
-    stage = int(engine.stage_id)
-    num_stages = int(engine.num_stages)
-    return PipelinePosition(
-        rank=int(engine.global_rank),
-        stage=stage,
-        num_stages=num_stages,
-        dp_rank=int(grid.get_data_parallel_id()),
-        tp_rank=int(grid.get_slice_parallel_rank()),
-        next_rank=int(grid.stage_to_global(stage_id=stage + 1)) if stage + 1 < num_stages else None,
-        prev_rank=int(grid.stage_to_global(stage_id=stage - 1)) if stage > 0 else None,
-    )
-
-
 def _capturing_send(engine: Any, call_next: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
     captured: list[torch.Tensor] = []
     in_meta = False
-    me = threading.get_ident()
-    original_send = p2p.send
     had_meta = "_send_tensor_meta" in engine.__dict__
     original_meta = engine._send_tensor_meta
 
-    def send(tensor: torch.Tensor, dest_stage: int, async_op: bool = False) -> Any:
-        if not in_meta and threading.get_ident() == me:
+    def on_send(tensor: torch.Tensor) -> None:
+        if not in_meta:
             captured.append(tensor.detach())
-        return original_send(tensor, dest_stage, async_op=async_op)
 
     def send_tensor_meta(*args: Any, **kw: Any) -> Any:
         nonlocal in_meta
@@ -89,12 +57,12 @@ def _capturing_send(engine: Any, call_next: Callable[..., Any], kwargs: dict[str
         finally:
             in_meta = False
 
-    p2p.send = send
+    # The instance attribute shadows the class's method for this one handler call.
     engine._send_tensor_meta = send_tensor_meta
     try:
-        result = call_next(**kwargs)
+        with capture_sends(on_send):
+            result = call_next(**kwargs)
     finally:
-        p2p.send = original_send
         if had_meta:
             engine._send_tensor_meta = original_meta
         else:

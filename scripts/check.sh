@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ruff check . || exit 1
 mypy ds_swift launch patches || exit 1
+# Every change to DeepSpeed / torch behaviour must live in patches/ (see the script's docstring).
+python scripts/check_patch_seams.py || exit 1
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 # pytest exits 5 when it collected no test: that is not a failure of the code.

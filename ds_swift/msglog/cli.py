@@ -25,11 +25,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _edge_name(edge: tuple[str, int, int, int, int]) -> str:
-    kind, s, d, dp, tp = edge
-    return f"{kind} s{s}->s{d} dp{dp} tp{tp}"
-
-
 def run(args: argparse.Namespace) -> int:
     from ds_swift.msglog.reader import LogReader
 
@@ -48,14 +43,14 @@ def run(args: argparse.Namespace) -> int:
         chunks.append(
             {
                 "file": cn.chunk_file,
-                "edge": _edge_name(cn.edge),
+                "edge": str(cn.edge),
                 "iterations": [cn.first_iteration, cn.end_iteration],
                 "records": len(info.order),
                 "bytes": info.size,
             }
         )
     per_edge = {
-        _edge_name(edge): {str(it): n for it, n in sorted(per_it.items())}
+        str(edge): {str(it): n for it, n in sorted(per_it.items())}
         for edge, per_it in sorted(report.bytes_per_edge_iteration.items())
     }
     if args.json:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ds_swift.msglog.format import ChunkName
+from ds_swift.msglog.chunk_format import ChunkName
 
 __all__ = ["delete_chunks_before", "gc_before"]
 

@@ -35,10 +35,12 @@ from typing import Any
 import torch
 
 from ds_swift.config import SwiftConfig
+from ds_swift.msglog.edge import KINDS, LogEdge, pipeline_position
 from ds_swift.msglog.gc import delete_chunks_before
 from ds_swift.msglog.plan import LoggingPlan
 from ds_swift.msglog.staging import CopyMode, Stager, make_stager
-from ds_swift.msglog.writer import LogWriter, MessageMeta, WriteItem, WriterThread, make_appender
+from ds_swift.msglog.writer import LogWriter, MessageMeta, make_appender
+from ds_swift.msglog.writer_thread import WriteItem, WriterThread
 
 __all__ = ["LogStats", "MessageLogError", "MessageLogHandle", "install_message_logging"]
 
@@ -110,13 +112,14 @@ class MessageLogHandle:
         self.log_dir = resolve_log_dir(cfg, log_dir)
         self.bubble_only = cfg.logging.bubble_only
         self.copy_mode = copy_mode
-        pos = pipe_logging.pipeline_position(engine)
+        pos = pipeline_position(engine)
         self.position = pos
-        self.edges: dict[str, MessageMeta] = {}
-        if pos.next_rank is not None and plan.is_logged(pos.rank, pos.next_rank):
-            self.edges["act"] = MessageMeta(0, 0, "act", pos.stage, pos.stage + 1, pos.rank, pos.next_rank, pos.dp_rank, pos.tp_rank)
-        if pos.prev_rank is not None and plan.is_logged(pos.rank, pos.prev_rank):
-            self.edges["grad"] = MessageMeta(0, 0, "grad", pos.stage, pos.stage - 1, pos.rank, pos.prev_rank, pos.dp_rank, pos.tp_rank)
+        #: kind -> (edge, receiving rank) of the sends this rank logs
+        self.edges: dict[str, tuple[LogEdge, int]] = {}
+        for kind in KINDS:
+            receiver = pos.receiver(kind)
+            if receiver is not None and plan.is_logged(pos.rank, receiver):
+                self.edges[kind] = (pos.out_edge(kind), receiver)
 
         self._lock = threading.Lock()
         self._submit_lock = threading.Lock()
@@ -144,7 +147,7 @@ class MessageLogHandle:
 
     # ------------------------------------------------------------ training thread
     def _on_send(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        edge = self.edges[kind]
+        edge, receiver = self.edges[kind]
         it = int(self.engine.global_steps)
         with self._lock:
             if it != self._iteration:
@@ -155,7 +158,7 @@ class MessageLogHandle:
             self._logged += 1
         if self.copy_mode == "clone":
             tensors = [t.clone() for t in tensors]
-        meta = MessageMeta(it, mb, kind, edge.src_stage, edge.dst_stage, edge.src_rank, edge.dst_rank, edge.dp_rank, edge.tp_rank)
+        meta = MessageMeta(it, mb, edge, self.position.rank, receiver)
         msg = _Pending(meta, tensors, sum(t.numel() * t.element_size() for t in tensors))
         if self.bubble_only:
             with self._lock:
@@ -317,7 +320,7 @@ def install_message_logging(
 
     Args:
         engine: a DeepSpeed ``PipelineEngine``.
-        plan: anything with ``is_logged(src_rank, dst_rank) -> bool`` (ds_swift.topology's plan).
+        plan: anything with ``is_logged(src_rank, dst_rank) -> bool`` (ds_swift.plan's Plan).
         cfg: the swift config (``logging.chunk_iterations``, ``bubble_only``, ``local_dir``, ``storage``).
         log_dir: where chunks are written; default: ``logging.local_dir``, else the ``file://``
             storage, else a temporary directory.

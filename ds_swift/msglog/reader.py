@@ -17,20 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ds_swift.msglog.format import (
-    CHUNK_SUFFIX,
-    FILE_HEADER_SIZE,
-    INDEX_ENTRY_SIZE,
-    INDEX_HEADER_SIZE,
-    RECORD_FIXED_SIZE,
-    ChunkHeader,
-    ChunkName,
-    FormatError,
-    IndexEntry,
-    RecordHeader,
-    check_index_header,
-    crc32c,
-)
+from ds_swift.msglog.chunk_format import CHUNK_SUFFIX, ChunkName, IndexEntry
+from ds_swift.msglog.chunk_index import ChunkInfo, Key, load_chunk
+from ds_swift.msglog.edge import LogEdge
+from ds_swift.msglog.format import FormatError, RecordHeader, crc32c
 
 if TYPE_CHECKING:
     import torch
@@ -38,19 +28,13 @@ if TYPE_CHECKING:
     from ds_swift.storage import Store
 
 __all__ = [
-    "ChunkInfo",
     "CorruptRecordError",
     "LogReader",
     "LogRecord",
     "MissingRecordError",
     "RecordError",
-    "ScanResult",
     "VerifyReport",
-    "load_chunk",
-    "scan_chunk",
 ]
-
-Key = tuple[int, int, str, int]  # (iteration, micro-batch, kind, part)
 
 
 class CorruptRecordError(FormatError):
@@ -80,123 +64,6 @@ class RecordError:
         return f"{self.file}: {where}{what}: {self.message}"
 
 
-@dataclass
-class ScanResult:
-    records: list[tuple[RecordHeader, int]]
-    end: int  # offset after the last valid record
-    size: int
-    error: str | None = None
-
-
-def scan_chunk(
-    path: str | os.PathLike[str], start: int = FILE_HEADER_SIZE, verify_payload: bool = False, first_record: int = 0
-) -> ScanResult:
-    """Walk a chunk's records from ``start`` (record number ``first_record``), stopping at the first bad one."""
-    records: list[tuple[RecordHeader, int]] = []
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if start == FILE_HEADER_SIZE:
-            try:
-                ChunkHeader.unpack(f.read(FILE_HEADER_SIZE))
-            except FormatError as exc:
-                return ScanResult(records, 0, size, str(exc))
-        offset = start
-        f.seek(offset)
-        while offset < size:
-            try:
-                fixed = f.read(RECORD_FIXED_SIZE)
-                hsize = RecordHeader.peek_size(fixed)
-                header = RecordHeader.unpack(fixed + f.read(hsize - RECORD_FIXED_SIZE))
-            except FormatError as exc:
-                return ScanResult(records, offset, size, f"record #{first_record + len(records)} at offset {offset}: {exc}")
-            if offset + header.record_size > size:
-                return ScanResult(records, offset, size, f"record #{first_record + len(records)} at offset {offset}: truncated payload")
-            if verify_payload:
-                if crc32c(f.read(header.nbytes)) != header.payload_crc:
-                    return ScanResult(
-                        records, offset, size, f"record #{first_record + len(records)} at offset {offset}: payload checksum mismatch"
-                    )
-            else:
-                f.seek(header.nbytes, os.SEEK_CUR)
-            records.append((header, offset))
-            offset += header.record_size
-        return ScanResult(records, offset, size)
-
-
-@dataclass
-class ChunkInfo:
-    """A chunk's name, header and index (from the index file, completed by a scan of the tail)."""
-
-    name: ChunkName
-    path: Path
-    header: ChunkHeader | None
-    entries: dict[Key, IndexEntry]
-    order: list[IndexEntry]  # file order, duplicates included
-    size: int
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def record_numbers(self) -> dict[int, int]:
-        """Offset -> position of the record in the file (for error messages)."""
-        if len(self._numbers) != len(self.order):
-            self._numbers = {e.offset: n for n, e in enumerate(self.order)}
-        return self._numbers
-
-    _numbers: dict[int, int] = field(default_factory=dict, repr=False)
-
-
-def _read_index(idx_path: Path, chunk_size: int) -> tuple[list[IndexEntry], str | None]:
-    if not idx_path.exists():
-        return [], "index file missing"
-    data = idx_path.read_bytes()
-    try:
-        check_index_header(data)
-    except FormatError as exc:
-        return [], str(exc)
-    entries: list[IndexEntry] = []
-    expected = FILE_HEADER_SIZE
-    for off in range(INDEX_HEADER_SIZE, len(data) - INDEX_ENTRY_SIZE + 1, INDEX_ENTRY_SIZE):
-        try:
-            e = IndexEntry.unpack(data, off)
-        except FormatError as exc:
-            return entries, f"index entry #{len(entries)}: {exc}"
-        # Entries are appended after their record, in file order: anything else is not ours.
-        if e.offset != expected or e.offset + e.length > chunk_size:
-            return entries, f"index entry #{len(entries)} points outside the chunk"
-        entries.append(e)
-        expected = e.offset + e.length
-    return entries, None
-
-
-def load_chunk(path: str | os.PathLike[str]) -> ChunkInfo:
-    """Index a chunk: trust the index where it is consistent, scan the rest of the file."""
-    path = Path(path)
-    name = ChunkName.parse(path.name)
-    if name is None:
-        raise FormatError(f"{path}: not a log chunk file name")
-    size = path.stat().st_size
-    problems: list[str] = []
-    header: ChunkHeader | None = None
-    with open(path, "rb") as f:
-        try:
-            header = ChunkHeader.unpack(f.read(FILE_HEADER_SIZE))
-        except FormatError as exc:
-            problems.append(f"{path}: chunk header: {exc}")
-    order: list[IndexEntry] = []
-    if header is not None:
-        order, idx_problem = _read_index(path.with_name(name.index_file), size)
-        if idx_problem and idx_problem != "index file missing":
-            problems.append(f"{path.with_name(name.index_file)}: {idx_problem}; rebuilt by scanning the chunk")
-        start = order[-1].offset + order[-1].length if order else FILE_HEADER_SIZE
-        if start < size:
-            scan = scan_chunk(path, start, first_record=len(order))
-            order.extend(IndexEntry.for_record(h, off) for h, off in scan.records)
-            if scan.error:
-                problems.append(f"{path}: {scan.error}")
-    entries = {e.key: e for e in order}  # later records win (an iteration re-run after recovery)
-    return ChunkInfo(name, path, header, entries, order, size, problems)
-
-
 @dataclass(frozen=True)
 class LogRecord:
     header: RecordHeader
@@ -212,7 +79,7 @@ class VerifyReport:
     bytes_on_disk: int = 0
     errors: list[RecordError] = field(default_factory=list)
     #: (kind, src_stage, dst_stage, dp_rank, tp_rank) -> iteration -> bytes (records, headers included)
-    bytes_per_edge_iteration: dict[tuple[str, int, int, int, int], dict[int, int]] = field(default_factory=dict)
+    bytes_per_edge_iteration: dict[LogEdge, dict[int, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -292,21 +159,14 @@ class LogReader:
             self._chunks[cn.chunk_file] = info
         return info
 
-    def _find(self, kind: str, src_stage: int, dst_stage: int, dp_rank: int, tp_rank: int, iteration: int) -> ChunkName:
+    def _find(self, edge: LogEdge, iteration: int) -> ChunkName:
         for cn in self._names.values():
-            if (
-                cn.edge == (kind, src_stage, dst_stage, dp_rank, tp_rank)
-                and cn.first_iteration <= iteration < cn.end_iteration
-            ):
+            if cn.edge == edge and cn.first_iteration <= iteration < cn.end_iteration:
                 return cn
-        have = sorted(
-            (c.first_iteration, c.end_iteration)
-            for c in self._names.values()
-            if c.edge == (kind, src_stage, dst_stage, dp_rank, tp_rank)
-        )
+        have = sorted((c.first_iteration, c.end_iteration) for c in self._names.values() if c.edge == edge)
         raise MissingRecordError(
-            f"message log {self.location}: no chunk holds {kind} s{src_stage}->s{dst_stage} dp{dp_rank} tp{tp_rank} "
-            f"iteration {iteration} (chunks of this edge cover {have or 'nothing'})"
+            f"message log {self.location}: no chunk holds {edge} iteration {iteration} "
+            f"(chunks of this edge cover {have or 'nothing'})"
         )
 
     # ------------------------------------------------------------ records
@@ -344,7 +204,12 @@ class LogReader:
         tp_rank: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The tensor (or the tuple of tensors) sent at that timestamp on that edge."""
-        info = self.chunk(self._find(kind, src_stage, dst_stage, dp_rank, tp_rank, iteration))
+        return self.message(LogEdge(kind, src_stage, dst_stage, dp_rank, tp_rank), iteration, micro_batch)
+
+    def message(self, edge: LogEdge, iteration: int, micro_batch: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The tensor (or the tuple of tensors) sent on ``edge`` at (iteration, micro-batch)."""
+        info = self.chunk(self._find(edge, iteration))
+        kind = edge.kind
         first = info.entries.get((iteration, micro_batch, kind, 0))
         if first is None:
             raise MissingRecordError(
@@ -384,8 +249,8 @@ class LogReader:
             info = self.chunk(cn)
             for e in info.entries.values():
                 if e.iteration >= start_iteration and (end_iteration is None or e.iteration < end_iteration):
-                    selected.append(((e.iteration, e.micro_batch, e.kind, cn.src_stage, e.part), info, e))
-        selected.sort(key=lambda x: (x[0], x[1].name.dp_rank, x[1].name.tp_rank))
+                    selected.append(((e.iteration, e.micro_batch, e.kind, cn.edge.src_stage, e.part), info, e))
+        selected.sort(key=lambda x: (x[0], x[1].name.edge.dp_rank, x[1].name.edge.tp_rank))
         for _, info, e in selected:
             header, payload = self._read(info, e)
             yield LogRecord(header, _to_tensor(header, payload), str(info.path), e.offset)

@@ -26,7 +26,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from ds_swift.msglog.writer import HostStaged, Staged, payload_bytes
+from ds_swift.msglog.writer import payload_bytes
+from ds_swift.msglog.writer_thread import HostStaged, Staged
 
 __all__ = ["CopyMode", "CudaStager", "HostStager", "NativeCudaStager", "PinnedPool", "Stager", "make_stager"]
 

@@ -1,4 +1,4 @@
-"""Appending records to chunk files, and the writer thread that does it off the training thread.
+"""Appending records to chunk files (the writer thread that calls this is msglog.writer_thread).
 
 Layers, bottom up:
 
@@ -10,43 +10,26 @@ Layers, bottom up:
   an existing chunk (a writer killed mid-record leaves a torn tail: it is truncated away).
 - :class:`LogWriter` routes messages to the chunk of their (edge, iteration range), rotating
   files every ``chunk_iterations`` iterations.
-- :class:`WriterThread` drains a FIFO of :class:`WriteItem` into a LogWriter. The training thread
-  only enqueues; a bound on the bytes in flight keeps a slow disk from exhausting host memory
-  (the training thread then waits, and the wait is counted in the stats, never hidden).
 
-A write that fails (ENOSPC, EIO, ...) is recorded as a :class:`LogWriteError` naming the file; it
-is raised by the next :meth:`WriterThread.check`/``flush`` on the training side. Records are never
-dropped silently.
+A write that fails (ENOSPC, EIO, ...) raises a :class:`LogWriteError` naming the file.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import errno
 import logging
 import os
-import threading
-import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 
-from ds_swift.msglog.format import (
-    FILE_HEADER_SIZE,
-    RECORD_PAYLOAD_CRC_OFFSET,
-    ChunkHeader,
-    ChunkName,
-    IndexEntry,
-    RecordHeader,
-    crc32c,
-    pack_index_header,
-)
+from ds_swift.msglog.chunk_format import FILE_HEADER_SIZE, ChunkHeader, ChunkName, IndexEntry, pack_index_header
+from ds_swift.msglog.edge import LogEdge
+from ds_swift.msglog.format import RECORD_PAYLOAD_CRC_OFFSET, RecordHeader, crc32c
 
 __all__ = [
     "Appender",
@@ -56,10 +39,10 @@ __all__ = [
     "MessageMeta",
     "NativeAppender",
     "PythonAppender",
-    "WriteItem",
-    "WriterThread",
     "make_appender",
     "payload_bytes",
+    "record_header",
+    "write_all",
 ]
 
 _log = logging.getLogger(__name__)
@@ -71,17 +54,13 @@ class LogWriteError(OSError):
 
 @dataclass(frozen=True)
 class MessageMeta:
-    """Everything about one logged send but its tensors."""
+    """Everything about one logged send but its tensors: its timestamp, edge and the two global ranks."""
 
     iteration: int
     micro_batch: int
-    kind: str
-    src_stage: int
-    dst_stage: int
+    edge: LogEdge
     src_rank: int
     dst_rank: int
-    dp_rank: int = 0
-    tp_rank: int = 0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,21 +76,22 @@ def payload_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_header(meta: MessageMeta, t: torch.Tensor, part: int, num_parts: int) -> RecordHeader:
+    edge = meta.edge
     return RecordHeader(
         iteration=meta.iteration,
         micro_batch=meta.micro_batch,
-        src_stage=meta.src_stage,
-        dst_stage=meta.dst_stage,
+        src_stage=edge.src_stage,
+        dst_stage=edge.dst_stage,
         src_rank=meta.src_rank,
         dst_rank=meta.dst_rank,
-        kind=meta.kind,
+        kind=edge.kind,
         dtype=dtype_name(t.dtype),
         shape=tuple(int(d) for d in t.shape),
         nbytes=t.numel() * t.element_size(),
         part=part,
         num_parts=num_parts,
-        dp_rank=meta.dp_rank,
-        tp_rank=meta.tp_rank,
+        dp_rank=edge.dp_rank,
+        tp_rank=edge.tp_rank,
     )
 
 
@@ -124,7 +104,8 @@ class Appender(Protocol):
         ...
 
 
-def _write_all(fd: int, buffers: list[Any]) -> None:
+def write_all(fd: int, buffers: list[Any]) -> None:
+    """``os.writev`` until every byte of ``buffers`` is written (it may write part of them)."""
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if len(v)]
     while views:
@@ -144,7 +125,7 @@ class PythonAppender:
     def append(self, fd: int, header: RecordHeader, payload: torch.Tensor) -> int:
         data = payload.numpy().data if payload.numel() else memoryview(b"")
         crc = crc32c(data)
-        _write_all(fd, [header.pack(crc), data])
+        write_all(fd, [header.pack(crc), data])
         return crc
 
 
@@ -215,8 +196,8 @@ class ChunkWriter:
         self.fd = _open_fd(self.path, create=True)
         self.index_fd = _open_fd(self.index_path, create=True)
         try:
-            _write_all(self.fd, [header.pack()])
-            _write_all(self.index_fd, [pack_index_header()])
+            write_all(self.fd, [header.pack()])
+            write_all(self.index_fd, [pack_index_header()])
         except OSError as exc:
             self.close()
             raise LogWriteError(exc.errno, f"cannot create log chunk {self.path}: {_describe(exc)}") from exc
@@ -225,7 +206,7 @@ class ChunkWriter:
     def _recover(self) -> None:
         # Appending to a chunk that exists: a previous writer (killed, or this process before a
         # recovery re-ran an iteration) may have left a torn last record. Keep the valid prefix.
-        from ds_swift.msglog.reader import scan_chunk
+        from ds_swift.msglog.chunk_index import scan_chunk
 
         scan = scan_chunk(self.path)
         if scan.error:
@@ -264,7 +245,7 @@ class ChunkWriter:
         self.offset = start + written.record_size
         self.records += 1
         try:
-            _write_all(self.index_fd, [IndexEntry.for_record(written, start).pack()])
+            write_all(self.index_fd, [IndexEntry.for_record(written, start).pack()])
         except OSError as exc:
             raise LogWriteError(exc.errno, f"log index {self.index_path}: {_describe(exc)}") from exc
         return written
@@ -292,30 +273,18 @@ class LogWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.chunk_iterations = chunk_iterations
         self.appender = appender
-        self._open: dict[tuple[str, int, int, int, int], ChunkWriter] = {}
+        self._open: dict[LogEdge, ChunkWriter] = {}
         self.files: set[str] = set()
 
     def write(self, meta: MessageMeta, tensors: list[torch.Tensor]) -> int:
         """Append one message (one record per tensor); return the bytes written."""
-        name = ChunkName.for_iteration(
-            meta.kind, meta.src_stage, meta.dst_stage, meta.dp_rank, meta.tp_rank, meta.iteration, self.chunk_iterations
-        )
+        name = ChunkName.for_iteration(meta.edge, meta.iteration, self.chunk_iterations)
         cw = self._open.get(name.edge)
         if cw is None or cw.name != name:
             if cw is not None:
                 cw.close()
                 del self._open[name.edge]
-            header = ChunkHeader(
-                first_iteration=name.first_iteration,
-                end_iteration=name.end_iteration,
-                src_rank=meta.src_rank,
-                dst_rank=meta.dst_rank,
-                src_stage=meta.src_stage,
-                dst_stage=meta.dst_stage,
-                dp_rank=meta.dp_rank,
-                tp_rank=meta.tp_rank,
-                kind=meta.kind,
-            )
+            header = ChunkHeader.for_chunk(name, meta.src_rank, meta.dst_rank)
             cw = ChunkWriter(self.directory, name, header, self.appender)
             self._open[name.edge] = cw
             self.files.update((name.chunk_file, name.index_file))
@@ -342,230 +311,3 @@ class LogWriter:
         for cw in self._open.values():
             cw.close()
         self._open.clear()
-
-
-# --------------------------------------------------------------------------- the thread
-class Staged(Protocol):
-    """Host copies of a message's tensors that may still be in flight (a CUDA copy)."""
-
-    def ready(self) -> bool: ...
-
-    def take(self) -> list[torch.Tensor]: ...
-
-    def release(self, tensors: list[torch.Tensor]) -> None: ...
-
-
-@dataclass
-class HostStaged:
-    """Tensors already in host memory."""
-
-    tensors: list[torch.Tensor]
-
-    def ready(self) -> bool:
-        return True
-
-    def take(self) -> list[torch.Tensor]:
-        out, self.tensors = self.tensors, []
-        return out
-
-    def release(self, tensors: list[torch.Tensor]) -> None:
-        pass
-
-
-@dataclass
-class WriteItem:
-    meta: MessageMeta
-    staged: Staged
-    nbytes: int
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LogWriter], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-
-_STOP = object()
-
-
-@dataclass
-class WriterStats:
-    records: int = 0
-    messages: int = 0
-    bytes: int = 0
-    failed_messages: int = 0
-    stall_s: float = 0.0
-    max_inflight_bytes: int = 0
-    cpu_s: float = 0.0  # CPU time the writer thread spent writing (checksums, syscalls)
-
-
-class WriterThread:
-    """A daemon thread that appends queued messages; the only thread touching the LogWriter."""
-
-    #: how often a not-yet-complete CUDA copy at the head of the queue is polled
-    POLL_S = 0.0005
-
-    def __init__(
-        self,
-        writer: LogWriter,
-        max_inflight_bytes: int = 1 << 30,
-        name: str = "ds-swift-log-writer",
-        nice: int | None = 19,
-    ) -> None:
-        """
-        Args:
-            writer: the LogWriter this thread owns.
-            max_inflight_bytes: queued bytes beyond which :meth:`submit` waits.
-            nice: the writer thread's nice value (Linux: per thread), None to leave it. Without
-                a copy engine (CPU training) the "bubble-time copy" is CPU work; at nice 19 the
-                kernel gives the writer the cores the training ranks leave idle (their bubbles)
-                and only a small share while they compute, and it is never starved outright
-                (SCHED_IDLE could be: then backpressure would stall training).
-        """
-        self.writer = writer
-        self.max_inflight_bytes = max_inflight_bytes
-        self.nice = nice
-        self.stats = WriterStats()
-        self._q: deque[Any] = deque()
-        self._cv = threading.Condition()
-        self._inflight = 0
-        self._errors: list[LogWriteError] = []
-        self._raised = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        # A daemon thread dies silently at interpreter exit; write out what is queued first.
-        atexit.register(self._at_exit)
-
-    def _at_exit(self) -> None:
-        if self._thread.is_alive() and self.pending():
-            try:
-                self.call(lambda w: None, 60.0)
-            except Exception as exc:  # at exit there is nobody left to raise to
-                _log.error("message log: %d items not written at exit: %s", self.pending(), exc)
-
-    # ------------------------------------------------------------ producer side
-    def submit(self, item: WriteItem) -> None:
-        with self._cv:
-            if not self._thread.is_alive():
-                raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
-            if self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
-                t0 = time.perf_counter()
-                while self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
-                    self._cv.wait(1.0)
-                self.stats.stall_s += time.perf_counter() - t0
-            self._inflight += item.nbytes
-            self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self._inflight)
-            self._q.append(item)
-            self._cv.notify_all()
-
-    def call(self, fn: Callable[[LogWriter], Any], timeout_s: float) -> Any:
-        """Run ``fn(writer)`` on the writer thread after everything queued before it."""
-        c = _Call(fn)
-        with self._cv:
-            self._q.append(c)
-            self._cv.notify_all()
-        if not c.done.wait(timeout_s):
-            raise TimeoutError(f"message-log writer: {self.pending()} items still queued after {timeout_s:.1f} s")
-        if c.error is not None:
-            raise c.error
-        return c.result
-
-    def flush(self, timeout_s: float, sync: bool = False) -> None:
-        """Wait until everything queued so far is on disk (fsync'd with ``sync``); raise any write error."""
-        self.call((lambda w: w.sync()) if sync else (lambda w: None), timeout_s)
-        self.check()
-
-    def check(self) -> None:
-        """Raise the first write error not raised yet."""
-        with self._cv:
-            if self._raised < len(self._errors):
-                err = self._errors[self._raised]
-                self._raised = len(self._errors)
-                more = len(self._errors) - 1
-                text = err.strerror or str(err)
-                raise LogWriteError(err.errno, text + (f" (and {more} more failed writes)" if more > 0 else ""))
-
-    @property
-    def errors(self) -> list[LogWriteError]:
-        with self._cv:
-            return list(self._errors)
-
-    def pending(self) -> int:
-        with self._cv:
-            return len(self._q)
-
-    def inflight_bytes(self) -> int:
-        with self._cv:
-            return self._inflight
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        atexit.unregister(self._at_exit)
-        if self._thread.is_alive():
-            try:
-                self.call(lambda w: None, timeout_s)
-            finally:
-                with self._cv:
-                    self._q.append(_STOP)
-                    self._cv.notify_all()
-                self._thread.join(timeout_s)
-        self.writer.close()
-
-    # ------------------------------------------------------------ consumer side
-    def _run(self) -> None:
-        if self.nice is not None and hasattr(os, "setpriority"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-            except OSError as exc:  # not permitted in some containers: run at normal priority
-                _log.info("message-log writer keeps its priority: %s", exc)
-        while True:
-            with self._cv:
-                while not self._q:
-                    self._cv.wait()
-                item = self._q[0]
-            if item is _STOP:
-                with self._cv:
-                    self._q.popleft()
-                return
-            if isinstance(item, _Call):
-                try:
-                    item.result = item.fn(self.writer)
-                except BaseException as exc:  # handed to the caller, who raises it
-                    item.error = exc
-                with self._cv:
-                    self._q.popleft()
-                item.done.set()
-                continue
-            # One side stream: copies complete in order, so polling the head is enough.
-            while not item.staged.ready():
-                time.sleep(self.POLL_S)
-            self._write(item)
-            with self._cv:
-                self._q.popleft()
-                self._inflight -= item.nbytes
-                self._cv.notify_all()
-
-    def _write(self, item: WriteItem) -> None:
-        cpu0 = time.thread_time()
-        tensors = item.staged.take()
-        try:
-            n = self.writer.write(item.meta, tensors)
-            self.stats.records += len(tensors)
-            self.stats.messages += 1
-            self.stats.bytes += n
-        except LogWriteError as exc:
-            self._fail(exc)
-        except OSError as exc:
-            self._fail(LogWriteError(exc.errno, f"message log {self.writer.directory}: {exc}"))
-        except Exception as exc:  # a bug must not kill the thread and leave flush() hanging
-            self._fail(LogWriteError(errno.EIO, f"message log {self.writer.directory}: {type(exc).__name__}: {exc}"))
-        finally:
-            item.staged.release(tensors)
-            self.stats.cpu_s += time.thread_time() - cpu0
-
-    def _fail(self, exc: LogWriteError) -> None:
-        _log.error("%s", exc)
-        with self._cv:
-            self._errors.append(exc)
-            self.stats.failed_messages += 1

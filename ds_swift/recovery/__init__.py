@@ -1,21 +1,27 @@
 """Recovery after a machine failure, run by every rank of the new generation.
 
-- :mod:`~ds_swift.recovery.consensus`: the plan (consensus iteration, undo, donors, strategy) as a
-  pure function of what every rank reports;
-- :mod:`~ds_swift.recovery.coordinator`: one rank's side of the protocol, and what a survivor
-  keeps across the rebuild;
-- :mod:`~ds_swift.recovery.replication`: moving a rank's whole training state to a replacement;
-- :mod:`~ds_swift.recovery.logging_recovery`: logging-based recovery in the runtime (check round,
-  checkpoint load, replay, waiting on the store, the loud fallback), built on
-  :mod:`~ds_swift.recovery.replay` (re-executing lost iterations from the message log),
-  :mod:`~ds_swift.recovery.replay_log` (log prefetch, progress), :mod:`~ds_swift.recovery.collectives`
-  (the optimizer step's recorded collectives) and :mod:`~ds_swift.recovery.parallel` (survivors
-  sharing the replay).
+- :mod:`~ds_swift.recovery.consensus`: what every rank agrees on (the reports, the consensus
+  iteration, who undoes, the plan), as pure functions of what every rank reports;
+- :mod:`~ds_swift.recovery.base`: the recovery-strategy interface (can it restore these lost
+  ranks, at what cost, how) and the registry that asks the strategies cheapest first;
+- :mod:`~ds_swift.recovery.registry`: the registered strategies, one line each:
+  :mod:`~ds_swift.recovery.replication` (a surviving replica sends its whole state),
+  :mod:`~ds_swift.recovery.buddy` (a lost rank's ZeRO-1/bf16 optimizer partition comes from the
+  copy a buddy rank on another machine holds, see :mod:`ds_swift.runtime.buddy`),
+  :mod:`~ds_swift.recovery.logging_strategy` (the failed logging groups replay from the message
+  log, :mod:`~ds_swift.recovery.logging_recovery` runs it, built on
+  :mod:`~ds_swift.recovery.replay`, :mod:`~ds_swift.recovery.replay_log`,
+  :mod:`~ds_swift.recovery.collectives` and :mod:`~ds_swift.recovery.parallel`), and the fallback
+  :mod:`~ds_swift.recovery.global_checkpoint` (every rank reloads the last global checkpoint);
+- :mod:`~ds_swift.recovery.coordinator`: one rank's side of the protocol (reports, choice,
+  restore, barrier); :mod:`~ds_swift.recovery.kept`: what a survivor keeps across the rebuild;
+  :mod:`~ds_swift.recovery.host`: what the runtime lends a recovery.
 
-The checkpoint fallback lives in :mod:`ds_swift.checkpoint`; the engine wrapper that detects
-failures and rebuilds DeepSpeed in-process in :mod:`ds_swift.engine`.
+The engine wrapper that detects failures and rebuilds DeepSpeed in-process is in
+:mod:`ds_swift.runtime`.
 """
 
-from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryPlan, plan_recovery
+from ds_swift.recovery.base import RecoveryStrategy, Registry
+from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 
-__all__ = ["LoggingSetup", "RankReport", "RecoveryPlan", "plan_recovery"]
+__all__ = ["LoggingSetup", "RankReport", "RecoveryInputs", "RecoveryPlan", "RecoveryStrategy", "Registry"]

@@ -5,75 +5,38 @@ replayed group stay live. The optimizer step's collectives that reach over the w
 (DeepSpeed clips gradients by default and all-reduces the norm over the model-parallel group;
 ZeRO and fp16/bf16 reduce an overflow flag) cannot be recomputed, but every member got the same
 result: :class:`CollectiveRecorder` keeps those results in training on every rank, a survivor
-hands them to the replacements, and :class:`_CollectiveGuard` substitutes them during the replay.
+hands them to the replacements, and :class:`CollectiveGuard` substitutes them during the replay.
 Any other collective leaving the group is refused (it would wait forever on ranks not replaying).
+
+This module is the protocol (which results, keyed how, when a substitute is allowed); the
+wrapping of ``torch.distributed`` itself is done by ``ds_swift.patches.step_collectives``.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import io
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ds_swift.patches._base import PatchHandle
+from ds_swift.patches.step_collectives import Wrapper, call_ranks, record_step_collectives
 from ds_swift.recovery.replay_log import LogUnavailable
+from ds_swift.recovery.replay_plan import unwrap_engine
 
-__all__ = ["CollectiveRecord", "CollectiveRecorder", "ReplayUnsupported"]
+__all__ = ["SUBSTITUTABLE", "CollectiveGuard", "CollectiveRecord", "CollectiveRecorder", "DoneWork", "ReplayUnsupported"]
 
 
 class ReplayUnsupported(RuntimeError):
     """This engine/group cannot be replayed from the log (a collective leaves the group, tied weights...)."""
 
 
-def _unwrap(engine: Any) -> Any:
-    # SwiftPipelineEngine (not an nn.Module) keeps the DeepSpeed engine in force in ``_engine``.
-    if not isinstance(engine, torch.nn.Module) and "_engine" in vars(engine):
-        return vars(engine)["_engine"]
-    return engine
-
-
-_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
-    "all_gather_object", "broadcast_object_list",
-)  # fmt: skip
 #: collectives whose whole result is their (one, in-place) tensor: those a record can stand in for
-_SUBSTITUTABLE = ("all_reduce", "broadcast")
-
-
-def _call_group(sig: inspect.Signature, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
-    bound = sig.bind_partial(*args, **kw)
-    group = bound.arguments.get("group")
-    if group is None or group is dist.GroupMember.WORLD:
-        return bound, tuple(range(dist.get_world_size()))
-    return bound, tuple(sorted(dist.get_process_group_ranks(group)))
-
-
-Wrapper = Callable[[str, Callable[..., Any], inspect.Signature], Callable[..., Any]]
-
-
-@contextmanager
-def _wrapped_collectives(make: Wrapper) -> Iterator[None]:
-    """Replace ``torch.distributed``'s collectives (DeepSpeed's comm layer calls them through the module)."""
-    originals: dict[str, Callable[..., Any]] = {}
-    for name in _COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            originals[name] = fn
-            # inspect.signature follows __wrapped__ (functools.wraps): wrappers stack and still bind by name
-            setattr(dist, name, functools.wraps(fn)(make(name, fn, inspect.signature(fn))))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+SUBSTITUTABLE = ("all_reduce", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -101,34 +64,32 @@ class CollectiveRecorder:
     def __init__(self, records: dict[tuple[int, int], CollectiveRecord] | None = None) -> None:
         self.records: dict[tuple[int, int], CollectiveRecord] = dict(records or {})
 
-    def install(self, engine: Any) -> Any:
-        """Hook ``engine``'s OptimizerStep; returns the handle that removes the hook."""
-        from ds_swift.patches.instructions import hook_instructions, schedule
+    def install(self, engine: Any) -> PatchHandle:
+        """Record ``engine``'s optimizer-step collectives; returns the handle that stops it."""
+        return record_step_collectives(unwrap_engine(engine), self.HOOK_NAME, self._step_wrapper)
 
-        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            iteration, me, seq = int(eng.global_steps), threading.get_ident(), 0
+    def _step_wrapper(self, eng: Any) -> Wrapper:
+        # Only the training thread's collectives, numbered in call order within the step.
+        iteration, me, seq = int(eng.global_steps), threading.get_ident(), 0
 
-            def make(name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
-                def call(*args: Any, **k: Any) -> Any:
-                    nonlocal seq
-                    if threading.get_ident() != me:
-                        return fn(*args, **k)
-                    n, seq = seq, seq + 1
-                    out = fn(*args, **k)
-                    if name in _SUBSTITUTABLE:
-                        bound, ranks = _call_group(sig, args, k)
-                        if bound.arguments.get("async_op") and out is not None:
-                            out.wait()
-                        result = bound.arguments["tensor"].detach().to("cpu", copy=True)
-                        self.records[(iteration, n)] = CollectiveRecord(name, ranks, result)
-                    return out
+        def make(name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
+            def call(*args: Any, **k: Any) -> Any:
+                nonlocal seq
+                if threading.get_ident() != me:
+                    return fn(*args, **k)
+                n, seq = seq, seq + 1
+                out = fn(*args, **k)
+                if name in SUBSTITUTABLE:
+                    bound, ranks = call_ranks(sig, args, k)
+                    if bound.arguments.get("async_op") and out is not None:
+                        out.wait()
+                    result = bound.arguments["tensor"].detach().to("cpu", copy=True)
+                    self.records[(iteration, n)] = CollectiveRecord(name, ranks, result)
+                return out
 
-                return call
+            return call
 
-            with _wrapped_collectives(make):
-                return call_next(**kw)
-
-        return hook_instructions(_unwrap(engine), self.HOOK_NAME, {schedule.OptimizerStep: step})
+        return make
 
     def discard_before(self, iteration: int) -> None:
         """Forget iterations before ``iteration`` (a global checkpoint of it completed)."""
@@ -146,7 +107,7 @@ class CollectiveRecorder:
         return cls({(int(it), int(n)): CollectiveRecord(str(name), tuple(ranks), t) for it, n, name, ranks, t in rows})
 
 
-class _DoneWork:
+class DoneWork:
     """What an ``async_op=True`` collective returns when its result came from a record."""
 
     def wait(self, timeout: Any = None) -> bool:
@@ -156,7 +117,7 @@ class _DoneWork:
         return True
 
 
-class _CollectiveGuard:
+class CollectiveGuard:
     """During replay: collectives inside the group run; a step's collective leaving it takes its recorded
     result; any other collective leaving it raises (it would wait forever on ranks that are not replaying)."""
 
@@ -183,14 +144,14 @@ class _CollectiveGuard:
             if self.in_step:
                 n, self.seq = self.seq, self.seq + 1
             try:
-                bound, ranks = _call_group(sig, args, kw)
+                bound, ranks = call_ranks(sig, args, kw)
             except Exception:  # noqa: BLE001 - an unknown group type: let the call decide
                 return fn(*args, **kw)
             outside = sorted(set(ranks) - self.group)
             if not outside:
                 return fn(*args, **kw)
             where = f"torch.distributed.{name} over ranks {list(ranks)} in iteration {self.iteration}"
-            if n is None or name not in _SUBSTITUTABLE:
+            if n is None or name not in SUBSTITUTABLE:
                 raise ReplayUnsupported(f"{where}: ranks {outside} are not replaying and would never join it")
             if self.records is None:
                 raise ReplayUnsupported(
@@ -214,6 +175,6 @@ class _CollectiveGuard:
             with torch.no_grad():
                 tensor.copy_(rec.tensor.reshape(tensor.shape))
             self.substituted += 1
-            return _DoneWork() if bound.arguments.get("async_op") else None
+            return DoneWork() if bound.arguments.get("async_op") else None
 
         return call

@@ -1,34 +1,26 @@
-"""The recovery decision, as a pure function of what every rank published.
+"""What every rank agrees on at the start of a recovery, as pure functions of what every rank published.
 
 After a failure every rank of the new generation publishes a :class:`RankReport` (survivor or
 replacement, its pipeline coordinates, its machine, the last iteration whose optimizer step it
-applied). Every rank then computes the same :class:`RecoveryPlan` from the same reports, so no
+applied). Every rank then derives the same :class:`RecoveryInputs` from the same reports, so no
 further agreement round is needed:
 
 - the consensus pre-failure iteration is the newest iteration every survivor stepped
   (``min`` of their last stepped iterations); survivors ahead of it undo (SWIFT section 4);
-- each replacement rank gets a donor: a survivor with the same pipeline stage and
-  tensor-parallel coordinate (a data-parallel replica), on a machine that did not fail;
-- replication is possible when every replacement has a donor, the optimizer state is whole on
-  each rank (ZeRO stage 0: a ZeRO-1/2 partition of a lost rank exists nowhere else), and every
-  survivor that must undo can;
-- otherwise, when the message log covers the lost stages (:class:`LoggingSetup`, from the topology
-  plan), the failed machines' whole logging groups are replayed from the last global checkpoint
-  (SWIFT section 5.1/5.3): their ranks load it and re-execute the iterations up to the consensus
-  from the logs, while the survivors outside the groups keep their state;
-- otherwise every rank reloads the last global checkpoint.
+- which of those survivors cannot undo (no record, or more than one step ahead).
+
+Which strategy restores the lost ranks is each strategy's own question
+(:meth:`~ds_swift.recovery.base.RecoveryStrategy.can_restore`); the registry
+(:mod:`ds_swift.recovery.registry`) asks them and returns the :class:`RecoveryPlan`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-__all__ = ["LoggingSetup", "RankReport", "RecoveryPlan", "plan_recovery"]
-
-Strategy = Literal["replication", "logging", "checkpoint"]
+__all__ = ["LoggingSetup", "RankReport", "RecoveryInputs", "RecoveryPlan"]
 
 
 @dataclass(frozen=True)
@@ -45,20 +37,26 @@ class RankReport:
     """The last iteration whose step this rank applied (-1: none, or a replacement)."""
     can_undo: bool = False
     """The rank can undo its steps back to one iteration before ``last_stepped``."""
+    buddy_copies: tuple[tuple[int, int], ...] = ()
+    """(owner rank, iteration) of every complete copy of another rank's optimizer partition this
+    rank holds (ds_swift.runtime.buddy): the owner's state after that iteration's step."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RankReport:
-        return cls(**json.loads(text))
+        doc = json.loads(text)
+        doc["buddy_copies"] = tuple((int(o), int(v)) for o, v in doc.get("buddy_copies", ()))
+        return cls(**doc)
 
 
 @dataclass(frozen=True)
 class RecoveryPlan:
     """What every rank does next; identical on every rank."""
 
-    strategy: Strategy
+    strategy: str
+    """The name of the strategy that restores the lost ranks (see ds_swift.recovery.registry)."""
     reason: str
     consensus: int
     """The agreed pre-failure iteration: every rank resumes at ``consensus + 1``."""
@@ -75,8 +73,8 @@ class RecoveryPlan:
 
     @property
     def replay_iterations(self) -> range:
-        """logging: the iterations replayed, ``replay_from .. consensus``."""
-        return range(self.replay_from, self.consensus + 1) if self.strategy == "logging" else range(0)
+        """logging: the iterations replayed, ``replay_from .. consensus`` (empty when nobody replays)."""
+        return range(self.replay_from, self.consensus + 1) if self.replay_ranks else range(0)
 
     @property
     def pre_failure_iteration(self) -> int:
@@ -119,121 +117,138 @@ class LoggingSetup:
         return out
 
 
-def plan_recovery(
-    reports: list[RankReport],
-    zero_stage: int = 0,
-    forced: str = "auto",
-    optimizer: str | None = None,
-    logging: LoggingSetup | None = None,
-) -> RecoveryPlan:
-    """Decide consensus, donors and strategy.
+@dataclass(frozen=True)
+class RecoveryInputs:
+    """Everything a strategy's decision reads, the same on every rank (build it with :meth:`agree`).
 
     Args:
-        reports: one report per rank of the new generation.
+        reports: one report per rank of the new generation, by rank.
+        consensus: the agreed pre-failure iteration (the newest one every survivor stepped; -1: none).
+        survivors: the ranks that kept their state across the failure.
+        replacements: the ranks that lost it (their machine failed): the lost ranks to restore.
+        undo: the survivors ahead of the consensus, which undo their last step.
+        cannot_undo: those of ``undo`` that cannot (no undo record, or more than one step ahead).
+        checkpoint_step: the newest global checkpoint complete for every rank (-1: none yet).
+        logging: what logging-based recovery may use (None: no message log).
+        forced: the config's ``strategy``: "auto", or the name of the one strategy allowed (the
+            global checkpoint stays the fallback).
         zero_stage: the ZeRO stage; above 0 each rank holds the only copy of its optimizer partition.
-        forced: the config's ``strategy`` (auto | replication | logging | checkpoint).
-        optimizer: the name of an optimizer wrapper whose state survivors cannot keep across the
-            rebuild (it holds process groups: DeepSpeed's bf16/fp16 wrappers), or None.
-        logging: what logging-based recovery may use (None: no message log, so it is not an option).
+        optimizer_wrapper: the name of an optimizer wrapper whose state survivors cannot keep across
+            the rebuild (ZeRO 2/3, CPU offload: see ds_swift.patches.deepspeed_optim_state), or None.
+        partitioned: each data-parallel rank holds only its own slice of the optimizer state
+            (ZeRO-1, BF16_Optimizer): a replica cannot donate a lost rank's slice.
     """
-    by_rank = {r.rank: r for r in reports}
-    survivors = sorted(r.rank for r in reports if r.survivor)
-    replacements = sorted(r.rank for r in reports if not r.survivor)
-    if not survivors:
-        return RecoveryPlan("checkpoint", "no rank survived with its state", -1, (), tuple(replacements))
-    consensus = min(by_rank[r].last_stepped for r in survivors)
-    undo = tuple(r for r in survivors if by_rank[r].last_stepped > consensus)
-    base = {"consensus": consensus, "survivors": tuple(survivors), "replacements": tuple(replacements), "undo": undo}
 
-    def checkpoint(reason: str) -> RecoveryPlan:
-        return RecoveryPlan("checkpoint", reason, **base)  # type: ignore[arg-type]
+    reports: tuple[RankReport, ...]
+    consensus: int
+    survivors: tuple[int, ...]
+    replacements: tuple[int, ...]
+    undo: tuple[int, ...] = ()
+    cannot_undo: tuple[int, ...] = ()
+    checkpoint_step: int = -1
+    logging: LoggingSetup | None = None
+    forced: str = "auto"
+    zero_stage: int = 0
+    optimizer_wrapper: str | None = None
+    partitioned: bool = False
 
-    cannot_undo = [r for r in undo if not by_rank[r].can_undo or by_rank[r].last_stepped - consensus > 1]
-    if cannot_undo:
-        return checkpoint(f"ranks {cannot_undo} stepped past the consensus iteration {consensus} and cannot undo")
-    if forced == "checkpoint":
-        return checkpoint('the config forces strategy "checkpoint"')
-    if not replacements:
-        return RecoveryPlan("replication", "no rank lost its state", **base)  # type: ignore[arg-type]
-    if optimizer is not None:
-        return checkpoint(f"{optimizer} holds process groups: survivors cannot keep its state across the rebuild")
-    if zero_stage > 0:
-        return checkpoint(
-            f"ZeRO stage {zero_stage} keeps each rank's optimizer partition only on that rank: "
-            f"the partitions of ranks {replacements} are lost with their machine"
+    @classmethod
+    def agree(
+        cls,
+        reports: Iterable[RankReport],
+        *,
+        checkpoint_step: int = -1,
+        logging: LoggingSetup | None = None,
+        forced: str = "auto",
+        zero_stage: int = 0,
+        optimizer_wrapper: str | None = None,
+        partitioned: bool = False,
+        consensus: int | None = None,
+    ) -> RecoveryInputs:
+        """The consensus iteration and who undoes, from every rank's report (any order).
+
+        ``consensus``: an iteration below the newest every survivor stepped (a strategy whose
+        source lags, see :meth:`rebased`); by default that newest one.
+        """
+        ordered = tuple(sorted(reports, key=lambda r: r.rank))
+        survivors = tuple(r.rank for r in ordered if r.survivor)
+        replacements = tuple(r.rank for r in ordered if not r.survivor)
+        ahead = [r for r in ordered if r.survivor]
+        if consensus is None:
+            consensus = min((r.last_stepped for r in ahead), default=-1)
+        undo = tuple(r.rank for r in ahead if r.last_stepped > consensus)
+        cannot = tuple(
+            r.rank for r in ahead if r.last_stepped > consensus and (not r.can_undo or r.last_stepped - consensus > 1)
         )
-    failed_machines = {by_rank[r].machine for r in replacements}
-    if forced == "logging":
-        return _logging_plan(by_rank, consensus, undo, failed_machines, logging, 'the config forces strategy "logging"')
-    donors: dict[int, int] = {}
-    missing: list[int] = []
-    for lost in replacements:
-        me = by_rank[lost]
-        candidates = [
-            s
-            for s in survivors
-            if by_rank[s].stage == me.stage and by_rank[s].tp == me.tp and by_rank[s].machine not in failed_machines
-        ]
-        if candidates:
-            # Spread the sends: prefer donors not yet serving another replacement.
-            load = {s: sum(1 for d in donors.values() if d == s) for s in candidates}
-            donors[lost] = min(candidates, key=lambda s: (load[s], s))
-        else:
-            missing.append(lost)
-    if missing:
-        stages = sorted({by_rank[r].stage for r in missing})
-        why = f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing})"
-        if forced == "replication":
-            return checkpoint(f'{why} and the config forces strategy "replication"')
-        return _logging_plan(by_rank, consensus, undo, failed_machines, logging, why)
-    return RecoveryPlan(
-        "replication",
-        f"every lost rank has a surviving replica ({', '.join(f'{d}->{r}' for r, d in sorted(donors.items()))})",
-        donors=donors,
-        **base,  # type: ignore[arg-type]
-    )
+        return cls(
+            ordered, consensus, survivors, replacements, undo, cannot, checkpoint_step, logging, forced, zero_stage,
+            optimizer_wrapper, partitioned,
+        )  # fmt: skip
 
+    def rebased(self, consensus: int) -> RecoveryInputs:
+        """The same inputs agreeing on an earlier ``consensus`` (more survivors undo, maybe some cannot)."""
+        return RecoveryInputs.agree(
+            self.reports, checkpoint_step=self.checkpoint_step, logging=self.logging, forced=self.forced,
+            zero_stage=self.zero_stage, optimizer_wrapper=self.optimizer_wrapper, partitioned=self.partitioned,
+            consensus=consensus,
+        )  # fmt: skip
 
-def _logging_plan(
-    by_rank: dict[int, RankReport],
-    consensus: int,
-    undo: tuple[int, ...],
-    failed_machines: set[int],
-    logging: LoggingSetup | None,
-    why: str,
-) -> RecoveryPlan:
-    """Replay the failed machines' logging groups from the last global checkpoint, or say why not."""
-    survivors = tuple(sorted(r for r, rep in by_rank.items() if rep.survivor))
-    replacements = tuple(sorted(r for r, rep in by_rank.items() if not rep.survivor))
+    @property
+    def by_rank(self) -> dict[int, RankReport]:
+        return {r.rank: r for r in self.reports}
 
-    def checkpoint(reason: str) -> RecoveryPlan:
-        return RecoveryPlan("checkpoint", f"{why}; {reason}", consensus, survivors, replacements, undo=undo)
+    @property
+    def failed_machines(self) -> set[int]:
+        """The machines of the lost ranks."""
+        return {r.machine for r in self.reports if not r.survivor}
 
-    if logging is None:
-        return checkpoint("logging-based recovery is not set up (the plan logs no pipeline send)")
-    machines = logging.group_machines(failed_machines)
-    group = tuple(sorted(r for r, rep in by_rank.items() if rep.machine in machines))
-    if not [r for r in survivors if r not in group]:
-        return checkpoint(f"no rank outside the failed logging group (machines {sorted(machines)}) survived")
-    uncovered = sorted({by_rank[r].stage for r in group} - logging.replayable_stages)
-    if uncovered:
-        return checkpoint(
-            f"stage(s) {uncovered} of the failed logging group are not recovered by logging in the plan "
-            f"(logged stages: {sorted(logging.replayable_stages)})"
-        )
-    start = max(0, logging.checkpoint_step)
-    source = f"global_step{logging.checkpoint_step}" if logging.checkpoint_step >= 0 else "the initial state"
-    if logging.unavailable is not None:
-        return checkpoint(f"logging-based recovery from {source} failed before ({logging.unavailable})")
-    if consensus < start - 1:
-        return checkpoint(f"the survivors' iteration {consensus} is older than {source}")
-    rolled_back = sorted(set(group) & set(survivors))
-    also = f" (rolling back survivors {rolled_back} of the group)" if rolled_back else ""
-    reason = (
-        f"{why}: ranks {list(group)} (machines {sorted(machines)}) load {source} and replay iterations "
-        f"{start}..{consensus} from the message log{also}"
-    )
-    return RecoveryPlan(
-        "logging", reason, consensus, survivors, replacements,
-        undo=tuple(r for r in undo if r not in group), replay_ranks=group, replay_from=start,
-    )  # fmt: skip
+    def keep_blocker(self) -> str | None:
+        """Why the survivors cannot keep their own state to the consensus iteration (None: they can).
+
+        Every strategy that keeps the survivors' state needs this; the global checkpoint does not.
+        """
+        if not self.survivors:
+            return "no rank survived with its state"
+        if self.cannot_undo:
+            return (
+                f"ranks {list(self.cannot_undo)} stepped past the consensus iteration {self.consensus} and cannot undo"
+            )
+        return None
+
+    def wrapper_blocker(self) -> str | None:
+        """Why survivors cannot keep their optimizer wrapper's state across the rebuild (None: they can)."""
+        if self.optimizer_wrapper is not None:
+            return f"{self.optimizer_wrapper}: survivors cannot keep its state across the rebuild"
+        return None
+
+    def unpartitioned_blocker(self) -> str | None:
+        """Why the state a replica holds is not a whole rank's state (None: it is).
+
+        Under ZeRO stage > 0 (and BF16_Optimizer) a lost rank's optimizer partition exists only on
+        that rank, and on its buddies (ds_swift.recovery.buddy).
+        """
+        why = self.wrapper_blocker()
+        if why is not None:
+            return why
+        if self.partitioned or self.zero_stage > 0:
+            what = f"ZeRO stage {self.zero_stage}" if self.zero_stage > 0 else "BF16_Optimizer"
+            return (
+                f"{what} keeps each rank's optimizer partition only on that rank (and its buddy copies): "
+                f"a replica does not hold the partitions of ranks {list(self.replacements)}"
+            )
+        return None
+
+    def plan(
+        self,
+        strategy: str,
+        reason: str = "",
+        *,
+        donors: dict[int, int] | None = None,
+        replay_ranks: tuple[int, ...] = (),
+        replay_from: int = 0,
+    ) -> RecoveryPlan:
+        """A plan of ``strategy`` carrying this consensus, plus the strategy's own fields."""
+        return RecoveryPlan(
+            strategy, reason, self.consensus, self.survivors, self.replacements, donors=dict(donors or {}),
+            undo=self.undo, replay_ranks=replay_ranks, replay_from=replay_from,
+        )  # fmt: skip

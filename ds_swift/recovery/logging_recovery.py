@@ -43,17 +43,19 @@ from ds_swift.data import BatchFn
 from ds_swift.membership import GenerationFailed, JobStore
 from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
+from ds_swift.recovery.host import NullHost, RecoveryHost, replaying
 from ds_swift.recovery.parallel import (
     Mode,
-    ParallelLayout,
+    ParallelReplayLayout,
     build_copy_engine,
     copy_unsupported_reasons,
     parallel_replay,
     transfer_state,
 )
-from ds_swift.recovery.replay import _plan_of, replay, unsupported_reasons
+from ds_swift.recovery.replay import replay
 from ds_swift.recovery.replay_log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
-from ds_swift.timeline import RankTimeline
+from ds_swift.recovery.replay_plan import plan_of, unsupported_reasons
+from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["ReplayRuntime", "failed_replay_key", "parallel_layout", "run_logging_recovery"]
 
@@ -76,13 +78,7 @@ class ReplayRuntime:
         parallel: parallel recovery is on; ``mode`` is "exact" or "fast".
         recorder: this rank's recorder of optimizer-step collectives (survivors publish its records).
         log_error: survivors: why their message log could not be flushed and uploaded, or None.
-        set_reseed: switches the runtime's own per-forward reseeding on/off (the replay keys the RNG
-            itself, by the micro-batches it actually runs).
-        set_armed: switches the runtime's after-receive failure check on/off (on while replaying, so
-            a peer's poison wakes a live receive with an error instead of garbage).
-        poison: wakes this rank's pipeline neighbours blocked in a receive from it.
-        suspend_logging: stops this rank's message logger and returns what restarts it (parallel
-            recovery: a share of the micro-batches would be logged under the wrong numbers).
+        host: the runtime's switches (reseeding, the receive check, neighbour wake-up, logging).
         cache_dir: where a remote store's log chunks are downloaded (default: a temporary directory).
         wait_timeout_s: the longest anyone waits for the replay to finish (a dead replayer is seen
             sooner, through the generation's failure flag).
@@ -96,10 +92,7 @@ class ReplayRuntime:
     mode: Mode = "exact"
     recorder: CollectiveRecorder | None = None
     log_error: str | None = None
-    set_reseed: Callable[[bool], None] = _noop
-    set_armed: Callable[[bool], None] = _noop
-    poison: Callable[[], None] = _noop
-    suspend_logging: Callable[[], Callable[[], None]] = lambda: _noop
+    host: RecoveryHost = field(default_factory=NullHost)
     cache_dir: str | None = None
     wait_timeout_s: float = 7 * 24 * 3600.0
     progress: ProgressFn | None = field(default=None, repr=False)
@@ -119,7 +112,7 @@ def _source(checkpoint_step: int) -> str:
 
 
 # ----------------------------------------------------------------------------- parallel layout (pure)
-def parallel_layout(plan: RecoveryPlan, reports: list[RankReport], micro_batches: int) -> ParallelLayout | str:
+def parallel_layout(plan: RecoveryPlan, reports: list[RankReport], micro_batches: int) -> ParallelReplayLayout | str:
     """Who replays what with parallel recovery, or why it cannot be used for this plan.
 
     The replacements host the failed stages (sub-pipeline 0); as many survivors outside the
@@ -138,7 +131,7 @@ def parallel_layout(plan: RecoveryPlan, reports: list[RankReport], micro_batches
     helpers = [r for r in plan.survivors if r not in group][: len(group)]
     if len(helpers) < len(group):
         return f"{len(helpers)} survivors outside the replayed group cannot host copies of {len(group)} stages"
-    return ParallelLayout(tuple(stages), tuple(ordered), tuple(helpers), micro_batches)
+    return ParallelReplayLayout(tuple(stages), tuple(ordered), tuple(helpers), micro_batches)
 
 
 # ----------------------------------------------------------------------------- the protocol
@@ -155,7 +148,7 @@ def _check(engine: Any, plan: RecoveryPlan, rank: int, recorded: bool, reader: A
     """A replaying rank's answer in the check round: why it cannot replay (empty: it can)."""
     group = frozenset(plan.replay_ranks)
     reasons = unsupported_reasons(engine, group, step_collectives_recorded=recorded)
-    edges = _plan_of(engine, group).from_log
+    edges = plan_of(engine, group).from_log
     if reasons or not edges:
         return reasons
     if reader is None:
@@ -199,12 +192,13 @@ def _fail(
         f"RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source}) and train the lost iterations again.",
     )
     store.declare_failure(generation, f"rank {rank}: logging-based recovery failed: {what[:200]}")
-    rt.poison()
+    rt.host.poison_neighbours()
     raise GenerationFailed(generation, f"logging-based recovery failed on rank {rank}") from exc
 
 
 def _load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
-    from ds_swift.recovery.collectives import _CollectiveGuard, _wrapped_collectives
+    from ds_swift.patches.step_collectives import wrap_collectives
+    from ds_swift.recovery.collectives import CollectiveGuard
     from ds_swift.recovery.replication import set_counters
 
     if checkpoint_step < 0 or ckpt is None:
@@ -212,7 +206,7 @@ def _load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int
         log("replay starts from the initial state (no global checkpoint yet)")
         return
     # Loading must not need the survivors: a collective leaving the group raises instead of hanging.
-    with _wrapped_collectives(_CollectiveGuard(frozenset(plan.replay_ranks), None).make):
+    with wrap_collectives("ds_swift.replay.load", CollectiveGuard(frozenset(plan.replay_ranks), None).make):
         loaded = ckpt.load_latest(engine, at_most=checkpoint_step)
     if loaded != checkpoint_step:
         raise LogUnavailable(f"global checkpoint global_step{checkpoint_step} could not be loaded (got {loaded})")
@@ -286,7 +280,7 @@ def run_logging_recovery(
         if rt.recorder is not None:
             answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
     total = end - start + 1
-    layout: ParallelLayout | str | None = None
+    layout: ParallelReplayLayout | str | None = None
     if rt.parallel and total > 0:
         blockers = copy_unsupported_reasons(engine)
         gas = int(engine.gradient_accumulation_steps())
@@ -321,24 +315,19 @@ def run_logging_recovery(
         if reader is None:
             _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
     if layout is not None:
-        resume = rt.suspend_logging() if rank in group else _noop
+        resume = rt.host.suspend_logging() if rank in group else _noop
         copy = build_copy_engine(engine, layout, rt.ds_config)  # every rank, collectively
         try:
             transfer_state(engine, copy, layout, start)
             if replayer:
-                rt.set_reseed(False)
-                rt.set_armed(True)
                 try:
-                    with _progress(rt, total) as progress:
+                    with replaying(rt.host), _progress(rt, total) as progress:
                         pstats = parallel_replay(
                             engine, copy, layout, reader, start, end, rt.batch_fn, progress,
                             mode=rt.mode, seed=rt.seed, collectives=records,
                         )  # fmt: skip
                 except (LogUnavailable, ReplayUnsupported) as exc:
                     _fail(store, generation, rank, start, source, exc, rt)
-                finally:
-                    rt.set_armed(False)
-                    rt.set_reseed(True)
                 if pstats is not None:
                     summary = _summary(pstats)
         finally:
@@ -346,16 +335,11 @@ def run_logging_recovery(
             gc.collect()
             resume()
     elif rank in group:
-        rt.set_reseed(False)
-        rt.set_armed(True)
         try:
-            with _progress(rt, total) as progress:
+            with replaying(rt.host), _progress(rt, total) as progress:
                 stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed, collectives=records)
         except (LogUnavailable, ReplayUnsupported) as exc:
             _fail(store, generation, rank, start, source, exc, rt)
-        finally:
-            rt.set_armed(False)
-            rt.set_reseed(True)
         summary = _summary(stats)
     if replayer:
         timeline.t_replayed = time.time()

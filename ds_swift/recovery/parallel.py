@@ -37,24 +37,21 @@ from typing import Any, Literal
 import torch
 
 from ds_swift.data import BatchFn
-from ds_swift.recovery.replay import (
-    CollectiveRecord,
-    CollectiveRecorder,
-    ProgressFn,
-    ReplayStats,
-    ReplayUnsupported,
-    _unwrap,
-    replay,
-)
+from ds_swift.patches.pipeline_copy import copy_pipeline_module, pipeline_globals, swapped_topology
+from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.replay import replay
+from ds_swift.recovery.replay_log import ProgressFn
+from ds_swift.recovery.replay_plan import ReplayStats, unwrap_engine
 from ds_swift.recovery.replication import capture_state, load_state, recv_state, send_state
 
 __all__ = [
     "GradCapture",
     "Mode",
-    "ParallelLayout",
+    "ParallelReplayLayout",
     "ParallelStats",
     "assign_micro_batches",
     "build_copy_engine",
+    "helper_topology",
     "copy_unsupported_reasons",
     "combine_exact",
     "combine_fast",
@@ -75,7 +72,7 @@ def assign_micro_batches(micro_batches: int, workers: int) -> tuple[tuple[int, .
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
+class ParallelReplayLayout:
     """Which ranks replay which copy of which failed stage.
 
     Args:
@@ -171,40 +168,21 @@ def combine_fast(partials: list[list[torch.Tensor | None]]) -> list[torch.Tensor
 
 
 # ----------------------------------------------------------------------------- the copy engine
-def _swapped_topology(topo: Any, layout: ParallelLayout) -> Any:
+def helper_topology(topo: Any, layout: ParallelReplayLayout) -> Any:
     """The engine's topology with helpers and replacements trading coordinates."""
-    from deepspeed.runtime.pipe.topology import ProcessTopology
-
     swap = {**dict(zip(layout.replacements, layout.helpers)), **dict(zip(layout.helpers, layout.replacements))}
-    new = ProcessTopology(axes=list(topo.get_axis_names()), dims=[topo.get_dim(a) for a in topo.get_axis_names()])
-    new.mapping = {coord: swap.get(rank, rank) for coord, rank in topo.mapping.items()}
+    new = swapped_topology(topo, swap)
     for j, stage in enumerate(layout.stages):
         if new.get_coord(layout.helpers[j]).pipe != stage:
             raise ValueError(f"rank {layout.replacements[j]} does not host stage {stage}: the layout does not fit")
     return new
 
 
-@contextmanager
-def _pipeline_globals(grid: Any | None) -> Iterator[None]:
-    """DeepSpeed keeps the pipeline grid in module globals (p2p, groups.mpu): point them at ``grid``, then back."""
-    from deepspeed.runtime.pipe import p2p
-    from deepspeed.utils import groups
-
-    # p2p._groups stays None: p2p always uses send/recv on the world group here (torch >= 1.8).
-    saved = (p2p._grid, groups.mpu)
-    if grid is not None:
-        p2p._grid, groups.mpu = grid, grid
-    try:
-        yield
-    finally:
-        p2p._grid, groups.mpu = saved
-
-
 def copy_unsupported_reasons(engine: Any) -> list[str]:
     """Why parallel recovery cannot copy ``engine``'s stage (empty: it can). The same on every rank of a job."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
 
-    engine = _unwrap(engine)
+    engine = unwrap_engine(engine)
     reasons = []
     if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
         reasons.append("parallel recovery copies whole optimizer states: ZeRO-0 fp32 only")
@@ -215,7 +193,7 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
     return reasons
 
 
-def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[str, Any] | None = None) -> Any | None:
+def build_copy_engine(engine: Any, layout: ParallelReplayLayout, ds_config: Mapping[str, Any] | None = None) -> Any | None:
     """Build the helpers' copies of the failed stages. Every rank of the job calls it, in the same order.
 
     It creates process groups (collective over the world), so survivors that do not help and the
@@ -228,38 +206,16 @@ def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[st
         ds_config: the DeepSpeed config dict the engine was built from (default: ``engine.config``).
     """
     import deepspeed
-    from deepspeed.runtime.pipe.module import PipelineModule
 
-    engine = _unwrap(engine)
-    module = engine.module
+    engine = unwrap_engine(engine)
     config = ds_config if ds_config is not None else engine.config
     if not isinstance(config, Mapping):
         raise ValueError("build_copy_engine needs the DeepSpeed config as a dict (ds_config=...)")
     reasons = copy_unsupported_reasons(engine)
     if reasons:
         raise ReplayUnsupported("; ".join(reasons))
-    parts = list(module.parts)
-
-    class FixedPartition(PipelineModule):  # type: ignore[misc]
-        # The copy must hold exactly the layers the original stage holds.
-        def _partition_layers(self, method: str = "uniform") -> None:
-            self.parts = list(parts)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=parts[stage], stop=parts[stage + 1])
-
-    with _pipeline_globals(None):
-        copy_module = FixedPartition(
-            layers=module._layer_specs,
-            topology=_swapped_topology(engine.grid._topo, layout),
-            loss_fn=module.loss_fn,
-            seed_layers=module.seed_layers,
-            seed_fn=module.seed_fn,
-            base_seed=module.base_seed,
-            activation_checkpoint_interval=module.activation_checkpoint_interval,
-            activation_checkpoint_func=module.activation_checkpoint_func,
-            checkpointable_layers=module.checkpointable_layers,
-            dynamic_shape=module.dynamic_shape,
-        )
+    with pipeline_globals():
+        copy_module = copy_pipeline_module(engine.module, helper_topology(engine.grid._topo, layout))
         copy, *_ = deepspeed.initialize(
             model=copy_module,
             config=dict(config),
@@ -270,18 +226,18 @@ def build_copy_engine(engine: Any, layout: ParallelLayout, ds_config: Mapping[st
     return copy
 
 
-def transfer_state(engine: Any, copy: Any | None, layout: ParallelLayout, iteration: int) -> int:
+def transfer_state(engine: Any, copy: Any | None, layout: ParallelReplayLayout, iteration: int) -> int:
     """Replacements send their (checkpoint-loaded) state to their helper; helpers load it into ``copy``.
 
     Returns the bytes sent (replacements) or 0. Other ranks return at once.
     """
-    rank = int(_unwrap(engine).global_rank)
+    rank = int(unwrap_engine(engine).global_rank)
     role = layout.role(rank)
     if role is None:
         return 0
     r, _ = role
     if r == 0:
-        return send_state(capture_state(_unwrap(engine)), layout.peer(rank))
+        return send_state(capture_state(unwrap_engine(engine)), layout.peer(rank))
     if copy is None:
         raise ValueError(f"helper rank {rank} has no copy engine (build_copy_engine returned None?)")
     load_state(copy, recv_state(layout.peer(rank)), iteration)
@@ -333,7 +289,7 @@ class GradCapture:
 class _Combiner:
     """Instruction hooks that tag backward passes with their micro-batch and combine before the step."""
 
-    def __init__(self, engine: Any, layout: ParallelLayout, rank: int, share: tuple[int, ...], mode: Mode) -> None:
+    def __init__(self, engine: Any, layout: ParallelReplayLayout, rank: int, share: tuple[int, ...], mode: Mode) -> None:
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self.layout, self.rank, self.share, self.mode = layout, rank, share, mode
         self.peer = layout.peer(rank)
@@ -394,7 +350,7 @@ class _Combiner:
 def parallel_replay(
     engine: Any,
     copy: Any | None,
-    layout: ParallelLayout,
+    layout: ParallelReplayLayout,
     reader: Any,
     start_iteration: int,
     end_iteration: int,
@@ -419,18 +375,18 @@ def parallel_replay(
     """
     if mode not in ("exact", "fast"):
         raise ValueError(f"mode must be 'exact' or 'fast', not {mode!r}")
-    rank = int(_unwrap(engine).global_rank)
+    rank = int(unwrap_engine(engine).global_rank)
     role = layout.role(rank)
     if role is None:
         return None
     r, _ = role
-    target = _unwrap(engine) if r == 0 else _unwrap(copy) if copy is not None else None
+    target = unwrap_engine(engine) if r == 0 else unwrap_engine(copy) if copy is not None else None
     if target is None:
         raise ValueError(f"helper rank {rank} needs its copy engine")
     share = layout.shares[r]
     combiner = _Combiner(target, layout, rank, share, mode)
     try:
-        with _pipeline_globals(target.grid if r == 1 else None):
+        with pipeline_globals(target.grid if r == 1 else None):
             stats = replay(
                 target, reader, layout.sub_pipeline(r), start_iteration, end_iteration, batch_fn, progress,
                 seed=seed, collectives=collectives, ahead=ahead, log_timeout_s=log_timeout_s, share=share,

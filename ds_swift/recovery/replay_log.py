@@ -21,8 +21,9 @@ from typing import Any, TextIO
 
 import torch
 
+from ds_swift.msglog.edge import LogEdge
+
 __all__ = [
-    "InEdge",
     "LogFeeder",
     "LogUnavailable",
     "Message",
@@ -48,7 +49,7 @@ class LogUnavailable(RuntimeError):
         *,
         iteration: int | None = None,
         micro_batch: int | None = None,
-        edge: InEdge | None = None,
+        edge: LogEdge | None = None,
         file: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -58,31 +59,16 @@ class LogUnavailable(RuntimeError):
         self.file = file
 
 
-@dataclass(frozen=True)
-class InEdge:
-    """A logged pipeline edge into this rank: what the log calls (kind, src stage, dst stage, dp, tp)."""
-
-    kind: str  # "act" | "grad"
-    src_stage: int
-    dst_stage: int
-    dp_rank: int
-    tp_rank: int
-
-    def __str__(self) -> str:
-        return f"{self.kind} s{self.src_stage}->s{self.dst_stage} dp{self.dp_rank} tp{self.tp_rank}"
-
-
 # ----------------------------------------------------------------------------- log prefetch
-def chunks_needed(reader: Any, edges: Sequence[InEdge], start: int, end: int) -> dict[tuple[InEdge, int], Any]:
+def chunks_needed(reader: Any, edges: Sequence[LogEdge], start: int, end: int) -> dict[tuple[LogEdge, int], Any]:
     """(edge, iteration) -> ChunkName for ``start..end``, by name only (nothing downloaded).
 
     Raises LogUnavailable naming the edge, the iteration and what the log holds on a gap.
     """
     names = reader.chunk_names()
-    found: dict[tuple[InEdge, int], Any] = {}
+    found: dict[tuple[LogEdge, int], Any] = {}
     for edge in edges:
-        key = (edge.kind, edge.src_stage, edge.dst_stage, edge.dp_rank, edge.tp_rank)
-        mine = [cn for cn in names if cn.edge == key]
+        mine = [cn for cn in names if cn.edge == edge]
         for it in range(start, end + 1):
             cn = next((c for c in mine if c.first_iteration <= it < c.end_iteration), None)
             if cn is None:
@@ -120,7 +106,7 @@ class LogFeeder:
     def __init__(
         self,
         reader: Any,
-        edges: tuple[InEdge, ...],
+        edges: tuple[LogEdge, ...],
         start: int,
         end: int,
         micro_batches: int | Sequence[int],
@@ -166,9 +152,7 @@ class LogFeeder:
                         self.chunk_bytes += int(info.size)
                         self.chunks_loaded += 1
                     for mb in self.micro_batches:
-                        msg = self.reader.get(
-                            it, mb, edge.kind, edge.src_stage, edge.dst_stage, edge.dp_rank, edge.tp_rank
-                        )
+                        msg = self.reader.message(edge, it, mb)
                         batch.messages[(edge.kind, mb)] = msg
                         parts = msg if isinstance(msg, tuple) else (msg,)
                         batch.nbytes += sum(t.numel() * t.element_size() for t in parts)

@@ -1,66 +1,104 @@
 """Replication-based recovery: a surviving replica sends its whole training state to a replacement.
 
-The state of a pipeline rank (ZeRO stage 0) is its stage's module parameters and buffers, the
-optimizer state, the LR scheduler, the step counters and the RNG state. A data-parallel replica
-of the same stage holds bitwise the same parameters and optimizer state (gradients are
-all-reduced before every step), so copying it gives the replacement exactly what the lost rank
-had at the consensus iteration.
+:class:`ReplicationStrategy` is the strategy (every lost rank needs a surviving data-parallel
+replica on a machine that did not fail); the rest is the state transfer it runs.
 
-Wire format, over torch.distributed point-to-point in the new generation: one int64 length, the
-pickled skeleton (the state with every tensor replaced by a reference, plus shapes and dtypes),
-then one flat buffer per dtype holding every tensor of that dtype. A few large sends instead of
-hundreds of small ones.
+The state of a pipeline rank is its stage's module parameters and buffers, everything its
+optimizer wrapper holds (torch optimizer, FP16_Optimizer/FP16_UnfusedOptimizer: fp32 masters,
+optimizer state, loss scaler, flags; see ds_swift.patches.deepspeed_optim_state), the LR
+scheduler, the step counters and the RNG state. A data-parallel replica of the same stage holds
+bitwise the same (gradients are all-reduced before every step), so copying it gives the
+replacement exactly what the lost rank had at the consensus iteration. Where the optimizer state
+is partitioned over data-parallel ranks (ZeRO-1, BF16_Optimizer) a replica holds another slice:
+ds_swift.recovery.buddy restores those.
+
+Wire format, over torch.distributed point-to-point in the new generation, tensors only (no
+pickle of a peer's bytes, so a peer can never make this rank run code): one int64 length, a
+UTF-8 JSON manifest (the state with every tensor replaced by ``{"__t__": index}``, plus each
+tensor's shape and dtype), then one flat buffer per dtype holding every tensor of that dtype.
+A few large sends instead of hundreds of small ones.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["capture_state", "flatten", "load_state", "recv_state", "send_state", "unflatten"]
+from ds_swift.patches.deepspeed_optim_state import (
+    capture_optimizer,
+    load_optimizer,
+    optimizer_payload,
+    refresh_lp_params,
+)
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 
+__all__ = [
+    "ReplicationStrategy",
+    "capture_state",
+    "decode",
+    "decode_dtype",
+    "donors_for",
+    "encode",
+    "finish_restore",
+    "flat_sizes",
+    "flatten",
+    "load_state",
+    "recv_state",
+    "send_state",
+    "unflatten",
+]
 
-@dataclass(frozen=True)
-class _TensorRef:
-    index: int
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
 
 
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``obj`` (nested dicts/lists/tuples) into a tensor-free skeleton and its tensors."""
+    """Split ``obj`` (nested dicts/lists/tuples of tensors and JSON scalars) into a JSON-able
+    skeleton and its tensors. Dicts with non-string keys and tuples are tagged so that they come
+    back as they were (optimizer state is keyed by int, Adam's betas are a tuple)."""
     tensors: list[torch.Tensor] = []
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
-            return _TensorRef(len(tensors) - 1)
+            return {"__t__": len(tensors) - 1}
         if isinstance(x, dict):
             # OrderedDicts (state dicts) become plain dicts: load_state_dict accepts either.
-            return {k: walk(v) for k, v in x.items()}
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: walk(v) for k, v in x.items()}
+            return {"__items__": [[walk(k), walk(v)] for k, v in x.items()]}
         if isinstance(x, list):
             return [walk(v) for v in x]
         if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
+            return {"__tuple__": [walk(v) for v in x]}
+        if isinstance(x, torch.dtype):
+            return {"__dtype__": str(x)}
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        raise TypeError(f"state transfer sends tensors and JSON scalars only, not {type(x).__name__}")
 
     return walk(obj), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     def walk(x: Any) -> Any:
-        if isinstance(x, _TensorRef):
-            return tensors[x.index]
         if isinstance(x, dict):
+            if "__t__" in x:
+                return tensors[int(x["__t__"])]
+            if "__items__" in x:
+                return {walk(k): walk(v) for k, v in x["__items__"]}
+            if "__tuple__" in x:
+                return tuple(walk(v) for v in x["__tuple__"])
+            if "__dtype__" in x:
+                return _DTYPES[x["__dtype__"]]
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, list):
             return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
         return x
 
     return walk(skeleton)
@@ -74,21 +112,52 @@ def _dtype_order(tensors: Iterable[torch.Tensor]) -> list[torch.dtype]:
     return seen
 
 
+def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``state`` as a JSON manifest (skeleton + each tensor's shape and dtype) and its tensors."""
+    skeleton, tensors = flatten(state)
+    metas = [[list(t.shape), str(t.dtype)] for t in tensors]
+    return json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), tensors
+
+
+def decode(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> Any:
+    """The state :func:`encode` described, its tensors cut out of one flat buffer per dtype (views)."""
+    doc = json.loads(manifest.decode())
+    metas = [(torch.Size(shape), _DTYPES[dtype]) for shape, dtype in doc["tensors"]]
+    offsets = dict.fromkeys(flats, 0)
+    tensors = []
+    for shape, dtype in metas:
+        n = shape.numel()
+        tensors.append(flats[dtype][offsets[dtype] : offsets[dtype] + n].view(shape))
+        offsets[dtype] += n
+    return unflatten(doc["skeleton"], tensors)
+
+
+def decode_dtype(name: str) -> torch.dtype:
+    """The dtype a manifest names (``"torch.float32"``)."""
+    return _DTYPES[name]
+
+
+def flat_sizes(manifest: bytes) -> dict[torch.dtype, int]:
+    """Elements per dtype of the flat buffers that go with ``manifest`` (in sending order)."""
+    sizes: dict[torch.dtype, int] = {}
+    for shape, dtype in json.loads(manifest.decode())["tensors"]:
+        d = _DTYPES[dtype]
+        sizes[d] = sizes.get(d, 0) + int(torch.Size(shape).numel())
+    return sizes
+
+
 def send_state(state: Any, dst: int, group: Any = None, send: Callable[..., Any] | None = None) -> int:
     """Send ``state`` to rank ``dst``; returns the payload bytes sent.
 
     Args:
-        state: nested dicts/lists/tuples of tensors and picklable values.
+        state: nested dicts/lists/tuples of tensors and JSON scalars.
         dst: the receiving rank.
         group: the process group (default: the world).
         send: ``send(tensor, dst, group=...)``; torch.distributed's by default (tests pass a queue).
     """
     send = send or dist.send
-    skeleton, tensors = flatten(state)
-    metas = [(tuple(t.shape), t.dtype, t.device.type) for t in tensors]
-    header = io.BytesIO()
-    pickle.dump((skeleton, metas), header, protocol=pickle.HIGHEST_PROTOCOL)
-    blob = torch.frombuffer(bytearray(header.getvalue()), dtype=torch.uint8)
+    manifest, tensors = encode(state)
+    blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
     send(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group)
     send(blob, dst, group=group)
     sent = blob.numel()
@@ -106,23 +175,22 @@ def recv_state(src: int, group: Any = None, recv: Callable[..., Any] | None = No
     recv(length, src, group=group)
     blob = torch.empty(int(length.item()), dtype=torch.uint8)
     recv(blob, src, group=group)
-    skeleton, metas = pickle.loads(blob.numpy().tobytes())
-    tensors: list[torch.Tensor | None] = [None] * len(metas)
-    for dtype in _dtype_order(torch.empty(0, dtype=d) for _, d, _ in metas):
-        idx = [i for i, (_, d, _) in enumerate(metas) if d == dtype]
-        sizes = [int(torch.Size(metas[i][0]).numel()) for i in idx]
-        flat = torch.empty(sum(sizes), dtype=dtype)
-        recv(flat, src, group=group)
-        for i, part in zip(idx, torch.split(flat, sizes)):
-            tensors[i] = part.reshape(metas[i][0]).clone()
-    return unflatten(skeleton, [t for t in tensors if t is not None])  # every slot is filled above
+    manifest = blob.numpy().tobytes()
+    flats = {}
+    for dtype, n in flat_sizes(manifest).items():
+        flats[dtype] = torch.empty(n, dtype=dtype)
+        recv(flats[dtype], src, group=group)
+    return decode(manifest, flats)
 
 
-def capture_state(engine: Any) -> dict[str, Any]:
-    """A rank's whole training state, by reference (no copies): what a donor sends."""
+def capture_state(engine: Any, optimizer: bool = True) -> dict[str, Any]:
+    """A rank's whole training state, by reference (no copies): what a donor sends. The optimizer
+    entry is everything the rank's optimizer wrapper holds (fp32 masters, the inner optimizer's
+    state, loss scaler, flags: see ds_swift.patches.deepspeed_optim_state)."""
+    opt = engine.optimizer if optimizer else None
     state: dict[str, Any] = {
         "module": engine.module.state_dict(),
-        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        "optimizer": optimizer_payload(capture_optimizer(opt)) if opt is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
         "counters": counters_of(engine),
         "rng": {"torch": torch.get_rng_state()},
@@ -149,13 +217,18 @@ def set_counters(engine: Any, iteration: int) -> None:
 
 
 def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
-    """Load a captured state into a (rebuilt or fresh) engine that resumes at ``iteration``."""
-    engine.module.load_state_dict(state["module"], strict=True)
+    """Load a captured state into a (rebuilt or fresh) engine that resumes at ``iteration``.
+
+    The low-precision parameters of a partitioned wrapper are rebuilt from the masters by
+    :func:`finish_restore`, a collective every rank calls once all have loaded.
+    """
+    if state.get("module") is not None:
+        engine.module.load_state_dict(state["module"], strict=True)
     if state.get("optimizer") is not None and engine.optimizer is not None:
-        engine.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer(engine.optimizer, state["optimizer"])
     if state.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    counters = state.get("counters", {})
+    counters = state.get("counters") or {}
     set_counters(engine, iteration)
     engine.skipped_steps = int(counters.get("skipped_steps", 0))
     rng = state.get("rng") or {}
@@ -163,3 +236,78 @@ def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
         torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def finish_restore(engine: Any) -> None:
+    """Every rank, after every rank loaded its state: the low-precision parameters from the fp32
+    masters (an all-gather over data-parallel groups for ZeRO-1/bf16; the same call the step ends
+    with, so bitwise what the failure-free run has)."""
+    refresh_lp_params(engine.optimizer)
+
+
+# ----------------------------------------------------------------------------- the strategy
+def donors_for(inputs: RecoveryInputs) -> tuple[dict[int, int], list[int]]:
+    """Each lost rank's donor, a survivor with its pipeline stage and tensor-parallel coordinate (a
+    data-parallel replica) on a machine that did not fail; and the lost ranks without one."""
+    by_rank = inputs.by_rank
+    failed = inputs.failed_machines
+    donors: dict[int, int] = {}
+    missing: list[int] = []
+    for lost in inputs.replacements:
+        me = by_rank[lost]
+        candidates = [
+            s
+            for s in inputs.survivors
+            if by_rank[s].stage == me.stage and by_rank[s].tp == me.tp and by_rank[s].machine not in failed
+        ]
+        if candidates:
+            # Spread the sends: prefer donors not yet serving another replacement.
+            load = {s: sum(1 for d in donors.values() if d == s) for s in candidates}
+            donors[lost] = min(candidates, key=lambda s: (load[s], s))
+        else:
+            missing.append(lost)
+    return donors, missing
+
+
+class ReplicationStrategy(RecoveryStrategy):
+    """Survivors keep their state (undoing to the consensus); each lost rank receives the whole
+    state of a surviving data-parallel replica. Exact: replicas hold bitwise the same state."""
+
+    name = "replication"
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        why = inputs.keep_blocker()
+        if why is not None or not inputs.replacements:
+            return why
+        why = inputs.unpartitioned_blocker()
+        if why is not None:
+            return why
+        _, missing = donors_for(inputs)
+        if missing:
+            stages = sorted({inputs.by_rank[r].stage for r in missing})
+            return f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing})"
+        return None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 0.0  # one state copy per lost rank, nothing recomputed: cheaper than any replay
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        if not inputs.replacements:
+            return inputs.plan(self.name, "no rank lost its state")
+        donors, _ = donors_for(inputs)
+        pairs = ", ".join(f"{d}->{r}" for r, d in sorted(donors.items()))
+        return inputs.plan(self.name, f"every lost rank has a surviving replica ({pairs})", donors=donors)
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        ctx.keep_state(plan)
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        for dst in plan.recipients_of(ctx.rank):
+            sent = send_state(capture_state(ctx.engine), dst)
+            outcome.bytes_moved += sent
+            ctx.log(f"sent state of iteration {plan.consensus} to replacement rank {dst} ({sent / 1e6:.2f} MB)")
+        donor = plan.donor_of(ctx.rank)
+        if donor is not None:
+            load_state(ctx.engine, recv_state(donor), plan.consensus + 1)
+            ctx.log(f"received state of iteration {plan.consensus} from donor rank {donor}")
+        finish_restore(ctx.engine)
+        return outcome

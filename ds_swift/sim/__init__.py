@@ -5,8 +5,10 @@ Pure functions on plain data (no processes, no torch):
 - :mod:`ds_swift.sim.model`: ``Workload``, ``StrategySpec`` and the per-failure cost model;
 - :mod:`ds_swift.sim.failures`: ``FailureModel`` (uniform count, exponential, Weibull);
 - :mod:`ds_swift.sim.runner`: ``simulate`` (repeats, mean, 95% CI) and the sweeps;
-- :mod:`ds_swift.sim.recommend`: optimal intervals, ``recommend_for_plan`` for the planner;
+- :mod:`ds_swift.sim.recommend`: optimal intervals; :mod:`ds_swift.sim.plan_recommend`:
+  ``recommend_for_plan`` for the planner;
 - :mod:`ds_swift.sim.schema`: the YAML input of ``ds-swift simulate`` (``load_sim_config``);
+- :mod:`ds_swift.sim.profile`: bench profiles, measured costs for ``--profile`` (``load_profile``);
 - :mod:`ds_swift.sim.study`, :mod:`ds_swift.sim.plots`, :mod:`ds_swift.sim.cli`: the command.
 
 Names are loaded on first use so that ``ds-swift --help`` does not import numpy.
@@ -22,6 +24,8 @@ __all__ = [
     "LoggingSpec",
     "StrategySpec",
     "Workload",
+    "apply_profile",
+    "load_profile",
     "load_sim_config",
     "optimal_interval",
     "recommend",
@@ -34,10 +38,12 @@ _WHERE = {
     "LoggingSpec": "ds_swift.sim.model",
     "StrategySpec": "ds_swift.sim.model",
     "Workload": "ds_swift.sim.model",
+    "apply_profile": "ds_swift.sim.profile",
+    "load_profile": "ds_swift.sim.profile",
     "load_sim_config": "ds_swift.sim.schema",
     "optimal_interval": "ds_swift.sim.recommend",
     "recommend": "ds_swift.sim.recommend",
-    "recommend_for_plan": "ds_swift.sim.recommend",
+    "recommend_for_plan": "ds_swift.sim.plan_recommend",
     "simulate": "ds_swift.sim.runner",
 }
 

@@ -23,6 +23,9 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("config", help="simulation YAML file")
+    p.add_argument("--profile", metavar="BENCH.json",
+                   help="take each strategy's costs from a bench profile (ds-swift bench --json; format in "
+                        "ds_swift/sim/profile.py); the YAML still gives the workloads and failures")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print {workload: {strategy: mean hours}}")
     out.add_argument("--json-full", action="store_true",
@@ -42,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from ds_swift.sim.study import full_json, run_study, summary_json, write_plots
 
     cfg = load_sim_config(args.config)
+    if args.profile:
+        from ds_swift.sim.profile import apply_profile, load_profile
+
+        cfg = apply_profile(cfg, load_profile(args.profile))
     if args.repeats is not None and args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} is invalid: a positive integer")
     if args.seed is not None and args.seed < 0:
@@ -59,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             doc["_plots"] = [str(p) for p in plots]
         print(json.dumps(doc))
     else:
+        if args.profile:
+            print(f"per-strategy costs measured in {args.profile} (strategies it does not name: from the YAML)")
         _print_tables(reports, repeats)
         for path in plots:
             print(f"wrote {path}")

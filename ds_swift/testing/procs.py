@@ -90,9 +90,24 @@ class ProcessSet:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"{name} still running after {timeout_s:.0f} s\n{self.logs_tail()}") from None
 
-    def wait_all(self, timeout_s: float) -> dict[str, int]:
+    def wait_all(self, timeout_s: float, fail_fast: bool = False) -> dict[str, int]:
+        """Exit codes of every process, within one deadline. With ``fail_fast`` the first non-zero
+        exit kills the rest at once (their codes are then the kill's): ranks of one job would
+        otherwise sit in a collective with the dead one until the deadline."""
         deadline = time.monotonic() + timeout_s
-        return {name: self.wait(name, max(0.1, deadline - time.monotonic())) for name in list(self.procs)}
+        if not fail_fast:
+            return {name: self.wait(name, max(0.1, deadline - time.monotonic())) for name in list(self.procs)}
+        while True:
+            codes = {name: proc.poll() for name, proc in self.procs.items()}
+            if all(c is not None for c in codes.values()):
+                return {name: int(c) for name, c in codes.items() if c is not None}
+            if any(c for c in codes.values()):
+                self.kill_all()
+                return {name: -signal.SIGKILL if p.returncode is None else p.returncode for name, p in self.procs.items()}
+            if time.monotonic() > deadline:
+                running = [name for name, c in codes.items() if c is None]
+                raise TimeoutError(f"{', '.join(running)} still running after {timeout_s:.0f} s\n{self.logs_tail()}")
+            time.sleep(0.1)
 
     def kill_all(self) -> None:
         for proc in self.procs.values():

@@ -8,8 +8,8 @@ receive instructions, exactly what it received; the test then checks that the lo
 those messages, bit for bit, found through the index, with the on-disk size within 2% of the
 analytic payload size, and that ``ds-swift logs`` reports a flipped byte.
 
-This file is also the worker: ``python test_logging_pipeline.py OUT_DIR`` (one per rank, with
-RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set).
+This file is also the worker: ``python test_logging_pipeline.py OUT_DIR`` (one per rank, started
+by ``ds_swift.testing.ranks.run_ranks``). The model is ``ds_swift.testing.pipeline_model``'s.
 """
 
 from __future__ import annotations
@@ -35,51 +35,22 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 # --------------------------------------------------------------------------- worker
 def worker(out: Path) -> None:
-    import deepspeed
+    from ds_swift.testing.ranks import gloo_rank
+
+    with gloo_rank() as rank:
+        log_and_record(out, rank)
+
+
+def log_and_record(out: Path, rank: int) -> None:
     import torch
-    import torch.nn as nn
-    from deepspeed.pipe import LayerSpec, PipelineModule
 
     from ds_swift.config import SwiftConfig
     from ds_swift.msglog import MachineBoundaryPlan, install_message_logging
     from ds_swift.patches.instructions import hook_instructions, schedule
+    from ds_swift.testing.pipeline_model import pipeline_config, pipeline_engine, tuple_boundary_layers
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    torch.manual_seed(1234)
-
-    class Block(nn.Module):
-        def __init__(self, h: int) -> None:
-            super().__init__()
-            self.lin = nn.Linear(h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
-    class Split(nn.Module):  # last layer of stage 1: the boundary carries a 3-tensor tuple
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            ids = torch.arange(x.shape[0], dtype=torch.long)
-            return x, x * 0.5 + 1.0, ids
-
-    class Merge(nn.Module):  # first layer of stage 2
-        def forward(self, t: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            a, b, ids = t
-            return a * b + ids.to(a.dtype).unsqueeze(1) * 1e-3
-
-    h = HIDDEN
-    layers = [LayerSpec(Block, h), LayerSpec(Block, h), LayerSpec(Block, h), LayerSpec(Split)]
-    layers += [LayerSpec(Merge), LayerSpec(Block, h), LayerSpec(Block, h), LayerSpec(nn.Linear, h, h)]
-    model = PipelineModule(layers=layers, num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform")
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": GAS,
-        "train_batch_size": MICRO * GAS,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 0},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-
+    optimizer = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+    engine = pipeline_engine(tuple_boundary_layers(HIDDEN), pipeline_config(MICRO, GAS, optimizer), seed=1234)
     received: dict[str, list[Any]] = {"act": [], "grad": []}
 
     def record(kind: str, get: Any) -> Any:
@@ -110,7 +81,7 @@ def worker(out: Path) -> None:
 
     def data() -> Any:
         while True:
-            x = torch.randn(MICRO, h, generator=g)
+            x = torch.randn(MICRO, HIDDEN, generator=g)
             yield x, torch.tanh(x)
 
     it = data()
@@ -124,32 +95,15 @@ def worker(out: Path) -> None:
     (out / f"stats_rank{rank}.json").write_text(
         json.dumps({"records": stats.records, "bytes": stats.bytes, "logged": stats.messages_logged, "edges": sorted(handle.edges)})
     )
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- test
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+    from ds_swift.testing.ranks import run_ranks
 
     out = tmp_path_factory.mktemp("logging_pipeline")
-    port = free_port()
-    with ProcessSet(out / "proc-logs") as procs:
-        for rank in range(4):
-            env = worker_env(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": "4",
-                    "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1",
-                }
-            )
-            procs.spawn_python(f"rank{rank}", [__file__, str(out)], env=env)
-        codes = procs.wait_all(200)
-        assert codes == {f"rank{r}": 0 for r in range(4)}, procs.logs_tail()
+    run_ranks(4, [__file__, str(out)], out / "proc-logs", timeout_s=200)
     return out
 
 
@@ -161,7 +115,7 @@ def test_exactly_cross_machine_messages_logged_bit_for_bit(pipeline_run: Path) -
     import torch
 
     from ds_swift.msglog import LogReader
-    from ds_swift.msglog.reader import load_chunk
+    from ds_swift.msglog.chunk_index import load_chunk
 
     stats = {r: json.loads((pipeline_run / f"stats_rank{r}.json").read_text()) for r in range(4)}
     assert [stats[r]["edges"] for r in range(4)] == [[], ["act"], ["grad"], []]
@@ -216,7 +170,7 @@ def test_log_bytes_match_the_analytic_figure(pipeline_run: Path) -> None:
 
 
 def test_cli_reports_a_flipped_byte(pipeline_run: Path, tmp_path: Path) -> None:
-    from ds_swift.msglog.reader import load_chunk
+    from ds_swift.msglog.chunk_index import load_chunk
 
     logs = tmp_path / "logs"
     shutil.copytree(pipeline_run / "logs", logs)

@@ -69,16 +69,6 @@ def test_diff_applies_and_adds_the_integration_lines(tmp_path: Path, tool: str) 
     compile(text, "pretrain_gpt.py", "exec")
 
 
-@pytest.fixture(scope="module")
-def warm_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The first DeepSpeed start on a fresh machine JIT-builds its shm comm op (~45 s): do it once."""
-    tmp = tmp_path_factory.mktemp("warm")
-    with ProcessSet(tmp) as procs:
-        procs.spawn_python("warm", ["-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                           env=worker_env())
-        assert procs.wait("warm", 300) == 0, procs.log("warm")
-
-
 def losses(path: Path) -> list[tuple[int, float]]:
     return [(d["iteration"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
 

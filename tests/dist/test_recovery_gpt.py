@@ -9,8 +9,6 @@ a run without failure: bitwise, or within 2 ulp where an update was undone.
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from ds_swift.demo import checkpoint_tensors
-from ds_swift.testing.procs import ProcessSet, worker_env
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
@@ -34,78 +32,24 @@ JOB_DEADLINE_S = 150.0
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
-@dataclass
-class Job:
-    code: int
-    output: str
-    run_dir: Path
-    save_dir: Path
-    op_timeout_s: float
-
-    def timelines(self) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.run_dir.glob("timeline-gen*.json"))]
-
-
-def run_job(
+def launch(
     tmp: Path,
     config: Path,
     launcher_args: list[str],
     script: Path = EXAMPLE,
     swift: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
-) -> Job:
-    tmp.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(config.read_text())
-    cfg["swift"]["checkpoint"]["dir"] = str(tmp / "ckpt")
-    for key, value in (swift or {}).items():
-        if isinstance(value, dict):
-            cfg["swift"].setdefault(key, {}).update(value)
-        else:
-            cfg["swift"][key] = value
-    cfg_path = tmp / "ds_config.json"
-    cfg_path.write_text(json.dumps(cfg))
-    run_dir, save_dir = tmp / "run", tmp / "final"
-    argv = [
-        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", "2",
-        "--nproc-per-node", "2", *launcher_args, str(script), "--deepspeed_config", str(cfg_path),
-        "--train-iters", str(ITERS), "--save", str(save_dir),
-    ]
-    with ProcessSet(tmp / "logs") as procs:
-        procs.spawn("launcher", argv, env=worker_env(env), cwd=tmp)
-        code = procs.wait("launcher", JOB_DEADLINE_S)
-        output = procs.log("launcher")
-    return Job(code, output, run_dir, save_dir, float(cfg["swift"]["watchdog"]["op_timeout_s"]))
+) -> JobRun:
+    spec = JobSpec(script, config, ITERS, launcher_args, swift=swift or {}, env=env or {})
+    return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
-def final_tensors(save_dir: Path) -> dict[str, torch.Tensor]:
-    """The final checkpoint ``--save`` wrote (tag global_step<ITERS>)."""
-    return checkpoint_tensors(save_dir / f"global_step{ITERS}")
+def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    diff = compare_tensors(reference, got)
+    assert diff.bitwise_equal, diff.describe()
 
 
-def max_abs_diff(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
-    return max(float((reference[k].double() - got[k].double()).abs().max()) for k in reference if reference[k].numel())
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in units in the last place between two float32 tensors (0 = bitwise equal)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return 1 << 40
-    if not a.is_floating_point() or a.numel() == 0:
-        return 0 if torch.equal(a, b) else 1 << 40
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.float().contiguous().view(torch.int32).long()
-        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
-
-    return int((ordered(a) - ordered(b)).abs().max())
-
-
-def max_ulp(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> int:
-    assert set(reference) == set(got), f"checkpoint contents differ: {sorted(set(reference) ^ set(got))[:5]}"
-    return max(ulp_distance(reference[k], got[k]) for k in reference)
-
-
-def assert_ok(job: Job, recoveries: int, injected: bool = True) -> list[dict[str, Any]]:
+def assert_ok(job: JobRun, recoveries: int, injected: bool = True) -> list[dict[str, Any]]:
     assert job.code == 0, job.output[-6000:]
     timelines = job.timelines()
     assert len(timelines) == recoveries, job.output[-4000:]
@@ -118,16 +62,6 @@ def assert_ok(job: Job, recoveries: int, injected: bool = True) -> list[dict[str
                 assert r["t_detect"] - start < job.op_timeout_s, r
         assert tl["total_s"] >= tl["recovery_s"] >= 0
     return timelines
-
-
-@pytest.fixture(scope="session")
-def warm_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The first DeepSpeed start on a fresh machine JIT-builds its shm comm op (~45 s): do it once."""
-    tmp = tmp_path_factory.mktemp("warm")
-    with ProcessSet(tmp) as procs:
-        procs.spawn_python("warm", ["-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                           env=worker_env())
-        assert procs.wait("warm", 300) == 0, procs.log("warm")
 
 
 @dataclass
@@ -143,10 +77,10 @@ class Baseline:
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> Baseline:
     tmp = tmp_path_factory.mktemp("baseline")
-    job = run_job(tmp, PP2_DP2, [], swift={"checkpoint": {"dir": str(tmp / "every"), "interval": 1}})
-    assert job.code == 0, job.output[-6000:]
-    assert not job.timelines()
-    return Baseline(final_tensors(job.save_dir), tmp / "every")
+    run = launch(tmp, PP2_DP2, [], swift={"checkpoint": {"interval": 1}})
+    assert run.code == 0, run.output[-6000:]
+    assert not run.timelines()
+    return Baseline(checkpoint_tensors(run.final_tag), run.ckpt_dir)
 
 
 def undo_ulp(baseline: Baseline, recovered: Path, consensus: int) -> float:
@@ -167,19 +101,19 @@ def undo_ulp(baseline: Baseline, recovered: Path, consensus: int) -> float:
 
 def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseline: Baseline) -> None:
     """The issue's acceptance run."""
-    job = run_job(tmp_path, PP2_DP2, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"])
+    job = launch(tmp_path, PP2_DP2, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"])
     (tl,) = assert_ok(job, recoveries=1)
     assert tl["strategy"] == "replication", tl["reason"]
     assert tl["failed_machine"] == 1 and tl["donors"] == {"2": 0, "3": 1}
     assert tl["consensus"] == 6 and tl["undo_ranks"] == []
     assert "checkpoint fallback" not in job.output  # survivors never reloaded a checkpoint
-    assert max_ulp(baseline.final, final_tensors(job.save_dir)) == 0
+    assert_bitwise_equal(baseline.final, checkpoint_tensors(job.final_tag))
 
 
 def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline) -> None:
     """Machine 1 dies in a forward pass; later its replacement's partner, machine 0, dies at a step."""
     dump = tmp_path / "recovered"
-    job = run_job(
+    job = launch(
         tmp_path, PP2_DP2,
         ["--spares", "2", "--inject", "machine=1,iteration=3,phase=forward;machine=0,iteration=10,phase=step"],
         script=FAULT_WORKER, env={"SWIFT_TEST_DUMP_DIR": str(dump)},
@@ -189,7 +123,7 @@ def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline
     assert first["failed_machine"] == 1 and first["consensus"] == 2
     assert second["failed_machine"] == 0 and second["donors"] == {"0": 2, "1": 3}
     assert "checkpoint fallback" not in job.output
-    assert max_ulp(baseline.at(3), checkpoint_tensors(dump / "recovered_gen1")) == 0
+    assert_bitwise_equal(baseline.at(3), checkpoint_tensors(dump / "recovered_gen1"))
     # Rank 1 dies at its step, after all-reducing with rank 3, which steps iteration 10. Whether
     # rank 0 all-reduced with rank 2 before its agent killed it is a race: if not, rank 3 undoes.
     assert (second["consensus"], second["undo_ranks"]) in ((10, []), (9, [3]))
@@ -198,14 +132,14 @@ def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline
         print(f"undo in the second recovery: state within {ulp} ulp of the failure-free run")
         assert ulp <= 2
     else:
-        assert max_ulp(baseline.final, final_tensors(job.save_dir)) == 0
+        assert_bitwise_equal(baseline.final, checkpoint_tensors(job.final_tag))
 
 
 def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) -> None:
     """Rank 3 dies right after its step of iteration 7; rank 2 stalls before its all-reduce and is
     killed with its machine. Rank 1 (rank 3's replica) stepped 7, rank 0 did not: rank 1 undoes."""
     dump = tmp_path / "recovered"
-    job = run_job(
+    job = launch(
         tmp_path, PP2_DP2, ["--spares", "1"], script=FAULT_WORKER,
         env={"SWIFT_TEST_STALL": "rank=2,iteration=7", "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
              "SWIFT_TEST_DUMP_DIR": str(dump)},
@@ -216,7 +150,7 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     (r1,) = [r for r in tl["ranks"] if r["rank"] == 1]
     assert r1["undone_from"] == 7 and r1["t_undone"] is not None
     ulp = undo_ulp(baseline, dump / "recovered_gen1", consensus=6)
-    drift = max_abs_diff(baseline.final, final_tensors(job.save_dir))
+    drift = compare_tensors(baseline.final, checkpoint_tensors(job.final_tag)).max_gap
     print(f"undo: resumed state within {ulp} ulp of the failure-free run; after 8 more iterations "
           f"the largest difference is {drift:.3g}")
     assert ulp <= 2
@@ -228,13 +162,13 @@ def test_pipeline_only_job_falls_back_to_the_checkpoint(tmp_path: Path, warm_dee
     (With the config's own strategy, logging, the same kill is recovered by replay:
     tests/dist/test_recovery_logging.py.)"""
     forced = {"strategy": "checkpoint"}
-    reference = run_job(tmp_path / "reference", PP4, [], swift=forced)
+    reference = launch(tmp_path / "reference", PP4, [], swift=forced)
     assert reference.code == 0, reference.output[-6000:]
-    job = run_job(
+    job = launch(
         tmp_path / "killed", PP4, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"], swift=forced
     )
     (tl,) = assert_ok(job, recoveries=1)
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8
     assert 'forces strategy "checkpoint"' in tl["reason"]  # said loudly, with the reason
     assert "checkpoint fallback" in job.output
-    assert max_ulp(final_tensors(reference.save_dir), final_tensors(job.save_dir)) == 0
+    assert_bitwise_equal(checkpoint_tensors(reference.final_tag), checkpoint_tensors(job.final_tag))

@@ -24,18 +24,15 @@ replacement in the middle of its replay. The last tests check the plan itself (n
 
 from __future__ import annotations
 
-import json
 import re
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ds_swift.demo import checkpoint_tensors
-from ds_swift.testing.procs import ProcessSet, worker_env
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
@@ -49,75 +46,39 @@ JOB_DEADLINE_S = 240.0
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
-@dataclass
-class Job:
-    code: int
-    output: str
-    run_dir: Path
-    save_dir: Path
-    op_timeout_s: float
-
-    def timelines(self) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.run_dir.glob("timeline-gen*.json"))]
-
-    def loads(self, who: str = "original") -> dict[int, list[str]]:
-        """rank -> the checkpoint tags DeepSpeed loaded on its ``who`` ("original"/"replacement") workers."""
-        out: dict[int, list[str]] = {}
-        for rank, tag in re.findall(rf"\[test\] rank (\d+) \({who}\): load_checkpoint (global_step\d+)", self.output):
-            out.setdefault(int(rank), []).append(tag)
-        return out
-
-
-def run_job(
+def launch(
     tmp: Path,
     launcher_args: list[str],
     swift: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     nnodes: int = 2,
     nproc: int = 2,
-) -> Job:
+) -> JobRun:
     """One job of the GPT example (through the fault worker) on its own checkpoint and log dirs."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(PP4.read_text())
-    cfg["swift"]["checkpoint"]["dir"] = str(tmp / "ckpt")
-    cfg["swift"]["logging"]["storage"] = f"file://{tmp / 'logs'}"
-    cfg["swift"]["run_dir"] = str(tmp / "run")
-    for key, value in (swift or {}).items():
-        if isinstance(value, dict):
-            cfg["swift"].setdefault(key, {}).update(value)
-        else:
-            cfg["swift"][key] = value
-    cfg_path = tmp / "ds_config.json"
-    cfg_path.write_text(json.dumps(cfg))
-    run_dir, save_dir = tmp / "run", tmp / "final"
-    argv = [
-        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", str(nnodes),
-        "--nproc-per-node", str(nproc), *launcher_args, str(FAULT_WORKER), "--deepspeed_config", str(cfg_path),
-        "--train-iters", str(ITERS), "--save", str(save_dir), *MODEL_ARGS,
-    ]  # fmt: skip
-    with ProcessSet(tmp / "logs-proc") as procs:
-        procs.spawn("launcher", argv, env=worker_env(env), cwd=tmp)
-        code = procs.wait("launcher", JOB_DEADLINE_S)
-        output = procs.log("launcher")
-    return Job(code, output, run_dir, save_dir, float(cfg["swift"]["watchdog"]["op_timeout_s"]))
+    spec = JobSpec(FAULT_WORKER, PP4, ITERS, launcher_args, MODEL_ARGS, swift=swift or {}, env=env or {},
+                   nnodes=nnodes, nproc_per_node=nproc)  # fmt: skip
+    return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
-def final_tensors(save_dir: Path) -> dict[str, torch.Tensor]:
-    return checkpoint_tensors(save_dir / f"global_step{ITERS}")
+def loads(job: JobRun, who: str = "original") -> dict[int, list[str]]:
+    """rank -> the checkpoint tags DeepSpeed loaded on its ``who`` ("original"/"replacement") workers."""
+    out: dict[int, list[str]] = {}
+    for rank, tag in re.findall(rf"\[test\] rank (\d+) \({who}\): load_checkpoint (global_step\d+)", job.output):
+        out.setdefault(int(rank), []).append(tag)
+    return out
+
+
+def final_tensors(job: JobRun) -> dict[str, torch.Tensor]:
+    return checkpoint_tensors(job.final_tag)
 
 
 def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert set(reference) == set(got), f"checkpoint contents differ: {sorted(set(reference) ^ set(got))[:5]}"
+    diff = compare_tensors(reference, got)
     assert any(t.is_floating_point() and t.numel() for t in reference.values())
-    differ = [
-        k for k, t in reference.items()
-        if t.dtype != got[k].dtype or t.shape != got[k].shape
-        or not torch.equal(t.reshape(-1).view(torch.uint8), got[k].reshape(-1).view(torch.uint8))
-    ]  # fmt: skip
-    assert not differ, f"{len(differ)} of {len(reference)} tensors differ from the failure-free run, e.g. {differ[:3]}"
+    assert diff.bitwise_equal, f"differs from the failure-free run: {diff.describe()}"
 
 
-def assert_recovered(job: Job, recoveries: int) -> list[dict[str, Any]]:
+def assert_recovered(job: JobRun, recoveries: int) -> list[dict[str, Any]]:
     assert job.code == 0, job.output[-8000:]
     timelines = job.timelines()
     assert len(timelines) == recoveries, job.output[-6000:]
@@ -168,26 +129,26 @@ def assert_logging(
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """One failure-free run of the job, shared by every test."""
-    job = run_job(tmp_path_factory.mktemp("reference"), [])
+    job = launch(tmp_path_factory.mktemp("reference"), [])
     assert job.code == 0, job.output[-6000:]
-    assert not job.timelines() and not job.loads() and not job.loads("replacement")
-    return final_tensors(job.save_dir)
+    assert not job.timelines() and not loads(job) and not loads(job, "replacement")
+    return final_tensors(job)
 
 
 @pytest.fixture(scope="module")
-def sequential(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def sequential(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """The issue's acceptance run: machine 1 dies in iteration 12's backward pass."""
-    return run_job(
+    return launch(
         tmp_path_factory.mktemp("sequential"), ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"]
     )
 
 
 @pytest.fixture(scope="module")
-def parallel(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def parallel(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """Parallel recovery (exact): machine 1 dies in iteration 12's backward pass; its replacement
     rank 3 dies when the periodic checkpoint after 16 iterations starts; machine 0 dies at
     iteration 18's optimizer step, and the replacement of rank 0 dies while replaying iteration 17."""
-    return run_job(
+    return launch(
         tmp_path_factory.mktemp("parallel"),
         ["--spares", "4", "--max-failures", "4", "--inject",
          "machine=1,iteration=12,phase=backward;machine=0,iteration=18,phase=step"],
@@ -197,13 +158,13 @@ def parallel(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
 
 @pytest.fixture(scope="module")
-def four_machines(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def four_machines(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """pp 4 on 4 machines of one rank (every stage boundary logged; same ranks and stages as the
     reference). Machines 1 and 2 die at once at iteration 10's step (adjacent: replayed together,
     the sends between them live); machines 1 and 3 at iteration 14's step (apart: each replays
     alone, every neighbour from the log); machine 2 in iteration 18's forward pass, with a corrupt
     record in the log its replacement needs."""
-    return run_job(
+    return launch(
         tmp_path_factory.mktemp("four_machines"),
         ["--spares", "5", "--max-failures", "5", "--inject",
          "machine=1,iteration=10,phase=step;machine=2,iteration=10,phase=step;"
@@ -215,53 +176,53 @@ def four_machines(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
 
 # --------------------------------------------------------------------------- tests
-def test_kill_at_backward_replays_machine_1_bitwise(sequential: Job, reference: dict[str, torch.Tensor]) -> None:
+def test_kill_at_backward_replays_machine_1_bitwise(sequential: JobRun, reference: dict[str, torch.Tensor]) -> None:
     (tl,) = assert_recovered(sequential, 1)
     assert_logging(tl, machine=1, consensus=11, group=[2, 3])
-    assert sequential.loads() == {}, sequential.loads()  # machine 0's workers never load a checkpoint
-    assert sequential.loads("replacement") == {2: ["global_step8"], 3: ["global_step8"]}
+    assert loads(sequential) == {}, loads(sequential)  # machine 0's workers never load a checkpoint
+    assert loads(sequential, "replacement") == {2: ["global_step8"], 3: ["global_step8"]}
     assert "checkpoint fallback" not in sequential.output
     # progress while replaying: iterations done / to do, bytes of log
     assert re.search(r"rank 2: replay 4/4 iterations, [\d.]+ MB of log", sequential.output), sequential.output[-4000:]
-    assert_bitwise_equal(reference, final_tensors(sequential.save_dir))
+    assert_bitwise_equal(reference, final_tensors(sequential))
 
 
-def test_parallel_exact_replay_is_bitwise_equal(parallel: Job, reference: dict[str, torch.Tensor]) -> None:
+def test_parallel_exact_replay_is_bitwise_equal(parallel: JobRun, reference: dict[str, torch.Tensor]) -> None:
     first, *_ = assert_recovered(parallel, 3)
     # survivors 0, 1 host copies of the lost stages 2, 3 and replay half of the micro-batches
     assert_logging(first, machine=1, consensus=11, group=[2, 3], helpers=[0, 1])
     assert "checkpoint fallback" not in parallel.output
-    assert_bitwise_equal(reference, final_tensors(parallel.save_dir))
+    assert_bitwise_equal(reference, final_tensors(parallel))
 
 
-def test_a_failure_in_the_periodic_checkpoint_replays_and_saves_it_again(parallel: Job) -> None:
+def test_a_failure_in_the_periodic_checkpoint_replays_and_saves_it_again(parallel: JobRun) -> None:
     _, in_save, _ = assert_recovered(parallel, 3)
     assert "[test] rank 3: SIGKILL in the checkpoint of iteration 16" in parallel.output
     # global_step16 was cut short: the replay runs from global_step8 up to the iteration before it
     assert_logging(in_save, machine=1, consensus=15, group=[2, 3], helpers=[0, 1], start=8)
     # every rank saved it again after the recovery (the next recovery loads it)
-    assert (parallel.run_dir.parent / "ckpt" / "global_step16" / "swift_complete").exists()
+    assert (parallel.ckpt_dir / "global_step16" / "swift_complete").exists()
 
 
-def test_kill_at_step_of_machine_0_replays_from_the_gradient_log(parallel: Job) -> None:
+def test_kill_at_step_of_machine_0_replays_from_the_gradient_log(parallel: JobRun) -> None:
     *_, last = assert_recovered(parallel, 3)
     # stages 0, 1 read the gradients stage 2 logged; ranks 2, 3 (replacements of machine 1) help
     assert_logging(last, machine=0, consensus=17, group=[0, 1], helpers=[2, 3])
-    assert parallel.loads() == {}  # no original worker ever loaded a checkpoint
-    replacement = parallel.loads("replacement")
+    assert loads(parallel) == {}  # no original worker ever loaded a checkpoint
+    replacement = loads(parallel, "replacement")
     assert replacement[2] == replacement[3] == ["global_step8"] * 2  # as survivors of the last failure: none
 
 
-def test_a_failure_during_the_replay_restarts_the_recovery(parallel: Job) -> None:
+def test_a_failure_during_the_replay_restarts_the_recovery(parallel: JobRun) -> None:
     *_, last = assert_recovered(parallel, 3)
     assert "[test] rank 0: SIGKILL while replaying iteration 17" in parallel.output
     # generation 2 failed (machine 0); its recovery (generation 3) failed in the replay; generation 4 recovered
     assert last["failed_generation"] == 3 and "generation 3 failed during recovery" in parallel.output
-    replacement = parallel.loads("replacement")
+    replacement = loads(parallel, "replacement")
     assert replacement[0] == replacement[1] == ["global_step16", "global_step16"]  # both attempts loaded it
 
 
-def test_two_simultaneous_failures_adjacent_then_apart(four_machines: Job, reference: dict[str, torch.Tensor]) -> None:
+def test_two_simultaneous_failures_adjacent_then_apart(four_machines: JobRun, reference: dict[str, torch.Tensor]) -> None:
     adjacent, apart, _ = assert_recovered(four_machines, 3)
     for tl, machines, consensus in ((adjacent, [1, 2], 9), (apart, [1, 3], 13)):
         assert tl["strategy"] == "logging", tl["reason"]
@@ -273,10 +234,10 @@ def test_two_simultaneous_failures_adjacent_then_apart(four_machines: Job, refer
     per_rank = apart["replay"]["per_rank"]
     mbs = 6 * 4  # iterations 8..13
     assert per_rank["1"]["messages_from_log"] == 2 * mbs and per_rank["3"]["messages_from_log"] == mbs
-    assert_bitwise_equal(reference, final_tensors(four_machines.save_dir))
+    assert_bitwise_equal(reference, final_tensors(four_machines))
 
 
-def test_corrupt_record_falls_back_to_the_global_checkpoint_loudly(four_machines: Job) -> None:
+def test_corrupt_record_falls_back_to_the_global_checkpoint_loudly(four_machines: JobRun) -> None:
     """The third failure (machine 2, iteration 18's forward pass): the activation the replacement
     needs for iteration 17, micro-batch 1 is corrupt. Its replay fails on the checksum and says which
     file and record; every rank (survivors too) then reloads global_step16 and trains 16..17 again."""
@@ -291,8 +252,8 @@ def test_corrupt_record_falls_back_to_the_global_checkpoint_loudly(four_machines
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback" in four_machines.output
     # rank 0, a survivor of all three failures, loaded a checkpoint only in this fallback
-    assert four_machines.loads() == {0: ["global_step16"]}
-    assert four_machines.loads("replacement") == {
+    assert loads(four_machines) == {0: ["global_step16"]}
+    assert loads(four_machines, "replacement") == {
         1: ["global_step8", "global_step8", "global_step16"],
         2: ["global_step8", "global_step16", "global_step16"],
         3: ["global_step8", "global_step16"],
@@ -312,8 +273,9 @@ def _reports(lost: set[int], stages: int = 4, per_machine: int = 2, last: int = 
 
 
 def test_plan_replays_the_lost_machines_logging_group_from_the_checkpoint() -> None:
-    from ds_swift.recovery.consensus import LoggingSetup, plan_recovery
+    from ds_swift.recovery.consensus import LoggingSetup
     from ds_swift.recovery.logging_recovery import parallel_layout
+    from ds_swift.recovery.registry import plan_recovery
 
     setup = LoggingSetup(frozenset(range(4)), ((0,), (1,)), checkpoint_step=8)
     plan = plan_recovery(_reports({1}), logging=setup)
@@ -332,7 +294,8 @@ def test_plan_replays_the_lost_machines_logging_group_from_the_checkpoint() -> N
 
 
 def test_plan_rolls_the_whole_group_back_and_keeps_the_others() -> None:
-    from ds_swift.recovery.consensus import LoggingSetup, plan_recovery
+    from ds_swift.recovery.consensus import LoggingSetup
+    from ds_swift.recovery.registry import plan_recovery
 
     # pp 6 on 3 machines; machines 1 and 2 share a logging group: losing 2 rolls 1 back too
     setup = LoggingSetup(frozenset(range(6)), ((0,), (1, 2)), checkpoint_step=8)
@@ -342,7 +305,8 @@ def test_plan_rolls_the_whole_group_back_and_keeps_the_others() -> None:
 
 
 def test_plan_falls_back_to_the_checkpoint_and_says_why() -> None:
-    from ds_swift.recovery.consensus import LoggingSetup, plan_recovery
+    from ds_swift.recovery.consensus import LoggingSetup
+    from ds_swift.recovery.registry import plan_recovery
 
     reports = _reports({1})
     failed = LoggingSetup(frozenset(range(4)), checkpoint_step=8, unavailable="rank 2: corrupt record #5")

@@ -21,7 +21,6 @@ This file is also the worker: ``python test_replay_pipeline.py PHASE OUT_DIR`` (
 
 from __future__ import annotations
 
-import datetime
 import json
 import shutil
 import sys
@@ -62,37 +61,9 @@ def batch_fn(iteration: int, micro_batch: int) -> Any:
 
 
 def build_engine() -> Any:
-    import deepspeed
-    import torch
-    import torch.nn as nn
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from ds_swift.testing.pipeline_model import pipeline_engine, tuple_boundary_layers
 
-    class Block(nn.Module):
-        def __init__(self, h: int, p: float = 0.0) -> None:
-            super().__init__()
-            self.lin = nn.Linear(h, h)
-            self.drop = nn.Dropout(p)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.drop(torch.relu(self.lin(x)))
-
-    class Split(nn.Module):  # last layer of stage 1: the boundary carries a 3-tensor tuple
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            ids = torch.arange(x.shape[0], dtype=torch.long)
-            return x, x * 0.5 + 1.0, ids
-
-    class Merge(nn.Module):  # first layer of stage 2
-        def forward(self, t: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            a, b, ids = t
-            return a * b + ids.to(a.dtype).unsqueeze(1) * 1e-3
-
-    torch.manual_seed(1234)
-    h = HIDDEN
-    layers = [LayerSpec(Block, h, 0.1), LayerSpec(Block, h), LayerSpec(Block, h), LayerSpec(Split)]
-    layers += [LayerSpec(Merge), LayerSpec(Block, h, 0.2), LayerSpec(Block, h, 0.1), LayerSpec(nn.Linear, h, h)]
-    model = PipelineModule(layers=layers, num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=dict(CONFIG))
-    return engine
+    return pipeline_engine(tuple_boundary_layers(HIDDEN, dropout=(0.1, 0.0, 0.0, 0.2, 0.1)), CONFIG, seed=1234)
 
 
 def final_state(engine: Any) -> dict[str, Any]:
@@ -109,7 +80,8 @@ def train(out: Path, rank: int) -> None:
     from ds_swift.config import SwiftConfig
     from ds_swift.data import micro_batches
     from ds_swift.msglog import MachineBoundaryPlan, install_message_logging
-    from ds_swift.recovery.replay import CollectiveRecorder, keyed_rng
+    from ds_swift.recovery.collectives import CollectiveRecorder
+    from ds_swift.recovery.replay import keyed_rng
 
     engine = build_engine()
     rng = keyed_rng(engine, SEED)
@@ -144,13 +116,10 @@ def replay_phase(out: Path, rank: int) -> None:
     from ds_swift.config import SwiftConfig
     from ds_swift.msglog import LogReader, MachineBoundaryPlan, install_message_logging
     from ds_swift.patches.deepspeed_rebuild import patch_recv_check
-    from ds_swift.recovery.replay import (
-        CollectiveRecorder,
-        LogUnavailable,
-        _CollectiveGuard,
-        _wrapped_collectives,
-        replay,
-    )
+    from ds_swift.patches.step_collectives import wrap_collectives
+    from ds_swift.recovery.collectives import CollectiveGuard, CollectiveRecorder
+    from ds_swift.recovery.replay import replay
+    from ds_swift.recovery.replay_log import LogUnavailable
 
     engine = build_engine()
     store = dist.distributed_c10d._get_default_store()
@@ -171,7 +140,7 @@ def replay_phase(out: Path, rank: int) -> None:
                 raise RuntimeError("replay aborted by a peer")
 
         # Loading a DeepSpeed checkpoint must not need the survivors: any collective leaving {2, 3} raises here.
-        with _wrapped_collectives(_CollectiveGuard(frozenset(group), None).make):
+        with wrap_collectives("test.load", CollectiveGuard(frozenset(group), None).make):
             engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
         check = patch_recv_check(aborted) if rank == 3 else None
         try:
@@ -227,11 +196,11 @@ def parallel_phase(out: Path, rank: int) -> None:
     import torch.distributed as dist
 
     from ds_swift.msglog import LogReader
-    from ds_swift.recovery.parallel import ParallelLayout, build_copy_engine, parallel_replay, transfer_state
-    from ds_swift.recovery.replay import CollectiveRecorder
+    from ds_swift.recovery.collectives import CollectiveRecorder
+    from ds_swift.recovery.parallel import ParallelReplayLayout, build_copy_engine, parallel_replay, transfer_state
 
     engine = build_engine()
-    layout = ParallelLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=GAS)
+    layout = ParallelReplayLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=GAS)
     if rank in (0, 1):  # survivors hold their own (failure-free) state; helping must leave it alone
         own = torch.load(out / f"train_rank{rank}.pt", weights_only=False)
         engine.module.load_state_dict(own["module"])
@@ -261,39 +230,27 @@ def parallel_phase(out: Path, rank: int) -> None:
 
 
 def worker(phase: str, out: Path) -> None:
-    import deepspeed
-    import torch.distributed as dist
+    from ds_swift.testing.ranks import gloo_rank
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    rank = dist.get_rank()
-    {"train": train, "replay": replay_phase, "parallel": parallel_phase}[phase](out, rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    with gloo_rank(timeout_s=120) as rank:
+        {"train": train, "replay": replay_phase, "parallel": parallel_phase}[phase](out, rank)
 
 
 # --------------------------------------------------------------------------- test
 def _run_phase(out: Path, phase: str) -> None:
-    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+    from ds_swift.testing.ranks import run_ranks
 
-    port = free_port()
-    with ProcessSet(out / f"proc-logs-{phase}") as procs:
-        for rank in range(4):
-            env = worker_env(
-                {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            )  # fmt: skip
-            procs.spawn_python(f"rank{rank}", [__file__, phase, str(out)], env=env)
-        codes = procs.wait_all(200)
-        assert codes == {f"rank{r}": 0 for r in range(4)}, procs.logs_tail()
+    run_ranks(4, [__file__, phase, str(out)], out / f"proc-logs-{phase}", timeout_s=200)
 
 
 def _corrupt_copy(logs: Path, dst: Path) -> tuple[str, int]:
     """Copy the log and flip one payload byte of (CORRUPT_IT, micro-batch 1, act); returns (file, record #)."""
-    from ds_swift.msglog.format import ChunkName
-    from ds_swift.msglog.reader import load_chunk
+    from ds_swift.msglog.chunk_format import ChunkName
+    from ds_swift.msglog.chunk_index import load_chunk
+    from ds_swift.msglog.edge import LogEdge
 
     shutil.copytree(logs, dst)
-    cn = ChunkName.for_iteration("act", 1, 2, 0, 0, CORRUPT_IT, CHUNK_ITERATIONS)
+    cn = ChunkName.for_iteration(LogEdge("act", 1, 2, 0, 0), CORRUPT_IT, CHUNK_ITERATIONS)
     info = load_chunk(dst / cn.chunk_file)
     entry = info.entries[(CORRUPT_IT, 1, "act", 0)]
     data = bytearray((dst / cn.chunk_file).read_bytes())
@@ -365,7 +322,7 @@ def test_only_cross_group_messages_come_from_the_log(runs: tuple[Path, Any]) -> 
 def test_step_collectives_leaving_the_group_come_from_a_survivors_records(runs: tuple[Path, Any]) -> None:
     import torch
 
-    from ds_swift.recovery.replay import CollectiveRecorder
+    from ds_swift.recovery.collectives import CollectiveRecorder
 
     out, _ = runs
     recs = [CollectiveRecorder.from_bytes((out / f"collectives_rank{r}.pt").read_bytes()).records for r in range(4)]

@@ -1,4 +1,4 @@
-"""Worker-side helpers shared by the update-undo dist tests (no tests here).
+"""Helpers shared by the update-undo dist tests (no tests here).
 
 A worker trains a reference engine (no ds-swift) and an identical one with the undo handle
 attached, checks the wrapped trajectory is bit-identical, undoes the last step, and writes
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+#: Iterations each variant trains; the last one is undone.
+ITERATIONS = 4
 
 
 def snapshot(engine: Any, handle: Any) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def compare(before: dict[str, Any], post: dict[str, Any], after: dict[str, Any])
 def exercise(
     make_engine: Callable[[], Any],
     run_iteration: Callable[[Any, int], None],
-    iterations: int = 4,
+    iterations: int = ITERATIONS,
     refresh: bool = True,
     partial_backward: Callable[[Any, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -214,7 +216,15 @@ def write(out_dir: Path, rank: int, results: dict[str, Any]) -> None:
     (out_dir / f"undo_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
 
 
-def check(results: dict[str, Any], variant: str, *, iterations: int = 4, bf16: bool = False) -> None:
+def run_workers(script: str, out_dir: Path, world: int) -> dict[int, dict[str, Any]]:
+    """Run ``script OUT_DIR`` as ``world`` gloo ranks; returns each rank's findings (see ``write``)."""
+    from ds_swift.testing.ranks import run_ranks
+
+    run_ranks(world, [script, str(out_dir)], out_dir / "proc-logs", timeout_s=240)
+    return {r: json.loads((out_dir / f"undo_rank{r}.json").read_text()) for r in range(world)}
+
+
+def check(results: dict[str, Any], variant: str, *, iterations: int = ITERATIONS, bf16: bool = False) -> None:
     """Assertions shared by the dist tests, on one rank's findings for one variant."""
     r = results[variant]
     assert r["bitwise_trajectory"], "wrapped training differs from plain DeepSpeed"

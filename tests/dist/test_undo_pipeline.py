@@ -16,7 +16,6 @@ This file is also the worker: ``python test_undo_pipeline.py OUT_DIR`` per rank.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ import pytest
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 WORLD = 4
-ITERATIONS = 4
 GAS = 4
 MICRO = 2
 HIDDEN = 16
@@ -34,16 +32,12 @@ VARIANTS = {"pp2_dp2_zero1": (2, 1, False), "pp4_bf16_lamb": (4, 0, True)}
 
 
 def worker(out: Path) -> None:
-    import deepspeed
-    import torch
     from test_undo_common import write
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    results = {variant: run_variant(variant) for variant in VARIANTS}
-    write(out, rank, results)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from ds_swift.testing.ranks import gloo_rank
+
+    with gloo_rank() as rank:
+        write(out, rank, {variant: run_variant(variant) for variant in VARIANTS})
 
 
 def run_variant(variant: str) -> dict[str, Any]:
@@ -89,31 +83,14 @@ def run_variant(variant: str) -> dict[str, Any]:
             batches.append((x.to(dtype), torch.cos(x[:, :2]).to(dtype)))
         engine.train_batch(data_iter=iter(batches))
 
-    return exercise(make_engine, run_iteration, ITERATIONS)
+    return exercise(make_engine, run_iteration)
 
 
 @pytest.fixture(scope="module")
 def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+    from test_undo_common import run_workers
 
-    out = tmp_path_factory.mktemp("undo_pipeline")
-    port = free_port()
-    with ProcessSet(out / "proc-logs") as procs:
-        for rank in range(WORLD):
-            env = worker_env(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(WORLD),
-                    "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1",
-                }
-            )
-            procs.spawn_python(f"rank{rank}", [__file__, str(out)], env=env)
-        codes = procs.wait_all(240)
-        assert codes == {f"rank{r}": 0 for r in range(WORLD)}, procs.logs_tail()
-    return {r: json.loads((out / f"undo_rank{r}.json").read_text()) for r in range(WORLD)}
+    return run_workers(__file__, tmp_path_factory.mktemp("undo_pipeline"), WORLD)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -121,9 +98,8 @@ def test_pipeline_step_undo_restores_every_stage(pipe_run: dict[int, Any], varia
     from test_undo_common import check
 
     for rank in range(WORLD):
-        check(pipe_run[rank], variant, iterations=ITERATIONS)
+        check(pipe_run[rank], variant)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]))  # one rank (run_workers starts them)

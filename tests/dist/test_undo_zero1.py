@@ -19,12 +19,11 @@ scheduler back to their state after iteration 2.
   and the counters change back. DeepSpeed's CPU accelerator claims no fp16 on CPUs without
   AVX512-FP16; torch computes fp16 on the CPU regardless, so the worker says it is supported.
 
-This file is also the worker: ``python test_undo_zero1.py OUT_DIR`` per rank.
+Each of the 2 ranks runs this file as a script (``python test_undo_zero1.py OUT_DIR``).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,20 +33,25 @@ import pytest
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 WORLD = 2
-ITERATIONS = 4
 GAS = 2
 MICRO = 4
 
 
 def worker(out: Path) -> None:
-    import deepspeed
-    import torch
     from deepspeed.accelerator import get_accelerator
-    from test_undo_common import exercise, exercise_detach, exercise_overflow, write
+    from test_undo_common import write
+
+    from ds_swift.testing.ranks import gloo_rank
 
     type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
+    with gloo_rank() as rank:
+        write(out, rank, run_variants(rank))
+
+
+def run_variants(rank: int) -> dict[str, Any]:
+    import deepspeed
+    import torch
+    from test_undo_common import exercise, exercise_detach, exercise_overflow
 
     def model() -> torch.nn.Module:
         torch.manual_seed(7)
@@ -99,21 +103,21 @@ def worker(out: Path) -> None:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
         return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
-    results["zero1_adamw"] = exercise(adamw, run_iteration(torch.float32), ITERATIONS, partial_backward=partial_backward)
+    results["zero1_adamw"] = exercise(adamw, run_iteration(torch.float32), partial_backward=partial_backward)
 
     def bf16_sgd() -> Any:
         m = model()
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
         return deepspeed.initialize(model=m, optimizer=opt, config=config(1, bf16=True))[0]
 
-    results["zero1_bf16_sgd"] = exercise(bf16_sgd, run_iteration(torch.bfloat16), ITERATIONS, refresh=False)
+    results["zero1_bf16_sgd"] = exercise(bf16_sgd, run_iteration(torch.bfloat16), refresh=False)
 
     def adagrad() -> Any:
         m = model()
         opt = torch.optim.Adagrad(m.parameters(), lr=0.05)
         return deepspeed.initialize(model=m, optimizer=opt, config=config(0))[0]
 
-    results["zero0_adagrad"] = exercise(adagrad, run_iteration(torch.float32), ITERATIONS, partial_backward=partial_backward)
+    results["zero0_adagrad"] = exercise(adagrad, run_iteration(torch.float32), partial_backward=partial_backward)
 
     def adamw_zero0() -> Any:
         m = model()
@@ -129,7 +133,7 @@ def worker(out: Path) -> None:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
         return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
-    results["zero1_fp16"] = exercise(fp16_adam, run_iteration(torch.float16), ITERATIONS)
+    results["zero1_fp16"] = exercise(fp16_adam, run_iteration(torch.float16))
 
     from ds_swift.undo import NotInvertibleError, attach_to_engine
 
@@ -146,33 +150,14 @@ def worker(out: Path) -> None:
         results["zero2_refused"] = str(e)
     results["zero2_untouched"] = "_take_model_step" not in vars(zero2)
     results["zero1_fp16_overflow"] = exercise_overflow(fp16_adam, run_iteration(torch.float16))
-    write(out, rank, results)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def zero_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+    from test_undo_common import run_workers
 
-    out = tmp_path_factory.mktemp("undo_zero1")
-    port = free_port()
-    with ProcessSet(out / "proc-logs") as procs:
-        for rank in range(WORLD):
-            env = worker_env(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(WORLD),
-                    "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1",
-                }
-            )
-            procs.spawn_python(f"rank{rank}", [__file__, str(out)], env=env)
-        codes = procs.wait_all(240)
-        assert codes == {f"rank{r}": 0 for r in range(WORLD)}, procs.logs_tail()
-    return {r: json.loads((out / f"undo_rank{r}.json").read_text()) for r in range(WORLD)}
+    return run_workers(__file__, tmp_path_factory.mktemp("undo_zero1"), WORLD)
 
 
 @pytest.mark.parametrize("variant", ["zero1_adamw", "zero1_bf16_sgd", "zero0_adagrad", "zero1_fp16"])
@@ -180,7 +165,7 @@ def test_step_undo_restores_pre_step_state(zero_run: dict[int, dict[str, Any]], 
     from test_undo_common import check
 
     for rank in range(WORLD):
-        check(zero_run[rank], variant, iterations=ITERATIONS)
+        check(zero_run[rank], variant)
 
 
 def test_fp16_overflow_step_undo_restores_loss_scaler(zero_run: dict[int, dict[str, Any]]) -> None:
@@ -219,5 +204,4 @@ def test_clip_coefficient_recorded(zero_run: dict[int, dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]))  # one rank (run_workers starts them)

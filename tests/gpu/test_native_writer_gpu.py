@@ -59,11 +59,13 @@ def test_staged_copies_equal_the_device_tensors(which: int) -> None:
 
 
 def test_logging_from_the_gpu_writes_the_same_bytes_as_from_host(tmp_path: Path) -> None:
+    from ds_swift.msglog.edge import LogEdge
     from ds_swift.msglog.staging import CudaStager
-    from ds_swift.msglog.writer import HostStaged, LogWriter, MessageMeta, PythonAppender, WriteItem, WriterThread
+    from ds_swift.msglog.writer import LogWriter, MessageMeta, PythonAppender
+    from ds_swift.msglog.writer_thread import HostStaged, WriteItem, WriterThread
 
     tensors = _tensors(7)
-    meta = MessageMeta(0, 0, "act", 1, 2, 1, 2)
+    meta = MessageMeta(0, 0, LogEdge("act", 1, 2), 1, 2)
     gpu = WriterThread(LogWriter(tmp_path / "gpu", 5, PythonAppender()))
     gpu.submit(WriteItem(meta, CudaStager(torch.device("cuda", 0)).stage(tensors), 1))
     gpu.close()

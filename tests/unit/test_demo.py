@@ -13,18 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.cli import main as cli_main
-from ds_swift.demo import (
-    DemoError,
+from ds_swift.demo import DemoError, find_repo
+from ds_swift.demo_report import (
     LossPoint,
-    compare_checkpoints,
-    find_repo,
     format_timeline,
     iterations_lost,
     losses_by_iteration,
     plot_losses,
     read_loss_log,
 )
-from ds_swift.models.gpt import Block, GPTConfig, PlanError, TrainingPlan, resolve_training_plan
+from ds_swift.models.gpt import Block, GPTConfig
+from ds_swift.models.training_plan import PlanError, TrainingPlan, resolve_training_plan
+from ds_swift.testing.checkpoints import CheckpointError, compare_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,7 +179,7 @@ def test_compare_checkpoints_reports_missing_tensors_and_empty_tags(tmp_path: Pa
     diff = compare_checkpoints(a, b)
     assert diff.only_in_one == ["mp_rank_00_model_states.pt/extra"] and not diff.bitwise_equal
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DemoError, match="no checkpoint files"):
+    with pytest.raises(CheckpointError, match="no checkpoint files"):
         compare_checkpoints(a, tmp_path / "empty")
 
 

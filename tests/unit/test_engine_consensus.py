@@ -1,11 +1,12 @@
-"""The recovery decision (ds_swift.recovery.consensus): consensus, undo, donors, fallback."""
+"""The recovery decision (ds_swift.recovery.consensus + registry): consensus, undo, donors, fallback."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.recovery.consensus import RankReport, plan_recovery
+from ds_swift.recovery.consensus import RankReport
+from ds_swift.recovery.registry import plan_recovery
 
 
 def pp2_dp2(last: dict[int, int], lost_machine: int = 1, can_undo: bool = True) -> list[RankReport]:

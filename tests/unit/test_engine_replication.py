@@ -1,4 +1,4 @@
-"""State transfer (ds_swift.recovery.replication) and what a survivor keeps (coordinator.KeptState)."""
+"""State transfer (ds_swift.recovery.replication) and what a survivor keeps (ds_swift.recovery.kept)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.recovery.coordinator import KeptState, detach_undo
+from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.replication import flatten, recv_state, send_state, unflatten
 
 
@@ -91,23 +91,21 @@ class FakeEngine:
 
 
 class FakeUndo:
-    """What detach_undo needs of ds_swift.undo.EngineUndoHandle (its private parts included)."""
+    """What KeptState.capture needs of ds_swift.undo.EngineUndoHandle (its public side only)."""
 
     def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
+        self.engine: FakeEngine | None = engine
         self.optimizer = self  # the InvertibleOptimizer
         self.last_stepped_iteration = 7
+        self.last_record: Any = None
         self.can_undo = True
         self.undone = 0
-        self._deferred = [lambda: None]
-        self.patch_removed = False
-        outer = self
+        self.detached = False
 
-        class Patch:
-            def remove(self) -> None:
-                outer.patch_removed = True
-
-        self._patch = Patch()
+    def detach(self) -> FakeUndo:
+        self.detached = True
+        self.engine = None
+        return self.optimizer
 
     def undo(self) -> None:
         self.undone += 1
@@ -117,7 +115,7 @@ def test_kept_state_keeps_references_and_undoes_once() -> None:
     engine = FakeEngine()
     handle = FakeUndo(engine)
     kept = KeptState.capture(engine, handle)
-    assert handle.patch_removed and handle.engine is None and handle._deferred == []
+    assert handle.detached and handle.engine is None
     assert kept.last_stepped == 7 and kept.can_undo
     w = engine.module.weight
     assert kept.module["weight"].data_ptr() == w.data_ptr()  # no copy
@@ -135,14 +133,6 @@ def test_kept_state_without_undo_counts_global_steps() -> None:
     assert set(kept.state()) == {"module", "optimizer", "lr_scheduler", "rng"}
 
 
-def test_detach_prefers_a_public_detach() -> None:
-    class WithDetach:
-        def detach(self) -> str:
-            return "inv"
-
-    assert detach_undo(WithDetach()) == "inv"
-
-
 def test_a_step_that_failed_before_touching_parameters_does_not_count() -> None:
     """DeepSpeed all-reduces the clipping norm inside the step: a peer dying there leaves the
     undo handle with a failed, empty record for iteration 8 while only 0..7 were applied."""
@@ -154,7 +144,7 @@ def test_a_step_that_failed_before_touching_parameters_does_not_count() -> None:
         iteration, complete, prev_iteration = 8, False, 7
         groups: list[Any] = []
 
-    handle.last_record = Record()  # type: ignore[attr-defined]
+    handle.last_record = Record()
     kept = KeptState.capture(engine, handle)
     assert kept.last_stepped == 7
     assert not kept.can_undo  # the record left describes the empty step, not iteration 7's

@@ -7,14 +7,20 @@ import datetime
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p
 
-from ds_swift.engine import PeerFailure, SwiftPipelineEngine, _is_comm_error, initialize
+from ds_swift.data import global_micro_batch, rng_seed
+from ds_swift.detect.classify import PeerFailure, is_comm_error
+from ds_swift.detect.monitor import FailureMonitor
+from ds_swift.detect.watchdog import Watchdog, declare_failure
 from ds_swift.membership import JobStore
 from ds_swift.patches._base import PatchError
 from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv_check, reset_pipeline_globals
-from ds_swift.watchdog import Watchdog
+from ds_swift.runtime.engine import SwiftPipelineEngine, initialize
+from ds_swift.runtime.hooks import key_forward_rng
+from ds_swift.testing.procs import free_port
 
 
 class Engine:
@@ -64,7 +70,7 @@ def test_attributes_pass_through_to_the_engine() -> None:
     ],
 )
 def test_comm_errors_are_told_from_bugs(exc: BaseException, expected: bool) -> None:
-    assert _is_comm_error(exc) is expected
+    assert is_comm_error(exc) is expected
 
 
 @pytest.fixture
@@ -147,8 +153,6 @@ def test_reset_pipeline_globals(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_declare_repairs_a_half_written_failure(store: JobStore) -> None:
     """The first declarer (a rank of the failing machine) was killed after counting itself in but
     before writing the flag and moving the generation: the next declarer completes the record."""
-    from ds_swift.watchdog import declare_failure
-
     store.kv.add("gen0/failed_n", 1)
     assert store.failure(0) is None and store.generation() == 0
     assert declare_failure(store, 0, "rank 1: connection closed") is False
@@ -161,10 +165,7 @@ def test_declare_repairs_a_half_written_failure(store: JobStore) -> None:
 def test_release_process_groups_cuts_only_group_references() -> None:
     """On a real (single-rank) gloo group: groups in attributes, lists and nested dicts are cut;
     parameters, plain values and objects outside deepspeed.runtime are left alone."""
-    import torch
-
     from ds_swift.patches.deepspeed_rebuild import release_process_groups
-    from ds_swift.testing.procs import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -185,3 +186,59 @@ def test_release_process_groups_cuts_only_group_references() -> None:
         assert isinstance(module.weight, torch.nn.Parameter)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_rebuild_replaces_the_engine_in_force() -> None:
+    w = object.__new__(SwiftPipelineEngine)
+    object.__setattr__(w, "_engine", Engine())
+    new = Engine()
+    w.engine = new  # what the rebuild does: the wrapper's slot, not an attribute of the old engine
+    assert w.engine is new and w.global_steps == 3
+
+
+def test_failure_monitor_checks_the_generation_in_force(store: JobStore) -> None:
+    monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
+    assert monitor.failure_seen() is None
+    monitor.check_after_receive()
+    with pytest.raises(ValueError, match="a bug"):
+        monitor.classify(ValueError("a bug"))  # not a failure: raised as DeepSpeed alone would
+    store.declare_failure(0, "machine 1: rank 3 killed")
+    assert monitor.failure_seen() == "failure flag"
+    with pytest.raises(PeerFailure, match="rank 3 killed"):
+        monitor.check_after_receive()
+    assert monitor.classify(ValueError("late")) == "ValueError after the failure flag"
+    monitor.set_armed(False)
+    monitor.check_after_receive()  # disarmed during a recovery
+    monitor.set_generation(1)
+    monitor.set_armed(True)
+    assert monitor.failure_seen() is None and monitor.generation == 1
+
+
+def test_a_comm_error_is_declared_when_nobody_did(store: JobStore) -> None:
+    monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
+    error = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert monitor.classify(error).startswith("comm error (declared)")
+    finally:
+        dist.destroy_process_group()
+    assert store.failure(0) is not None and store.generation() == 1
+    with pytest.raises(RuntimeError, match="no recovery"):
+        FailureMonitor(None, 0, 0.01).classify(RuntimeError("no recovery"))
+
+
+def test_training_and_replay_key_the_rng_alike() -> None:
+    class Grid:
+        def get_data_parallel_id(self) -> int:
+            return 1
+
+    class Eng:
+        global_steps, stage_id, grid = 7, 2, Grid()
+
+        def gradient_accumulation_steps(self) -> int:
+            return 4
+
+    key_forward_rng(Eng(), 1234, 3)
+    a = torch.rand(3)
+    torch.manual_seed(rng_seed(1234, 7, global_micro_batch(1, 4, 3), 2))
+    assert torch.equal(a, torch.rand(3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ds_swift.gpu_health import GpuMonitor, check_gpus
+from ds_swift.launch.gpu_health import GpuMonitor, check_gpus
 
 
 class FakeNvml:
@@ -63,9 +63,9 @@ def test_critical_xid_fails_and_benign_xid_does_not() -> None:
 def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
     """The node agent polls its GPU monitor; an unhealthy GPU kills the machine's ranks and
     declares the failure with the GPU's problem as the reason."""
-    from ds_swift.gpu_health import GpuHealth
     from ds_swift.launch import agent as agent_mod
     from ds_swift.launch.agent import MachineAgent
+    from ds_swift.launch.gpu_health import GpuHealth
     from ds_swift.membership import JobStore
 
     class SickGpu:
@@ -92,7 +92,7 @@ def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
     a.workers = [FakeWorker(2), FakeWorker(3)]  # type: ignore[list-item]
     a.control.record_failure = lambda: 1  # type: ignore[method-assign]
     given_up: list[str] = []
-    a._give_up = given_up.append  # type: ignore[method-assign]
+    a.control.abort = given_up.append  # type: ignore[method-assign]  # every way of giving up ends here
     agent_mod.GPU_POLL_S = 2.0
     a.tick()
     assert a.workers == [] and all(w.killed for w in a._dying)

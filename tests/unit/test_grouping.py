@@ -10,13 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.grouping import (
-    balanced_groups,
-    brute_force_grouping,
-    evaluate,
-    exact_grouping,
-    greedy_merge,
-)
+from ds_swift.plan.grouping import Chain, balanced_groups, brute_force_grouping, evaluate, greedy_merge
+from ds_swift.plan.grouping_exact import exact_grouping
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,12 +34,12 @@ def test_balanced_groups_rejects_bad_k() -> None:
 
 def test_objective_by_hand() -> None:
     # N = 4, R = 1 each, M = 2 between neighbours, B = 1 (M/B counts), groups {0,1} {2} {3}
-    g = evaluate([[0, 1], [2], [3]], [1, 1, 1, 1], [2, 2, 2], B=1.0, T=10)
+    g = evaluate(Chain([1, 1, 1, 1], [2, 2, 2], B=1.0, T=10), [[0, 1], [2], [3]])
     # {0,1}: (1 + 1 + 2) * 2/4 = 2 ; {2}: 1/4 ; {3}: 1/4
     assert math.isclose(g.recovery_time, 2.5)
     assert g.storage == 10 * (2 + 2) and g.cuts == [2, 3]
     # parallel recovery divides each group by floor(N/|G|): 2/2 + (1/4)/4 + (1/4)/4
-    gp = evaluate([[0, 1], [2], [3]], [1, 1, 1, 1], [2, 2, 2], B=1.0, T=10, parallel_recovery=True)
+    gp = evaluate(Chain([1, 1, 1, 1], [2, 2, 2], B=1.0, T=10, parallel_recovery=True), [[0, 1], [2], [3]])
     assert math.isclose(gp.recovery_time, 1 + 1 / 16 + 1 / 16)
 
 
@@ -52,7 +47,7 @@ def test_greedy_merges_the_smallest_dr_per_dm_first() -> None:
     # merging 0+1 costs little recovery for a lot of storage; 2+3 the other way round
     R = [0.1, 0.1, 5.0, 5.0]
     M = [10.0, 1.0, 1.0]
-    g = greedy_merge(R, M, M_max=2.0)  # must drop 10 of 12: exactly the 0|1 cut
+    g = greedy_merge(Chain(R, M, M_max=2.0))  # must drop 10 of 12: exactly the 0|1 cut
     assert g.as_lists() == [[0, 1], [2], [3]]
     assert g.storage == 2.0 and g.fits
 
@@ -60,25 +55,25 @@ def test_greedy_merges_the_smallest_dr_per_dm_first() -> None:
 def test_no_grouping_fits_means_one_group() -> None:
     R, M = [1.0] * 5, [3.0] * 4
     for fn in (greedy_merge, exact_grouping, brute_force_grouping):
-        g = fn(R, M, 2.9)
+        g = fn(Chain(R, M, 2.9))
         assert g.as_lists() == [[0, 1, 2, 3, 4]] and not g.logs and g.fits
 
 
 def test_free_cuts_are_taken() -> None:
     # a boundary without traffic costs no storage: the exact optimiser cuts it even at budget 0
-    g = exact_grouping([1.0, 1.0, 1.0, 1.0], [5.0, 0.0, 5.0], M_max=0.0)
+    g = exact_grouping(Chain([1.0, 1.0, 1.0, 1.0], [5.0, 0.0, 5.0], M_max=0.0))
     assert g.as_lists() == [[0, 1], [2, 3]] and not g.logs and g.optimal
 
 
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="N-1"):
-        greedy_merge([1.0, 1.0], [1.0, 1.0], 1.0)
+        Chain([1.0, 1.0], [1.0, 1.0], 1.0)
     with pytest.raises(ValueError, match="R\\[1\\]"):
-        exact_grouping([1.0, float("nan")], [1.0], 1.0)
+        Chain([1.0, float("nan")], [1.0], 1.0)
     with pytest.raises(ValueError, match="M_max"):
-        exact_grouping([1.0, 1.0], [1.0], -1.0)
+        Chain([1.0, 1.0], [1.0], -1.0)
     with pytest.raises(ValueError, match="contiguous"):
-        evaluate([[0, 2], [1]], [1.0] * 3, [1.0] * 2)
+        evaluate(Chain([1.0] * 3, [1.0] * 2), [[0, 2], [1]])
 
 
 instances = st.integers(1, 10).flatmap(
@@ -98,16 +93,15 @@ instances = st.integers(1, 10).flatmap(
 def test_exact_matches_brute_force_and_beats_greedy(inst: tuple) -> None:
     R, M, frac, B, T, parallel = inst
     M_max = frac * T * sum(M)
-    brute = brute_force_grouping(R, M, M_max, B, T, parallel)
-    exact = exact_grouping(R, M, M_max, B, T, parallel)
-    greedy = greedy_merge(R, M, M_max, B, T, parallel)
+    chain = Chain(R, M, M_max, B, T, parallel)
+    brute, exact, greedy = brute_force_grouping(chain), exact_grouping(chain), greedy_merge(chain)
     assert exact.fits and greedy.fits and brute.fits
     assert exact.optimal is True
     assert exact.recovery_time <= greedy.recovery_time
     assert math.isclose(exact.recovery_time, brute.recovery_time, rel_tol=1e-9, abs_tol=1e-12)
     assert exact.lower_bound == exact.recovery_time
     # the reported costs are those of the reported groups
-    again = evaluate(exact.groups, R, M, M_max, B, T, parallel)
+    again = evaluate(chain, exact.groups)
     assert again.recovery_time == exact.recovery_time and again.storage == exact.storage
 
 
@@ -116,9 +110,10 @@ def test_label_cap_returns_the_best_known_unproven() -> None:
     N = 200
     R = [rng.uniform(0.5, 1.5) for _ in range(N)]
     M = [rng.uniform(0.9, 1.1) for _ in range(N - 1)]
-    full = exact_grouping(R, M, sum(M) * 0.3)
-    capped = exact_grouping(R, M, sum(M) * 0.3, max_labels=1)
-    greedy = greedy_merge(R, M, sum(M) * 0.3)
+    chain = Chain(R, M, sum(M) * 0.3)
+    full = exact_grouping(chain)
+    capped = exact_grouping(chain, max_labels=1)
+    greedy = greedy_merge(chain)
     assert full.optimal is True
     assert capped.optimal is False and capped.fits
     assert full.recovery_time <= capped.recovery_time <= greedy.recovery_time
@@ -136,9 +131,10 @@ def test_exact_on_1024_machines() -> None:
     for frac, parallel in ((0.02, False), (0.3, True), (0.9, False)):
         M_max = frac * 100 * sum(M)
         t0 = time.process_time()
-        exact = exact_grouping(R, M, M_max, B=12.5e9, T=100, parallel_recovery=parallel)
+        chain = Chain(R, M, M_max, B=12.5e9, T=100, parallel_recovery=parallel)
+        exact = exact_grouping(chain)
         took = time.process_time() - t0
-        greedy = greedy_merge(R, M, M_max, B=12.5e9, T=100, parallel_recovery=parallel)
+        greedy = greedy_merge(chain)
         print(f"N=1024 budget {frac:.0%} parallel={parallel}: exact {took:.3f} s CPU, {len(exact.groups)} groups")
         assert exact.optimal is True and exact.fits
         assert exact.recovery_time <= greedy.recovery_time

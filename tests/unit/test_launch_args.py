@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.launch.args import Command, LaunchUsageError, parse_args, read_hostfile
+from ds_swift.launch.args import Command, LaunchUsageError, parse_args
 from ds_swift.launch.cli import main
+from ds_swift.launch.hostfile import HostfileError, read_hostfile
 from ds_swift.testing.faults import FaultSpec
 
 
@@ -128,7 +129,7 @@ def test_hostfile_format(tmp_path: Path) -> None:
 def test_hostfile_bad_lines(tmp_path: Path, line: str) -> None:
     hf = tmp_path / "hostfile"
     hf.write_text(f"localhost slots=1\n{line}\n")
-    with pytest.raises(LaunchUsageError, match=f"{hf}:2"):
+    with pytest.raises(HostfileError, match=f"{hf}:2"):
         read_hostfile(str(hf))
 
 
@@ -138,7 +139,7 @@ def test_remote_hostfile_prints_the_per_host_commands(tmp_path: Path) -> None:
     with pytest.raises(LaunchUsageError) as info:
         parse("--hostfile", str(hf), "--spares", "1", "train.py", "--lr", "1")
     msg = str(info.value)
-    assert "does not start processes over ssh" in msg
+    assert "give --launcher pdsh or --launcher ssh" in msg
     assert "on node-c.example (spare): ds-swift-launch --nnodes 2 --nproc-per-node 8 --spares 1 --node-rank 2" in msg
     assert "--master_addr node-a.example --master_port 29500" in msg and "train.py --lr 1" in msg
 

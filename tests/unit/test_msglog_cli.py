@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ds_swift.cli import main
-from ds_swift.msglog.reader import load_chunk
+from ds_swift.msglog.chunk_index import load_chunk
+from ds_swift.msglog.edge import LogEdge
 from ds_swift.msglog.writer import LogWriter, MessageMeta, PythonAppender
 
 
@@ -18,8 +19,8 @@ def logs(tmp_path: Path) -> Path:
     w = LogWriter(tmp_path / "logs", 2, PythonAppender())
     for it in range(3):
         for mb in range(2):
-            w.write(MessageMeta(it, mb, "act", 1, 2, 1, 2), [torch.zeros(100)])
-            w.write(MessageMeta(it, mb, "grad", 2, 1, 2, 1), [torch.zeros(50)])
+            w.write(MessageMeta(it, mb, LogEdge("act", 1, 2), 1, 2), [torch.zeros(100)])
+            w.write(MessageMeta(it, mb, LogEdge("grad", 2, 1), 2, 1), [torch.zeros(50)])
     w.close()
     return tmp_path / "logs"
 

@@ -6,18 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.msglog.format import (
-    DTYPE_CODES,
-    DTYPE_SIZES,
-    INDEX_ENTRY_SIZE,
-    RECORD_FIXED_SIZE,
-    ChunkHeader,
-    ChunkName,
-    FormatError,
-    IndexEntry,
-    RecordHeader,
-    crc32c,
-)
+from ds_swift.msglog.chunk_format import INDEX_ENTRY_SIZE, ChunkHeader, ChunkName, IndexEntry
+from ds_swift.msglog.edge import LogEdge, PipelinePosition
+from ds_swift.msglog.format import DTYPE_CODES, DTYPE_SIZES, RECORD_FIXED_SIZE, FormatError, RecordHeader, crc32c
 
 
 @st.composite
@@ -97,13 +88,35 @@ def test_newer_version_is_refused_with_a_clear_message() -> None:
     st.integers(1, 1000),
 )
 def test_chunk_names_round_trip(kind: str, s: int, d: int, dp: int, tp: int, it: int, chunk: int) -> None:
-    cn = ChunkName.for_iteration(kind, s, d, dp, tp, it, chunk)
+    cn = ChunkName.for_iteration(LogEdge(kind, s, d, dp, tp), it, chunk)
     assert cn.first_iteration <= it < cn.end_iteration == cn.first_iteration + chunk
     assert cn.first_iteration % chunk == 0
     assert ChunkName.parse(cn.chunk_file) == cn
     assert ChunkName.parse(cn.index_file) == cn
     assert ChunkName.parse(cn.stem + ".txt") is None
     assert ChunkName.parse("act_s1-s2.swlog") is None
+
+
+def test_chunk_file_names_are_pinned() -> None:
+    cn = ChunkName.for_iteration(LogEdge("grad", 3, 2, 1, 4), 25, 10)
+    assert cn.chunk_file == "grad_s003-s002_dp0001_tp004_it0000000020-0000000030.swlog"
+    assert cn.index_file == "grad_s003-s002_dp0001_tp004_it0000000020-0000000030.swidx"
+    assert cn.edge == ("grad", 3, 2, 1, 4)
+
+
+def test_log_edges_follow_the_pipeline_direction() -> None:
+    assert LogEdge.out_of("act", 2, 1, 0) == LogEdge("act", 2, 3, 1, 0) == LogEdge.into("act", 3, 1, 0)
+    assert LogEdge.out_of("grad", 2) == LogEdge("grad", 2, 1) == LogEdge.into("grad", 1)
+    assert str(LogEdge("act", 1, 2, 0, 3)) == "act s1->s2 dp0 tp3"
+    with pytest.raises(ValueError, match="kind"):
+        LogEdge.out_of("weights", 0)
+    pos = PipelinePosition(rank=5, stage=1, num_stages=3, dp_rank=1, tp_rank=0, next_rank=9, prev_rank=1)
+    assert (pos.out_edge("act"), pos.receiver("act"), pos.sender("act")) == (LogEdge("act", 1, 2, 1, 0), 9, 1)
+    assert (pos.in_edge("grad"), pos.receiver("grad"), pos.sender("grad")) == (LogEdge("grad", 2, 1, 1, 0), 1, 9)
+    header = RecordHeader(0, 0, 1, 2, 5, 9, "act", "float32", (1,), nbytes=4, dp_rank=1)
+    assert header.edge == LogEdge("act", 1, 2, 1, 0)
+    name = ChunkName.for_iteration(header.edge, 0, 4)
+    assert ChunkHeader.for_chunk(name, 5, 9).edge == header.edge
 
 
 def test_chunk_header_and_index_entry_round_trip_and_detect_corruption() -> None:

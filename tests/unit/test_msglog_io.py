@@ -13,23 +13,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_swift.msglog import LogReader, gc_before
-from ds_swift.msglog.format import FILE_HEADER_SIZE, ChunkName
-from ds_swift.msglog.reader import CorruptRecordError, MissingRecordError, load_chunk, scan_chunk
-from ds_swift.msglog.writer import (
-    HostStaged,
-    LogWriteError,
-    LogWriter,
-    MessageMeta,
-    PythonAppender,
-    WriteItem,
-    WriterThread,
-)
+from ds_swift.msglog.chunk_format import FILE_HEADER_SIZE, ChunkName
+from ds_swift.msglog.chunk_index import load_chunk, scan_chunk
+from ds_swift.msglog.edge import LogEdge
+from ds_swift.msglog.reader import CorruptRecordError, MissingRecordError
+from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta, PythonAppender
+from ds_swift.msglog.writer_thread import HostStaged, WriteItem, WriterThread
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
 
 
 def meta(it: int, mb: int, kind: str = "act", src: int = 1, dst: int = 2, dp: int = 0) -> MessageMeta:
-    return MessageMeta(it, mb, kind, src, dst, src, dst, dp, 0)
+    return MessageMeta(it, mb, LogEdge(kind, src, dst, dp, 0), src, dst)
 
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds_swift.msglog.edge import LogEdge
 from ds_swift.msglog.format import RecordHeader
 from ds_swift.msglog.reader import LogReader
 from ds_swift.msglog.writer import LogWriter, MessageMeta, NativeAppender, PythonAppender, payload_bytes, record_header
@@ -35,9 +36,9 @@ def _write_all(directory: Path, appender: object) -> None:
             parts = [torch.randn(33, 17, generator=g), torch.randint(0, 9, (5,), generator=g)]
             if mb == 2:
                 parts.append(torch.randn(3, generator=g).to(torch.bfloat16))
-            w.write(MessageMeta(it, mb, "act", 1, 2, 3, 4, 1, 0), parts)
-            w.write(MessageMeta(it, mb, "grad", 2, 1, 4, 3, 1, 0), [torch.randn(1000, generator=g)])
-    w.write(MessageMeta(7, 0, "act", 1, 2, 3, 4, 1, 0), [torch.empty(0), torch.tensor(3.5)])
+            w.write(MessageMeta(it, mb, LogEdge("act", 1, 2, 1, 0), 3, 4), parts)
+            w.write(MessageMeta(it, mb, LogEdge("grad", 2, 1, 1, 0), 4, 3), [torch.randn(1000, generator=g)])
+    w.write(MessageMeta(7, 0, LogEdge("act", 1, 2, 1, 0), 3, 4), [torch.empty(0), torch.tensor(3.5)])
     w.close()
 
 
@@ -67,7 +68,7 @@ def test_native_crc32c_matches_the_crc32c_package(native: object, data: bytes, s
 def test_a_full_device_raises_enospc(native: object, which: str) -> None:
     appender = PythonAppender() if which == "python" else NativeAppender(native)  # type: ignore[arg-type]
     t = torch.randn(100)
-    header: RecordHeader = record_header(MessageMeta(0, 0, "act", 1, 2, 1, 2), t, 0, 1)
+    header: RecordHeader = record_header(MessageMeta(0, 0, LogEdge("act", 1, 2), 1, 2), t, 0, 1)
     fd = os.open("/dev/full", os.O_WRONLY)
     try:
         with pytest.raises(OSError) as ei:

@@ -18,7 +18,7 @@ PIPE128 = ["--tp", "1", "--pp", "128", "--dp", "1", "--gpus-per-node", "8"]
 @pytest.fixture(autouse=True)
 def _only_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # Other sub-commands are other people's work in progress: keep this test about `plan`.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("ds_swift.plan_cli",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("ds_swift.plan.cli",))
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

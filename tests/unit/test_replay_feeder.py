@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from ds_swift.msglog import LogReader
-from ds_swift.msglog.format import ChunkName
-from ds_swift.msglog.reader import load_chunk
+from ds_swift.msglog.chunk_format import ChunkName
+from ds_swift.msglog.chunk_index import load_chunk
+from ds_swift.msglog.edge import LogEdge
 from ds_swift.msglog.writer import LogWriter, MessageMeta, PythonAppender
-from ds_swift.recovery.replay import InEdge, LogFeeder, LogUnavailable
+from ds_swift.recovery.replay_log import LogFeeder, LogUnavailable
 
 GAS = 3
-ACT = InEdge("act", 1, 2, 0, 0)
-GRAD = InEdge("grad", 3, 2, 0, 0)
+ACT = LogEdge("act", 1, 2, 0, 0)
+GRAD = LogEdge("grad", 3, 2, 0, 0)
 
 
 def tensors_for(kind: str, it: int, mb: int) -> list[torch.Tensor]:
@@ -35,7 +36,7 @@ def write_log(d: Path, iterations: range, chunk: int = 2, skip: set[tuple[str, i
                 if (edge.kind, it, mb) in skip:
                     continue
                 src_rank, dst_rank = edge.src_stage, edge.dst_stage
-                meta = MessageMeta(it, mb, edge.kind, edge.src_stage, edge.dst_stage, src_rank, dst_rank, 0, 0)
+                meta = MessageMeta(it, mb, edge, src_rank, dst_rank)
                 w.write(meta, tensors_for(edge.kind, it, mb))
     w.close()
     return d
@@ -88,13 +89,13 @@ def test_missing_record_names_iteration_micro_batch_and_file(tmp_path: Path) -> 
         feeder.close()
     e = err.value
     assert (e.iteration, e.micro_batch, e.edge) == (3, 1, ACT)
-    chunk = ChunkName.for_iteration("act", 1, 2, 0, 0, 3, 2).chunk_file
+    chunk = ChunkName.for_iteration(LogEdge("act", 1, 2, 0, 0), 3, 2).chunk_file
     assert e.file is not None and e.file.endswith(chunk) and chunk in str(e)
 
 
 def test_corrupt_payload_names_file_and_record(tmp_path: Path) -> None:
     d = write_log(tmp_path / "log", range(0, 4))
-    cn = ChunkName.for_iteration("act", 1, 2, 0, 0, 2, 2)
+    cn = ChunkName.for_iteration(LogEdge("act", 1, 2, 0, 0), 2, 2)
     info = load_chunk(d / cn.chunk_file)
     entry = info.entries[(2, 2, "act", 1)]  # the int64 part of iteration 2, micro-batch 2
     data = bytearray((d / cn.chunk_file).read_bytes())
@@ -130,12 +131,12 @@ class CountingReader:
     def chunk(self, cn: Any) -> Any:
         return self.inner.chunk(cn)
 
-    def get(self, iteration: int, *args: Any) -> Any:
+    def message(self, edge: LogEdge, iteration: int, micro_batch: int) -> Any:
         with self.lock:
             # queue of `ahead` + the one being put: never further than that past the iteration being taken
             if iteration > max(self.taking, 0) + self.ahead + 1:
                 self.violations.append((iteration, self.taking))
-        return self.inner.get(iteration, *args)
+        return self.inner.message(edge, iteration, micro_batch)
 
 
 @pytest.mark.parametrize("ahead", [1, 3])
@@ -172,7 +173,7 @@ def test_close_stops_a_feeder_blocked_on_a_full_queue(tmp_path: Path) -> None:
 def test_progress_helpers_show_iterations_and_log_bytes() -> None:
     import io
 
-    from ds_swift.recovery.replay import ReplayProgress, rich_progress, text_progress
+    from ds_swift.recovery.replay_log import ReplayProgress, rich_progress, text_progress
 
     steps = [ReplayProgress(2, done, 4, 8 + done, done * 2_500_000, done, 4, 0.5 * done) for done in range(5)]
     assert steps[0].eta_s is None and steps[2].eta_s == pytest.approx(1.0)
@@ -210,7 +211,7 @@ def test_remote_store_chunks_are_downloaded_verified_and_counted(tmp_path: Path)
     assert feeder.chunk_bytes == sum(f.stat().st_size for f in d.glob("*.swlog"))
 
     # a chunk damaged in the store fails its download checksum: loud, naming the chunk
-    victim = ChunkName.for_iteration("grad", 3, 2, 0, 0, 2, 2).chunk_file
+    victim = ChunkName.for_iteration(LogEdge("grad", 3, 2, 0, 0), 2, 2).chunk_file
     fs = fsspec.filesystem("memory")
     path = f"/{url.removeprefix('memory://')}/{victim}"
     data = bytearray(fs.cat_file(path))

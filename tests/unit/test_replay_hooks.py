@@ -15,19 +15,13 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.recovery.replay import (
-    CollectiveRecord,
-    CollectiveRecorder,
-    InEdge,
-    LogUnavailable,
-    ReplayUnsupported,
-    _CollectiveGuard,
-    _meta_message,
-    _recv_served,
-    _send_dropped,
-    _wrapped_collectives,
-    plan_replay,
-)
+from ds_swift.msglog.edge import LogEdge
+from ds_swift.patches.pipe_p2p import drop_sends
+from ds_swift.patches.step_collectives import wrap_collectives
+from ds_swift.recovery.collectives import CollectiveGuard, CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.replay_log import LogUnavailable
+from ds_swift.recovery.replay_plan import plan_replay
+from ds_swift.recovery.replay_serve import meta_message, recv_from_log
 
 
 # --------------------------------------------------------------------------- plan
@@ -48,9 +42,9 @@ def test_plan_reads_from_the_log_exactly_the_edges_leaving_the_group(pp: int, dp
         plan = plan_replay(rank, stage, pp, d, 0, 4, prev, nxt, group)
         want = []
         if prev is not None and prev not in group:
-            want.append(InEdge("act", stage - 1, stage, d, 0))
+            want.append(LogEdge("act", stage - 1, stage, d, 0))
         if nxt is not None and nxt not in group:
-            want.append(InEdge("grad", stage + 1, stage, d, 0))
+            want.append(LogEdge("grad", stage + 1, stage, d, 0))
         assert list(plan.from_log) == want
         assert plan.drop_act == (nxt is not None and nxt not in group)
         assert plan.drop_grad == (prev is not None and prev not in group)
@@ -79,7 +73,7 @@ def test_meta_is_what_deepspeed_sends(parts: list[tuple[torch.dtype, tuple[int, 
         want = sent_meta(msg, mp)
     # DeepSpeed sends an uninitialised buffer: only the prefix it filled is read by the receiver
     used = 2 + sum(2 + t.dim() for t in tensors) if isinstance(msg, tuple) else 3 + msg.dim()
-    assert torch.equal(_meta_message(FAKE_ENGINE, msg, "test")[:used], want[:used])
+    assert torch.equal(meta_message(FAKE_ENGINE, msg, "test")[:used], want[:used])
 
 
 # --------------------------------------------------------------------------- served receives
@@ -93,7 +87,7 @@ def test_served_receive_fills_the_handlers_buffers_in_order() -> None:
             p2p.recv(b, 0)
         return "done"
 
-    assert _recv_served(handler, {}, items, "test") == "done"
+    assert recv_from_log(handler, {}, items, "test") == "done"
     assert p2p.recv is original
     assert all(torch.equal(a, b) for a, b in zip(bufs, items))
 
@@ -115,7 +109,7 @@ def test_served_receive_mismatch_is_log_unavailable(bufs: list[torch.Tensor], ma
             p2p.recv(b, 0)
 
     with pytest.raises(LogUnavailable, match=match):
-        _recv_served(handler, {}, [torch.ones(3), torch.ones(3)], "test")
+        recv_from_log(handler, {}, [torch.ones(3), torch.ones(3)], "test")
     assert p2p.recv is original
 
 
@@ -129,7 +123,7 @@ def test_served_receive_leaves_other_threads_on_the_wire(monkeypatch: pytest.Mon
         t.join(10)
         p2p.recv(torch.zeros(1), 0)
 
-    _recv_served(handler, {}, [torch.ones(1)], "test")
+    recv_from_log(handler, {}, [torch.ones(1)], "test")
     assert wire == ["wire"]
 
 
@@ -145,9 +139,10 @@ def test_dropped_send_sends_nothing_and_restores(monkeypatch: pytest.MonkeyPatch
             raise RuntimeError("boom")
         return x
 
-    assert _send_dropped(handler, {"x": 3}) == 3
-    with pytest.raises(RuntimeError):
-        _send_dropped(handler, {"x": -1})
+    with drop_sends():
+        assert handler(3) == 3
+    with pytest.raises(RuntimeError), drop_sends():
+        handler(-1)
     assert wire == [] and p2p.send is installed
 
 
@@ -183,8 +178,8 @@ def one_rank_group(tmp_path: Path) -> Any:
 def test_guard_takes_step_collectives_from_records_and_refuses_the_rest(one_rank_group: Any) -> None:
     original = dist.all_reduce
     records = {(7, 0): CollectiveRecord("all_reduce", (0,), torch.tensor(42.0))}  # shape () stands in for (1,)
-    guard = _CollectiveGuard(frozenset({5}), records)
-    with _wrapped_collectives(guard.make):
+    guard = CollectiveGuard(frozenset({5}), records)
+    with wrap_collectives("test", guard.make):
         t = torch.tensor([1.0])
         with pytest.raises(ReplayUnsupported, match="ranks \\[0\\] are not replaying"):
             dist.all_reduce(t)  # outside the optimizer step
@@ -200,21 +195,21 @@ def test_guard_takes_step_collectives_from_records_and_refuses_the_rest(one_rank
         guard.end_step()
     assert dist.all_reduce is original
     # inside the group: live (and an async all-reduce of a 1-rank world just works)
-    live = _CollectiveGuard(frozenset({0}), None)
-    with _wrapped_collectives(live.make):
+    live = CollectiveGuard(frozenset({0}), None)
+    with wrap_collectives("test", live.make):
         t = torch.tensor([3.0])
         dist.all_reduce(t)
         assert t.tolist() == [3.0]
-    none = _CollectiveGuard(frozenset({5}), None)
-    with _wrapped_collectives(none.make):
+    none = CollectiveGuard(frozenset({5}), None)
+    with wrap_collectives("test", none.make):
         none.begin_step(0)
         with pytest.raises(ReplayUnsupported, match="CollectiveRecorder"):
             dist.all_reduce(torch.tensor([1.0]))
 
 
 def test_guard_async_collective_returns_a_completed_work(one_rank_group: Any) -> None:
-    guard = _CollectiveGuard(frozenset({5}), {(0, 0): CollectiveRecord("broadcast", (0,), torch.tensor([9.0]))})
-    with _wrapped_collectives(guard.make):
+    guard = CollectiveGuard(frozenset({5}), {(0, 0): CollectiveRecord("broadcast", (0,), torch.tensor([9.0]))})
+    with wrap_collectives("test", guard.make):
         guard.begin_step(0)
         t = torch.tensor([1.0])
         work = dist.broadcast(t, src=0, async_op=True)

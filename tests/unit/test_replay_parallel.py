@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from ds_swift.recovery.parallel import (
     GradCapture,
-    ParallelLayout,
-    _swapped_topology,
+    ParallelReplayLayout,
     assign_micro_batches,
     combine_exact,
     combine_fast,
+    helper_topology,
 )
 
 
@@ -29,25 +29,25 @@ def test_shares_partition_the_micro_batches_round_robin(m: int, d: int) -> None:
 
 
 def test_layout_roles_peers_and_checks() -> None:
-    lay = ParallelLayout(stages=(2, 3), replacements=(6, 7), helpers=(0, 1), micro_batches=4)
+    lay = ParallelReplayLayout(stages=(2, 3), replacements=(6, 7), helpers=(0, 1), micro_batches=4)
     assert lay.shares == ((0, 2), (1, 3))
     assert [lay.role(r) for r in (6, 7, 0, 1, 3)] == [(0, 0), (0, 1), (1, 0), (1, 1), None]
     assert [lay.peer(r) for r in (6, 7, 0, 1)] == [0, 1, 6, 7]
     assert lay.sub_pipeline(1) == {0, 1}
     with pytest.raises(ValueError, match="contiguous"):
-        ParallelLayout((1, 3), (6, 7), (0, 1), 4)
+        ParallelReplayLayout((1, 3), (6, 7), (0, 1), 4)
     with pytest.raises(ValueError, match="distinct"):
-        ParallelLayout((2, 3), (6, 7), (7, 1), 4)
+        ParallelReplayLayout((2, 3), (6, 7), (7, 1), 4)
     with pytest.raises(ValueError, match="one entry per failed stage"):
-        ParallelLayout((2, 3), (6,), (0, 1), 4)
+        ParallelReplayLayout((2, 3), (6,), (0, 1), 4)
     with pytest.raises(ValueError, match="two micro-batches"):
-        ParallelLayout((2, 3), (6, 7), (0, 1), 1)
+        ParallelReplayLayout((2, 3), (6, 7), (0, 1), 1)
 
 
 def test_swapped_topology_gives_helpers_the_failed_stages() -> None:
     topo = PipeDataParallelTopology(num_pp=4, num_dp=2)  # 'pipe' outer: stage s, replica d -> rank 2s + d
-    lay = ParallelLayout(stages=(2, 3), replacements=(4, 6), helpers=(0, 2), micro_batches=4)
-    new = _swapped_topology(topo, lay)
+    lay = ParallelReplayLayout(stages=(2, 3), replacements=(4, 6), helpers=(0, 2), micro_batches=4)
+    new = helper_topology(topo, lay)
     for rank in range(8):
         old, now = topo.get_coord(rank), None
         for j in range(2):
@@ -58,7 +58,7 @@ def test_swapped_topology_gives_helpers_the_failed_stages() -> None:
         assert new.get_coord(rank) == (now or old)
     assert sorted(new.mapping.values()) == list(range(8))
     with pytest.raises(ValueError, match="does not host stage"):
-        _swapped_topology(topo, ParallelLayout((2, 3), (5, 4), (0, 2), 4))
+        helper_topology(topo, ParallelReplayLayout((2, 3), (5, 4), (0, 2), 4))
 
 
 class TupleStage(nn.Module):

@@ -109,7 +109,7 @@ def test_example_weibull_config_runs(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_package_facade() -> None:
     import ds_swift.sim as sim
-    from ds_swift.sim.recommend import recommend_for_plan
+    from ds_swift.sim.plan_recommend import recommend_for_plan
 
     assert sim.recommend_for_plan is recommend_for_plan
     with pytest.raises(AttributeError):

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from ds_swift.config import ConfigError
 from ds_swift.sim.failures import FailureModel
 from ds_swift.sim.model import LoggingSpec, StrategySpec, Workload
+from ds_swift.sim.plan_recommend import recommend_for_plan
 from ds_swift.sim.recommend import (
     daly_interval_s,
     expected_hours,
     optimal_interval,
     recommend,
-    recommend_for_plan,
     young_interval_s,
 )
 from ds_swift.sim.runner import geometric_grid, interval_sweep, with_interval

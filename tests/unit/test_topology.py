@@ -10,17 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_swift.config import ConfigError
-from ds_swift.topology import (
+from ds_swift.plan.analysis import analyze, analyze_config
+from ds_swift.plan.layout import (
     Coord,
-    Edge,
-    ModelShape,
     ParallelLayout,
-    analyze,
-    analyze_config,
     infer_rank_order,
     layout_from_deepspeed_topology,
     layout_from_parallel_state,
 )
+from ds_swift.plan.sizes import Edge, ModelShape
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
 BERT = ModelShape(hidden=1024, seq_len=128, micro_batch_size=128, micro_batches=4, dtype="fp32")

@@ -41,11 +41,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ds_swift.engine as swift_engine
 import ds_swift.recovery.logging_recovery as logging_recovery
 import ds_swift.recovery.replay as replay_module
-from ds_swift.distributed import current_context
 from ds_swift.patches.instructions import hook_instructions, schedule
+from ds_swift.runtime.context import current_context
+from ds_swift.runtime.engine import SwiftPipelineEngine
+from ds_swift.runtime.hooks import EngineHooks
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pretrain_gpt.py"
 
@@ -64,8 +65,8 @@ def _once(key: str) -> bool:
 def _corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
     """Flip a payload byte of the logged activation (iteration, micro-batch) sent by ``src_stage``
     (any stage if None) in the file:// log store; False if no chunk holds it yet."""
-    from ds_swift.msglog.format import ChunkName
-    from ds_swift.msglog.reader import load_chunk
+    from ds_swift.msglog.chunk_format import ChunkName
+    from ds_swift.msglog.chunk_index import load_chunk
     from ds_swift.storage import local_path_of
 
     root = local_path_of(storage)
@@ -144,12 +145,14 @@ def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
     _patch_logging_recovery(rank)
-    original = swift_engine.SwiftPipelineEngine._install
+    original = EngineHooks.install
+    installs = [0]
 
     def install(self: Any, engine: Any) -> None:
         original(self, engine)
-        if os.environ.get("SWIFT_REPLACEMENT") == "1" or self.generation != 0:
-            return
+        installs[0] += 1
+        if os.environ.get("SWIFT_REPLACEMENT") == "1" or installs[0] > 1:
+            return  # generation 0 only: later engines are rebuilt after a recovery
         hooks = {}
         if stall and stall["rank"] == rank:
 
@@ -174,18 +177,18 @@ def main() -> None:
 
             hooks[schedule.OptimizerStep] = kill_hook
         if hooks:
-            self._handles.append(hook_instructions(engine, "test.faults", hooks))
+            self.add(hook_instructions(engine, "test.faults", hooks))
 
-    swift_engine.SwiftPipelineEngine._install = install  # type: ignore[method-assign]
+    EngineHooks.install = install  # type: ignore[method-assign]
     dump_dir = os.environ.get("SWIFT_TEST_DUMP_DIR")
     if dump_dir:
-        rejoin = swift_engine.SwiftPipelineEngine._rejoin
+        resume = SwiftPipelineEngine._resume
 
-        def rejoin_and_dump(self: Any, *args: Any, **kwargs: Any) -> None:
-            rejoin(self, *args, **kwargs)
+        def resume_and_dump(self: Any, *args: Any, **kwargs: Any) -> None:
+            resume(self, *args, **kwargs)
             self.engine.save_checkpoint(dump_dir, tag=f"recovered_gen{self.generation}")
 
-        swift_engine.SwiftPipelineEngine._rejoin = rejoin_and_dump  # type: ignore[method-assign]
+        SwiftPipelineEngine._resume = resume_and_dump  # type: ignore[method-assign]
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     runpy.run_path(str(EXAMPLE), run_name="__main__")
 

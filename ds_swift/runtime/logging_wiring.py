@@ -11,12 +11,25 @@ Wherever the topology plan logs pipeline sends across machines, :class:`EngineLo
 - on a failure, before the survivor's teardown, flushes its log and uploads it to the global store
   (replacements read it); a failure to do so is remembered and said in the recovery's check round;
 - hands the recovery what it needs (:meth:`log_plan`).
+
+Under a ``logging.storage_budget_gb`` the message sizes are not known before the engine runs (the
+DeepSpeed config has no hidden size or sequence length). The first iteration is then logged by the
+conservative plan (every machine boundary, as without a budget); after it every rank measures what
+its logger wrote per send, the figures are all-gathered, and every rank computes the same budgeted
+plan from them (ds_swift.plan.budget), prints it once (rank 0) and logs by it from the next
+iteration on; a budget that cannot be met stops the job there, naming the field. The figures are
+also published in the job store: a replacement, and a survivor whose all-gather a failure cut
+short, adopt the same plan from them when they install their hooks, so every rank of a recovery
+sees the same machine groups. Grouping only removes logged sends, so the conservative log of the
+first iteration serves a replay under the budgeted plan too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,10 +38,15 @@ import torch.distributed as dist
 from ds_swift.checkpoint import latest_complete
 from ds_swift.config import SwiftConfig
 from ds_swift.data import BatchFn
+from ds_swift.membership import JobStore
 from ds_swift.recovery.coordinator import LogPlan
+from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.logging_recovery import ReplayRuntime
 
-__all__ = ["EngineLogging"]
+__all__ = ["SIZES_KEY", "EngineLogging"]
+
+#: Job-store key of the message sizes measured under a storage budget (JSON of MeasuredSizes).
+SIZES_KEY = "logging/measured_sizes"
 
 
 class EngineLogging:
@@ -41,6 +59,7 @@ class EngineLogging:
         seed: the runtime's RNG seed.
         cache_dir: where a remote store's log chunks are downloaded for a replay.
         log: prints one line (the runtime's logger).
+        store: the job store (None without ds-swift-launch): where measured sizes are published.
     """
 
     def __init__(
@@ -51,8 +70,10 @@ class EngineLogging:
         seed: int,
         cache_dir: str,
         log: Callable[[str], None],
+        store: JobStore | None = None,
     ) -> None:
         self.cfg = cfg
+        self.store = store
         self.ds_config = ds_config
         self.batch_fn = batch_fn
         self.seed = seed
@@ -62,24 +83,116 @@ class EngineLogging:
         self.handle: Any = None  # MessageLogHandle of the engine in force
         self.log_error: str | None = None  # why the last flush/upload failed
         self._plan: Any = None  # the topology plan; False when it could not be made
+        self._layout: Any = None  # the ParallelLayout the plan is of
+        self._decided = True  # False while the storage budget waits for measured message sizes
+        self._t_begin: float | None = None  # when the iteration in progress started
 
     # ------------------------------------------------------------------ the static plan
     def static_plan(self, engine: Any) -> Any:
-        """The topology analyzer's per-stage plan (None if ds_swift.topology cannot analyze it)."""
+        """The topology analyzer's per-stage plan (None if ds_swift.plan cannot analyze it)."""
         if self._plan is None:
             try:
-                from ds_swift.topology import analyze_config, layout_from_deepspeed_topology
+                from ds_swift.plan import layout_from_deepspeed_topology
+                from ds_swift.plan.budget import conservative_plan, needs_measuring
 
-                layout = layout_from_deepspeed_topology(engine.grid._topo, self.cfg.machines.gpus_per_node)
-                self._plan = analyze_config(layout, self.cfg)
+                self._layout = layout_from_deepspeed_topology(engine.grid._topo, self.cfg.machines.gpus_per_node)
+                self._plan = conservative_plan(self._layout, self.cfg)
+                self._decided = not needs_measuring(self.cfg, self._plan)
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
                 self._log(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
                 self._plan = False
             else:
                 if dist.get_rank() == 0:
+                    later = "" if self._decided else "; " + self._plan.notes[-1]
                     print(f"[ds-swift] recovery plan per pipeline stage: {self._plan.stage_strategy} "
-                          f"(strategy {self.cfg.strategy!r})", file=sys.stderr, flush=True)  # fmt: skip
+                          f"(strategy {self.cfg.strategy!r}){later}", file=sys.stderr, flush=True)  # fmt: skip
+        if self._plan and not self._decided:
+            self._adopt_published()
         return self._plan or None
+
+    # ------------------------------------------------------------------ the storage budget
+    def begin_iteration(self) -> None:
+        """The engine starts an iteration (its time is measured under a storage budget)."""
+        self._t_begin = time.perf_counter()
+
+    def after_iteration(self, engine: Any, suspend: Callable[[], Callable[[], None]]) -> None:
+        """An iteration completed. Under a storage budget still waiting for message sizes: measure
+        them (collectively: every rank calls this after the same iteration), switch to the budgeted
+        plan and print it once. ``suspend()`` removes the message logger and returns what puts it
+        back. Raises ConfigError (on every rank) when the budget cannot be met."""
+        t0, self._t_begin = self._t_begin, None
+        if t0 is None or not self.possible(engine) or self._decided:
+            return
+        from ds_swift.plan.budget import budget_plan, describe
+
+        measured = self._measure(engine, time.perf_counter() - t0)
+        if self.store is not None:
+            # Before anything can fail: replacements and cut-short survivors adopt the same plan.
+            self.store.set(SIZES_KEY, json.dumps(measured.to_json()))
+        plan = budget_plan(self._layout, self.cfg, measured)
+        if dist.get_rank() == 0:
+            for line in describe(plan, self.cfg):
+                self._log(line)
+        self._switch(plan, suspend)
+
+    def _measure(self, engine: Any, seconds: float) -> Any:
+        """Every rank's logged bytes per send in the iteration just done, all-gathered."""
+        from ds_swift.plan.sizes import MeasuredSizes
+
+        iteration = int(engine.global_steps) - 1
+        counts = int(engine.grid.get_data_parallel_id()) == 0  # one replica's parameters make the model
+        report = {
+            "rank": dist.get_rank(),
+            "iteration": iteration,
+            "sends": self._logged_bytes(iteration),
+            "seconds": seconds,
+            "params": sum(p.numel() for p in engine.module.parameters()) if counts else 0,
+        }
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        return MeasuredSizes.from_reports(reports, int(engine.gradient_accumulation_steps()))
+
+    def _logged_bytes(self, iteration: int) -> list[list[int]]:
+        """``[receiver, bytes]`` per send this rank logged in ``iteration``: its records and their
+        index entries on disk (what the storage budget holds)."""
+        handle = self.handle
+        if handle is None:
+            return []
+        from ds_swift.msglog.chunk_format import INDEX_ENTRY_SIZE, ChunkName
+        from ds_swift.msglog.chunk_index import load_chunk
+
+        handle.flush(timeout_s=max(60.0, self.cfg.watchdog.op_timeout_s), sync=False)
+        out = []
+        for edge, receiver in handle.edges.values():
+            name = ChunkName.for_iteration(edge, iteration, self.cfg.logging.chunk_iterations)
+            path = handle.log_dir / name.chunk_file
+            entries = load_chunk(path).entries.values() if path.exists() else []
+            out.append([receiver, sum(e.length + INDEX_ENTRY_SIZE for e in entries if e.iteration == iteration)])
+        return out
+
+    def _adopt_published(self) -> None:
+        """Take the budgeted plan from the sizes another rank published (a replacement, or a
+        survivor whose own measurement a failure cut short)."""
+        raw = self.store.get(SIZES_KEY) if self.store is not None else None
+        if raw is None:
+            return
+        from ds_swift.plan.budget import budget_plan
+        from ds_swift.plan.sizes import MeasuredSizes
+
+        self._plan = budget_plan(self._layout, self.cfg, MeasuredSizes.from_json(json.loads(raw)))
+        self._decided = True
+
+    def _switch(self, plan: Any, suspend: Callable[[], Callable[[], None]]) -> None:
+        """Log by ``plan`` from now on; the logger is reinstalled only where this rank's sends change."""
+        me = dist.get_rank()
+
+        def mine(p: Any) -> set[tuple[int, int]]:
+            return {(e.src_rank, e.dst_rank) for e in p.logged_edges if e.src_rank == me}
+
+        same = mine(self._plan) == mine(plan)
+        restart = (lambda: None) if same else suspend()
+        self._plan, self._decided = plan, True
+        restart()
 
     def possible(self, engine: Any) -> bool:
         """The plan logs some pipeline send: logging-based recovery can be used."""
@@ -165,11 +278,7 @@ class EngineLogging:
         self,
         engine: Any,
         survivor: bool,
-        *,
-        set_reseed: Callable[[bool], None],
-        set_armed: Callable[[bool], None],
-        poison: Callable[[], None],
-        suspend_logging: Callable[[], Callable[[], None]],
+        host: RecoveryHost,
     ) -> LogPlan | None:
         """What logging-based recovery may use in this recovery (None where nothing is logged)."""
         if not self.possible(engine):
@@ -184,10 +293,7 @@ class EngineLogging:
             mode=self.cfg.parallel_recovery_mode,
             recorder=self.recorder,
             log_error=self.log_error if survivor else None,
-            set_reseed=set_reseed,
-            set_armed=set_armed,
-            poison=poison,
-            suspend_logging=suspend_logging,
+            host=host,
             cache_dir=self.cache_dir,
         )
         stages = [s for s, how in plan.stage_strategy.items() if how == "logging"]

@@ -2,21 +2,27 @@
 
 Reads the plan from flags, or from ``--deepspeed-config FILE`` plus flags (flags win): the
 ``swift`` section gives gpus_per_node, rank_order, strategy, groups / storage budget, checkpoint
-interval and parallel recovery; ``train_micro_batch_size_per_gpu``,
-``gradient_accumulation_steps`` and ``bf16``/``fp16`` give the micro-batch size, micro-batch
-count and dtype defaults. Prints rich tables, or one JSON object with ``--json``.
+interval and parallel recovery; ``pipeline.stages``, ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps`` and ``bf16``/``fp16`` give the pipeline stages, micro-batch size,
+micro-batch count and dtype defaults. A storage budget from the file without a model shape is
+not applied here (the engine measures its messages and groups at start-up): the plan shows
+every machine boundary and says so. Prints rich tables, or one JSON object with ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.topology import DTYPE_BYTES, GB, STRATEGIES, ModelShape, ParallelLayout, Plan, analyze
+from ds_swift.plan.analysis import STRATEGIES, Plan, analyze
+from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost
+from ds_swift.plan.layout import ParallelLayout
+from ds_swift.plan.sizes import DTYPE_BYTES, GB, ModelShape
 
 __all__ = ["build_plan", "register", "run"]
 
@@ -126,70 +132,18 @@ def build_plan(args: argparse.Namespace) -> Plan:
         _flag_int("--" + flag.replace("_", "-"), getattr(args, flag))
     for flag in ("storage_budget_gb", "iteration_time", "pcie_gbps", "network_gbps", "num_params"):
         _flag_float("--" + flag.replace("_", "-"), getattr(args, flag))
-
-    tp, pp = args.tp or 1, args.pp or 1
-    dp = args.dp
-    if dp is None and args.world_size is not None:
-        if args.world_size % (tp * pp):
-            raise ConfigError(f"--world-size={args.world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}")
-        dp = args.world_size // (tp * pp)
-    dp = dp or 1
-    if args.world_size is not None and args.world_size != tp * pp * dp:
-        raise ConfigError(f"--world-size={args.world_size} does not match tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
-    layout = ParallelLayout(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        gpus_per_node=args.gpus_per_node or swift.machines.gpus_per_node,
-        order=args.order or swift.machines.rank_order,
-    )
-
-    shape = None
-    if args.hidden is not None or args.seq_len is not None:
-        for flag, value in (("--hidden", args.hidden), ("--seq-len", args.seq_len)):
-            if value is None:
-                raise ConfigError(f"{flag} is needed with --hidden/--seq-len to size the pipeline messages")
-        mbs = args.micro_batch_size or _ds_int(ds, "train_micro_batch_size_per_gpu")
-        if mbs is None:
-            raise ConfigError(
-                "--micro-batch-size is needed (or train_micro_batch_size_per_gpu in the DeepSpeed config)"
-            )
-        m = args.micro_batches or _ds_int(ds, "gradient_accumulation_steps")
-        if m is None:
-            raise ConfigError("--micro-batches is needed (or gradient_accumulation_steps in the DeepSpeed config)")
-        num_params = None
-        if args.num_params is not None:
-            num_params = int(args.num_params)
-            if num_params != args.num_params:
-                raise ConfigError(f"--num-params={args.num_params} is invalid: a whole number of parameters")
-        shape = ModelShape(
-            hidden=args.hidden,
-            seq_len=args.seq_len,
-            micro_batch_size=mbs,
-            micro_batches=m,
-            dtype=args.dtype or _ds_dtype(ds),
-            num_params=num_params,
-        )
-    else:
-        for flag in ("micro_batch_size", "micro_batches", "dtype", "num_params"):
-            if getattr(args, flag) is not None:
-                raise ConfigError(f"--{flag.replace('_', '-')} needs --hidden and --seq-len (the model shape)")
+    layout = _layout(args, swift, ds)
+    shape = _shape(args, ds)
 
     groups, budget = args.groups, args.storage_budget_gb
+    deferred: float | None = None
     if groups is None and budget is None:
         groups, budget = swift.logging.groups, swift.logging.storage_budget_gb
-    stage_compute: list[float] | None = None
-    if args.stage_compute_s is not None:
-        try:
-            stage_compute = [float(x) for x in args.stage_compute_s.split(",")]
-        except ValueError:
-            raise ConfigError(
-                f"--stage-compute-s={args.stage_compute_s!r} is invalid: numbers separated by commas"
-            ) from None
-        if len(stage_compute) not in (1, pp):
-            raise ConfigError(f"--stage-compute-s has {len(stage_compute)} values: give 1 or one per stage (pp={pp})")
+        if budget is not None and shape is None:
+            deferred, budget = budget, None
+    stage_compute = _stage_compute(args.stage_compute_s, layout.pp)
     parallel = swift.parallel_recovery if args.parallel_recovery is None else args.parallel_recovery
-    return analyze(
+    plan = analyze(
         layout,
         shape,
         strategy=args.strategy or swift.strategy,
@@ -202,20 +156,117 @@ def build_plan(args: argparse.Namespace) -> Plan:
         network_gbps=args.network_gbps,
         parallel_recovery=parallel,
     )
+    if deferred is None:
+        return plan
+    note = (
+        f"logging.storage_budget_gb={deferred:g} not applied: message sizes unknown (give --hidden and "
+        "--seq-len); the engine measures its first iteration's sends and groups the machines at start-up"
+    )
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
+
+
+def _layout(args: argparse.Namespace, swift: SwiftConfig, ds: dict[str, Any]) -> ParallelLayout:
+    """tp/pp/dp from the flags (dp from --world-size when not given; pp from the DeepSpeed
+    config's ``pipeline.stages``), machines from the config."""
+    pipeline = ds.get("pipeline")
+    stages = _ds_int(pipeline, "stages") if isinstance(pipeline, dict) else None
+    tp, pp = args.tp or 1, args.pp or stages or 1
+    dp = args.dp
+    if dp is None and args.world_size is not None:
+        if args.world_size % (tp * pp):
+            raise ConfigError(f"--world-size={args.world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}")
+        dp = args.world_size // (tp * pp)
+    dp = dp or 1
+    if args.world_size is not None and args.world_size != tp * pp * dp:
+        raise ConfigError(f"--world-size={args.world_size} does not match tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+    return ParallelLayout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        gpus_per_node=args.gpus_per_node or swift.machines.gpus_per_node,
+        order=args.order or swift.machines.rank_order,
+    )
+
+
+def _shape(args: argparse.Namespace, ds: dict[str, Any]) -> ModelShape | None:
+    """The model shape from the flags, with batch sizes and dtype defaulting to the DeepSpeed
+    config; None without --hidden/--seq-len (then no other shape flag may be given)."""
+    if args.hidden is None and args.seq_len is None:
+        for flag in ("micro_batch_size", "micro_batches", "dtype", "num_params"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --hidden and --seq-len (the model shape)")
+        return None
+    for flag, value in (("--hidden", args.hidden), ("--seq-len", args.seq_len)):
+        if value is None:
+            raise ConfigError(f"{flag} is needed with --hidden/--seq-len to size the pipeline messages")
+    mbs = args.micro_batch_size or _ds_int(ds, "train_micro_batch_size_per_gpu")
+    if mbs is None:
+        raise ConfigError("--micro-batch-size is needed (or train_micro_batch_size_per_gpu in the DeepSpeed config)")
+    m = args.micro_batches or _ds_int(ds, "gradient_accumulation_steps")
+    if m is None:
+        raise ConfigError("--micro-batches is needed (or gradient_accumulation_steps in the DeepSpeed config)")
+    num_params = None
+    if args.num_params is not None:
+        num_params = int(args.num_params)
+        if num_params != args.num_params:
+            raise ConfigError(f"--num-params={args.num_params} is invalid: a whole number of parameters")
+    return ModelShape(
+        hidden=args.hidden,
+        seq_len=args.seq_len,
+        micro_batch_size=mbs,
+        micro_batches=m,
+        dtype=args.dtype or _ds_dtype(ds),
+        num_params=num_params,
+    )
+
+
+def _stage_compute(text: str | None, pp: int) -> list[float] | None:
+    """--stage-compute-s: one number, or one per stage, comma-separated."""
+    if text is None:
+        return None
+    try:
+        stage_compute = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--stage-compute-s={text!r} is invalid: numbers separated by commas") from None
+    if len(stage_compute) not in (1, pp):
+        raise ConfigError(f"--stage-compute-s has {len(stage_compute)} values: give 1 or one per stage (pp={pp})")
+    return stage_compute
+
+
+def build_buddy_cost(args: argparse.Namespace) -> BuddyCost:
+    """The buddy copies of optimizer partitions the config asks for, and their cost per rank."""
+    ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
+    swift = SwiftConfig.from_dict(ds.get("swift"))
+    return buddy_cost(ds, swift, _layout(args, swift, ds), args.num_params)
+
+
+def _print_buddy(cost: BuddyCost) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="buddy copies of optimizer partitions (per rank)")
+    table.add_column("")
+    table.add_column("value")
+    for label, value in cost.lines():
+        table.add_row(label, value)
+    Console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     js = plan.to_json()
+    buddy = build_buddy_cost(args)
     rec = _recommend(args, js) if args.recommend else None
     if args.json:
+        js["buddy"] = buddy.to_json()
         if rec is not None:
             js["recommendation"] = rec
         print(json.dumps(js, indent=2))
     else:
         _print_tables(plan)
+        _print_buddy(buddy)
         if rec is not None:
-            from ds_swift.sim.recommend import print_recommendation
+            from ds_swift.sim.plan_recommend import print_recommendation
 
             print_recommendation(rec)
     return 0
@@ -233,7 +284,7 @@ def _recommend(args: argparse.Namespace, plan_json: dict[str, Any]) -> dict[str,
     ]
     if missing:
         raise ConfigError(f"--recommend needs {', '.join(missing)} (the failure rate and the costs it trades off)")
-    from ds_swift.sim.recommend import recommend_for_plan
+    from ds_swift.sim.plan_recommend import recommend_for_plan
 
     return recommend_for_plan(
         plan_json,
@@ -301,13 +352,16 @@ def _print_tables(plan: Plan) -> None:
             inbound[plan.group_of_machine(plan.machine_of(e.dst_rank))] += e.bytes_per_iteration
             outbound[plan.group_of_machine(plan.machine_of(e.src_rank))] += e.bytes_per_iteration
         for i, g in enumerate(plan.groups):
-            groups.add_row(str(i), _ranges(g), _gb(inbound[i]), _gb(outbound[i]))
+            sized = plan.sized
+            groups.add_row(
+                str(i), _ranges(g), _gb(inbound[i]) if sized else "unknown", _gb(outbound[i]) if sized else "unknown"
+            )
         console.print(groups)
 
     summary = Table(show_header=False, title="Summary")
     summary.add_column("what")
     summary.add_column("value")
-    if plan.shape is None:
+    if not plan.sized:
         summary.add_row("log bytes / iteration", "unknown (give --hidden, --seq-len, ...)")
     else:
         summary.add_row(

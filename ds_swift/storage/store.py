@@ -1,15 +1,6 @@
-"""The global store for message-log chunks: ``file://`` (shared FS), ``hdfs://`` (WebHDFS), ``s3://``, ``memory://``.
+"""The checksummed store on top of a backend, its errors, and :func:`open_store` for a URL.
 
-A replacement machine downloads the chunks it needs from here, so every object is stored with a
-sidecar ``NAME.crc32c`` (JSON: size and crc32c of the content) and every download is verified
-against it: a truncated or bit-flipped chunk must fail loudly, never be replayed. Every error is a
-:class:`StorageError` whose message names the store URL (and object) and what went wrong:
-unreachable, missing, corrupt, or out of space.
-
-Backends are small: :class:`StorageBackend` has byte-level put/get/list/delete/size. fsspec covers
-``file``, ``memory`` and ``s3`` (through s3fs, when installed); ``hdfs``/``webhdfs`` go through the
-``hdfs`` package's WebHDFS client (``hdfs://namenode:9870/path`` talks HTTP to port 9870, the
-namenode's WebHDFS port; the user comes from ``HADOOP_USER_NAME``).
+See the ds_swift.storage package docstring for why every object carries a crc32c sidecar.
 """
 
 from __future__ import annotations
@@ -17,10 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import posixpath
-import shutil
 import tempfile
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,23 +18,23 @@ from urllib.parse import urlparse
 
 import crc32c as _crc32c
 
+from ds_swift.storage.backends import BLOCK_SIZE, FsspecBackend, HdfsBackend, StorageBackend
+
 __all__ = [
+    "CRC_SUFFIX",
     "ChecksumError",
-    "FsspecBackend",
-    "HdfsBackend",
     "MissingObjectError",
     "Store",
-    "StorageBackend",
     "StorageError",
     "StorageFullError",
     "StorageUnreachableError",
+    "StoredObject",
     "file_crc32c",
     "local_path_of",
     "open_store",
 ]
 
 CRC_SUFFIX = ".crc32c"
-_BLOCK = 4 << 20
 
 
 class StorageError(OSError):
@@ -74,145 +62,12 @@ def file_crc32c(path: str | os.PathLike[str]) -> tuple[int, int]:
     crc = 0
     size = 0
     with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
+        while block := f.read(BLOCK_SIZE):
             crc = _crc32c.crc32c(block, crc)
             size += len(block)
     return size, crc
 
 
-# --------------------------------------------------------------------------- backends
-class StorageBackend(ABC):
-    """Byte-level access to one store root. Names are '/'-separated, relative to the root.
-
-    Implementations raise FileNotFoundError for missing objects and let other errors through;
-    :class:`Store` turns them into StorageErrors that name the URL.
-    """
-
-    @abstractmethod
-    def put_file(self, local_path: str, name: str) -> None:
-        """Upload a local file to ``name`` (overwriting)."""
-
-    @abstractmethod
-    def get_file(self, name: str, local_path: str) -> None:
-        """Download ``name`` to a local file."""
-
-    @abstractmethod
-    def write_bytes(self, name: str, data: bytes) -> None: ...
-
-    @abstractmethod
-    def read_bytes(self, name: str) -> bytes: ...
-
-    @abstractmethod
-    def list(self) -> list[str]:
-        """Names of all objects directly under the root."""
-
-    @abstractmethod
-    def delete(self, name: str) -> None: ...
-
-    @abstractmethod
-    def size(self, name: str) -> int | None:
-        """Size in bytes, None when the object does not exist."""
-
-    def probe(self) -> None:
-        """Contact the store (creating the root if needed); raise when it is unreachable."""
-        self.list()
-
-
-class FsspecBackend(StorageBackend):
-    """Any fsspec filesystem: local files, memory, s3 (s3fs)."""
-
-    def __init__(self, fs: Any, root: str) -> None:
-        self.fs = fs
-        self.root = root.rstrip("/") or "/"
-
-    def _p(self, name: str) -> str:
-        return posixpath.join(self.root, name)
-
-    def probe(self) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
-        self.list()
-
-    def put_file(self, local_path: str, name: str) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
-        with open(local_path, "rb") as src, self.fs.open(self._p(name), "wb") as dst:
-            shutil.copyfileobj(src, dst, _BLOCK)
-
-    def get_file(self, name: str, local_path: str) -> None:
-        with self.fs.open(self._p(name), "rb") as src, open(local_path, "wb") as dst:
-            shutil.copyfileobj(src, dst, _BLOCK)
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
-        with self.fs.open(self._p(name), "wb") as f:
-            f.write(data)
-
-    def read_bytes(self, name: str) -> bytes:
-        with self.fs.open(self._p(name), "rb") as f:
-            return bytes(f.read())
-
-    def list(self) -> list[str]:
-        if not self.fs.exists(self.root):
-            return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
-
-    def delete(self, name: str) -> None:
-        self.fs.rm(self._p(name))
-
-    def size(self, name: str) -> int | None:
-        path = self._p(name)
-        if not self.fs.exists(path):
-            return None
-        return int(self.fs.size(path))
-
-
-class HdfsBackend(StorageBackend):
-    """WebHDFS through the ``hdfs`` package's ``Client`` (or anything with the same methods)."""
-
-    def __init__(self, client: Any, root: str) -> None:
-        self.client = client
-        self.root = root.rstrip("/") or "/"
-
-    def _p(self, name: str) -> str:
-        return posixpath.join(self.root, name)
-
-    def probe(self) -> None:
-        self.client.makedirs(self.root)
-        self.list()
-
-    def put_file(self, local_path: str, name: str) -> None:
-        with open(local_path, "rb") as src:
-            self.client.write(self._p(name), data=src, overwrite=True)
-
-    def get_file(self, name: str, local_path: str) -> None:
-        if self.client.status(self._p(name), strict=False) is None:
-            raise FileNotFoundError(name)
-        with self.client.read(self._p(name)) as src, open(local_path, "wb") as dst:
-            shutil.copyfileobj(src, dst, _BLOCK)
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self.client.write(self._p(name), data=data, overwrite=True)
-
-    def read_bytes(self, name: str) -> bytes:
-        if self.client.status(self._p(name), strict=False) is None:
-            raise FileNotFoundError(name)
-        with self.client.read(self._p(name)) as src:
-            return bytes(src.read())
-
-    def list(self) -> list[str]:
-        if self.client.status(self.root, strict=False) is None:
-            return []
-        return sorted(self.client.list(self.root))
-
-    def delete(self, name: str) -> None:
-        if not self.client.delete(self._p(name)):
-            raise FileNotFoundError(name)
-
-    def size(self, name: str) -> int | None:
-        status = self.client.status(self._p(name), strict=False)
-        return None if status is None else int(status["length"])
-
-
-# --------------------------------------------------------------------------- the store
 @dataclass(frozen=True)
 class StoredObject:
     name: str
@@ -406,5 +261,6 @@ def open_store(url: str | os.PathLike[str], *, hdfs_client_factory: HdfsClientFa
         import fsspec
 
         return Store(url, FsspecBackend(fsspec.filesystem("s3"), parsed.netloc + parsed.path))
-    raise StorageError(errno.EINVAL, f"log store URL {url}: unsupported scheme {scheme!r} (file, hdfs, webhdfs, s3, memory)")
-
+    raise StorageError(
+        errno.EINVAL, f"log store URL {url}: unsupported scheme {scheme!r} (file, hdfs, webhdfs, s3, memory)"
+    )

@@ -1,4 +1,4 @@
-"""Joining the job's process group by generation, and the pipeline's rank layout.
+"""The distributed context: joining the job's process group by generation, and the pipeline's rank layout.
 
 ``ds_swift.init_distributed(ds_config)`` replaces ``deepspeed.init_distributed()``. Under
 ``ds-swift-launch`` it connects to the job store, joins the worker's generation and initialises
@@ -63,6 +63,11 @@ class SwiftContext:
     @property
     def run_dir(self) -> str:
         return self.env.run_dir if self.env is not None else self.cfg.run_dir
+
+    def log(self, msg: str) -> None:
+        """One line on stderr, tagged with this worker's rank (the runtime's logger)."""
+        rank = dist.get_rank() if dist.is_initialized() else (self.env.rank if self.env else -1)
+        print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
 
 
 # One per process: init_distributed runs before the engine exists, initialize() after it.
@@ -166,6 +171,11 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
 
 def _process_start_time() -> float:
     """When this process started (psutil; to about a second: the kernel's boot time is whole seconds)."""
+    assigned = os.environ.get("SWIFT_ASSIGNED_AT")
+    if assigned:
+        # A warm spare (ds_swift.runtime.warm) was started long before the failure: its start-up as
+        # this rank's worker began when its agent handed it the rank.
+        return float(assigned)
     try:
         import psutil
 

@@ -1,0 +1,97 @@
+"""What the runtime asks of detection for the generation in force: did it fail, and how?"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ds_swift.detect.classify import PeerFailure, classify_failure
+from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
+from ds_swift.membership import JobStore, WorkerEnv
+
+__all__ = ["FailureMonitor"]
+
+
+class FailureMonitor:
+    """The failure flag, the watchdog and the after-receive check of one worker, across generations.
+
+    Args:
+        store: the job store (None without ds-swift-launch: nothing is watched and every error
+            is raised as DeepSpeed alone would).
+        generation: the generation this worker trains in.
+        poll_interval_s: the watchdog's poll interval (a comm error also waits a few of them
+            for the node agent's declaration).
+    """
+
+    def __init__(self, store: JobStore | None, generation: int, poll_interval_s: float) -> None:
+        self.store = store
+        self._generation = generation
+        self._poll_interval_s = poll_interval_s
+        self._watchdog: Watchdog | None = None
+        self._armed = True  # the recv check applies to the generation in force, not during a recovery
+
+    def start_watchdog(self, env: WorkerEnv, heartbeat_timeout_s: float, peers: Sequence[int]) -> None:
+        """Start polling the failure flag (and heartbeating) on a store connection of its own."""
+        self._watchdog = Watchdog(
+            lambda: JobStore.from_env(env),
+            env.rank,
+            self._generation,
+            self._poll_interval_s,
+            heartbeat_timeout_s,
+            peers,
+        ).start()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def set_generation(self, generation: int, peers: Sequence[int] = ()) -> None:
+        """Watch ``generation`` from now on, and the heartbeats of ``peers``."""
+        self._generation = generation
+        if self._watchdog is not None:
+            self._watchdog.set_generation(generation, peers)
+
+    def set_armed(self, on: bool) -> None:
+        self._armed = on
+
+    def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
+    # ------------------------------------------------------------------ checks
+    def check_after_receive(self) -> None:
+        """After every pipeline receive: raise if the generation failed (the buffer may be poison)."""
+        if not self._armed:
+            return
+        wd, store = self._watchdog, self.store
+        if wd is not None and wd.failed.is_set():
+            raise PeerFailure(f"generation {self._generation} failed (watchdog)")
+        if store is not None:
+            reason = store.failure(self._generation)
+            if reason is not None:
+                raise PeerFailure(f"generation {self._generation} failed: {reason}")
+
+    def failure_seen(self) -> str | None:
+        """Why the generation in force failed, if it did (None without a job store)."""
+        if self.store is None:
+            return None
+        wd = self._watchdog
+        if wd is not None and wd.failed.is_set():
+            return "failure flag (watchdog)"
+        if self.store.failure(self._generation) is not None:
+            return "failure flag"
+        return None
+
+    def classify(self, exc: BaseException) -> str:
+        """How ``exc`` ended the generation in force; re-raises it when it is not a failure."""
+        return classify_failure(exc, self.store, self._generation, self._poll_interval_s)
+
+    def begin_recovery(self) -> float:
+        """A survivor starts recovering: the recv check is off and the job's generation moved on.
+        Returns when the failure was first seen here."""
+        assert self.store is not None
+        seen = self._watchdog.seen if self._watchdog is not None else None
+        t_detect = min(time.time(), seen.t_seen) if seen is not None else time.time()
+        self._armed = False
+        ensure_generation_moved(self.store, self._generation)
+        return t_detect

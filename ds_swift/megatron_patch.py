@@ -1,0 +1,193 @@
+"""`ds-swift megatron-patch PATH`: apply ds-swift's patch series to a Megatron-DeepSpeed checkout.
+
+The series (``patches/megatron_deepspeed/*.patch``) is made against one commit of
+deepspeedai/Megatron-DeepSpeed, named in every patch's ``Megatron-DeepSpeed-Commit:`` header.
+The command checks the checkout's commit, runs ``git apply --check`` on each patch before applying
+it (a patch that does not apply leaves the checkout as it was, and the error names the patch, the
+hunk and the commit the series was made for), and prints how to train a tiny GPT on CPU under
+``ds-swift-launch`` with a machine killed mid-backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MegatronPatchError", "PatchFile", "apply_series", "launch_command", "load_series", "register"]
+
+
+def _series_dir() -> Path:
+    # ds_swift.patches is the repository's patches/ (setup.py package_dir); found without importing it.
+    spec = importlib.util.find_spec("ds_swift.patches")
+    origin = spec.origin if spec is not None else None
+    base = Path(origin).parent if origin else Path(__file__).resolve().parent.parent / "patches"
+    return base / "megatron_deepspeed"
+
+
+SERIES_DIR = _series_dir()
+REPOSITORY = "deepspeedai/Megatron-DeepSpeed"
+_COMMIT_HEADER = re.compile(r"^Megatron-DeepSpeed-Commit: ([0-9a-f]{40})$", re.MULTILINE)
+_FAILED_AT = re.compile(r"patch failed: (\S+):(\d+)")
+_HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@.*$")
+
+
+class MegatronPatchError(RuntimeError):
+    """One line that says what does not fit and what the series was made for."""
+
+
+@dataclass(frozen=True)
+class PatchFile:
+    """One patch of the series and the commit its header names."""
+
+    path: Path
+    commit: str
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def load_series(series_dir: Path = SERIES_DIR) -> list[PatchFile]:
+    """The series in order; every patch must name the same commit."""
+    patches = []
+    for path in sorted(series_dir.glob("*.patch")):
+        found = _COMMIT_HEADER.findall(path.read_text())
+        if len(found) != 1:
+            raise MegatronPatchError(f"{path.name}: needs exactly one 'Megatron-DeepSpeed-Commit: <sha>' header line")
+        patches.append(PatchFile(path, found[0]))
+    if not patches:
+        raise MegatronPatchError(f"no *.patch files in {series_dir}")
+    commits = {p.commit for p in patches}
+    if len(commits) != 1:
+        raise MegatronPatchError(f"the series names several commits: {sorted(commits)}")
+    return patches
+
+
+def _git(checkout: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(checkout), *argv], capture_output=True, text=True, timeout=120)
+
+
+def checkout_commit(checkout: Path) -> str:
+    done = _git(checkout, "rev-parse", "HEAD")
+    if done.returncode != 0:
+        raise MegatronPatchError(f"{checkout} is not a git checkout of {REPOSITORY}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def failed_hunk(patch: Path, git_stderr: str) -> str:
+    """The hunk ``git apply`` reports as failing (``patch failed: FILE:LINE``), as its header line."""
+    m = _FAILED_AT.search(git_stderr)
+    if m is None:
+        lines = [ln.removeprefix("error: ") for ln in git_stderr.strip().splitlines()]
+        return lines[-1] if lines else "git apply failed"
+    target, line = m.group(1), int(m.group(2))
+    current = None
+    for text in patch.read_text().splitlines():
+        if text.startswith("+++ b/"):
+            current = text.removeprefix("+++ b/")
+        hunk = _HUNK.match(text)
+        if hunk and current == target and int(hunk.group(1)) == line:
+            return f"hunk '{text.strip()}' of {target}"
+    return f"{target} at line {line}"
+
+
+def apply_series(checkout: Path, series: list[PatchFile] | None = None, *, force: bool = False) -> str:
+    """Apply the series to ``checkout``; returns what was done. Raises MegatronPatchError."""
+    series = series if series is not None else load_series()
+    pinned = series[0].commit
+    head = checkout_commit(checkout)
+    if head != pinned and not force:
+        raise MegatronPatchError(
+            f"{checkout} is at commit {head[:12]}, the patch series is made for {REPOSITORY} commit {pinned}: "
+            f"run 'git -C {checkout} checkout {pinned}' (or pass --force)"
+        )
+    applied: list[PatchFile] = []
+    for patch in series:
+        check = _git(checkout, "apply", "--check", str(patch.path))
+        if check.returncode != 0:
+            if not applied and _already_applied(checkout, series):
+                return f"already applied: the {len(series)} patches of {REPOSITORY} commit {pinned[:12]}"
+            for done in reversed(applied):
+                _git(checkout, "apply", "-R", str(done.path))
+            raise MegatronPatchError(
+                f"{patch.name} does not apply to {checkout}: {failed_hunk(patch.path, check.stderr)}; "
+                f"the series is made for {REPOSITORY} commit {pinned}"
+            )
+        done_apply = _git(checkout, "apply", str(patch.path))
+        if done_apply.returncode != 0:  # --check passed: only a race with another writer gets here
+            raise MegatronPatchError(f"{patch.name}: git apply failed: {done_apply.stderr.strip()}")
+        applied.append(patch)
+    return f"applied {len(series)} patches to {checkout} ({REPOSITORY} commit {pinned[:12]})"
+
+
+def _already_applied(checkout: Path, series: list[PatchFile]) -> bool:
+    # Reverse-checking the last patch alone would accept a half-applied series.
+    for patch in reversed(series):
+        if _git(checkout, "apply", "--check", "-R", str(patch.path)).returncode != 0:
+            return False
+        if _git(checkout, "apply", "-R", str(patch.path)).returncode != 0:
+            return False
+    for patch in series:  # put them back: the probe only proved they were there
+        _git(checkout, "apply", str(patch.path))
+    return True
+
+
+#: the tiny GPT of the README's Megatron-DeepSpeed section (CPU, gloo, 4 machines x 1 rank: pp 2 x dp 2)
+TINY_GPT_ARGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 1 --global-batch-size 4 --train-iters 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --split 100,0,0 "
+    "--tokenizer-type NullTokenizer --vocab-size 256 --data-impl mmap --num-workers 0 --eval-iters 0 "
+    "--eval-interval 1000 --log-interval 1 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+    "--distributed-backend gloo --attention-dropout 0.1 --hidden-dropout 0.1 --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion --save-interval 4"
+).split()
+
+
+def launch_command(checkout: Path, work: Path, *, kill: bool = True) -> list[str]:
+    """``ds-swift-launch`` for the tiny GPT (data and config under ``work``), killing machine 3
+    in the backward pass of iteration 5 when ``kill``."""
+    argv = ["ds-swift-launch", "--nnodes", "4", "--nproc-per-node", "1", "--spares", "1"]
+    argv += ["--run-dir", str(work / ("kill" if kill else "ref") / "run")]
+    if kill:
+        argv += ["--inject", "machine=3,iteration=5,phase=backward"]
+    argv += [str(checkout / "pretrain_gpt.py"), *TINY_GPT_ARGS]
+    argv += ["--data-path", str(work / "data" / "stdlib_text_document")]
+    argv += ["--save", str(work / ("kill" if kill else "ref") / "ckpt")]
+    argv += ["--deepspeed", "--deepspeed_config", str(work / "ds_config.json"), "--swift"]
+    return argv
+
+
+def _run(args: argparse.Namespace) -> int:
+    checkout = Path(args.checkout).resolve()
+    try:
+        print(apply_series(checkout, force=args.force))
+    except MegatronPatchError as exc:
+        print(f"ds-swift megatron-patch: error: {exc}", file=sys.stderr)
+        return 2
+    work = Path(args.work).resolve()
+    script = "scripts/megatron_deepspeed_cpu.sh"  # in the ds-swift repository
+    print("\nA tiny GPT on CPU (gloo), a machine killed mid-backward and recovered, bitwise against the")
+    print(f"failure-free run (data, config, both runs, the comparison):\n  bash {script} {checkout} {work}")
+    print("\nor by hand, once the data and config are in place (run from the checkout, LOCAL_SIZE=1):")
+    print("  cd " + shlex.quote(str(checkout)) + " && LOCAL_SIZE=1 " + shlex.join(launch_command(checkout, work)))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "megatron-patch",
+        help="apply ds-swift's patch series to a deepspeedai/Megatron-DeepSpeed checkout",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    p.add_argument("checkout", metavar="PATH_TO_CHECKOUT", help="a git checkout of deepspeedai/Megatron-DeepSpeed")
+    p.add_argument("--work", default="megatron-swift-run", help="directory for the tiny GPT's data and runs")
+    p.add_argument("--force", action="store_true", help="apply to a checkout of another commit anyway")
+    p.set_defaults(func=_run)

@@ -1,0 +1,257 @@
+"""The writer thread: appends queued messages to the log off the training thread.
+
+:class:`WriterThread` drains a FIFO of :class:`WriteItem` into a ``msglog.writer.LogWriter``. The
+training thread only enqueues; a bound on the bytes in flight keeps a slow disk from exhausting
+host memory (the training thread then waits, and the wait is counted in the stats, never hidden).
+
+A write that fails (ENOSPC, EIO, ...) is recorded as a ``LogWriteError`` naming the file; it is
+raised by the next :meth:`WriterThread.check`/``flush`` on the training side. Records are never
+dropped silently.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta
+
+__all__ = ["HostStaged", "Staged", "WriteItem", "WriterStats", "WriterThread"]
+
+_log = logging.getLogger(__name__)
+
+
+class Staged(Protocol):
+    """Host copies of a message's tensors that may still be in flight (a CUDA copy)."""
+
+    def ready(self) -> bool: ...
+
+    def take(self) -> list[torch.Tensor]: ...
+
+    def release(self, tensors: list[torch.Tensor]) -> None: ...
+
+
+@dataclass
+class HostStaged:
+    """Tensors already in host memory."""
+
+    tensors: list[torch.Tensor]
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.tensors = self.tensors, []
+        return out
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+
+@dataclass
+class WriteItem:
+    meta: MessageMeta
+    staged: Staged
+    nbytes: int
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LogWriter], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+_STOP = object()
+
+
+@dataclass
+class WriterStats:
+    records: int = 0
+    messages: int = 0
+    bytes: int = 0
+    failed_messages: int = 0
+    stall_s: float = 0.0
+    max_inflight_bytes: int = 0
+    cpu_s: float = 0.0  # CPU time the writer thread spent writing (checksums, syscalls)
+
+
+class WriterThread:
+    """A daemon thread that appends queued messages; the only thread touching the LogWriter."""
+
+    #: how often a not-yet-complete CUDA copy at the head of the queue is polled
+    POLL_S = 0.0005
+
+    def __init__(
+        self,
+        writer: LogWriter,
+        max_inflight_bytes: int = 1 << 30,
+        name: str = "ds-swift-log-writer",
+        nice: int | None = 19,
+    ) -> None:
+        """
+        Args:
+            writer: the LogWriter this thread owns.
+            max_inflight_bytes: queued bytes beyond which :meth:`submit` waits.
+            nice: the writer thread's nice value (Linux: per thread), None to leave it. Without
+                a copy engine (CPU training) the "bubble-time copy" is CPU work; at nice 19 the
+                kernel gives the writer the cores the training ranks leave idle (their bubbles)
+                and only a small share while they compute, and it is never starved outright
+                (SCHED_IDLE could be: then backpressure would stall training).
+        """
+        self.writer = writer
+        self.max_inflight_bytes = max_inflight_bytes
+        self.nice = nice
+        self.stats = WriterStats()
+        self._q: deque[Any] = deque()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._errors: list[LogWriteError] = []
+        self._raised = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        # A daemon thread dies silently at interpreter exit; write out what is queued first.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self._thread.is_alive() and self.pending():
+            try:
+                self.call(lambda w: None, 60.0)
+            except Exception as exc:  # at exit there is nobody left to raise to
+                _log.error("message log: %d items not written at exit: %s", self.pending(), exc)
+
+    # ------------------------------------------------------------ producer side
+    def submit(self, item: WriteItem) -> None:
+        with self._cv:
+            if not self._thread.is_alive():
+                raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
+            if self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
+                t0 = time.perf_counter()
+                while self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
+                    self._cv.wait(1.0)
+                self.stats.stall_s += time.perf_counter() - t0
+            self._inflight += item.nbytes
+            self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self._inflight)
+            self._q.append(item)
+            self._cv.notify_all()
+
+    def call(self, fn: Callable[[LogWriter], Any], timeout_s: float) -> Any:
+        """Run ``fn(writer)`` on the writer thread after everything queued before it."""
+        c = _Call(fn)
+        with self._cv:
+            self._q.append(c)
+            self._cv.notify_all()
+        if not c.done.wait(timeout_s):
+            raise TimeoutError(f"message-log writer: {self.pending()} items still queued after {timeout_s:.1f} s")
+        if c.error is not None:
+            raise c.error
+        return c.result
+
+    def flush(self, timeout_s: float, sync: bool = False) -> None:
+        """Wait until everything queued so far is on disk (fsync'd with ``sync``); raise any write error."""
+        self.call((lambda w: w.sync()) if sync else (lambda w: None), timeout_s)
+        self.check()
+
+    def check(self) -> None:
+        """Raise the first write error not raised yet."""
+        with self._cv:
+            if self._raised < len(self._errors):
+                err = self._errors[self._raised]
+                self._raised = len(self._errors)
+                more = len(self._errors) - 1
+                text = err.strerror or str(err)
+                raise LogWriteError(err.errno, text + (f" (and {more} more failed writes)" if more > 0 else ""))
+
+    @property
+    def errors(self) -> list[LogWriteError]:
+        with self._cv:
+            return list(self._errors)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._q)
+
+    def inflight_bytes(self) -> int:
+        with self._cv:
+            return self._inflight
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        atexit.unregister(self._at_exit)
+        if self._thread.is_alive():
+            try:
+                self.call(lambda w: None, timeout_s)
+            finally:
+                with self._cv:
+                    self._q.append(_STOP)
+                    self._cv.notify_all()
+                self._thread.join(timeout_s)
+        self.writer.close()
+
+    # ------------------------------------------------------------ consumer side
+    def _run(self) -> None:
+        if self.nice is not None and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError as exc:  # not permitted in some containers: run at normal priority
+                _log.info("message-log writer keeps its priority: %s", exc)
+        while True:
+            with self._cv:
+                while not self._q:
+                    self._cv.wait()
+                item = self._q[0]
+            if item is _STOP:
+                with self._cv:
+                    self._q.popleft()
+                return
+            if isinstance(item, _Call):
+                try:
+                    item.result = item.fn(self.writer)
+                except BaseException as exc:  # handed to the caller, who raises it
+                    item.error = exc
+                with self._cv:
+                    self._q.popleft()
+                item.done.set()
+                continue
+            # One side stream: copies complete in order, so polling the head is enough.
+            while not item.staged.ready():
+                time.sleep(self.POLL_S)
+            self._write(item)
+            with self._cv:
+                self._q.popleft()
+                self._inflight -= item.nbytes
+                self._cv.notify_all()
+
+    def _write(self, item: WriteItem) -> None:
+        cpu0 = time.thread_time()
+        tensors = item.staged.take()
+        try:
+            n = self.writer.write(item.meta, tensors)
+            self.stats.records += len(tensors)
+            self.stats.messages += 1
+            self.stats.bytes += n
+        except LogWriteError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(LogWriteError(exc.errno, f"message log {self.writer.directory}: {exc}"))
+        except Exception as exc:  # a bug must not kill the thread and leave flush() hanging
+            self._fail(LogWriteError(errno.EIO, f"message log {self.writer.directory}: {type(exc).__name__}: {exc}"))
+        finally:
+            item.staged.release(tensors)
+            self.stats.cpu_s += time.thread_time() - cpu0
+
+    def _fail(self, exc: LogWriteError) -> None:
+        _log.error("%s", exc)
+        with self._cv:
+            self._errors.append(exc)
+            self.stats.failed_messages += 1

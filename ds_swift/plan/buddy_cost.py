@@ -1,0 +1,90 @@
+"""What buddy copies of optimizer partitions cost (ds_swift.recovery.buddy), before the job starts.
+
+Pure arithmetic on the DeepSpeed config and the layout. Each rank's partition payload is its share
+of the fp32 master weights plus the optimizer state of that share::
+
+    partition bytes = params per rank / dp x (4 master + 4 x moments) bytes
+
+(params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After every
+step each rank sends that payload to each of its ``replication_factor`` buddies (network bytes per
+rank per iteration) and holds the newest two complete copies of each partition it is buddy of
+(host memory per rank: 2 x factor x partition bytes on average).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ds_swift.config import SwiftConfig
+from ds_swift.plan.layout import ParallelLayout
+
+__all__ = ["BuddyCost", "buddy_cost"]
+
+_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "onebitadam": 2, "sgd": 1, "adagrad": 1}
+
+
+@dataclass(frozen=True)
+class BuddyCost:
+    """Buddy copies in one job: whether they run and what they cost per rank."""
+
+    active: bool
+    """Copies are made (enabled in the config and the optimizer state is partitioned)."""
+    why: str
+    factor: int
+    partition_bytes: int | None = None
+    """One rank's payload: fp32 master share plus its optimizer state (None: parameters unknown)."""
+    network_bytes_per_rank_per_iteration: int | None = None
+    host_bytes_per_rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(label, value) rows for the plan's summary."""
+        if not self.active:
+            return [("buddy copies", f"off: {self.why}")]
+        if self.partition_bytes is None:
+            return [("buddy copies", f"on ({self.why}); bytes unknown: give --num-params")]
+        net, host = self.network_bytes_per_rank_per_iteration or 0, self.host_bytes_per_rank or 0
+        return [
+            ("buddy copies", f"on, {self.factor} buddy(ies) per rank ({self.why})"),
+            ("buddy network / rank / iteration", f"{net / 1e9:.3f} GB ({net} bytes)"),
+            ("buddy host memory / rank", f"{host / 1e9:.3f} GB (2 copies x {self.factor} partition(s))"),
+        ]
+
+
+def _partitioned_by(ds: dict[str, Any], layout: ParallelLayout) -> str | None:
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    bf16 = bool((ds.get("bf16") or {}).get("enabled", False)) if isinstance(ds.get("bf16"), dict) else False
+    if layout.dp < 2:
+        return None
+    if stage >= 1:
+        return f"ZeRO stage {stage} partitions the optimizer state over dp={layout.dp}"
+    if bf16 and layout.pp > 1:
+        return f"BF16_Optimizer partitions the fp32 masters over dp={layout.dp}"
+    return None
+
+
+def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, num_params: float | None) -> BuddyCost:
+    """The buddy copies ``ds`` (a DeepSpeed config dict) asks for, and their cost per rank.
+
+    Args:
+        ds: the DeepSpeed config (``zero_optimization``, ``bf16``, ``optimizer``).
+        swift: its ``swift`` section (``buddy``).
+        layout: tp, pp, dp.
+        num_params: parameters of the whole model (None: sizes unknown).
+    """
+    factor = swift.buddy.replication_factor
+    if not swift.buddy.enabled:
+        return BuddyCost(False, "buddy.enabled is false", factor)
+    why = _partitioned_by(ds, layout)
+    if why is None:
+        return BuddyCost(False, "the optimizer state is not partitioned: a data-parallel replica holds it", factor)
+    if num_params is None:
+        return BuddyCost(True, why, factor)
+    opt = str((ds.get("optimizer") or {}).get("type", "adamw")).lower()
+    per_param = 4 + 4 * _MOMENTS.get(opt, 2)
+    part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
+    return BuddyCost(True, why, factor, part, part * factor, 2 * factor * part)

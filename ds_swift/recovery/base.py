@@ -1,0 +1,217 @@
+"""The recovery-strategy interface, and the registry that picks a strategy by capability and cost.
+
+A strategy answers three questions about one recovery, from inputs every rank shares
+(:class:`~ds_swift.recovery.consensus.RecoveryInputs`): can it restore these lost ranks
+(:meth:`RecoveryStrategy.can_restore`, a pure function: unit-testable without processes), about
+how much the restore costs (:meth:`RecoveryStrategy.expected_cost`), and what every rank does
+(:meth:`RecoveryStrategy.plan`). Then every rank runs :meth:`RecoveryStrategy.restore` with its
+own :class:`RankContext`.
+
+The :class:`Registry` asks its strategies cheapest first and takes the first that can; the global
+checkpoint is its fallback, last and always able. The registered strategies are listed in
+:mod:`ds_swift.recovery.registry`: a new strategy is one module and one line there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+
+if TYPE_CHECKING:
+    from ds_swift.checkpoint import CheckpointManager
+    from ds_swift.membership import JobStore
+    from ds_swift.recovery.kept import KeptState
+    from ds_swift.recovery.logging_recovery import ReplayRuntime
+    from ds_swift.runtime.timeline import RankTimeline
+
+__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "loud"]
+
+
+def loud(rank: int, msg: str) -> None:
+    """A line every operator must see (a fallback, a lost iteration): on stderr, unbuffered."""
+    print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RecoveryOutcome:
+    """What one rank's recovery did (the runtime logs it and writes the timeline from it)."""
+
+    plan: RecoveryPlan
+    resume_iteration: int
+    checkpoint_step: int | None = None
+    bytes_moved: int = 0
+    notes: list[str] = field(default_factory=list)
+    replay: dict[str, Any] | None = None
+    """logging: what was replayed (see run_logging_recovery)."""
+    latest_checkpoint: int = -1
+    """The newest global checkpoint complete for every rank (iterations done; -1: none)."""
+    deviation: str | None = None
+    """Approximate strategies: how far the restored state is from the failure-free run's."""
+
+
+@dataclass
+class RankContext:
+    """What this rank brings to a restore (its engine, the job store, what it kept).
+
+    Args:
+        store: the job's key-value store.
+        generation: the generation being recovered into (already joined).
+        rank: this rank.
+        engine: this rank's rebuilt DeepSpeed engine.
+        kept: a survivor's state kept across the rebuild (None: a replacement).
+        ckpt: the global checkpoint manager (None: checkpoints are off).
+        timeline: this rank's recovery timeline (strategies stamp their phases).
+        gather_timeout_s: the longest a store gather waits for every rank.
+        log: this rank's log line writer.
+        replay: what the runtime lends logging-based recovery (None: nothing is logged).
+    """
+
+    store: JobStore
+    generation: int
+    rank: int
+    engine: Any
+    kept: KeptState | None
+    ckpt: CheckpointManager | None
+    timeline: RankTimeline
+    gather_timeout_s: float
+    log: Callable[[str], None]
+    replay: ReplayRuntime | None = None
+
+    def keep_state(self, plan: RecoveryPlan) -> None:
+        """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus
+        where the plan says so, then load what it kept into the rebuilt engine."""
+        if self.kept is None or self.rank in plan.replay_ranks:
+            return
+        self.kept.restore(self.engine, plan.consensus, self.rank in plan.undo, self.timeline, self.log)
+
+
+class RestoreFailed(Exception):
+    """A restore that every rank agrees failed: every rank falls back to the global checkpoint.
+
+    Raise it only with the same reason on every rank (after an agreement round); a failure one
+    rank sees alone fails the generation instead.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RecoveryStrategy(ABC):
+    """One way to restore the ranks a failure lost.
+
+    Subclasses set ``name`` (the config's ``"strategy"`` value that forces it) and ``exact``
+    (exact strategies end bitwise equal to the failure-free run; approximate ones report their
+    deviation in :attr:`RecoveryOutcome.deviation`).
+    """
+
+    name: ClassVar[str]
+    exact: ClassVar[bool] = True
+
+    @abstractmethod
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        """Why this strategy cannot restore the lost ranks (None: it can). Pure: no process group,
+        no store, no file; the same answer on every rank.
+
+        Args:
+            inputs: the consensus, every rank's report and what the job has set up.
+        """
+
+    @abstractmethod
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        """About how many iterations of training time the restore takes (orders the strategies).
+
+        Args:
+            inputs: as for :meth:`can_restore`.
+        """
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        """What every rank does next (called only where :meth:`can_restore` said it can).
+
+        Args:
+            inputs: as for :meth:`can_restore`.
+        """
+        return inputs.plan(self.name)
+
+    @abstractmethod
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        """Run this rank's side of the restore; every rank of the generation calls it.
+
+        Args:
+            plan: the plan :meth:`plan` returned (identical on every rank).
+            inputs: as for :meth:`can_restore`.
+            ctx: this rank's engine, store and kept state.
+
+        Raises:
+            RestoreFailed: the restore is impossible after all (the same on every rank): the
+                coordinator runs the global checkpoint's restore instead.
+        """
+
+
+def _join(parts: Iterable[str], tail: str) -> str:
+    head = "; ".join(dict.fromkeys(p for p in parts if p))  # two strategies refusing for one reason say it once
+    return f"{head}: {tail}" if head and tail else head or tail
+
+
+class Registry:
+    """The strategies a recovery may use; :meth:`choose` asks them cheapest first.
+
+    Args:
+        strategies: the strategies, each with a distinct name.
+        fallback: the global checkpoint: last, always able, what a failed restore falls back to.
+    """
+
+    def __init__(self, strategies: Iterable[RecoveryStrategy], fallback: RecoveryStrategy) -> None:
+        self.fallback = fallback
+        self._strategies: list[RecoveryStrategy] = []
+        for strategy in strategies:
+            self.register(strategy)
+
+    def register(self, strategy: RecoveryStrategy) -> None:
+        """Add ``strategy`` (its place in the order comes from its expected cost)."""
+        if strategy.name in self.names():
+            raise ValueError(f"a recovery strategy named {strategy.name!r} is registered already")
+        self._strategies.append(strategy)
+
+    def copy(self) -> Registry:
+        return Registry(self._strategies, self.fallback)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self._strategies] + [self.fallback.name]
+
+    def candidates(self, inputs: RecoveryInputs) -> list[RecoveryStrategy]:
+        """The strategies to ask, cheapest first (ties: in registration order), the fallback excluded."""
+        if inputs.forced == self.fallback.name:
+            return []
+        if inputs.forced == "auto":
+            return sorted(self._strategies, key=lambda s: s.expected_cost(inputs))
+        chosen = [s for s in self._strategies if s.name == inputs.forced]
+        if not chosen:
+            raise ValueError(f"unknown recovery strategy {inputs.forced!r}: one of auto, {', '.join(self.names())}")
+        return chosen
+
+    def choose(self, inputs: RecoveryInputs) -> tuple[RecoveryPlan, RecoveryStrategy]:
+        """The plan of the cheapest strategy that can restore the lost ranks, else the fallback's.
+
+        The plan's reason says why the cheaper ones could not (and that the config forced the
+        strategy, where it did).
+        """
+        refusals = [] if inputs.forced == "auto" else [f'the config forces strategy "{inputs.forced}"']
+        for strategy in self.candidates(inputs):
+            why = strategy.can_restore(inputs)
+            if why is None:
+                plan = strategy.plan(inputs)
+                return dataclasses.replace(plan, reason=_join(refusals, plan.reason)), strategy
+            refusals.append(why)
+        plan = self.fallback.plan(inputs)
+        return dataclasses.replace(plan, reason=_join(refusals, plan.reason)), self.fallback
+
+    def fall_back(self, inputs: RecoveryInputs, reason: str) -> tuple[RecoveryPlan, RecoveryStrategy]:
+        """The fallback's plan after a chosen strategy's restore failed with ``reason``."""
+        return dataclasses.replace(self.fallback.plan(inputs), reason=reason), self.fallback

@@ -1,0 +1,188 @@
+"""Buddy copies of ZeRO-1 / BF16_Optimizer partitions: who holds whose, and the recovery strategy.
+
+Under ZeRO-1 (and DeepSpeed's BF16_Optimizer, which partitions the fp32 masters the same way) a
+rank's fp32 master partition and the optimizer state of that partition exist only on that rank;
+a data-parallel replica holds another slice. So after every step each rank's partition is copied,
+asynchronously, into host memory of ``replication_factor`` buddy ranks on other machines (other
+failure domains where ``machines.failure_domains`` names them): ds_swift.runtime.buddy does the
+copying, :func:`assign_buddies` (pure) decides who holds whose copy.
+
+:class:`BuddyStrategy` restores a lost rank's partition from a surviving buddy's copy. A copy is
+the owner's state after some iteration's step; each buddy reports which ones it holds complete
+(:attr:`~ds_swift.recovery.consensus.RankReport.buddy_copies`). The restore must land every rank
+on one iteration: the consensus if every lost rank has a copy of it; one iteration earlier if a
+copy lags by one step and every survivor can undo to it; otherwise the strategy refuses, and the
+registry falls back to the global checkpoint, saying why.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+
+__all__ = ["BuddyError", "BuddyStrategy", "Member", "assign_buddies", "buddy_target"]
+
+
+class BuddyError(ValueError):
+    """Buddies cannot be placed as the config asks (too few machines outside a failure domain)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank as buddy placement sees it."""
+
+    rank: int
+    machine: int
+    stage: int = 0
+    dp: int = 0
+    tp: int = 0
+
+
+def _domain_of(failure_domains: Sequence[Sequence[int]]) -> dict[int, int]:
+    return {m: i for i, domain in enumerate(failure_domains) for m in domain}
+
+
+def assign_buddies(
+    members: Iterable[Member], factor: int = 1, failure_domains: Sequence[Sequence[int]] = ()
+) -> dict[int, tuple[int, ...]]:
+    """owner rank -> the ``factor`` ranks holding copies of its partition.
+
+    A buddy is never on the owner's machine nor in its failure domain (machines not named in
+    ``failure_domains`` form one each); a rank's data-parallel peers (same stage and tensor
+    coordinate) are preferred, since a replacement then often takes its module state from the same
+    peer; then the least loaded; several buddies of one owner sit on distinct machines where
+    possible. Deterministic: every rank computes the same map.
+
+    Raises:
+        BuddyError: fewer than ``factor`` ranks outside some rank's failure domain.
+    """
+    ranks = sorted(members, key=lambda m: m.rank)
+    domain_ix = _domain_of(failure_domains)
+
+    def domain(machine: int) -> tuple[str, int]:
+        return ("d", domain_ix[machine]) if machine in domain_ix else ("m", machine)
+
+    load: Counter[int] = Counter()
+    out: dict[int, tuple[int, ...]] = {}
+    for me in ranks:
+        others = [o for o in ranks if domain(o.machine) != domain(me.machine)]
+        if len(others) < factor:
+            raise BuddyError(
+                f"rank {me.rank} (machine {me.machine}) has {len(others)} rank(s) outside its failure domain, "
+                f"fewer than buddy.replication_factor={factor}: lower it, or add machines/failure domains"
+            )
+        chosen: list[Member] = []
+        for _ in range(factor):
+            used = {c.machine for c in chosen}
+            pick = min(
+                (o for o in others if o not in chosen),
+                key=lambda o: (
+                    o.machine in used,
+                    (o.stage, o.tp) != (me.stage, me.tp),
+                    load[o.rank],
+                    o.rank,
+                ),
+            )
+            chosen.append(pick)
+            load[pick.rank] += 1
+        out[me.rank] = tuple(c.rank for c in chosen)
+    return out
+
+
+def _holders(inputs: RecoveryInputs) -> dict[int, dict[int, list[int]]]:
+    """lost rank -> iteration -> surviving ranks (on machines that did not fail) holding that copy."""
+    failed = inputs.failed_machines
+    lost = set(inputs.replacements)
+    out: dict[int, dict[int, list[int]]] = {r: {} for r in inputs.replacements}
+    for r in inputs.reports:
+        if not r.survivor or r.machine in failed:
+            continue
+        for owner, version in r.buddy_copies:
+            if owner in lost:
+                out[owner].setdefault(version, []).append(r.rank)
+    return out
+
+
+def buddy_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, int], str]:
+    """The iteration every rank lands on and each lost rank's copy holder, or (None, {}, why not)."""
+    holders = _holders(inputs)
+    missing = sorted(r for r, versions in holders.items() if not versions)
+    if missing:
+        return None, {}, (
+            f"no buddy copy of the optimizer partition of rank(s) {missing} survived "
+            f"(their buddies were on failed machine(s) {sorted(inputs.failed_machines)})"
+        )  # fmt: skip
+    c = inputs.consensus
+    for target in (c, c - 1):
+        if target < c and inputs.rebased(target).cannot_undo:
+            continue
+        if all(target in versions for versions in holders.values()):
+            load: Counter[int] = Counter()
+            chosen: dict[int, int] = {}
+            for lost in sorted(holders):
+                pick = min(holders[lost][target], key=lambda h: (load[h], h))
+                chosen[lost] = pick
+                load[pick] += 1
+            return target, chosen, ""
+    have = "; ".join(f"rank {r}: iteration(s) {sorted(v)}" for r, v in sorted(holders.items()))
+    return None, {}, (
+        f"the buddy copies ({have}) do not reach the consensus iteration {c} "
+        f"(survivors can undo at most one step, to {c - 1})"
+    )  # fmt: skip
+
+
+class BuddyStrategy(RecoveryStrategy):
+    """Survivors keep their state (undoing to the agreed iteration); each lost rank receives its
+    optimizer partition (fp32 masters, optimizer state, loss scaler, counters, LR scheduler) from a
+    surviving buddy, and every rank then rebuilds its low-precision parameters from the masters.
+    Exact: the copy holds bitwise the owner's state after that iteration's step."""
+
+    name = "buddy"
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        why = inputs.keep_blocker() or inputs.wrapper_blocker()
+        if why is not None:
+            return why
+        if not inputs.replacements:
+            return "no rank lost its state"
+        if not inputs.partitioned:
+            return "the optimizer state is not partitioned (no buddy copies are kept)"
+        return buddy_target(inputs)[2] or None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 0.1  # a partition copy per lost rank plus an all-gather: a little above replication
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        target, holders, _ = buddy_target(inputs)
+        assert target is not None  # can_restore said so
+        pairs = ", ".join(f"{h}->{r}" for r, h in sorted(holders.items()))
+        reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target} ({pairs})"
+        if target < inputs.consensus:
+            reason += f"; a copy lags one step: survivors undo to iteration {target}"
+        return inputs.rebased(target).plan(self.name, reason, donors=holders)
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        ctx.keep_state(plan)
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        holdings = ctx.kept.buddy if ctx.kept is not None else None
+        for lost in plan.recipients_of(ctx.rank):
+            if holdings is None:
+                raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
+            sent = send_state(holdings.state_of(lost, plan.consensus), lost)
+            outcome.bytes_moved += sent
+            ctx.log(f"sent the buddy copy of rank {lost} (iteration {plan.consensus}, {sent / 1e6:.2f} MB)")
+        holder = plan.donor_of(ctx.rank)
+        if holder is not None:
+            state = recv_state(holder)
+            buffers = state.pop("buffers", None) or {}
+            load_state(ctx.engine, state, plan.consensus + 1)
+            if buffers:
+                ctx.engine.module.load_state_dict(buffers, strict=False)
+            ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")
+        finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
+        return outcome

@@ -1,0 +1,165 @@
+"""What a survivor keeps in memory across the in-process rebuild, and how it gets it back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
+from ds_swift.recovery.replication import load_state
+
+if TYPE_CHECKING:
+    from ds_swift.runtime.timeline import RankTimeline
+    from ds_swift.undo.engine import EngineUndoHandle
+
+__all__ = ["KeptState"]
+
+
+@dataclass
+class KeptState:
+    """What a survivor keeps in memory across the rebuild (references, not copies).
+
+    The old engine (and with it every process group of the failed generation) is dropped. What
+    survives it holds no process group: the module's tensors, the LR scheduler, and of the
+    optimizer wrapper (torch optimizer, BF16_Optimizer, FP16_Optimizer, ZeRO-1) the fp32 master
+    tensors (this rank's partition), the inner torch optimizer that steps them, and copies of the
+    loss scaler and flags, all taken without a collective
+    (:func:`~ds_swift.patches.deepspeed_optim_state.capture_optimizer`). For an undo the
+    update-undo wrapper of the inner optimizer is kept too, detached from the engine (its step
+    record and the resident gradient g_t stay); undoing acts on the kept masters in place.
+    """
+
+    module: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    """What capture_optimizer took (None: the wrapper's state cannot be kept, see ``why_not``)."""
+    lr_scheduler: Any
+    last_stepped: int
+    undo: Any = None
+    """``ds_swift.undo.InvertibleOptimizer`` able to undo the last step, or None."""
+    counters: dict[str, int] | None = None
+    why_not: str | None = None
+    """Why the optimizer state could not be kept (an unsupported wrapper), or None."""
+    buddy: Any = None
+    """The buddy copies of other ranks' partitions this rank holds (ds_swift.runtime.buddy.BuddyHoldings)."""
+
+    @classmethod
+    def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None) -> KeptState:
+        """Take the references out of ``engine``; detaches ``undo_handle`` from it.
+
+        ``EngineUndoHandle.remove()`` would run the deferred ``zero_grad`` and drop the step's
+        gradients: exactly what an undo after the rebuild needs. And the handle, through the
+        methods it patched into the engine and the optimizer, keeps the engine (so its process
+        groups, so their sockets) alive: peers blocked on this rank would then wait for the op
+        timeout instead of failing at once. ``detach()`` restores the patched methods without
+        flushing and keeps only the ``InvertibleOptimizer`` (optimizer, LR scheduler, step record).
+        """
+        optimizer, why_not = None, None
+        if engine.optimizer is not None:
+            try:
+                optimizer = capture_optimizer(engine.optimizer)
+            except UnsupportedWrapper as exc:
+                why_not = str(exc)
+        undo = None
+        last = int(engine.global_steps) - 1
+        if undo_handle is not None:
+            stepped = undo_handle.last_stepped_iteration
+            rec = undo_handle.last_record
+            undo = undo_handle.detach()
+            if (
+                stepped is not None
+                and rec is not None
+                and rec.iteration == stepped
+                and not rec.complete
+                and not rec.groups
+            ):
+                # The step transaction failed before updating any parameter (DeepSpeed's gradient
+                # clipping all-reduces the norm inside _take_model_step): iteration ``stepped`` was
+                # not applied, and the record left is of that empty step, not of ``last``.
+                undo = None
+            elif stepped is not None:
+                last = int(stepped)
+        return cls(
+            module=engine.module.state_dict(),
+            optimizer=optimizer,
+            lr_scheduler=getattr(engine, "lr_scheduler", None),
+            last_stepped=last,
+            undo=undo if optimizer is not None else None,
+            counters={"skipped_steps": int(getattr(engine, "skipped_steps", 0))},
+            why_not=why_not,
+        )
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def can_undo(self) -> bool:
+        return self.undo is not None and bool(getattr(self.undo, "can_undo", True))
+
+    def undo_blocker(self) -> str | None:
+        """Why this survivor cannot undo its last step (None if it can)."""
+        if self.optimizer is None:
+            return self.why_not or "it has no optimizer"
+        if self.undo is None:
+            return "no update-undo record of its last step"
+        if self.can_undo:
+            return None
+        # InvertibleOptimizer says why only through its (private) validation; that message is what
+        # the operator needs to see, so read it there until it has a public "why not".
+        validate = getattr(self.undo, "_validate", None)
+        try:
+            if validate is not None:
+                validate(self.undo.last_record)
+        except Exception as exc:  # noqa: BLE001 - only its message is wanted
+            return str(exc)
+        return "the update-undo record cannot be undone"
+
+    def undo_to(self, iteration: int) -> None:
+        """Undo the last step so that ``iteration`` is the last one applied (one step back at most)."""
+        if iteration >= self.last_stepped:
+            return
+        if self.undo is None or iteration != self.last_stepped - 1:
+            raise RuntimeError(f"cannot undo from iteration {self.last_stepped} back to {iteration}")
+        rec = self.undo.undo()
+        self._restore_step_scalars(getattr(rec, "engine_state", None) or {})
+        self.last_stepped = iteration
+        self.undo = None
+
+    def _restore_step_scalars(self, saved: dict[str, Any]) -> None:
+        """What the undone step changed outside the inner optimizer (ds_swift.undo.engine recorded it
+        at step begin): the loss scaler, the wrapper's flags, the skipped-step counter."""
+        if self.optimizer is not None:
+            for kept, before in zip(self.optimizer["scalers"], saved.get("scalers", []), strict=False):
+                kept.update({k: v for k, v in before.items() if k in kept})
+            flags = self.optimizer["flags"]
+            flags.update({k: v for k, v in saved.get("wrapper", {}).items() if k in flags})
+        if self.counters is not None and "skipped_steps" in saved.get("engine", {}):
+            self.counters["skipped_steps"] = int(saved["engine"]["skipped_steps"])
+
+    def state(self) -> dict[str, Any]:
+        """The kept state in the form :func:`~ds_swift.recovery.replication.load_state` takes (read
+        after any undo)."""
+        return {
+            "module": self.module,
+            "optimizer": optimizer_payload(self.optimizer) if self.optimizer is not None else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "rng": {},
+        }
+
+    def restore(
+        self, engine: Any, consensus: int, undo: bool, timeline: RankTimeline, log: Callable[[str], None]
+    ) -> None:
+        """Undo to ``consensus`` where ``undo`` says so, then load the kept state into ``engine``
+        (the rebuilt one), which resumes at ``consensus + 1``."""
+        if undo:
+            log(f"undo: last stepped iteration {self.last_stepped} -> consensus {consensus}")
+            timeline.undone_from = self.last_stepped
+            self.undo_to(consensus)
+            timeline.t_undone = time.time()
+        load_state(engine, self.state(), consensus + 1)
+        if self.counters is not None:
+            engine.skipped_steps = self.counters["skipped_steps"]

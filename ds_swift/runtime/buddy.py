@@ -1,0 +1,269 @@
+"""The buddy copier: after every optimizer step, this rank's optimizer partition goes to its buddies.
+
+What is copied: everything the rank's optimizer wrapper holds of its partition (fp32 masters, the
+inner optimizer's state, loss scaler, flags: ds_swift.patches.deepspeed_optim_state), the LR
+scheduler, the engine's counters and the module's non-parameter buffers, as a tensor-only payload
+(JSON manifest + tensors, ds_swift.recovery.replication.encode). Who holds whose copy:
+ds_swift.recovery.buddy.assign_buddies.
+
+Off the critical path: the step's hook only hands references to a background thread, which sends
+them on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs in gloo's threads)
+while the next iteration's forward and backward passes run. The sent tensors are the live ones,
+not copies: the next optimizer step waits until the previous round's sends completed (normally
+long done by then) before it changes them. A buddy receives into a spare buffer and keeps the
+newest two complete copies per owner, so a copy being overwritten is never reported as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
+from ds_swift.recovery.buddy import Member, assign_buddies
+from ds_swift.recovery.replication import counters_of, decode, decode_dtype, encode, flat_sizes
+
+__all__ = ["BuddyCopier", "BuddyHoldings"]
+
+_HEADER, _MANIFEST, _DATA = 1, 2, 16  # message tags; tensor i of a payload uses _DATA + i
+
+
+@dataclass
+class _Copy:
+    version: int
+    manifest: bytes
+    flats: dict[torch.dtype, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flats.values())
+
+
+class BuddyHoldings:
+    """The complete copies of other ranks' partitions this rank holds (the newest two per owner).
+    Kept across generations: the copies of a lost rank are what its replacement needs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copies: dict[int, list[_Copy]] = {}
+
+    def spare(self, owner: int, manifest: bytes) -> dict[torch.dtype, torch.Tensor]:
+        """Buffers to receive ``owner``'s next copy into: the oldest copy's, dropped from the complete
+        ones first (so it is never reported while being overwritten), or new ones."""
+        sizes = flat_sizes(manifest)
+        with self._lock:
+            held = self._copies.setdefault(owner, [])
+            if len(held) >= 2:
+                old = held.pop(0)
+                if {d: t.numel() for d, t in old.flats.items()} == sizes:
+                    return old.flats
+        return {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
+
+    def put(self, owner: int, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
+        with self._lock:
+            held = [c for c in self._copies.setdefault(owner, []) if c.version != version]
+            held.append(_Copy(version, manifest, flats))
+            self._copies[owner] = sorted(held, key=lambda c: c.version)[-2:]
+
+    def copies(self) -> tuple[tuple[int, int], ...]:
+        """(owner, iteration) of every complete copy held."""
+        with self._lock:
+            return tuple((o, c.version) for o, held in sorted(self._copies.items()) for c in held)
+
+    def state_of(self, owner: int, version: int) -> dict[str, Any]:
+        """The copy of ``owner`` after iteration ``version``, decoded (tensors are views)."""
+        with self._lock:
+            for c in self._copies.get(owner, []):
+                if c.version == version:
+                    return decode(c.manifest, c.flats)
+        raise KeyError(f"no complete buddy copy of rank {owner} at iteration {version}")
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for held in self._copies.values() for c in held)
+
+
+class _Worker:
+    """One generation's copier: its group, placement, queue and thread (a stale thread of a failed
+    generation only ever touches its own worker)."""
+
+    def __init__(
+        self,
+        group: Any,
+        buddies: tuple[int, ...],
+        owners: tuple[int, ...],
+        holdings: BuddyHoldings,
+        log: Callable[[str], None],
+    ) -> None:
+        self.group = group
+        self.log = log
+        self.buddies = buddies
+        self.owners = owners
+        self.holdings = holdings
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.sent = threading.Event()
+        self.sent.set()
+        self.error: BaseException | None = None
+        self.rounds = 0
+        self.bytes_sent = 0
+        self.thread = threading.Thread(target=self._run, name="ds-swift-buddy", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            try:
+                sent = self._round(*item)
+                self.rounds += 1
+                if self.rounds == 2:  # the first round after a step: what every later one costs
+                    self.log(
+                        f"buddy copies: {sent} bytes per iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
+                    )
+            except Exception as exc:  # noqa: BLE001 - handed to the training thread at its next step
+                self.error = exc
+                self.sent.set()
+                return
+
+    def _round(self, version: int, manifest: bytes, tensors: list[torch.Tensor]) -> int:
+        group = self.group
+        header = torch.tensor([version, len(manifest)], dtype=torch.int64)
+        blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+        sends = [dist.isend(header, b, group=group, tag=_HEADER) for b in self.buddies]
+        sends += [dist.isend(blob, b, group=group, tag=_MANIFEST) for b in self.buddies]
+        sends += [dist.isend(t, b, group=group, tag=_DATA + i) for b in self.buddies for i, t in enumerate(tensors)]
+        headers = {o: torch.zeros(2, dtype=torch.int64) for o in self.owners}
+        _wait([dist.irecv(h, o, group=group, tag=_HEADER) for o, h in headers.items()])
+        blobs = {o: torch.empty(int(h[1]), dtype=torch.uint8) for o, h in headers.items()}
+        _wait([dist.irecv(b, o, group=group, tag=_MANIFEST) for o, b in blobs.items()])
+        received, works = [], []
+        for o, b in blobs.items():
+            theirs = b.numpy().tobytes()
+            flats = self.holdings.spare(o, theirs)
+            offsets = dict.fromkeys(flats, 0)
+            for i, (shape, dtype) in enumerate(tensor_metas(theirs)):
+                n = int(torch.Size(shape).numel())
+                works.append(
+                    dist.irecv(flats[dtype][offsets[dtype] : offsets[dtype] + n], o, group=group, tag=_DATA + i)
+                )
+                offsets[dtype] += n
+            received.append((o, int(headers[o][0]), theirs, flats))
+        _wait(sends)
+        sent = len(self.buddies) * (blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+        self.bytes_sent += sent
+        self.sent.set()  # the live tensors may change now; the receives finish in the background
+        _wait(works)
+        for owner, v, theirs, flats in received:
+            self.holdings.put(owner, v, theirs, flats)
+        return sent
+
+
+class BuddyCopier:
+    """Keeps this rank's optimizer partition on its buddies; holds its owners' copies.
+
+    Args:
+        factor: buddies per rank (``buddy.replication_factor``).
+        failure_domains: machines that fail together (``machines.failure_domains``).
+        log: prints one line.
+    """
+
+    def __init__(self, factor: int, failure_domains: tuple[tuple[int, ...], ...], log: Callable[[str], None]) -> None:
+        self.factor = factor
+        self.failure_domains = failure_domains
+        self.holdings = BuddyHoldings()
+        self._log = log
+        self._worker: _Worker | None = None
+        self.wait_s = 0.0
+        """Time the training thread waited for a round's sends before a step (the overhead)."""
+
+    @property
+    def buddies(self) -> tuple[int, ...]:
+        return self._worker.buddies if self._worker is not None else ()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank sent to its buddies in this generation."""
+        return self._worker.bytes_sent if self._worker is not None else 0
+
+    @property
+    def rounds(self) -> int:
+        return self._worker.rounds if self._worker is not None else 0
+
+    def start(self, engine: Any, machine: int) -> bool:
+        """Collective on every rank of the generation: create the copier's gloo group, place the
+        buddies, send the current state. False (and nothing started) where the optimizer state is not
+        partitioned: a replica then holds it whole."""
+        if not is_partitioned(engine.optimizer):
+            return False  # the same answer on every rank (one config): no group is created anywhere
+        grid = engine.grid
+        tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
+        me = torch.tensor([dist.get_rank(), machine, int(engine.stage_id), int(grid.get_data_parallel_id()), int(tp)],
+                          dtype=torch.int64)  # fmt: skip
+        group = dist.new_group(backend="gloo")
+        table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, me, group=group)
+        placement = assign_buddies([Member(*(int(x) for x in t)) for t in table], self.factor, self.failure_domains)
+        rank = dist.get_rank()
+        owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
+        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log)
+        self._log(f"buddy copies: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
+        self.after_step(engine)
+        return True
+
+    def before_step(self) -> None:
+        """The optimizer step is about to change the tensors the last round sends: wait for it."""
+        w = self._worker
+        if w is None:
+            return
+        t0 = time.perf_counter()
+        w.sent.wait()
+        self.wait_s += time.perf_counter() - t0
+        if w.error is not None:
+            raise w.error
+
+    def after_step(self, engine: Any) -> None:
+        """Hand this rank's state after the step just taken (iteration ``global_steps - 1``) to the
+        copier thread; returns at once."""
+        w = self._worker
+        if w is None:
+            return
+        module = engine.module
+        params = {n for n, _ in module.named_parameters()}
+        payload = {
+            "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
+            "counters": counters_of(engine),
+            "buffers": {k: v for k, v in module.state_dict().items() if k not in params},
+        }
+        manifest, tensors = encode(payload)
+        w.sent.clear()
+        w.queue.put((int(engine.global_steps) - 1, manifest, [t.detach().reshape(-1) for t in tensors]))
+
+    def stop(self) -> None:
+        """At teardown: let go of the generation's thread and group (a round in flight fails with the
+        group; the copies already complete stay in :attr:`holdings`)."""
+        w, self._worker = self._worker, None
+        if w is not None:
+            w.queue.put(None)
+            w.thread.join(timeout=0.2)
+            w.group = None
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        if w is not None:  # None only for a rank outside the group, which none of ours is
+            w.wait()
+
+
+def tensor_metas(manifest: bytes) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each tensor of an encoded payload, in sending order."""
+    return [(shape, decode_dtype(d)) for shape, d in json.loads(manifest.decode())["tensors"]]

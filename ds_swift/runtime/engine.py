@@ -1,0 +1,288 @@
+"""SwiftPipelineEngine: a DeepSpeed PipelineEngine that survives machine failures in-process.
+
+User code changes two lines (see ``examples/pretrain_gpt.py``)::
+
+    ds_swift.init_distributed(ds_config)           # instead of deepspeed.init_distributed()
+    engine, *_ = deepspeed.initialize(model=model_fn(), config=ds_config, model_parameters=...)
+    engine = ds_swift.initialize(engine, ds_config, model_fn=model_fn, batch_fn=batch_fn)
+    while engine.global_steps < train_iters:
+        loss = engine.train_batch()
+
+The wrapper passes every other attribute through to the DeepSpeed engine in force. When a
+generation fails, ``train_batch`` (and ``save_checkpoint``) does not return until the job is whole
+again: detection (ds_swift.detect) says how it failed, the rebuild (ds_swift.runtime.rebuild) tears
+the engine down, joins the next generation, builds DeepSpeed again and runs the recovery protocol,
+and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1``) runs the same
+recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
+
+The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
+ds_swift.runtime.hooks; the recovery timeline in ds_swift.runtime.timeline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_swift.checkpoint import CheckpointManager
+from ds_swift.config import SwiftConfig, load_ds_config
+from ds_swift.data import BatchFn, micro_batches
+from ds_swift.detect.monitor import FailureMonitor
+from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
+from ds_swift.recovery.base import RecoveryOutcome
+from ds_swift.runtime.context import SwiftContext, current_context
+from ds_swift.runtime.hooks import EngineHooks, make_injector
+from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
+from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
+from ds_swift.runtime.timeline import PendingTimeline
+
+__all__ = ["SwiftPipelineEngine", "initialize"]
+
+
+def initialize(
+    engine: Any,
+    ds_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    model_fn: Callable[[], Any] | None = None,
+    batch_fn: BatchFn | None = None,
+    seed: int = 1234,
+    engine_fn: Callable[[], Any] | None = None,
+) -> Any:
+    """Wrap ``engine`` (a DeepSpeed PipelineEngine). Returns it untouched when swift is disabled.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned first.
+        ds_config: the DeepSpeed config (dict or JSON path) with its ``swift`` section.
+        model_fn: builds the model again (the same ``PipelineModule``) for the rebuild.
+        batch_fn: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``; see ds_swift.data.
+        seed: keys the per-forward RNG reseeding (seed, iteration, micro-batch, stage).
+        engine_fn: builds the whole DeepSpeed engine again instead of ``model_fn`` +
+            ``deepspeed.initialize(model, config=ds_config)`` (for custom optimizers or schedulers).
+    """
+    if ds_config is None:
+        raise ValueError("ds_swift.initialize needs the DeepSpeed config (dict or path) with its swift section")
+    config = load_ds_config(ds_config)
+    cfg = SwiftConfig.from_ds_config(config)
+    if not cfg.enabled:
+        return engine
+    if model_fn is None and engine_fn is None:
+        raise ValueError("ds_swift.initialize needs model_fn (or engine_fn) to rebuild the engine after a failure")
+    if batch_fn is None:
+        raise ValueError(
+            "ds_swift.initialize needs batch_fn(iteration, micro_batch) so a resumed rank reads the right data"
+        )
+    ctx = current_context()
+    if ctx is None:
+        raise RuntimeError("call ds_swift.init_distributed(ds_config) instead of deepspeed.init_distributed() first")
+    return SwiftPipelineEngine(
+        engine, config, cfg, ctx, model_fn=model_fn, batch_fn=batch_fn, seed=seed, engine_fn=engine_fn
+    )
+
+
+class SwiftPipelineEngine:
+    """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
+
+    _OWN = frozenset(
+        {
+            "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
+            "_recv_patch", "recoveries", "_user_iter_warned", "_closed",
+        }
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        engine: Any,
+        config: dict[str, Any],
+        cfg: SwiftConfig,
+        ctx: SwiftContext,
+        *,
+        model_fn: Callable[[], Any] | None,
+        batch_fn: BatchFn,
+        seed: int,
+        engine_fn: Callable[[], Any] | None,
+    ) -> None:
+        from ds_swift.patches.deepspeed_rebuild import patch_recv_check
+
+        self._engine = engine
+        self._ctx = ctx
+        self._batch_fn = batch_fn
+        self.recoveries: list[RecoveryOutcome] = []
+        self._user_iter_warned = False
+        self._closed = False
+        # Message log and step-collective records, kept across rebuilds.
+        logs = EngineLogging(
+            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
+        )
+        self._ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.interval, dist.get_rank())
+        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
+        self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
+        self._timeline = PendingTimeline(ctx)
+        self._rebuild = Rebuilder(
+            self, ctx=ctx, cfg=cfg, ds_config=config, build=engine_fn, model_fn=model_fn,
+            hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
+        )  # fmt: skip
+        self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        self._hooks.install(engine)
+        if ctx.store is not None:
+            assert ctx.env is not None
+            self._monitor.start_watchdog(ctx.env, cfg.watchdog.heartbeat_timeout_s, pipeline_neighbours(engine))
+            if ctx.env.replacement:
+                self._resume(self._rebuild.as_replacement())
+            else:
+                self._rebuild.start_buddy()  # a replacement starts it in its recovery, with the others
+        atexit.register(self._close_at_exit)
+
+    # ------------------------------------------------------------------ attribute passthrough
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not found on the wrapper: everything DeepSpeed's engine has.
+        if name.startswith("__") or name in SwiftPipelineEngine._OWN:
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SwiftPipelineEngine._OWN or name == "engine":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._engine, name, value)
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed engine in force (a new object after every recovery; None during one)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        # The rebuild drops the failed generation's engine and puts the rebuilt one here.
+        object.__setattr__(self, "_engine", engine)
+
+    @property
+    def generation(self) -> int:
+        return self._monitor.generation
+
+    # ------------------------------------------------------------------ training
+    def train_batch(self, data_iter: Any = None) -> Any:
+        """Train iteration ``global_steps``; recovers from failures before returning."""
+        if data_iter is not None and not self._user_iter_warned:
+            self._user_iter_warned = True
+            self._ctx.log("train_batch(data_iter) given: after a recovery the iterator cannot be rewound; use batch_fn")
+        attempts = 0
+        target = int(self._engine.global_steps)
+        loss = None
+        while True:
+            how = self._monitor.failure_seen()
+            if how is None:
+                engine = self._engine
+                try:
+                    if self._ckpt.due(int(engine.global_steps)):
+                        # A recovery resumed at an iteration whose periodic checkpoint a failure cut
+                        # short: every rank saves it again first (a replacement never ran the save).
+                        self._save_checkpoint()
+                    # After a failure in the periodic checkpoint that followed iteration ``target``,
+                    # the recovery resumes after it: only the checkpoint is done again.
+                    if int(engine.global_steps) <= target:
+                        self._hooks.begin_iteration()
+                        data = data_iter if data_iter is not None else self._data_for(int(engine.global_steps))
+                        loss = engine.train_batch(data_iter=data)
+                    self._after_step()
+                    return loss
+                except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
+                    how = self._monitor.classify(exc)
+                finally:
+                    engine = None
+            attempts += 1
+            if attempts > MAX_ATTEMPTS:
+                raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration")
+            self._recover_as_survivor(how)
+            self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
+
+    def _data_for(self, iteration: int) -> Any:
+        e = self._engine
+        return micro_batches(self._batch_fn, iteration, e.grid.get_data_parallel_id(), e.gradient_accumulation_steps())
+
+    def _after_step(self) -> None:
+        # Under a storage budget: the first iteration's messages are measured and the plan set.
+        self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
+        if self._ckpt.due(int(self._engine.global_steps)):
+            self._save_checkpoint()
+        self._timeline.check_back(int(self._engine.global_steps))
+
+    def _save_checkpoint(self) -> None:
+        self._ckpt.save(self._engine)
+        self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir)
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """DeepSpeed's ``save_checkpoint``, protected: a failure during the save is recovered from,
+        the iterations lost to it are trained again, and the save is retried."""
+        target = int(self._engine.global_steps)
+        for _ in range(MAX_ATTEMPTS):
+            how = self._monitor.failure_seen()
+            if how is None:
+                try:
+                    return self._engine.save_checkpoint(
+                        save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
+                    )
+                except Exception as exc:  # noqa: BLE001 - classified, re-raised unless a failure
+                    how = self._monitor.classify(exc)
+            self._recover_as_survivor(how)
+            while int(self._engine.global_steps) < target:
+                self.train_batch()
+        raise RuntimeError(f"ds-swift: save_checkpoint failed {MAX_ATTEMPTS} times in a row")
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - at interpreter exit the job store may be gone already
+            self._ctx.log(f"closing at exit: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Stop the watchdog and remove the hooks (the engine stays usable, unprotected)."""
+        if self._closed:
+            return
+        self._closed = True
+        env, store = self._ctx.env, self._ctx.store
+        self._timeline.close()
+        self._monitor.stop()
+        if store is not None and env is not None:
+            store.mark_done(env.rank)
+        self._hooks.uninstall()
+        self._recv_patch.remove()
+
+    # ------------------------------------------------------------------ recovery
+    def _recover_as_survivor(self, how: str) -> None:
+        t_detect = self._monitor.begin_recovery()
+        self._timeline.abandon()  # a new failure before the last timeline was gathered
+        self._resume(self._rebuild.as_survivor(how, t_detect))
+
+    def _resume(self, done: Rejoined) -> None:
+        """Training resumes after a recovery."""
+        # The same on every rank: a checkpoint a failure cut short is saved again, by everyone.
+        self._ckpt.last_saved = done.outcome.latest_checkpoint
+        self.recoveries.append(done.outcome)
+        self._timeline.start(done.outcome, done.timeline, done.generation)
+        self._timeline.check_back(int(self._engine.global_steps))
+
+    # ------------------------------------------------------------------ RecoveryHost
+    def set_reseed(self, on: bool) -> None:
+        self._hooks.set_reseed(on)
+
+    def set_armed(self, on: bool) -> None:
+        self._monitor.set_armed(on)
+
+    def poison_neighbours(self) -> None:
+        poison_neighbours(pipeline_neighbours(self._engine))
+
+    def suspend_logging(self) -> Callable[[], None]:
+        return self._hooks.suspend_logging(lambda: self._engine)

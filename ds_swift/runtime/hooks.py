@@ -1,0 +1,142 @@
+"""The per-instruction hooks the runtime installs on every DeepSpeed engine it builds.
+
+- RNG keying: torch is reseeded before every forward pass from (seed, iteration, micro-batch,
+  stage) by :func:`key_forward_rng`, the one function training and the replay
+  (ds_swift.recovery.replay) both call, so a replayed forward draws the same dropout masks;
+- fault injection (``ds-swift-launch --inject``): the injector fires at the phase it names;
+- the update-undo step record, the step-collective recorder and the message logger
+  (ds_swift.runtime.logging_wiring), in the order their patches need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_swift.data import global_micro_batch, rng_seed
+from ds_swift.runtime.context import SwiftContext
+
+if TYPE_CHECKING:
+    # Not at run time: the replay imports key_forward_rng, and the logging wiring imports the replay.
+    from ds_swift.runtime.logging_wiring import EngineLogging
+
+__all__ = ["EngineHooks", "attach_undo", "key_forward_rng", "make_injector"]
+
+
+def key_forward_rng(engine: Any, seed: int, local_index: int) -> None:
+    """Reseed torch for the forward pass of this replica's ``local_index``-th micro-batch of
+    iteration ``engine.global_steps``: dropout & co. depend on the position, never on what ran before."""
+    mb = global_micro_batch(engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), local_index)
+    torch.manual_seed(rng_seed(seed, int(engine.global_steps), mb, int(engine.stage_id)))
+
+
+def make_injector(ctx: SwiftContext) -> Any:
+    """The fault injector ``ds-swift-launch --inject`` asked for (None when none was)."""
+    env, store = ctx.env, ctx.store
+    if env is None or store is None or not env.inject:
+        return None
+    from ds_swift.testing.faults import Injector
+
+    return Injector.from_env(store, env)
+
+
+def attach_undo(engine: Any, log: Callable[[str], None]) -> Any:
+    """Make ``engine``'s optimizer step undoable; the undo handle, or None where it cannot be."""
+    try:
+        from ds_swift.undo import attach_to_engine
+    except ImportError:
+        return None
+    try:
+        return attach_to_engine(engine)
+    except ImportError:
+        return None  # ds_swift.undo.engine not built yet: recovery without undo falls back loudly
+    except Exception as exc:  # noqa: BLE001 - an optimizer without an inverse must not stop training
+        log(f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload")
+        return None
+
+
+class EngineHooks:
+    """Installs the runtime's hooks on each engine and removes them before its teardown.
+
+    Args:
+        seed: keys the per-forward reseeding.
+        injector: the fault injector (None: no faults are injected).
+        logs: the worker's message log and step-collective records (kept across rebuilds).
+        log: prints one line (the runtime's logger).
+    """
+
+    def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None]) -> None:
+        self.seed = seed
+        self.injector = injector
+        self.logs = logs
+        self._undo: Any = None  # the update-undo handle of the engine in force (None: no undo)
+        self._log = log
+        self._handles: list[Any] = []
+        self._micro = 0
+        self._reseed = True  # off while a replay keys the RNG itself
+
+    def set_reseed(self, on: bool) -> None:
+        self._reseed = on
+
+    def begin_iteration(self) -> None:
+        """The next forward pass is the iteration's first micro-batch."""
+        self._micro = 0
+        self.logs.begin_iteration()
+
+    def install(self, engine: Any) -> None:
+        """Hook ``engine``: undo, collective recorder, reseeding and faults, message logger."""
+        from ds_swift.patches.instructions import hook_instructions, schedule
+
+        def phase_hook(phase: str) -> Callable[..., Any]:
+            def hook(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+                if self.injector is not None:
+                    self.injector.maybe_fire(phase, int(eng.global_steps))
+                return call_next(**kw)
+
+            return hook
+
+        def forward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            if self._reseed:
+                key_forward_rng(eng, self.seed, self._micro)
+            self._micro += 1
+            if self.injector is not None:
+                self.injector.maybe_fire("forward", int(eng.global_steps))
+            return call_next(**kw)
+
+        hooks = {
+            schedule.ForwardPass: forward,
+            schedule.BackwardPass: phase_hook("backward"),
+            schedule.OptimizerStep: phase_hook("step"),
+            schedule.SendActivation: phase_hook("send"),
+            schedule.SendGrad: phase_hook("send"),
+            schedule.RecvActivation: phase_hook("recv"),
+            schedule.RecvGrad: phase_hook("recv"),
+        }
+        # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
+        # one in force, so hooks installed before it would be lost.
+        self._undo = attach_undo(engine, self._log)
+        self.logs.attach_recorder(engine, self._handles)
+        self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
+        self.logs.attach_log(engine, self._handles)
+
+    def take_undo(self) -> Any:
+        """The update-undo handle of the engine in force (None: its steps cannot be undone), which
+        the caller now owns: a survivor's kept state detaches it from the engine."""
+        undo, self._undo = self._undo, None
+        return undo
+
+    def add(self, handle: Any) -> None:
+        """Keep another patch handle on the engine in force; it is removed with the runtime's."""
+        self._handles.append(handle)
+
+    def uninstall(self) -> None:
+        """Remove every hook (the undo handle stays: a survivor's kept state detaches it)."""
+        while self._handles:
+            self._handles.pop().remove()
+        self.logs.detached()
+
+    def suspend_logging(self, engine: Callable[[], Any]) -> Callable[[], None]:
+        """Stop the message logger of ``engine()``; returns what restarts it."""
+        return self.logs.suspend(self._handles, engine)

@@ -1,0 +1,280 @@
+"""Rejoin and rebuild: a survivor's teardown, generation g+1, the DeepSpeed rebuild, the recovery.
+
+survivor: poison its pipeline neighbours -> flush its message log -> keep module/optimizer/
+scheduler references -> drop the engine and destroy every process group (peers blocked on us fail
+at once) -> leave if its own machine failed -> join generation g+1 -> ``model_fn()`` +
+``deepspeed.initialize`` again (the same group-creation sequence a replacement runs) -> consensus,
+undo, load the kept state, send it to replacements (ds_swift.recovery.coordinator).
+
+replacement (``SWIFT_REPLACEMENT=1``): already joined by ``init_distributed`` and built by the
+user's script; it runs the same recovery protocol to receive its state.
+
+A failure during any of this (a cascading failure) moves on to the next generation and retries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from ds_swift.checkpoint import CheckpointManager
+from ds_swift.config import SwiftConfig
+from ds_swift.detect.classify import is_comm_error
+from ds_swift.detect.monitor import FailureMonitor
+from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
+from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
+from ds_swift.membership import GenerationFailed
+from ds_swift.patches.deepspeed_optim_state import is_partitioned
+from ds_swift.recovery.base import RecoveryOutcome
+from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
+from ds_swift.recovery.host import RecoveryHost
+from ds_swift.recovery.kept import KeptState
+from ds_swift.runtime.buddy import BuddyCopier
+from ds_swift.runtime.context import SwiftContext, join_generation
+from ds_swift.runtime.hooks import EngineHooks
+from ds_swift.runtime.timeline import RankTimeline
+
+__all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
+
+#: Recoveries in a row (cascading failures) before giving up.
+MAX_ATTEMPTS = 5
+
+
+class EngineHolder(RecoveryHost, Protocol):
+    """Where the DeepSpeed engine in force lives (the engine wrapper), and the recovery's host."""
+
+    engine: Any
+
+
+@dataclass
+class Rejoined:
+    """A finished recovery: its outcome, this rank's timeline of it, the generation now in force."""
+
+    outcome: RecoveryOutcome
+    timeline: RankTimeline
+    generation: int
+
+
+class Rebuilder:
+    """Replaces the DeepSpeed engine of ``holder`` after a failure, in-process.
+
+    Args:
+        holder: holds the engine in force (set to None on teardown, to the new engine on rebuild).
+        ctx: the distributed context (job store, worker env, timeouts, backend).
+        cfg: the swift config.
+        ds_config: the DeepSpeed config dict the engine is built from again.
+        build: builds the whole DeepSpeed engine again (``engine_fn``), or None to call
+            ``model_fn()`` and ``deepspeed.initialize``.
+        model_fn: builds the model again (used when ``build`` is None).
+        hooks: the runtime's per-engine hooks (removed before the teardown, installed after).
+        monitor: the failure monitor (moved to each generation joined).
+        ckpt: the periodic checkpoints (the recovery may load one).
+    """
+
+    def __init__(
+        self,
+        holder: EngineHolder,
+        *,
+        ctx: SwiftContext,
+        cfg: SwiftConfig,
+        ds_config: Mapping[str, Any],
+        build: Callable[[], Any] | None,
+        model_fn: Callable[[], Any] | None,
+        hooks: EngineHooks,
+        monitor: FailureMonitor,
+        ckpt: CheckpointManager,
+    ) -> None:
+        self._holder = holder
+        self._ctx = ctx
+        self._cfg = cfg
+        self._ds_config = ds_config
+        self._build = build
+        self._model_fn = model_fn
+        self._hooks = hooks
+        self._monitor = monitor
+        self._ckpt = ckpt
+        self.buddy = (
+            BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
+            if cfg.buddy.enabled
+            else None
+        )
+
+    def start_buddy(self) -> None:
+        """Every rank, once per generation, at the same point (after generation 0's build, after each
+        recovery): start copying this rank's optimizer partition to its buddies after every step."""
+        from ds_swift.patches.instructions import hook_instructions, schedule
+
+        engine, buddy = self._holder.engine, self.buddy
+        if buddy is None or self._ctx.env is None or not buddy.start(engine, self._machine()):
+            return
+
+        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            buddy.before_step()
+            out = call_next(**kw)
+            buddy.after_step(eng)
+            return out
+
+        self._hooks.add(hook_instructions(engine, "ds_swift.buddy", {schedule.OptimizerStep: step}))
+
+    def build_engine(self) -> Any:
+        """The DeepSpeed rebuild, on the process groups of the generation just joined."""
+        import deepspeed
+
+        if self._build is not None:
+            return self._build()
+        assert self._model_fn is not None
+        model = self._model_fn()
+        engine, *_ = deepspeed.initialize(
+            model=model, config=self._ds_config, model_parameters=[p for p in model.parameters() if p.requires_grad]
+        )
+        return engine
+
+    # ------------------------------------------------------------------ survivor
+    def as_survivor(self, how: str, t_detect: float) -> Rejoined:
+        """Tear down the failed generation, join the next one and recover into it."""
+        env = self._ctx.env
+        assert env is not None
+        g = self._monitor.generation
+        self._ctx.log(f"generation {g} failed ({how}); recovering in-process")
+        tl = RankTimeline(rank=env.rank, role="survivor", failed_generation=g, t_detect=t_detect, detect_how=how)
+        kept = self._tear_down()
+        tl.t_torn_down = time.time()
+        self._leave_if_my_machine_failed(g)
+        return self.rejoin(g + 1, kept, tl)
+
+    def _tear_down(self) -> KeptState:
+        from ds_swift.patches.deepspeed_rebuild import release_process_groups, teardown_process_groups
+
+        poison_neighbours(pipeline_neighbours(self._holder.engine))
+        self._hooks.logs.flush()
+        if self.buddy is not None:
+            self.buddy.stop()
+        self._hooks.uninstall()
+        engine = self._holder.engine
+        kept = KeptState.capture(engine, self._hooks.take_undo())
+        kept.buddy = self.buddy.holdings if self.buddy is not None else None
+        # The user's script may still hold the old module (or engine): cut the groups out of them.
+        release_process_groups(engine, engine.module, engine.optimizer)
+        self._holder.engine = None
+        engine = None  # noqa: F841 - the last reference: the process groups must be freed now
+        teardown_process_groups()
+        return kept
+
+    def _leave_if_my_machine_failed(self, g: int) -> None:
+        """A rank of the failed machine that lives on for a moment (its agent kills it within
+        ~100 ms) must not join the next generation: it would be counted as arrived there and the
+        rendezvous would complete without its replacement. Waiting for the agent's verdict also
+        keeps survivors from joining before the agent declared (it would then fail g+1 too)."""
+        store, env = self._ctx.store, self._ctx.env
+        assert store is not None and env is not None
+        machine = wait_failed_machine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s))
+        if machine == env.machine:
+            self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
+            os._exit(70)
+
+    # ------------------------------------------------------------------ replacement
+    def as_replacement(self) -> Rejoined:
+        """A replacement worker (already joined and built): receive its state."""
+        env = self._ctx.env
+        assert env is not None
+        generation = self._monitor.generation
+        tl = RankTimeline(
+            rank=env.rank,
+            role="replacement",
+            failed_generation=generation - 1,
+            t_start=self._ctx.t_start,
+            t_joined=self._ctx.t_joined,
+            t_rebuilt=time.time(),
+        )
+        self._monitor.set_armed(False)
+        return self.rejoin(generation, None, tl)
+
+    # ------------------------------------------------------------------ both
+    def rejoin(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> Rejoined:
+        """Join ``generation``, rebuild, run the recovery protocol; retries on cascading failures."""
+        import deepspeed
+
+        from ds_swift.patches.deepspeed_rebuild import teardown_process_groups
+
+        ctx, env, store = self._ctx, self._ctx.env, self._ctx.store
+        assert env is not None and store is not None
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                if not dist.is_initialized():
+                    generation = join_generation(
+                        store,
+                        generation,
+                        env.rank,
+                        env.world_size,
+                        ctx.op_timeout_s,
+                        ctx.join_timeout_s,
+                        ctx.backend,
+                        log=ctx.log,
+                    )
+                    tl.t_joined = time.time()
+                    self._monitor.set_generation(generation)
+                    deepspeed.init_distributed(dist_backend=ctx.backend)
+                    self._holder.engine = self.build_engine()
+                    tl.t_rebuilt = time.time()
+                    self._hooks.install(self._holder.engine)
+                tl.failed_generation = generation - 1
+                outcome = self._recover(generation, kept, tl)
+                break
+            except (GenerationFailed, RuntimeError, TimeoutError) as exc:
+                if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed) and not is_comm_error(exc):
+                    raise
+                ctx.log(f"generation {generation} failed during recovery ({exc}); joining {generation + 1}")
+                declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
+                self._hooks.uninstall()
+                self._holder.engine = None
+                self._hooks.take_undo()  # the rebuilt engine's, dropped with it
+                teardown_process_groups()
+                generation += 1
+        else:
+            raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
+        kept = None  # the old optimizer, its step record and g_t go now
+        self.start_buddy()
+        self._monitor.set_generation(generation, pipeline_neighbours(self._holder.engine))
+        self._monitor.set_armed(True)
+        plan = outcome.plan
+        ctx.log(
+            f"generation {generation}: {plan.strategy} ({plan.reason}); resuming at iteration {outcome.resume_iteration}"
+        )
+        return Rejoined(outcome, tl, generation)
+
+    def _recover(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> RecoveryOutcome:
+        """The recovery protocol (ds_swift.recovery.coordinator) in ``generation``, joined and rebuilt."""
+        env, store = self._ctx.env, self._ctx.store
+        assert env is not None and store is not None
+        engine = self._holder.engine
+        return run_recovery(
+            store=store,
+            generation=generation,
+            rank=env.rank,
+            world_size=env.world_size,
+            engine=engine,
+            report=dataclasses.replace(
+                rank_report(engine, kept, self._machine()),
+                buddy_copies=self.buddy.holdings.copies() if self.buddy is not None else (),
+            ),
+            kept=kept,
+            strategy=self._cfg.strategy,
+            zero_stage=int(engine.zero_optimization_stage()),
+            optimizer_wrapper=optimizer_wrapper(engine),
+            partitioned=is_partitioned(engine.optimizer),
+            ckpt=self._ckpt,
+            timeline=tl,
+            gather_timeout_s=self._ctx.join_timeout_s,
+            log=self._ctx.log,
+            logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
+        )
+
+    def _machine(self) -> int:
+        env = self._ctx.env
+        return env.machine if env is not None else dist.get_rank() // self._cfg.machines.gpus_per_node

@@ -1,0 +1,191 @@
+"""One training job under ``ds-swift-launch`` as a real process tree (tests, the demo, benchmarks).
+
+Everything a job writes stays in its directory, whatever its config says::
+
+    <dir>/ds_config.json  the config it ran with     <dir>/run/    launcher events, timelines
+    <dir>/ckpt/           periodic global checkpoints <dir>/final/  --save (global_step<iterations>)
+    <dir>/swift-logs/     the message log             <dir>/logs/   the launcher's output
+    <dir>/loss.jsonl      --loss-log (when asked)
+
+The launcher starts in its own session: on a deadline or any failure the whole tree (agents,
+workers, replacements) is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_swift.testing.procs import ProcessSet, worker_env
+
+__all__ = ["JobRun", "JobSpec", "JobTimeout", "build_deepspeed_shm_op", "deepspeed_shm_op_built", "run_job"]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: a training script (``examples/pretrain_gpt.py`` or one like it) and its config."""
+
+    script: Path
+    config: Path
+    """The DeepSpeed JSON (with its ``swift`` section) the job's config is made from."""
+    iterations: int
+    launcher_args: Sequence[str] = ()
+    """Extra ``ds-swift-launch`` flags (``--spares``, ``--inject``, ...)."""
+    script_args: Sequence[str] = ()
+    swift: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the ``swift`` section, merged one level deep (``{"checkpoint": {"interval": 1}}``)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    nnodes: int = 2
+    nproc_per_node: int = 2
+    save: bool = True
+    """Pass ``--save <dir>/final``: the final state is written as a checkpoint tag."""
+    loss_log: bool = False
+    """Pass ``--loss-log <dir>/loss.jsonl``."""
+
+
+@dataclass
+class JobRun:
+    """One job's directory and, once it ran, how it ended."""
+
+    dir: Path
+    iterations: int
+    code: int | None = None
+    output: str = ""
+    """The launcher's output (its workers' lines included)."""
+    seconds: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dir / "run"
+
+    @property
+    def save_dir(self) -> Path:
+        return self.dir / "final"
+
+    @property
+    def final_tag(self) -> Path:
+        return self.save_dir / f"global_step{self.iterations}"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.dir / "ckpt"
+
+    @property
+    def loss_log(self) -> Path:
+        return self.dir / "loss.jsonl"
+
+    @property
+    def proc_logs(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def op_timeout_s(self) -> float:
+        return float(self.config["swift"]["watchdog"]["op_timeout_s"])
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """The recovery timelines the job wrote, one per recovered generation."""
+        return [json.loads(p.read_text()) for p in sorted(self.run_dir.glob("timeline-gen*.json"))]
+
+
+class JobTimeout(TimeoutError):
+    """The job ran past its deadline and was killed."""
+
+    def __init__(self, job: JobRun, timeout_s: float, tail: str) -> None:
+        super().__init__(f"still running after {timeout_s:.0f} s (killed); see {job.proc_logs}\n{tail}")
+        self.job, self.timeout_s, self.tail = job, timeout_s, tail
+
+
+def job_config(spec: JobSpec, job: JobRun) -> dict[str, Any]:
+    """The spec's config with every path pointed into the job's directory, then its overrides."""
+    cfg: dict[str, Any] = json.loads(spec.config.read_text())
+    swift = cfg.setdefault("swift", {})
+    swift["enabled"] = True
+    swift.setdefault("checkpoint", {})["dir"] = str(job.ckpt_dir)
+    swift.setdefault("logging", {})["storage"] = f"file://{job.dir / 'swift-logs'}"
+    swift["run_dir"] = str(job.run_dir)
+    for key, value in spec.swift.items():
+        if isinstance(value, Mapping):
+            swift.setdefault(key, {}).update(value)
+        else:
+            swift[key] = value
+    return cfg
+
+
+def launcher_argv(spec: JobSpec, job: JobRun, config_path: Path) -> list[str]:
+    argv = [
+        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(job.run_dir), "--nnodes", str(spec.nnodes),
+        "--nproc-per-node", str(spec.nproc_per_node), *spec.launcher_args, str(spec.script),
+        "--deepspeed_config", str(config_path), "--train-iters", str(spec.iterations),
+    ]  # fmt: skip
+    if spec.save:
+        argv += ["--save", str(job.save_dir)]
+    if spec.loss_log:
+        argv += ["--loss-log", str(job.loss_log)]
+    return [*argv, *spec.script_args]
+
+
+def run_job(
+    directory: str | Path,
+    spec: JobSpec,
+    timeout_s: float,
+    on_poll: Callable[[JobRun], None] | None = None,
+) -> JobRun:
+    """Run one job to its end and return how it ended (a non-zero exit is the caller's to judge).
+
+    Args:
+        directory: the job's directory (created; what is in it already stays).
+        spec: what to run.
+        timeout_s: deadline for the whole job.
+        on_poll: called about every 0.2 s while the job runs (progress display).
+
+    Raises:
+        JobTimeout: past the deadline; the whole process tree is killed.
+    """
+    job = JobRun(Path(directory), spec.iterations)
+    job.dir.mkdir(parents=True, exist_ok=True)
+    job.config = job_config(spec, job)
+    config_path = job.dir / "ds_config.json"
+    config_path.write_text(json.dumps(job.config, indent=2))
+    start = time.monotonic()
+    with ProcessSet(job.proc_logs) as procs:
+        proc = procs.spawn("launcher", launcher_argv(spec, job, config_path), env=worker_env(spec.env), cwd=job.dir)
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                job.output = procs.logs_tail(60)
+                raise JobTimeout(job, timeout_s, job.output)
+            if on_poll is not None:
+                on_poll(job)
+            time.sleep(0.2)
+        job.code = proc.returncode
+        job.seconds = time.monotonic() - start
+        job.output = procs.log("launcher")
+    return job
+
+
+# ---------------------------------------------------------------------------- DeepSpeed's first start
+_SHM_BUILD = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+
+
+def deepspeed_shm_op_built() -> bool:
+    """Whether DeepSpeed's shm comm op is already built (its first start on a machine builds it, ~40 s)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so").exists()
+    except Exception:  # noqa: BLE001 - a private helper; without it just build (fast when cached)
+        return False
+
+
+def build_deepspeed_shm_op(log_dir: str | Path, timeout_s: float = 600.0) -> None:
+    """Build (or load the cached build of) DeepSpeed's shm comm op in a child process, so that the
+    first job's ranks do not each spend their start-up deadline compiling it."""
+    with ProcessSet(log_dir) as procs:
+        procs.spawn_python("warm", ["-c", _SHM_BUILD], env=worker_env())
+        if procs.wait("warm", timeout_s) != 0:
+            raise RuntimeError(f"building DeepSpeed's shm comm op failed:\n{procs.log('warm')[-3000:]}")

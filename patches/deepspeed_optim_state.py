@@ -1,0 +1,221 @@
+"""What each DeepSpeed optimizer wrapper holds of a rank's training state, read and written locally.
+
+A survivor keeps its optimizer state across the in-process rebuild, a donor sends it, a buddy
+holds a copy of it: all three need the wrapper's state as plain tensors plus JSON-able scalars,
+taken WITHOUT a collective (at teardown the process groups are broken) and put into a freshly
+built wrapper of the same geometry. DeepSpeed's own ``state_dict()`` pickles loss-scaler objects
+and its ``load_state_dict`` expects checkpoint lists, so this reads the attributes directly.
+
+Per wrapper (DeepSpeed 0.19.8 attribute names):
+
+- ``torch``: ZeRO-0 fp32, the engine's optimizer is the torch optimizer (masters = module params);
+- ``bf16``: ``BF16_Optimizer``: ``fp32_groups_flat_partition`` (this data-parallel rank's slice);
+- ``zero``: ``DeepSpeedZeroOptimizer`` stage 1: ``single_partition_of_fp32_groups`` + ``loss_scaler``;
+- ``fp16``: ``FP16_Optimizer`` (fused): ``fp32_groups_flat`` + ``loss_scale_config``;
+- ``fp16_unfused``: ``FP16_UnfusedOptimizer``: ``fp32_groups`` + ``loss_scale_config``.
+
+The inner torch optimizer's ``state_dict()`` (moments, step, hyper-parameters) goes along as is.
+After loading, :func:`refresh_lp_params` rebuilds the low-precision parameters from the masters:
+for ``bf16``/``zero`` that is DeepSpeed's ``update_lp_params`` (an all-gather over the new
+generation's data-parallel group, the same call the failure-free step ends with, so bitwise the
+same result): every rank must call it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import deepspeed
+import torch
+
+from ds_swift.patches._base import check_version
+
+__all__ = [
+    "GeometryError",
+    "UnsupportedWrapper",
+    "capture_optimizer",
+    "geometry_of",
+    "is_partitioned",
+    "kind_of",
+    "load_optimizer",
+    "optimizer_payload",
+    "refresh_lp_params",
+]
+
+_DS_RANGE = ("0.19.0", "0.20.0")
+#: wrapper attributes that are per-step state (the undo record restores the same ones)
+_FLAGS = ("overflow", "_global_grad_norm", "clip_grad")
+
+
+class UnsupportedWrapper(RuntimeError):
+    """An optimizer wrapper whose state ds-swift cannot read or write (ZeRO 2/3, CPU offload)."""
+
+
+class GeometryError(RuntimeError):
+    """The state to load was taken from a wrapper of another shape (partition sizes, ids, params)."""
+
+
+def kind_of(opt: Any) -> str:
+    """``torch``, ``bf16``, ``zero``, ``fp16`` or ``fp16_unfused`` (raises UnsupportedWrapper)."""
+    check_version("deepspeed", deepspeed.__version__, *_DS_RANGE)
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(opt, torch.optim.Optimizer):
+        return "torch"
+    if isinstance(opt, BF16_Optimizer):
+        return "bf16"
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        if opt.partition_gradients or opt.cpu_offload:
+            raise UnsupportedWrapper("ZeRO stage 2 / CPU offload: survivors cannot keep its state across the rebuild")
+        return "zero"
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        return "fp16_unfused"
+    if isinstance(opt, FP16_Optimizer):
+        return "fp16"
+    raise UnsupportedWrapper(f"{type(opt).__name__}: survivors cannot keep its state across the rebuild")
+
+
+def _masters(opt: Any, kind: str) -> list[torch.Tensor]:
+    if kind == "bf16":
+        return list(opt.fp32_groups_flat_partition)
+    if kind == "zero":
+        return list(opt.single_partition_of_fp32_groups)
+    if kind == "fp16":
+        return list(opt.fp32_groups_flat)
+    if kind == "fp16_unfused":
+        return [t for group in opt.fp32_groups for t in group]
+    return []  # torch: the module's parameters are the masters
+
+
+def _scalers(opt: Any, kind: str) -> list[Any]:
+    # The same objects, in the same order, as ds_swift.undo.engine's record of the step keeps.
+    if kind == "zero":
+        return [opt.loss_scaler]
+    if kind in ("fp16", "fp16_unfused"):
+        return [opt.loss_scale_config]
+    return []
+
+
+def _partitions(opt: Any, kind: str) -> list[list[int]]:
+    """[partition id, partition count] per parameter group (local: no collective)."""
+    if kind not in ("bf16", "zero"):
+        return []
+    import deepspeed.comm as dscomm
+
+    return [
+        [int(dscomm.get_rank(group=g)), int(n)]
+        for g, n in zip(opt.real_dp_process_group, opt.partition_count, strict=True)
+    ]
+
+
+def is_partitioned(opt: Any) -> bool:
+    """Whether each data-parallel rank holds only its own slice of the optimizer state (ZeRO-1 and
+    BF16_Optimizer with more than one data-parallel rank): a replica cannot donate it."""
+    if opt is None:
+        return False
+    try:
+        kind = kind_of(opt)
+    except UnsupportedWrapper:
+        return False
+    return kind in ("bf16", "zero") and any(int(n) > 1 for n in opt.partition_count)
+
+
+def geometry_of(opt: Any) -> dict[str, Any]:
+    """The shape a loaded state must match: kind, master sizes, partition ids and counts."""
+    kind = kind_of(opt)
+    inner = opt if kind == "torch" else opt.optimizer
+    return {
+        "kind": kind,
+        "masters": [int(t.numel()) for t in _masters(opt, kind)],
+        "partitions": _partitions(opt, kind),
+        "params": [[list(p.shape) for p in g["params"]] for g in inner.param_groups],
+    }
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, bool | int | float | str | torch.dtype | torch.Tensor) or value is None:
+        return True
+    return isinstance(value, list | tuple) and all(_plain(v) for v in value)
+
+
+def capture_optimizer(opt: Any) -> dict[str, Any]:
+    """This rank's optimizer state by reference (masters and the inner optimizer), plus copies of
+    the scalars (loss scaler, flags). No collective: safe on broken process groups.
+
+    Call :func:`optimizer_payload` on the result to read the state (after any undo).
+    """
+    kind = kind_of(opt)
+    return {
+        "geometry": geometry_of(opt),
+        "masters": _masters(opt, kind),
+        "inner": opt if kind == "torch" else opt.optimizer,
+        "scalers": [{k: copy.deepcopy(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
+        "flags": {k: copy.deepcopy(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
+    }
+
+
+def optimizer_payload(captured: dict[str, Any]) -> dict[str, Any]:
+    """The state to send or load: tensors (by reference) and JSON-able scalars."""
+    return {
+        "geometry": captured["geometry"],
+        "masters": list(captured["masters"]),
+        "inner": captured["inner"].state_dict(),
+        "scalers": captured["scalers"],
+        "flags": captured["flags"],
+    }
+
+
+def load_optimizer(opt: Any, payload: dict[str, Any]) -> None:
+    """Put ``payload`` (from :func:`optimizer_payload`, possibly of another rank) into ``opt``.
+
+    Raises:
+        GeometryError: the payload was taken from a wrapper of another kind or shape (another
+            partition, other parameter shapes): loading it would silently train on wrong state.
+    """
+    want = geometry_of(opt)
+    got = payload["geometry"]
+    if got != want:
+        diff = {k: (got.get(k), want[k]) for k in want if got.get(k) != want[k]}
+        raise GeometryError(f"optimizer state of another geometry (got, expected): {diff}")
+    kind = want["kind"]
+    with torch.no_grad():
+        for dst, src in zip(_masters(opt, kind), payload["masters"], strict=True):
+            dst.copy_(src.reshape(dst.shape))
+    inner = opt if kind == "torch" else opt.optimizer
+    inner.load_state_dict(payload["inner"])
+    for scaler, saved in zip(_scalers(opt, kind), payload["scalers"], strict=True):
+        vars(scaler).update(copy.deepcopy(saved))
+    for name, value in payload["flags"].items():
+        setattr(opt, name, copy.deepcopy(value))
+    link = getattr(opt, "_link_all_hp_params", None)
+    if callable(link):
+        link()  # the hp mappings point at the optimizer state dict that load_state_dict replaced
+
+
+def refresh_lp_params(opt: Any) -> None:
+    """Rebuild the low-precision model parameters from the fp32 masters. For ``bf16``/``zero`` an
+    all-gather over the data-parallel group: every rank of the generation calls it."""
+    if opt is None:
+        return
+    kind = kind_of(opt)
+    if kind in ("bf16", "zero"):
+        opt.update_lp_params()
+        if kind == "zero":
+            for i in range(len(opt.bit16_groups)):
+                opt._update_model_bit16_weights(i)
+    elif kind in ("fp16", "fp16_unfused"):
+        with torch.no_grad():
+            if kind == "fp16":
+                for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat, strict=True):
+                    offset = 0
+                    for lp in lp_group:
+                        lp.data.copy_(flat[offset : offset + lp.numel()].view_as(lp))
+                        offset += lp.numel()
+            else:
+                for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
+                    for lp, hp in zip(lp_group, hp_group, strict=True):
+                        lp.data.copy_(hp.data)

@@ -1,0 +1,127 @@
+"""Recovery in the configuration users run (issue 12): bf16/fp16 + ZeRO-1, DeepSpeed's wrappers,
+clipping and an LR schedule, under ds-swift-launch with real processes and a real SIGKILL.
+
+Each test kills a machine and checks that the job ends with exit code 0, that the timeline names
+the strategy (buddy copies of the lost ZeRO-1 partitions), that no survivor loaded a checkpoint,
+and that the final DeepSpeed checkpoint (parameters and optimizer state, fp32 master partitions
+included) is bitwise equal to a failure-free run's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+#: the example with fp16 allowed on DeepSpeed's CPU accelerator (GPU jobs need no such thing)
+FP16_WORKER = Path(__file__).parent / "workers" / "fp16_cpu_worker.py"
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+ITERS = 12
+JOB_DEADLINE_S = 180.0
+#: fp16 with a loss scale that overflows now and then: grows every 2 clean steps, from 2^14
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 14, "loss_scale_window": 2, "hysteresis": 1,
+        "min_loss_scale": 1}  # fmt: skip
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+
+def fp16_config(tmp: Path) -> Path:
+    cfg = json.loads(BF16.read_text())
+    del cfg["bf16"]
+    cfg["fp16"] = FP16
+    path = tmp / "gpt_tiny_pp2_dp2_fp16_zero1.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def launch(
+    tmp: Path,
+    config: Path,
+    launcher_args: list[str],
+    swift: dict[str, Any] | None = None,
+    nnodes: int = 2,
+    script: Path = EXAMPLE,
+) -> JobRun:
+    spec = JobSpec(script, config, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes)
+    return run_job(tmp, spec, JOB_DEADLINE_S)
+
+
+def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    diff = compare_tensors(reference, got)
+    assert diff.bitwise_equal, diff.describe()
+
+
+def optimizer_files(tag: Path) -> list[str]:
+    return sorted(p.name for p in tag.glob("*optim_states.pt"))
+
+
+def one_recovery(job: JobRun) -> dict[str, Any]:
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    return tl
+
+
+@pytest.fixture(scope="module")
+def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
+    run = launch(tmp_path_factory.mktemp("bf16-baseline"), BF16, [])
+    assert run.code == 0, run.output[-6000:]
+    assert not run.timelines()
+    # The optimizer state (fp32 master partitions of BF16_Optimizer) is part of the comparison.
+    assert optimizer_files(run.final_tag), list(run.final_tag.iterdir())
+    return run
+
+
+def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, bf16_baseline: JobRun) -> None:
+    """pp 2 x dp 2, the replicas on the other machine; machine 1 dies in iteration 7's backward."""
+    job = launch(tmp_path, BF16, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"])
+    tl = one_recovery(job)
+    assert tl["strategy"] == "buddy", tl["reason"]
+    assert tl["failed_machine"] == 1 and tl["consensus"] == 6 and tl["undo_ranks"] == []
+    assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
+    assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
+
+
+def test_fp16_zero1_with_a_skipped_step_recovers_bitwise(tmp_path: Path, warm_deepspeed: None) -> None:
+    """fp16 + ZeRO-1 with dynamic loss scaling; a loss-scale overflow skips a step between the last
+    checkpoint (after iteration 4) and the kill (iteration 7)."""
+    config = fp16_config(tmp_path)
+    reference = launch(tmp_path / "reference", config, [], swift={"checkpoint": {"interval": 1}}, script=FP16_WORKER)
+    assert reference.code == 0, reference.output[-6000:]
+    skipped = [
+        int(torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["skipped_steps"])
+        for tag in (reference.ckpt_dir / "global_step5", reference.ckpt_dir / "global_step7")
+    ]
+    print(f"skipped steps after 5 and 7 iterations: {skipped}")
+    assert skipped[1] > skipped[0], f"no overflow between iterations 5 and 7: skipped_steps {skipped}"
+    inject = ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"]
+    job = launch(tmp_path / "killed", config, inject, script=FP16_WORKER)
+    tl = one_recovery(job)
+    assert tl["strategy"] == "buddy", tl["reason"]
+    assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    assert_bitwise_equal(checkpoint_tensors(reference.final_tag), checkpoint_tensors(job.final_tag))
+
+
+def test_losing_a_rank_and_its_only_buddy_falls_back_to_the_checkpoint(tmp_path: Path, warm_deepspeed: None) -> None:
+    """4 machines of one rank: rank 0's only buddy is rank 2 (its data-parallel peer). Both machines
+    die at the start of iteration 7: the partition is gone, and the job says so and reloads."""
+    # Two cold replacements start at once on a busy host: the survivors' group creation (megatron's
+    # model-parallel groups, op timeout) must outwait them.
+    swift = {"machines": {"gpus_per_node": 1, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 60.0}}
+    inject = "machine=0,iteration=7,phase=forward;machine=2,iteration=7,phase=forward"
+    job = launch(tmp_path, BF16, ["--spares", "2", "--inject", inject], swift=swift, nnodes=4)
+    assert job.code == 0, job.output[-6000:]
+    timelines = job.timelines()
+    assert timelines, job.output[-4000:]
+    tl = timelines[0]
+    assert tl["strategy"] == "checkpoint", tl["reason"]
+    assert "no buddy copy of the optimizer partition of rank(s) [0, 2] survived" in tl["reason"]
+    assert "checkpoint fallback" in job.output

@@ -1,0 +1,170 @@
+"""What survivors keep, donors send and buddies hold, for each DeepSpeed optimizer wrapper
+(ds_swift.patches.deepspeed_optim_state): a one-rank gloo world, real DeepSpeed engines."""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_swift.patches.deepspeed_optim_state import (
+    GeometryError,
+    capture_optimizer,
+    is_partitioned,
+    kind_of,
+    load_optimizer,
+    optimizer_payload,
+    refresh_lp_params,
+)
+from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.replication import decode, encode, flat_sizes, recv_state, send_state
+
+CONFIGS = {
+    "torch": {},
+    # BF16_Optimizer: ZeRO-1 with fp32 gradient accumulation (what the pipeline engine builds)
+    "bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+    "zero": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
+    "fp16_unfused": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[None]:
+    from ds_swift.patches.cpu_fp16 import allow_cpu_fp16
+
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed's engine asserts it is set
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with allow_cpu_fp16():
+            yield
+    finally:
+        dist.destroy_process_group()
+        if saved is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = saved
+
+
+def engine(kind: str, hidden: int = 8, steps: int = 2) -> Any:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
+        **CONFIGS[kind],
+    }
+    eng, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+    dtype = next(eng.module.parameters()).dtype
+    for i in range(steps):
+        x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(i)).to(dtype)
+        loss = eng(x).float().pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+    return eng
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (set(a), set(b))
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+class Wire:
+    def __init__(self) -> None:
+        self.q: collections.deque[torch.Tensor] = collections.deque()
+
+    def send(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.q.append(t.clone())
+
+    def recv(self, t: torch.Tensor, src: int, group: Any = None) -> None:
+        t.copy_(self.q.popleft())
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))  # ZeRO-1 bf16 without fp32 accumulation is "zero" too
+def test_a_wrappers_state_moves_into_a_fresh_engine_bitwise(world: None, kind: str) -> None:
+    trained, fresh = engine(kind), engine(kind, steps=0)
+    assert kind_of(trained.optimizer) == kind and not is_partitioned(trained.optimizer)  # dp = 1
+    wire = Wire()
+    send_state(optimizer_payload(capture_optimizer(trained.optimizer)), 1, send=wire.send)  # tensor-only
+    load_optimizer(fresh.optimizer, recv_state(0, recv=wire.recv))
+    refresh_lp_params(fresh.optimizer)
+    assert_same(
+        optimizer_payload(capture_optimizer(trained.optimizer)), optimizer_payload(capture_optimizer(fresh.optimizer))
+    )
+    for p, q in zip(trained.module.parameters(), fresh.module.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_another_geometry_is_refused_loudly(world: None) -> None:
+    payload = optimizer_payload(capture_optimizer(engine("bf16").optimizer))
+    with pytest.raises(GeometryError, match="masters"):
+        load_optimizer(engine("bf16", hidden=6, steps=0).optimizer, payload)
+    with pytest.raises(GeometryError, match="kind"):
+        load_optimizer(engine("zero", steps=0).optimizer, payload)
+
+
+def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: None) -> None:
+    from ds_swift.undo import attach_to_engine
+
+    eng = engine("zero", steps=1)
+    handle = attach_to_engine(eng)
+    before = optimizer_payload(capture_optimizer(eng.optimizer))
+    before = decode(*_copy(before))
+    scale_before = eng.optimizer.loss_scaler.cur_scale
+    x = torch.randn(2, 8).half()
+    eng.backward(eng(x).float().pow(2).mean())
+    eng.step()
+    kept = KeptState.capture(eng, handle)
+    assert kept.last_stepped == 1 and kept.can_undo, kept.undo_blocker()
+    kept.undo_to(0)
+    after = optimizer_payload(kept.optimizer)
+    assert kept.optimizer["scalers"][0]["cur_scale"] == scale_before
+    for a, b in zip(after["masters"], before["masters"], strict=True):
+        assert float((a - b).detach().abs().max()) <= 1e-6 * max(1.0, float(b.detach().abs().max()))
+    fresh = engine("zero", steps=0)
+    kept.restore(fresh, 0, undo=False, timeline=_Timeline(), log=lambda _: None)
+    assert fresh.global_steps == 1 and fresh.optimizer.loss_scaler.cur_scale == scale_before
+
+
+def _copy(payload: Any) -> tuple[bytes, dict[torch.dtype, torch.Tensor]]:
+    manifest, tensors = encode(payload)
+    flats = {d: torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]).clone() for d in flat_sizes(manifest)}
+    return manifest, flats
+
+
+class _Timeline:
+    undone_from: int | None = None
+    t_undone: float | None = None
+
+
+def test_the_wire_format_carries_no_pickle() -> None:
+    manifest, _ = encode({"a": (1, 2.5, None), 3: torch.zeros(2), "dt": torch.bfloat16})
+    assert manifest.startswith(b"{")  # JSON
+    with pytest.raises(TypeError, match="tensors and JSON scalars only"):
+        encode({"obj": object()})

@@ -1,0 +1,113 @@
+"""The recovery-strategy registry (ds_swift.recovery.base/registry): chosen by capability and cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.registry import STRATEGIES, plan_recovery
+
+
+def pipeline_only(lost_machine: int = 1, last: int = 11) -> list[RankReport]:
+    """pp 4 on 2 machines, one replica: a lost machine's stages have no donor anywhere."""
+    return [
+        RankReport(rank=r, survivor=r // 2 != lost_machine, stage=r, dp=0, tp=0, machine=r // 2,
+                   last_stepped=-1 if r // 2 == lost_machine else last, can_undo=True)
+        for r in range(4)
+    ]  # fmt: skip
+
+
+class SnapshotStrategy(RecoveryStrategy):
+    """A dummy: restores any lost rank whose stage is in ``stages``, at a given cost."""
+
+    name = "snapshot"
+
+    def __init__(self, stages: set[int], cost: float) -> None:
+        self.stages, self.cost = stages, cost
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        missing = sorted({inputs.by_rank[r].stage for r in inputs.replacements} - self.stages)
+        return f"no snapshot of stage(s) {missing}" if missing else None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return self.cost
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        return inputs.plan(self.name, "every lost stage has a snapshot")
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        return RecoveryOutcome(plan, plan.consensus + 1)
+
+
+def test_the_defaults_are_ordered_by_cost_with_the_checkpoint_last() -> None:
+    inputs = RecoveryInputs.agree(pipeline_only(), checkpoint_step=8)
+    assert [s.name for s in STRATEGIES.candidates(inputs)] == ["replication", "buddy", "logging"]
+    assert STRATEGIES.names()[-1] == "checkpoint"
+
+
+def test_a_registered_strategy_is_chosen_by_capability_and_cost() -> None:
+    registry = STRATEGIES.copy()
+    registry.register(SnapshotStrategy({2, 3}, cost=0.5))  # the one line a new strategy needs
+    setup = LoggingSetup(frozenset(range(4)), ((0,), (1,)), checkpoint_step=8)
+    # Replication cannot (no replica); the snapshot can, and costs less than the replay.
+    plan = plan_recovery(pipeline_only(), logging=setup, registry=registry)
+    assert plan.strategy == "snapshot"
+    assert plan.reason == (
+        "no surviving data-parallel replica of stage(s) [2, 3] (ranks [2, 3]); the optimizer state is not "
+        "partitioned (no buddy copies are kept): every lost stage has a snapshot"
+    )
+    assert plan.consensus == 11 and plan.replacements == (2, 3)
+    # Dearer than the replay: the replay goes first.
+    costly = STRATEGIES.copy()
+    costly.register(SnapshotStrategy({2, 3}, cost=1e9))
+    assert plan_recovery(pipeline_only(), logging=setup, registry=costly).strategy == "logging"
+    # Unable (stage 3 has no snapshot) and no log: the checkpoint, with every reason.
+    unable = STRATEGIES.copy()
+    unable.register(SnapshotStrategy({2}, cost=0.5))
+    plan = plan_recovery(pipeline_only(), registry=unable)
+    assert plan.strategy == "checkpoint"
+    assert "no snapshot of stage(s) [3]" in plan.reason and "logging-based recovery is not set up" in plan.reason
+    # Forced: only it is asked (then the checkpoint).
+    assert plan_recovery(pipeline_only(), forced="snapshot", registry=registry).strategy == "snapshot"
+    plan = plan_recovery(pipeline_only(), forced="snapshot", registry=unable)
+    assert plan.strategy == "checkpoint"
+    assert plan.reason == 'the config forces strategy "snapshot"; no snapshot of stage(s) [3]'
+
+
+def test_a_name_is_registered_once_and_an_unknown_forced_name_is_refused() -> None:
+    class Imposter(SnapshotStrategy):
+        name = "logging"
+
+    with pytest.raises(ValueError, match="registered already"):
+        STRATEGIES.copy().register(Imposter(set(), 0.0))
+    with pytest.raises(ValueError, match="unknown recovery strategy 'fast'"):
+        plan_recovery(pipeline_only(), forced="fast")
+
+
+def test_reasons_two_strategies_share_are_said_once() -> None:
+    reports = pipeline_only()
+    plan = plan_recovery(reports, zero_stage=1, logging=LoggingSetup(frozenset(range(4))))
+    assert plan.strategy == "checkpoint"
+    assert plan.reason.count("ZeRO stage 1") == 1
+
+
+def test_the_consensus_is_pure_and_order_free() -> None:
+    reports = pipeline_only()
+    reports[1] = RankReport(rank=1, survivor=True, stage=1, dp=0, tp=0, machine=0, last_stepped=12, can_undo=True)
+    inputs = RecoveryInputs.agree(reversed(reports))
+    assert inputs.consensus == 11 and inputs.undo == (1,) and inputs.cannot_undo == ()
+    assert inputs.survivors == (0, 1) and inputs.replacements == (2, 3) and inputs.failed_machines == {1}
+    assert inputs == RecoveryInputs.agree(reports)
+    far = RecoveryInputs.agree(
+        [*reports[:1], RankReport(1, True, 1, 0, 0, 0, last_stepped=13, can_undo=True), *reports[2:]]
+    )
+    assert far.cannot_undo == (1,) and "cannot undo" in (far.keep_blocker() or "")
+
+
+def test_forced_logging_with_nobody_lost_keeps_the_survivors() -> None:
+    reports = [RankReport(rank=r, survivor=True, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=5, can_undo=True)
+               for r in range(4)]  # fmt: skip
+    plan = plan_recovery(reports, forced="logging", logging=LoggingSetup(frozenset(range(4))))
+    assert plan.strategy == "logging" and plan.replay_ranks == () and list(plan.replay_iterations) == []
+    assert plan_recovery(reports).strategy == "replication"

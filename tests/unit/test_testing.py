@@ -1,0 +1,51 @@
+"""The test scaffolding in ds_swift.testing: job configs and checkpoint comparison (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ds_swift.testing.checkpoints import compare_tensors, tensors_of
+from ds_swift.testing.jobs import JobRun, JobSpec, job_config, launcher_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
+
+
+def test_job_config_keeps_everything_in_the_job_directory(tmp_path: Path) -> None:
+    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", PP4, 12,
+                   swift={"checkpoint": {"interval": 1}, "strategy": "checkpoint"})  # fmt: skip
+    job = JobRun(tmp_path / "job", spec.iterations)
+    cfg = job_config(spec, job)
+    swift = cfg["swift"]
+    assert swift["checkpoint"] == {"dir": str(job.ckpt_dir), "interval": 1}  # merged one level deep
+    assert swift["logging"]["storage"] == f"file://{job.dir / 'swift-logs'}"
+    assert swift["logging"]["chunk_iterations"] == json.loads(PP4.read_text())["swift"]["logging"]["chunk_iterations"]
+    assert swift["run_dir"] == str(job.run_dir) and swift["strategy"] == "checkpoint" and swift["enabled"]
+
+
+def test_launcher_argv_passes_save_loss_log_and_script_args_last(tmp_path: Path) -> None:
+    spec = JobSpec(Path("train.py"), PP4, 5, ["--spares", "1"], ["--dropout", "0.1"], loss_log=True, nnodes=4,
+                   nproc_per_node=1)  # fmt: skip
+    job = JobRun(tmp_path, 5)
+    argv = launcher_argv(spec, job, tmp_path / "ds_config.json")
+    i = argv.index("train.py")
+    assert argv[i - 2 : i] == ["--spares", "1"] and argv[argv.index("--nnodes") + 1] == "4"
+    assert argv[argv.index("--save") + 1] == str(job.save_dir) and argv[argv.index("--loss-log") + 1] == str(job.loss_log)
+    assert argv[-2:] == ["--dropout", "0.1"]
+    assert "--save" not in launcher_argv(JobSpec(Path("t.py"), PP4, 5, save=False), job, tmp_path / "c.json")
+    assert job.final_tag == tmp_path / "final" / "global_step5"
+
+
+def test_compare_tensors_reports_what_differs() -> None:
+    a = tensors_of({"module": {"w": torch.ones(3), "b": torch.zeros(2)}, "steps": [torch.tensor(4)]}, "m.pt")
+    assert sorted(a) == ["m.pt/module/b", "m.pt/module/w", "m.pt/steps[0]"]
+    same = compare_tensors(a, {k: v.clone() for k, v in a.items()})
+    assert same.bitwise_equal and same.max_gap == 0.0 and "bitwise equal (3 tensors)" in same.describe()
+    b = dict(a, **{"m.pt/module/w": torch.tensor([1.0, 1.5, 1.0]), "m.pt/module/b": -torch.zeros(2)})
+    diff = compare_tensors(a, b)
+    assert [n for n, _ in diff.differing] == ["m.pt/module/b", "m.pt/module/w"]  # -0.0 differs from 0.0 in bits
+    assert diff.max_gap == 0.5 and "2 of 3 tensors differ" in diff.describe()
+    assert not compare_tensors({}, {}).bitwise_equal  # nothing compared proves nothing
