@@ -29,6 +29,7 @@ failed, wakes its pipeline neighbours (poison + their receive check) and raises 
 from __future__ import annotations
 
 import base64
+import functools
 import gc
 import json
 import sys
@@ -235,6 +236,23 @@ def _summary(stats: Any) -> dict[str, Any]:
     return out
 
 
+def _check_answer(
+    engine: Any, plan: RecoveryPlan, rank: int, in_group: bool, recorded: bool, reader: Any, reader_error: Any,
+    rt: ReplayRuntime,
+) -> dict[str, Any]:
+    """This rank's answer in the check round: why the replay cannot run (empty: it can), and a
+    survivor's step-collective records for the replayers."""
+    answer: dict[str, Any] = {"why": []}
+    if in_group:
+        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
+        return answer
+    if rt.log_error is not None:
+        answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
+    if rt.recorder is not None:
+        answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
+    return answer
+
+
 def run_logging_recovery(
     *,
     store: JobStore,
@@ -271,14 +289,7 @@ def run_logging_recovery(
 
     # 1. the check round
     reader, reader_error = _open_reader(rt) if rank in group else (None, None)
-    answer: dict[str, Any] = {"why": []}
-    if rank in group:
-        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
-    else:
-        if rt.log_error is not None:
-            answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
-        if rt.recorder is not None:
-            answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
+    answer = _check_answer(engine, plan, rank, rank in group, recorded, reader, reader_error, rt)
     total = end - start + 1
     layout: ParallelReplayLayout | str | None = None
     if rt.parallel and total > 0:
@@ -315,25 +326,8 @@ def run_logging_recovery(
         if reader is None:
             _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
     if layout is not None:
-        resume = rt.host.suspend_logging() if rank in group else _noop
-        copy = build_copy_engine(engine, layout, rt.ds_config)  # every rank, collectively
-        try:
-            transfer_state(engine, copy, layout, start)
-            if replayer:
-                try:
-                    with replaying(rt.host), _progress(rt, total) as progress:
-                        pstats = parallel_replay(
-                            engine, copy, layout, reader, start, end, rt.batch_fn, progress,
-                            mode=rt.mode, seed=rt.seed, collectives=records,
-                        )  # fmt: skip
-                except (LogUnavailable, ReplayUnsupported) as exc:
-                    _fail(store, generation, rank, start, source, exc, rt)
-                if pstats is not None:
-                    summary = _summary(pstats)
-        finally:
-            copy = None  # a helper's copy of the failed stage goes now
-            gc.collect()
-            resume()
+        fail = functools.partial(_fail, store, generation, rank, start, source, rt=rt)
+        summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail)
     elif rank in group:
         try:
             with replaying(rt.host), _progress(rt, total) as progress:
@@ -358,7 +352,52 @@ def run_logging_recovery(
         "ranks": replayers,
         "parallel": rt.mode if layout is not None else None,
         "iterations": total,
+        **_totals(per_rank),
+    }
+
+
+def _totals(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The replay's figures over every replayer: the slowest one's wall time, the bytes read."""
+    return {
         "replay_s": max((s.get("wall_s", 0.0) for s in per_rank.values()), default=0.0),
         "log_bytes_read": sum(s.get("log_bytes_read", 0) for s in per_rank.values()),
         "per_rank": {str(r): s for r, s in per_rank.items()},
     }
+
+
+def _run_parallel(
+    engine: Any,
+    layout: ParallelReplayLayout,
+    reader: Any,
+    start: int,
+    end: int,
+    rt: ReplayRuntime,
+    records: Any,
+    replayer: bool,
+    in_group: bool,
+    fail: Callable[..., Any],
+) -> dict[str, Any]:
+    """Parallel recovery on this rank: every rank builds the copy engines collectively, the state
+    moves to the helpers, and the replayers replay their share. Returns this rank's summary."""
+    summary: dict[str, Any] = {}
+    resume = rt.host.suspend_logging() if in_group else _noop
+    copy = build_copy_engine(engine, layout, rt.ds_config)  # every rank, collectively
+    try:
+        transfer_state(engine, copy, layout, start)
+        if replayer:
+            pstats = None
+            try:
+                with replaying(rt.host), _progress(rt, end - start + 1) as progress:
+                    pstats = parallel_replay(
+                        engine, copy, layout, reader, start, end, rt.batch_fn, progress,
+                        mode=rt.mode, seed=rt.seed, collectives=records,
+                    )  # fmt: skip
+            except (LogUnavailable, ReplayUnsupported) as exc:
+                fail(exc)
+            if pstats is not None:
+                summary = _summary(pstats)
+    finally:
+        copy = None  # a helper's copy of the failed stage goes now
+        gc.collect()
+        resume()
+    return summary
