@@ -4,21 +4,35 @@ Every ``checkpoint.interval`` iterations all ranks call ``engine.save_checkpoint
 tag="global_step<N>")`` (N = iterations done). A checkpoint counts only once every rank has
 written its files: after DeepSpeed's save (which ends in a barrier) rank 0 writes a marker file
 ``swift_complete`` into the tag's directory. A failure in the middle of a save leaves no marker,
-and recovery skips that tag, so nobody loads half a checkpoint.
+and recovery skips that tag, so nobody loads half a checkpoint (a tag saved again first loses
+its old marker).
+
+Checkpoints belong to a job. The marker names the job that wrote it (:func:`job_id_for`: a hash
+of the launcher's job token, never the token itself), and recovery only loads checkpoints of its
+own job, never one newer than the iteration the survivors agreed on: a directory that still holds
+another run's ``global_step10`` cannot send a job back (or forward) to it. The one foreign
+checkpoint trusted is the one the job itself started from (``engine.load_checkpoint`` through the
+ds-swift engine records it as the job's *origin*). To resume a job in a later launch and keep its
+own checkpoints trusted, load one at start (the origin) or launch with the same ``--job-token``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["COMPLETE_MARKER", "CheckpointManager", "complete_checkpoints", "latest_complete", "tag_for"]
+__all__ = [
+    "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "job_id_for",
+    "latest_complete", "origin_of", "tag_for",
+]  # fmt: skip
 
 COMPLETE_MARKER = "swift_complete"
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -41,10 +55,57 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, st
     return sorted(found)
 
 
-def latest_complete(ckpt_dir: str | os.PathLike[str], at_most: int | None = None) -> tuple[int, str] | None:
-    """The newest complete checkpoint (with at most ``at_most`` iterations done, if given)."""
-    found = [c for c in complete_checkpoints(ckpt_dir) if at_most is None or c[0] <= at_most]
+def latest_complete(
+    ckpt_dir: str | os.PathLike[str], at_most: int | None = None, job: str | None = None
+) -> tuple[int, str] | None:
+    """The newest complete checkpoint (with at most ``at_most`` iterations done, and written by
+    job ``job``, where given)."""
+    found = [
+        c for c in complete_checkpoints(ckpt_dir)
+        if (at_most is None or c[0] <= at_most) and (job is None or checkpoint_job(ckpt_dir, c[1]) == job)
+    ]  # fmt: skip
     return found[-1] if found else None
+
+
+def job_id_for(token: str | None) -> str | None:
+    """The job id stamped in checkpoints: a hash of the job token (the token may be a secret)."""
+    return None if token is None else "job-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def checkpoint_job(ckpt_dir: str | os.PathLike[str], tag: str) -> str | None:
+    """The job id a complete checkpoint's marker names (None: written without one, or unreadable)."""
+    try:
+        doc = json.loads((Path(ckpt_dir) / tag / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("job") if isinstance(doc, dict) and isinstance(doc.get("job"), str) else None
+
+
+def origin_of(engine: Any) -> Origin | None:
+    """The checkpoint a DeepSpeed pipeline engine was loaded from before ds-swift wrapped it (the
+    script's ``--load``), read from the path the engine keeps for its layer files; None if none."""
+    path = getattr(engine, "_curr_ckpt_path", None)
+    if not isinstance(path, str) or int(getattr(engine, "global_steps", 0)) <= 0:
+        return None
+    where = Path(path)
+    return Origin(str(where.parent), where.name, int(engine.global_steps))
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The checkpoint a job started from (loaded by the training script before its first iteration)."""
+
+    ckpt_dir: str
+    tag: str
+    iterations: int
+
+    def to_json(self) -> str:
+        return json.dumps({"dir": self.ckpt_dir, "tag": self.tag, "iterations": self.iterations})
+
+    @classmethod
+    def from_json(cls, text: str) -> Origin:
+        doc = json.loads(text)
+        return cls(str(doc["dir"]), str(doc["tag"]), int(doc["iterations"]))
 
 
 @dataclass
@@ -61,6 +122,13 @@ class CheckpointManager:
     interval: int
     rank: int
     last_saved: int = -1
+    job_id: str | None = None
+    """Stamped in every marker; recovery loads only this job's checkpoints (and :attr:`origin`)."""
+    origin: Origin | None = None
+    """The checkpoint the job started from, if it loaded one."""
+    save_timeout_s: float | None = None
+    """Op timeout of every process group while saving (None: leave them as they are)."""
+    _warned: set[str] = field(default_factory=set, repr=False)
 
     def due(self, iterations_done: int) -> bool:
         return iterations_done > 0 and iterations_done % self.interval == 0 and iterations_done != self.last_saved
@@ -73,30 +141,68 @@ class CheckpointManager:
         return self.save(engine)
 
     def save(self, engine: Any) -> str:
+        if self.save_timeout_s is None:
+            return self._save(engine)
+        from ds_swift.patches.deepspeed_rebuild import long_op_timeout
+
+        with long_op_timeout(self.save_timeout_s):
+            return self._save(engine)
+
+    def _save(self, engine: Any) -> str:
         done = int(engine.global_steps)
         tag = tag_for(done)
+        marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
+        if self.rank == 0:
+            # A tag saved again (after a recovery, or by an earlier run in this directory) is not
+            # complete while its files are rewritten.
+            marker.unlink(missing_ok=True)
+        dist.barrier()
         engine.save_checkpoint(self.ckpt_dir, tag=tag)
         # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every rank's.
         dist.barrier()
         if self.rank == 0:
-            marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
             tmp = marker.with_suffix(".tmp")
-            tmp.write_text(f"{done}\n")
+            tmp.write_text(json.dumps({"iterations": done, "job": self.job_id}) + "\n")
             os.replace(tmp, marker)
         self.last_saved = done
         return tag
 
+    def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
+        """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
+        job's own, or its origin, with at most ``at_most`` iterations done. Another job's
+        checkpoints in the directory are skipped, and said once each."""
+        own = [c for c in complete_checkpoints(self.ckpt_dir) if at_most is None or c[0] <= at_most]
+        found: list[tuple[int, str, str]] = []
+        for done, tag in own:
+            job = checkpoint_job(self.ckpt_dir, tag)
+            if job == self.job_id or self._is_origin(self.ckpt_dir, tag):
+                found.append((done, self.ckpt_dir, tag))
+            elif tag not in self._warned:
+                self._warned.add(tag)
+                print(
+                    f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} belongs to "
+                    f"{job or 'an unknown job (no job id in its marker)'}, not this job ({self.job_id}): not loaded",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+        o = self.origin
+        if o is not None and (at_most is None or o.iterations <= at_most):
+            found.append((o.iterations, o.ckpt_dir, o.tag))
+        return max(found, key=lambda c: c[0]) if found else None
+
+    def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
+        o = self.origin
+        return o is not None and o.tag == tag and Path(o.ckpt_dir).resolve() == Path(ckpt_dir).resolve()
+
     def load_latest(self, engine: Any, at_most: int | None = None) -> int | None:
-        """Load the newest complete checkpoint into ``engine``; returns its iterations done, or None."""
-        found = latest_complete(self.ckpt_dir, at_most)
+        """Load the newest checkpoint :meth:`latest` allows into ``engine``; returns its iterations
+        done, or None."""
+        found = self.latest(at_most)
         if found is None:
             return None
-        done, tag = found
-        load_path, _ = engine.load_checkpoint(
-            self.ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        done, where, tag = found
+        load_path, _ = engine.load_checkpoint(where, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {self.ckpt_dir}")
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {where}")
         if int(engine.global_steps) != done:
             print(
                 f"[ds-swift] checkpoint {tag} says global_steps={engine.global_steps}; using {done}",

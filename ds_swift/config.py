@@ -182,7 +182,15 @@ class CheckpointConfig:
     """Iterations between global checkpoints. Logs older than the last one are deleted,
     so this also bounds log storage."""
 
+    save_timeout_s: float = 1800.0
+    """Op timeout while a checkpoint is saved (DeepSpeed's barriers and ours wait for the slowest
+    writer): a slow shared filesystem is not a failure. ``watchdog.op_timeout_s`` applies again
+    once the save is done."""
+
     def __post_init__(self) -> None:
+        _check_type("checkpoint.save_timeout_s", self.save_timeout_s, (int, float), "a positive number of seconds")
+        if self.save_timeout_s <= 0:
+            raise _fail("checkpoint.save_timeout_s", self.save_timeout_s, "a positive number of seconds")
         _check_type("checkpoint.dir", self.dir, str, "a directory path")
         if not self.dir:
             raise _fail("checkpoint.dir", self.dir, "a non-empty directory path")

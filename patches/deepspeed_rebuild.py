@@ -37,6 +37,7 @@ from deepspeed.runtime.pipe import p2p
 from ds_swift.patches._base import PatchError, PatchHandle, check_version
 
 __all__ = [
+    "long_op_timeout",
     "release_process_groups",
     "patch_default_timeout",
     "patch_recv_check",
@@ -72,6 +73,46 @@ def patch_default_timeout(timeout_s: float) -> PatchHandle:
         del c10d._ds_swift_timeout_patched  # type: ignore[attr-defined]
 
     return PatchHandle("default_pg_timeout", restore)
+
+
+def _backends(group: Any) -> list[Any]:
+    out = []
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):
+            continue
+        if hasattr(backend, "options") and backend not in out:
+            out.append(backend)
+    return out
+
+
+def long_op_timeout(timeout_s: float) -> PatchHandle:
+    """Give every live process group an op timeout of ``timeout_s`` until the handle is removed
+    (then each gets its own back): a checkpoint save waits for its slowest writer, while the short
+    op timeout keeps applying to training.
+
+    torch sets a group's timeout through ``distributed_c10d._set_pg_timeout`` and keeps it in each
+    backend's ``options._timeout`` (measured on torch 2.13, gloo).
+    """
+    _check_versions()
+    c10d = dist.distributed_c10d
+    if not dist.is_initialized():
+        return PatchHandle("long_op_timeout", lambda: None)
+    groups = [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
+    before = [(g, [b.options._timeout for b in _backends(g)]) for g in groups]
+    longer = datetime.timedelta(seconds=timeout_s)
+    for g in groups:
+        c10d._set_pg_timeout(longer, g)
+
+    def restore() -> None:
+        for g, timeouts in before:
+            if g not in c10d._world.pg_map:
+                continue  # destroyed meanwhile (a failure during the save)
+            for backend, timeout in zip(_backends(g), timeouts, strict=False):
+                backend._set_default_timeout(timeout)
+
+    return PatchHandle("long_op_timeout", restore)
 
 
 def patch_recv_check(check: Callable[[], None]) -> PatchHandle:

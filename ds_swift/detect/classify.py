@@ -1,20 +1,32 @@
 """Failure classification: is an exception raised in training a dead peer, or a bug?
 
-A comm error (or a poisoned receive) ends the generation: the first rank to see it declares the
-failure in the job store, unless the node agent does first. Anything else is the user's error and
-is raised, as DeepSpeed alone would.
+An error is a failure of the generation when the job says so, not when its text looks like one:
+
+1. the failure flag of the generation is set (a node agent saw a worker die, a watchdog saw a
+   heartbeat stop), or the error is :class:`PeerFailure` (a receive after the flag was set);
+2. else an error that *may* come from a dead peer (a ``torch.distributed`` error type, or a
+   ``RuntimeError``/``OSError`` whose text is one gloo/NCCL use for a closed connection or a
+   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat is older than
+   the heartbeat timeout, which it declares. With neither within the heartbeat timeout, every
+   rank is alive and nothing failed: the error is raised as the job's own, with a note saying so;
+3. anything else is the job's own error and is raised at once, as DeepSpeed alone would.
+
+So a bug that raises ``RuntimeError("... timed out")`` surfaces as that bug, not as up to five
+recoveries.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ds_swift.detect.watchdog import declare_failure
 from ds_swift.membership import JobStore
 
-__all__ = ["COMM_ERROR_MARKERS", "PeerFailure", "classify_failure", "is_comm_error"]
+__all__ = ["COMM_ERROR_MARKERS", "Liveness", "PeerFailure", "classify_failure", "is_comm_error", "stale_ranks"]
 
 #: Substrings of the errors gloo/NCCL raise when a peer died or an op timed out.
 COMM_ERROR_MARKERS = (
@@ -36,31 +48,72 @@ class PeerFailure(RuntimeError):
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """True for the errors a dead peer or a timed-out op raises (matched by message, see the markers)."""
-    if isinstance(exc, PeerFailure):
+    """True for the errors a dead peer or a timed-out op may raise: torch.distributed's error types,
+    and RuntimeError/OSError with one of the markers in their text (gloo raises plain RuntimeErrors).
+    Only a candidate: :func:`classify_failure` wants evidence of a dead rank as well."""
+    if isinstance(exc, PeerFailure | dist.DistError):
         return True
-    if not isinstance(exc, RuntimeError | OSError | dist.DistError):
+    if not isinstance(exc, RuntimeError | OSError):
         return False
     text = str(exc)
     return any(m in text for m in COMM_ERROR_MARKERS)
 
 
-def classify_failure(exc: BaseException, store: JobStore | None, generation: int, poll_interval_s: float) -> str:
-    """How ``exc`` ended ``generation`` (declaring the failure if nobody has); re-raises ``exc``
-    when it is not a failure, or when there is no job store to recover with."""
+@dataclass(frozen=True)
+class Liveness:
+    """Which ranks' heartbeats show them alive (written by every worker's watchdog)."""
+
+    ranks: Sequence[int]
+    heartbeat_timeout_s: float
+    rank: int
+    """This worker's rank (named in what it declares)."""
+
+
+def stale_ranks(store: JobStore, liveness: Liveness, now: float | None = None) -> list[tuple[int, float]]:
+    """``(rank, seconds since its heartbeat)`` of every rank whose heartbeat is older than the
+    timeout (a rank without one yet is starting, not dead)."""
+    now = time.time() if now is None else now
+    out = []
+    for rank in liveness.ranks:
+        beat = store.last_heartbeat(rank)
+        if beat is not None and now - beat > liveness.heartbeat_timeout_s:
+            out.append((rank, now - beat))
+    return out
+
+
+def classify_failure(
+    exc: BaseException, store: JobStore | None, generation: int, poll_interval_s: float, liveness: Liveness | None = None
+) -> str:
+    """How ``exc`` ended ``generation`` (declaring the failure on evidence of a dead rank);
+    re-raises ``exc`` when it is not a failure, or when there is no job store to recover with.
+
+    ``liveness``: the ranks whose heartbeats count as evidence; without it (a worker whose
+    watchdog has not started) a possible comm error only waits for the flag."""
     if store is None:
         raise exc  # no job store, no recovery: fail as DeepSpeed alone would
     if store.failure(generation) is not None:
         return f"{type(exc).__name__} after the failure flag"
-    if is_comm_error(exc):
-        # Let the node agent speak first: a dead peer is usually seen by its agent within
-        # ~100 ms, and the rank that sees it first may be that peer's machine-mate, about to
-        # be killed mid-declaration (which would leave a half-written failure record).
-        deadline = time.monotonic() + max(0.5, 5 * poll_interval_s)
-        while time.monotonic() < deadline:
-            if store.failure(generation) is not None:
-                return f"comm error, failure declared: {str(exc)[:120]}"
-            time.sleep(0.01)
-        first = declare_failure(store, generation, f"rank {dist.get_rank()}: {type(exc).__name__}: {str(exc)[:200]}")
-        return f"comm error ({'declared' if first else 'already declared'}): {str(exc)[:120]}"
+    if isinstance(exc, PeerFailure):
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    if not is_comm_error(exc):
+        raise exc
+    # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
+    # else a dead rank's heartbeat goes stale within the heartbeat timeout.
+    patience = liveness.heartbeat_timeout_s + 3 * poll_interval_s if liveness is not None else 5 * poll_interval_s
+    deadline = time.monotonic() + max(0.5, patience)
+    while True:
+        if store.failure(generation) is not None:
+            return f"comm error, failure declared: {str(exc)[:120]}"
+        dead = stale_ranks(store, liveness) if liveness is not None else []
+        if dead and liveness is not None:
+            said = ", ".join(f"rank {r} (no heartbeat for {age:.1f} s)" for r, age in dead)
+            first = declare_failure(store, generation, f"rank {liveness.rank}: {type(exc).__name__} and {said}")
+            return f"comm error ({'declared' if first else 'already declared'}), {said}: {str(exc)[:120]}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(max(0.01, poll_interval_s / 2))
+    exc.add_note(
+        f"ds-swift: not a machine failure (no failure declared and every rank heartbeating for "
+        f"{patience:.1f} s): raised as the job's own error"
+    )
     raise exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ds_swift.detect.classify import PeerFailure, classify_failure
+from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
 from ds_swift.membership import JobStore, WorkerEnv
 
@@ -29,9 +29,11 @@ class FailureMonitor:
         self._poll_interval_s = poll_interval_s
         self._watchdog: Watchdog | None = None
         self._armed = True  # the recv check applies to the generation in force, not during a recovery
+        self._liveness: Liveness | None = None
 
     def start_watchdog(self, env: WorkerEnv, heartbeat_timeout_s: float, peers: Sequence[int]) -> None:
         """Start polling the failure flag (and heartbeating) on a store connection of its own."""
+        self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank)
         self._watchdog = Watchdog(
             lambda: JobStore.from_env(env),
             env.rank,
@@ -84,7 +86,7 @@ class FailureMonitor:
 
     def classify(self, exc: BaseException) -> str:
         """How ``exc`` ended the generation in force; re-raises it when it is not a failure."""
-        return classify_failure(exc, self.store, self._generation, self._poll_interval_s)
+        return classify_failure(exc, self.store, self._generation, self._poll_interval_s, self._liveness)
 
     def begin_recovery(self) -> float:
         """A survivor starts recovering: the recv check is off and the job's generation moved on.

@@ -23,6 +23,7 @@ from ds_swift.plan.analysis import STRATEGIES, Plan, analyze
 from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, GB, ModelShape
+from ds_swift.plan.update_logging import choose_for_plan, print_choices
 
 __all__ = ["build_plan", "register", "run"]
 
@@ -256,15 +257,22 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     js = plan.to_json()
     buddy = build_buddy_cost(args)
+    choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
+        plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
+        read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
+    )  # fmt: skip
     rec = _recommend(args, js) if args.recommend else None
     if args.json:
         js["buddy"] = buddy.to_json()
+        js["stage_logging"] = [r.to_json() for r in choices]
         if rec is not None:
             js["recommendation"] = rec
         print(json.dumps(js, indent=2))
     else:
         _print_tables(plan)
         _print_buddy(buddy)
+        if choices:
+            print_choices(choices)
         if rec is not None:
             from ds_swift.sim.plan_recommend import print_recommendation
 

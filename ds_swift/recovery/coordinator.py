@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_swift.checkpoint import CheckpointManager, latest_complete
+from ds_swift.checkpoint import CheckpointManager, Origin
 from ds_swift.membership import JobStore
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, loud
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs
@@ -104,13 +104,15 @@ def run_recovery(
     ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
     ``partitioned``: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
     """
-    latest = latest_complete(ckpt.ckpt_dir) if ckpt is not None else None
     store.publish(generation, "report", rank, report.to_json())
-    store.publish(generation, "ckpt", rank, str(latest[0] if latest else -1))
     reports = [
         RankReport.from_json(v)
         for v in store.gather(generation, "report", range(world_size), gather_timeout_s).values()
     ]
+    # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
+    # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
+    latest = _loadable_checkpoint(store, ckpt, checkpoint_bound(reports)) if ckpt is not None else None
+    store.publish(generation, "ckpt", rank, str(latest if latest is not None else -1))
     ckpts = store.gather(generation, "ckpt", range(world_size), gather_timeout_s)
     # Every rank must load the same tag: the newest one that is complete for all of them.
     step = min(int(v) for v in ckpts.values())
@@ -144,3 +146,22 @@ def run_recovery(
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved
     return outcome
+
+
+ORIGIN_KEY = "ckpt_origin"
+"""Job-store key of the checkpoint the job started from (:class:`~ds_swift.checkpoint.Origin`)."""
+
+
+def checkpoint_bound(reports: list[RankReport]) -> int | None:
+    """The most iterations a checkpoint recovery loads may hold: consensus + 1, the iterations every
+    survivor trained; None (any of this job's) when no rank survived."""
+    stepped = [r.last_stepped for r in reports if r.survivor]
+    return min(stepped) + 1 if stepped else None
+
+
+def _loadable_checkpoint(store: JobStore, ckpt: CheckpointManager, at_most: int | None) -> int | None:
+    if ckpt.origin is None:  # a replacement never ran the script's load: the origin is in the store
+        raw = store.get(ORIGIN_KEY)
+        ckpt.origin = Origin.from_json(raw) if raw else None
+    found = ckpt.latest(at_most)
+    return found[0] if found is not None else None

@@ -24,12 +24,13 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_swift.checkpoint import CheckpointManager
+from ds_swift.checkpoint import CheckpointManager, Origin, job_id_for, origin_of
 from ds_swift.config import SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
@@ -90,7 +91,7 @@ class SwiftPipelineEngine:
     _OWN = frozenset(
         {
             "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
-            "_recv_patch", "recoveries", "_user_iter_warned", "_closed",
+            "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism",
         }
     )  # fmt: skip
 
@@ -118,7 +119,12 @@ class SwiftPipelineEngine:
         logs = EngineLogging(
             cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
         )
-        self._ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.interval, dist.get_rank())
+        self._ckpt = CheckpointManager(
+            cfg.checkpoint.dir, cfg.checkpoint.interval, dist.get_rank(),
+            job_id=job_id_for(ctx.env.token if ctx.env is not None else None),
+            save_timeout_s=cfg.checkpoint.save_timeout_s,
+        )  # fmt: skip
+        self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
         self._timeline = PendingTimeline(ctx)
@@ -127,7 +133,13 @@ class SwiftPipelineEngine:
             hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
         )  # fmt: skip
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Replays and retried iterations must compute what the first run computed; the user's
+        # setting comes back on close().
+        self._determinism = (
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        )
+        if not self._determinism[0]:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self._hooks.install(engine)
         if ctx.store is not None:
             assert ctx.env is not None
@@ -185,7 +197,8 @@ class SwiftPipelineEngine:
                         self._save_checkpoint()
                     # After a failure in the periodic checkpoint that followed iteration ``target``,
                     # the recovery resumes after it: only the checkpoint is done again.
-                    if int(engine.global_steps) <= target:
+                    # (and always when this call trained nothing yet: it returns a trained iteration's loss)
+                    if int(engine.global_steps) <= target or loss is None:
                         self._hooks.begin_iteration()
                         data = data_iter if data_iter is not None else self._data_for(int(engine.global_steps))
                         loss = engine.train_batch(data_iter=data)
@@ -214,7 +227,7 @@ class SwiftPipelineEngine:
 
     def _save_checkpoint(self) -> None:
         self._ckpt.save(self._engine)
-        self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir)
+        self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir, self._ckpt.job_id)
 
     def save_checkpoint(
         self,
@@ -226,20 +239,41 @@ class SwiftPipelineEngine:
     ) -> Any:
         """DeepSpeed's ``save_checkpoint``, protected: a failure during the save is recovered from,
         the iterations lost to it are trained again, and the save is retried."""
+        from ds_swift.patches.deepspeed_rebuild import long_op_timeout
+
         target = int(self._engine.global_steps)
         for _ in range(MAX_ATTEMPTS):
             how = self._monitor.failure_seen()
             if how is None:
                 try:
-                    return self._engine.save_checkpoint(
-                        save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
-                    )
+                    with long_op_timeout(self._ckpt.save_timeout_s or self._ctx.op_timeout_s):
+                        return self._engine.save_checkpoint(
+                            save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
+                        )
                 except Exception as exc:  # noqa: BLE001 - classified, re-raised unless a failure
                     how = self._monitor.classify(exc)
             self._recover_as_survivor(how)
             while int(self._engine.global_steps) < target:
                 self.train_batch()
         raise RuntimeError(f"ds-swift: save_checkpoint failed {MAX_ATTEMPTS} times in a row")
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
+        """DeepSpeed's ``load_checkpoint``; the checkpoint loaded becomes the job's origin, which a
+        checkpoint fallback may go back to although another launch wrote it."""
+        load_path, client_state = self._engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if load_path is not None:
+            loaded = tag if tag is not None else (Path(load_dir) / "latest").read_text().strip()
+            self._set_origin(Origin(str(load_dir), str(loaded), int(self._engine.global_steps)), publish=True)
+        return load_path, client_state
+
+    def _set_origin(self, origin: Origin | None, publish: bool) -> None:
+        from ds_swift.recovery.coordinator import ORIGIN_KEY
+
+        if origin is None:
+            return
+        self._ckpt.origin = origin
+        if publish and self._ctx.store is not None and dist.get_rank() == 0:
+            self._ctx.store.set(ORIGIN_KEY, origin.to_json())
 
     def _close_at_exit(self) -> None:
         try:
@@ -259,6 +293,8 @@ class SwiftPipelineEngine:
             store.mark_done(env.rank)
         self._hooks.uninstall()
         self._recv_patch.remove()
+        if not self._determinism[0]:
+            torch.use_deterministic_algorithms(False)
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:

@@ -244,9 +244,10 @@ class EngineLogging:
             self.handle.restart_iteration()
 
     # ------------------------------------------------------------------ events
-    def after_checkpoint(self, ckpt_dir: str) -> None:
-        """A global checkpoint was written: what the replay of later failures no longer needs goes."""
-        found = latest_complete(ckpt_dir)
+    def after_checkpoint(self, ckpt_dir: str, job: str | None = None) -> None:
+        """A global checkpoint of job ``job`` was written: what the replay of later failures no
+        longer needs goes (another run's newer checkpoint in the directory counts for nothing)."""
+        found = latest_complete(ckpt_dir, job=job)
         if found is None:
             return  # rank 0's completion marker may not be there yet: collected after the next one
         done = found[0]

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ds_swift.checkpoint import COMPLETE_MARKER, CheckpointManager, complete_checkpoints, latest_complete, tag_for
+import pytest
+
+from ds_swift.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointManager,
+    Origin,
+    complete_checkpoints,
+    job_id_for,
+    latest_complete,
+    tag_for,
+)
+from ds_swift.recovery.consensus import RankReport
+from ds_swift.recovery.coordinator import checkpoint_bound
 
 
 def make(root: Path, step: int, complete: bool) -> None:
@@ -36,3 +49,63 @@ def test_saves_are_due_on_multiples_once() -> None:
     assert [n for n in range(12) if m.due(n)] == [5, 10]
     m.last_saved = 10  # e.g. just reloaded global_step10: do not write it again
     assert not m.due(10)
+
+
+def stamp(root: Path, step: int, job: str | None) -> None:
+    d = root / tag_for(step)
+    d.mkdir(parents=True)
+    (d / COMPLETE_MARKER).write_text(json.dumps({"iterations": step, "job": job}) + "\n")
+
+
+def test_recovery_loads_only_this_jobs_checkpoints_and_says_which_it_skips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The case: an earlier run left global_step10 (and a legacy, unstamped global_step12).
+    stamp(tmp_path, 4, "job-mine")
+    stamp(tmp_path, 10, "job-earlier")
+    make(tmp_path, 12, True)
+    m = CheckpointManager(ckpt_dir=str(tmp_path), interval=4, rank=3, job_id="job-mine")
+    assert m.latest(at_most=None) == (4, str(tmp_path), "global_step4")
+    err = capsys.readouterr().err
+    assert "global_step10" in err and "job-earlier" in err and "not this job (job-mine)" in err
+    assert "global_step12" in err and "unknown job" in err
+    m.latest(at_most=None)
+    assert capsys.readouterr().err == ""  # said once
+    assert latest_complete(tmp_path, job="job-earlier") == (10, "global_step10")
+
+
+def test_never_newer_than_the_bound(tmp_path: Path) -> None:
+    stamp(tmp_path, 4, "job-mine")
+    stamp(tmp_path, 8, "job-mine")
+    m = CheckpointManager(ckpt_dir=str(tmp_path), interval=4, rank=0, job_id="job-mine")
+    assert m.latest(at_most=7) == (4, str(tmp_path), "global_step4")
+    assert m.latest(at_most=8) == (8, str(tmp_path), "global_step8")
+    assert m.latest(at_most=3) is None
+
+
+def test_the_origin_is_trusted_although_another_launch_wrote_it(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "pretrained"
+    stamp(elsewhere, 100, "job-earlier")
+    stamp(tmp_path, 100, "job-earlier")
+    m = CheckpointManager(ckpt_dir=str(tmp_path), interval=4, rank=0, job_id="job-mine")
+    assert m.latest(at_most=None) is None
+    m.origin = Origin(str(elsewhere), "global_step100", 100)
+    assert m.latest(at_most=103) == (100, str(elsewhere), "global_step100")
+    assert m.latest(at_most=99) is None
+    m.origin = Origin(str(tmp_path), "global_step100", 100)  # in the checkpoint directory itself
+    assert m.latest(at_most=None) == (100, str(tmp_path), "global_step100")
+    assert Origin.from_json(m.origin.to_json()) == m.origin
+
+
+def test_job_ids_hide_the_token() -> None:
+    jid = job_id_for("s3cret-token")
+    assert jid is not None and "s3cret" not in jid and jid == job_id_for("s3cret-token") != job_id_for("other")
+    assert job_id_for(None) is None
+
+
+def test_the_bound_is_what_every_survivor_trained() -> None:
+    def report(rank: int, survivor: bool, last: int) -> RankReport:
+        return RankReport(rank=rank, survivor=survivor, stage=0, dp=rank, tp=0, machine=rank, last_stepped=last)
+
+    assert checkpoint_bound([report(0, True, 6), report(1, True, 7), report(2, False, -1)]) == 7
+    assert checkpoint_bound([report(0, False, -1)]) is None

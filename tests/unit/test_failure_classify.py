@@ -1,0 +1,98 @@
+"""Failures are recognised by the failure flag, peer liveness and the exception's type (issue 16):
+an error whose text merely looks like a comm error, with every rank alive, is the job's own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure, stale_ranks
+from ds_swift.membership import JobStore
+
+TOKEN = "unit-classify"
+
+
+@pytest.fixture
+def store() -> JobStore:
+    return JobStore.host(TOKEN)
+
+
+def beat(store: JobStore, ranks: range, age_s: float = 0.0) -> None:
+    for r in ranks:
+        store.kv.set(f"hb/{r}", repr(time.time() - age_s))
+
+
+@pytest.fixture
+def heartbeats(store: JobStore) -> Iterator[None]:
+    """Every rank of 4 alive: their watchdogs heartbeat every 20 ms."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            beat(store, range(4))
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
+def test_a_bug_with_gloo_in_its_text_and_every_rank_alive_is_raised(store: JobStore, heartbeats: None) -> None:
+    live = Liveness(range(4), heartbeat_timeout_s=0.5, rank=1)
+    bug = RuntimeError("user code: gloo config timed out while parsing")
+    with pytest.raises(RuntimeError, match="gloo config timed out") as raised:
+        classify_failure(bug, store, 0, 0.01, live)
+    assert any("not a machine failure" in n for n in raised.value.__notes__)
+    assert store.failure(0) is None  # nothing declared: no recovery starts
+
+
+def test_an_ordinary_error_is_raised_at_once(store: JobStore) -> None:
+    live = Liveness(range(2), heartbeat_timeout_s=30.0, rank=0)
+    start = time.monotonic()
+    with pytest.raises(ValueError):
+        classify_failure(ValueError("Connection closed"), store, 0, 0.01, live)
+    assert time.monotonic() - start < 10.0  # did not sit out the heartbeat timeout (generous bound)
+    assert store.failure(0) is None
+
+
+def test_a_comm_error_with_a_stale_rank_declares_the_failure(store: JobStore) -> None:
+    beat(store, range(3))
+    beat(store, range(3, 4), age_s=5.0)
+    live = Liveness(range(4), heartbeat_timeout_s=1.0, rank=0)
+    assert [r for r, _ in stale_ranks(store, live)] == [3]
+    how = classify_failure(RuntimeError("Connection closed by peer"), store, 0, 0.01, live)
+    assert "rank 3 (no heartbeat" in how
+    assert "rank 0: RuntimeError and rank 3" in (store.failure(0) or "")
+
+
+def test_a_comm_error_waits_for_the_agents_declaration(store: JobStore) -> None:
+    beat(store, range(2))
+    live = Liveness(range(2), heartbeat_timeout_s=30.0, rank=0)
+    agent = threading.Timer(0.2, lambda: store.declare_failure(0, "machine 1: rank 1 exited (-9)"))
+    agent.start()
+    try:
+        how = classify_failure(dist.DistBackendError("recv failed"), store, 0, 0.01, live)
+    finally:
+        agent.cancel()
+    assert how.startswith("comm error, failure declared")
+
+
+def test_after_the_flag_anything_is_the_failure(store: JobStore) -> None:
+    store.declare_failure(0, "machine 0 lost")
+    assert "after the failure flag" in classify_failure(KeyError("x"), store, 0, 0.01, None)
+
+
+def test_a_poisoned_receive_is_a_failure_without_waiting(store: JobStore) -> None:
+    how = classify_failure(PeerFailure("generation 0 failed (watchdog)"), store, 0, 0.01, None)
+    assert how.startswith("PeerFailure")
+
+
+def test_without_a_job_store_everything_is_raised() -> None:
+    with pytest.raises(RuntimeError):
+        classify_failure(RuntimeError("Connection closed by peer"), None, 0, 0.01, None)
