@@ -2,7 +2,7 @@
 
 Runs the tiny GPT (``configs/gpt_tiny_pp2_dp2_bf16_zero1.json``: bf16, ZeRO-1, pp 2 x dp 2 on 2
 simulated machines) under ``ds-swift-launch``, alternately with ``buddy.enabled`` on and off
-(``--rounds`` pairs, in rotated order, all started from this one process), and reports:
+(``--rounds`` pairs, in rotated order, all started from this one process: ds_swift.testing.overhead), and reports:
 
 - step time: the median interval between consecutive iterations' loss lines (after ``--warmup``
   iterations), per variant, and the ratio on / off (1.0 = no overhead);
@@ -30,18 +30,13 @@ import torch
 from ds_swift.config import SwiftConfig
 from ds_swift.plan.buddy_cost import buddy_cost
 from ds_swift.plan.layout import ParallelLayout
-from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op, run_job
+from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op
+from ds_swift.testing.overhead import alternate, bench_main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 _SENT = re.compile(r"buddy copies: (\d+) bytes per iteration")
-
-
-def step_times(job: JobRun, warmup: int) -> list[float]:
-    lines = [json.loads(line) for line in job.loss_log.read_text().splitlines() if line.strip()]
-    times = [r["time"] for r in sorted(lines, key=lambda r: r["iteration"]) if r["iteration"] >= warmup]
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
 def sent_per_rank(job: JobRun) -> list[int]:
@@ -61,30 +56,22 @@ def model_params(job: JobRun) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.dir or tempfile.mkdtemp(prefix="buddy-overhead-"))
     build_deepspeed_shm_op(work / "warm")
-    steps: dict[bool, list[float]] = {True: [], False: []}
-    sent: list[int] = []
-    last: JobRun | None = None
-    for r in range(args.rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            spec = JobSpec(EXAMPLE, CONFIG, args.iterations, swift={"buddy": {"enabled": on}}, loss_log=True)
-            job = run_job(work / f"round{r}-{'on' if on else 'off'}", spec, timeout_s=600)
-            if job.code != 0:
-                raise SystemExit(f"job failed ({job.code}):\n{job.output[-3000:]}")
-            steps[on] += step_times(job, args.warmup)
-            if on:
-                sent += sent_per_rank(job)
-                last = job
-    assert last is not None
+    runs = alternate(
+        work, lambda on: JobSpec(EXAMPLE, CONFIG, args.iterations, swift={"buddy": {"enabled": on}}, loss_log=True),
+        args.rounds, args.warmup,
+    )  # fmt: skip
+    last = runs.last[True]
+    sent = sent_per_rank(last)
     ds = json.loads(CONFIG.read_text())
     layout = ParallelLayout(tp=1, pp=2, dp=2, gpus_per_node=2, order="tp-pp-dp")
     params = model_params(last)
     analytic = buddy_cost(ds, SwiftConfig.from_dict(ds["swift"]), layout, params)
-    on_s, off_s = statistics.median(steps[True]), statistics.median(steps[False])
+    on_s, off_s = runs.median(True), runs.median(False)
     return {
         "step_s_buddy_on": on_s,
         "step_s_buddy_off": off_s,
         "step_ratio": on_s / off_s,
-        "steps_timed": {"on": len(steps[True]), "off": len(steps[False])},
+        "steps_timed": {"on": len(runs.steps[True]), "off": len(runs.steps[False])},
         "model_params": params,
         "buddy_bytes_per_rank_per_iteration_measured": statistics.mean(sent) if sent else None,
         "buddy_bytes_per_rank_per_iteration_measured_all": sorted(set(sent)),
@@ -94,18 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2, help="on/off pairs (default 2)")
-    p.add_argument("--iterations", type=int, default=40, help="iterations per job (default 40)")
-    p.add_argument("--warmup", type=int, default=5, help="iterations not timed (default 5)")
-    p.add_argument("--dir", default=None, help="where the jobs run (default: a temporary directory)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    out = run(args)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return
+def table(out: dict[str, Any]) -> None:
     print(f"step time, buddy on : {out['step_s_buddy_on'] * 1e3:.1f} ms (median of {out['steps_timed']['on']})")
     print(f"step time, buddy off: {out['step_s_buddy_off'] * 1e3:.1f} ms (median of {out['steps_timed']['off']})")
     print(f"ratio on/off        : {out['step_ratio']:.3f}")
@@ -115,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, run, table)

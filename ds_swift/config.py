@@ -176,7 +176,13 @@ class CheckpointConfig:
     """Periodic global checkpoints: the safety net every strategy keeps."""
 
     dir: str = "./swift-ckpt"
-    """Directory (shared by all machines) for DeepSpeed-format global checkpoints."""
+    """Directory (shared by all machines) for DeepSpeed-format global checkpoints. Each names the
+    job that wrote it (a hash of the launcher's job token): a recovery loads only this job's own
+    (and the one it started from with ``engine.load_checkpoint``), never one newer than the
+    iteration the survivors agreed on, and names each other job's checkpoint it skips. Another
+    job's checkpoints here do not stop a start (the same command run twice in one directory
+    trains from scratch, or from what it loads): to resume, load a checkpoint at start or launch
+    with the same ``--job-token``."""
 
     interval: int = 1000
     """Iterations between global checkpoints. Logs older than the last one are deleted,
@@ -234,12 +240,26 @@ class WatchdogConfig:
     """Timeout of every collective and point-to-point op: the longest a survivor blocked on
     a living peer can wait before it notices the failure by itself."""
 
+    hang_timeout_s: float | None = 120.0
+    """A training thread that starts no pipeline instruction for this long, in the middle of an
+    iteration, is hung: its machine is failed and replaced (ds_swift.detect.progress). The longest
+    one instruction (a forward, a backward, an optimizer step) may take; more than
+    ``op_timeout_s``, so that ranks waiting on a hung one in an op time out before they look hung
+    themselves; null turns it off."""
+
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "heartbeat_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             _check_type(f"watchdog.{name}", value, (int, float), "a positive number of seconds")
             if value <= 0:
                 raise _fail(f"watchdog.{name}", value, "a positive number of seconds")
+        if self.hang_timeout_s is not None:
+            _check_type("watchdog.hang_timeout_s", self.hang_timeout_s, (int, float),
+                        "a positive number of seconds, or null (off)")  # fmt: skip
+            if self.hang_timeout_s <= self.op_timeout_s:
+                # A rank waiting in an op on the hung one must time out (and stop counting) first.
+                raise _fail("watchdog.hang_timeout_s", self.hang_timeout_s,
+                            f"more than watchdog.op_timeout_s={self.op_timeout_s}, or null (off)")  # fmt: skip
         if self.poll_interval_s >= self.heartbeat_timeout_s:
             raise ConfigError(
                 f"swift config: watchdog.poll_interval_s={self.poll_interval_s} must be smaller "

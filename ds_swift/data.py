@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BatchFn", "global_micro_batch", "micro_batches", "rng_seed"]
+__all__ = ["BatchFn", "DataIteratorError", "ResumableIterator", "global_micro_batch", "micro_batches", "rng_seed"]
 
 #: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``
 BatchFn = Callable[[int, int], Any]
@@ -53,3 +53,51 @@ def micro_batches(batch_fn: BatchFn, iteration: int, dp_rank: int, gas: int) -> 
     """
     for m in range(gas):
         yield batch_fn(iteration, global_micro_batch(dp_rank, gas, m))
+
+
+class ResumableIterator:
+    """A ``train_batch(data_iter=...)`` iterator that ds-swift can put back at any iteration.
+
+    A plain iterator cannot be rewound: after a recovery, the iteration that is trained again
+    (or the replacement's first one) would read whatever it holds next. ds-swift refuses that
+    (:class:`DataIteratorError`). Wrap the iterator's construction instead: ``factory(iteration)``
+    returns an iterator over this rank's micro-batches from ``iteration``'s first on, e.g. a
+    ``DataLoader`` over Megatron's ``MegatronPretrainingSampler(consumed_samples=...)`` built
+    for that iteration. The engine calls :meth:`rewind` whenever the iteration it trains is not
+    the one the iterator is at.
+
+    Args:
+        factory: ``factory(iteration) -> iterator`` of micro-batches.
+        micro_batches: micro-batches per iteration (gradient accumulation steps).
+        iteration: the iteration the first ``factory`` call starts at.
+    """
+
+    def __init__(self, factory: Callable[[int], Iterator[Any]], micro_batches: int, iteration: int = 0) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches} is invalid: a positive integer")
+        self._factory = factory
+        self._m = micro_batches
+        self._consumed = iteration * micro_batches
+        self._it = iter(factory(iteration))
+
+    @property
+    def iteration(self) -> float:
+        """Where the iterator is, in iterations (fractional: part of one was read)."""
+        return self._consumed / self._m
+
+    def rewind(self, iteration: int) -> None:
+        """Start over at ``iteration``'s first micro-batch."""
+        self._it = iter(self._factory(iteration))
+        self._consumed = iteration * self._m
+
+    def __iter__(self) -> ResumableIterator:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._it)
+        self._consumed += 1
+        return item
+
+
+class DataIteratorError(RuntimeError):
+    """``train_batch(data_iter=...)`` cannot be trained exactly after a recovery."""

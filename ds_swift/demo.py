@@ -37,7 +37,14 @@ from ds_swift.testing.jobs import (
 
 __all__ = ["DemoError", "RepoFiles", "find_repo", "register"]
 
-CONFIGS = {"pp2_dp2": "gpt_tiny_pp2_dp2.json", "pp4": "gpt_tiny_pp4.json"}
+#: the demo's configurations; the default is what users run (bf16 + ZeRO-1, DeepSpeed's BF16_Optimizer,
+#: gradient clipping, an LR schedule), the fp32 ZeRO-0 ones are kept for comparison
+CONFIGS = {
+    "pp2_dp2_bf16": "gpt_tiny_pp2_dp2_bf16_zero1.json",
+    "pp4_bf16": "gpt_tiny_pp4_bf16_zero1_budget.json",
+    "pp2_dp2": "gpt_tiny_pp2_dp2.json",
+    "pp4": "gpt_tiny_pp4.json",
+}
 EXAMPLE = Path("examples") / "pretrain_gpt.py"
 
 
@@ -169,7 +176,7 @@ def register(subparsers: Any) -> None:
         "bitwise equal, and a PNG of both loss curves.",
     )
     p.add_argument("--run-dir", default="./swift-demo", help="where the jobs, logs and the plot go (default %(default)s)")
-    p.add_argument("--config", default="pp2_dp2",
+    p.add_argument("--config", default="pp2_dp2_bf16",
                    help=f"{' | '.join(CONFIGS)} (configs/ of the checkout) or a DeepSpeed JSON path (default %(default)s)")
     p.add_argument("--iterations", type=int, default=15, help="training iterations of each job (default %(default)s)")
     p.add_argument("--kill-iteration", type=int, default=7, help="iteration (from 0) during which machine 1 dies (default %(default)s)")

@@ -314,12 +314,21 @@ class JobStore:
         return {r: self.kv.get(k).decode() for r, k in zip(ranks, keys)}
 
     # ------------------------------------------------------------------ liveness
-    def heartbeat(self, rank: int) -> None:
-        self.kv.set(f"hb/{rank}", repr(time.time()))
+    def heartbeat(self, rank: int, note: str = "") -> None:
+        """``hb/<rank>``: the time, then what the rank's training thread is doing (``note``)."""
+        self.kv.set(f"hb/{rank}", f"{time.time()!r} {note}".rstrip())
 
     def last_heartbeat(self, rank: int) -> float | None:
+        beat = self.heartbeat_of(rank)
+        return beat[0] if beat is not None else None
+
+    def heartbeat_of(self, rank: int) -> tuple[float, str] | None:
+        """(time, note) of ``rank``'s last heartbeat, or None before its first."""
         key = f"hb/{rank}"
-        return float(self.kv.get(key)) if self.kv.check([key]) else None
+        if not self.kv.check([key]):
+            return None
+        when, _, note = self.kv.get(key).decode().partition(" ")
+        return float(when), note
 
     def mark_done(self, rank: int) -> None:
         self.kv.set(f"done/{rank}", "1")

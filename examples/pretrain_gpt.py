@@ -17,6 +17,7 @@ iterations count from 0 there, as in ``ds-swift-launch --inject`` and the recove
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import ds_swift
 import ds_swift.megatron
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.data import micro_batches
+from ds_swift.data import ResumableIterator, micro_batches
 from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, gpt_batch_fn, gpt_pipeline
 from ds_swift.models.training_plan import PlanError, resolve_training_plan
 from ds_swift.plan import layout_from_deepspeed_topology, layout_from_parallel_state
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=DATA_SOURCES, default="corpus")
     p.add_argument("--loss-log", default=None, metavar="FILE", help="append {iteration, loss} JSON lines here")
     p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--data-iter", action="store_true",
+                   help="feed train_batch(data_iter=...) from a resumable iterator (as Megatron scripts feed "
+                        "theirs) instead of letting ds-swift read batch_fn by position")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     ds_swift.megatron.add_arguments(p)  # --swift, --swift-config
     return p.parse_args(argv)
@@ -122,6 +126,17 @@ def init_model_parallel(parallel_state: Any, tp: int, pp: int, rank_order: str, 
     )
 
 
+def resumable_data(engine: Any, batch_fn: Any) -> ResumableIterator:
+    """This replica's micro-batches from any iteration on: what a Megatron script's DataLoader over
+    MegatronPretrainingSampler(consumed_samples=iteration * global_batch) gives."""
+    dp, gas = engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps()
+
+    def factory(iteration: int) -> Any:
+        return itertools.chain.from_iterable(micro_batches(batch_fn, i, dp, gas) for i in itertools.count(iteration))
+
+    return ResumableIterator(factory, gas, int(engine.global_steps))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -172,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     swift_engine = ds_swift.initialize(engine, config, model_fn=model_fn, batch_fn=batch_fn, seed=args.seed)
     protected = swift_engine is not engine  # false with "swift": {"enabled": false}: plain DeepSpeed
     engine = swift_engine
+    data_iter = resumable_data(engine, batch_fn) if protected and args.data_iter else None
     while engine.global_steps < args.train_iters:
-        if protected:
+        if data_iter is not None:
+            loss = engine.train_batch(data_iter=data_iter)  # ds-swift rewinds it after a recovery
+        elif protected:
             loss = engine.train_batch()  # ds-swift reads batch_fn by position itself
         else:
             data = micro_batches(batch_fn, engine.global_steps, engine.grid.get_data_parallel_id(),

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ds_swift.detect.watchdog import hung_machine_key
 from ds_swift.membership import JobStore, WorkerEnv
 from ds_swift.testing.faults import FaultSpec, format_specs
 
@@ -38,6 +39,8 @@ from .warm import WarmPool
 
 #: seconds between GPU health polls (NVML queries are cheap, but not free on 8 GPUs)
 GPU_POLL_S = 2.0
+#: seconds between looks at the job store for a watchdog's verdict that a rank here is hung
+HUNG_POLL_S = 0.25
 
 __all__ = ["AgentState", "JobSpec", "MachineAgent"]
 
@@ -132,6 +135,8 @@ class MachineAgent:
         # as good as a dead machine. Without NVML (CPU machines) the monitor reports healthy.
         self._gpu = gpu_monitor
         self._gpu_next = 0.0
+        self._hung_next = 0.0
+        self._spawn_generation = 0  # the generation the machine's workers were started in
         self._pool: WarmPool | None = None
         if self.state is AgentState.SPARE and job.warm_spares and supports_warm(job.command):
             self._pool = WarmPool(job.nproc_per_node, lambda lr: warm_start(job.command, lr, job.nproc_per_node))
@@ -240,6 +245,7 @@ class MachineAgent:
     def _spawn(self, generation: int, replacement: bool) -> bool:
         """Start the machine's ranks: handed to the warm pool's workers where it has them; True if so."""
         wenvs = self._worker_envs(generation, replacement)
+        self._spawn_generation = generation
         if self._pool is not None:
             # Empties the pool either way (one takeover per spare); it keeps what it killed, to be reaped.
             warm = self._pool.take(wenvs, (self.job.nproc_per_node, self.job.op_timeout_s))
@@ -278,19 +284,31 @@ class MachineAgent:
 
             self._gpu = GpuMonitor(indices=list(range(self.job.nproc_per_node)))
         health = self._gpu.poll()
-        return None if health.healthy else "; ".join(health.problems)
+        return None if health.healthy else f"failing GPU ({'; '.join(health.problems)})"
+
+    def _hung_problem(self) -> str | None:
+        """A watchdog found a rank of this machine hung or stopped (ds_swift.detect.watchdog): a
+        process that is alive but makes no progress is as good as dead, and is killed as such."""
+        if self.machine is None or time.monotonic() < self._hung_next:
+            return None
+        self._hung_next = time.monotonic() + HUNG_POLL_S
+        value = self.store.get(hung_machine_key(self.machine))
+        if not value:
+            return None
+        generation, _, reason = value.partition(" ")
+        return f"hung ({reason})" if int(generation) >= self._spawn_generation else None
 
     def _check_workers(self) -> None:
         if not self.workers:
             return
-        problem = self._gpu_problem()
+        problem = self._gpu_problem() or self._hung_problem()
         if problem is not None:
             t_detected = time.time()
             for w in self.workers:
                 w.signal_group(signal.SIGKILL)
             self._dying.extend(self.workers)
             victim, self.workers = self.workers[0], []
-            self._machine_failed(victim, -signal.SIGKILL, t_detected, why=f"failing GPU ({problem})")
+            self._machine_failed(victim, -signal.SIGKILL, t_detected, why=problem)
             return
         codes = [(w, w.poll()) for w in self.workers]
         failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]

@@ -6,9 +6,10 @@ An error is a failure of the generation when the job says so, not when its text 
    heartbeat stop), or the error is :class:`PeerFailure` (a receive after the flag was set);
 2. else an error that *may* come from a dead peer (a ``torch.distributed`` error type, or a
    ``RuntimeError``/``OSError`` whose text is one gloo/NCCL use for a closed connection or a
-   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat is older than
-   the heartbeat timeout, which it declares. With neither within the heartbeat timeout, every
-   rank is alive and nothing failed: the error is raised as the job's own, with a note saying so;
+   timed-out op) waits for evidence: the flag (a hung peer's own watchdog sets it after the hang
+   timeout), or a rank of the job whose heartbeat is older than the heartbeat timeout, which it
+   declares. With neither within those timeouts, every rank is alive and making progress: the
+   error is raised as the job's own, with a note saying so;
 3. anything else is the job's own error and is raised at once, as DeepSpeed alone would.
 
 So a bug that raises ``RuntimeError("... timed out")`` surfaces as that bug, not as up to five
@@ -67,6 +68,9 @@ class Liveness:
     heartbeat_timeout_s: float
     rank: int
     """This worker's rank (named in what it declares)."""
+    hang_timeout_s: float | None = None
+    """A hung peer (alive, heartbeating, no progress) is declared by its own watchdog after this
+    long: a comm error caused by it waits that long for the verdict too."""
 
 
 def stale_ranks(store: JobStore, liveness: Liveness, now: float | None = None) -> list[tuple[int, float]]:
@@ -99,7 +103,11 @@ def classify_failure(
         raise exc
     # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
     # else a dead rank's heartbeat goes stale within the heartbeat timeout.
-    patience = liveness.heartbeat_timeout_s + 3 * poll_interval_s if liveness is not None else 5 * poll_interval_s
+    patience = (
+        max(liveness.heartbeat_timeout_s, liveness.hang_timeout_s or 0.0) + 3 * poll_interval_s
+        if liveness is not None
+        else 5 * poll_interval_s
+    )
     deadline = time.monotonic() + max(0.5, patience)
     while True:
         if store.failure(generation) is not None:

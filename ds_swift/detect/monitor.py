@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 
 from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure
+from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
 from ds_swift.membership import JobStore, WorkerEnv
 
@@ -30,10 +31,15 @@ class FailureMonitor:
         self._watchdog: Watchdog | None = None
         self._armed = True  # the recv check applies to the generation in force, not during a recovery
         self._liveness: Liveness | None = None
+        #: the training thread's progress (beaten by the runtime's instruction hooks)
+        self.progress = Progress()
 
-    def start_watchdog(self, env: WorkerEnv, heartbeat_timeout_s: float, peers: Sequence[int]) -> None:
-        """Start polling the failure flag (and heartbeating) on a store connection of its own."""
-        self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank)
+    def start_watchdog(
+        self, env: WorkerEnv, heartbeat_timeout_s: float, peers: Sequence[int], hang_timeout_s: float | None = None
+    ) -> None:
+        """Start polling the failure flag (and heartbeating, and watching for a hang) on a store
+        connection of its own."""
+        self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank, hang_timeout_s)
         self._watchdog = Watchdog(
             lambda: JobStore.from_env(env),
             env.rank,
@@ -41,6 +47,9 @@ class FailureMonitor:
             self._poll_interval_s,
             heartbeat_timeout_s,
             peers,
+            progress=self.progress,
+            hang_timeout_s=hang_timeout_s,
+            ranks_per_machine=env.world_size // max(1, env.num_machines),
         ).start()
 
     @property

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["pipeline_neighbours", "poison_neighbours"]
+__all__ = ["pipeline_neighbours", "poison_neighbours", "watched_peers"]
 
 
 def pipeline_neighbours(engine: Any) -> list[int]:
@@ -19,6 +19,17 @@ def pipeline_neighbours(engine: Any) -> list[int]:
         if 0 <= stage < engine.num_stages:
             peers.append(int(engine.grid.stage_to_global(stage_id=stage)))
     return peers
+
+
+def watched_peers(engine: Any) -> list[int]:
+    """The ranks whose heartbeats this rank watches: its pipeline neighbours and its data-parallel
+    peers (a stopped replica blocks the gradient all-reduce as surely as a stopped neighbour)."""
+    peers = pipeline_neighbours(engine)
+    grid = engine.grid
+    for dp in range(int(grid.get_data_parallel_world_size())):
+        if dp != int(grid.get_data_parallel_id()):
+            peers.append(int(grid.stage_to_global(stage_id=engine.stage_id, data=dp)))
+    return sorted(set(peers) - {int(engine.global_rank)})
 
 
 def poison_neighbours(peers: list[int]) -> None:

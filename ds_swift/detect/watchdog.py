@@ -18,9 +18,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ds_swift.detect.progress import Progress
 from ds_swift.membership import JobStore
 
-__all__ = ["FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "wait_failed_machine"]
+__all__ = [
+    "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key", "wait_failed_machine",
+]  # fmt: skip
+
+
+def hung_machine_key(machine: int) -> str:
+    """Job-store key a watchdog sets to ``"<generation> <reason>"`` when a rank of ``machine`` is
+    hung (no progress) or stopped (no heartbeat): the machine's agent then kills it, and its
+    failure is handled as any machine's (launch/agent.py)."""
+    return f"hung/machine/{machine}"
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,9 @@ class Watchdog:
         poll_interval_s: seconds between polls.
         heartbeat_timeout_s: a watched peer whose heartbeat is older declares the generation failed.
         watch_ranks: the peers whose heartbeats this worker checks (its pipeline and replica neighbours).
+        progress: the training thread's progress (None: not watched).
+        hang_timeout_s: armed time without progress after which this rank declares itself hung.
+        ranks_per_machine: to name the machine of a stale or hung rank (rank // ranks_per_machine).
     """
 
     def __init__(
@@ -52,8 +65,14 @@ class Watchdog:
         poll_interval_s: float,
         heartbeat_timeout_s: float,
         watch_ranks: Sequence[int] = (),
+        progress: Progress | None = None,
+        hang_timeout_s: float | None = None,
+        ranks_per_machine: int = 1,
     ) -> None:
         self._store_factory = store_factory
+        self.progress = progress
+        self.hang_timeout_s = hang_timeout_s
+        self.ranks_per_machine = max(1, ranks_per_machine)
         self.rank = rank
         self.poll_interval_s = poll_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -110,12 +129,15 @@ class Watchdog:
     def poll_once(self, store: JobStore) -> FailureSeen | None:
         """One poll (public so tests can drive it without a thread)."""
         now = time.time()
-        store.heartbeat(self.rank)
+        progress = self.progress
+        store.heartbeat(self.rank, progress.note() if progress is not None else "")
         with self._lock:
             g, started, watch = self._generation, self._gen_started, list(self._watch)
             if self._seen is not None:
                 return self._seen
         reason = store.failure(g)
+        if reason is None:
+            reason = self._hung(store, g)
         if reason is None and now - started > self.heartbeat_timeout_s:
             reason = self._stale_peer(store, now, watch, g)
         if reason is None:
@@ -130,12 +152,32 @@ class Watchdog:
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:
         for peer in watch:
-            beat = store.last_heartbeat(peer)
-            if beat is not None and now - beat > self.heartbeat_timeout_s:
-                reason = f"rank {peer}: no heartbeat for {now - beat:.1f} s (seen by rank {self.rank})"
-                declare_failure(store, g, reason)
-                return store.failure(g) or reason
+            beat = store.heartbeat_of(peer)
+            if beat is not None and now - beat[0] > self.heartbeat_timeout_s:
+                where = f", last in {beat[1]}" if beat[1] else ""
+                reason = f"rank {peer}: no heartbeat for {now - beat[0]:.1f} s{where} (seen by rank {self.rank})"
+                return self._fail_machine(store, g, peer, reason)
         return None
+
+    def _hung(self, store: JobStore, g: int) -> str | None:
+        """This rank's training thread made no progress for ``hang_timeout_s`` mid-iteration."""
+        progress, limit = self.progress, self.hang_timeout_s
+        if progress is None or limit is None:
+            return None
+        stuck = progress.stuck_for()
+        if stuck <= limit:
+            return None
+        reason = (
+            f"rank {self.rank} hung: no progress for {stuck:.1f} s in {progress.note()} "
+            f"(watchdog.hang_timeout_s={limit:g})"
+        )
+        return self._fail_machine(store, g, self.rank, reason)
+
+    def _fail_machine(self, store: JobStore, g: int, rank: int, reason: str) -> str:
+        """Declare ``g`` failed for ``reason`` and have ``rank``'s agent kill its machine."""
+        store.set(hung_machine_key(rank // self.ranks_per_machine), f"{g} {reason}")
+        declare_failure(store, g, reason)
+        return store.failure(g) or reason
 
 
 def declare_failure(store: JobStore, generation: int, reason: str) -> bool:

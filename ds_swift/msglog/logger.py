@@ -28,6 +28,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ class MessageLogHandle:
         native: bool | None = None,
         copy_mode: CopyMode = "ref",
         max_inflight_bytes: int = 1 << 30,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         from ds_swift.patches import pipe_logging
 
@@ -144,9 +146,14 @@ class MessageLogHandle:
                 engine, self.HOOK_NAME, self._on_send, self._on_idle, kinds=frozenset(self.edges)
             )
         self._uploaded: dict[str, tuple[int, int]] = {}
+        self._on_error = on_error
+        #: why this handle stopped logging (a write error, with ``on_error`` given), or None
+        self.lost: str | None = None
 
     # ------------------------------------------------------------ training thread
     def _on_send(self, kind: str, tensors: list[torch.Tensor]) -> None:
+        if self.lost is not None:
+            return  # degraded: what it would log cannot make a replay exact any more
         edge, receiver = self.edges[kind]
         it = int(self.engine.global_steps)
         with self._lock:
@@ -168,10 +175,20 @@ class MessageLogHandle:
 
     def _on_idle(self, where: str) -> None:
         assert self._writer is not None
+        if self.lost is not None:
+            return
         try:
             self._writer.check()
         except OSError as exc:
-            raise MessageLogError(f"message log on rank {self.position.rank} lost records: {exc}") from exc
+            what = f"message log on rank {self.position.rank} lost records: {exc}"
+            if self._on_error is None:
+                raise MessageLogError(what) from exc
+            # Logging serves recovery and must never stop training: stop logging, say so.
+            self.lost = what
+            with self._lock:
+                self._pending = []
+            self._on_error(what)
+            return
         self.drain()
 
     def drain(self) -> int:
@@ -315,6 +332,7 @@ def install_message_logging(
     native: bool | None = None,
     copy_mode: CopyMode = "ref",
     max_inflight_bytes: int = 1 << 30,
+    on_error: Callable[[str], None] | None = None,
 ) -> MessageLogHandle:
     """Log ``engine``'s sends that ``plan.is_logged(src_rank, dst_rank)`` selects.
 
@@ -328,8 +346,11 @@ def install_message_logging(
             None: Python unless ``DS_SWIFT_NATIVE_WRITER=1`` asks for native (then: when it builds).
         copy_mode: ``ref`` (hold the sent tensor) or ``clone`` (copy it at send time).
         max_inflight_bytes: bytes staged for the writer before the training thread waits.
+        on_error: called once with the reason when a write fails (full disk, unreachable storage);
+            the handle then stops logging instead of raising on the training thread.
     """
     return MessageLogHandle(
-        engine, plan, cfg, log_dir, native=native, copy_mode=copy_mode, max_inflight_bytes=max_inflight_bytes
-    )
+        engine, plan, cfg, log_dir, native=native, copy_mode=copy_mode, max_inflight_bytes=max_inflight_bytes,
+        on_error=on_error,
+    )  # fmt: skip
 

@@ -40,6 +40,9 @@ class RankReport:
     buddy_copies: tuple[tuple[int, int], ...] = ()
     """(owner rank, iteration) of every complete copy of another rank's optimizer partition this
     rank holds (ds_swift.runtime.buddy): the owner's state after that iteration's step."""
+    log_lost: str | None = None
+    """Why this rank's message log stopped covering its sends (a write error: full disk,
+    unreachable storage), or None: a replay that needs its messages cannot be exact."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -196,6 +199,18 @@ class RecoveryInputs:
     @property
     def by_rank(self) -> dict[int, RankReport]:
         return {r.rank: r for r in self.reports}
+
+    def lost_log_senders(self, group: Collection[int]) -> list[tuple[int, str]]:
+        """``(rank, why)`` of the pipeline neighbours outside ``group`` whose message log stopped
+        covering their sends: the messages a replay of ``group`` needs from them are missing."""
+        members = {r.rank for r in self.reports if r.rank in group}
+        coords = {(r.stage, r.dp, r.tp) for r in self.reports if r.rank in members}
+        return [
+            (r.rank, r.log_lost)
+            for r in self.reports
+            if r.log_lost is not None and r.rank not in members
+            and ((r.stage - 1, r.dp, r.tp) in coords or (r.stage + 1, r.dp, r.tp) in coords)
+        ]  # fmt: skip
 
     @property
     def failed_machines(self) -> set[int]:

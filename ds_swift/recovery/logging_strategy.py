@@ -43,7 +43,9 @@ class LoggingStrategy(RecoveryStrategy):
         why = inputs.keep_blocker()
         if why is not None or not inputs.replacements:
             return why
-        why = inputs.unpartitioned_blocker()
+        # The replayed ranks load their own optimizer partitions (ZeRO-1, BF16_Optimizer) from the
+        # checkpoint: no replica needs to hold them. The survivors keep theirs across the rebuild.
+        why = inputs.wrapper_blocker()
         setup = inputs.logging
         if why is not None or setup is None:
             return why or "logging-based recovery is not set up (the plan logs no pipeline send)"
@@ -55,6 +57,12 @@ class LoggingStrategy(RecoveryStrategy):
             return (
                 f"stage(s) {uncovered} of the failed logging group are not recovered by logging in the plan "
                 f"(logged stages: {sorted(setup.replayable_stages)})"
+            )
+        lost = inputs.lost_log_senders(group)
+        if lost:
+            return (
+                f"the message log of rank(s) {[r for r, _ in lost]} stopped covering their sends to the failed group "
+                f"({lost[0][1]}): its stages lost log coverage"
             )
         source = _source(setup.checkpoint_step)
         if setup.unavailable is not None:

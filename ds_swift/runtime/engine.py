@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager, Origin, job_id_for, origin_of
-from ds_swift.config import SwiftConfig, load_ds_config
-from ds_swift.data import BatchFn, micro_batches
+from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.data import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
-from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
+from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.runtime.context import SwiftContext, current_context
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -127,6 +127,14 @@ class SwiftPipelineEngine:
         self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
+        hang = cfg.watchdog.hang_timeout_s
+        if hang is not None and hang <= ctx.op_timeout_s:
+            raise ConfigError(
+                f"swift config: watchdog.hang_timeout_s={hang:g} must be more than the op timeout "
+                f"({ctx.op_timeout_s:g} s, from ds-swift-launch --op-timeout): raise it, or set it to null (off)"
+            )
+        if ctx.store is not None and hang is not None:
+            self._hooks.progress = self._monitor.progress
         self._timeline = PendingTimeline(ctx)
         self._rebuild = Rebuilder(
             self, ctx=ctx, cfg=cfg, ds_config=config, build=engine_fn, model_fn=model_fn,
@@ -143,7 +151,9 @@ class SwiftPipelineEngine:
         self._hooks.install(engine)
         if ctx.store is not None:
             assert ctx.env is not None
-            self._monitor.start_watchdog(ctx.env, cfg.watchdog.heartbeat_timeout_s, pipeline_neighbours(engine))
+            self._monitor.start_watchdog(
+                ctx.env, cfg.watchdog.heartbeat_timeout_s, watched_peers(engine), cfg.watchdog.hang_timeout_s
+            )
             if ctx.env.replacement:
                 self._resume(self._rebuild.as_replacement())
             else:
@@ -180,9 +190,6 @@ class SwiftPipelineEngine:
     # ------------------------------------------------------------------ training
     def train_batch(self, data_iter: Any = None) -> Any:
         """Train iteration ``global_steps``; recovers from failures before returning."""
-        if data_iter is not None and not self._user_iter_warned:
-            self._user_iter_warned = True
-            self._ctx.log("train_batch(data_iter) given: after a recovery the iterator cannot be rewound; use batch_fn")
         attempts = 0
         target = int(self._engine.global_steps)
         loss = None
@@ -200,8 +207,13 @@ class SwiftPipelineEngine:
                     # (and always when this call trained nothing yet: it returns a trained iteration's loss)
                     if int(engine.global_steps) <= target or loss is None:
                         self._hooks.begin_iteration()
-                        data = data_iter if data_iter is not None else self._data_for(int(engine.global_steps))
-                        loss = engine.train_batch(data_iter=data)
+                        data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
+                            int(engine.global_steps))  # fmt: skip
+                        self._monitor.progress.arm(True)  # a hang is watched for while instructions run
+                        try:
+                            loss = engine.train_batch(data_iter=data)
+                        finally:
+                            self._monitor.progress.arm(False)
                     self._after_step()
                     return loss
                 except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
@@ -213,6 +225,31 @@ class SwiftPipelineEngine:
                 raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration")
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
+
+    def _position(self, data_iter: Any, attempts: int) -> Any:
+        """The user's iterator, at the iteration about to be trained, or an error (never the wrong
+        samples): a :class:`~ds_swift.data.ResumableIterator` is rewound there; a plain one only
+        serves iterations that follow on from what it gave, not a retry after a recovery or a
+        replacement's first iteration."""
+        e = self._engine
+        if not (e.is_first_stage() or e.is_last_stage()):
+            return data_iter  # middle stages read no data
+        iteration = int(e.global_steps)
+        if hasattr(data_iter, "rewind"):
+            if data_iter.iteration != iteration:
+                data_iter.rewind(iteration)
+            return data_iter
+        replacement_start = self._ctx.env is not None and self._ctx.env.replacement and not self._user_iter_warned
+        self._user_iter_warned = True
+        if attempts > 0 or replacement_start:
+            raise DataIteratorError(
+                f"ds-swift: train_batch(data_iter=...) after a recovery: iteration {iteration} would be trained on "
+                "whatever the iterator holds next, not its own samples. Pass batch_fn to ds_swift.initialize() "
+                "(samples by position), or wrap the iterator: ds_swift.data.ResumableIterator(factory, micro_batches), "
+                "where factory(iteration) builds it at that iteration (e.g. a DataLoader over "
+                "MegatronPretrainingSampler(consumed_samples=...))"
+            )
+        return data_iter
 
     def _data_for(self, iteration: int) -> Any:
         e = self._engine
@@ -294,7 +331,7 @@ class SwiftPipelineEngine:
         self._hooks.uninstall()
         self._recv_patch.remove()
         if not self._determinism[0]:
-            torch.use_deterministic_algorithms(False)
+            torch.use_deterministic_algorithms(False, warn_only=self._determinism[1])
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:

@@ -20,6 +20,7 @@ from ds_swift.runtime.context import SwiftContext
 
 if TYPE_CHECKING:
     # Not at run time: the replay imports key_forward_rng, and the logging wiring imports the replay.
+    from ds_swift.detect.progress import Progress
     from ds_swift.runtime.logging_wiring import EngineLogging
 
 __all__ = ["EngineHooks", "attach_undo", "key_forward_rng", "make_injector"]
@@ -57,6 +58,25 @@ def attach_undo(engine: Any, log: Callable[[str], None]) -> Any:
         return None
 
 
+def with_progress(
+    progress: Progress, engine: Any, hooks: dict[type, Callable[..., Any]]
+) -> dict[type, Callable[..., Any]]:
+    """``hooks`` for every instruction type ``engine`` handles, each beating ``progress`` first
+    (instructions without a hook of their own get one that only beats)."""
+
+    def passthrough(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        return call_next(**kw)
+
+    def beating(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            progress.beat(name, int(eng.global_steps))
+            return inner(eng, call_next, **kw)
+
+        return hook
+
+    return {instr: beating(instr.__name__, hooks.get(instr, passthrough)) for instr in engine._INSTRUCTION_MAP}
+
+
 class EngineHooks:
     """Installs the runtime's hooks on each engine and removes them before its teardown.
 
@@ -76,6 +96,8 @@ class EngineHooks:
         self._handles: list[Any] = []
         self._micro = 0
         self._reseed = True  # off while a replay keys the RNG itself
+        #: the training thread's progress, beaten at every instruction (None: hangs not watched)
+        self.progress: Progress | None = None
 
     def set_reseed(self, on: bool) -> None:
         self._reseed = on
@@ -105,7 +127,7 @@ class EngineHooks:
                 self.injector.maybe_fire("forward", int(eng.global_steps))
             return call_next(**kw)
 
-        hooks = {
+        hooks: dict[type, Callable[..., Any]] = {
             schedule.ForwardPass: forward,
             schedule.BackwardPass: phase_hook("backward"),
             schedule.OptimizerStep: phase_hook("step"),
@@ -114,6 +136,8 @@ class EngineHooks:
             schedule.RecvActivation: phase_hook("recv"),
             schedule.RecvGrad: phase_hook("recv"),
         }
+        if self.progress is not None:
+            hooks = with_progress(self.progress, engine, hooks)
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
         self._undo = attach_undo(engine, self._log)

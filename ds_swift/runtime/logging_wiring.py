@@ -82,6 +82,7 @@ class EngineLogging:
         self.recorder: Any = None  # CollectiveRecorder
         self.handle: Any = None  # MessageLogHandle of the engine in force
         self.log_error: str | None = None  # why the last flush/upload failed
+        self.coverage_lost: str | None = None  # why this rank's sends stopped being logged
         self._plan: Any = None  # the topology plan; False when it could not be made
         self._layout: Any = None  # the ParallelLayout the plan is of
         self._decided = True  # False while the storage budget waits for measured message sizes
@@ -214,14 +215,14 @@ class EngineLogging:
     def attach_log(self, engine: Any, handles: list[Any]) -> None:
         # Written from the start wherever the plan logs a machine boundary: the replay's input.
         self.handle = None
-        if not self.possible(engine):
-            return
+        if not self.possible(engine) or self.coverage_lost is not None:
+            return  # (after a write error this rank's log has a hole until the job ends)
         try:
             from ds_swift.msglog import install_message_logging
 
-            handle = install_message_logging(engine, self.static_plan(engine), self.cfg)
+            handle = install_message_logging(engine, self.static_plan(engine), self.cfg, on_error=self._lose_coverage)
         except Exception as exc:  # noqa: BLE001 - logging serves recovery; it must never stop training
-            self._log(f"message logging not installed: {type(exc).__name__}: {exc}")
+            self._lose_coverage(f"message logging not installed on rank {dist.get_rank()}: {type(exc).__name__}: {exc}")
             return
         handles.append(handle)
         self.handle = handle
@@ -264,11 +265,23 @@ class EngineLogging:
             except Exception as exc:  # noqa: BLE001 - garbage left behind must not stop training
                 self._log(f"message log GC before iteration {done} failed: {type(exc).__name__}: {exc}")
 
+    def _lose_coverage(self, why: str) -> None:
+        """This rank's sends are no longer logged (for the rest of the job): said loudly, once, and
+        reported in every recovery (RankReport.log_lost), where the stages whose inbound messages
+        these were recover from the global checkpoint instead of a replay."""
+        if self.coverage_lost is None:
+            self.coverage_lost = why
+            print(
+                f"[ds-swift] rank {dist.get_rank()}: {why}; message logging of this rank's sends stops, training "
+                "goes on: a failure of the stages receiving them recovers from the global checkpoint",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+
     def flush(self) -> None:
         """Survivor, before its teardown: every logged message to the global store."""
         self.log_error = None
-        if self.handle is None:
-            return
+        if self.handle is None or self.coverage_lost is not None:
+            return  # a log with a hole serves no replay: the recovery hears of it in the report
         try:
             self.handle.upload(timeout_s=max(60.0, self.cfg.watchdog.op_timeout_s))
         except Exception as exc:  # noqa: BLE001 - said in the recovery's check round: checkpoint fallback

@@ -27,7 +27,7 @@ from ds_swift.checkpoint import CheckpointManager
 from ds_swift.config import SwiftConfig
 from ds_swift.detect.classify import is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
-from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
+from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
 from ds_swift.membership import GenerationFailed
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
@@ -240,7 +240,7 @@ class Rebuilder:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
         self.start_buddy()
-        self._monitor.set_generation(generation, pipeline_neighbours(self._holder.engine))
+        self._monitor.set_generation(generation, watched_peers(self._holder.engine))
         self._monitor.set_armed(True)
         plan = outcome.plan
         ctx.log(
@@ -262,6 +262,7 @@ class Rebuilder:
             report=dataclasses.replace(
                 rank_report(engine, kept, self._machine()),
                 buddy_copies=self.buddy.holdings.copies() if self.buddy is not None else (),
+                log_lost=self._hooks.logs.coverage_lost,
             ),
             kept=kept,
             strategy=self._cfg.strategy,

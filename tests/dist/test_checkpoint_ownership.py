@@ -28,7 +28,8 @@ SLOW_SAVE_WORKER = Path(__file__).parent / "workers" / "slow_save_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 10
 JOB_DEADLINE_S = 180.0
-SAVE_TIMEOUT_S = float(os.environ.get("SWIFT_TEST_SAVE_TIMEOUT_S", "120"))  # 4: the test must fail
+OP_TIMEOUT_S = 6.0
+SAVE_TIMEOUT_S = float(os.environ.get("SWIFT_TEST_SAVE_TIMEOUT_S", "120"))  # 6: the test must fail
 FORCED = {"strategy": "checkpoint", "checkpoint": {"interval": 4}}
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -44,10 +45,17 @@ def loaded(job: JobRun) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> dict[str, torch.Tensor]:
-    job = launch(tmp_path_factory.mktemp("reference"), [], FORCED)
-    assert job.code == 0, job.output[-6000:]
-    return checkpoint_tensors(job.final_tag)
+def slow_save_reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
+    """The failure-free run, with rank 1 taking 3 x the op timeout to write its first checkpoint."""
+    swift = {**FORCED, "watchdog": {"op_timeout_s": OP_TIMEOUT_S}, "checkpoint": {"interval": 4, "save_timeout_s": SAVE_TIMEOUT_S}}
+    spec = JobSpec(SLOW_SAVE_WORKER, BF16, ITERS, [], swift=swift, env={"SLOW_SAVE_S": str(3 * OP_TIMEOUT_S)}, nproc_per_node=2)
+    return run_job(tmp_path_factory.mktemp("reference"), spec, JOB_DEADLINE_S)
+
+
+@pytest.fixture(scope="module")
+def reference(slow_save_reference: JobRun) -> dict[str, torch.Tensor]:
+    assert slow_save_reference.code == 0, slow_save_reference.output[-6000:]
+    return checkpoint_tensors(slow_save_reference.final_tag)
 
 
 def test_a_fallback_skips_another_jobs_checkpoints_in_the_same_directory(
@@ -82,13 +90,11 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_initial_state(
     assert diff.bitwise_equal, diff.describe()
 
 
-def test_a_checkpoint_slower_than_the_op_timeout_is_not_a_failure(tmp_path: Path) -> None:
-    """Rank 1 takes 3 x the op timeout to write each checkpoint: the others wait for it
-    (checkpoint.save_timeout_s), nobody declares a failure, and no recovery runs."""
-    swift = {"watchdog": {"op_timeout_s": 4.0}, "checkpoint": {"interval": 4, "save_timeout_s": SAVE_TIMEOUT_S}}
-    spec = JobSpec(SLOW_SAVE_WORKER, BF16, 5, [], swift=swift, env={"SLOW_SAVE_S": "12"}, nproc_per_node=2)
-    job = run_job(tmp_path, spec, JOB_DEADLINE_S)
+def test_a_checkpoint_slower_than_the_op_timeout_is_not_a_failure(slow_save_reference: JobRun) -> None:
+    """The others wait for rank 1's slow writes (checkpoint.save_timeout_s): nobody declares a
+    failure, and no recovery runs (with SWIFT_TEST_SAVE_TIMEOUT_S=6 the job fails instead)."""
+    job = slow_save_reference
     assert job.code == 0, job.output[-6000:]
     assert not job.timelines() and "(generation 0, 0 machine failure(s))" in job.output, job.output[-4000:]
     assert "failed" not in job.output, job.output[-4000:]
-    assert (job.ckpt_dir / "global_step4" / "swift_complete").exists()
+    assert (job.ckpt_dir / "global_step8" / "swift_complete").exists()

@@ -14,12 +14,16 @@ the machine groups under the budget, prints the plan once and keeps logging by i
   no longer logged drop their logger); machine 3 killed in iteration 12's backward pass: the whole
   group {2, 3} replays, rank 2 (a survivor) rolls back with it, and the end is bitwise equal too;
 - unmeetable: a budget below one boundary's logs stops the job after its first iteration with one
-  line naming ``logging.storage_budget_gb`` and the smallest budget that works.
+  line naming ``logging.storage_budget_gb`` and the smallest budget that works;
+- full disk: the log's disk (a 1 MB tmpfs) fills up mid-run; training goes on, logging stops loudly,
+  and a later failure whose replay would need the lost messages falls back to the checkpoint.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +181,38 @@ def test_a_budget_that_cannot_be_met_stops_the_job_naming_the_field(tmp_path: Pa
     smallest = float(re.search(r"set logging.storage_budget_gb to at least ([\d.e-]+)", errors[0]).group(1))
     assert 8 * boundary_bytes / 1e9 <= smallest <= 1.01 * 8 * boundary_bytes / 1e9
     assert "iteration 3/3" not in job.output  # stopped after the first iteration
+
+
+@pytest.fixture
+def small_log_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MB tmpfs for the message log: full after a few iterations (created here, removed after)."""
+    mount = tmp_path / "logfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_log_disk_stops_logging_loudly_and_a_later_failure_falls_back(
+    tmp_path: Path, small_log_disk: Path, reference_tensors: dict[str, torch.Tensor]
+) -> None:
+    """The log fills its disk around iteration 3: training goes on, each sender says its sends
+    are no longer logged, and machine 1's failure in iteration 12 (whose inbound messages are
+    gone) recovers from the global checkpoint, announced, bitwise equal to the reference."""
+    job = launch(
+        tmp_path / "job", ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
+        swift={"logging": {"storage": f"file://{small_log_disk}"}},
+    )  # fmt: skip
+    assert job.code == 0, job.output[-8000:]
+    stopped = re.findall(r"rank (\d+): message log on rank \d+ lost records: .*No space left on device.*; message "
+                         r"logging of this rank's sends stops, training goes on", job.output)  # fmt: skip
+    assert {"1", "2"} <= set(stopped), job.output[-6000:]  # both senders across the machine boundary
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8, tl
+    assert "stopped covering their sends to the failed group" in tl["reason"], tl["reason"]
+    assert "checkpoint fallback" in job.output
+    assert_bitwise_equal(reference_tensors, job)

@@ -49,8 +49,10 @@ def launch(
     swift: dict[str, Any] | None = None,
     nnodes: int = 2,
     script: Path = EXAMPLE,
+    script_args: tuple[str, ...] = (),
 ) -> JobRun:
-    spec = JobSpec(script, config, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes)
+    spec = JobSpec(script, config, ITERS, launcher_args, script_args, swift=swift or {}, nnodes=nnodes,
+                   nproc_per_node=4 // nnodes)  # fmt: skip
     return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
@@ -87,6 +89,16 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert tl["failed_machine"] == 1 and tl["consensus"] == 6 and tl["undo_ranks"] == []
     assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
+
+
+def test_a_resumable_data_iterator_is_rewound_and_recovers_bitwise(tmp_path: Path, bf16_baseline: JobRun) -> None:
+    """The script feeds train_batch(data_iter=...) from a ds_swift.data.ResumableIterator, as a
+    Megatron script feeds its sampler's iterator: the retried iteration reads its own samples."""
+    inject = ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"]
+    job = launch(tmp_path, BF16, inject, script_args=("--data-iter",))
+    tl = one_recovery(job)
+    assert tl["strategy"] == "buddy", tl["reason"]
     assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
@@ -87,9 +89,28 @@ def test_a_name_is_registered_once_and_an_unknown_forced_name_is_refused() -> No
 
 def test_reasons_two_strategies_share_are_said_once() -> None:
     reports = pipeline_only()
-    plan = plan_recovery(reports, zero_stage=1, logging=LoggingSetup(frozenset(range(4))))
+    wrapper = "DeepSpeedZeroOptimizer_Stage3"
+    plan = plan_recovery(reports, zero_stage=3, optimizer=wrapper, logging=LoggingSetup(frozenset(range(4))))
     assert plan.strategy == "checkpoint"
-    assert plan.reason.count("ZeRO stage 1") == 1
+    assert plan.reason.count(wrapper) == 1
+
+
+def test_zero1_and_bf16_partitions_come_from_the_checkpoint_in_a_replay() -> None:
+    """Logging recovery reloads the replayed ranks' own partitions: no replica needs them."""
+    plan = plan_recovery(pipeline_only(), zero_stage=1, partitioned=True, logging=LoggingSetup(frozenset(range(4))))
+    assert plan.strategy == "logging" and plan.replay_ranks == (2, 3)
+
+
+def test_a_sender_whose_log_has_a_hole_forces_the_checkpoint() -> None:
+    reports = pipeline_only()
+    reports[1] = dataclasses.replace(reports[1], log_lost="message log on rank 1 lost records: [Errno 28] No space")
+    plan = plan_recovery(reports, logging=LoggingSetup(frozenset(range(4))))
+    assert plan.strategy == "checkpoint"
+    assert "message log of rank(s) [1] stopped covering" in plan.reason and "No space" in plan.reason
+    # a hole in a log that the failed group does not need changes nothing
+    reports[1] = dataclasses.replace(reports[1], log_lost=None)
+    reports[0] = dataclasses.replace(reports[0], log_lost="x")
+    assert plan_recovery(reports, logging=LoggingSetup(frozenset(range(4)))).strategy == "logging"
 
 
 def test_the_consensus_is_pure_and_order_free() -> None:

@@ -7,6 +7,8 @@ In generation 0 only (replacements never fault):
 - ``SWIFT_TEST_KILL_AFTER_STEP="rank=R,iteration=I"``: rank R SIGKILLs itself right after its
   optimizer step of iteration I.
 
+``SWIFT_TEST_CPU_FP16=1``: fp16 allowed on DeepSpeed's CPU accelerator (ds_swift.patches.cpu_fp16).
+
 And after every recovery, with ``SWIFT_TEST_DUMP_DIR=DIR``, every rank saves the state it resumes
 from as a DeepSpeed checkpoint ``DIR/recovered_gen<g>`` (what an undo left, before any further
 training amplifies its rounding).
@@ -190,7 +192,13 @@ def main() -> None:
 
         SwiftPipelineEngine._resume = resume_and_dump  # type: ignore[method-assign]
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    if os.environ.get("SWIFT_TEST_CPU_FP16"):
+        from ds_swift.patches.cpu_fp16 import allow_cpu_fp16
+
+        with allow_cpu_fp16():
+            runpy.run_path(str(EXAMPLE), run_name="__main__")
+    else:
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
 
 
 if __name__ == "__main__":

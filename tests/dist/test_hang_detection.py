@@ -1,0 +1,109 @@
+"""Hang detection (issue 15), through ds-swift-launch with real processes: a hung worker is a failed
+machine. bf16 + ZeRO-1, pp 2 x dp 2 on 2 machines plus a spare (configs/gpt_tiny_pp2_dp2_bf16_zero1.json).
+
+- stopped: rank 2 is SIGSTOPped mid-run (alive, not dead: no exit for its agent to see). Its
+  heartbeat stops; a watching peer names it and its last instruction, its agent kills machine 1,
+  the spare takes over, and the job ends bitwise equal to the failure-free run;
+- stalled: rank 2's training thread blocks before its gradient all-reduce (its watchdog thread
+  keeps heartbeating). Its peers' ops time out and wait; after ``watchdog.hang_timeout_s`` without
+  progress its own watchdog declares it hung, and the machine is replaced the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+ITERS = 10
+JOB_DEADLINE_S = 240.0
+#: short timeouts, so that the test waits seconds, not minutes
+WATCHDOG = {"heartbeat_timeout_s": 4.0, "op_timeout_s": 4.0, "hang_timeout_s": 8.0}
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+
+def launch(tmp: Path, env: dict[str, str] | None = None, on_poll=None) -> JobRun:  # type: ignore[no-untyped-def]
+    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1"], swift={"watchdog": WATCHDOG}, env=env or {},
+                   loss_log=True)  # fmt: skip
+    return run_job(tmp, spec, JOB_DEADLINE_S, on_poll=on_poll)
+
+
+def assert_bitwise(reference: dict[str, torch.Tensor], job: JobRun) -> None:
+    diff = compare_tensors(reference, checkpoint_tensors(job.final_tag))
+    assert diff.bitwise_equal, diff.describe()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> dict[str, torch.Tensor]:
+    job = launch(tmp_path_factory.mktemp("reference"))
+    assert job.code == 0, job.output[-6000:]
+    return checkpoint_tensors(job.final_tag)
+
+
+class StopRank:
+    """on_poll: once the job has trained ``after`` iterations, SIGSTOP ``rank`` (its pid from the
+    launcher's "started" line); remembers the pid to SIGKILL it whatever happens."""
+
+    def __init__(self, rank: int, machine: int, after: int) -> None:
+        self.rank, self.machine, self.after = rank, machine, after
+        self.pid: int | None = None
+
+    def __call__(self, job: JobRun) -> None:
+        if self.pid is not None or not job.loss_log.exists():
+            return
+        trained = len(job.loss_log.read_text().splitlines())
+        log = job.proc_logs / "launcher.log"
+        started = re.search(rf"machine {self.machine}: ranks (\d+)\.\.\d+ started by agent \d+ \(pids ([\d ]+)\)",
+                            log.read_text(errors="replace") if log.exists() else "")  # fmt: skip
+        if trained < self.after or started is None:
+            return
+        self.pid = int(started.group(2).split()[self.rank - int(started.group(1))])
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_stopped_worker_is_a_failed_machine(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    stop = StopRank(rank=2, machine=1, after=4)
+    try:
+        job = launch(tmp_path, on_poll=stop)
+    finally:
+        stop.kill()
+    assert stop.pid is not None, "the job ended before rank 2 was stopped"
+    assert job.code == 0, job.output[-8000:]
+    hung = re.search(r"machine 1: hung \(rank 2: no heartbeat for [\d.]+ s, last in (\w+) of iteration (\d+)",
+                     job.output)  # fmt: skip
+    assert hung, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["failed_machine"] == 1 and tl["strategy"] == "buddy", tl["reason"]
+    assert_bitwise(reference, job)
+
+
+def test_a_stalled_training_thread_is_declared_hung_by_its_own_watchdog(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    job = launch(tmp_path, env={"SWIFT_TEST_STALL": "rank=2,iteration=5"})
+    assert job.code == 0, job.output[-8000:]
+    hung = re.search(r"machine 1: hung \(rank 2 hung: no progress for [\d.]+ s in (\w+) of iteration 5 "
+                     r"\(watchdog.hang_timeout_s=8\)", job.output)  # fmt: skip
+    assert hung, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["failed_machine"] == 1, tl
+    assert "not a machine failure" not in job.output  # the peers' timed-out ops waited for the verdict
+    assert_bitwise(reference, job)

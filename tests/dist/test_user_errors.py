@@ -1,0 +1,33 @@
+"""A user's ordinary error that reads like a comm error is the user's error, not a machine
+failure (issue 16), through ds-swift-launch with real processes, bf16 + ZeRO-1.
+
+Rank 0's model raises ``RuntimeError("... gloo ... timed out (NCCL ...)")`` in training: no
+failure flag is set and every rank heartbeats, so rank 0 raises it as the job's own error (with a
+note saying so) after the heartbeat timeout instead of starting a recovery for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds_swift.testing.jobs import JobSpec, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "workers" / "user_error_worker.py"
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+SWIFT = {"watchdog": {"heartbeat_timeout_s": 2.0, "op_timeout_s": 30.0, "hang_timeout_s": None}}
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def test_a_users_runtime_error_mentioning_gloo_is_raised_as_its_own(tmp_path: Path, warm_deepspeed: None) -> None:
+    env = {"USER_ERROR_RANK": "0", "USER_ERROR_FORWARD": "150"}
+    job = run_job(tmp_path, JobSpec(WORKER, BF16, 6, [], swift=SWIFT, env=env, nproc_per_node=2), 240.0)
+    assert job.code != 0, job.output[-4000:]
+    assert "RuntimeError: user layer: gloo all-reduce of my custom metric timed out" in job.output, job.output[-6000:]
+    assert "not a machine failure (no failure declared and every rank heartbeating" in job.output, job.output[-6000:]
+    assert "raised as the job's own error" in job.output
+    assert "comm error, failure declared: user layer" not in job.output, job.output[-6000:]
+    assert not job.timelines(), job.output[-4000:]  # no recovery ran for it

@@ -1,0 +1,75 @@
+"""Hang detection (issue 15): the training thread's progress, the watchdog's verdicts, and the key
+that makes a hung or stopped machine's agent kill it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.detect.progress import Progress
+from ds_swift.detect.watchdog import Watchdog, hung_machine_key
+from ds_swift.membership import JobStore
+
+TOKEN = "unit-hang"
+
+
+@pytest.fixture
+def store() -> JobStore:
+    return JobStore.host(TOKEN)
+
+
+def watchdog(store: JobStore, rank: int, progress: Progress | None = None, watch: list[int] | None = None) -> Watchdog:
+    client = JobStore.connect("127.0.0.1", store.port, TOKEN)
+    return Watchdog(lambda: client, rank=rank, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0,
+                    watch_ranks=watch or [], progress=progress, hang_timeout_s=2.0, ranks_per_machine=2)  # fmt: skip
+
+
+def test_a_training_thread_without_progress_mid_iteration_is_hung(store: JobStore) -> None:
+    progress = Progress()
+    wd = watchdog(store, rank=3, progress=progress)
+    progress.arm(True)
+    progress.beat("BackwardPass", 7)
+    assert wd.poll_once(wd._store_factory()) is None  # just beat
+    progress.t -= 2.5  # as if the backward pass had run for 2.5 s
+    seen = wd.poll_once(wd._store_factory())
+    assert seen is not None and wd.failed.is_set()
+    assert seen.reason.startswith("rank 3 hung: no progress for 2.5 s in BackwardPass of iteration 7")
+    assert store.failure(0) == seen.reason
+    assert store.get(hung_machine_key(1)) == f"0 {seen.reason}"  # rank 3 is on machine 1 (2 ranks each)
+
+
+def test_time_outside_an_iteration_does_not_count(store: JobStore) -> None:
+    progress = Progress()
+    wd = watchdog(store, rank=0, progress=progress)
+    progress.beat("OptimizerStep", 3)
+    progress.arm(False)  # a checkpoint save, a recovery, the user's code between iterations
+    progress.t -= 60.0
+    assert progress.stuck_for() == 0.0 and wd.poll_once(wd._store_factory()) is None
+    assert store.failure(0) is None and store.get(hung_machine_key(0)) is None
+
+
+def test_a_stopped_peer_is_named_with_its_last_instruction(store: JobStore) -> None:
+    store.kv.set("hb/2", f"{time.time() - 30.0!r} RecvGrad of iteration 5")
+    wd = watchdog(store, rank=0, watch=[2])
+    wd._gen_started -= 10.0  # the generation is older than the heartbeat timeout
+    seen = wd.poll_once(wd._store_factory())
+    assert seen is not None
+    assert "rank 2: no heartbeat for 30." in seen.reason and "last in RecvGrad of iteration 5" in seen.reason
+    assert (store.get(hung_machine_key(1)) or "").startswith("0 rank 2: no heartbeat")
+
+
+def test_heartbeats_carry_the_progress_note(store: JobStore) -> None:
+    progress = Progress()
+    progress.beat("ForwardPass", 4)
+    wd = watchdog(store, rank=1, progress=progress)
+    wd.poll_once(wd._store_factory())
+    beat = store.heartbeat_of(1)
+    assert beat is not None and beat[1] == "ForwardPass of iteration 4" and store.last_heartbeat(1) == beat[0]
+
+
+def test_the_hang_timeout_must_exceed_the_op_timeout() -> None:
+    with pytest.raises(ConfigError, match="watchdog.hang_timeout_s"):
+        SwiftConfig.from_dict({"enabled": True, "watchdog": {"op_timeout_s": 30.0, "hang_timeout_s": 20.0}})
+    assert SwiftConfig.from_dict({"enabled": True, "watchdog": {"hang_timeout_s": None}}).watchdog.hang_timeout_s is None
