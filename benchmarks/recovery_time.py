@@ -9,6 +9,10 @@ K + K/2 (backward pass):
   replicas; the spare's workers are warm (started and imported before the failure, the default);
 - ``replication_cold``: the same with ``ds-swift-launch --cold-spares``: the spare starts its
   workers only when the machine fails (interpreter, imports, CUDA context: the cost warm spares hide);
+- ``buddy`` and ``buddy_cold``: the same in the configuration users run
+  (``configs/gpt_tiny_pp2_dp2_bf16_zero1.json``: bf16, ZeRO-1, gradient clipping, an LR schedule):
+  the replacement's ZeRO-1 optimizer partitions come from their buddy copies, its bf16
+  parameters from the replica;
 - ``checkpoint``: the same pp 2 x dp 2 job with ``strategy: checkpoint``: every rank reloads the
   last global checkpoint (iteration K) and trains the K/2 lost iterations again;
 - ``logging`` (``configs/gpt_tiny_pp4.json``, pp 4, stages 2 and 3 on machine 1, no replica): the
@@ -33,6 +37,9 @@ all of them). SWIFT reports 0.64 for logging and 0.24-0.43 with parallel recover
     python benchmarks/recovery_time.py                          # table, every variant
     python benchmarks/recovery_time.py --json                   # {"logging_vs_checkpoint": ..., ...}
     python benchmarks/recovery_time.py --variants logging,logging_parallel,checkpoint_pp4 --rounds 2
+    # issue 15's figure: a ~25M-parameter GPT, warm vs cold spares
+    python benchmarks/recovery_time.py --variants replication,replication_cold,buddy,buddy_cold \\
+        --model-args '--hidden-size 512 --num-layers 8 --num-attention-heads 8'
 """
 
 from __future__ import annotations
@@ -51,11 +58,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 PP2_DP2 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
 PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
+PP2_DP2_BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 #: variant -> (config, swift overrides, the strategy its timeline must report, extra ds-swift-launch flags)
 VARIANTS: dict[str, tuple[Path, dict[str, Any], str, tuple[str, ...]]] = {
     "replication": (PP2_DP2, {"strategy": "auto"}, "replication", ()),
     "replication_cold": (PP2_DP2, {"strategy": "auto"}, "replication", ("--cold-spares",)),
     "checkpoint": (PP2_DP2, {"strategy": "checkpoint"}, "checkpoint", ()),
+    "buddy": (PP2_DP2_BF16, {"strategy": "auto"}, "buddy", ()),
+    "buddy_cold": (PP2_DP2_BF16, {"strategy": "auto"}, "buddy", ("--cold-spares",)),
     "logging": (PP4, {"strategy": "logging", "parallel_recovery": False}, "logging", ()),
     "logging_parallel": (PP4, {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_mode": "exact"},
                          "logging", ()),
@@ -64,6 +74,7 @@ VARIANTS: dict[str, tuple[Path, dict[str, Any], str, tuple[str, ...]]] = {
 #: ratio key -> (numerator variant, denominator variant)
 RATIOS = {
     "warm_vs_cold_spares": ("replication", "replication_cold"),
+    "bf16_warm_vs_cold_spares": ("buddy", "buddy_cold"),
     "replication_vs_checkpoint": ("replication", "checkpoint"),
     "logging_vs_checkpoint": ("logging", "checkpoint_pp4"),
     "logging_parallel_vs_checkpoint": ("logging_parallel", "checkpoint_pp4"),

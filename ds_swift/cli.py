@@ -20,6 +20,7 @@ SUBCOMMANDS = (
     "ds_swift.sim.cli",  # ds-swift simulate
     "ds_swift.msglog.cli",  # ds-swift logs
     "ds_swift.demo",  # ds-swift demo
+    "ds_swift.bench",  # ds-swift bench
     "ds_swift.megatron_patch",  # ds-swift megatron-patch
 )
 

@@ -6,10 +6,12 @@ An error is a failure of the generation when the job says so, not when its text 
    heartbeat stop), or the error is :class:`PeerFailure` (a receive after the flag was set);
 2. else an error that *may* come from a dead peer (a ``torch.distributed`` error type, or a
    ``RuntimeError``/``OSError`` whose text is one gloo/NCCL use for a closed connection or a
-   timed-out op) waits for evidence: the flag (a hung peer's own watchdog sets it after the hang
-   timeout), or a rank of the job whose heartbeat is older than the heartbeat timeout, which it
-   declares. With neither within those timeouts, every rank is alive and making progress: the
-   error is raised as the job's own, with a note saying so;
+   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat is older than
+   the heartbeat timeout, which it declares. A timed-out op may also come from a hung peer (alive,
+   heartbeating, not progressing), whose own watchdog sets the flag after the hang timeout: only
+   such an error waits that long; a closed connection or any other comm-looking error waits the
+   heartbeat timeout. With no evidence within that time, every rank is alive: the error is raised
+   as the job's own, with a note saying so;
 3. anything else is the job's own error and is raised at once, as DeepSpeed alone would.
 
 So a bug that raises ``RuntimeError("... timed out")`` surfaces as that bug, not as up to five
@@ -27,7 +29,16 @@ import torch.distributed as dist
 from ds_swift.detect.watchdog import declare_failure
 from ds_swift.membership import JobStore
 
-__all__ = ["COMM_ERROR_MARKERS", "Liveness", "PeerFailure", "classify_failure", "is_comm_error", "stale_ranks"]
+__all__ = [
+    "COMM_ERROR_MARKERS",
+    "TIMEOUT_MARKERS",
+    "Liveness",
+    "PeerFailure",
+    "classify_failure",
+    "hang_patience",
+    "is_comm_error",
+    "stale_ranks",
+]
 
 #: Substrings of the errors gloo/NCCL raise when a peer died or an op timed out.
 COMM_ERROR_MARKERS = (
@@ -42,6 +53,10 @@ COMM_ERROR_MARKERS = (
     "NCCL",
     "gloo",
 )
+
+
+#: Substrings of the errors a timed-out op raises (the ones a hung, not dead, peer can cause).
+TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
 class PeerFailure(RuntimeError):
@@ -73,6 +88,14 @@ class Liveness:
     long: a comm error caused by it waits that long for the verdict too."""
 
 
+def hang_patience(exc: BaseException, liveness: Liveness) -> float:
+    """How long ``exc`` waits for a hung peer's verdict: the hang timeout for a timed-out op (the
+    one error a hung peer causes), nothing for any other error (a hung peer closes no connection)."""
+    if liveness.hang_timeout_s is None or not any(m in str(exc) for m in TIMEOUT_MARKERS):
+        return 0.0
+    return liveness.hang_timeout_s
+
+
 def stale_ranks(store: JobStore, liveness: Liveness, now: float | None = None) -> list[tuple[int, float]]:
     """``(rank, seconds since its heartbeat)`` of every rank whose heartbeat is older than the
     timeout (a rank without one yet is starting, not dead)."""
@@ -102,9 +125,10 @@ def classify_failure(
     if not is_comm_error(exc):
         raise exc
     # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
-    # else a dead rank's heartbeat goes stale within the heartbeat timeout.
+    # else a dead rank's heartbeat goes stale within the heartbeat timeout. Only a timed-out op can
+    # be a hung peer's doing: that one waits for the hung rank's own verdict (the hang timeout).
     patience = (
-        max(liveness.heartbeat_timeout_s, liveness.hang_timeout_s or 0.0) + 3 * poll_interval_s
+        max(liveness.heartbeat_timeout_s, hang_patience(exc, liveness)) + 3 * poll_interval_s
         if liveness is not None
         else 5 * poll_interval_s
     )

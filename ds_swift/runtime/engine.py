@@ -22,12 +22,12 @@ ds_swift.runtime.hooks; the recovery timeline in ds_swift.runtime.timeline.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager, Origin, job_id_for, origin_of
@@ -35,6 +35,7 @@ from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
+from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.runtime.context import SwiftContext, current_context
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -142,12 +143,8 @@ class SwiftPipelineEngine:
         )  # fmt: skip
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retried iterations must compute what the first run computed; the user's
-        # setting comes back on close().
-        self._determinism = (
-            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        )
-        if not self._determinism[0]:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        # settings come back on close().
+        self._determinism = ScopedDeterminism()
         self._hooks.install(engine)
         if ctx.store is not None:
             assert ctx.env is not None
@@ -324,14 +321,37 @@ class SwiftPipelineEngine:
             return
         self._closed = True
         env, store = self._ctx.env, self._ctx.store
+        self._write_usage()
         self._timeline.close()
         self._monitor.stop()
         if store is not None and env is not None:
             store.mark_done(env.rank)
         self._hooks.uninstall()
         self._recv_patch.remove()
-        if not self._determinism[0]:
-            torch.use_deterministic_algorithms(False, warn_only=self._determinism[1])
+        self._determinism.restore()
+
+    def _write_usage(self) -> None:
+        """``<run_dir>/usage/rank<r>.json``: what this rank's protection cost it (``ds-swift bench``
+        reads these): message-log bytes written, buddy bytes sent and held, peak host memory."""
+        import resource
+
+        if self._ctx.env is None:
+            return  # not under ds-swift-launch: no run directory of the job's
+        rank, buddy = self._ctx.env.rank, self._rebuild.buddy
+        try:
+            record = {
+                "rank": rank,
+                "iterations": int(self._engine.global_steps),
+                "log_bytes": self._hooks.logs.bytes_logged(),
+                "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
+                "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+            out = Path(self._ctx.run_dir) / "usage"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{rank}.json").write_text(json.dumps(record))
+        except Exception as exc:  # noqa: BLE001 - a report: it must never fail the job's close
+            self._ctx.log(f"usage record not written: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:

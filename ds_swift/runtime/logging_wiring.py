@@ -81,6 +81,7 @@ class EngineLogging:
         self._log = log
         self.recorder: Any = None  # CollectiveRecorder
         self.handle: Any = None  # MessageLogHandle of the engine in force
+        self._handles: list[Any] = []  # every handle installed (their byte counters)
         self.log_error: str | None = None  # why the last flush/upload failed
         self.coverage_lost: str | None = None  # why this rank's sends stopped being logged
         self._plan: Any = None  # the topology plan; False when it could not be made
@@ -226,6 +227,11 @@ class EngineLogging:
             return
         handles.append(handle)
         self.handle = handle
+        self._handles.append(handle)
+
+    def bytes_logged(self) -> int:
+        """Bytes this rank's message loggers wrote (records and headers, on disk), since it started."""
+        return sum(int(h.stats.bytes) for h in self._handles)
 
     def detached(self) -> None:
         """The runtime removed every hook (its handles): the logger went with them."""

@@ -99,11 +99,15 @@ class Rebuilder:
         self._hooks = hooks
         self._monitor = monitor
         self._ckpt = ckpt
+        # A forced strategy that never reads buddy copies does not pay for them.
+        unused = cfg.strategy in ("checkpoint", "logging")
         self.buddy = (
             BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
-            if cfg.buddy.enabled
+            if cfg.buddy.enabled and not unused
             else None
         )
+        if cfg.buddy.enabled and unused and (ctx.env is None or ctx.env.rank == 0):
+            ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
 
     def start_buddy(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each
@@ -120,7 +124,15 @@ class Rebuilder:
             buddy.after_step(eng)
             return out
 
-        self._hooks.add(hook_instructions(engine, "ds_swift.buddy", {schedule.OptimizerStep: step}))
+        def backward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            # The last step can be undone only until the next backward overwrites its gradients:
+            # by then its copy must have left this rank, or a failure in this iteration finds the
+            # copy one step behind survivors that can no longer undo (and falls back).
+            buddy.before_step()
+            return call_next(**kw)
+
+        hooks = {schedule.OptimizerStep: step, schedule.BackwardPass: backward}
+        self._hooks.add(hook_instructions(engine, "ds_swift.buddy", hooks))
 
     def build_engine(self) -> Any:
         """The DeepSpeed rebuild, on the process groups of the generation just joined."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints", "compare_tensors",
-           "tensors_of"]  # fmt: skip
+           "tensors_of", "ulp_distance"]  # fmt: skip
 
 
 class CheckpointError(RuntimeError):
@@ -29,6 +29,9 @@ class CheckpointDiff:
     differing: list[tuple[str, float]] = field(default_factory=list)
     """(name, largest absolute difference) of tensors whose bits differ."""
     only_in_one: list[str] = field(default_factory=list)
+    max_ulp: float = 0.0
+    """The largest distance in units in the last place between two floating-point elements (0 when
+    bitwise equal; ``inf`` where dtypes or shapes differ)."""
 
     @property
     def bitwise_equal(self) -> bool:
@@ -97,7 +100,32 @@ def compare_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDif
             continue
         gap = float((x.double() - y.double()).abs().max()) if x.shape == y.shape and x.numel() else float("inf")
         diff.differing.append((name, gap))
+        diff.max_ulp = max(diff.max_ulp, ulp_distance(x, y))
     return diff
+
+
+#: floating dtype -> the integer dtype of its bits
+_BITS = {"torch.float64": "int64", "torch.float32": "int32", "torch.bfloat16": "int16", "torch.float16": "int16"}
+
+
+def ulp_distance(x: Any, y: Any) -> float:
+    """Largest number of representable values between elements of ``x`` and ``y`` (same dtype and
+    shape; ``inf`` otherwise, or for non-float tensors that differ)."""
+    import torch
+
+    if x.dtype != y.dtype or x.shape != y.shape or str(x.dtype) not in _BITS:
+        return float("inf")
+    if not x.numel():
+        return 0.0
+    int_t = getattr(torch, _BITS[str(x.dtype)])
+    sign = torch.iinfo(int_t).bits - 1
+
+    def ordered(t: Any) -> Any:
+        # Floats' bit patterns as integers in the floats' own order (negatives mirrored below 0).
+        b = t.detach().contiguous().view(int_t).to(torch.int64)
+        return torch.where(b < 0, -(b & ((1 << sign) - 1)), b)
+
+    return float((ordered(x) - ordered(y)).abs().max())
 
 
 def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:

@@ -147,7 +147,7 @@ def run_job(
     Raises:
         JobTimeout: past the deadline; the whole process tree is killed.
     """
-    job = JobRun(Path(directory), spec.iterations)
+    job = JobRun(Path(directory).resolve(), spec.iterations)  # the launcher runs in it: absolute paths
     job.dir.mkdir(parents=True, exist_ok=True)
     job.config = job_config(spec, job)
     config_path = job.dir / "ds_config.json"

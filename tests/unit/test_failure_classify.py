@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure, stale_ranks
+from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure, hang_patience, stale_ranks
 from ds_swift.membership import JobStore
 
 TOKEN = "unit-classify"
@@ -50,6 +50,27 @@ def test_a_bug_with_gloo_in_its_text_and_every_rank_alive_is_raised(store: JobSt
         classify_failure(bug, store, 0, 0.01, live)
     assert any("not a machine failure" in n for n in raised.value.__notes__)
     assert store.failure(0) is None  # nothing declared: no recovery starts
+
+
+def test_only_a_timed_out_op_waits_for_a_hung_peers_verdict() -> None:
+    live = Liveness(range(2), heartbeat_timeout_s=5.0, rank=0, hang_timeout_s=120.0)
+    assert hang_patience(RuntimeError("[gloo] Timed out waiting 30000ms for recv"), live) == 120.0
+    assert hang_patience(dist.DistBackendError("op timed out"), live) == 120.0
+    # A hung peer closes no connection, and raises nothing on our side: no hang wait for these.
+    assert hang_patience(RuntimeError("gloo: Connection closed by peer"), live) == 0.0
+    assert hang_patience(RuntimeError("user code: bad gloo option"), live) == 0.0
+    off = Liveness(range(2), heartbeat_timeout_s=5.0, rank=0, hang_timeout_s=None)
+    assert hang_patience(RuntimeError("Timed out"), off) == 0.0
+
+
+def test_a_comm_looking_bug_surfaces_after_the_heartbeat_timeout_not_the_hang_timeout(
+    store: JobStore, heartbeats: None
+) -> None:
+    live = Liveness(range(4), heartbeat_timeout_s=0.3, rank=1, hang_timeout_s=3600.0)
+    with pytest.raises(RuntimeError, match="bad gloo option") as raised:
+        classify_failure(RuntimeError("user code: bad gloo option"), store, 0, 0.01, live)
+    # The note says how long it waited: the heartbeat timeout and 3 polls, not the hour.
+    assert any("for 0.3 s" in n for n in raised.value.__notes__), raised.value.__notes__
 
 
 def test_an_ordinary_error_is_raised_at_once(store: JobStore) -> None:

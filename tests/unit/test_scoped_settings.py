@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift.patches.deepspeed_rebuild import long_op_timeout
+from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.runtime.engine import SwiftPipelineEngine
 
 
@@ -51,29 +52,53 @@ def test_without_a_process_group_the_long_timeout_is_a_no_op() -> None:
     long_op_timeout(100.0).remove()
 
 
-def closable(determinism: tuple[bool, bool]) -> SwiftPipelineEngine:
-    """A SwiftPipelineEngine with what close() touches, the rest left out."""
+def closable() -> SwiftPipelineEngine:
+    """A SwiftPipelineEngine with what close() touches, the rest left out; its determinism switched
+    on as __init__ switches it."""
     engine = SwiftPipelineEngine.__new__(SwiftPipelineEngine)
     parts = {"_timeline": mock.Mock(), "_monitor": mock.Mock(), "_hooks": mock.Mock(), "_recv_patch": mock.Mock()}
-    vars(engine).update(parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=determinism)
+    vars(engine).update(parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism())
+    vars(engine)["_write_usage"] = lambda: None
     return engine
+
+
+def settings() -> tuple[bool, bool, bool]:
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            bool(torch.utils.deterministic.fill_uninitialized_memory))  # fmt: skip
 
 
 @pytest.fixture
 def restore_determinism() -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = settings()
     yield
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
-@pytest.mark.parametrize("user", [(False, False), (False, True), (True, False), (True, True)])
-def test_close_gives_the_users_determinism_setting_back(user: tuple[bool, bool], restore_determinism: None) -> None:
+@pytest.mark.parametrize("user", [(False, False, True), (False, True, False), (True, False, True), (True, True, False)])
+def test_close_gives_the_users_determinism_setting_back(
+    user: tuple[bool, bool, bool], restore_determinism: None
+) -> None:
     torch.use_deterministic_algorithms(user[0], warn_only=user[1])
-    engine = closable(user)
-    if not user[0]:
-        torch.use_deterministic_algorithms(True, warn_only=True)  # what __init__ switches on
+    torch.utils.deterministic.fill_uninitialized_memory = user[2]
+    engine = closable()
+    # On while the engine lives: deterministic kernels; the user's own fill setting if they turned
+    # determinism on, else no NaN fill of every fresh allocation.
+    assert settings() == ((True, True, False) if not user[0] else user)
     engine.close()
-    after = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    assert after == user
+    assert settings() == user
     engine.close()  # twice: nothing more changes
-    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == user
+    assert settings() == user
+
+
+def test_fresh_allocations_are_not_nan_filled_while_ds_swift_keeps_determinism(restore_determinism: None) -> None:
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    scoped = ScopedDeterminism()
+    try:
+        # torch's NaN fill of torch.empty made each ZeRO step allocate-and-fill a 5e8-element bucket.
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        scoped.restore()
+    assert torch.empty(4).numel() == 4 and torch.utils.deterministic.fill_uninitialized_memory

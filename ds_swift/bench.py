@@ -1,0 +1,440 @@
+"""``ds-swift bench``: every recovery strategy on the same GPT job, under the same failure, in one table.
+
+For each strategy named with ``--strategies``, two jobs of ``examples/pretrain_gpt.py`` under
+``ds-swift-launch`` (``ds_swift.testing.jobs``), from the same seed: one without a failure (what the
+strategy costs while nothing fails) and one with a spare and an injected SIGKILL of a machine (what
+it costs to get back). One more job, ``none`` (ds-swift off: no fault tolerance at all), is the
+reference every row is compared with. Per strategy the table gives:
+
+- ``throughput``: failure-free throughput / the reference's (median step time, from the loss log);
+- ``total`` (kill -> back at the pre-failure iteration), split into ``init`` (detection ->
+  replacements joined) and ``recovery`` (joined -> back), from the recovery timeline;
+- ``lost``: iterations trained twice; ``loss delta``: final loss minus the reference's;
+- ``exact``: the final parameters and optimizer state (fp32 masters included) against the
+  reference's: ``bitwise``, or the largest difference in units in the last place;
+- ``bytes/it``: bytes written per iteration in the failure-free run (global checkpoints, and the
+  message log from each rank's ``usage/rank<r>.json``), ``rss/rank``: the largest resident memory
+  a rank reached (sampled from /proc every 0.2 s, the same for every job), and the buddy copies
+  held in host memory.
+
+It writes ``bench.json`` and ``loss_vs_time.png`` (the loss of each strategy's failure run
+against wall-clock time: where the time lost to the failure shows). ``bench.json`` is a bench
+profile (``ds_swift/sim/profile.py``): its ``strategies`` key holds one row per strategy in the
+form ``ds-swift simulate --profile bench.json`` reads (``checkpoint`` is named
+``global_checkpoint`` there, and a logging row's ``iterations_lost`` counts the iterations the
+replacement replayed); ``details`` holds every figure above and each run's directory. ``--json``
+prints it as the last line. The jobs run one after another: compare the rows of one run, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_swift.config import Strategy
+from ds_swift.demo import CONFIGS, DemoError, find_repo
+from ds_swift.demo_report import iterations_lost, read_loss_log
+from ds_swift.testing.checkpoints import compare_checkpoints
+from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
+
+__all__ = ["BenchError", "bench_profile", "bench_rows", "format_table", "profile_row", "register", "strategy_overrides"]
+
+REFERENCE = "none"
+#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``)
+STRATEGIES: tuple[str, ...] = ("auto", "replication", "logging", "checkpoint")
+assert set(STRATEGIES) == set(Strategy.__args__)  # type: ignore[attr-defined]
+
+
+class BenchError(RuntimeError):
+    """A job of the bench failed; the message names it and its log directory."""
+
+
+def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
+    """The ``swift`` section overrides one strategy's jobs run with."""
+    if name == REFERENCE:
+        return {"enabled": False}
+    if name not in STRATEGIES:
+        raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return {"strategy": name, "checkpoint": {"interval": interval}}
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    example: Path
+    config: Path
+    iterations: int
+    kill_iteration: int
+    machine: int
+    phase: str
+    interval: int
+    nnodes: int
+    nproc: int
+    script_args: tuple[str, ...] = ()
+
+    def spec(self, strategy: str, failure: bool) -> JobSpec:
+        launcher: list[str] = []
+        if failure:
+            inject = f"machine={self.machine},iteration={self.kill_iteration},phase={self.phase}"
+            launcher = ["--spares", "1", "--inject", inject]
+        return JobSpec(
+            self.example, self.config, self.iterations, launcher, self.script_args,
+            swift=strategy_overrides(strategy, self.interval), nnodes=self.nnodes, nproc_per_node=self.nproc,
+            loss_log=True,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- what a job shows
+def step_seconds(job: JobRun, warmup: int = 2) -> float | None:
+    """Median time between consecutive iterations' loss lines (first run of each iteration only)."""
+    first: dict[int, float] = {}
+    for line in job.loss_log.read_text().splitlines() if job.loss_log.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        first.setdefault(int(rec["iteration"]), float(rec["time"]))
+    times = [first[i] for i in sorted(first) if i >= warmup]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return statistics.median(gaps) if gaps else None
+
+
+def usage(job: JobRun) -> dict[str, int]:
+    """Summed log/buddy bytes and the largest peak RSS over the ranks' usage records."""
+    records = []
+    for path in sorted((job.run_dir / "usage").glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except ValueError:
+            continue
+    ckpt = sum(f.stat().st_size for f in job.ckpt_dir.rglob("*") if f.is_file()) if job.ckpt_dir.exists() else 0
+    return {
+        "ranks_reporting": len(records),
+        "log_bytes": sum(int(r.get("log_bytes", 0)) for r in records),
+        "checkpoint_bytes": ckpt,
+        "buddy_host_bytes_max": max((int(r.get("buddy_host_bytes", 0)) for r in records), default=0),
+        "buddy_bytes_sent": sum(int(r.get("buddy_bytes_sent", 0)) for r in records),
+        "max_rss_bytes": peak_rss(job),
+    }
+
+
+def peak_rss(job: JobRun) -> int:
+    """The largest resident memory of one of the job's ranks (``PeakRss``, written by the bench)."""
+    try:
+        return int(json.loads((job.dir / "peak_rss.json").read_text())["max_rss_bytes"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+class PeakRss:
+    """``run_job``'s on_poll: the largest resident memory any of the job's training processes
+    reached (sampled every ~0.2 s; the processes are those whose command line names the job's
+    config). The same sampling for every job, ds-swift on or off."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def __call__(self, job: JobRun) -> None:
+        import psutil
+
+        config = str(job.dir / "ds_config.json")
+        for proc in psutil.process_iter(["cmdline", "memory_info"]):
+            cmd, mem = proc.info.get("cmdline") or [], proc.info.get("memory_info")
+            if mem is not None and config in cmd and "--local_rank" in " ".join(cmd):
+                self.peak = max(self.peak, int(mem.rss))
+
+
+def loss_series(job: JobRun) -> list[tuple[float, int, float]]:
+    """``(seconds since the first loss line, iteration, loss)`` in the order written."""
+    out = []
+    for line in job.loss_log.read_text().splitlines() if job.loss_log.exists() else []:
+        try:
+            rec = json.loads(line)
+            out.append((float(rec["time"]), int(rec["iteration"]), float(rec["loss"])))
+        except (ValueError, KeyError):
+            continue
+    t0 = out[0][0] if out else 0.0
+    return [(t - t0, i, loss) for t, i, loss in out]
+
+
+def final_loss(job: JobRun) -> float | None:
+    points = read_loss_log(job.loss_log)
+    return points[-1].loss if points else None
+
+
+# ---------------------------------------------------------------------------- the rows
+def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> list[dict[str, Any]]:
+    """One row per strategy from its failure-free and failure runs, against the reference."""
+    ref_step, ref_loss = step_seconds(reference), final_loss(reference)
+    ref_usage = usage(reference)
+    rows = []
+    for name, (clean, failed) in runs.items():
+        step = step_seconds(clean)
+        timelines = failed.timelines()
+        clean_diff = compare_checkpoints(reference.final_tag, clean.final_tag)
+        diff = compare_checkpoints(reference.final_tag, failed.final_tag)
+        u = usage(clean)
+        loss = final_loss(failed)
+        rows.append({
+            "strategy": name,
+            "recovered_by": [tl["strategy"] for tl in timelines],
+            "why": [tl.get("reason", "") for tl in timelines],
+            "step_s": step,
+            "throughput_ratio": ref_step / step if ref_step and step else None,
+            "total_s": sum(tl["total_s"] for tl in timelines) if timelines else None,
+            "initialization_s": sum(tl["initialization_s"] for tl in timelines) if timelines else None,
+            "recovery_s": sum(tl["recovery_s"] for tl in timelines) if timelines else None,
+            "iterations_lost": iterations_lost(read_loss_log(failed.loss_log)),
+            "final_loss_delta": loss - ref_loss if loss is not None and ref_loss is not None else None,
+            "bitwise": diff.bitwise_equal,
+            "max_ulp": diff.max_ulp,
+            "failure_free_bitwise": clean_diff.bitwise_equal,
+            "bytes_per_iteration": (u["log_bytes"] + u["checkpoint_bytes"]) / max(1, clean.iterations),
+            "log_bytes_per_iteration": u["log_bytes"] / max(1, clean.iterations),
+            "checkpoint_bytes_per_iteration": u["checkpoint_bytes"] / max(1, clean.iterations),
+            "max_rss_bytes": u["max_rss_bytes"],
+            "rss_vs_reference": u["max_rss_bytes"] / ref_usage["max_rss_bytes"] if ref_usage["max_rss_bytes"] else None,
+            # What protection holds in host memory per rank: the peak's excess over no protection.
+            "host_memory_per_rank": max(0, u["max_rss_bytes"] - ref_usage["max_rss_bytes"]),
+            "buddy_host_bytes": u["buddy_host_bytes_max"],
+            "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
+        })  # fmt: skip
+    return rows
+
+
+#: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
+PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
+#: the simulator's recovery model of what the recovery timeline says happened
+KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint"}
+
+
+def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
+    """Training stall per global checkpoint: the step gaps' excess over the median step, per save."""
+    first: dict[int, float] = {}
+    for t, i, _ in loss_series(job):
+        first.setdefault(i, t)
+    iters = [i for i in sorted(first) if i >= warmup]
+    gaps = [first[b] - first[a] for a, b in zip(iters, iters[1:], strict=False)]
+    # A save after iteration i (global_steps i + 1 a multiple of the interval) falls in the gap after i.
+    saves = sum(1 for i in iters[:-1] if (i + 1) % interval == 0)
+    if not gaps or not saves:
+        return 0.0
+    median = statistics.median(gaps)
+    return max(0.0, sum(g - median for g in gaps if g > median) / saves)
+
+
+def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
+    """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
+    timelines = failed.timelines()
+    used = timelines[-1]["strategy"] if timelines else "checkpoint"
+    kind = KINDS.get(used, "checkpoint")
+    lost = detail["iterations_lost"]
+    restore = None
+    if kind == "logging":
+        # What the simulator calls lost for logging: the iterations the replacement replayed.
+        tl = timelines[-1]
+        start = int(tl.get("checkpoint_step") or 0)
+        lost = max(1, int(tl["pre_failure_iteration"]) - start)
+        replay = (tl.get("replay") or {}).get("replay_s")
+        restore = max(0.0, detail["recovery_s"] - replay) if replay is not None else None
+    ulp = detail["max_ulp"]
+    return {
+        "name": PROFILE_NAMES.get(detail["strategy"], detail["strategy"]),
+        "kind": kind,
+        "throughput_ratio": detail["throughput_ratio"],
+        "init_s": detail["initialization_s"] or 0.0,
+        "recovery_s": detail["recovery_s"] or 0.0,
+        "restore_s": restore,
+        "iterations_lost": lost,
+        "bytes_per_iteration": detail["bytes_per_iteration"],
+        "host_memory_per_rank": detail["host_memory_per_rank"],
+        "exact": detail["bitwise"],
+        "max_ulp": 0 if detail["bitwise"] else (int(ulp) if ulp != float("inf") else None),
+        "final_loss_delta": detail["final_loss_delta"],
+        "checkpoint_interval": interval,
+        "checkpoint_cost_s": checkpoint_stall_s(clean, interval),
+    }
+
+
+def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]],
+                  interval: int) -> dict[str, Any]:  # fmt: skip
+    """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
+    rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
+    costs = [r["checkpoint_cost_s"] for r in rows if r["name"] == "global_checkpoint"] or [
+        statistics.median(r["checkpoint_cost_s"] for r in rows)
+    ]
+    return {
+        "version": 1,
+        "iteration_time_s": step_seconds(reference),
+        "checkpoint_interval": interval,
+        "checkpoint_cost_s": costs[0],
+        "strategies": rows,
+    }
+
+
+def _f(value: float | None, fmt: str, none: str = "-") -> str:
+    return none if value is None else format(value, fmt)
+
+
+def format_table(rows: list[dict[str, Any]]) -> list[str]:
+    head = (f"{'strategy':12s} {'recovered by':14s} {'throughput':>10s} {'total':>7s} {'init':>6s} {'recov':>6s} "
+            f"{'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} {'buddy':>7s}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        exact = "bitwise" if r["bitwise"] else f"{r['max_ulp']:.0f} ulp"
+        lines.append(
+            f"{r['strategy']:12s} {','.join(r['recovered_by']) or 'no recovery':14s} "
+            f"{_f(r['throughput_ratio'], '.3f'):>10s} {_f(r['total_s'], '.2f'):>6s}s "
+            f"{_f(r['initialization_s'], '.2f'):>5s}s {_f(r['recovery_s'], '.2f'):>5s}s {r['iterations_lost']:4d} "
+            f"{_f(r['final_loss_delta'], '+.2e'):>10s} {exact:>10s} {_mb(r['bytes_per_iteration']):>9s} "
+            f"{_mb(r['max_rss_bytes']):>9s} {_mb(r['buddy_host_bytes']):>7s}"
+        )
+    return lines
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}MB"
+
+
+def plot_loss_vs_time(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ref = loss_series(reference)
+    ax.plot([t for t, _, _ in ref], [v for _, _, v in ref], color="#bbbbbb", linewidth=5, label="no failure (none)")
+    for name, (_, failed) in runs.items():
+        series = loss_series(failed)
+        ax.plot([t for t, _, _ in series], [v for _, _, v in series], marker="o", markersize=3, linewidth=1.4,
+                label=f"{name}, machine killed")
+    ax.set_xlabel("wall-clock seconds since iteration 0")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- the sub-command
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run the GPT job once per recovery strategy under the same failure and compare them in one table",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--strategies", default="auto,checkpoint",
+                   help=f"comma-separated, of {', '.join(STRATEGIES)} (default %(default)s; '{REFERENCE}' always runs)")
+    p.add_argument("--config", default="pp2_dp2_bf16", help=f"{' | '.join(CONFIGS)} or a DeepSpeed JSON path")
+    p.add_argument("--iterations", type=int, default=16)
+    p.add_argument("--kill-iteration", type=int, default=11, help="iteration (from 0) during which the machine dies")
+    p.add_argument("--machine", type=int, default=1, help="the machine killed (default %(default)s)")
+    p.add_argument("--phase", default="backward", choices=["forward", "backward", "step", "send", "recv"])
+    p.add_argument("--checkpoint-interval", type=int, default=8, help="iterations between global checkpoints")
+    p.add_argument("--nnodes", type=int, default=2, help="simulated machines (default %(default)s)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per machine (default %(default)s)")
+    p.add_argument("--script-args", default="", help="extra pretrain_gpt.py arguments, e.g. '--hidden-size 256'")
+    p.add_argument("--run-dir", default="./swift-bench", help="where the jobs, bench.json and the plot go")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object, last")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    names = [s.strip() for s in args.strategies.split(",") if s.strip() and s.strip() != REFERENCE]
+    if not names:
+        raise BenchError(f"--strategies: name at least one of {', '.join(STRATEGIES)}")
+    for name in names:
+        strategy_overrides(name, 1)
+    if not 0 <= args.kill_iteration < args.iterations:
+        raise BenchError(f"--kill-iteration {args.kill_iteration} must be in [0, --iterations {args.iterations})")
+    if not 0 <= args.machine < args.nnodes:
+        raise BenchError(f"--machine {args.machine} must be in [0, --nnodes {args.nnodes})")
+    if args.checkpoint_interval < 1:
+        raise BenchError("--checkpoint-interval must be at least 1")
+    return list(dict.fromkeys(names))
+
+
+def run(args: argparse.Namespace) -> int:
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
+    try:
+        names = _check(args)
+        repo = find_repo()
+        setup = BenchSetup(
+            repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
+            args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
+        )  # fmt: skip
+    except (BenchError, DemoError) as exc:
+        print(f"ds-swift bench: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.run_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    build_deepspeed_shm_op(out / "warm-up")
+
+    def job(name: str, failure: bool) -> JobRun:
+        where = out / f"{name}-{'failure' if failure else 'clean'}"
+        say(f"[bench] {name}: {'machine ' + str(args.machine) + ' killed' if failure else 'no failure'} ...")
+        try:
+            rss = PeakRss()
+            done = run_job(where, setup.spec(name, failure), args.timeout, on_poll=rss)
+            (done.dir / "peak_rss.json").write_text(json.dumps({"max_rss_bytes": rss.peak}))
+        except JobTimeout as exc:
+            raise BenchError(f"{name}: still running after {args.timeout:.0f} s (killed); see {exc.job.proc_logs}") from None
+        if done.code != 0:
+            tail = "\n".join(done.output.splitlines()[-30:])
+            raise BenchError(f"{name} ({'failure' if failure else 'no failure'}): exit {done.code}; see "
+                             f"{done.proc_logs}\n{tail}")  # fmt: skip
+        say(f"[bench] {name}: exit 0 after {done.seconds:.1f} s")
+        return done
+
+    try:
+        reference = job(REFERENCE, False)
+        runs = {name: (job(name, False), job(name, True)) for name in names}
+    except BenchError as exc:
+        print(f"ds-swift bench: failed: {exc}", file=sys.stderr)
+        return 1
+    rows = bench_rows(reference, runs)
+    title = f"{setup.config.name}: machine {args.machine} killed at iteration {args.kill_iteration}"
+    png = plot_loss_vs_time(reference, runs, out / "loss_vs_time.png", title)
+    result = {
+        **bench_profile(reference, runs, rows, args.checkpoint_interval),
+        "details": rows,
+        "reference": {"step_s": step_seconds(reference), "final_loss": final_loss(reference), "run": str(reference.dir),
+                      **usage(reference)},
+        "config": {"config": str(setup.config), "iterations": args.iterations, "kill_iteration": args.kill_iteration,
+                   "machine": args.machine, "phase": args.phase, "checkpoint_interval": args.checkpoint_interval,
+                   "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
+        "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "plot": str(png),
+        "seconds": time.monotonic() - t0,
+    }  # fmt: skip
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    ref = result["reference"]
+    say(f"reference ({REFERENCE}: ds-swift off, no failure): {_f(ref['step_s'], '.3f')} s per iteration, final loss "
+        f"{_f(ref['final_loss'], '.4f')}, peak rss/rank {_mb(ref['max_rss_bytes'])}")
+    for line in format_table(rows):
+        say(line)
+    for r in rows:
+        if not r["recovered_by"]:
+            say(f"{r['strategy']}: no recovery timeline: the failure run did not recover (see {r['runs']['failure']})")
+        for how, why in zip(r["recovered_by"], r["why"], strict=False):
+            say(f"{r['strategy']}: recovered by {how}: {why}")
+        if not r["failure_free_bitwise"]:
+            say(f"{r['strategy']}: the failure-free run differs from the reference (ds-swift off): a bug, report it")
+    say(f"bench.json and {png.name} in {out} ({result['seconds']:.0f} s)")
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 0
