@@ -178,8 +178,11 @@ class JobStore:
         return int(self.raw.port)  # type: ignore[attr-defined]
 
     @classmethod
-    def connect(cls, addr: str, port: int, token: str, timeout_s: float = 60.0) -> JobStore:
-        """Connect as a client; refuse a store that does not serve this job's token."""
+    def connect(cls, addr: str, port: int, token: str, timeout_s: float = 60.0, wait_s: float = 0.0) -> JobStore:
+        """Connect as a client; refuse a store that does not serve this job's token.
+
+        ``wait_s``: how long the token may take to appear. An agent started beside the store's host
+        (srun starts them all at once) can connect between the host's listen and its first write."""
         try:
             store = dist.TCPStore(
                 addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True
@@ -187,6 +190,11 @@ class JobStore:
         except (RuntimeError, OSError) as exc:
             raise MembershipError(f"cannot reach the job store at {addr}:{port}: {exc}") from exc
         js = cls(store, token)
+        if wait_s > 0 and not js.kv.check(["token"]):
+            try:
+                js.kv.wait(["token"], datetime.timedelta(seconds=wait_s))
+            except (RuntimeError, OSError):
+                pass  # (DistStoreError on a timeout) refused just below, naming the token
         if not js.kv.check(["token"]):
             raise MembershipError(
                 f"the store at {addr}:{port} does not serve job token {token[:8]}...: "

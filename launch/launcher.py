@@ -246,7 +246,9 @@ def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]
         store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr)
         return store, args.master_addr, store.port, True
     assert args.master_port is not None
-    return JobStore.connect(args.master_addr, args.master_port, token), args.master_addr, args.master_port, False
+    # Started with the others (srun): the host agent may not have written the job's keys yet.
+    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0)
+    return store, args.master_addr, args.master_port, False
 
 
 def run(args: LaunchArgs) -> int:

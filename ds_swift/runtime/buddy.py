@@ -248,14 +248,18 @@ class BuddyCopier:
         w.sent.clear()
         w.queue.put((int(engine.global_steps) - 1, manifest, [t.detach().reshape(-1) for t in tensors]))
 
-    def stop(self) -> None:
-        """At teardown: let go of the generation's thread and group (a round in flight fails with the
-        group; the copies already complete stay in :attr:`holdings`)."""
+    def stop(self, finish_s: float = 0.2) -> bool:
+        """Let go of the generation's thread and group, after at most ``finish_s`` for the round in
+        flight (a round a failure cut short fails with the group; the copies already complete stay
+        in :attr:`holdings`). True when the thread ended: at the end of training, the process must
+        not exit while it is inside a gloo op (the C++ runtime aborts the process)."""
         w, self._worker = self._worker, None
-        if w is not None:
-            w.queue.put(None)
-            w.thread.join(timeout=0.2)
-            w.group = None
+        if w is None:
+            return True
+        w.queue.put(None)
+        w.thread.join(timeout=finish_s)
+        w.group = None
+        return not w.thread.is_alive()
 
 
 def _wait(works: list[Any]) -> None:

@@ -322,6 +322,11 @@ class SwiftPipelineEngine:
         self._closed = True
         env, store = self._ctx.env, self._ctx.store
         self._write_usage()
+        buddy = self._rebuild.buddy
+        # Every rank ends its last round (its peers' threads send theirs whatever their training
+        # threads do), so the process does not exit inside a gloo op.
+        if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
+            self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
         self._timeline.close()
         self._monitor.stop()
         if store is not None and env is not None:
