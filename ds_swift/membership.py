@@ -5,9 +5,9 @@ in a worker: a store inside a worker dies with that worker and takes every clien
 ``ds-swift-launch --store tcp://HOST:PORT`` a ``TCPStore`` served elsewhere (the launch host);
 with ``--store etcd://H1:P1,H2:P2`` an etcd cluster (:mod:`ds_swift.etcd_store`), which outlives
 every training machine, machine 0 included. Workers learn which from ``SWIFT_STORE_URL``. All keys
-sit under ``swift/<token>/``: a worker started with another job's token sees none of them and
-:meth:`JobStore.connect` refuses it, so a stale worker of an earlier job that reached a reused
-port cannot join this one.
+sit under ``swift/<token>.<tag>/``, ``tag`` derived from the job secret, and every value is signed
+with it (:mod:`ds_swift.store_auth`): a worker of another job sees none of them and
+:meth:`JobStore.connect` refuses it, and a write by anyone without the secret is rejected.
 
 Generations. Workers train in generation ``g``. When a machine fails, its agent calls
 :meth:`JobStore.declare_failure` for ``g``: the first caller writes ``gen<g>/failed`` (the
@@ -31,14 +31,14 @@ Keys (relative to the job prefix)::
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds_swift.store_auth import SECRET_ENV, Sealer
 from ds_swift.store_url import StoreURL
+from ds_swift.worker_env import MembershipError, WorkerEnv
 
 __all__ = [
     "GenerationFailed",
@@ -48,10 +48,10 @@ __all__ = [
 ]
 
 _POLL_S = 0.02
-
-
-class MembershipError(RuntimeError):
-    """The job store cannot be reached, or a worker does not belong to this job."""
+_NOT_OURS = (
+    "does not serve job token {}... with this job's secret: this worker belongs to another job "
+    "(or the job ended, or the secret differs)"
+)
 
 
 class GenerationFailed(RuntimeError):
@@ -63,102 +63,36 @@ class GenerationFailed(RuntimeError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class WorkerEnv:
-    """What ``ds-swift-launch`` tells each worker through its environment."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    machine: int
-    num_machines: int
-    generation: int
-    replacement: bool
-    store_addr: str
-    store_port: int
-    token: str
-    run_dir: str
-    inject: str
-    store_url: str = ""
-    """``etcd://...`` when the job store is an etcd cluster; empty: the TCPStore at store_addr:store_port."""
-
-    ENV_KEYS = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "SWIFT_MACHINE",
-        "SWIFT_NUM_MACHINES",
-        "SWIFT_GENERATION",
-        "SWIFT_REPLACEMENT",
-        "SWIFT_STORE_ADDR",
-        "SWIFT_STORE_PORT",
-        "SWIFT_JOB_TOKEN",
-        "SWIFT_RUN_DIR",
-        "SWIFT_INJECT",
-        "SWIFT_STORE_URL",
-    )
-
-    @staticmethod
-    def present(environ: dict[str, str] | None = None) -> bool:
-        """True when this process was started by ``ds-swift-launch``."""
-        env = os.environ if environ is None else environ
-        return "SWIFT_JOB_TOKEN" in env
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
-        env = dict(os.environ if environ is None else environ)
-        required = ("RANK", "WORLD_SIZE", "SWIFT_STORE_ADDR", "SWIFT_STORE_PORT", "SWIFT_JOB_TOKEN")
-        missing = [k for k in required if k not in env]
-        if missing:
-            raise MembershipError(
-                f"worker environment lacks {', '.join(missing)}: start the job with ds-swift-launch "
-                "(the stock deepspeed launcher cannot start replacement machines)"
-            )
-        return cls(
-            rank=int(env["RANK"]),
-            local_rank=int(env.get("LOCAL_RANK", "0")),
-            world_size=int(env["WORLD_SIZE"]),
-            machine=int(env.get("SWIFT_MACHINE", "0")),
-            num_machines=int(env.get("SWIFT_NUM_MACHINES", "1")),
-            generation=int(env.get("SWIFT_GENERATION", "0")),
-            replacement=env.get("SWIFT_REPLACEMENT", "0") == "1",
-            store_addr=env["SWIFT_STORE_ADDR"],
-            store_port=int(env["SWIFT_STORE_PORT"]),
-            token=env["SWIFT_JOB_TOKEN"],
-            run_dir=env.get("SWIFT_RUN_DIR", "./swift-run"),
-            inject=env.get("SWIFT_INJECT", ""),
-            store_url=env.get("SWIFT_STORE_URL", ""),
-        )
-
-    def to_env(self) -> dict[str, str]:
-        return {
-            "RANK": str(self.rank),
-            "LOCAL_RANK": str(self.local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "SWIFT_MACHINE": str(self.machine),
-            "SWIFT_NUM_MACHINES": str(self.num_machines),
-            "SWIFT_GENERATION": str(self.generation),
-            "SWIFT_REPLACEMENT": "1" if self.replacement else "0",
-            "SWIFT_STORE_ADDR": self.store_addr,
-            "SWIFT_STORE_PORT": str(self.store_port),
-            "SWIFT_JOB_TOKEN": self.token,
-            "SWIFT_RUN_DIR": self.run_dir,
-            "SWIFT_INJECT": self.inject,
-            "SWIFT_STORE_URL": self.store_url,
-        }
-
-
 class JobStore:
-    """Typed access to the job's keys. Thread-safe as far as torch's TCPStore client is."""
+    """Typed access to the job's keys. Thread-safe as far as torch's TCPStore client is.
 
-    def __init__(self, store: dist.Store, token: str) -> None:
+    ``secret``: the job secret (:mod:`ds_swift.store_auth`): the keys' namespace depends on it and
+    every value is signed with it; a value not signed with it reads as absent. None: no signing
+    (unit tests and offline tools only; the launcher always gives one)."""
+
+    def __init__(self, store: dist.Store, token: str, secret: str | None = None) -> None:
         self.raw = store
         self.token = token
-        self.kv = dist.PrefixStore(f"swift/{token}/", store)
+        self.sealer = Sealer(secret)
+        self.prefix = f"swift/{self.sealer.namespace(token)}/"
+        self.kv = dist.PrefixStore(self.prefix, store)
+
+    def _put(self, key: str, value: str) -> None:
+        self.kv.set(key, self.sealer.seal(key, value))
+
+    def _read(self, key: str) -> str | None:
+        if not self.kv.check([key]):
+            return None
+        return self.sealer.open(key, self.kv.get(key))
+
+    def _serves_token(self) -> bool:
+        return self._read("token") == self.token
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def host(cls, token: str, port: int = 0, addr: str = "127.0.0.1", timeout_s: float = 60.0) -> JobStore:
+    def host(
+        cls, token: str, port: int = 0, addr: str = "127.0.0.1", timeout_s: float = 60.0, secret: str | None = None
+    ) -> JobStore:
         """Serve the job's store in this process (the agent of machine 0). ``port=0`` picks a free port."""
         store = dist.TCPStore(
             addr,
@@ -168,9 +102,9 @@ class JobStore:
             wait_for_workers=False,
             use_libuv=True,
         )
-        js = cls(store, token)
-        js.kv.set("token", token)
-        js.kv.set("generation", "0")
+        js = cls(store, token, secret)
+        js._put("token", token)
+        js._put("generation", "0")
         return js
 
     @property
@@ -178,8 +112,16 @@ class JobStore:
         return int(self.raw.port)  # type: ignore[attr-defined]
 
     @classmethod
-    def connect(cls, addr: str, port: int, token: str, timeout_s: float = 60.0, wait_s: float = 0.0) -> JobStore:
-        """Connect as a client; refuse a store that does not serve this job's token.
+    def connect(
+        cls,
+        addr: str,
+        port: int,
+        token: str,
+        timeout_s: float = 60.0,
+        wait_s: float = 0.0,
+        secret: str | None = None,
+    ) -> JobStore:
+        """Connect as a client; refuse a store that does not serve this job's token and secret.
 
         ``wait_s``: how long the token may take to appear. An agent started beside the store's host
         (srun starts them all at once) can connect between the host's listen and its first write."""
@@ -189,21 +131,20 @@ class JobStore:
             )
         except (RuntimeError, OSError) as exc:
             raise MembershipError(f"cannot reach the job store at {addr}:{port}: {exc}") from exc
-        js = cls(store, token)
+        js = cls(store, token, secret)
         if wait_s > 0 and not js.kv.check(["token"]):
             try:
                 js.kv.wait(["token"], datetime.timedelta(seconds=wait_s))
             except (RuntimeError, OSError):
                 pass  # (DistStoreError on a timeout) refused just below, naming the token
-        if not js.kv.check(["token"]):
-            raise MembershipError(
-                f"the store at {addr}:{port} does not serve job token {token[:8]}...: "
-                "this worker belongs to another job (or the job ended)"
-            )
+        if not js._serves_token():
+            raise MembershipError(f"the store at {addr}:{port} {_NOT_OURS.format(token[:8])}")
         return js
 
     @classmethod
-    def open(cls, url: str, token: str, timeout_s: float = 60.0, create: bool = False) -> JobStore:
+    def open(
+        cls, url: str, token: str, timeout_s: float = 60.0, create: bool = False, secret: str | None = None
+    ) -> JobStore:
         """Connect to the store at ``url`` (see :class:`StoreURL`), hosted by nobody in this job.
 
         ``create``: an agent initialises the job's keys if no agent did yet (idempotent, so every
@@ -213,7 +154,7 @@ class JobStore:
         if where.scheme == "tcp":
             (addr, port), = where.endpoints
             if not create:
-                return cls.connect(addr, port, token, timeout_s)
+                return cls.connect(addr, port, token, timeout_s, secret=secret)
             try:
                 raw: dist.Store = dist.TCPStore(
                     addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True
@@ -224,39 +165,44 @@ class JobStore:
             from ds_swift.etcd_store import EtcdStore
 
             raw = EtcdStore(where.endpoints, timeout=datetime.timedelta(seconds=timeout_s))
-        js = cls(raw, token)
+        js = cls(raw, token, secret)
         try:
-            present = bool(js.kv.check(["token"]))
+            present = js._serves_token()
             if create and not present:
-                js.kv.set("token", token)
+                js._put("token", token)
                 # compare_set from "absent": the first agent's "0", never a reset of a running job's generation.
-                js.kv.compare_set("generation", "", "0")
+                js.kv.compare_set("generation", "", js.sealer.seal("generation", "0"))
                 present = True
         except (RuntimeError, OSError) as exc:
             raise MembershipError(f"cannot reach the job store at {where}: {exc}") from exc
         if not present:
-            raise MembershipError(
-                f"the store at {where} does not serve job token {token[:8]}...: "
-                "this worker belongs to another job (or the job ended)"
-            )
+            raise MembershipError(f"the store at {where} {_NOT_OURS.format(token[:8])}")
         return js
 
     @classmethod
     def from_env(cls, env: WorkerEnv, timeout_s: float = 60.0) -> JobStore:
+        if not env.secret:
+            raise MembershipError(
+                f"worker environment lacks {SECRET_ENV}: start the job with ds-swift-launch, which gives "
+                "every worker the job secret"
+            )
         if env.store_url:
-            return cls.open(env.store_url, env.token, timeout_s)
-        return cls.connect(env.store_addr, env.store_port, env.token, timeout_s)
+            return cls.open(env.store_url, env.token, timeout_s, secret=env.secret)
+        return cls.connect(env.store_addr, env.store_port, env.token, timeout_s, secret=env.secret)
 
     # ------------------------------------------------------------------ generations
     def generation(self) -> int:
-        return int(self.kv.get("generation"))
+        value = self._read("generation")
+        if value is None:
+            raise MembershipError(
+                f"job-store key {self.prefix}generation is missing or not signed with this job's secret"
+            )
+        return int(value)
 
     def failure(self, generation: int) -> str | None:
-        """The reason generation ``generation`` failed, or None while it is healthy."""
-        key = f"gen{generation}/failed"
-        if self.kv.check([key]):
-            return self.kv.get(key).decode()
-        return None
+        """The reason generation ``generation`` failed, or None while it is healthy (or only a
+        write not signed with the job secret says otherwise: rejected, see :mod:`.store_auth`)."""
+        return self._read(f"gen{generation}/failed")
 
     def declare_failure(self, generation: int, reason: str) -> bool:
         """Mark ``generation`` failed and open the next one. True for the first declarer only.
@@ -268,10 +214,15 @@ class JobStore:
         """
         first = int(self.kv.add(f"gen{generation}/failed_n", 1)) == 1
         if first or self.failure(generation) is None:
-            self.kv.set(f"gen{generation}/failed", reason)
-        # Only move forward: a late declarer of an older generation must not roll it back.
-        self.kv.compare_set("generation", str(generation), str(generation + 1))
+            self._put(f"gen{generation}/failed", reason)
+        self.advance_generation(generation)
         return first
+
+    def advance_generation(self, generation: int) -> None:
+        """Move the job's generation from ``generation`` to the next; never backwards (a late
+        declarer of an older generation finds another value and changes nothing)."""
+        seal = self.sealer.seal
+        self.kv.compare_set("generation", seal("generation", str(generation)), seal("generation", str(generation + 1)))
 
     def join(
         self,
@@ -302,7 +253,7 @@ class JobStore:
 
     # ------------------------------------------------------------------ exchange
     def publish(self, generation: int, topic: str, rank: int, value: str) -> None:
-        self.kv.set(f"gen{generation}/{topic}/{rank}", value)
+        self._put(f"gen{generation}/{topic}/{rank}", value)
 
     def gather(
         self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float
@@ -311,20 +262,25 @@ class JobStore:
         ranks = list(ranks)
         keys = [f"gen{generation}/{topic}/{r}" for r in ranks]
         deadline = time.monotonic() + timeout_s
-        while not self.kv.check(keys):
+        got: dict[int, str] = {}
+        while True:
+            if self.kv.check(keys):
+                values = {r: self._read(k) for r, k in zip(ranks, keys)}
+                got = {r: v for r, v in values.items() if v is not None}
+                if len(got) == len(ranks):  # a rejected (unsigned) value waits for its rank's own
+                    return got
             reason = self.failure(generation)
             if reason is not None:
                 raise GenerationFailed(generation, reason)
             if time.monotonic() > deadline:
-                missing = [r for r, k in zip(ranks, keys) if not self.kv.check([k])]
+                missing = [r for r, k in zip(ranks, keys) if r not in got]
                 raise TimeoutError(f"generation {generation}: ranks {missing} did not publish {topic!r}")
             time.sleep(_POLL_S)
-        return {r: self.kv.get(k).decode() for r, k in zip(ranks, keys)}
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, rank: int, note: str = "") -> None:
         """``hb/<rank>``: the time, then what the rank's training thread is doing (``note``)."""
-        self.kv.set(f"hb/{rank}", f"{time.time()!r} {note}".rstrip())
+        self._put(f"hb/{rank}", f"{time.time()!r} {note}".rstrip())
 
     def last_heartbeat(self, rank: int) -> float | None:
         beat = self.heartbeat_of(rank)
@@ -332,20 +288,21 @@ class JobStore:
 
     def heartbeat_of(self, rank: int) -> tuple[float, str] | None:
         """(time, note) of ``rank``'s last heartbeat, or None before its first."""
-        key = f"hb/{rank}"
-        if not self.kv.check([key]):
+        beat = self._read(f"hb/{rank}")
+        if beat is None:
             return None
-        when, _, note = self.kv.get(key).decode().partition(" ")
+        when, _, note = beat.partition(" ")
         return float(when), note
 
     def mark_done(self, rank: int) -> None:
-        self.kv.set(f"done/{rank}", "1")
+        self._put(f"done/{rank}", "1")
 
     def set(self, key: str, value: str) -> None:
-        self.kv.set(key, value)
+        self._put(key, value)
 
     def get(self, key: str) -> str | None:
-        return self.kv.get(key).decode() if self.kv.check([key]) else None
+        """The signed value at ``key``; None when absent or not signed with the job secret."""
+        return self._read(key)
 
     def add(self, key: str, amount: int) -> int:
         return int(self.kv.add(key, amount))
@@ -354,4 +311,4 @@ class JobStore:
         """Delete the job's keys from a store that outlives the job (etcd); a no-op for a TCPStore."""
         delete_prefix = getattr(self.raw, "delete_prefix", None)
         if delete_prefix is not None:
-            delete_prefix(f"swift/{self.token}/")
+            delete_prefix(self.prefix)

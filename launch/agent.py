@@ -25,7 +25,7 @@ import enum
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ds_swift.detect.watchdog import hung_machine_key
@@ -73,6 +73,7 @@ class JobSpec:
     """``etcd://...`` or ``tcp://...`` when no agent hosts the store (workers get it as SWIFT_STORE_URL)."""
     warm_spares: bool = False
     """Spares keep warm workers (ds-swift-launch: on unless ``--cold-spares``)."""
+    secret: str = field(default="", repr=False)
 
     @classmethod
     def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "") -> JobSpec:
@@ -91,6 +92,7 @@ class JobSpec:
             op_timeout_s=args.op_timeout_s,
             store_url=store_url,
             warm_spares=not args.cold_spares,
+            secret=args.job_secret,
         )
 
     @property
@@ -238,6 +240,7 @@ class MachineAgent:
                 run_dir=self.job.run_dir,
                 inject=inject,
                 store_url=self.job.store_url,
+                secret=self.job.secret,
             )
             for local_rank, rank in enumerate(self.job.ranks(self.machine))
         ]

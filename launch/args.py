@@ -12,28 +12,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ds_swift.store_auth import SECRET_ENV, SecretError, job_secret
 from ds_swift.store_url import StoreURL
 from ds_swift.testing.faults import FaultSpec, FaultSpecError
 
-from .hostfile import HostEntry, HostfileError, filter_resources, is_local, read_hostfile
-from .slurm import SlurmStep, in_slurm_step
+from .hostfile import HostEntry, is_local
+from .placement import DEFAULT_MASTER_PORT, LaunchUsageError, place_agents, ssh_message
+from .slurm import in_slurm_step
 
 __all__ = ["Command", "LaunchArgs", "LaunchUsageError", "build_parser", "parse_args"]
 
-DEFAULT_MASTER_PORT = 29500  # the deepspeed launcher's default
 DEFAULT_MAX_FAILURES = 3
 #: an agent whose liveness counter has not moved for this long is dead, with its machine
 DEFAULT_AGENT_TIMEOUT_S = 10.0
 LAUNCHERS = ("local", "slurm", "pdsh", "ssh")
-
-
-class LaunchUsageError(ValueError):
-    """Bad command line; the message names the flag and the fix."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,9 @@ class LaunchArgs:
     """pdsh/ssh: the GPU slots each of those hosts uses (--include/--exclude)."""
     job_id: str | None = None
     """SLURM_JOB_ID under srun (shown in the events)."""
+    job_secret: str = field(default="", repr=False)
+    """Signs the job's store values (:mod:`ds_swift.store_auth`); environment only, never argv."""
+    job_secret_file: str | None = None
 
     @property
     def multi_host(self) -> bool:
@@ -184,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-token", "--job_token", dest="job_token", default=None, metavar="TOKEN",
                    help="the job's secret (default: random on one host; multi-host: the same on every host, "
                         "or env SWIFT_JOB_TOKEN)")
+    p.add_argument("--job-secret-file", "--job_secret_file", dest="job_secret_file", default=None, metavar="PATH",
+                   help="multi-host: a mode-0600 file holding the job secret, the same for every host "
+                        f"(or env {SECRET_ENV}); on one host a new secret is made")
     p.add_argument("--run-dir", "--run_dir", dest="run_dir", default="./swift-run", metavar="DIR",
                    help="directory for recovery timelines and launcher events (default ./swift-run)")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
@@ -217,64 +218,6 @@ def _parse_inject(values: Sequence[str], nnodes: int) -> tuple[FaultSpec, ...]:
     return tuple(specs)
 
 
-def _ssh_message(hosts: Sequence[HostEntry], ns: argparse.Namespace, nnodes: int, nproc: int, spares: int) -> str:
-    """The commands to run by hand: ds-swift-launch never uses ssh (a node agent is a node's daemon)."""
-    port = ns.master_port or DEFAULT_MASTER_PORT
-    addr = ns.master_addr or hosts[0].host
-    script = shlex.join([ns.user_script, *ns.user_args])
-    lines = [
-        f"--hostfile {ns.hostfile} lists remote hosts: give --launcher pdsh or --launcher ssh to start an agent "
-        "on each, or start one agent per host yourself (same --job-token everywhere, e.g. from "
-        "`python -c 'import secrets; print(secrets.token_hex(16))'`):",
-    ]
-    for rank, h in enumerate(hosts[: nnodes + spares]):
-        role = "machine" if rank < nnodes else "spare"
-        lines.append(
-            f"  on {h.host} ({role}): ds-swift-launch --nnodes {nnodes} --nproc-per-node {nproc} --spares {spares} "
-            f"--node-rank {rank} --master_addr {addr} --master_port {port} --job-token TOKEN {script}"
-        )
-    return "\n".join(lines)
-
-
-def _sizes(ns: argparse.Namespace, hosts: Sequence[HostEntry], spares: int) -> tuple[int, int]:
-    """(machines, ranks per machine) from the flags and the hostfile."""
-    nnodes = ns.nnodes
-    nproc = ns.nproc_per_node
-    if hosts:
-        if nnodes is None:
-            nnodes = len(hosts) - spares
-            if nnodes < 1:
-                raise LaunchUsageError(f"--hostfile lists {len(hosts)} hosts, not enough for --spares {spares} plus one machine")
-        if nnodes + spares > len(hosts):
-            raise LaunchUsageError(
-                f"--nnodes {nnodes} + --spares {spares} needs {nnodes + spares} hosts; --hostfile lists {len(hosts)}"
-            )
-        min_slots = min(h.slots for h in hosts[: nnodes + spares])
-        if nproc is None:
-            nproc = min_slots
-        elif nproc > min_slots:
-            raise LaunchUsageError(f"--nproc-per-node {nproc} exceeds the hostfile's slots ({min_slots} on some host)")
-    return nnodes or 1, nproc or 1
-
-
-def _slurm_sizes(ns: argparse.Namespace, env: dict[str, str]) -> tuple[SlurmStep, int, int]:
-    """(the step, machines, spares) of an srun task: nodes beyond --nnodes are spares."""
-    try:
-        step = SlurmStep.from_env(env)
-    except (ValueError, KeyError) as exc:
-        raise LaunchUsageError(f"--launcher slurm: {exc}") from None
-    n = step.num_nodes
-    nnodes = ns.nnodes if ns.nnodes is not None else n - (ns.spares or 0)
-    if nnodes < 1 or nnodes > n:
-        raise LaunchUsageError(f"--nnodes {nnodes} does not fit the allocation's {n} nodes (SLURM_NNODES)")
-    if ns.spares is not None and ns.spares != n - nnodes:
-        raise LaunchUsageError(
-            f"--spares {ns.spares}: the allocation has {n} nodes, so --nnodes {nnodes} leaves {n - nnodes} spares; "
-            "give one of --nnodes/--spares, or allocate --nodes=NNODES+SPARES"
-        )
-    return step, nnodes, n - nnodes
-
-
 def _store(ns: argparse.Namespace) -> str | None:
     if ns.store is None:
         return None
@@ -282,59 +225,6 @@ def _store(ns: argparse.Namespace) -> str | None:
         return str(StoreURL.parse(ns.store))
     except ValueError as exc:
         raise LaunchUsageError(f"--store: {exc}") from None
-
-
-@dataclass
-class _Placement:
-    """Where the agents run: from the flags, the hostfile, SLURM's environment."""
-
-    hosts: tuple[HostEntry, ...]
-    nnodes: int
-    nproc: int
-    spares: int
-    node_rank: int | None
-    master_default: str
-    agent_hosts: tuple[str, ...] = ()
-    agent_slots: tuple[tuple[int, ...], ...] = ()
-    step: SlurmStep | None = None
-
-
-def _place(ns: argparse.Namespace, env: dict[str, str], launcher: str) -> _Placement:
-    if launcher == "slurm":
-        step, nnodes, spares = _slurm_sizes(ns, env)
-        return _Placement((), nnodes, ns.nproc_per_node or 1, spares, step.node_rank, step.hosts[0], step=step)
-    try:
-        hosts = read_hostfile(ns.hostfile) if ns.hostfile else ()
-    except HostfileError as exc:
-        raise LaunchUsageError(str(exc)) from None
-    node_rank = ns.node_rank
-    remote = launcher in ("pdsh", "ssh")
-    chosen: list[tuple[str, list[int]]] = []
-    if remote:
-        if not hosts:
-            raise LaunchUsageError(f"--launcher {launcher} needs --hostfile (the hosts to start agents on)")
-        if node_rank is not None:
-            raise LaunchUsageError(f"--launcher {launcher} starts every agent itself: drop --node-rank")
-        try:
-            chosen = filter_resources(hosts, ns.include, ns.exclude)
-        except HostfileError as exc:
-            raise LaunchUsageError(str(exc)) from None
-        hosts = tuple(HostEntry(h, len(slots)) for h, slots in chosen)
-    if ns.node_host is not None:  # an agent that --launcher pdsh|ssh started: its rank is its host's index
-        order = (ns.agent_hosts or "").split(",")
-        if ns.node_host not in order:
-            raise LaunchUsageError(f"--node-host {ns.node_host} is not in --agent-hosts {ns.agent_hosts}")
-        node_rank = order.index(ns.node_host)
-    spares = ns.spares or 0
-    nnodes, nproc = _sizes(ns, hosts, spares)
-    if not remote:
-        master = hosts[0].host if hosts and node_rank is not None else "127.0.0.1"
-        return _Placement(hosts, nnodes, nproc, spares, node_rank, master)
-    n = nnodes + spares
-    # The launch host serves the store: its name, as the hosts reach it.
-    return _Placement(hosts, nnodes, nproc, spares, None, socket.getfqdn(),
-                      agent_hosts=tuple(h.host for h in hosts[:n]),
-                      agent_slots=tuple(tuple(slots) for _, slots in chosen[:n]))
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> LaunchArgs:
@@ -347,7 +237,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     store_url = _store(ns)
     if (ns.include or ns.exclude) and launcher not in ("pdsh", "ssh"):
         raise LaunchUsageError("--include/--exclude select hostfile hosts for --launcher pdsh|ssh")
-    place = _place(ns, env, launcher)
+    place = place_agents(ns, env, launcher)
     hosts, nnodes, nproc, spares, node_rank = place.hosts, place.nnodes, place.nproc, place.spares, place.node_rank
 
     if ns.module and ns.no_python:
@@ -358,7 +248,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
 
     remote = launcher in ("pdsh", "ssh")
     if node_rank is None and not remote and hosts and not all(is_local(h.host) for h in hosts[: nnodes + spares]):
-        raise LaunchUsageError(_ssh_message(hosts, ns, nnodes, nproc, spares))
+        raise LaunchUsageError(ssh_message(hosts, ns, nnodes, nproc, spares))
 
     master_addr = ns.master_addr or place.master_default
     master_port = ns.master_port
@@ -387,6 +277,11 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
             f"--master_addr {ns.master_addr} without --node-rank: on one host the job store is local; "
             "give --node-rank to run one agent of a multi-host job"
         )
+    try:
+        secret = job_secret(ns.job_secret_file, env, multi_host=node_rank is not None or remote,
+                            generate=node_rank is None)
+    except SecretError as exc:
+        raise LaunchUsageError(str(exc)) from exc
 
     command = Command(
         script=ns.user_script,
@@ -413,6 +308,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         hosts=hosts,
         launcher=launcher,
         store_url=store_url,
+        job_secret=secret,
+        job_secret_file=os.path.abspath(ns.job_secret_file) if ns.job_secret_file else None,
         agent_timeout_s=ns.agent_timeout,
         agent_hosts=place.agent_hosts,
         agent_slots=place.agent_slots,

@@ -236,18 +236,18 @@ def _describe(args: LaunchArgs, where: str) -> str:
 def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]:
     """(store, address and port for the workers' MASTER_ADDR/PORT, whether this process hosts it)."""
     if args.store_url is not None:
-        store = JobStore.open(args.store_url, token, create=True)
+        store = JobStore.open(args.store_url, token, create=True, secret=args.job_secret)
         host, port = StoreURL.parse(args.store_url).endpoints[0]
         return store, host, port, False
     if args.node_rank is None:
-        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1")
+        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1", secret=args.job_secret)
         return store, "127.0.0.1", store.port, True
     if args.node_rank == 0:
-        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr)
+        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret)
         return store, args.master_addr, store.port, True
     assert args.master_port is not None
     # Started with the others (srun): the host agent may not have written the job's keys yet.
-    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0)
+    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0, secret=args.job_secret)
     return store, args.master_addr, args.master_port, False
 
 

@@ -82,9 +82,11 @@ def start_agents(
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def agent_argv(args: LaunchArgs, store_url: str, token: str) -> list[str]:
-    """The flags every host's agent gets (``%h``: the host name, filled in by pdsh or by us for ssh)."""
+def agent_argv(args: LaunchArgs, store_url: str, token: str, secret_file: str) -> list[str]:
+    """The flags every host's agent gets (``%h``: the host name, filled in by pdsh or by us for ssh).
+    The job secret goes by ``secret_file`` (mode 0600), never on the command line."""
     argv = [
+        "--job-secret-file", secret_file,
         "--launcher", "local", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
         "--spares", str(args.spares), "--max-failures", str(args.max_failures), "--store", store_url,
         "--job-token", token, "--run-dir", args.run_dir, "--agent-timeout", repr(args.agent_timeout_s),
@@ -121,18 +123,27 @@ def run_remote(args: LaunchArgs) -> int:
     import time
 
     from ds_swift.membership import JobStore
+    from ds_swift.store_auth import write_secret_file
 
     from .control import EventLog, JobControl
 
     events = EventLog(args.run_dir)
     token = args.job_token or secrets.token_hex(16)
+    secret_file = args.job_secret_file
+    if secret_file is None:
+        # pdsh passes no stdin and exports only what is on the command line: a 0600 file in the run
+        # directory (shared by the hosts, as DeepSpeed's own launcher assumes of the working directory).
+        secret_file = os.path.join(args.run_dir, "job.secret")
+        write_secret_file(secret_file, args.job_secret)
     if args.store_url is None:
-        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr)
+        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret)
         store_url = f"tcp://{args.master_addr}:{store.port}"
     else:
-        store, store_url = JobStore.open(args.store_url, token, create=True), args.store_url
+        store = JobStore.open(args.store_url, token, create=True, secret=args.job_secret)
+        store_url = args.store_url
     control = JobControl(store)
-    command = visible_devices_case(args) + agent_command(agent_argv(args, store_url, token), deepspeed_env(os.environ), os.getcwd())
+    argv = agent_argv(args, store_url, token, secret_file)
+    command = visible_devices_case(args) + agent_command(argv, deepspeed_env(os.environ), os.getcwd())
     events(f"{args.launcher}: starting {len(args.agent_hosts)} agent(s) on {', '.join(args.agent_hosts)}; "
            f"job store {store_url}", event="start", hosts=list(args.agent_hosts), store=store_url)
     procs = start_agents(args.launcher, args.agent_hosts, command)

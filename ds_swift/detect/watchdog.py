@@ -188,7 +188,7 @@ def declare_failure(store: JobStore, generation: int, reason: str) -> bool:
 
 def ensure_generation_moved(store: JobStore, generation: int) -> None:
     """Move the job's generation past a failed one (only from ``generation``: never backwards)."""
-    store.kv.compare_set("generation", str(generation), str(generation + 1))
+    store.advance_generation(generation)
 
 
 def wait_failed_machine(store: JobStore, generation: int, timeout_s: float) -> int | None:

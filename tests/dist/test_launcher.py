@@ -230,7 +230,8 @@ def test_multi_host_agents_with_a_spare(tmp_path: Path) -> None:
     with ProcessSet(tmp_path / "logs") as procs:
         try:
             for node in range(3):
-                procs.spawn(f"node{node}", launcher_argv(run_dir, [*common, "--node-rank", str(node)]), env=worker_env())
+                env = worker_env({"SWIFT_JOB_SECRET": "s" * 32})  # the same on every host, never in argv
+                procs.spawn(f"node{node}", launcher_argv(run_dir, [*common, "--node-rank", str(node)]), env=env)
             codes = procs.wait_all(WAIT_S)
         finally:
             pids = spawned_pids(run_dir)

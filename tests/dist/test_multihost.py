@@ -28,6 +28,7 @@ from ds_swift.testing.procs import ProcessSet, free_port, worker_env
 
 WORKER = Path(__file__).parent / "workers" / "store_worker.py"
 WAIT_S = 90.0
+JOB_SECRET = "multihost-test-secret-" + "0" * 16
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -192,15 +193,16 @@ def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, ex
               ) -> dict[str, str]:
     """What sbatch gives the batch script (srun adds the per-task variables)."""
     env = host_env(tmp_path, standin, extra)
+    # As examples/slurm/train_gpt.sbatch does: srun passes the job secret on to every task.
     env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(len(hosts)),
-               STANDIN_HOSTS=",".join(hosts))
+               STANDIN_HOSTS=",".join(hosts), SWIFT_JOB_SECRET=JOB_SECRET)
     return env
 
 
 def store_client(url: str, token: str) -> object:
     from ds_swift.membership import JobStore
 
-    return JobStore.open(url, token, timeout_s=10)
+    return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET)
 
 
 def wait_for(predicate: object, what: str, procs: ProcessSet, timeout_s: float = WAIT_S) -> None:
@@ -270,14 +272,17 @@ def test_etcd_store_serves_the_job_store_api(tmp_path: Path, etcd: Etcd) -> None
     assert raw.get("p/k") == b"v" and prefixed.add("c", 3) == 3
 
     with pytest.raises(MembershipError, match="does not serve job token"):
-        JobStore.open(etcd.url, "tok", timeout_s=5)
-    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True)
+        JobStore.open(etcd.url, "tok", timeout_s=5, secret=JOB_SECRET)
+    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)
     assert js.generation() == 0
     assert js.declare_failure(0, "machine 1 died") and js.generation() == 1
-    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True)  # a late agent: nothing reset
+    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)  # a late agent: nothing reset
     assert again.generation() == 1 and again.failure(0) == "machine 1 died"
+    # etcd can list the namespace: a client that found it still cannot forge a signed value.
+    raw.set(js.prefix + "gen1/failed", "forged")
+    assert js.failure(1) is None and js.generation() == 1
     js.clear()
-    assert raw.num_keys() == 0 or not raw.check(["swift/tok/generation"])
+    assert raw.num_keys() == 0 or not raw.check([js.prefix + "generation"])
 
 
 # ---------------------------------------------------------------------- SLURM

@@ -96,7 +96,7 @@ def test_multi_host_needs_a_token_and_a_valid_node_rank() -> None:
     with pytest.raises(LaunchUsageError, match="--job-token"):
         parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py")
     args = parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py",
-                 environ={"SWIFT_JOB_TOKEN": "abc"})
+                 environ={"SWIFT_JOB_TOKEN": "abc", "SWIFT_JOB_SECRET": "k" * 32})
     assert args.multi_host and args.job_token == "abc" and args.master_port == 29500
     with pytest.raises(LaunchUsageError, match="agents are 0..1 .machines. and 2..2 .spares."):
         parse("--nnodes", "2", "--spares", "1", "--node-rank", "3", "--job-token", "t", "t.py")

@@ -45,7 +45,8 @@ def test_bad_nodelists_are_refused(bad: str) -> None:
 def slurm(nodelist: str = "node[01-03]", nodeid: int = 1, **extra: str) -> dict[str, str]:
     n = str(len(expand_nodelist(nodelist)))
     return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": str(nodeid), "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_STEP_NODELIST": nodelist, "SLURM_NNODES": n, "SLURM_NTASKS": n, **extra}
+            "SLURM_STEP_NODELIST": nodelist, "SLURM_NNODES": n, "SLURM_NTASKS": n, "SWIFT_JOB_SECRET": "k" * 32,
+            **extra}
 
 
 def test_slurm_step_from_the_environment() -> None:
@@ -71,6 +72,9 @@ def test_srun_task_becomes_a_node_agent_and_extra_nodes_are_spares() -> None:
         parse_args(["--nnodes", "2", "--spares", "0", "train.py"], environ=slurm())
     with pytest.raises(LaunchUsageError, match="does not fit"):
         parse_args(["--nnodes", "4", "train.py"], environ=slurm())
+    assert args.job_secret == "k" * 32
+    with pytest.raises(LaunchUsageError, match="export SWIFT_JOB_SECRET="):
+        parse_args(["train.py"], environ={k: v for k, v in slurm().items() if k != "SWIFT_JOB_SECRET"})
     # --launcher local turns the detection off: one simulated job on this node.
     assert parse_args(["--launcher", "local", "train.py"], environ=slurm()).node_rank is None
 
@@ -108,8 +112,12 @@ def test_pdsh_arguments(tmp_path: Path) -> None:
                        "--inject", "machine=1,iteration=2", "t.py", "--lr", "1"], environ={})
     assert args.agent_hosts == ("w0", "w2") and args.agent_slots == ((1, 3), (0, 1))
     assert args.nnodes == 2 and args.nproc_per_node == 2 and args.node_rank is None
-    argv = agent_argv(args, "tcp://launch:1234", "tok")
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text("s" * 32)
+    secret_file.chmod(0o600)
+    argv = agent_argv(args, "tcp://launch:1234", "tok", str(secret_file))
     assert argv[-3:] == ["t.py", "--lr", "1"]
+    assert args.job_secret not in " ".join(argv)  # the secret never goes on a command line
     assert argv[argv.index("--agent-hosts") + 1] == "w0,w2" and argv[argv.index("--node-host") + 1] == "%h"
     assert "--inject" in argv and argv[argv.index("--store") + 1] == "tcp://launch:1234"
     # w0 keeps GPUs 1,3; w2's 0,1 are the default and need nothing.
@@ -117,6 +125,7 @@ def test_pdsh_arguments(tmp_path: Path) -> None:
     # The agent that pdsh starts on w2 finds its rank from its host name.
     agent = parse_args([*argv[: argv.index("t.py")], "--node-host", "w2", "t.py"], environ={})
     assert agent.node_rank == 1 and agent.launcher == "local" and agent.store_url == "tcp://launch:1234"
+    assert agent.job_secret == "s" * 32
     with pytest.raises(LaunchUsageError, match="needs --hostfile"):
         parse_args(["--launcher", "ssh", "t.py"], environ={})
     with pytest.raises(LaunchUsageError, match="--include/--exclude"):
