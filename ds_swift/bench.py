@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -48,8 +49,9 @@ __all__ = ["BenchError", "bench_profile", "bench_rows", "format_table", "profile
 
 REFERENCE = "none"
 #: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``)
-STRATEGIES: tuple[str, ...] = ("auto", "replication", "logging", "checkpoint")
+STRATEGIES: tuple[str, ...] = ("auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq")
 assert set(STRATEGIES) == set(Strategy.__args__)  # type: ignore[attr-defined]
+_CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iterations")
 
 
 class BenchError(RuntimeError):
@@ -231,6 +233,8 @@ def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
 
 def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
     """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
+    chosen = _CHECKFREQ_CHOICE.search(clean.output) if detail["strategy"] == "checkfreq" else None
+    interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
     used = timelines[-1]["strategy"] if timelines else "checkpoint"
     kind = KINDS.get(used, "checkpoint")
@@ -246,7 +250,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
     ulp = detail["max_ulp"]
     return {
         "name": PROFILE_NAMES.get(detail["strategy"], detail["strategy"]),
-        "kind": kind,
+        "kind": kind,  # CheckFreq's two phases as measured: a checkpoint with its snapshot stall
         "throughput_ratio": detail["throughput_ratio"],
         "init_s": detail["initialization_s"] or 0.0,
         "recovery_s": detail["recovery_s"] or 0.0,

@@ -25,9 +25,13 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ds_swift.checkfreq import CheckFreqTuner
+    from ds_swift.checkpoint_async import AsyncWriter
 
 __all__ = [
     "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "job_id_for",
@@ -128,10 +132,24 @@ class CheckpointManager:
     """The checkpoint the job started from, if it loaded one."""
     save_timeout_s: float | None = None
     """Op timeout of every process group while saving (None: leave them as they are)."""
+    writer: AsyncWriter | None = None
+    """Asynchronous saves (:mod:`ds_swift.checkpoint_async`); None: DeepSpeed writes while training waits."""
+    save_id: str = "0"
+    """Names this job's saves in this generation (markers of an earlier save of a tag never count)."""
+    pending: str | None = None
+    """The asynchronous checkpoint in flight, until its completion marker is on storage."""
+    tuner: CheckFreqTuner | None = None
+    """CheckFreq: the interval is chosen from the first checkpoint's measured costs."""
     _warned: set[str] = field(default_factory=set, repr=False)
 
     def due(self, iterations_done: int) -> bool:
-        return iterations_done > 0 and iterations_done % self.interval == 0 and iterations_done != self.last_saved
+        if iterations_done <= 0 or iterations_done == self.last_saved:
+            return False
+        if self.tuner is not None:
+            if self.tuner.chosen is None:
+                return iterations_done == self.tuner.profile_at
+            return iterations_done % self.tuner.chosen == 0
+        return iterations_done % self.interval == 0
 
     def maybe_save(self, engine: Any) -> str | None:
         """Save if the engine just finished an iteration that is a multiple of the interval."""
@@ -149,6 +167,8 @@ class CheckpointManager:
             return self._save(engine)
 
     def _save(self, engine: Any) -> str:
+        if self.writer is not None:
+            return self._save_async(engine, self.writer)
         done = int(engine.global_steps)
         tag = tag_for(done)
         marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
@@ -166,6 +186,62 @@ class CheckpointManager:
             os.replace(tmp, marker)
         self.last_saved = done
         return tag
+
+    def _save_async(self, engine: Any, writer: AsyncWriter) -> str:
+        """Snapshot now, persist in the background; complete once every rank persisted (see
+        :mod:`ds_swift.checkpoint_async`). Waits for the previous checkpoint's persist first."""
+        from ds_swift.checkpoint_async import SnapshotCheckpointEngine
+        from ds_swift.patches.async_checkpoint import saving_through
+
+        done = int(engine.global_steps)
+        tag = tag_for(done)
+        stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
+        if self.rank == 0:
+            (Path(self.ckpt_dir) / tag / COMPLETE_MARKER).unlink(missing_ok=True)
+        dist.barrier()  # nobody snapshots before the old marker is gone
+        with saving_through(engine, SnapshotCheckpointEngine(writer)):
+            engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
+        writer.end()
+        self.last_saved = done
+        self.pending = tag
+        if self.tuner is not None and self.tuner.chosen is None:
+            self.tuner.choose(stats, writer)
+        return tag
+
+    def new_generation(self, generation: int) -> None:
+        """Saves from now on belong to ``generation`` (their persisted markers say so)."""
+        self.save_id = f"{self.job_id or 'job'}.g{generation}"
+        if self.tuner is not None:
+            self.tuner.refresh()
+
+    def after_iteration(self) -> bool:
+        """Called after each optimizer step: CheckFreq measures; True when the asynchronous
+        checkpoint in flight has just completed (the logs it makes unneeded may go)."""
+        if self.tuner is not None:
+            self.tuner.tick()
+        return self.poll()
+
+    def on_failure(self) -> None:
+        """A failure: the checkpoint in flight may never complete; rank 0 stops waiting for it."""
+        if self.writer is not None:
+            self.writer.abandon()
+
+    def poll(self) -> bool:
+        """True once the asynchronous checkpoint in flight is complete on storage (say each failed
+        persist, once); always False for synchronous saves."""
+        if self.writer is None or self.pending is None:
+            return False
+        self.writer.report_errors()
+        if (Path(self.ckpt_dir) / self.pending / COMPLETE_MARKER).exists():
+            self.pending = None
+            return True
+        return False
+
+    def close(self) -> None:
+        """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
+        if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
+            print(f"[ds-swift] rank {self.rank}: checkpoint {self.pending} was still being written at exit: "
+                  "it does not count", file=sys.stderr, flush=True)  # fmt: skip
 
     def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
         """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this

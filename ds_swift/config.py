@@ -32,6 +32,8 @@ from urllib.parse import urlparse
 
 __all__ = [
     "BuddyConfig",
+    "CHECKPOINT_STRATEGIES",
+    "CheckFreqConfig",
     "CheckpointConfig",
     "ConfigError",
     "LoggingConfig",
@@ -43,7 +45,9 @@ __all__ = [
     "load_ds_config",
 ]
 
-Strategy = Literal["auto", "replication", "logging", "checkpoint"]
+Strategy = Literal["auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq"]
+#: Strategies that recover by reloading the last global checkpoint on every rank.
+CHECKPOINT_STRATEGIES = ("checkpoint", "global_checkpoint", "checkfreq")
 ParallelRecoveryMode = Literal["exact", "fast"]
 
 #: URL schemes the global store understands (see ds_swift.storage). "" is a plain path.
@@ -193,7 +197,14 @@ class CheckpointConfig:
     writer): a slow shared filesystem is not a failure. ``watchdog.op_timeout_s`` applies again
     once the save is done."""
 
+    async_save: bool | None = None
+    """Training waits for a host snapshot only; the files are written in the background and the
+    checkpoint counts once every rank's are on storage (ds_swift.checkpoint_async). ``null``: on
+    for strategies ``global_checkpoint`` and ``checkfreq``, off otherwise."""
+
     def __post_init__(self) -> None:
+        if self.async_save is not None:
+            _check_type("checkpoint.async_save", self.async_save, bool, "true, false or null")
         _check_type("checkpoint.save_timeout_s", self.save_timeout_s, (int, float), "a positive number of seconds")
         if self.save_timeout_s <= 0:
             raise _fail("checkpoint.save_timeout_s", self.save_timeout_s, "a positive number of seconds")
@@ -224,6 +235,26 @@ class BuddyConfig:
             raise _fail(
                 "buddy.replication_factor", self.replication_factor, "a positive integer (disable with enabled: false)"
             )
+
+
+@dataclass(frozen=True)
+class CheckFreqConfig:
+    """Strategy ``checkfreq``: asynchronous checkpoints at an interval chosen from measured costs
+    (ds_swift.checkfreq); ``checkpoint.interval`` is then not used."""
+
+    max_overhead: float = 0.05
+    """The share of training time the checkpoint snapshots may take (CheckFreq's p)."""
+
+    profile_at: int = 5
+    """The first checkpoint, after this many iterations, measures the costs."""
+
+    def __post_init__(self) -> None:
+        _check_type("checkfreq.max_overhead", self.max_overhead, (int, float), "a fraction in (0, 1)")
+        if not 0 < self.max_overhead < 1:
+            raise _fail("checkfreq.max_overhead", self.max_overhead, "a fraction in (0, 1), e.g. 0.05")
+        _check_type("checkfreq.profile_at", self.profile_at, int, "a positive number of iterations")
+        if self.profile_at < 2:
+            raise _fail("checkfreq.profile_at", self.profile_at, "at least 2 iterations (the first one warms up)")
 
 
 @dataclass(frozen=True)
@@ -280,7 +311,9 @@ class SwiftConfig:
     strategy: Strategy = "auto"
     """``auto`` lets the topology analyzer choose per stage (replication where a replica
     lives on another machine, else logging where it is worth it, else checkpoint);
-    ``replication``/``logging``/``checkpoint`` force one for every stage."""
+    ``replication``/``logging``/``checkpoint`` force one for every stage. ``global_checkpoint``:
+    every rank reloads the last global checkpoint, saved asynchronously; ``checkfreq``: the same,
+    at an interval CheckFreq's rule chooses (see ``checkfreq``)."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Message logging for logging-based recovery."""
@@ -300,6 +333,9 @@ class SwiftConfig:
 
     buddy: BuddyConfig = field(default_factory=BuddyConfig)
     """Buddy copies of ZeRO-1 / BF16_Optimizer partitions."""
+
+    checkfreq: CheckFreqConfig = field(default_factory=CheckFreqConfig)
+    """CheckFreq's interval choice (strategy ``checkfreq``)."""
 
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
@@ -331,6 +367,17 @@ class SwiftConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def recovery_strategy(self) -> str:
+        """The strategy recovery forces (``checkpoint`` for every checkpoint-reload scheme)."""
+        return "checkpoint" if self.strategy in CHECKPOINT_STRATEGIES else self.strategy
+
+    @property
+    def async_checkpoints(self) -> bool:
+        if self.checkpoint.async_save is not None:
+            return self.checkpoint.async_save
+        return self.strategy in ("global_checkpoint", "checkfreq")
+
 
 def load_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """Return a DeepSpeed config as a dict, reading it if given a path."""
@@ -356,6 +403,7 @@ _NESTED: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "watchdog": WatchdogConfig,
     "buddy": BuddyConfig,
+    "checkfreq": CheckFreqConfig,
 }
 
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import CheckpointManager, Origin, job_id_for, origin_of
+from ds_swift.checkpoint import Origin, origin_of
+from ds_swift.checkpoint_async import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
@@ -120,11 +121,7 @@ class SwiftPipelineEngine:
         logs = EngineLogging(
             cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
         )
-        self._ckpt = CheckpointManager(
-            cfg.checkpoint.dir, cfg.checkpoint.interval, dist.get_rank(),
-            job_id=job_id_for(ctx.env.token if ctx.env is not None else None),
-            save_timeout_s=cfg.checkpoint.save_timeout_s,
-        )  # fmt: skip
+        self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size())
         self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
@@ -255,6 +252,8 @@ class SwiftPipelineEngine:
     def _after_step(self) -> None:
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
+        if self._ckpt.after_iteration():  # an asynchronous checkpoint just completed
+            self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir, self._ckpt.job_id)
         if self._ckpt.due(int(self._engine.global_steps)):
             self._save_checkpoint()
         self._timeline.check_back(int(self._engine.global_steps))
@@ -322,6 +321,7 @@ class SwiftPipelineEngine:
         self._closed = True
         env, store = self._ctx.env, self._ctx.store
         self._write_usage()
+        self._ckpt.close()  # the last asynchronous checkpoint lands first
         buddy = self._rebuild.buddy
         # Every rank ends its last round (its peers' threads send theirs whatever their training
         # threads do), so the process does not exit inside a gloo op.
@@ -361,6 +361,7 @@ class SwiftPipelineEngine:
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:
         t_detect = self._monitor.begin_recovery()
+        self._ckpt.on_failure()
         self._timeline.abandon()  # a new failure before the last timeline was gathered
         self._resume(self._rebuild.as_survivor(how, t_detect))
 
@@ -368,6 +369,7 @@ class SwiftPipelineEngine:
         """Training resumes after a recovery."""
         # The same on every rank: a checkpoint a failure cut short is saved again, by everyone.
         self._ckpt.last_saved = done.outcome.latest_checkpoint
+        self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
         self._timeline.start(done.outcome, done.timeline, done.generation)
         self._timeline.check_back(int(self._engine.global_steps))

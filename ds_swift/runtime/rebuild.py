@@ -100,7 +100,7 @@ class Rebuilder:
         self._monitor = monitor
         self._ckpt = ckpt
         # A forced strategy that never reads buddy copies does not pay for them.
-        unused = cfg.strategy in ("checkpoint", "logging")
+        unused = cfg.recovery_strategy in ("checkpoint", "logging")
         self.buddy = (
             BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
             if cfg.buddy.enabled and not unused
@@ -277,7 +277,7 @@ class Rebuilder:
                 log_lost=self._hooks.logs.coverage_lost,
             ),
             kept=kept,
-            strategy=self._cfg.strategy,
+            strategy=self._cfg.recovery_strategy,
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
