@@ -270,6 +270,10 @@ def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], det
                   interval: int) -> dict[str, Any]:  # fmt: skip
     """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
     rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
+    if "global_checkpoint" in runs:  # then "checkpoint" (synchronous saves) keeps its own name
+        for row, d in zip(rows, details, strict=True):
+            if d["strategy"] == "checkpoint":
+                row["name"], row["kind"] = "checkpoint_sync", "checkpoint"
     costs = [r["checkpoint_cost_s"] for r in rows if r["name"] == "global_checkpoint"] or [
         statistics.median(r["checkpoint_cost_s"] for r in rows)
     ]

@@ -42,6 +42,18 @@ COMPLETE_MARKER = "swift_complete"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
+def _write_error(exc: BaseException) -> bool:
+    """A checkpoint file that could not be written (full disk, storage gone), not a dead peer."""
+    if isinstance(exc, OSError):
+        return not isinstance(exc, (ConnectionError, TimeoutError))
+    text = str(exc)
+    # torch.save on a full disk (measured, torch 2.13): "basic_ios::clear: iostream error", then
+    # "[enforce fail at inline_container.cc:...] . unexpected pos ..." from its zip writer.
+    marks = ("PytorchStreamWriter failed", "file write failed", "No space left on device", "iostream error",
+             "inline_container.cc")
+    return any(m in text for m in marks)
+
+
 def tag_for(iterations_done: int) -> str:
     return f"global_step{iterations_done}"
 
@@ -177,13 +189,29 @@ class CheckpointManager:
             # complete while its files are rewritten.
             marker.unlink(missing_ok=True)
         dist.barrier()
-        engine.save_checkpoint(self.ckpt_dir, tag=tag)
-        # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every rank's.
-        dist.barrier()
-        if self.rank == 0:
+        written = True
+        try:
+            engine.save_checkpoint(self.ckpt_dir, tag=tag)
+        except (OSError, RuntimeError) as exc:
+            if not _write_error(exc):
+                raise
+            written = False
+            print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "
+                  f"{str(exc)[:200]}); it does not count: a recovery loads the last complete one; training goes on",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            dist.barrier()  # the one DeepSpeed's save ends with, which this rank did not reach
+        # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
+        # rank's, and says whether every rank wrote them.
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, written)
+        if self.rank == 0 and all(everyone):
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps({"iterations": done, "job": self.job_id}) + "\n")
             os.replace(tmp, marker)
+        elif self.rank == 0:
+            bad = [r for r, ok in enumerate(everyone) if not ok]
+            print(f"[ds-swift] checkpoint {tag} does not count: ranks {bad} could not write their files",
+                  file=sys.stderr, flush=True)  # fmt: skip
         self.last_saved = done
         return tag
 

@@ -200,3 +200,18 @@ def pipeline_topology(rank_order: str, pp: int, dp: int, tp: int = 1) -> Any:
     axes = [_AXIS[n] for n in reversed(names)]
     dims = [sizes[n] for n in reversed(names)]
     return ProcessTopology(axes=axes, dims=dims)
+
+
+def check_machines(cfg: SwiftConfig, env: WorkerEnv | None) -> None:
+    """Under ds-swift-launch the launcher says how many ranks share a machine; the plan (replicas on
+    other machines, buddies, logged boundaries) must count the same, or its recoveries go wrong."""
+    if env is None or env.num_machines < 1:
+        return
+    per_machine = env.world_size // env.num_machines
+    if cfg.machines.gpus_per_node != per_machine:
+        from ds_swift.config import ConfigError
+
+        raise ConfigError(
+            f"swift config: machines.gpus_per_node={cfg.machines.gpus_per_node} is invalid: ds-swift-launch placed "
+            f"{per_machine} rank(s) on each of {env.num_machines} machine(s) (--nproc-per-node); set it to {per_machine}"
+        )

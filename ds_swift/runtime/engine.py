@@ -38,7 +38,7 @@ from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
-from ds_swift.runtime.context import SwiftContext, current_context
+from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
@@ -125,6 +125,7 @@ class SwiftPipelineEngine:
         self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
+        check_machines(cfg, ctx.env)
         hang = cfg.watchdog.hang_timeout_s
         if hang is not None and hang <= ctx.op_timeout_s:
             raise ConfigError(

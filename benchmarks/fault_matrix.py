@@ -1,0 +1,229 @@
+"""The fault matrix: every strategy config x machine x injection point, through the real launcher.
+
+Each case runs the tiny GPT (``examples/pretrain_gpt.py`` under ``tests/dist/workers/gpt_fault_worker.py``,
+which adds the injection points the launcher's ``--inject`` cannot reach) with a spare, injects one
+fault, and passes when the job either ends bitwise equal to the failure-free run of its config
+(recovered exactly, or through a fallback it announced) or, for a bad config value, stops before
+training with a message that names the field. Anything else fails the case: a non-zero exit, a
+final state that differs, a hang (the job's deadline: its whole process tree is SIGKILLed).
+
+Configs (``CONFIGS``): ``replication`` (bf16 + ZeRO-1, pp 2 x dp 2: buddy copies and replicas),
+``logging`` (bf16 + ZeRO-1, pp 4 over 2 machines, a storage budget), ``global_checkpoint`` and
+``checkfreq`` (asynchronous checkpoints, every rank reloads). Points: ``forward``, ``backward``,
+``step``, ``send``, ``recv`` of an iteration, ``save`` (a rank dies as the periodic checkpoint
+starts), and per config its own: ``replay`` (a replacement dies mid-replay) and ``corrupt_log``
+(a record of the log is corrupt; the replay must refuse it and fall back) for logging;
+``two_machines`` (machines 0 and 2 of four die at once) for replication; ``full_ckpt_disk`` (the
+checkpoint directory on a 2 MB tmpfs that fills up: training goes on, a later failure reloads an
+older complete checkpoint, or restarts) for replication (synchronous saves) and global_checkpoint
+(asynchronous); and one bad value per config section.
+
+    python benchmarks/fault_matrix.py                         # everything (~40 min on 2 cores)
+    python benchmarks/fault_matrix.py --configs logging --points backward,replay,corrupt_log
+    python benchmarks/fault_matrix.py --json                  # last line: {"cases": [...], "passed": N, ...}
+
+It prints one line per case as it ends, then the table, then ``N passed, M failed``; the exit code
+is 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist" / "workers" / "gpt_fault_worker.py"
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+PP4_BUDGET = ROOT / "configs" / "gpt_tiny_pp4_bf16_zero1_budget.json"
+ITERS = 12
+KILL_AT = 7  # after the checkpoint at 4 (interval 4), before the one at 8
+
+#: config -> (DeepSpeed JSON, swift overrides)
+CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
+    "replication": (BF16, {"checkpoint": {"interval": 4}}),
+    "logging": (PP4_BUDGET, {"checkpoint": {"interval": 4}}),
+    "global_checkpoint": (BF16, {"strategy": "global_checkpoint", "checkpoint": {"interval": 4}}),
+    "checkfreq": (BF16, {"strategy": "checkfreq", "checkfreq": {"profile_at": 3}}),
+}
+PHASES = ("forward", "backward", "step", "send", "recv")
+#: one bad value per section: (swift overrides, the field the error must name)
+BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"strategy": "fastest"}, "strategy"),
+    ({"checkpoint": {"interval": 0}}, "checkpoint.interval"),
+    ({"logging": {"storage_budget_gb": -1}}, "logging.storage_budget_gb"),
+    ({"buddy": {"replication_factor": 0}}, "buddy.replication_factor"),
+    ({"watchdog": {"op_timeout_s": "soon"}}, "watchdog.op_timeout_s"),
+    ({"checkfreq": {"max_overhead": 2}}, "checkfreq.max_overhead"),
+    ({"machines": {"gpus_per_node": 3}}, "machines.gpus_per_node"),
+]
+
+
+@dataclass
+class Case:
+    config: str
+    point: str
+    machine: int | None = None
+    inject: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    swift: dict[str, Any] = field(default_factory=dict)
+    nnodes: int = 2
+    spares: int = 1
+    bad_field: str | None = None
+    """A bad config value: the job must stop naming this field."""
+    small_ckpt_disk: bool = False
+
+    @property
+    def name(self) -> str:
+        where = f" m{self.machine}" if self.machine is not None else ""
+        return f"{self.config}/{self.point}{where}"
+
+
+def cases() -> list[Case]:
+    out: list[Case] = []
+    for config in CONFIGS:
+        for machine in (0, 1):
+            for phase in PHASES:
+                out.append(Case(config, phase, machine, inject=f"machine={machine},iteration={KILL_AT},phase={phase}"))
+        # Rank 3 (machine 1) dies as the periodic checkpoint after 8 iterations starts.
+        at = 8 if config != "checkfreq" else 3
+        out.append(Case(config, "save", 1, env={"SWIFT_TEST_KILL_IN_SAVE": f"rank=3,iteration={at}"}))
+    out.append(Case("logging", "replay", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                    env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=2,iteration=5"}, spares=2))
+    out.append(Case("logging", "corrupt_log", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                    env={"SWIFT_TEST_CORRUPT_LOG": "rank=2,iteration=5,micro_batch=1,src=1"}))
+    out.append(Case("replication", "two_machines", None, nnodes=4, spares=2,
+                    inject=f"machine=0,iteration={KILL_AT},phase=forward;machine=2,iteration={KILL_AT},phase=forward",
+                    swift={"machines": {"gpus_per_node": 1, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 60.0}}))
+    for config in ("replication", "global_checkpoint"):  # synchronous and asynchronous saves
+        out.append(Case(config, "full_ckpt_disk", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                        small_ckpt_disk=True))
+    for swift, name in BAD_VALUES:
+        out.append(Case("replication", f"bad {name}", None, swift=swift, bad_field=name))
+    return out
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in extra.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "2m") -> Iterator[Path | None]:
+    """A size-limited tmpfs (None where this machine cannot mount one: the case is skipped)."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        yield None
+        return
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def spec_for(case: Case, config_swift: dict[str, Any] | None = None) -> JobSpec:
+    path, swift = CONFIGS[case.config]
+    args = ["--spares", str(case.spares), "--max-failures", "4"] + (["--inject", case.inject] if case.inject else [])
+    return JobSpec(WORKER, path, ITERS, args, swift=merged(merged(swift, case.swift), config_swift or {}),
+                   env=case.env, nnodes=case.nnodes, nproc_per_node=4 // case.nnodes)  # fmt: skip
+
+
+def reference(work: Path, config: str, timeout: float) -> JobRun:
+    job = run_job(work / f"reference-{config}", spec_for(Case(config, "none")), timeout)
+    if job.code != 0 or job.timelines():
+        raise RuntimeError(f"the failure-free run of {config} failed (exit {job.code}):\n{job.output[-3000:]}")
+    return job
+
+
+def judge(case: Case, job: JobRun, ref: JobRun | None) -> tuple[bool, str]:
+    """(passed, how it ended) for one case's job."""
+    if case.bad_field is not None:
+        named = f"swift config: {case.bad_field}" in job.output or f"'{case.bad_field}'" in job.output
+        return job.code != 0 and named, f"exit {job.code}, " + ("names the field" if named else "field not named")
+    if job.code != 0:
+        return False, f"exit {job.code}"
+    tls = job.timelines()
+    how = ",".join(t["strategy"] for t in tls) or "no recovery"
+    fallback = "checkpoint fallback" in job.output
+    assert ref is not None
+    diff = compare_tensors(checkpoint_tensors(ref.final_tag), checkpoint_tensors(job.final_tag))
+    if not diff.bitwise_equal:
+        return False, f"{how}: NOT bitwise ({diff.describe()[:120]})"
+    return True, f"{how}{' (announced fallback)' if fallback else ''}, bitwise"
+
+
+def run_case(case: Case, work: Path, ref: JobRun | None, timeout: float) -> dict[str, Any]:
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"case": case.name}
+    try:
+        if case.small_ckpt_disk:
+            with small_disk(work / "ckptfs") as disk:
+                if disk is None:
+                    return {**row, "passed": None, "how": "skipped: cannot mount a tmpfs here", "seconds": 0.0}
+                job = run_job(work / "job", spec_for(case, {"checkpoint": {"dir": str(disk)}}), timeout)
+                row["ckpt_disk_full_said"] = "could not be written" in job.output
+        else:
+            job = run_job(work / "job", spec_for(case), timeout)
+        passed, how = judge(case, job, ref)
+        row.update(passed=passed, how=how, exit=job.code)
+    except JobTimeout:
+        row.update(passed=False, how=f"HANG: no end within {timeout:.0f} s", exit=None)
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of the configs")
+    p.add_argument("--points", default="", help="comma-separated points (phases, save, replay, corrupt_log, "
+                   "two_machines, full_ckpt_disk, bad); default: all")
+    p.add_argument("--machines", default="0,1", help="machines to kill in the phase cases")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds one job may take (then: a hang)")
+    p.add_argument("--keep", default=None, help="keep the jobs' directories here")
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = p.parse_args(argv)
+    configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
+    points = {x.strip() for x in args.points.split(",") if x.strip()}
+    chosen = [c for c in cases() if c.config in configs and (c.machine is None or c.machine in machines)
+              and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]  # fmt: skip
+    base = Path(args.keep or tempfile.mkdtemp(prefix="fault-matrix-"))
+    refs: dict[str, JobRun] = {}
+    rows = []
+    for i, case in enumerate(chosen):
+        ref = None
+        if case.bad_field is None:
+            if case.config not in refs:
+                refs[case.config] = reference(base, case.config, args.timeout)
+            ref = refs[case.config]
+        row = run_case(case, base / f"{i:02d}", ref, args.timeout)
+        rows.append(row)
+        mark = {True: "pass", False: "FAIL", None: "skip"}[row["passed"]]
+        print(f"[{mark}] {case.name:36s} {row['how']} ({row['seconds']} s)", file=sys.stderr, flush=True)
+    print(f"\n{'case':36s} {'result':6s} {'seconds':>8s}  how it ended")
+    for r in rows:
+        print(f"{r['case']:36s} {({True: 'pass', False: 'FAIL', None: 'skip'})[r['passed']]:6s} {r['seconds']:8.1f}  {r['how']}")
+    passed = sum(1 for r in rows if r["passed"])
+    failed = sum(1 for r in rows if r["passed"] is False)
+    print(f"{passed} passed, {failed} failed" + (f", {len(rows) - passed - failed} skipped" if len(rows) > passed + failed else ""))
+    if args.json:
+        print(json.dumps({"cases": rows, "passed": passed, "failed": failed, "dir": str(base)}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

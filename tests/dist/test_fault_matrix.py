@@ -1,0 +1,42 @@
+"""The CI subset of ``benchmarks/fault_matrix.py`` (the full matrix is a benchmark): one bad value
+per config section stops the job naming the field, and a full checkpoint disk under asynchronous
+saves is said, training goes on, and a later failure still ends bitwise equal to the reference.
+The phase, save, replay and corrupt-log points run in CI in the recovery tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
+
+
+def matrix():  # noqa: ANN201 - the benchmark module
+    spec = importlib.util.spec_from_file_location("fault_matrix", ROOT / "benchmarks" / "fault_matrix.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fault_matrix"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bad_values_and_a_full_checkpoint_disk(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                warm_deepspeed: None) -> None:  # fmt: skip
+    fm = matrix()
+    code = fm.main(["--configs", "replication,global_checkpoint", "--points", "bad,full_ckpt_disk",
+                    "--machines", "1", "--keep", str(tmp_path), "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    doc = fm.json.loads(out.strip().splitlines()[-1])
+    assert code == 0, out
+    names = {r["case"] for r in doc["cases"]}
+    assert {f"replication/bad {field}" for _, field in fm.BAD_VALUES} <= names
+    disk = [r for r in doc["cases"] if r["case"].startswith("global_checkpoint/full_ckpt_disk")]
+    assert len(disk) == 1
+    if disk[0]["passed"] is None:
+        pytest.skip(disk[0]["how"])
+    assert disk[0]["ckpt_disk_full_said"], disk[0]
