@@ -285,6 +285,8 @@ class MachineAgent:
         if self._gpu is None:
             from .gpu_health import GpuMonitor
 
+            # Local slots, mapped through this agent's CUDA_VISIBLE_DEVICES (the monitor's default
+            # environ), which its workers inherit; ECC errors count from here, not from boot.
             self._gpu = GpuMonitor(indices=list(range(self.job.nproc_per_node)))
         health = self._gpu.poll()
         return None if health.healthy else f"failing GPU ({'; '.join(health.problems)})"
