@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
-from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, run_job
+from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "workers" / "gpt_fault_worker.py"
@@ -67,6 +67,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"watchdog": {"op_timeout_s": "soon"}}, "watchdog.op_timeout_s"),
     ({"checkfreq": {"max_overhead": 2}}, "checkfreq.max_overhead"),
     ({"machines": {"gpus_per_node": 3}}, "machines.gpus_per_node"),
+    ({"verify": {"digest_interval": 0}}, "verify.digest_interval"),
 ]
 
 
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [c for c in cases() if c.config in configs and (c.machine is None or c.machine in machines)
               and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]  # fmt: skip
     base = Path(args.keep or tempfile.mkdtemp(prefix="fault-matrix-"))
+    build_deepspeed_shm_op(base / "warm")  # once, not in every job's start-up
     refs: dict[str, JobRun] = {}
     rows = []
     for i, case in enumerate(chosen):

@@ -139,6 +139,7 @@ class MachineAgent:
         self._gpu_next = 0.0
         self._hung_next = 0.0
         self._spawn_generation = 0  # the generation the machine's workers were started in
+        self._spawned_replacements = False
         self._pool: WarmPool | None = None
         if self.state is AgentState.SPARE and job.warm_spares and supports_warm(job.command):
             self._pool = WarmPool(job.nproc_per_node, lambda lr: warm_start(job.command, lr, job.nproc_per_node))
@@ -249,6 +250,7 @@ class MachineAgent:
         """Start the machine's ranks: handed to the warm pool's workers where it has them; True if so."""
         wenvs = self._worker_envs(generation, replacement)
         self._spawn_generation = generation
+        self._spawned_replacements = replacement
         if self._pool is not None:
             # Empties the pool either way (one takeover per spare); it keeps what it killed, to be reaped.
             warm = self._pool.take(wenvs, (self.job.nproc_per_node, self.job.op_timeout_s))
@@ -325,7 +327,8 @@ class MachineAgent:
                 w.signal_group(signal.SIGKILL)
             self._dying.extend(self.workers)
             self.workers = []
-            self._machine_failed(*failed[0], t_detected)
+            if not self._left_behind(*failed[0]):
+                self._machine_failed(*failed[0], t_detected)
         elif all(rc == 0 for _, rc in codes):
             assert self.machine is not None
             self.state = AgentState.DONE
@@ -333,6 +336,28 @@ class MachineAgent:
             self.control.mark_machine_done(self.machine)
             self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
                         node=self.node, machine=self.machine)
+
+    def _left_behind(self, worker: Worker, returncode: int) -> bool:
+        """Replacement ranks whose generation failed before they joined it (the survivors gave up
+        waiting for a slow start) and which then exited on an error: the machine is sound, so its
+        ranks start again, here, for the job's current generation, without a spare. Counted as a
+        failure (``--max-failures`` ends a loop)."""
+        if not self._spawned_replacements or returncode <= 0:
+            return False
+        current = self.store.generation()
+        if worker.generation >= current or self.store.failure(worker.generation) is None:
+            return False
+        count = self.control.record_failure()
+        reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
+                  f"generation {worker.generation} failed without it")  # fmt: skip
+        if count > self.job.max_failures:
+            self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
+            self.state = AgentState.RETIRED
+            return True
+        self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
+                    node=self.node, machine=self.machine, generation=current, rank=worker.rank)  # fmt: skip
+        self._spawn_replacement()
+        return True
 
     def _declare(self, reason: str) -> tuple[int, bool]:
         """Declare the generation in force failed; returns (the generation this failure ends, first declarer)."""

@@ -200,6 +200,7 @@ class FakeWorker:
         self.pid = FakeWorker._next_pid
         self.wenv = wenv
         self.rank = wenv.rank
+        self.generation = wenv.generation
         self.rc: int | None = None
         self.signals: list[int] = []
 
@@ -265,6 +266,31 @@ def test_a_dead_rank_fails_its_machine_and_a_spare_takes_over(tmp_path: Path) ->
     assert 0 < t[0] <= t[1] <= t[2]
     assert c.worker(0).signals == []  # survivors are untouched
     assert c.control.abort_reason() is None
+
+
+def test_a_replacement_left_behind_by_its_failed_generation_starts_again_in_place(tmp_path: Path) -> None:
+    """The survivors gave up on generation 1 while the replacement was still starting (found by the
+    fault matrix: a slow start under load); the replacement then dies on its half-formed groups.
+    Its machine is sound: its ranks start again, in generation 2, on the same agent, no spare."""
+    from ds_swift.launch.agent import AgentState
+
+    c = Cluster(tmp_path, spares=1)
+    c.worker(3).rc = -signal.SIGKILL
+    c.step()
+    assert [(w.rank, w.generation) for w in c.spawned[4:]] == [(2, 1), (3, 1)]
+    c.store.declare_failure(1, "rank 0: failed during recovery: wait timeout")
+    c.worker(2).rc = 1
+    c.step()
+    again = c.spawned[6:]
+    assert [(w.rank, w.wenv.generation, w.wenv.replacement) for w in again] == [(2, 2, True), (3, 2, True)]
+    assert c.spawned[5].signals == [signal.SIGKILL]  # the half-started sibling goes
+    assert c.store.failure(2) is None and c.store.generation() == 2
+    assert c.agents[2].state is AgentState.RUNNING and c.control.abort_reason() is None
+    # An error exit of ranks whose generation is healthy is a machine failure, as before.
+    c.store.add("gen2/joined", 2)  # the survivors are in generation 2
+    c.worker(3).rc = 1
+    c.step()
+    assert "machine 1: rank 3 exited with code 1" in (c.store.failure(2) or "")
 
 
 def test_no_replacement_aborts_with_the_reason(tmp_path: Path) -> None:
