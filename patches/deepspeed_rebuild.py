@@ -38,6 +38,7 @@ from ds_swift.patches._base import PatchError, PatchHandle, check_version
 
 __all__ = [
     "long_op_timeout",
+    "patient_group_creation",
     "release_process_groups",
     "patch_default_timeout",
     "patch_recv_check",
@@ -73,6 +74,28 @@ def patch_default_timeout(timeout_s: float) -> PatchHandle:
         del c10d._ds_swift_timeout_patched  # type: ignore[attr-defined]
 
     return PatchHandle("default_pg_timeout", restore)
+
+
+def patient_group_creation(create_timeout_s: float, op_timeout_s: float) -> PatchHandle:
+    """Groups created until the handle is removed wait up to ``create_timeout_s`` for their members
+    (a rebuild's groups include replacements still starting: interpreter, DeepSpeed, the model);
+    on removal every live group gets ``op_timeout_s`` back for its collectives.
+
+    Found by benchmarks/fault_matrix.py: with the op timeout (15 s) a survivor gave up on a
+    replacement whose warm start took longer under load, and the generation failed again."""
+    _check_versions()
+    c10d = dist.distributed_c10d
+    before = c10d.default_pg_timeout
+    c10d.default_pg_timeout = datetime.timedelta(seconds=create_timeout_s)
+
+    def restore() -> None:
+        c10d.default_pg_timeout = before
+        if dist.is_initialized():
+            op = datetime.timedelta(seconds=op_timeout_s)
+            for g in [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]:
+                c10d._set_pg_timeout(op, g)
+
+    return PatchHandle("patient_group_creation", restore)
 
 
 def _backends(group: Any) -> list[Any]:

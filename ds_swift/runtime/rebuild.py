@@ -212,7 +212,7 @@ class Rebuilder:
         """Join ``generation``, rebuild, run the recovery protocol; retries on cascading failures."""
         import deepspeed
 
-        from ds_swift.patches.deepspeed_rebuild import teardown_process_groups
+        from ds_swift.patches.deepspeed_rebuild import patient_group_creation, teardown_process_groups
 
         ctx, env, store = self._ctx, self._ctx.env, self._ctx.store
         assert env is not None and store is not None
@@ -232,7 +232,10 @@ class Rebuilder:
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
                     deepspeed.init_distributed(dist_backend=ctx.backend)
-                    self._holder.engine = self.build_engine()
+                    # The groups' members include replacements still starting: wait for them as
+                    # long as for their join, then the op timeout applies again.
+                    with patient_group_creation(ctx.join_timeout_s, ctx.op_timeout_s):
+                        self._holder.engine = self.build_engine()
                     tl.t_rebuilt = time.time()
                     self._hooks.install(self._holder.engine)
                 tl.failed_generation = generation - 1
