@@ -41,6 +41,7 @@ __all__ = [
     "STORAGE_SCHEMES",
     "Strategy",
     "SwiftConfig",
+    "VerifyConfig",
     "WatchdogConfig",
     "load_ds_config",
 ]
@@ -238,6 +239,33 @@ class BuddyConfig:
 
 
 @dataclass(frozen=True)
+class VerifyConfig:
+    """Verified recovery: every restored rank's state is checked against a reference digest before
+    training resumes; a mismatch falls back to the global checkpoint, naming the tensor
+    (ds_swift.recovery.verify)."""
+
+    enabled: bool = True
+    """Check restored state (parameters, fp32 masters, optimizer state) bitwise: against the donor's
+    digest (replication, buddy copies), or against the digest the lost rank published while alive
+    (logging-based replay)."""
+
+    digest_interval: int = 1
+    """Iterations between the state digests each rank publishes for replays (in a background thread,
+    a few bytes per tensor to the job store; only where a replay may happen: strategy ``auto`` or
+    ``logging``). A replay is checked at the newest published iteration it reaches; the iterations
+    it replays after that one (fewer than ``digest_interval``) are not. Each digest costs a rank a
+    few ms of a background thread on the tiny CPU GPT (benchmarks/digest_overhead.py): raise this
+    where cores are scarce."""
+
+    def __post_init__(self) -> None:
+        _check_type("verify.enabled", self.enabled, bool, "true or false")
+        _check_type("verify.digest_interval", self.digest_interval, int, "a positive number of iterations")
+        if self.digest_interval < 1:
+            raise _fail("verify.digest_interval", self.digest_interval,
+                        "a positive number of iterations (turn verification off with verify.enabled: false)")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class CheckFreqConfig:
     """Strategy ``checkfreq``: asynchronous checkpoints at an interval chosen from measured costs
     (ds_swift.checkfreq); ``checkpoint.interval`` is then not used."""
@@ -337,6 +365,9 @@ class SwiftConfig:
     checkfreq: CheckFreqConfig = field(default_factory=CheckFreqConfig)
     """CheckFreq's interval choice (strategy ``checkfreq``)."""
 
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    """Verified recovery: restored state checked against reference digests."""
+
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
 
@@ -404,6 +435,7 @@ _NESTED: dict[str, type] = {
     "watchdog": WatchdogConfig,
     "buddy": BuddyConfig,
     "checkfreq": CheckFreqConfig,
+    "verify": VerifyConfig,
 }
 
 

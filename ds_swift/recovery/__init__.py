@@ -14,7 +14,9 @@
   :mod:`~ds_swift.recovery.collectives` and :mod:`~ds_swift.recovery.parallel`), and the fallback
   :mod:`~ds_swift.recovery.global_checkpoint` (every rank reloads the last global checkpoint);
 - :mod:`~ds_swift.recovery.coordinator`: one rank's side of the protocol (reports, choice,
-  restore, barrier); :mod:`~ds_swift.recovery.kept`: what a survivor keeps across the rebuild;
+  restore, verify, barrier); :mod:`~ds_swift.recovery.verify`: each restored rank's state checked
+  against a reference digest (:mod:`~ds_swift.recovery.digest`), a mismatch a failed restore;
+  :mod:`~ds_swift.recovery.kept`: what a survivor keeps across the rebuild;
   :mod:`~ds_swift.recovery.host`: what the runtime lends a recovery.
 
 The engine wrapper that detects failures and rebuilds DeepSpeed in-process is in

@@ -26,6 +26,7 @@ from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 if TYPE_CHECKING:
     from ds_swift.checkpoint import CheckpointManager
     from ds_swift.membership import JobStore
+    from ds_swift.recovery.digest import Verdict
     from ds_swift.recovery.kept import KeptState
     from ds_swift.recovery.logging_recovery import ReplayRuntime
     from ds_swift.runtime.timeline import RankTimeline
@@ -53,6 +54,9 @@ class RecoveryOutcome:
     """The newest global checkpoint complete for every rank (iterations done; -1: none)."""
     deviation: str | None = None
     """Approximate strategies: how far the restored state is from the failure-free run's."""
+    verdict: Verdict | None = None
+    """This rank's check of the state it restored against its reference digest (None: it restored
+    nothing that has one; see ds_swift.recovery.verify)."""
 
 
 @dataclass
@@ -70,6 +74,7 @@ class RankContext:
         gather_timeout_s: the longest a store gather waits for every rank.
         log: this rank's log line writer.
         replay: what the runtime lends logging-based recovery (None: nothing is logged).
+        verify: check restored state against its reference digest (``verify.enabled``).
     """
 
     store: JobStore
@@ -82,6 +87,7 @@ class RankContext:
     gather_timeout_s: float
     log: Callable[[str], None]
     replay: ReplayRuntime | None = None
+    verify: bool = False
 
     def keep_state(self, plan: RecoveryPlan) -> None:
         """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.digest import partition_state
 from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.verify import check_received, publish_reference
 
 __all__ = ["BuddyError", "BuddyStrategy", "Member", "assign_buddies", "buddy_target"]
 
@@ -173,7 +175,10 @@ class BuddyStrategy(RecoveryStrategy):
         for lost in plan.recipients_of(ctx.rank):
             if holdings is None:
                 raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
-            sent = send_state(holdings.state_of(lost, plan.consensus), lost)
+            copy = holdings.state_of(lost, plan.consensus)
+            if ctx.verify:
+                publish_reference(ctx, lost, copy)
+            sent = send_state(copy, lost)
             outcome.bytes_moved += sent
             ctx.log(f"sent the buddy copy of rank {lost} (iteration {plan.consensus}, {sent / 1e6:.2f} MB)")
         holder = plan.donor_of(ctx.rank)
@@ -185,4 +190,6 @@ class BuddyStrategy(RecoveryStrategy):
                 ctx.engine.module.load_state_dict(buffers, strict=False)
             ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")
         finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
+        if holder is not None and ctx.verify:
+            outcome.verdict = check_received(ctx, holder, partition_state(ctx.engine), "my optimizer partition")
         return outcome

@@ -10,7 +10,9 @@ Survivors and replacements run the same function with the same inputs, in this o
 3. run the chosen strategy's restore on this rank (survivors keep their state, undoing to the
    consensus, except where the strategy rolls them back); a restore every rank agrees failed
    falls back to the global checkpoint, loudly, in this same generation;
-4. a barrier, so nobody starts training before every rank holds its state.
+4. verify: every restored rank checked its state against its reference digest
+   (:mod:`ds_swift.recovery.verify`); a mismatch anywhere is such a failed restore, naming the tensor;
+5. a barrier, so nobody starts training before every rank holds its state.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.verify import agree, forget_from, mismatch_reason
 from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
@@ -98,11 +101,13 @@ def run_recovery(
     log: Callable[[str], None],
     logging: LogPlan | None = None,
     partitioned: bool = False,
+    verify: bool = False,
 ) -> RecoveryOutcome:
-    """Run steps 1-4 above in ``generation`` (already joined; ``engine`` already rebuilt).
+    """Run steps 1-5 above in ``generation`` (already joined; ``engine`` already rebuilt).
 
     ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
     ``partitioned``: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
+    ``verify``: check restored state against reference digests (``verify.enabled``).
     """
     store.publish(generation, "report", rank, report.to_json())
     reports = [
@@ -134,18 +139,39 @@ def run_recovery(
         loud(rank, f"cannot undo iteration {kept.last_stepped}: {kept.undo_blocker()}")
     ctx = RankContext(
         store, generation, rank, engine, kept, ckpt, timeline, gather_timeout_s, log,
-        logging.runtime if logging is not None else None,
+        logging.runtime if logging is not None else None, verify,
     )  # fmt: skip
     try:
         outcome = chosen.restore(plan, inputs, ctx)
+        if verify:
+            _verified(ctx, world_size, outcome)
     except RestoreFailed as failed:
         plan, chosen = STRATEGIES.fall_back(inputs, failed.reason)
         outcome = chosen.restore(plan, inputs, ctx)
+    if verify:  # what is trained again is published again; a later replay must not meet the old digests
+        forget_from(store, rank, outcome.resume_iteration)
     outcome.latest_checkpoint = step
     dist.barrier()
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved
     return outcome
+
+
+def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:
+    """Step 4: every rank's verdict; RestoreFailed (the same on every rank) if any is a mismatch."""
+    verdicts = agree(ctx.store, ctx.generation, ctx.rank, world_size, outcome.verdict, ctx.gather_timeout_s)
+    verdict = outcome.verdict
+    if verdict is not None:
+        ctx.timeline.extra["verify"] = {"status": verdict.status, "detail": verdict.detail}
+        line = f"restored state {verdict.status}: {verdict.detail}"
+        if verdict.status == "unverified":
+            loud(ctx.rank, line)  # training resumes on state nothing checked: said aloud
+        else:
+            ctx.log(line)
+    reason = mismatch_reason(verdicts)
+    if reason is not None:
+        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+        raise RestoreFailed(reason)
 
 
 ORIGIN_KEY = "ckpt_origin"

@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from ds_swift.data import BatchFn
 from ds_swift.membership import GenerationFailed, JobStore
+from ds_swift.recovery.base import loud as _loud
 from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
 from ds_swift.recovery.host import NullHost, RecoveryHost, replaying
@@ -55,7 +56,7 @@ from ds_swift.recovery.parallel import (
 )
 from ds_swift.recovery.replay import replay
 from ds_swift.recovery.replay_log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
-from ds_swift.recovery.replay_plan import plan_of, unsupported_reasons
+from ds_swift.recovery.replay_plan import plan_of, replay_summary, replay_totals, unsupported_reasons
 from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["ReplayRuntime", "failed_replay_key", "parallel_layout", "run_logging_recovery"]
@@ -102,10 +103,6 @@ class ReplayRuntime:
 def failed_replay_key(checkpoint_step: int) -> str:
     """The job-store key saying why replaying from ``checkpoint_step`` failed (read by the next plan)."""
     return f"replay_failed/{checkpoint_step}"
-
-
-def _loud(rank: int, msg: str) -> None:
-    print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
 
 
 def _source(checkpoint_step: int) -> str:
@@ -215,27 +212,6 @@ def _load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int
     log(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay")
 
 
-def _summary(stats: Any) -> dict[str, Any]:
-    rep = getattr(stats, "replay", stats)
-    out = {
-        "iterations": rep.iterations,
-        "from": rep.start_iteration,
-        "to": rep.end_iteration,
-        "wall_s": rep.wall_s,
-        "messages_from_log": rep.messages_from_log,
-        "log_bytes_read": rep.log_bytes_read,
-        "chunk_bytes": rep.chunk_bytes,
-        "chunks_loaded": rep.chunks_loaded,
-        "log_wait_s": rep.log_wait_s,
-        "sends_dropped": rep.sends_dropped,
-        "collectives_substituted": rep.collectives_substituted,
-    }
-    if rep is not stats:
-        out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
-                   exchange_s=stats.exchange_s)  # fmt: skip
-    return out
-
-
 def _check_answer(
     engine: Any, plan: RecoveryPlan, rank: int, in_group: bool, recorded: bool, reader: Any, reader_error: Any,
     rt: ReplayRuntime,
@@ -267,6 +243,7 @@ def run_logging_recovery(
     timeline: RankTimeline,
     gather_timeout_s: float,
     log: Callable[[str], None],
+    before_iteration: Callable[[int], None] | None = None,
 ) -> tuple[str | None, dict[str, Any]]:
     """Steps 1-3 above for this rank. Returns ``(None, summary)`` once every replayer is done, or
     ``(reason, {})`` when every rank must reload the global checkpoint instead (same on every rank).
@@ -277,6 +254,7 @@ def run_logging_recovery(
         reports: every rank's report (coordinates, survivor or not).
         checkpoint_step: the global checkpoint replayed from (-1: the initial state).
         ckpt: the CheckpointManager (replaying ranks load from it).
+        before_iteration: a replaying rank: called before each iteration it replays (the digest check).
     """
     by_rank = {r.rank: r for r in reports}
     group = frozenset(plan.replay_ranks)
@@ -327,14 +305,16 @@ def run_logging_recovery(
             _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
     if layout is not None:
         fail = functools.partial(_fail, store, generation, rank, start, source, rt=rt)
-        summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail)
+        summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail,
+                                before_iteration)  # fmt: skip
     elif rank in group:
         try:
             with replaying(rt.host), _progress(rt, total) as progress:
-                stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed, collectives=records)
+                stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
+                               collectives=records, before_iteration=before_iteration)  # fmt: skip
         except (LogUnavailable, ReplayUnsupported) as exc:
             _fail(store, generation, rank, start, source, exc, rt)
-        summary = _summary(stats)
+        summary = replay_summary(stats)
     if replayer:
         timeline.t_replayed = time.time()
         timeline.extra["replay"] = summary
@@ -352,16 +332,7 @@ def run_logging_recovery(
         "ranks": replayers,
         "parallel": rt.mode if layout is not None else None,
         "iterations": total,
-        **_totals(per_rank),
-    }
-
-
-def _totals(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The replay's figures over every replayer: the slowest one's wall time, the bytes read."""
-    return {
-        "replay_s": max((s.get("wall_s", 0.0) for s in per_rank.values()), default=0.0),
-        "log_bytes_read": sum(s.get("log_bytes_read", 0) for s in per_rank.values()),
-        "per_rank": {str(r): s for r, s in per_rank.items()},
+        **replay_totals(per_rank),
     }
 
 
@@ -376,6 +347,7 @@ def _run_parallel(
     replayer: bool,
     in_group: bool,
     fail: Callable[..., Any],
+    before_iteration: Callable[[int], None] | None,
 ) -> dict[str, Any]:
     """Parallel recovery on this rank: every rank builds the copy engines collectively, the state
     moves to the helpers, and the replayers replay their share. Returns this rank's summary."""
@@ -390,12 +362,12 @@ def _run_parallel(
                 with replaying(rt.host), _progress(rt, end - start + 1) as progress:
                     pstats = parallel_replay(
                         engine, copy, layout, reader, start, end, rt.batch_fn, progress,
-                        mode=rt.mode, seed=rt.seed, collectives=records,
+                        mode=rt.mode, seed=rt.seed, collectives=records, before_iteration=before_iteration,
                     )  # fmt: skip
             except (LogUnavailable, ReplayUnsupported) as exc:
                 fail(exc)
             if pstats is not None:
-                summary = _summary(pstats)
+                summary = replay_summary(pstats)
     finally:
         copy = None  # a helper's copy of the failed stage goes now
         gc.collect()

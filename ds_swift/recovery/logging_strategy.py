@@ -20,6 +20,7 @@ import dataclasses
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.logging_recovery import run_logging_recovery
+from ds_swift.recovery.verify import ReplayCheck
 
 __all__ = ["LoggingStrategy", "replay_group"]
 
@@ -101,12 +102,17 @@ class LoggingStrategy(RecoveryStrategy):
         if ctx.replay is None:
             raise RuntimeError("logging-based recovery chosen without the runtime's replay support")
         step = inputs.checkpoint_step
+        # A replaying rank checks its state against the digests it published while alive.
+        check = ReplayCheck(ctx.store, ctx.rank, plan, ctx.engine) if ctx.verify and ctx.rank in plan.replay_ranks else None
         fallback, outcome.replay = run_logging_recovery(
             store=ctx.store, generation=ctx.generation, rank=ctx.rank, engine=ctx.engine, plan=plan,
             reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
             timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s, log=ctx.log,
+            before_iteration=check.before_iteration if check is not None else None,
         )  # fmt: skip
         if fallback is not None:
             raise RestoreFailed(fallback)
+        if check is not None:
+            outcome.verdict = check.finish(approximate=(outcome.replay or {}).get("parallel") == "fast")
         outcome.checkpoint_step = step if step >= 0 else None
         return outcome

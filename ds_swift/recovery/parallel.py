@@ -45,19 +45,9 @@ from ds_swift.recovery.replay_plan import ReplayStats, unwrap_engine
 from ds_swift.recovery.replication import capture_state, load_state, recv_state, send_state
 
 __all__ = [
-    "GradCapture",
-    "Mode",
-    "ParallelReplayLayout",
-    "ParallelStats",
-    "assign_micro_batches",
-    "build_copy_engine",
-    "helper_topology",
-    "copy_unsupported_reasons",
-    "combine_exact",
-    "combine_fast",
-    "parallel_replay",
-    "transfer_state",
-]
+    "GradCapture", "Mode", "ParallelReplayLayout", "ParallelStats", "assign_micro_batches", "build_copy_engine",
+    "helper_topology", "copy_unsupported_reasons", "combine_exact", "combine_fast", "parallel_replay", "transfer_state",
+]  # fmt: skip
 
 Mode = Literal["exact", "fast"]
 #: per parameter, the gradients the backward calls of one micro-batch added, in call order
@@ -362,6 +352,7 @@ def parallel_replay(
     collectives: CollectiveRecorder | dict[tuple[int, int], CollectiveRecord] | None = None,
     ahead: int | None = None,
     log_timeout_s: float = 600.0,
+    before_iteration: Callable[[int], None] | None = None,
 ) -> ParallelStats | None:
     """Replay ``start..end`` with the replacements and the helpers splitting each iteration's micro-batches.
 
@@ -390,7 +381,7 @@ def parallel_replay(
             stats = replay(
                 target, reader, layout.sub_pipeline(r), start_iteration, end_iteration, batch_fn, progress,
                 seed=seed, collectives=collectives, ahead=ahead, log_timeout_s=log_timeout_s, share=share,
-                extra_hooks=combiner.hooks(),
+                extra_hooks=combiner.hooks(), before_iteration=before_iteration,
             )  # fmt: skip
     finally:
         combiner.remove()

@@ -16,7 +16,10 @@ import torch.distributed as dist
 
 from ds_swift.msglog.edge import LogEdge, pipeline_position
 
-__all__ = ["ReplayPlan", "ReplayStats", "plan_of", "plan_replay", "unsupported_reasons", "unwrap_engine"]
+__all__ = [
+    "ReplayPlan", "ReplayStats", "plan_of", "plan_replay", "replay_summary", "replay_totals", "unsupported_reasons",
+    "unwrap_engine",
+]  # fmt: skip
 
 
 def unwrap_engine(engine: Any) -> Any:
@@ -176,3 +179,34 @@ class ReplayStats:
     recvs_live: int = 0
     collectives_substituted: int = 0  # optimizer-step collectives taken from a survivor's records
     losses: dict[int, float] = field(default_factory=dict)  # last stage: mean micro-batch loss per iteration
+
+
+def replay_summary(stats: Any) -> dict[str, Any]:
+    """What one rank's replay did (:class:`ReplayStats`, or parallel recovery's stats), as JSON."""
+    rep = getattr(stats, "replay", stats)
+    out = {
+        "iterations": rep.iterations,
+        "from": rep.start_iteration,
+        "to": rep.end_iteration,
+        "wall_s": rep.wall_s,
+        "messages_from_log": rep.messages_from_log,
+        "log_bytes_read": rep.log_bytes_read,
+        "chunk_bytes": rep.chunk_bytes,
+        "chunks_loaded": rep.chunks_loaded,
+        "log_wait_s": rep.log_wait_s,
+        "sends_dropped": rep.sends_dropped,
+        "collectives_substituted": rep.collectives_substituted,
+    }
+    if rep is not stats:
+        out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
+                   exchange_s=stats.exchange_s)  # fmt: skip
+    return out
+
+
+def replay_totals(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The replay's figures over every replayer: the slowest one's wall time, the bytes read."""
+    return {
+        "replay_s": max((s.get("wall_s", 0.0) for s in per_rank.values()), default=0.0),
+        "log_bytes_read": sum(s.get("log_bytes_read", 0) for s in per_rank.values()),
+        "per_rank": {str(r): s for r, s in per_rank.items()},
+    }

@@ -36,6 +36,7 @@ from ds_swift.patches.deepspeed_optim_state import (
 )
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.verify import check_received, publish_reference
 
 __all__ = [
     "ReplicationStrategy",
@@ -302,7 +303,10 @@ class ReplicationStrategy(RecoveryStrategy):
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         for dst in plan.recipients_of(ctx.rank):
-            sent = send_state(capture_state(ctx.engine), dst)
+            state = capture_state(ctx.engine)
+            if ctx.verify:
+                publish_reference(ctx, dst, state)
+            sent = send_state(state, dst)
             outcome.bytes_moved += sent
             ctx.log(f"sent state of iteration {plan.consensus} to replacement rank {dst} ({sent / 1e6:.2f} MB)")
         donor = plan.donor_of(ctx.rank)
@@ -310,4 +314,6 @@ class ReplicationStrategy(RecoveryStrategy):
             load_state(ctx.engine, recv_state(donor), plan.consensus + 1)
             ctx.log(f"received state of iteration {plan.consensus} from donor rank {donor}")
         finish_restore(ctx.engine)
+        if donor is not None and ctx.verify:
+            outcome.verdict = check_received(ctx, donor, capture_state(ctx.engine), "the state")
         return outcome

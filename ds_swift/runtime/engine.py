@@ -152,7 +152,7 @@ class SwiftPipelineEngine:
             if ctx.env.replacement:
                 self._resume(self._rebuild.as_replacement())
             else:
-                self._rebuild.start_buddy()  # a replacement starts it in its recovery, with the others
+                self._rebuild.start_generation()  # a replacement starts it in its recovery, with the others
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ attribute passthrough
@@ -328,6 +328,8 @@ class SwiftPipelineEngine:
         # threads do), so the process does not exit inside a gloo op.
         if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
             self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
+        if self._rebuild.digests is not None:
+            self._rebuild.digests.stop()
         self._timeline.close()
         self._monitor.stop()
         if store is not None and env is not None:

@@ -29,7 +29,7 @@ from ds_swift.detect.classify import is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
-from ds_swift.membership import GenerationFailed
+from ds_swift.membership import GenerationFailed, JobStore
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
@@ -37,6 +37,7 @@ from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
 from ds_swift.runtime.buddy import BuddyCopier
 from ds_swift.runtime.context import SwiftContext, join_generation
+from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.runtime.timeline import RankTimeline
 
@@ -108,6 +109,22 @@ class Rebuilder:
         )
         if cfg.buddy.enabled and unused and (ctx.env is None or ctx.env.rank == 0):
             ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
+        # Published digests check replays only (donors digest what they send at recovery time).
+        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "logging")
+        self.digests = (
+            DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env), ctx.log)
+            if cfg.verify.enabled and replays and env is not None and ctx.store is not None
+            else None
+        )
+
+    def start_generation(self) -> None:
+        """Every rank, once per generation, at the same point (after generation 0's build, after each
+        recovery, never during one): buddy copies and state digests of the engine in force."""
+        self.start_buddy()
+        if self.digests is not None:
+            from ds_swift.patches.instructions import hook_instructions
+
+            self._hooks.add(hook_instructions(self._holder.engine, "ds_swift.digest", self.digests.hooks()))
 
     def start_buddy(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each
@@ -167,6 +184,8 @@ class Rebuilder:
         self._hooks.logs.flush()
         if self.buddy is not None:
             self.buddy.stop()
+        if self.digests is not None and not self.digests.wait(self._ctx.op_timeout_s):
+            self._ctx.log("the state digest of the last step did not finish before the teardown")
         self._hooks.uninstall()
         engine = self._holder.engine
         kept = KeptState.capture(engine, self._hooks.take_undo())
@@ -254,7 +273,7 @@ class Rebuilder:
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
-        self.start_buddy()
+        self.start_generation()
         self._monitor.set_generation(generation, watched_peers(self._holder.engine))
         self._monitor.set_armed(True)
         plan = outcome.plan
@@ -289,6 +308,7 @@ class Rebuilder:
             gather_timeout_s=self._ctx.join_timeout_s,
             log=self._ctx.log,
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
+            verify=self._cfg.verify.enabled,
         )
 
     def _machine(self) -> int:

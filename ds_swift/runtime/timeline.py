@@ -102,6 +102,9 @@ class Timeline:
     checkpoint_step: int | None = None
     replay: dict[str, Any] | None = None
     """logging: what was replayed (iterations, ranks, log bytes, parallel mode, per-rank stats)."""
+    verification: dict[str, str] = field(default_factory=dict)
+    """Restored rank -> ``verified``, ``mismatch`` or ``unverified``: its state against its reference
+    digest (details in each rank's ``extra["verify"]``; a mismatch fell back to the checkpoint)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -182,7 +185,15 @@ def build_timeline(
         donors={str(k): v for k, v in sorted(donors.items())},
         checkpoint_step=checkpoint_step,
         replay=replay,
+        verification={str(r.rank): r.extra["verify"]["status"] for r in ranks if "verify" in r.extra},
     )
+
+
+def _verification(tl: Timeline) -> str:
+    by_status: dict[str, list[int]] = {}
+    for rank, status in tl.verification.items():
+        by_status.setdefault(status, []).append(int(rank))
+    return "".join(f"; restored state {status} on ranks {sorted(ranks)}" for status, ranks in sorted(by_status.items()))
 
 
 def summary_line(tl: Timeline) -> str:
@@ -201,7 +212,7 @@ def summary_line(tl: Timeline) -> str:
     kill = "kill" if tl.t_kill is not None else "detection"
     return (
         f"[ds-swift] recovery of generation {tl.failed_generation} ({machine}): {what}; consensus iteration "
-        f"{tl.consensus}{undo}; initialization {tl.initialization_s:.2f} s, recovery {tl.recovery_s:.2f} s, "
+        f"{tl.consensus}{undo}{_verification(tl)}; initialization {tl.initialization_s:.2f} s, recovery {tl.recovery_s:.2f} s, "
         f"total {tl.total_s:.2f} s ({kill} -> back at iteration {tl.pre_failure_iteration})"
     )
 

@@ -66,11 +66,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_main(
-    doc: str, run: Callable[[argparse.Namespace], dict[str, Any]], table: Callable[[dict[str, Any]], None]
+    doc: str,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], None],
+    more_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> None:
-    """An overhead benchmark's command line: its flags, then a table or (``--json``) one JSON object."""
+    """An overhead benchmark's command line: its flags (and ``more_arguments``' own), then a table or
+    (``--json``) one JSON object."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_arguments(p)
+    if more_arguments is not None:
+        more_arguments(p)
     args = p.parse_args()
     out = run(args)
     if args.json:

@@ -29,6 +29,7 @@ def test_defaults() -> None:
     assert cfg.logging.chunk_iterations == 5 and cfg.logging.bubble_only is True
     assert cfg.logging.groups is None and cfg.logging.storage_budget_gb is None
     assert cfg.checkpoint.interval == 1000 and cfg.parallel_recovery is False
+    assert cfg.verify.enabled is True and cfg.verify.digest_interval == 1
 
 
 def test_the_design_doc_example_parses() -> None:
@@ -113,6 +114,10 @@ def test_missing_file(tmp_path: Path) -> None:
         ({"watchdog": {"heartbeat_timeout_s": -1}}, "watchdog.heartbeat_timeout_s=-1"),
         ({"watchdog": {"op_timeout_s": "30"}}, "watchdog.op_timeout_s='30'"),
         ({"watchdog": {"poll_interval_s": 5, "heartbeat_timeout_s": 5}}, "watchdog.poll_interval_s=5"),
+        ({"verify": {"enabled": "yes"}}, "verify.enabled='yes'"),
+        ({"verify": {"digest_interval": 0}}, "verify.digest_interval=0"),
+        ({"verify": {"digest_interval": 2.0}}, "verify.digest_interval=2.0"),
+        ({"verify": {"digest_interval": True}}, "verify.digest_interval=True"),
     ],
 )
 def test_bad_values_name_the_field_and_the_value(section: dict, field: str) -> None:
@@ -128,6 +133,7 @@ def test_bad_values_name_the_field_and_the_value(section: dict, field: str) -> N
         ({"checkpoint": {"intervals": 5}}, "checkpoint.intervals"),
         ({"machines": {"gpus": 8}}, "machines.gpus"),
         ({"watchdog": {"timeout": 1}}, "watchdog.timeout"),
+        ({"verify": {"interval": 1}}, "verify.interval"),
     ],
 )
 def test_unknown_keys_are_errors(section: dict, field: str) -> None:
@@ -141,7 +147,7 @@ def test_several_unknown_keys_are_all_named() -> None:
     assert "aaa" in msg and "zzz" in msg
 
 
-@pytest.mark.parametrize("key", ["machines", "logging", "checkpoint", "watchdog"])
+@pytest.mark.parametrize("key", ["machines", "logging", "checkpoint", "watchdog", "verify"])
 def test_nested_sections_must_be_objects(key: str) -> None:
     assert key in error_of({key: 5})
 

@@ -21,6 +21,10 @@ For logging-based recovery (tests/dist/test_recovery_logging.py):
   message log for a replay and the log holds it, flips one payload byte of the activation (I, M)
   stage S sent (once per job): the replay must fail on its checksum and every rank fall back to
   the global checkpoint;
+- ``SWIFT_TEST_PERTURB_LOG="rank=R,iteration=I,micro_batch=M[,src=S]"``: the same, but instead of
+  flipping a byte it adds 1 to the first element of that activation and writes the checksums again
+  (record header and index entry): the log reader accepts it, the replay runs on a wrong message,
+  and only the digest check (verified recovery) can tell;
 - ``SWIFT_TEST_KILL_IN_REPLAY="rank=R,iteration=I"``: replacement rank R SIGKILLs itself when its
   replay reaches iteration I (once per job): a cascading failure during the recovery;
 - ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
@@ -67,13 +71,26 @@ def _once(key: str) -> bool:
 def _corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
     """Flip a payload byte of the logged activation (iteration, micro-batch) sent by ``src_stage``
     (any stage if None) in the file:// log store; False if no chunk holds it yet."""
+    done = False
+    for path, entry in list(_logged_activations(storage, iteration, micro_batch, src_stage)):
+        data = bytearray(path.read_bytes())
+        data[entry.offset + entry.length - 7] ^= 0x04
+        path.write_bytes(bytes(data))
+        done = True
+        print(f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
+              file=sys.stderr, flush=True)
+    return done
+
+
+def _logged_activations(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> Any:
+    """(chunk path, index entry) of each logged activation (iteration, micro-batch) sent by
+    ``src_stage`` (any stage if None) in the file:// log store."""
     from ds_swift.msglog.chunk_format import ChunkName
     from ds_swift.msglog.chunk_index import load_chunk
     from ds_swift.storage import local_path_of
 
     root = local_path_of(storage)
-    assert root is not None, "SWIFT_TEST_CORRUPT_LOG needs a file:// log store"
-    done = False
+    assert root is not None, "SWIFT_TEST_CORRUPT_LOG / SWIFT_TEST_PERTURB_LOG need a file:// log store"
     for path in sorted(root.iterdir()):
         cn = ChunkName.parse(path.name)
         if cn is None or path.name != cn.chunk_file or cn.edge[0] != "act":
@@ -81,14 +98,43 @@ def _corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | No
         if not cn.first_iteration <= iteration < cn.end_iteration or src_stage not in (None, cn.edge[1]):
             continue
         entry = load_chunk(path).entries.get((iteration, micro_batch, "act", 0))
-        if entry is None:
-            continue
+        if entry is not None:
+            yield path, entry
+
+
+def _perturb(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
+    """Add 1 to the first element of the logged activation (iteration, micro-batch) and write its
+    checksums again, so that the log reader accepts it; False if no chunk holds it yet."""
+    import dataclasses
+
+    import torch
+
+    from ds_swift.msglog.chunk_format import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE, ChunkName, IndexEntry
+    from ds_swift.msglog.format import RecordHeader, crc32c
+
+    done = False
+    for path, entry in list(_logged_activations(storage, iteration, micro_batch, src_stage)):
         data = bytearray(path.read_bytes())
-        data[entry.offset + entry.length - 7] ^= 0x04
+        header = RecordHeader.unpack(bytes(data[entry.offset : entry.offset + entry.length]))
+        start = entry.offset + header.header_size
+        dtype = getattr(torch, header.dtype)
+        size = torch.empty(0, dtype=dtype).element_size()
+        first = torch.frombuffer(bytearray(data[start : start + size]), dtype=dtype) + 1
+        data[start : start + size] = first.view(torch.uint8).numpy().tobytes()
+        crc = crc32c(bytes(data[start : start + header.nbytes]))
+        data[entry.offset : start] = header.pack(payload_crc=crc)
         path.write_bytes(bytes(data))
+        index = path.with_name(ChunkName.parse(path.name).index_file)  # type: ignore[union-attr]
+        if index.exists():
+            idx = bytearray(index.read_bytes())
+            for off in range(INDEX_HEADER_SIZE, len(idx) - INDEX_ENTRY_SIZE + 1, INDEX_ENTRY_SIZE):
+                e = IndexEntry.unpack(idx, off)
+                if e.offset == entry.offset:
+                    idx[off : off + INDEX_ENTRY_SIZE] = dataclasses.replace(e, payload_crc=crc).pack()
+            index.write_bytes(bytes(idx))
         done = True
-        print(f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
-              file=sys.stderr, flush=True)
+        print(f"[test] perturbed the record of iteration {iteration} micro-batch {micro_batch} in {path.name} "
+              "(checksums recomputed)", file=sys.stderr, flush=True)  # fmt: skip
     return done
 
 
@@ -105,6 +151,9 @@ def _patch_logging_recovery(rank: int) -> None:
 
     deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
     corrupt, kill = _spec("SWIFT_TEST_CORRUPT_LOG"), _spec("SWIFT_TEST_KILL_IN_REPLAY")
+    perturb = _spec("SWIFT_TEST_PERTURB_LOG")
+    change = _perturb if perturb else _corrupt
+    corrupt = corrupt or perturb
     if corrupt and corrupt["rank"] == rank:
         open_reader = logging_recovery._open_reader
 
@@ -112,7 +161,7 @@ def _patch_logging_recovery(rank: int) -> None:
             ctx = current_context()
             store = ctx.store if ctx is not None else None
             if store is not None and store.get("test/corrupted") is None:
-                if _corrupt(rt.storage, corrupt["iteration"], corrupt["micro_batch"], corrupt.get("src")):
+                if change(rt.storage, corrupt["iteration"], corrupt["micro_batch"], corrupt.get("src")):
                     store.set("test/corrupted", "1")  # once per job: the next replay reads what was re-logged
             return open_reader(rt)
 

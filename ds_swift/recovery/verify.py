@@ -1,0 +1,161 @@
+"""Verified recovery: every restored rank's state is checked against a reference digest before
+training resumes (step 6 of the failure path in shared/DESIGN.md).
+
+The references, by strategy:
+
+- replication and buddy copies: the donor publishes the digest of what it sends
+  (:func:`publish_reference`, store topic ``digest_sent``, keyed by the recipient); the recipient
+  checks what it loaded, once every rank rebuilt its low-precision parameters (:func:`check_received`);
+- logging-based replay: each rank publishes its own digest while it trains
+  (ds_swift.runtime.digest: every ``verify.digest_interval`` iterations, in a ring of
+  :data:`SLOTS` job-store keys per rank, so that a dead rank's digests outlive it); a replaying
+  rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`).
+
+The coordinator then gathers every rank's :class:`~ds_swift.recovery.digest.Verdict`
+(:func:`agree`): one mismatch anywhere makes every rank fall back to the global checkpoint, loudly,
+naming the tensor. After each recovery, every rank forgets its own digests of the iterations it
+trains again (:func:`forget_from`), which a later replay would otherwise be checked against.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ds_swift.recovery.digest import StateDigest, Verdict, digest_state, engine_state
+
+if TYPE_CHECKING:
+    from ds_swift.membership import JobStore
+    from ds_swift.recovery.base import RankContext
+    from ds_swift.recovery.consensus import RecoveryPlan
+
+__all__ = [
+    "SLOTS",
+    "ReplayCheck",
+    "agree",
+    "check_received",
+    "digest_key",
+    "forget_from",
+    "mismatch_reason",
+    "publish_digest",
+    "publish_reference",
+    "published_digests",
+]
+
+#: digests kept per rank (a ring of job-store keys): a replay checks the newest one up to the
+#: consensus, and a rank publishes at most one past it
+SLOTS = 4
+
+
+def digest_key(rank: int, slot: int) -> str:
+    """The job-store key of ``rank``'s digest slot ``slot``."""
+    return f"digest/{rank}/{slot}"
+
+
+def publish_digest(store: JobStore, rank: int, iteration: int, interval: int, digest: StateDigest) -> None:
+    """Store ``rank``'s digest of its state after ``iteration``'s step (overwrites the oldest slot)."""
+    store.set(digest_key(rank, (iteration // interval) % SLOTS), digest.to_json(iteration))
+
+
+def published_digests(store: JobStore, rank: int) -> dict[int, dict[str, Any]]:
+    """iteration -> the digest ``rank`` published of its state after that iteration's step."""
+    out: dict[int, dict[str, Any]] = {}
+    for slot in range(SLOTS):
+        raw = store.get(digest_key(rank, slot))
+        if raw:
+            doc = json.loads(raw)
+            out[int(doc["iteration"])] = doc
+    return out
+
+
+def forget_from(store: JobStore, rank: int, iteration: int) -> None:
+    """Drop ``rank``'s digests of ``iteration`` and later: training resumes there, and what the
+    recovery undid or rolled back is published again as it is trained again."""
+    for slot in range(SLOTS):
+        raw = store.get(digest_key(rank, slot))
+        if raw and int(json.loads(raw)["iteration"]) >= iteration:
+            store.set(digest_key(rank, slot), "")
+
+
+# ----------------------------------------------------------------------------- donors
+def publish_reference(ctx: RankContext, recipient: int, state: Mapping[str, Any]) -> None:
+    """A donor: the digest of ``state``, which it is about to send to ``recipient``."""
+    ctx.store.publish(ctx.generation, "digest_sent", recipient, digest_state(state).to_json())
+
+
+def check_received(ctx: RankContext, donor: int, state: Mapping[str, Any], what: str) -> Verdict:
+    """A recipient: its loaded ``state`` against the digest ``donor`` published of what it sent."""
+    raw = ctx.store.gather(ctx.generation, "digest_sent", [ctx.rank], ctx.gather_timeout_s)[ctx.rank]
+    mine = digest_state(state)
+    diff = mine.first_difference(json.loads(raw))
+    if diff is not None:
+        return Verdict("mismatch", f"{what} received from rank {donor}: {diff}")
+    return Verdict("verified", f"{what} bitwise equal to donor rank {donor}'s ({len(mine.names)} tensors)")
+
+
+# ----------------------------------------------------------------------------- replays
+class ReplayCheck:
+    """A replaying rank's check against the digests it published while alive: at the newest
+    iteration of the replay with one (the consensus, unless its digest never left the rank).
+
+    Args:
+        store: the job store.
+        rank: the replaying rank (a replacement checks its predecessor's digests: same rank).
+        plan: the logging plan (iterations ``replay_from .. consensus`` are replayed).
+        engine: the rank's engine, which the replay steps.
+    """
+
+    def __init__(self, store: JobStore, rank: int, plan: RecoveryPlan, engine: Any) -> None:
+        self.rank, self.engine = rank, engine
+        self.first, self.last = plan.replay_from, plan.consensus
+        self.published = published_digests(store, rank)
+        in_range = [i for i in self.published if self.first <= i <= self.last]
+        self.target = max(in_range) if in_range else None
+        self.verdict: Verdict | None = None
+
+    def before_iteration(self, iteration: int) -> None:
+        """The replay's hook: the state after ``iteration - 1`` is there now."""
+        if self.target is not None and iteration - 1 == self.target and self.verdict is None:
+            self.verdict = self._check(self.target)
+
+    def finish(self, approximate: bool = False) -> Verdict:
+        """The verdict once the replay stepped the consensus (``approximate``: not meant to be bitwise)."""
+        if approximate:
+            return Verdict("unverified", "parallel recovery mode fast is not bitwise: nothing to compare")
+        if self.target is None:
+            have = sorted(self.published) or "none"
+            return Verdict(
+                "unverified",
+                f"rank {self.rank} published no digest of iterations {self.first}..{self.last} (it has: {have})",
+            )
+        if self.verdict is None:
+            self.verdict = self._check(self.target)
+        return self.verdict
+
+    def _check(self, target: int) -> Verdict:
+        mine = digest_state(engine_state(self.engine))
+        diff = mine.first_difference(self.published[target])
+        where = f"the state replayed to iteration {target}"
+        if diff is not None:
+            return Verdict("mismatch", f"{where} differs from the digest rank {self.rank} published then: {diff}")
+        later = f"; iterations {target + 1}..{self.last} after it unchecked" if target < self.last else ""
+        return Verdict(
+            "verified", f"{where} bitwise equal to the digest rank {self.rank} published ({len(mine.names)} tensors){later}"
+        )
+
+
+# ----------------------------------------------------------------------------- agreement
+def agree(
+    store: JobStore, generation: int, rank: int, world_size: int, verdict: Verdict | None, timeout_s: float
+) -> dict[int, Verdict]:
+    """Every rank's verdict (ranks that restored nothing have none), the same on every rank."""
+    store.publish(generation, "verify", rank, verdict.to_json() if verdict is not None else "null")
+    got = store.gather(generation, "verify", range(world_size), timeout_s)
+    return {r: Verdict.from_json(v) for r, v in sorted(got.items()) if v != "null"}
+
+
+def mismatch_reason(verdicts: Mapping[int, Verdict]) -> str | None:
+    """Why every rank must fall back (naming each mismatching rank and tensor), or None."""
+    bad = [f"rank {r}: {v.detail}" for r, v in sorted(verdicts.items()) if v.status == "mismatch"]
+    return "restored state failed verification: " + "; ".join(bad) if bad else None

@@ -1,0 +1,126 @@
+"""The digest publisher: every ``verify.digest_interval`` iterations, this rank's state digest goes to
+the job store, where it outlives the rank (ds_swift.recovery.verify reads it to check a replay).
+
+Off the critical path, as the buddy copier (ds_swift.runtime.buddy): the optimizer step's hook
+only takes references to the state's tensors (a copy of the module's buffers, which a forward pass
+may change) and hands them to a background thread, which computes the digest on the tensors'
+device (ds_swift.recovery.digest: integer sums, a few bytes per tensor come back) and stores it
+through a store connection of its own. The next step waits until the digest is done before it
+changes the tensors (normally long done by then). A digest that fails (the store unreachable for
+a moment) is reported once and skipped: verification is a safety net and must never stop training.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ds_swift.membership import JobStore
+from ds_swift.recovery.digest import digest_state, engine_state
+from ds_swift.recovery.verify import publish_digest
+
+__all__ = ["DigestPublisher"]
+
+
+class DigestPublisher:
+    """Publishes this rank's state digest after every ``interval``-th optimizer step.
+
+    Args:
+        rank: this rank.
+        interval: iterations between digests (``verify.digest_interval``).
+        store_factory: opens the thread's own job-store connection (the training thread may sit in
+            a store call of its own).
+        log: prints one line.
+    """
+
+    def __init__(self, rank: int, interval: int, store_factory: Callable[[], JobStore], log: Callable[[str], None]) -> None:
+        self.rank = rank
+        self.interval = interval
+        self._store_factory = store_factory
+        self._log = log
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+        self.published = 0
+        self.digest_s = 0.0
+        """Time the thread spent computing and storing digests."""
+        self.wait_s = 0.0
+        """Time the training thread waited for a digest before a step."""
+        self.handoff_s = 0.0
+        """Time the training thread spent handing the state over (references, a copy of the buffers)."""
+
+    def hooks(self) -> dict[type, Callable[..., Any]]:
+        """The optimizer-step hook (ds_swift.patches.instructions) that drives the publisher."""
+        from ds_swift.patches.instructions import schedule
+
+        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            self.wait()
+            out = call_next(**kw)
+            self.after_step(eng)
+            return out
+
+        return {schedule.OptimizerStep: step}
+
+    def after_step(self, engine: Any) -> None:
+        """Hand the state after the step just taken (iteration ``global_steps - 1``) to the thread."""
+        iteration = int(engine.global_steps) - 1
+        if iteration % self.interval:
+            return
+        t0 = time.perf_counter()
+        state = engine_state(engine)
+        params = {n for n, _ in engine.module.named_parameters()}
+        # Buffers may change in a forward pass (running statistics): digest a copy of them.
+        state["module"] = {k: v if k in params else v.clone() for k, v in state["module"].items()}
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ds-swift-digest-{self.rank}", daemon=True)
+            self._thread.start()
+        self._idle.clear()
+        self._queue.put((iteration, state))
+        self.handoff_s += time.perf_counter() - t0
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the last digest is done (before the tensors change: the next step, an undo). False
+        if ``timeout_s`` passed first."""
+        t0 = time.perf_counter()
+        done = self._idle.wait(timeout_s)
+        self.wait_s += time.perf_counter() - t0
+        return done
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the thread (the job ends) after the digest in flight, and say what the digests cost."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self.published:
+            self._log(
+                f"state digests: {self.published} published, {1e3 * self.digest_s / self.published:.2f} ms each "
+                f"in the background; the training thread spent {1e3 * self.handoff_s / self.published:.2f} ms each "
+                f"handing them over and waited {1e3 * self.wait_s:.1f} ms for them in all"
+            )
+
+    def _run(self) -> None:
+        store: JobStore | None = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            iteration, state = item
+            t0 = time.perf_counter()
+            try:
+                store = store or self._store_factory()
+                publish_digest(store, self.rank, iteration, self.interval, digest_state(state))
+                self.published += 1
+            except Exception as exc:  # noqa: BLE001 - a missing digest only makes a later check fall back
+                if not self._warned:
+                    self._warned = True
+                    self._log(f"state digest of iteration {iteration} not published ({type(exc).__name__}: {exc})")
+            finally:
+                self.digest_s += time.perf_counter() - t0
+                state = item = None
+                self._idle.set()

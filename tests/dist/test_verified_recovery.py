@@ -1,0 +1,132 @@
+"""Verified recovery (issue 16, item 3) under ds-swift-launch: real processes, real SIGKILL.
+
+Before training resumes, every restored rank's state is checked against a reference digest: the
+donor's (replication, buddy copies of ZeRO-1 partitions) or the one the lost rank published while
+it was alive (logging-based replay). Four jobs, each losing machine 1:
+
+- logging (``configs/gpt_tiny_pp4.json``, pp 4 on 2 machines, a digest every iteration): the
+  replay of iterations 8..11 is checked to its end against the digests ranks 2 and 3 published
+  before they died, and says so;
+- the same with a digest every 5 iterations (the replay is checked at iteration 10), and one
+  element of one logged activation (iteration 10, micro-batch 1, stage 1 -> 2) changed and its
+  checksums written again, so that the log reader accepts it: the digest check catches the wrong
+  state, every rank falls back to the global checkpoint loudly, naming the tensor, and the job
+  still ends bitwise equal to the failure-free run;
+- replication (pp 2 x dp 2, fp32) and buddy copies (bf16 + ZeRO-1): each replacement's state is
+  checked against its donor's digest of what it sent.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
+PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
+PP2_DP2 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+ITERS = 14
+KILL_MACHINE_1 = "machine=1,iteration=12,phase=backward"
+#: A whole job: 4 workers start (~15 s on 2 busy cores), train, lose a machine, wait for the
+#: replacement's start (~7 s), recover, finish. A hang shows up as this deadline.
+JOB_DEADLINE_S = 240.0
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
+
+
+def launch(
+    tmp: Path, config: Path, inject: str | None, env: dict[str, str] | None = None, swift: dict[str, Any] | None = None
+) -> JobRun:
+    args = ["--spares", "1", "--inject", inject] if inject else []
+    spec = JobSpec(FAULT_WORKER, config, ITERS, args, ["--dropout", "0.1"], swift=swift or {}, env=env or {})
+    return run_job(tmp, spec, JOB_DEADLINE_S)
+
+
+def one_timeline(job: JobRun) -> dict[str, Any]:
+    assert job.code == 0, job.output[-8000:]
+    (tl,) = job.timelines()
+    return tl
+
+
+def assert_verified(tl: dict[str, Any], ranks: list[int], against: str) -> None:
+    """The timeline says the state of ``ranks`` (and no other) was verified bitwise ``against``."""
+    assert tl["verification"] == {str(r): "verified" for r in ranks}, tl["verification"]
+    for r in tl["ranks"]:
+        if r["rank"] in ranks:
+            assert re.search(against, r["extra"]["verify"]["detail"]), r["extra"]["verify"]
+        else:
+            assert "verify" not in r["extra"], r  # survivors kept their own state: nothing to check
+
+
+def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    diff = compare_tensors(reference, got)
+    assert diff.bitwise_equal, f"differs from the failure-free run: {diff.describe()}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> dict[str, torch.Tensor]:
+    """The failure-free pp 4 run (logging), shared by the logging tests."""
+    job = launch(tmp_path_factory.mktemp("reference"), PP4, None)
+    assert job.code == 0 and not job.timelines(), job.output[-6000:]
+    return checkpoint_tensors(job.final_tag)
+
+
+def test_a_replay_is_verified_against_the_digests_the_lost_ranks_published(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    job = launch(tmp_path, PP4, KILL_MACHINE_1)  # the default: a digest every iteration
+    tl = one_timeline(job)
+    assert tl["strategy"] == "logging" and (tl["replay"]["from"], tl["replay"]["to"]) == (8, 11), tl["reason"]
+    assert_verified(tl, [2, 3], r"state replayed to iteration 11 bitwise equal to the digest rank [23] published "
+                                r"\(\d+ tensors\)$")  # fmt: skip
+    assert "restored state verified on ranks [2, 3]" in job.output
+    assert "checkpoint fallback" not in job.output
+    assert_bitwise_equal(reference, checkpoint_tensors(job.final_tag))
+
+
+def test_a_perturbed_replay_is_caught_and_falls_back_naming_the_tensor(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    perturb = {"SWIFT_TEST_PERTURB_LOG": "rank=2,iteration=10,micro_batch=1,src=1"}
+    job = launch(tmp_path, PP4, KILL_MACHINE_1, env=perturb, swift={"verify": {"digest_interval": 5}})
+    tl = one_timeline(job)
+    assert "[test] perturbed the record of iteration 10 micro-batch 1" in job.output, job.output[-6000:]
+    # the log reader accepted it (no LogUnavailable): the replay ran to its end on the wrong message
+    assert "LOGGING-BASED RECOVERY FAILED" not in job.output
+    assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8 and tl["consensus"] == 11
+    assert tl["reason"].startswith("restored state failed verification: rank 2: the state replayed to iteration 10 "
+                                   "differs from the digest rank 2 published then: tensor "), tl["reason"]  # fmt: skip
+    named = re.search(r"tensor (\S+) differs \(reference digest [0-9a-f]{16}, restored [0-9a-f]{16}\)", tl["reason"])
+    assert named and named.group(1).startswith(("module/", "optimizer/")), tl["reason"]
+    assert tl["verification"] == {"2": "mismatch", "3": "mismatch"}  # rank 3 ran on rank 2's wrong output
+    loud = re.findall(r"rank (\d): restored state failed verification: .*ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT",
+                      job.output)  # fmt: skip
+    assert sorted(set(loud)) == ["0", "1", "2", "3"], job.output[-6000:]
+    for rank in range(4):
+        assert f"rank {rank}: checkpoint fallback (restored state failed verification" in job.output
+    assert_bitwise_equal(reference, checkpoint_tensors(job.final_tag))  # trained 8..11 again, from global_step8
+
+
+def test_replication_is_verified_against_the_donors_digest(tmp_path: Path, warm_deepspeed: None) -> None:
+    job = launch(tmp_path, PP2_DP2, "machine=1,iteration=7,phase=backward")
+    tl = one_timeline(job)
+    assert tl["strategy"] == "replication" and tl["donors"] == {"2": 0, "3": 1}, tl["reason"]
+    assert_verified(tl, [2, 3], r"the state bitwise equal to donor rank [01]'s \(\d+ tensors\)")
+    assert "checkpoint fallback" not in job.output
+
+
+def test_buddy_copies_are_verified_against_the_holders_digest(tmp_path: Path, warm_deepspeed: None) -> None:
+    job = launch(tmp_path, BF16, "machine=1,iteration=7,phase=backward")
+    tl = one_timeline(job)
+    assert tl["strategy"] == "buddy" and tl["donors"] == {"2": 0, "3": 1}, tl["reason"]
+    assert_verified(tl, [2, 3], r"my optimizer partition bitwise equal to donor rank [01]'s")
+    assert "checkpoint fallback" not in job.output
