@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-__all__ = ["AsyncWriter", "SaveStats", "SnapshotCheckpointEngine", "persisted_marker", "snapshot"]
+__all__ = ["AsyncWriter", "SaveStats", "SnapshotCheckpointEngine", "failed_marker", "persisted_marker",
+           "snapshot"]
 
 _POLL_S = 0.05
 
@@ -61,6 +62,10 @@ def snapshot(obj: Any) -> Any:
 
 def persisted_marker(save_id: str, rank: int) -> str:
     return f"swift_persisted.{save_id}.rank{rank}"
+
+
+def failed_marker(save_id: str, rank: int) -> str:
+    return f"swift_failed.{save_id}.rank{rank}"
 
 
 @dataclass
@@ -216,19 +221,19 @@ class AsyncWriter:
                     f"checkpoint {save.stats.tag} could not be written ({type(exc).__name__}: {exc}); it does not "
                     "count: a recovery loads the last complete one"
                 )
-                self._mark(save, f"swift_failed.{save.save_id}.rank{self.rank}")
+                try:
+                    self._mark(save, failed_marker(save.save_id, self.rank))
+                except OSError:
+                    pass  # a full disk may refuse even this: rank 0 then waits until complete_timeout_s
                 if self.rank == 0:
                     self._completed.set()
             finally:
                 self._idle.set()
 
     def _mark(self, save: _Save, name: str) -> None:
-        try:
-            tag_dir = Path(save.ckpt_dir) / save.stats.tag
-            tag_dir.mkdir(parents=True, exist_ok=True)
-            (tag_dir / name).write_text("ok\n")
-        except OSError:
-            pass  # a full disk may refuse even this: rank 0 then waits until complete_timeout_s
+        tag_dir = Path(save.ckpt_dir) / save.stats.tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        (tag_dir / name).write_text("ok\n")
 
     def _persist(self, save: _Save) -> None:
         t0 = time.perf_counter()
@@ -238,9 +243,7 @@ class AsyncWriter:
             save.stats.bytes += os.path.getsize(tmp)
             os.replace(tmp, path)
         save.files.clear()
-        tag_dir = Path(save.ckpt_dir) / save.stats.tag
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        (tag_dir / persisted_marker(save.save_id, self.rank)).write_text("ok\n")
+        self._mark(save, persisted_marker(save.save_id, self.rank))
         save.stats.persist_s = time.perf_counter() - t0
 
     def _run_completer(self) -> None:
@@ -261,15 +264,15 @@ class AsyncWriter:
 
         tag_dir = Path(save.ckpt_dir) / save.stats.tag
         wanted = {persisted_marker(save.save_id, r) for r in range(self.world_size)}
-        failed = f"swift_failed.{save.save_id}."
+        failed = {r: failed_marker(save.save_id, r) for r in range(self.world_size)}
         deadline = time.monotonic() + self.complete_timeout_s
         while True:
             names = set(os.listdir(tag_dir))
             if wanted <= names:
                 break
-            bad = sorted(n for n in names if n.startswith(failed))
+            bad = [r for r, name in failed.items() if name in names]
             if bad:
-                raise RuntimeError(f"{', '.join(n.rsplit('.', 1)[-1] for n in bad)} could not write it")
+                raise RuntimeError(f"{', '.join(f'rank{r}' for r in bad)} could not write it")
             if self._abandon.is_set():
                 return  # a failure: its recovery decides; this tag stays incomplete
             if time.monotonic() > deadline:

@@ -347,16 +347,22 @@ class MachineAgent:
         current = self.store.generation()
         if worker.generation >= current or self.store.failure(worker.generation) is None:
             return False
-        count = self.control.record_failure()
         reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
                   f"generation {worker.generation} failed without it")  # fmt: skip
-        if count > self.job.max_failures:
-            self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
+        if self._one_failure_too_many(reason):
             self.state = AgentState.RETIRED
             return True
         self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
                     node=self.node, machine=self.machine, generation=current, rank=worker.rank)  # fmt: skip
         self._spawn_replacement()
+        return True
+
+    def _one_failure_too_many(self, reason: str) -> bool:
+        """Count a failure; past ``--max-failures`` the job is aborted with ``reason`` (True)."""
+        count = self.control.record_failure()
+        if count <= self.job.max_failures:
+            return False
+        self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
         return True
 
     def _declare(self, reason: str) -> tuple[int, bool]:
@@ -420,9 +426,7 @@ class MachineAgent:
         if own:
             self._failed_generation = failed_generation
 
-        count = self.control.record_failure()
-        if count > self.job.max_failures:
-            self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
+        if self._one_failure_too_many(reason):
             return "abort"
         if self.job.num_spares > 0:
             slot = self.control.take_spare()

@@ -92,10 +92,16 @@ def patient_group_creation(create_timeout_s: float, op_timeout_s: float) -> Patc
         c10d.default_pg_timeout = before
         if dist.is_initialized():
             op = datetime.timedelta(seconds=op_timeout_s)
-            for g in [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]:
+            for g in _live_groups():
                 c10d._set_pg_timeout(op, g)
 
     return PatchHandle("patient_group_creation", restore)
+
+
+def _live_groups() -> list[Any]:
+    """Every process group this rank belongs to."""
+    c10d = dist.distributed_c10d
+    return [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
 
 
 def _backends(group: Any) -> list[Any]:
@@ -122,7 +128,7 @@ def long_op_timeout(timeout_s: float) -> PatchHandle:
     c10d = dist.distributed_c10d
     if not dist.is_initialized():
         return PatchHandle("long_op_timeout", lambda: None)
-    groups = [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
+    groups = _live_groups()
     before = [(g, [b.options._timeout for b in _backends(g)]) for g in groups]
     longer = datetime.timedelta(seconds=timeout_s)
     for g in groups:
