@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ds_swift.membership import JobStore
 from ds_swift.recovery.digest import digest_state, engine_state
 from ds_swift.recovery.verify import publish_digest
@@ -75,7 +77,8 @@ class DigestPublisher:
         state = engine_state(engine)
         params = {n for n, _ in engine.module.named_parameters()}
         # Buffers may change in a forward pass (running statistics): digest a copy of them.
-        state["module"] = {k: v if k in params else v.clone() for k, v in state["module"].items()}
+        state["module"] = {k: v.clone() if isinstance(v, torch.Tensor) and k not in params else v
+                           for k, v in state["module"].items()}
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"ds-swift-digest-{self.rank}", daemon=True)
             self._thread.start()
