@@ -152,9 +152,10 @@ class MessageLogHandle:
 
     # ------------------------------------------------------------ training thread
     def _on_send(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        if self.lost is not None:
-            return  # degraded: what it would log cannot make a replay exact any more
-        edge, receiver = self.edges[kind]
+        entry = self.edges.get(kind)
+        if self.lost is not None or entry is None:
+            return  # degraded (what it would log cannot make a replay exact any more), or narrowed
+        edge, receiver = entry
         it = int(self.engine.global_steps)
         with self._lock:
             if it != self._iteration:
@@ -213,6 +214,14 @@ class MessageLogHandle:
             if self._stager is None:
                 self._stager = make_stager(msg.tensors[0].device, self._native_module)
             self._writer.submit(WriteItem(msg.meta, self._stager.stage(msg.tensors), msg.nbytes))
+
+    def narrow(self, plan: LoggingPlan) -> None:
+        """Stop logging the sends ``plan`` no longer selects (a storage budget's plan, made after the
+        first iteration, only removes sends). The hook stays where it is (other hooks may wrap it:
+        removing it would take them along) and passes the sends it no longer logs through."""
+        rank = self.position.rank
+        with self._lock:
+            self.edges = {kind: e for kind, e in self.edges.items() if plan.is_logged(rank, e[1])}
 
     def restart_iteration(self) -> None:
         """Number the next sends from micro-batch 0 again (an iteration re-run after a failure)."""

@@ -191,8 +191,12 @@ class EngineLogging:
         def mine(p: Any) -> set[tuple[int, int]]:
             return {(e.src_rank, e.dst_rank) for e in p.logged_edges if e.src_rank == me}
 
-        same = mine(self._plan) == mine(plan)
-        restart = (lambda: None) if same else suspend()
+        before, after = mine(self._plan), mine(plan)
+        restart: Callable[[], None] = lambda: None  # noqa: E731
+        if after < before and self.handle is not None:
+            self.handle.narrow(plan)  # in place: hooks installed after the logger's stay
+        elif after != before:
+            restart = suspend()
         self._plan, self._decided = plan, True
         restart()
 
@@ -240,7 +244,12 @@ class EngineLogging:
     def suspend(self, handles: list[Any], engine: Callable[[], Any]) -> Callable[[], None]:
         """Remove the message logger (the outermost hook) for a while; returns what puts it back."""
         handle = self.handle
-        if handle is None or not handles or handles[-1] is not handle:
+        if handle is None:
+            return lambda: None
+        if not handles or handles[-1] is not handle:
+            # Another hook wraps the logger's: removing it would take that one along. Said, not
+            # skipped silently: this rank logs on (its bytes count against the storage budget).
+            self._log("the message logger is not the outermost hook and stays installed")
             return lambda: None
         handles.pop().remove()
         self.handle = None
