@@ -48,6 +48,8 @@ setup(
         "ninja>=1.11",
         # etcd v3 client (pure HTTP) for `ds-swift-launch --store etcd://...`, a store outliving machine 0.
         "etcd3gw>=2.4",
+        # Reed-Solomon erasure coding for strategy pipechurn (ds_swift.recovery.erasure).
+        "zfec>=1.5",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10",

@@ -211,8 +211,10 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
 
 #: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
 PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
-#: the simulator's recovery model of what the recovery timeline says happened
-KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint"}
+#: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
+#: ranks alone load the checkpoint and catch up, as with logging)
+KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
+         "tranlogs": "logging"}  # fmt: skip
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
@@ -239,7 +241,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
     kind = KINDS.get(used, "checkpoint")
     lost = detail["iterations_lost"]
     restore = None
-    if kind == "logging":
+    if kind == "logging":  # (and tranlogs)
         # What the simulator calls lost for logging: the iterations the replacement replayed.
         tl = timelines[-1]
         start = int(tl.get("checkpoint_step") or 0)

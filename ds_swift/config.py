@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "LoggingConfig",
     "MachinesConfig",
+    "PipeChurnConfig",
     "STORAGE_SCHEMES",
     "Strategy",
     "SwiftConfig",
@@ -46,7 +47,9 @@ __all__ = [
     "load_ds_config",
 ]
 
-Strategy = Literal["auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq"]
+Strategy = Literal[
+    "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn"
+]
 #: Strategies that recover by reloading the last global checkpoint on every rank.
 CHECKPOINT_STRATEGIES = ("checkpoint", "global_checkpoint", "checkfreq")
 ParallelRecoveryMode = Literal["exact", "fast"]
@@ -239,6 +242,28 @@ class BuddyConfig:
 
 
 @dataclass(frozen=True)
+class PipeChurnConfig:
+    """PipeChurn's erasure-coded in-memory checkpoints (strategy ``pipechurn``): after every step
+    each rank's state is cut into ``data_chunks`` chunks plus ``parity_chunks`` Reed-Solomon parity
+    chunks, held in host memory of as many other machines; any ``parity_chunks`` + 1 machine losses
+    at once are recovered from the surviving chunks (a rank's own machine holds none of its chunks:
+    ds_swift.recovery.erasure)."""
+
+    data_chunks: int = 2
+    """k: each holder keeps 1/k of the state (host memory per rank: (k + r)/k of its state, spread)."""
+
+    parity_chunks: int = 1
+    """r: each rank's chunks that may be lost. The job needs k + r machines besides each rank's own."""
+
+    def __post_init__(self) -> None:
+        for name in ("data_chunks", "parity_chunks"):
+            value = getattr(self, name)
+            _check_type(f"pipechurn.{name}", value, int, "a positive integer")
+            if value < 1:
+                raise _fail(f"pipechurn.{name}", value, "a positive integer")
+
+
+@dataclass(frozen=True)
 class VerifyConfig:
     """Verified recovery: every restored rank's state is checked against a reference digest before
     training resumes; a mismatch falls back to the global checkpoint, naming the tensor
@@ -341,7 +366,11 @@ class SwiftConfig:
     lives on another machine, else logging where it is worth it, else checkpoint);
     ``replication``/``logging``/``checkpoint`` force one for every stage. ``global_checkpoint``:
     every rank reloads the last global checkpoint, saved asynchronously; ``checkfreq``: the same,
-    at an interval CheckFreq's rule chooses (see ``checkfreq``)."""
+    at an interval CheckFreq's rule chooses (see ``checkfreq``); ``tranlogs``: every rank logs its
+    optimizer update after each step to ``logging.storage``, and a lost rank's replacement loads the
+    last global checkpoint and re-applies its updates (no recompute, survivors keep their state);
+    ``pipechurn``: every rank's state after each step, erasure-coded into the host memory of other
+    machines (see ``pipechurn``), is rebuilt from the surviving chunks."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Message logging for logging-based recovery."""
@@ -367,6 +396,9 @@ class SwiftConfig:
 
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     """Verified recovery: restored state checked against reference digests."""
+
+    pipechurn: PipeChurnConfig = field(default_factory=PipeChurnConfig)
+    """PipeChurn's erasure coding (strategy ``pipechurn``)."""
 
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
@@ -404,6 +436,12 @@ class SwiftConfig:
         return "checkpoint" if self.strategy in CHECKPOINT_STRATEGIES else self.strategy
 
     @property
+    def analyzer_strategy(self) -> str:
+        """What the topology analyzer is asked to plan per stage: ``tranlogs`` logs updates, not
+        pipeline messages, so there no stage recovers by message logging (``checkpoint``)."""
+        return "checkpoint" if self.recovery_strategy == "tranlogs" else self.recovery_strategy
+
+    @property
     def async_checkpoints(self) -> bool:
         if self.checkpoint.async_save is not None:
             return self.checkpoint.async_save
@@ -436,6 +474,7 @@ _NESTED: dict[str, type] = {
     "buddy": BuddyConfig,
     "checkfreq": CheckFreqConfig,
     "verify": VerifyConfig,
+    "pipechurn": PipeChurnConfig,
 }
 
 

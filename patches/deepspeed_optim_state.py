@@ -39,7 +39,9 @@ __all__ = [
     "is_partitioned",
     "kind_of",
     "load_optimizer",
+    "load_optimizer_scalars",
     "optimizer_payload",
+    "optimizer_scalars",
     "refresh_lp_params",
 ]
 
@@ -153,9 +155,26 @@ def capture_optimizer(opt: Any) -> dict[str, Any]:
         "geometry": geometry_of(opt),
         "masters": _masters(opt, kind),
         "inner": opt if kind == "torch" else opt.optimizer,
+        **optimizer_scalars(opt),
+    }
+
+
+def optimizer_scalars(opt: Any) -> dict[str, Any]:
+    """Copies of the wrapper's scalars: its loss scaler's (``scalers``) and its flags (overflow, the
+    clipping norm: ``flags``), as plain data."""
+    kind = kind_of(opt)
+    return {
         "scalers": [{k: copy.deepcopy(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
         "flags": {k: copy.deepcopy(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
     }
+
+
+def load_optimizer_scalars(opt: Any, scalars: dict[str, Any]) -> None:
+    """Put :func:`optimizer_scalars`' copies back into ``opt``."""
+    for scaler, saved in zip(_scalers(opt, kind_of(opt)), scalars["scalers"], strict=True):
+        vars(scaler).update(copy.deepcopy(saved))
+    for name, value in scalars["flags"].items():
+        setattr(opt, name, copy.deepcopy(value))
 
 
 def optimizer_payload(captured: dict[str, Any]) -> dict[str, Any]:
@@ -187,10 +206,7 @@ def load_optimizer(opt: Any, payload: dict[str, Any]) -> None:
             dst.copy_(src.reshape(dst.shape))
     inner = opt if kind == "torch" else opt.optimizer
     inner.load_state_dict(payload["inner"])
-    for scaler, saved in zip(_scalers(opt, kind), payload["scalers"], strict=True):
-        vars(scaler).update(copy.deepcopy(saved))
-    for name, value in payload["flags"].items():
-        setattr(opt, name, copy.deepcopy(value))
+    load_optimizer_scalars(opt, payload)
     link = getattr(opt, "_link_all_hp_params", None)
     if callable(link):
         link()  # the hp mappings point at the optimizer state dict that load_state_dict replaced

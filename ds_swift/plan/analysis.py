@@ -265,7 +265,7 @@ def analyze_config(layout: ParallelLayout, config: SwiftConfig, shape: ModelShap
     return analyze(
         layout,
         shape,
-        strategy=config.recovery_strategy,
+        strategy=config.analyzer_strategy,
         groups=config.logging.groups,
         storage_budget_gb=config.logging.storage_budget_gb,
         checkpoint_interval=config.checkpoint.interval,

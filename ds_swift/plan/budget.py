@@ -30,7 +30,7 @@ def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig) -> Plan:
     plan = analyze(
         layout,
         None,
-        strategy=cfg.recovery_strategy,
+        strategy=cfg.analyzer_strategy,
         groups=cfg.logging.groups,
         checkpoint_interval=cfg.checkpoint.interval,
         parallel_recovery=cfg.parallel_recovery,

@@ -147,7 +147,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     plan = analyze(
         layout,
         shape,
-        strategy=args.strategy or swift.recovery_strategy,
+        strategy=args.strategy or swift.analyzer_strategy,
         groups=groups,
         storage_budget_gb=budget,
         iteration_time_s=args.iteration_time,

@@ -18,8 +18,9 @@ first. Example from the issue: a machine of 8 BERT-large layers (~100 M paramete
 ~400 MB of fp32 updates per iteration against 537 MB of inbound boundary messages in SWIFT's
 BERT-128 setting, so update logging is the cheaper one there.
 
-This is the planner's side only: the runtime logs activations today. ``ds-swift plan`` shows
-the choice and says so.
+The runtime logs one kind for the whole job: update logs under ``"strategy": "tranlogs"``
+(ds_swift.runtime.update_logging), pipeline messages under ``logging``/``auto``. ``ds-swift plan``
+shows the per-stage choice and says that a per-stage mix is not a runtime option yet.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def choose_for_plan(
 
 
 def print_choices(rows: Sequence[StageLogChoice]) -> None:
-    """A rich table of the choice per stage, saying that the runtime logs activations today."""
+    """A rich table of the choice per stage, saying what the runtime can do of it."""
     import sys
 
     from rich.console import Console
@@ -224,4 +225,7 @@ def print_choices(rows: Sequence[StageLogChoice]) -> None:
     for r in rows:
         console.print(f"stage {r.stage}: {r.choice} logging: {r.reason}")
     if any(r.choice == "update" for r in rows):
-        console.print("note: update logging is not yet a runtime strategy: the job logs activations for these stages")
+        console.print(
+            'note: the runtime logs one kind for the whole job: update logs with "strategy": "tranlogs", messages '
+            "(activations) with logging or auto; a per-stage mix is not a runtime option yet"
+        )

@@ -75,6 +75,7 @@ class RankContext:
         log: this rank's log line writer.
         replay: what the runtime lends logging-based recovery (None: nothing is logged).
         verify: check restored state against its reference digest (``verify.enabled``).
+        updates: the update log's store URL (strategy ``tranlogs``; None: no update log).
     """
 
     store: JobStore
@@ -88,6 +89,7 @@ class RankContext:
     log: Callable[[str], None]
     replay: ReplayRuntime | None = None
     verify: bool = False
+    updates: str | None = None
 
     def keep_state(self, plan: RecoveryPlan) -> None:
         """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus
@@ -119,6 +121,8 @@ class RecoveryStrategy(ABC):
 
     name: ClassVar[str]
     exact: ClassVar[bool] = True
+    auto: ClassVar[bool] = True
+    """Whether ``"strategy": "auto"`` may choose it (False: it needs set-up only its own name turns on)."""
 
     @abstractmethod
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
@@ -196,7 +200,7 @@ class Registry:
         if inputs.forced == self.fallback.name:
             return []
         if inputs.forced == "auto":
-            return sorted(self._strategies, key=lambda s: s.expected_cost(inputs))
+            return sorted((s for s in self._strategies if s.auto), key=lambda s: s.expected_cost(inputs))
         chosen = [s for s in self._strategies if s.name == inputs.forced]
         if not chosen:
             raise ValueError(f"unknown recovery strategy {inputs.forced!r}: one of auto, {', '.join(self.names())}")

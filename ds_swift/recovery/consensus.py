@@ -40,6 +40,11 @@ class RankReport:
     buddy_copies: tuple[tuple[int, int], ...] = ()
     """(owner rank, iteration) of every complete copy of another rank's optimizer partition this
     rank holds (ds_swift.runtime.buddy): the owner's state after that iteration's step."""
+    ec_chunks: tuple[tuple[int, int, int], ...] = ()
+    """(owner rank, iteration, chunk index) of every erasure-coded chunk of another rank's state this
+    rank holds (strategy pipechurn, ds_swift.recovery.erasure)."""
+    ec_k: int = 0
+    """The chunks that rebuild a state (``pipechurn.data_chunks``; 0: no erasure coding)."""
     log_lost: str | None = None
     """Why this rank's message log stopped covering its sends (a write error: full disk,
     unreachable storage), or None: a replay that needs its messages cannot be exact."""
@@ -51,6 +56,7 @@ class RankReport:
     def from_json(cls, text: str) -> RankReport:
         doc = json.loads(text)
         doc["buddy_copies"] = tuple((int(o), int(v)) for o, v in doc.get("buddy_copies", ()))
+        doc["ec_chunks"] = tuple((int(o), int(v), int(i)) for o, v, i in doc.get("ec_chunks", ()))
         return cls(**doc)
 
 

@@ -102,12 +102,14 @@ def run_recovery(
     logging: LogPlan | None = None,
     partitioned: bool = False,
     verify: bool = False,
+    updates: str | None = None,
 ) -> RecoveryOutcome:
     """Run steps 1-5 above in ``generation`` (already joined; ``engine`` already rebuilt).
 
     ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
     ``partitioned``: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
     ``verify``: check restored state against reference digests (``verify.enabled``).
+    ``updates``: the update log's store URL (strategy tranlogs), or None.
     """
     store.publish(generation, "report", rank, report.to_json())
     reports = [
@@ -139,7 +141,7 @@ def run_recovery(
         loud(rank, f"cannot undo iteration {kept.last_stepped}: {kept.undo_blocker()}")
     ctx = RankContext(
         store, generation, rank, engine, kept, ckpt, timeline, gather_timeout_s, log,
-        logging.runtime if logging is not None else None, verify,
+        logging.runtime if logging is not None else None, verify, updates,
     )  # fmt: skip
     try:
         outcome = chosen.restore(plan, inputs, ctx)

@@ -59,7 +59,7 @@ from ds_swift.recovery.replay_log import LogUnavailable, ProgressFn, chunks_need
 from ds_swift.recovery.replay_plan import plan_of, replay_summary, replay_totals, unsupported_reasons
 from ds_swift.runtime.timeline import RankTimeline
 
-__all__ = ["ReplayRuntime", "failed_replay_key", "parallel_layout", "run_logging_recovery"]
+__all__ = ["ReplayRuntime", "failed_replay_key", "load_start", "parallel_layout", "run_logging_recovery"]
 
 Records = dict[tuple[int, int], CollectiveRecord]
 
@@ -194,7 +194,9 @@ def _fail(
     raise GenerationFailed(generation, f"logging-based recovery failed on rank {rank}") from exc
 
 
-def _load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
+def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
+    """The replaying ranks (``plan.replay_ranks``) load ``checkpoint_step`` (-1: the rebuilt engine's
+    initial state); LogUnavailable where it cannot be loaded."""
     from ds_swift.patches.step_collectives import wrap_collectives
     from ds_swift.recovery.collectives import CollectiveGuard
     from ds_swift.recovery.replication import set_counters
@@ -292,7 +294,7 @@ def run_logging_recovery(
     summary: dict[str, Any] = {}
     if rank in group:
         try:
-            _load_start(engine, ckpt, plan, checkpoint_step, log)
+            load_start(engine, ckpt, plan, checkpoint_step, log)
         except (LogUnavailable, ReplayUnsupported) as exc:
             _fail(store, generation, rank, start, source, exc, rt)
         timeline.t_loaded = time.time()

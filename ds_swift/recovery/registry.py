@@ -13,7 +13,9 @@ from ds_swift.recovery.buddy import BuddyStrategy
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.global_checkpoint import GlobalCheckpointStrategy
 from ds_swift.recovery.logging_strategy import LoggingStrategy
+from ds_swift.recovery.pipechurn import PipeChurnStrategy
 from ds_swift.recovery.replication import ReplicationStrategy
+from ds_swift.recovery.tranlogs import TranLogsStrategy
 
 __all__ = ["STRATEGIES", "plan_recovery"]
 
@@ -22,6 +24,8 @@ STRATEGIES = Registry(
         ReplicationStrategy(),
         BuddyStrategy(),
         LoggingStrategy(),
+        TranLogsStrategy(),
+        PipeChurnStrategy(),
     ],
     fallback=GlobalCheckpointStrategy(),
 )

@@ -9,7 +9,9 @@ The references, by strategy:
 - logging-based replay: each rank publishes its own digest while it trains
   (ds_swift.runtime.digest: every ``verify.digest_interval`` iterations, in a ring of
   :data:`SLOTS` job-store keys per rank, so that a dead rank's digests outlive it); a replaying
-  rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`).
+  rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`);
+- re-applied update logs (tranlogs) and states decoded from erasure-coded chunks (pipechurn): the
+  same published digests, at the iteration the state was rebuilt to (:func:`check_published`).
 
 The coordinator then gathers every rank's :class:`~ds_swift.recovery.digest.Verdict`
 (:func:`agree`): one mismatch anywhere makes every rank fall back to the global checkpoint, loudly,
@@ -34,6 +36,7 @@ __all__ = [
     "SLOTS",
     "ReplayCheck",
     "agree",
+    "check_published",
     "check_received",
     "digest_key",
     "forget_from",
@@ -92,6 +95,19 @@ def check_received(ctx: RankContext, donor: int, state: Mapping[str, Any], what:
     if diff is not None:
         return Verdict("mismatch", f"{what} received from rank {donor}: {diff}")
     return Verdict("verified", f"{what} bitwise equal to donor rank {donor}'s ({len(mine.names)} tensors)")
+
+
+def check_published(store: JobStore, rank: int, engine: Any, iteration: int, what: str) -> Verdict:
+    """``rank``'s rebuilt state (``what``) against the digest it published of ``iteration`` while alive."""
+    published = published_digests(store, rank).get(iteration)
+    if published is None:
+        return Verdict("unverified", f"rank {rank} published no digest of iteration {iteration}: {what} unchecked")
+    mine = digest_state(engine_state(engine))
+    diff = mine.first_difference(published)
+    if diff is not None:
+        return Verdict("mismatch", f"{what} (iteration {iteration}) differs from the digest rank {rank} published then: {diff}")
+    return Verdict("verified", f"{what} (iteration {iteration}) bitwise equal to the digest rank {rank} published "
+                               f"({len(mine.names)} tensors)")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- replays

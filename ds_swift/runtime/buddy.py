@@ -16,6 +16,7 @@ newest two complete copies per owner, so a copy being overwritten is never repor
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.buddy import Member, assign_buddies
+from ds_swift.recovery.erasure import assign_holders, split_payload
 from ds_swift.recovery.replication import counters_of, decode, decode_dtype, encode, flat_sizes
 
 __all__ = ["BuddyCopier", "BuddyHoldings"]
@@ -78,6 +80,12 @@ class BuddyHoldings:
         with self._lock:
             return tuple((o, c.version) for o, held in sorted(self._copies.items()) for c in held)
 
+    def chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """(owner, iteration, chunk index) of every complete erasure-coded chunk held (pipechurn)."""
+        with self._lock:
+            held = [(o, c.version, decode(c.manifest, c.flats)) for o, cs in sorted(self._copies.items()) for c in cs]
+        return tuple((o, v, int(rec["ec"]["index"])) for o, v, rec in held if isinstance(rec, dict) and "ec" in rec)
+
     def state_of(self, owner: int, version: int) -> dict[str, Any]:
         """The copy of ``owner`` after iteration ``version``, decoded (tensors are views)."""
         with self._lock:
@@ -102,8 +110,10 @@ class _Worker:
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
         log: Callable[[str], None],
+        split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
     ) -> None:
         self.group = group
+        self.split = split
         self.log = log
         self.buddies = buddies
         self.owners = owners
@@ -127,7 +137,8 @@ class _Worker:
                 self.rounds += 1
                 if self.rounds == 2:  # the first round after a step: what every later one costs
                     self.log(
-                        f"buddy copies: {sent} bytes per iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
+                        f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
+                        f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
                     )
             except Exception as exc:  # noqa: BLE001 - handed to the training thread at its next step
                 self.error = exc
@@ -136,11 +147,18 @@ class _Worker:
 
     def _round(self, version: int, manifest: bytes, tensors: list[torch.Tensor]) -> int:
         group = self.group
-        header = torch.tensor([version, len(manifest)], dtype=torch.int64)
-        blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-        sends = [dist.isend(header, b, group=group, tag=_HEADER) for b in self.buddies]
-        sends += [dist.isend(blob, b, group=group, tag=_MANIFEST) for b in self.buddies]
-        sends += [dist.isend(t, b, group=group, tag=_DATA + i) for b in self.buddies for i, t in enumerate(tensors)]
+        # One part per buddy: the same payload for each (buddy copies), or chunk j for the j-th
+        # (pipechurn's erasure coding, done here on the copier thread).
+        parts = self.split(manifest, tensors) if self.split is not None else [(manifest, tensors)] * len(self.buddies)
+        sends, sent, alive = [], 0, []
+        for buddy, (m, ts) in zip(self.buddies, parts, strict=True):
+            header = torch.tensor([version, len(m)], dtype=torch.int64)
+            blob = torch.frombuffer(bytearray(m), dtype=torch.uint8)
+            alive += [header, blob]  # until the sends are done
+            sends += [dist.isend(header, buddy, group=group, tag=_HEADER)]
+            sends += [dist.isend(blob, buddy, group=group, tag=_MANIFEST)]
+            sends += [dist.isend(t, buddy, group=group, tag=_DATA + i) for i, t in enumerate(ts)]
+            sent += blob.numel() + sum(t.numel() * t.element_size() for t in ts)
         headers = {o: torch.zeros(2, dtype=torch.int64) for o in self.owners}
         _wait([dist.irecv(h, o, group=group, tag=_HEADER) for o, h in headers.items()])
         blobs = {o: torch.empty(int(h[1]), dtype=torch.uint8) for o, h in headers.items()}
@@ -158,7 +176,7 @@ class _Worker:
                 offsets[dtype] += n
             received.append((o, int(headers[o][0]), theirs, flats))
         _wait(sends)
-        sent = len(self.buddies) * (blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+        del alive
         self.bytes_sent += sent
         self.sent.set()  # the live tensors may change now; the receives finish in the background
         _wait(works)
@@ -176,8 +194,15 @@ class BuddyCopier:
         log: prints one line.
     """
 
-    def __init__(self, factor: int, failure_domains: tuple[tuple[int, ...], ...], log: Callable[[str], None]) -> None:
-        self.factor = factor
+    def __init__(
+        self,
+        factor: int,
+        failure_domains: tuple[tuple[int, ...], ...],
+        log: Callable[[str], None],
+        erasure: tuple[int, int] | None = None,
+    ) -> None:
+        self.factor = factor if erasure is None else sum(erasure)
+        self.erasure = erasure
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
         self._log = log
@@ -201,8 +226,8 @@ class BuddyCopier:
     def start(self, engine: Any, machine: int) -> bool:
         """Collective on every rank of the generation: create the copier's gloo group, place the
         buddies, send the current state. False (and nothing started) where the optimizer state is not
-        partitioned: a replica then holds it whole."""
-        if not is_partitioned(engine.optimizer):
+        partitioned: a replica then holds it whole (erasure coding copies it whatever the layout)."""
+        if self.erasure is None and not is_partitioned(engine.optimizer):
             return False  # the same answer on every rank (one config): no group is created anywhere
         grid = engine.grid
         tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
@@ -211,21 +236,34 @@ class BuddyCopier:
         group = dist.new_group(backend="gloo")
         table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
         dist.all_gather(table, me, group=group)
-        placement = assign_buddies([Member(*(int(x) for x in t)) for t in table], self.factor, self.failure_domains)
+        members = [Member(*(int(x) for x in t)) for t in table]
+        split = None
+        if self.erasure is None:
+            placement = assign_buddies(members, self.factor, self.failure_domains)
+        else:
+            placement = assign_holders(members, *self.erasure, self.failure_domains)
+            split = functools.partial(_erasure_parts, *self.erasure)
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
-        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log)
-        self._log(f"buddy copies: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
+        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log, split)
+        what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
+        self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
         self.after_step(engine)
         return True
 
-    def before_step(self) -> None:
-        """The optimizer step is about to change the tensors the last round sends: wait for it."""
+    def before_step(self, check: Callable[[], None] | None = None) -> None:
+        """The optimizer step is about to change the tensors the last round sends: wait for it.
+
+        ``check`` raises if the generation failed meanwhile; it is called every 0.1 s of waiting. A
+        round sending to a dead holder waits for gloo's op timeout, and so would training: the
+        failure flag ends the wait as soon as the job knows."""
         w = self._worker
         if w is None:
             return
         t0 = time.perf_counter()
-        w.sent.wait()
+        while not w.sent.wait(0.1):
+            if check is not None:
+                check()
         self.wait_s += time.perf_counter() - t0
         if w.error is not None:
             raise w.error
@@ -260,6 +298,11 @@ class BuddyCopier:
         w.thread.join(timeout=finish_s)
         w.group = None
         return not w.thread.is_alive()
+
+
+def _erasure_parts(k: int, r: int, manifest: bytes, tensors: list[torch.Tensor]) -> list[tuple[bytes, list[torch.Tensor]]]:
+    """Holder j's part of one round: chunk j of the payload, as a payload of its own."""
+    return [encode(record) for record in split_payload(manifest, tensors, k, r)]
 
 
 def _wait(works: list[Any]) -> None:

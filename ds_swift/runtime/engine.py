@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import Origin, origin_of
+from ds_swift.checkpoint import Origin, latest_complete, origin_of
 from ds_swift.checkpoint_async import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, DataIteratorError, micro_batches
@@ -254,14 +254,21 @@ class SwiftPipelineEngine:
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
         if self._ckpt.after_iteration():  # an asynchronous checkpoint just completed
-            self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir, self._ckpt.job_id)
+            self._checkpointed()
         if self._ckpt.due(int(self._engine.global_steps)):
             self._save_checkpoint()
         self._timeline.check_back(int(self._engine.global_steps))
 
     def _save_checkpoint(self) -> None:
         self._ckpt.save(self._engine)
+        self._checkpointed()
+
+    def _checkpointed(self) -> None:
+        """A global checkpoint may have completed: the logs older than the newest complete one go."""
         self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir, self._ckpt.job_id)
+        found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
+        if found is not None:
+            self._rebuild.after_checkpoint(found[0])
 
     def save_checkpoint(
         self,
@@ -330,6 +337,10 @@ class SwiftPipelineEngine:
             self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
         if self._rebuild.digests is not None:
             self._rebuild.digests.stop()
+        if self._rebuild.updates is not None:
+            if self._ckpt.ckpt_dir is not None:
+                self._checkpointed()  # the last checkpoint may have completed since the last look
+            self._rebuild.updates.stop()
         self._timeline.close()
         self._monitor.stop()
         if store is not None and env is not None:
@@ -340,17 +351,17 @@ class SwiftPipelineEngine:
 
     def _write_usage(self) -> None:
         """``<run_dir>/usage/rank<r>.json``: what this rank's protection cost it (``ds-swift bench``
-        reads these): message-log bytes written, buddy bytes sent and held, peak host memory."""
+        reads these): message-log and update-log bytes written, buddy bytes sent and held, peak host memory."""
         import resource
 
         if self._ctx.env is None:
             return  # not under ds-swift-launch: no run directory of the job's
-        rank, buddy = self._ctx.env.rank, self._rebuild.buddy
+        rank, buddy, updates = self._ctx.env.rank, self._rebuild.buddy, self._rebuild.updates
         try:
             record = {
                 "rank": rank,
                 "iterations": int(self._engine.global_steps),
-                "log_bytes": self._hooks.logs.bytes_logged(),
+                "log_bytes": self._hooks.logs.bytes_logged() + (updates.bytes if updates is not None else 0),
                 "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
                 "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

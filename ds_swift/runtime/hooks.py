@@ -145,6 +145,11 @@ class EngineHooks:
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
         self.logs.attach_log(engine, self._handles)
 
+    @property
+    def undo(self) -> Any:
+        """The update-undo handle of the engine in force (None: not attached, or taken)."""
+        return self._undo
+
     def take_undo(self) -> Any:
         """The update-undo handle of the engine in force (None: its steps cannot be undone), which
         the caller now owns: a survivor's kept state detaches it from the engine."""

@@ -40,6 +40,7 @@ from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.runtime.timeline import RankTimeline
+from ds_swift.runtime.update_logging import UpdateLogger
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
 
@@ -101,30 +102,48 @@ class Rebuilder:
         self._monitor = monitor
         self._ckpt = ckpt
         # A forced strategy that never reads buddy copies does not pay for them.
-        unused = cfg.recovery_strategy in ("checkpoint", "logging")
+        unused = cfg.recovery_strategy in ("checkpoint", "logging", "tranlogs", "pipechurn")
         self.buddy = (
             BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
             if cfg.buddy.enabled and not unused
             else None
         )
-        if cfg.buddy.enabled and unused and (ctx.env is None or ctx.env.rank == 0):
+        if cfg.recovery_strategy == "pipechurn":  # the same copier, sending erasure-coded chunks
+            erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
+            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, ctx.log, erasure=erasure)
+        if cfg.buddy.enabled and unused and self.buddy is None and (ctx.env is None or ctx.env.rank == 0):
             ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
-        # Published digests check replays only (donors digest what they send at recovery time).
-        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "logging")
+        # Published digests check what is rebuilt without a donor (a replay, re-applied updates, a
+        # state decoded from chunks); donors digest what they send at recovery time.
+        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "logging", "tranlogs", "pipechurn")
         self.digests = (
             DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env), ctx.log)
             if cfg.verify.enabled and replays and env is not None and ctx.store is not None
             else None
         )
+        # TranLogs: every rank's update after each step, to the log store.
+        self.updates = (
+            UpdateLogger(env.rank if env is not None else dist.get_rank(), cfg.logging.storage, lambda: hooks.undo,
+                         ctx.log)
+            if cfg.recovery_strategy == "tranlogs"
+            else None
+        )  # fmt: skip
 
     def start_generation(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each
-        recovery, never during one): buddy copies and state digests of the engine in force."""
+        recovery, never during one): buddy copies, state digests and update logging of the engine in force."""
+        from ds_swift.patches.instructions import hook_instructions
+
         self.start_buddy()
         if self.digests is not None:
-            from ds_swift.patches.instructions import hook_instructions
-
             self._hooks.add(hook_instructions(self._holder.engine, "ds_swift.digest", self.digests.hooks()))
+        if self.updates is not None:
+            self._hooks.add(hook_instructions(self._holder.engine, "ds_swift.updates", self.updates.hooks()))
+
+    def after_checkpoint(self, done: int) -> None:
+        """A global checkpoint of ``done`` iterations is complete: update records before it go."""
+        if self.updates is not None:
+            self.updates.gc_before(done)
 
     def start_buddy(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each
@@ -136,7 +155,7 @@ class Rebuilder:
             return
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            buddy.before_step()
+            buddy.before_step(self._monitor.check_after_receive)
             out = call_next(**kw)
             buddy.after_step(eng)
             return out
@@ -145,7 +164,7 @@ class Rebuilder:
             # The last step can be undone only until the next backward overwrites its gradients:
             # by then its copy must have left this rank, or a failure in this iteration finds the
             # copy one step behind survivors that can no longer undo (and falls back).
-            buddy.before_step()
+            buddy.before_step(self._monitor.check_after_receive)
             return call_next(**kw)
 
         hooks = {schedule.OptimizerStep: step, schedule.BackwardPass: backward}
@@ -180,12 +199,24 @@ class Rebuilder:
     def _tear_down(self) -> KeptState:
         from ds_swift.patches.deepspeed_rebuild import release_process_groups, teardown_process_groups
 
+        steps: list[tuple[str, float]] = []  # a slow teardown says which step was slow
+        clock = [time.perf_counter()]
+
+        def done(step: str) -> None:
+            now = time.perf_counter()
+            steps.append((step, now - clock[0]))
+            clock[0] = now
+
         poison_neighbours(pipeline_neighbours(self._holder.engine))
         self._hooks.logs.flush()
+        done("message log flush")
         if self.buddy is not None:
             self.buddy.stop()
         if self.digests is not None and not self.digests.wait(self._ctx.op_timeout_s):
             self._ctx.log("the state digest of the last step did not finish before the teardown")
+        if self.updates is not None and not self.updates.flush(self._ctx.op_timeout_s):
+            self._ctx.log("the update records of the last steps were not all stored before the teardown")
+        done("copier threads")
         self._hooks.uninstall()
         engine = self._holder.engine
         kept = KeptState.capture(engine, self._hooks.take_undo())
@@ -194,7 +225,11 @@ class Rebuilder:
         release_process_groups(engine, engine.module, engine.optimizer)
         self._holder.engine = None
         engine = None  # noqa: F841 - the last reference: the process groups must be freed now
+        done("keeping the state")
         teardown_process_groups()
+        done("destroying the process groups")
+        if sum(s for _, s in steps) > 5.0:
+            self._ctx.log("slow teardown: " + ", ".join(f"{name} {s:.2f} s" for name, s in steps))
         return kept
 
     def _leave_if_my_machine_failed(self, g: int) -> None:
@@ -287,6 +322,7 @@ class Rebuilder:
         env, store = self._ctx.env, self._ctx.store
         assert env is not None and store is not None
         engine = self._holder.engine
+        erasure = self.buddy is not None and self.buddy.erasure is not None
         return run_recovery(
             store=store,
             generation=generation,
@@ -295,7 +331,9 @@ class Rebuilder:
             engine=engine,
             report=dataclasses.replace(
                 rank_report(engine, kept, self._machine()),
-                buddy_copies=self.buddy.holdings.copies() if self.buddy is not None else (),
+                buddy_copies=self.buddy.holdings.copies() if self.buddy is not None and not erasure else (),
+                ec_chunks=self.buddy.holdings.chunks() if self.buddy is not None and erasure else (),
+                ec_k=self._cfg.pipechurn.data_chunks if erasure else 0,
                 log_lost=self._hooks.logs.coverage_lost,
             ),
             kept=kept,
@@ -309,6 +347,7 @@ class Rebuilder:
             log=self._ctx.log,
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
             verify=self._cfg.verify.enabled,
+            updates=self._cfg.logging.storage if self.updates is not None else None,
         )
 
     def _machine(self) -> int:

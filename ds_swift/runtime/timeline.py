@@ -200,11 +200,12 @@ def summary_line(tl: Timeline) -> str:
     what = tl.strategy
     if tl.strategy == "checkpoint":
         what += f" (reload of {'global_step' + str(tl.checkpoint_step) if tl.checkpoint_step is not None else 'the initial state'})"
-    elif tl.strategy == "logging" and tl.replay:
+    elif tl.strategy in ("logging", "tranlogs") and tl.replay:
         r = tl.replay
         par = f", parallel {r['parallel']}" if r.get("parallel") else ""
+        how = "re-applied the updates of" if tl.strategy == "tranlogs" else "replayed"
         what += (
-            f" (ranks {r['ranks']} replayed iterations {r['from']}..{r['to']} from {r['source']} in "
+            f" (ranks {r['ranks']} {how} iterations {r['from']}..{r['to']} from {r['source']} in "
             f"{r['replay_s']:.2f} s, {r['log_bytes_read'] / 1e6:.1f} MB of log{par})"
         )
     undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""

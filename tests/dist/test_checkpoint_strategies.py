@@ -1,7 +1,10 @@
 """Checkpoint-reload strategies through the real launcher, in the configuration users run
 (bf16 + ZeRO-1, pp 2 x dp 2): ``global_checkpoint`` (asynchronous saves) and ``checkfreq``
-(asynchronous saves at the interval CheckFreq's rule chooses). A machine is SIGKILLed; every rank
-reloads the last *complete* checkpoint, and the job ends bitwise equal to a failure-free run.
+(asynchronous saves at the interval CheckFreq's rule chooses), where every rank reloads the last
+*complete* checkpoint; ``tranlogs``, where only the lost ranks reload it and re-apply their
+logged updates; and ``pipechurn``, where the lost ranks' states are decoded from erasure-coded
+chunks in other machines' memory. Machines are SIGKILLed, and every job ends bitwise equal to a
+failure-free run.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ ITERS = 12
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
-def launch(tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None) -> JobRun:
-    return run_job(tmp, JobSpec(EXAMPLE, BF16, ITERS, launcher_args, swift=swift or {}), 180.0)
+def launch(tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None, nnodes: int = 2) -> JobRun:
+    spec = JobSpec(EXAMPLE, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes)
+    return run_job(tmp, spec, 180.0)
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +81,75 @@ def test_checkfreq_chooses_its_interval_and_recovers_bitwise(tmp_path: Path, bas
     expected = [3] + [i for i in range(4, ITERS + 1) if i % k == 0]
     assert [done for done, _ in complete_checkpoints(job.ckpt_dir)] == expected
     assert_bitwise(baseline, job)
+
+
+def test_tranlogs_reloads_only_the_lost_ranks_and_re_applies_their_updates_bitwise(
+    tmp_path: Path, baseline: JobRun
+) -> None:
+    swift = {"strategy": "tranlogs", "checkpoint": {"interval": 3}}
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "tranlogs", tl["reason"]
+    assert "checkpoint fallback" not in job.output and "update logging stops" not in job.output
+    assert tl["failed_machine"] == 1 and tl["consensus"] == 7 and tl["checkpoint_step"] == 6, tl
+    replay = tl["replay"]
+    assert (replay["mode"], replay["from"], replay["to"], replay["source"]) == ("update log", 6, 7, "global_step6")
+    assert sorted(replay["ranks"]) == [2, 3] and replay["records"] == 4 and replay["log_bytes_read"] > 0
+    # Only the replacements loaded the checkpoint; the survivors kept their state.
+    loaded = re.findall(r"rank (\d+): loaded global_step6 .* for the replay", job.output)
+    assert sorted(map(int, loaded)) == [2, 3], loaded
+    assert len(re.findall(r"rank [23]: re-applied 2 logged updates \(iterations 6\.\.7", job.output)) == 2
+    assert "restored state verified on ranks [2, 3]" in job.output, job.output[-4000:]
+    # Records older than the newest complete checkpoint are collected, the last time when the
+    # engine closes after global_step12: every record a rank wrote is gone.
+    assert [done for done, _ in complete_checkpoints(job.ckpt_dir)][-1] == ITERS
+    kept = sorted(int(p.name[14:24]) for p in (job.dir / "swift-logs").glob("upd_r*.pt"))
+    assert kept == [], kept
+    assert_bitwise(baseline, job)
+
+
+def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_back(
+    tmp_path: Path, baseline: JobRun, small_log_disk: Path
+) -> None:
+    """Each rank's records (0.24 MB an iteration) fill the 1 MB log disk within the first iterations:
+    training goes on, each rank says its updates are no longer logged, and machine 1's failure in
+    iteration 8 finds its ranks' records missing: every rank falls back to the checkpoint, announced,
+    and the end is still bitwise."""
+    swift = {"strategy": "tranlogs", "checkpoint": {"interval": 3}, "logging": {"storage": f"file://{small_log_disk}"}}
+    job = launch(tmp_path / "job", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
+    assert job.code == 0, job.output[-6000:]
+    stopped = re.findall(r"rank (\d+): update log write failed: .*No space left on device.*; update logging stops on "
+                         r"this rank, training goes on", job.output)  # fmt: skip
+    assert {"2", "3"} <= set(stopped), job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 6, tl
+    assert "update-log recovery impossible: rank 2: UpdateLogError: update record" in tl["reason"], tl["reason"]
+    assert "ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT (global_step6)" in job.output
+    assert "checkpoint fallback" in job.output
+    assert_bitwise(baseline, job)
+
+
+@pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["one-machine", "two-machines-at-once"])
+def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
+    tmp_path: Path, baseline: JobRun, lost: list[int]
+) -> None:
+    """4 machines of one rank, (k, r) = (2, 1): each rank's state is in 3 chunks on the 3 other
+    machines, so one loss leaves every lost rank 2 chunks, and so do two at once (its own machine
+    held none of them)."""
+    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}  # fmt: skip
+    kills = [a for m in lost for a in ("--inject", f"machine={m},iteration=8,phase=backward")]
+    job = launch(tmp_path, ["--spares", str(len(lost)), *kills], swift, nnodes=4)
+    assert job.code == 0, job.output[-6000:]
+    assert "checkpoint fallback" not in job.output and "loaded global_step" not in job.output
+    tls = job.timelines()
+    assert [tl["strategy"] for tl in tls] == ["pipechurn"] * len(tls) and len(tls) >= 1, [tl["reason"] for tl in tls]
+    decoded = re.findall(r"rank (\d+): decoded my state of iteration (\d+) from chunks \[([^\]]*)\]", job.output)
+    assert sorted(int(r) for r, _, _ in decoded) == lost, decoded
+    for _, _, chunks in decoded:  # k = 2 chunks, none from a machine that failed
+        holders = [int(c.strip(" '").split(":")[0]) for c in chunks.split(",")]
+        assert len(holders) == 2 and not set(holders) & set(lost), chunks
+    assert re.search(r"restored state verified on ranks \[" + ", ".join(map(str, lost)), job.output), job.output[-3000:]
+    assert_bitwise(baseline, job)
+

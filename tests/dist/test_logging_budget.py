@@ -22,8 +22,6 @@ the machine groups under the budget, prints the plan once and keeps logging by i
 from __future__ import annotations
 
 import re
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,20 +179,6 @@ def test_a_budget_that_cannot_be_met_stops_the_job_naming_the_field(tmp_path: Pa
     smallest = float(re.search(r"set logging.storage_budget_gb to at least ([\d.e-]+)", errors[0]).group(1))
     assert 8 * boundary_bytes / 1e9 <= smallest <= 1.01 * 8 * boundary_bytes / 1e9
     assert "iteration 3/3" not in job.output  # stopped after the first iteration
-
-
-@pytest.fixture
-def small_log_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MB tmpfs for the message log: full after a few iterations (created here, removed after)."""
-    mount = tmp_path / "logfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_log_disk_stops_logging_loudly_and_a_later_failure_falls_back(

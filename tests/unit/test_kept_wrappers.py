@@ -52,6 +52,11 @@ def world() -> Iterator[None]:
             yield
     finally:
         dist.destroy_process_group()
+        # DeepSpeed caches a clone of the world group (used without an mpu); the next module's world
+        # is a new one.
+        from deepspeed.utils import groups
+
+        groups._WORLD_GROUP = None
         if saved is None:
             del os.environ["LOCAL_RANK"]
         else:

@@ -132,3 +132,21 @@ def test_forced_logging_with_nobody_lost_keeps_the_survivors() -> None:
     plan = plan_recovery(reports, forced="logging", logging=LoggingSetup(frozenset(range(4))))
     assert plan.strategy == "logging" and plan.replay_ranks == () and list(plan.replay_iterations) == []
     assert plan_recovery(reports).strategy == "replication"
+
+
+def test_tranlogs_is_chosen_only_by_name_and_reloads_only_the_lost_ranks() -> None:
+    inputs = RecoveryInputs.agree(pipeline_only(last=9), checkpoint_step=6, forced="tranlogs")
+    plan, chosen = STRATEGIES.choose(inputs)
+    assert chosen.name == "tranlogs" and plan.replay_ranks == (2, 3) and list(plan.replay_iterations) == [6, 7, 8, 9]
+    assert plan.reason == (
+        'the config forces strategy "tranlogs": ranks [2, 3] load global_step6 and re-apply their logged updates '
+        "of iterations 6..9"
+    )
+    # Nothing writes update logs under auto: it never chooses them.
+    auto = RecoveryInputs.agree(pipeline_only(), checkpoint_step=6)
+    assert "tranlogs" not in [s.name for s in STRATEGIES.candidates(auto)]
+    # A survivor two steps ahead cannot undo to the consensus: the checkpoint, saying why.
+    reports = pipeline_only(last=9)
+    reports[0] = dataclasses.replace(reports[0], last_stepped=11)
+    plan = plan_recovery(reports, forced="tranlogs", checkpoint_step=6)
+    assert plan.strategy == "checkpoint" and "cannot undo" in plan.reason, plan.reason

@@ -1,0 +1,166 @@
+"""The update logger (strategy ``tranlogs``): after every optimizer step, this rank's update record
+goes to the log store (ds_swift.recovery.update_log has the record and how it is re-applied).
+
+The training thread copies the step's gradient to host memory (what the next backward would
+overwrite) and hands the record over; a background thread serialises it and puts it into
+``logging.storage`` with its checksum, off the critical path. At most ``MAX_QUEUED`` records wait:
+a store slower than the steps makes the training thread wait rather than hold ever more host
+memory. A write that fails (full disk, unreachable store) stops update logging on this rank for
+the rest of the job, loudly, and training goes on: a later failure of this rank then finds its
+records missing and recovers from the global checkpoint (said then too). Records before the newest
+complete global checkpoint are deleted after each checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ds_swift.recovery.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
+from ds_swift.storage import open_store
+
+__all__ = ["UpdateLogger"]
+
+MAX_QUEUED = 4
+
+
+class UpdateLogger:
+    """Writes this rank's update record after every optimizer step.
+
+    Args:
+        rank: this rank (records are named by it: its replacement reads them).
+        storage: the log store's URL (``logging.storage``).
+        undo: returns the update-undo handle of the engine in force (the record comes from it).
+        log: prints one line tagged with the rank.
+    """
+
+    def __init__(self, rank: int, storage: str, undo: Callable[[], Any], log: Callable[[str], None]) -> None:
+        self.rank = rank
+        self.storage = storage
+        self._undo = undo
+        self._log = log
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUED)
+        self._thread: threading.Thread | None = None
+        self._store: Any = None
+        self.lost: str | None = None
+        """Why this rank stopped logging updates (None: it logs)."""
+        self.records = 0
+        self.bytes = 0
+        self.capture_s = 0.0
+        """Training-thread time: copying the gradients and handing the record over."""
+        self.write_s = 0.0
+        """Background time: serialising and storing."""
+
+    def hooks(self) -> dict[type, Callable[..., Any]]:
+        """The optimizer-step hook (ds_swift.patches.instructions) that drives the logger."""
+        from ds_swift.patches.instructions import schedule
+
+        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            out = call_next(**kw)
+            self.after_step(eng)
+            return out
+
+        return {schedule.OptimizerStep: step}
+
+    def after_step(self, engine: Any) -> None:
+        """Record the step just taken and queue it for the store."""
+        if self.lost is not None:
+            return
+        t0 = time.perf_counter()
+        undo = self._undo()
+        try:
+            if undo is None:
+                raise UpdateLogError("update-undo is not attached to this engine (its record is the update's source)")
+            record = capture_update(engine, undo)
+        except UpdateLogError as exc:
+            self._lose(f"update of iteration {int(engine.global_steps) - 1} not recordable: {exc}")
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ds-swift-updlog-{self.rank}", daemon=True)
+            self._thread.start()
+        self._queue.put(("record", record))
+        self.capture_s += time.perf_counter() - t0
+
+    def gc_before(self, iteration: int) -> None:
+        """A global checkpoint of ``iteration`` iterations is complete: older records go (queued
+        behind the records in flight, so none of those is deleted before it is written)."""
+        if self._thread is not None and self.lost is None:
+            self._queue.put(("gc", iteration))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Until every queued record is stored (a survivor before its teardown). False if
+        ``timeout_s`` passed first."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        self._queue.put(("mark", done))
+        return done.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the thread after the records in flight (the job ends), and say what logging cost."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self.records:
+            self._log(
+                f"update log: {self.records} records, {self.bytes / self.records / 1e6:.3f} MB each; the training "
+                f"thread spent {1e3 * self.capture_s / self.records:.2f} ms each copying them out, the writer "
+                f"{1e3 * self.write_s / self.records:.2f} ms each storing them"
+            )
+
+    # ------------------------------------------------------------------ the background thread
+    def _run(self) -> None:
+        tmp = tempfile.mkdtemp(prefix=f"ds-swift-updlog-{self.rank}-")
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                kind, arg = item
+                if kind == "mark":
+                    arg.set()
+                elif self.lost is None:
+                    try:
+                        self._do(kind, arg, tmp)
+                    except Exception as exc:  # noqa: BLE001 - logging serves recovery; never stops training
+                        self._lose(f"update log write failed: {type(exc).__name__}: {exc}")
+        finally:
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            os.rmdir(tmp)
+
+    def _do(self, kind: str, arg: Any, tmp: str) -> None:
+        t0 = time.perf_counter()
+        if self._store is None:
+            self._store = open_store(self.storage)
+        if kind == "gc":
+            for name in records_before(self._store.names(), arg):
+                if name.startswith(f"upd_r{self.rank:05d}_"):
+                    self._store.delete(name)
+            return
+        name = record_name(self.rank, arg.iteration)
+        path = os.path.join(tmp, name)
+        try:
+            self.bytes += save_record(arg, path)
+            self._store.put_file(path, name)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        self.records += 1
+        self.write_s += time.perf_counter() - t0
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            print(
+                f"[ds-swift] rank {self.rank}: {why}; update logging stops on this rank, training goes on: a failure "
+                "of this rank recovers from the global checkpoint",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
