@@ -84,9 +84,11 @@ class BenchSetup:
         if failure:
             inject = f"machine={self.machine},iteration={self.kill_iteration},phase={self.phase}"
             launcher = ["--spares", "1", "--inject", inject]
+        # The swift section's machines are the launcher's (PipeChurn's chunks go to other machines).
+        swift = {**strategy_overrides(strategy, self.interval), "machines": {"gpus_per_node": self.nproc}}
         return JobSpec(
             self.example, self.config, self.iterations, launcher, self.script_args,
-            swift=strategy_overrides(strategy, self.interval), nnodes=self.nnodes, nproc_per_node=self.nproc,
+            swift=swift, nnodes=self.nnodes, nproc_per_node=self.nproc,
             loss_log=True,
         )  # fmt: skip
 
@@ -212,9 +214,10 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
 #: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
 PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 #: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
-#: ranks alone load the checkpoint and catch up, as with logging)
+#: ranks alone load the checkpoint and catch up, as with logging; PipeChurn: the lost ranks' state
+#: comes from other machines' memory, as with replication)
 KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
-         "tranlogs": "logging"}  # fmt: skip
+         "tranlogs": "logging", "pipechurn": "replication"}  # fmt: skip
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
