@@ -215,9 +215,10 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
 PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 #: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
 #: ranks alone load the checkpoint and catch up, as with logging; PipeChurn: the lost ranks' state
-#: comes from other machines' memory, as with replication)
+#: comes from other machines' memory, as with replication; SCAR's partial recovery: the lost ranks
+#: load and nobody trains an iteration again, which costs what a replication costs, inexactly)
 KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
-         "tranlogs": "logging", "pipechurn": "replication"}  # fmt: skip
+         "tranlogs": "logging", "pipechurn": "replication", "scar": "replication"}  # fmt: skip
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 Strategy = Literal[
-    "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn"
+    "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn", "scar"
 ]
 #: Strategies that recover by reloading the last global checkpoint on every rank.
 CHECKPOINT_STRATEGIES = ("checkpoint", "global_checkpoint", "checkfreq")
@@ -370,7 +370,9 @@ class SwiftConfig:
     optimizer update after each step to ``logging.storage``, and a lost rank's replacement loads the
     last global checkpoint and re-applies its updates (no recompute, survivors keep their state);
     ``pipechurn``: every rank's state after each step, erasure-coded into the host memory of other
-    machines (see ``pipechurn``), is rebuilt from the surviving chunks."""
+    machines (see ``pipechurn``), is rebuilt from the surviving chunks. ``scar``: SCAR's partial
+    recovery, approximate: the lost ranks' replacements load the last global checkpoint, the
+    survivors keep their state, and training goes on from that mixed state without a replay."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Message logging for logging-based recovery."""
@@ -437,9 +439,11 @@ class SwiftConfig:
 
     @property
     def analyzer_strategy(self) -> str:
-        """What the topology analyzer is asked to plan per stage: ``tranlogs`` logs updates, not
-        pipeline messages, so there no stage recovers by message logging (``checkpoint``)."""
-        return "checkpoint" if self.recovery_strategy == "tranlogs" else self.recovery_strategy
+        """What the topology analyzer is asked to plan per stage: ``tranlogs``, ``pipechurn`` and
+        ``scar`` log no pipeline message, so there no stage recovers by message logging (each
+        restores its lost ranks from the checkpoint, or from chunks, its own way: ``checkpoint``)."""
+        own = ("tranlogs", "pipechurn", "scar")
+        return "checkpoint" if self.recovery_strategy in own else self.recovery_strategy
 
     @property
     def async_checkpoints(self) -> bool:

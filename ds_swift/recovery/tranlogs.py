@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
@@ -29,11 +30,28 @@ from ds_swift.recovery.replication import finish_restore
 from ds_swift.recovery.update_log import load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
 
-__all__ = ["TranLogsStrategy"]
+__all__ = ["TranLogsStrategy", "check_round"]
 
 
 def _source(checkpoint_step: int) -> str:
     return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
+
+
+def check_round(
+    ctx: RankContext, inputs: RecoveryInputs, key: str, why: str | None, mine: dict[str, object], what: str
+) -> dict[int, dict[str, Any]]:
+    """Every rank says whether its part of the restore worked (on the store, not in a collective a
+    failed rank might skip); any failure makes every rank fall back to the global checkpoint, loudly,
+    naming the rank and why. Returns every rank's answer."""
+    world = sorted(r.rank for r in inputs.reports)
+    ctx.store.publish(ctx.generation, key, ctx.rank, json.dumps({"why": why, **mine}))
+    answers = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, key, world, ctx.gather_timeout_s).items()}
+    problems = [str(a["why"]) for a in answers.values() if a["why"]]
+    if problems:
+        reason = f"{what}: " + "; ".join(problems)
+        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({_source(inputs.checkpoint_step)})")
+        raise RestoreFailed(reason)
+    return answers
 
 
 class TranLogsStrategy(RecoveryStrategy):
@@ -75,16 +93,7 @@ class TranLogsStrategy(RecoveryStrategy):
                 mine = self._reapply(plan, step, ctx)
             except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
                 why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
-        # 2. the check round (on the store, not in a collective a failed rank might skip)
-        world = sorted(r.rank for r in inputs.reports)
-        ctx.store.publish(ctx.generation, "tranlogs", ctx.rank, json.dumps({"why": why, **mine}))
-        answers = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, "tranlogs", world,
-                                                                  ctx.gather_timeout_s).items()}  # fmt: skip
-        problems = [a["why"] for a in answers.values() if a["why"]]
-        if problems:
-            reason = "update-log recovery impossible: " + "; ".join(problems)
-            loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({_source(step)})")
-            raise RestoreFailed(reason)
+        answers = check_round(ctx, inputs, "tranlogs", why, mine, "update-log recovery impossible")  # 2.
         finish_restore(ctx.engine)  # 3. every rank
         if ctx.verify and ctx.rank in plan.replay_ranks:
             outcome.verdict = check_published(ctx.store, ctx.rank, ctx.engine, plan.consensus, "the re-applied state")

@@ -102,7 +102,7 @@ class Rebuilder:
         self._monitor = monitor
         self._ckpt = ckpt
         # A forced strategy that never reads buddy copies does not pay for them.
-        unused = cfg.recovery_strategy in ("checkpoint", "logging", "tranlogs", "pipechurn")
+        unused = cfg.recovery_strategy in ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")
         self.buddy = (
             BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
             if cfg.buddy.enabled and not unused

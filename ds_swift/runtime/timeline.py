@@ -105,6 +105,8 @@ class Timeline:
     verification: dict[str, str] = field(default_factory=dict)
     """Restored rank -> ``verified``, ``mismatch`` or ``unverified``: its state against its reference
     digest (details in each rank's ``extra["verify"]``; a mismatch fell back to the checkpoint)."""
+    deviation: str | None = None
+    """Approximate strategies (``scar``): how far the restored state is from the failure-free run's."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -135,6 +137,7 @@ def build_timeline(
     donors: dict[int, int],
     checkpoint_step: int | None = None,
     replay: dict[str, Any] | None = None,
+    deviation: str | None = None,
 ) -> Timeline:
     """Combine every rank's stamps into the paper's three durations and per-phase durations."""
     if not ranks:
@@ -186,6 +189,7 @@ def build_timeline(
         checkpoint_step=checkpoint_step,
         replay=replay,
         verification={str(r.rank): r.extra["verify"]["status"] for r in ranks if "verify" in r.extra},
+        deviation=deviation,
     )
 
 
@@ -208,6 +212,8 @@ def summary_line(tl: Timeline) -> str:
             f" (ranks {r['ranks']} {how} iterations {r['from']}..{r['to']} from {r['source']} in "
             f"{r['replay_s']:.2f} s, {r['log_bytes_read'] / 1e6:.1f} MB of log{par})"
         )
+    if tl.deviation:
+        what += f" (APPROXIMATE: {tl.deviation})"
     undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""
     machine = f"machine {tl.failed_machine}" if tl.failed_machine is not None else "a failure"
     kill = "kill" if tl.t_kill is not None else "detection"
@@ -249,6 +255,7 @@ def collect_timeline(
     checkpoint_step: int | None,
     run_dir: str,
     replay: dict[str, Any] | None = None,
+    deviation: str | None = None,
     inject_specs: int,
     block: bool,
     log: Callable[[str], None],
@@ -281,6 +288,7 @@ def collect_timeline(
         donors=plan.donors,
         checkpoint_step=checkpoint_step,
         replay=replay,
+        deviation=deviation,
     )
     path = write_timeline(run_dir, tl)
     print(summary_line(tl) + f" [{path}]", flush=True)
@@ -348,6 +356,7 @@ class PendingTimeline:
             run_dir=self._ctx.run_dir,
             inject_specs=len([s for s in env.inject.split(";") if s.strip()]),
             replay=outcome.replay,
+            deviation=outcome.deviation,
             block=block,
             log=self._ctx.log,
         )

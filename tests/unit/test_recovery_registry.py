@@ -150,3 +150,18 @@ def test_tranlogs_is_chosen_only_by_name_and_reloads_only_the_lost_ranks() -> No
     reports[0] = dataclasses.replace(reports[0], last_stepped=11)
     plan = plan_recovery(reports, forced="tranlogs", checkpoint_step=6)
     assert plan.strategy == "checkpoint" and "cannot undo" in plan.reason, plan.reason
+
+
+def test_scar_is_chosen_only_by_name_is_approximate_and_needs_a_survivor() -> None:
+    inputs = RecoveryInputs.agree(pipeline_only(last=9), checkpoint_step=6, forced="scar")
+    plan, chosen = STRATEGIES.choose(inputs)
+    assert chosen.name == "scar" and not chosen.exact and plan.replay_ranks == (2, 3)
+    assert plan.reason == (
+        'the config forces strategy "scar": ranks [2, 3] load global_step6 and train on from iteration 10 with the '
+        "survivors' state (partial recovery: approximate)"
+    )
+    assert "scar" not in [s.name for s in STRATEGIES.candidates(RecoveryInputs.agree(pipeline_only(), checkpoint_step=6))]
+    # Every rank lost: nothing to keep, so a checkpoint restart, saying why.
+    everyone = [dataclasses.replace(r, survivor=False) for r in pipeline_only(last=9)]
+    plan = plan_recovery(everyone, forced="scar", checkpoint_step=6)
+    assert plan.strategy == "checkpoint" and "no rank survived with its state" in plan.reason, plan.reason

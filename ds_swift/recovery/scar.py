@@ -1,0 +1,124 @@
+"""SCAR's partial recovery as a strategy (``"strategy": "scar"``): only the lost ranks reload.
+
+SCAR (shared/papers/scar-*.txt, section 4.1) restores from the last checkpoint only the part of
+the model that the failure lost, and keeps the rest: the perturbation to the parameters is the
+lost part's staleness alone, and training self-corrects from it. Here the lost part is the lost
+ranks' state (their pipeline stages' parameters, fp32 masters and optimizer state, or their ZeRO-1
+partitions):
+
+1. the survivors keep their state (undoing to the consensus where they are ahead, as for every
+   strategy that keeps it);
+2. each replacement loads the last global checkpoint (the initial state where none is complete
+   yet), then takes the job's counters and LR schedule at the consensus from a survivor, so it
+   trains on at the same iteration, on the same data and learning rate, from stale weights;
+3. a check round on the store: a replacement that could not load makes every rank fall back to the
+   global checkpoint, loudly;
+4. every rank rebuilds its low-precision parameters from the fp32 masters.
+
+Approximate, and said so: no replay, no verification against a digest (the state differs from the
+failure-free run's by design). The outcome's ``deviation`` (and the timeline's) says which ranks
+went back how many iterations; ``ds-swift bench`` reports the final-loss delta and the parameters'
+distance to the failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.replication import finish_restore, set_counters
+from ds_swift.recovery.tranlogs import check_round
+
+__all__ = ["ScarStrategy"]
+
+
+def _source(checkpoint_step: int) -> str:
+    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
+
+
+def _schedule(engine: Any) -> dict[str, Any] | None:
+    """A survivor's LR scheduler state, where it is plain JSON (DeepSpeed's and torch's are)."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None:
+        return None
+    try:
+        state = sched.state_dict()
+        json.dumps(state)
+    except (TypeError, ValueError):
+        return None
+    return {"state": state}
+
+
+class ScarStrategy(RecoveryStrategy):
+    """Reload the checkpoint on the lost ranks only, keep the survivors' state; approximate."""
+
+    name = "scar"
+    exact = False
+    auto = False  # approximate: only when the config names it
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        why = inputs.keep_blocker()
+        if why is not None or not inputs.replacements:
+            return why
+        return inputs.wrapper_blocker()
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 1.0  # the lost ranks load the checkpoint; nothing is trained again
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        if not inputs.replacements:
+            return inputs.plan(self.name, "no rank lost its state")
+        reason = (
+            f"ranks {list(inputs.replacements)} load {_source(inputs.checkpoint_step)} and train on from iteration "
+            f"{inputs.consensus + 1} with the survivors' state (partial recovery: approximate)"
+        )
+        # replay_ranks: the ranks that load (the checkpoint load is guarded to them); nothing is replayed.
+        return inputs.plan(self.name, reason, replay_ranks=inputs.replacements, replay_from=inputs.consensus + 1)
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        from ds_swift.recovery.logging_recovery import load_start
+
+        ctx.keep_state(plan)
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        if not plan.replay_ranks:
+            return outcome
+        step, lost = inputs.checkpoint_step, list(plan.replay_ranks)
+        why: str | None = None
+        mine: dict[str, object] = {}
+        if ctx.rank in lost:
+            try:
+                load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+            except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
+                why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
+        else:
+            mine = {"skipped_steps": int(getattr(ctx.engine, "skipped_steps", 0)), "schedule": _schedule(ctx.engine)}
+        answers = check_round(ctx, inputs, "scar", why, mine, "partial recovery impossible")
+        if ctx.rank in lost:
+            self._catch_up(ctx, plan, answers)
+        finish_restore(ctx.engine)
+        behind = plan.consensus + 1 - max(0, step)
+        outcome.checkpoint_step = step if step >= 0 else None
+        outcome.deviation = (
+            f"ranks {lost} went back {behind} iteration(s) to {_source(step)}; the other ranks kept their state "
+            f"(partial recovery: the job goes on from a state the failure-free run never had)"
+        )
+        if ctx.rank == min(r.rank for r in inputs.reports):
+            loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy scar): {outcome.deviation}")
+        return outcome
+
+    @staticmethod
+    def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:
+        """A replacement stands at the consensus's counters and LR schedule (the lowest survivor's)."""
+        engine = ctx.engine
+        survivor = answers[min(r for r, a in answers.items() if "schedule" in a)]
+        set_counters(engine, plan.consensus + 1)
+        engine.skipped_steps = int(survivor["skipped_steps"])
+        sched = getattr(engine, "lr_scheduler", None)
+        if sched is not None and survivor["schedule"] is not None:
+            sched.load_state_dict(survivor["schedule"]["state"])
+        elif sched is not None:
+            loud(ctx.rank, "the survivors' LR scheduler state is not plain JSON: this rank's schedule resumes "
+                           "from the checkpoint's, behind the job's")  # fmt: skip
+        ctx.log(f"partial recovery: at iteration {plan.consensus + 1} with the checkpoint's weights")
