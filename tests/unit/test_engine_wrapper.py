@@ -180,10 +180,31 @@ def test_release_process_groups_cuts_only_group_references() -> None:
         holder = Holder()
         holder.groups = [group, group]  # type: ignore[attr-defined]
         holder.name = "kept"  # type: ignore[attr-defined]
-        assert release_process_groups(module, holder) == 3
+        # DeepSpeed's mixed-precision linkage stores the data-parallel group on each parameter.
+        module.weight._dp_group = group  # type: ignore[attr-defined]
+        assert release_process_groups(module, holder) == 4
         assert module.world_group is None and module.tied_comms == {"emb": {"group": None, "ranks": [0]}}
         assert holder.groups is None and holder.name == "kept"  # type: ignore[attr-defined]
-        assert isinstance(module.weight, torch.nn.Parameter)
+        assert isinstance(module.weight, torch.nn.Parameter) and module.weight._dp_group is None  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_megatrons_leftover_groups_are_released() -> None:
+    """megatron-core's destroy_model_parallel leaves some groups in its globals; all go."""
+    from megatron.core import parallel_state as ps
+
+    from ds_swift.patches.deepspeed_rebuild import release_megatron_groups
+
+    def groups_left() -> list[str]:
+        return [name for name, v in vars(ps).items() if isinstance(v, dist.ProcessGroup)]
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(create_gloo_process_groups=False)
+        assert groups_left()
+        assert release_megatron_groups() > 0
+        assert groups_left() == [] and not ps.model_parallel_is_initialized()
     finally:
         dist.destroy_process_group()
 
