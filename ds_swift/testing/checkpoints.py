@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints", "compare_tensors",
-           "tensors_of", "ulp_distance"]  # fmt: skip
+__all__ = ["LAYER_FILES", "CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints",
+           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance"]  # fmt: skip
 
 
 class CheckpointError(RuntimeError):
@@ -126,6 +126,24 @@ def ulp_distance(x: Any, y: Any) -> float:
         return torch.where(b < 0, -(b & ((1 << sign) - 1)), b)
 
     return float((ordered(x) - ordered(y)).abs().max())
+
+
+#: DeepSpeed pipeline checkpoints' layer files: the module parameters (``layer_03-model_00-model_states.pt/...``)
+LAYER_FILES = r"layer_\d+-model_\d+-model_states\.pt/"
+
+
+def relative_distance(a: Mapping[str, Any], b: Mapping[str, Any], pattern: str = LAYER_FILES) -> float | None:
+    """``||b - a|| / ||a||`` (L2, in float64) over the floating tensors both hold whose names match
+    ``pattern`` (by default the module parameters); None where none matches. How far an
+    approximate recovery left the model from the failure-free run's."""
+    import re
+
+    names = [n for n in sorted(a.keys() & b.keys()) if re.search(pattern, n) and a[n].is_floating_point()]
+    if not names:
+        return None
+    num = sum(float((b[n].double() - a[n].double()).pow(2).sum()) for n in names)
+    den = sum(float(a[n].double().pow(2).sum()) for n in names)
+    return (num / den) ** 0.5 if den else None
 
 
 def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:

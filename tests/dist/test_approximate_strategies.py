@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_swift.demo_report import read_loss_log
-from ds_swift.testing.checkpoints import checkpoint_tensors
+from ds_swift.testing.checkpoints import checkpoint_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +36,6 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> 
     run = launch(tmp_path_factory.mktemp("baseline"), [], {"checkpoint": {"interval": 3}})
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run
-
-
-def stage_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], layer_files: str) -> float:
-    """Relative L2 distance between two checkpoints' fp32 module weights of the layer files matched."""
-    names = [n for n in a if re.search(layer_files, n) and a[n].is_floating_point()]
-    assert names, sorted(a)[:10]
-    num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in names)
-    den = sum(float(a[n].double().pow(2).sum()) for n in names)
-    return (num / den) ** 0.5
 
 
 def scheduler_state(tag: Path) -> dict[str, Any]:
@@ -75,5 +66,6 @@ def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp
     # deterministic): 0.0025 and 0.0129, against 0.049 between the failure-free run's global_step6 and
     # its end, and 0.070 from global_step3: a replacement further behind, or left there, fails this.
     ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
-    kept, reloaded = stage_distance(ref, got, r"layer_0[0-2]-"), stage_distance(ref, got, r"layer_0[3-5]-")
+    kept, reloaded = relative_distance(ref, got, r"layer_0[0-2]-"), relative_distance(ref, got, r"layer_0[3-5]-")
+    assert kept is not None and reloaded is not None, sorted(ref)[:10]
     assert 0 < kept < reloaded < 0.02, (kept, reloaded)

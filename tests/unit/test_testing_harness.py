@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ds_swift.testing.checkpoints import compare_tensors, tensors_of
+from ds_swift.testing.checkpoints import compare_tensors, relative_distance, tensors_of
 from ds_swift.testing.jobs import JobRun, JobSpec, job_config, launcher_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +49,13 @@ def test_compare_tensors_reports_what_differs() -> None:
     assert [n for n, _ in diff.differing] == ["m.pt/module/b", "m.pt/module/w"]  # -0.0 differs from 0.0 in bits
     assert diff.max_gap == 0.5 and "2 of 3 tensors differ" in diff.describe()
     assert not compare_tensors({}, {}).bitwise_equal  # nothing compared proves nothing
+
+
+def test_relative_distance_is_over_the_layer_files_floating_tensors() -> None:
+    layer = "layer_03-model_00-model_states.pt/"
+    a = {layer + "w": torch.tensor([3.0, 4.0]), layer + "steps": torch.tensor([7]), "optim.pt/m": torch.tensor([1.0])}
+    b = {layer + "w": torch.tensor([3.0, 5.0]), layer + "steps": torch.tensor([9]), "optim.pt/m": torch.tensor([9.0])}
+    assert relative_distance(a, b) == 0.2  # |(0, 1)| / |(3, 4)|: the optimizer file and the integers left out
+    assert relative_distance(a, a) == 0.0
+    assert relative_distance(a, b, r"^optim") == 8.0
+    assert relative_distance(a, b, r"nothing") is None
