@@ -236,6 +236,14 @@ class RecoveryInputs:
             )
         return None
 
+    def reload_blocker(self) -> str | None:
+        """Why the survivors cannot keep their state while the lost ranks reload theirs from the
+        global checkpoint (TranLogs, SCAR's partial recovery); None: they can, or nobody is lost."""
+        why = self.keep_blocker()
+        if why is not None or not self.replacements:
+            return why
+        return self.wrapper_blocker()
+
     def wrapper_blocker(self) -> str | None:
         """Why survivors cannot keep their optimizer wrapper's state across the rebuild (None: they can)."""
         if self.optimizer_wrapper is not None:

@@ -59,10 +59,7 @@ class ScarStrategy(RecoveryStrategy):
     auto = False  # approximate: only when the config names it
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        why = inputs.keep_blocker()
-        if why is not None or not inputs.replacements:
-            return why
-        return inputs.wrapper_blocker()
+        return inputs.reload_blocker()
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         return 1.0  # the lost ranks load the checkpoint; nothing is trained again

@@ -61,10 +61,7 @@ class TranLogsStrategy(RecoveryStrategy):
     auto = False  # update logs are written only when the config names this strategy
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        why = inputs.keep_blocker()
-        if why is not None or not inputs.replacements:
-            return why
-        return inputs.wrapper_blocker()
+        return inputs.reload_blocker()
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         # Loading the checkpoint, then an optimizer step (no forward, no backward) per iteration.
