@@ -153,3 +153,20 @@ def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     assert re.search(r"restored state verified on ranks \[" + ", ".join(map(str, lost)), job.output), job.output[-3000:]
     assert_bitwise(baseline, job)
 
+
+
+def test_pipechurn_with_too_few_chunks_left_falls_back_loudly(tmp_path: Path, baseline: JobRun) -> None:
+    """(k, r) = (2, 1) and r + 2 = 3 of the 4 machines lost at once: each lost rank has 1 chunk left
+    (on machine 0): every rank falls back to the checkpoint, saying how many chunks survived."""
+    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 3}}  # fmt: skip
+    kills = [a for m in (1, 2, 3) for a in ("--inject", f"machine={m},iteration=8,phase=backward")]
+    job = launch(tmp_path, ["--spares", "3", *kills], swift, nnodes=4)
+    assert job.code == 0, job.output[-6000:]
+    # (The three kills may land in one generation or cascade over two: the last recovery falls back.)
+    tls = job.timelines()
+    assert tls and tls[-1]["strategy"] == "checkpoint" and tls[-1]["checkpoint_step"] == 6, tls
+    why = "fewer than k = 2 erasure-coded chunks of a lost rank's state survived"
+    assert why in tls[-1]["reason"], [tl["reason"] for tl in tls]
+    assert "checkpoint fallback" in job.output
+    assert_bitwise(baseline, job)
