@@ -4,7 +4,7 @@
 *complete* checkpoint; ``tranlogs``, where only the lost ranks reload it and re-apply their
 logged updates; and ``pipechurn``, where the lost ranks' states are decoded from erasure-coded
 chunks in other machines' memory. Machines are SIGKILLed, and every job ends bitwise equal to a
-failure-free run.
+failure-free run; except ``scar`` (SCAR's partial recovery, issue 14), which ends near it, by design.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ds_swift.checkpoint import COMPLETE_MARKER, complete_checkpoints
-from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.demo_report import read_loss_log
+from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +30,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
 def launch(tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None, nnodes: int = 2) -> JobRun:
-    spec = JobSpec(EXAMPLE, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes)
+    spec = JobSpec(EXAMPLE, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes,
+                   loss_log=True)  # fmt: skip
     return run_job(tmp, spec, 180.0)
 
 
@@ -154,19 +157,34 @@ def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     assert_bitwise(baseline, job)
 
 
+def scheduler_state(tag: Path) -> dict[str, Any]:
+    states = torch.load(next(tag.glob("mp_rank_*_model_states.pt")), map_location="cpu", weights_only=False)
+    return {"lr_scheduler": states["lr_scheduler"], "global_steps": states["global_steps"]}
 
-def test_pipechurn_with_too_few_chunks_left_falls_back_loudly(tmp_path: Path, baseline: JobRun) -> None:
-    """(k, r) = (2, 1) and r + 2 = 3 of the 4 machines lost at once: each lost rank has 1 chunk left
-    (on machine 0): every rank falls back to the checkpoint, saying how many chunks survived."""
-    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 3}}  # fmt: skip
-    kills = [a for m in (1, 2, 3) for a in ("--inject", f"machine={m},iteration=8,phase=backward")]
-    job = launch(tmp_path, ["--spares", "3", *kills], swift, nnodes=4)
+
+def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp_path: Path, baseline: JobRun) -> None:
+    swift = {"strategy": "scar", "checkpoint": {"interval": 3}}
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
     assert job.code == 0, job.output[-6000:]
-    # (The three kills may land in one generation or cascade over two: the last recovery falls back.)
-    tls = job.timelines()
-    assert tls and tls[-1]["strategy"] == "checkpoint" and tls[-1]["checkpoint_step"] == 6, tls
-    why = "fewer than k = 2 erasure-coded chunks of a lost rank's state survived"
-    assert why in tls[-1]["reason"], [tl["reason"] for tl in tls]
-    assert "checkpoint fallback" in job.output
-    assert_bitwise(baseline, job)
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "scar", tl["reason"]
+    assert tl["consensus"] == 7 and tl["checkpoint_step"] == 6, tl
+    assert "checkpoint fallback" not in job.output
+    # Only machine 1's replacements loaded the checkpoint; the survivors kept their state.
+    loaded = re.findall(r"rank (\d+): loaded global_step6 ", job.output)
+    assert sorted(map(int, loaded)) == [2, 3], loaded
+    assert tl["deviation"].startswith("ranks [2, 3] went back 2 iteration(s) to global_step6"), tl
+    assert "APPROXIMATE RECOVERY (strategy scar)" in job.output
+    # Training went on from the consensus: no iteration trained twice, every iteration once.
+    iterations = [p.iteration for p in read_loss_log(job.loss_log)]
+    assert iterations == sorted(set(iterations)) and iterations[-1] == ITERS - 1, iterations
+    # The replacements took the job's counters and LR schedule, not the checkpoint's.
+    assert scheduler_state(job.final_tag) == scheduler_state(baseline.final_tag)
+    # Near the failure-free run, not on it: stage 0 (layers 0-2, kept) and stage 1 (layers 3-5, 2
+    # iterations stale at the failure) both differ at the end, stage 1 by more. Measured (the runs are
+    # deterministic): 0.0025 and 0.0129, against 0.049 between the failure-free run's global_step6 and
+    # its end, and 0.070 from global_step3: a replacement further behind, or left there, fails this.
+    ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
+    kept, reloaded = relative_distance(ref, got, r"layer_0[0-2]-"), relative_distance(ref, got, r"layer_0[3-5]-")
+    assert kept is not None and reloaded is not None, sorted(ref)[:10]
+    assert 0 < kept < reloaded < 0.02, (kept, reloaded)
