@@ -9,12 +9,9 @@ ds_swift.recovery.buddy.assign_buddies.
 Off the critical path: the step's hook only hands references to a background thread, which sends
 them on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs in gloo's threads)
 while the next iteration's forward and backward passes run. The sent tensors are the live ones,
-not copies: the next backward pass (and so the next optimizer step) waits until the previous round
-is complete on every rank: every copy received by its holder, a barrier on the copier's group
-(normally long done by then, during the forward passes). Until then every survivor can still undo
-the step, so a failure finds each lost rank's copy at most one step behind survivors that can
-undo it. A buddy receives into a spare buffer and keeps the newest two complete copies per owner,
-so a copy being overwritten is never reported as complete.
+not copies: the next optimizer step waits until the previous round's sends completed (normally
+long done by then) before it changes them. A buddy receives into a spare buffer and keeps the
+newest two complete copies per owner, so a copy being overwritten is never reported as complete.
 """
 
 from __future__ import annotations
@@ -181,16 +178,10 @@ class _Worker:
         _wait(sends)
         del alive
         self.bytes_sent += sent
+        self.sent.set()  # the live tensors may change now; the receives finish in the background
         _wait(works)
         for owner, v, theirs, flats in received:
             self.holdings.put(owner, v, theirs, flats)
-        # Every rank's copy of this iteration is held before any rank trains past the point where it
-        # can still undo the step (its next backward pass overwrites the gradients): a survivor on
-        # another pipeline than the lost rank's gets there on its own neighbours' progress, so this
-        # rank's own sends are not enough (measured: 1 kill in 3 on a 25M-parameter GPT found a copy
-        # one step behind a survivor already in its backward pass, and fell back).
-        dist.barrier(group=group)
-        self.sent.set()
         return sent
 
 
@@ -261,8 +252,7 @@ class BuddyCopier:
         return True
 
     def before_step(self, check: Callable[[], None] | None = None) -> None:
-        """The backward pass (or the optimizer step) is about to make the last step impossible to
-        undo (or change the tensors the last round sends): wait until every rank's copy of it is held.
+        """The optimizer step is about to change the tensors the last round sends: wait for it.
 
         ``check`` raises if the generation failed meanwhile; it is called every 0.1 s of waiting. A
         round sending to a dead holder waits for gloo's op timeout, and so would training: the
