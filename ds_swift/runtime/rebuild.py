@@ -162,9 +162,10 @@ class Rebuilder:
 
         def backward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
             # The last step can be undone only until the next backward overwrites its gradients:
-            # by then every rank's copy of it must be held (the copier's round ends with a barrier),
-            # or a failure in this iteration finds a lost rank's copy one step behind survivors that
-            # can no longer undo (and falls back).
+            # by then its copy must have left this rank, or a failure in this iteration finds the
+            # copy one step behind survivors that can no longer undo (and falls back). (Another
+            # replica's survivor can pass that point while this rank's copy is still in flight:
+            # then the recovery falls back, loudly; see the issue notes.)
             buddy.before_step(self._monitor.check_after_receive)
             return call_next(**kw)
 
