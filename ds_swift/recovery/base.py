@@ -15,6 +15,7 @@ checkpoint is its fallback, last and always able. The registered strategies are 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -31,12 +32,18 @@ if TYPE_CHECKING:
     from ds_swift.recovery.logging_recovery import ReplayRuntime
     from ds_swift.runtime.timeline import RankTimeline
 
-__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "loud"]
+__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "check_round",
+           "checkpoint_source", "loud"]
 
 
 def loud(rank: int, msg: str) -> None:
     """A line every operator must see (a fallback, a lost iteration): on stderr, unbuffered."""
     print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
+
+
+def checkpoint_source(checkpoint_step: int) -> str:
+    """What a reload starts from: ``global_step<n>``, or the initial state (-1: none complete yet)."""
+    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
 
 
 @dataclass
@@ -225,3 +232,21 @@ class Registry:
     def fall_back(self, inputs: RecoveryInputs, reason: str) -> tuple[RecoveryPlan, RecoveryStrategy]:
         """The fallback's plan after a chosen strategy's restore failed with ``reason``."""
         return dataclasses.replace(self.fallback.plan(inputs), reason=reason), self.fallback
+
+
+def check_round(
+    ctx: RankContext, inputs: RecoveryInputs, key: str, why: str | None, mine: dict[str, object], what: str
+) -> dict[int, dict[str, Any]]:
+    """Every rank says whether its part of the restore worked (on the store, not in a collective a
+    failed rank might skip); any failure makes every rank fall back to the global checkpoint, loudly,
+    naming the rank and why. Returns every rank's answer."""
+    world = sorted(r.rank for r in inputs.reports)
+    ctx.store.publish(ctx.generation, key, ctx.rank, json.dumps({"why": why, **mine}))
+    answers = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, key, world, ctx.gather_timeout_s).items()}
+    problems = [str(a["why"]) for a in answers.values() if a["why"]]
+    if problems:
+        reason = f"{what}: " + "; ".join(problems)
+        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT "
+                       f"({checkpoint_source(inputs.checkpoint_step)})")  # fmt: skip
+        raise RestoreFailed(reason)
+    return answers

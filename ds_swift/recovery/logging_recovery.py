@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from ds_swift.data import BatchFn
 from ds_swift.membership import GenerationFailed, JobStore
+from ds_swift.recovery.base import checkpoint_source
 from ds_swift.recovery.base import loud as _loud
 from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
@@ -103,10 +104,6 @@ class ReplayRuntime:
 def failed_replay_key(checkpoint_step: int) -> str:
     """The job-store key saying why replaying from ``checkpoint_step`` failed (read by the next plan)."""
     return f"replay_failed/{checkpoint_step}"
-
-
-def _source(checkpoint_step: int) -> str:
-    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
 
 
 # ----------------------------------------------------------------------------- parallel layout (pure)
@@ -261,7 +258,7 @@ def run_logging_recovery(
     by_rank = {r.rank: r for r in reports}
     group = frozenset(plan.replay_ranks)
     world = sorted(by_rank)
-    source = _source(checkpoint_step)
+    source = checkpoint_source(checkpoint_step)
     start, end = plan.replay_from, plan.consensus
     me = by_rank[rank]
     outside = [r for r in plan.survivors if r not in group]

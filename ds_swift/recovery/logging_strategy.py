@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.logging_recovery import run_logging_recovery
 from ds_swift.recovery.verify import ReplayCheck
 
 __all__ = ["LoggingStrategy", "replay_group"]
-
-
-def _source(checkpoint_step: int) -> str:
-    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
 
 
 def replay_group(inputs: RecoveryInputs, setup: LoggingSetup) -> tuple[set[int], tuple[int, ...]]:
@@ -65,7 +61,7 @@ class LoggingStrategy(RecoveryStrategy):
                 f"the message log of rank(s) {[r for r, _ in lost]} stopped covering their sends to the failed group "
                 f"({lost[0][1]}): its stages lost log coverage"
             )
-        source = _source(setup.checkpoint_step)
+        source = checkpoint_source(setup.checkpoint_step)
         if setup.unavailable is not None:
             return f"logging-based recovery from {source} failed before ({setup.unavailable})"
         if inputs.consensus < max(0, setup.checkpoint_step) - 1:
@@ -87,7 +83,7 @@ class LoggingStrategy(RecoveryStrategy):
         rolled_back = sorted(set(group) & set(inputs.survivors))
         also = f" (rolling back survivors {rolled_back} of the group)" if rolled_back else ""
         reason = (
-            f"ranks {list(group)} (machines {sorted(machines)}) load {_source(setup.checkpoint_step)} and replay "
+            f"ranks {list(group)} (machines {sorted(machines)}) load {checkpoint_source(setup.checkpoint_step)} and replay "
             f"iterations {start}..{inputs.consensus} from the message log{also}"
         )
         plan = inputs.plan(self.name, reason, replay_ranks=group, replay_from=start)

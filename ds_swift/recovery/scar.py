@@ -26,16 +26,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replication import finish_restore, set_counters
-from ds_swift.recovery.tranlogs import check_round
 
 __all__ = ["ScarStrategy"]
-
-
-def _source(checkpoint_step: int) -> str:
-    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
 
 
 def _schedule(engine: Any) -> dict[str, Any] | None:
@@ -68,7 +63,7 @@ class ScarStrategy(RecoveryStrategy):
         if not inputs.replacements:
             return inputs.plan(self.name, "no rank lost its state")
         reason = (
-            f"ranks {list(inputs.replacements)} load {_source(inputs.checkpoint_step)} and train on from iteration "
+            f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and train on from iteration "
             f"{inputs.consensus + 1} with the survivors' state (partial recovery: approximate)"
         )
         # replay_ranks: the ranks that load (the checkpoint load is guarded to them); nothing is replayed.
@@ -98,7 +93,7 @@ class ScarStrategy(RecoveryStrategy):
         behind = plan.consensus + 1 - max(0, step)
         outcome.checkpoint_step = step if step >= 0 else None
         outcome.deviation = (
-            f"ranks {lost} went back {behind} iteration(s) to {_source(step)}; the other ranks kept their state "
+            f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
             f"(partial recovery: the job goes on from a state the failure-free run never had)"
         )
         if ctx.rank == min(r.rank for r in inputs.reports):

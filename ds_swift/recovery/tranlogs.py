@@ -20,38 +20,15 @@ lost rank had.
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replication import finish_restore
 from ds_swift.recovery.update_log import load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
 
-__all__ = ["TranLogsStrategy", "check_round"]
-
-
-def _source(checkpoint_step: int) -> str:
-    return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
-
-
-def check_round(
-    ctx: RankContext, inputs: RecoveryInputs, key: str, why: str | None, mine: dict[str, object], what: str
-) -> dict[int, dict[str, Any]]:
-    """Every rank says whether its part of the restore worked (on the store, not in a collective a
-    failed rank might skip); any failure makes every rank fall back to the global checkpoint, loudly,
-    naming the rank and why. Returns every rank's answer."""
-    world = sorted(r.rank for r in inputs.reports)
-    ctx.store.publish(ctx.generation, key, ctx.rank, json.dumps({"why": why, **mine}))
-    answers = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, key, world, ctx.gather_timeout_s).items()}
-    problems = [str(a["why"]) for a in answers.values() if a["why"]]
-    if problems:
-        reason = f"{what}: " + "; ".join(problems)
-        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({_source(inputs.checkpoint_step)})")
-        raise RestoreFailed(reason)
-    return answers
+__all__ = ["TranLogsStrategy"]
 
 
 class TranLogsStrategy(RecoveryStrategy):
@@ -72,7 +49,7 @@ class TranLogsStrategy(RecoveryStrategy):
             return inputs.plan(self.name, "no rank lost its state")
         start = max(0, inputs.checkpoint_step)
         reason = (
-            f"ranks {list(inputs.replacements)} load {_source(inputs.checkpoint_step)} and re-apply their logged "
+            f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and re-apply their logged "
             f"updates of iterations {start}..{inputs.consensus}"
         )
         return inputs.plan(self.name, reason, replay_ranks=inputs.replacements, replay_from=start)
@@ -100,7 +77,7 @@ class TranLogsStrategy(RecoveryStrategy):
             "mode": "update log",
             "from": plan.replay_from,
             "to": plan.consensus,
-            "source": _source(step),
+            "source": checkpoint_source(step),
             "ranks": list(plan.replay_ranks),
             "records": sum(int(a["records"]) for a in done),
             "log_bytes_read": sum(int(a["bytes"]) for a in done),

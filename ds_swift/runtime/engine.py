@@ -264,10 +264,12 @@ class SwiftPipelineEngine:
         self._checkpointed()
 
     def _checkpointed(self) -> None:
-        """A global checkpoint may have completed: the logs older than the newest complete one go."""
-        self._hooks.logs.after_checkpoint(self._ckpt.ckpt_dir, self._ckpt.job_id)
+        """A global checkpoint may have completed: the message and update logs older than this job's
+        newest complete one go (another run's newer checkpoint in the directory counts for nothing;
+        rank 0's completion marker may not be there yet: then they go after the next one)."""
         found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
         if found is not None:
+            self._hooks.logs.after_checkpoint(found[0])
             self._rebuild.after_checkpoint(found[0])
 
     def save_checkpoint(

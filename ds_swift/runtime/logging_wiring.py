@@ -35,7 +35,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import latest_complete
 from ds_swift.config import SwiftConfig
 from ds_swift.data import BatchFn
 from ds_swift.membership import JobStore
@@ -260,13 +259,9 @@ class EngineLogging:
             self.handle.restart_iteration()
 
     # ------------------------------------------------------------------ events
-    def after_checkpoint(self, ckpt_dir: str, job: str | None = None) -> None:
-        """A global checkpoint of job ``job`` was written: what the replay of later failures no
-        longer needs goes (another run's newer checkpoint in the directory counts for nothing)."""
-        found = latest_complete(ckpt_dir, job=job)
-        if found is None:
-            return  # rank 0's completion marker may not be there yet: collected after the next one
-        done = found[0]
+    def after_checkpoint(self, done: int) -> None:
+        """This job's newest complete global checkpoint holds ``done`` iterations: what the replay of
+        later failures no longer needs goes."""
         if self.recorder is not None:
             self.recorder.discard_before(done)
         if self.handle is not None:
