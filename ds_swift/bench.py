@@ -220,9 +220,11 @@ PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 #: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
 #: ranks alone load the checkpoint and catch up, as with logging; PipeChurn: the lost ranks' state
 #: comes from other machines' memory, as with replication; SCAR's partial recovery: the lost ranks
-#: load and nobody trains an iteration again, which costs what a replication costs, inexactly)
+#: load and nobody trains an iteration again, which costs what a replication costs, inexactly; the
+#: immediate rollback: a state copy from a survivor, as replication)
 KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
-         "tranlogs": "logging", "pipechurn": "replication", "scar": "replication"}  # fmt: skip
+         "tranlogs": "logging", "pipechurn": "replication", "scar": "replication",
+         "immediate_rollback": "replication"}  # fmt: skip
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:

@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 Strategy = Literal[
-    "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn", "scar"
+    "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn", "scar",
+    "immediate_rollback",
 ]
 #: Strategies that recover by reloading the last global checkpoint on every rank.
 CHECKPOINT_STRATEGIES = ("checkpoint", "global_checkpoint", "checkfreq")
@@ -372,7 +373,11 @@ class SwiftConfig:
     ``pipechurn``: every rank's state after each step, erasure-coded into the host memory of other
     machines (see ``pipechurn``), is rebuilt from the surviving chunks. ``scar``: SCAR's partial
     recovery, approximate: the lost ranks' replacements load the last global checkpoint, the
-    survivors keep their state, and training goes on from that mixed state without a replay."""
+    survivors keep their state, and training goes on from that mixed state without a replay.
+    ``immediate_rollback``: Nicolae et al.'s, approximate: no undo; the survivors' state as it is
+    (a rank that stepped the failed iteration keeps that update) goes to the replacements (from a
+    data-parallel replica, or the newest buddy copy of a ZeRO-1 partition) and the failed
+    mini-batch is replayed."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Message logging for logging-based recovery."""
@@ -440,9 +445,9 @@ class SwiftConfig:
     @property
     def analyzer_strategy(self) -> str:
         """What the topology analyzer is asked to plan per stage: ``tranlogs``, ``pipechurn`` and
-        ``scar`` log no pipeline message, so there no stage recovers by message logging (each
+        ``scar`` (and ``immediate_rollback``) log no pipeline message, so there no stage recovers by message logging (each
         restores its lost ranks from the checkpoint, or from chunks, its own way: ``checkpoint``)."""
-        own = ("tranlogs", "pipechurn", "scar")
+        own = ("tranlogs", "pipechurn", "scar", "immediate_rollback")
         return "checkpoint" if self.recovery_strategy in own else self.recovery_strategy
 
     @property

@@ -129,6 +129,21 @@ class KeptState:
         self.last_stepped = iteration
         self.undo = None
 
+    def rewind_schedule(self, iteration: int) -> bool:
+        """Put the LR scheduler and the step scalars (loss scaler, flags, skipped steps), not the
+        weights, back to before the last step, so that replaying ``iteration + 1`` runs at its own
+        learning rate (immediate rollback keeps the step's update). False where the last step is
+        not the one after ``iteration`` or no record says what they were."""
+        if iteration >= self.last_stepped:
+            return True
+        rec = getattr(self.undo, "last_record", None) if self.undo is not None else None
+        if rec is None or self.last_stepped - iteration > 1:
+            return False
+        if self.lr_scheduler is not None and rec.lr_scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(rec.lr_scheduler_state)
+        self._restore_step_scalars(getattr(rec, "engine_state", None) or {})
+        return True
+
     def _restore_step_scalars(self, saved: dict[str, Any]) -> None:
         """What the undone step changed outside the inner optimizer (ds_swift.undo.engine recorded it
         at step begin): the loss scaler, the wrapper's flags, the skipped-step counter."""

@@ -15,6 +15,7 @@ from ds_swift.recovery.global_checkpoint import GlobalCheckpointStrategy
 from ds_swift.recovery.logging_strategy import LoggingStrategy
 from ds_swift.recovery.pipechurn import PipeChurnStrategy
 from ds_swift.recovery.replication import ReplicationStrategy
+from ds_swift.recovery.rollback import ImmediateRollbackStrategy
 from ds_swift.recovery.scar import ScarStrategy
 from ds_swift.recovery.tranlogs import TranLogsStrategy
 
@@ -28,6 +29,7 @@ STRATEGIES = Registry(
         TranLogsStrategy(),
         PipeChurnStrategy(),
         ScarStrategy(),
+        ImmediateRollbackStrategy(),
     ],
     fallback=GlobalCheckpointStrategy(),
 )

@@ -9,9 +9,16 @@ ds_swift.recovery.buddy.assign_buddies.
 Off the critical path: the step's hook only hands references to a background thread, which sends
 them on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs in gloo's threads)
 while the next iteration's forward and backward passes run. The sent tensors are the live ones,
-not copies: the next optimizer step waits until the previous round's sends completed (normally
-long done by then) before it changes them. A buddy receives into a spare buffer and keeps the
-newest two complete copies per owner, so a copy being overwritten is never reported as complete.
+not copies. A buddy receives into a spare buffer and keeps the newest two complete copies per
+owner, so a copy being overwritten is never reported as complete.
+
+When a round has landed: each round ends with a barrier on the copier's group after the receives,
+so ``landed`` says that every rank's copy of the step is held (not only that this rank's copy has
+left). The next optimizer step waits for it (normally long done by then): no rank is ever more
+than one step ahead of any copy. The next backward waits only until this rank's own copy has left
+(``sent``); if some other rank's copy has not landed by then (the last stage starts its backward
+right after its first forward), this rank keeps a copy of the step's gradients
+(``InvertibleOptimizer.keep_grads``), so it can still undo that step should a copy be one behind.
 """
 
 from __future__ import annotations
@@ -120,7 +127,11 @@ class _Worker:
         self.holdings = holdings
         self.queue: queue.Queue[Any] = queue.Queue()
         self.sent = threading.Event()
+        """This rank's copy of the last round has left (its sends completed)."""
         self.sent.set()
+        self.landed = threading.Event()
+        """Every rank's copy of the last round is held (the round's closing barrier passed)."""
+        self.landed.set()
         self.error: BaseException | None = None
         self.rounds = 0
         self.bytes_sent = 0
@@ -143,6 +154,7 @@ class _Worker:
             except Exception as exc:  # noqa: BLE001 - handed to the training thread at its next step
                 self.error = exc
                 self.sent.set()
+                self.landed.set()
                 return
 
     def _round(self, version: int, manifest: bytes, tensors: list[torch.Tensor]) -> int:
@@ -178,10 +190,12 @@ class _Worker:
         _wait(sends)
         del alive
         self.bytes_sent += sent
-        self.sent.set()  # the live tensors may change now; the receives finish in the background
+        self.sent.set()
         _wait(works)
         for owner, v, theirs, flats in received:
             self.holdings.put(owner, v, theirs, flats)
+        dist.barrier(group=group)  # every rank's copy of this step is held
+        self.landed.set()
         return sent
 
 
@@ -252,16 +266,29 @@ class BuddyCopier:
         return True
 
     def before_step(self, check: Callable[[], None] | None = None) -> None:
-        """The optimizer step is about to change the tensors the last round sends: wait for it.
+        """The optimizer step is about to change the tensors the last round sends: wait until that
+        round has landed everywhere (``landed``; normally long done by then).
 
         ``check`` raises if the generation failed meanwhile; it is called every 0.1 s of waiting. A
         round sending to a dead holder waits for gloo's op timeout, and so would training: the
         failure flag ends the wait as soon as the job knows."""
+        self._wait(lambda w: w.landed, check)
+
+    def before_backward(self, check: Callable[[], None] | None = None) -> None:
+        """Wait until this rank's copy of the last step has left (see :meth:`before_step`)."""
+        self._wait(lambda w: w.sent, check)
+
+    def landed(self) -> bool:
+        """Whether every rank holds its copies of the last round (True with no copier running)."""
+        w = self._worker
+        return w is None or w.landed.is_set()
+
+    def _wait(self, event: Callable[[_Worker], threading.Event], check: Callable[[], None] | None) -> None:
         w = self._worker
         if w is None:
             return
         t0 = time.perf_counter()
-        while not w.sent.wait(0.1):
+        while not event(w).wait(0.1):
             if check is not None:
                 check()
         self.wait_s += time.perf_counter() - t0
@@ -284,6 +311,7 @@ class BuddyCopier:
         }
         manifest, tensors = encode(payload)
         w.sent.clear()
+        w.landed.clear()
         w.queue.put((int(engine.global_steps) - 1, manifest, [t.detach().reshape(-1) for t in tensors]))
 
     def stop(self, finish_s: float = 0.2) -> bool:

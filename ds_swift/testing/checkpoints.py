@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAYER_FILES", "CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints",
-           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance"]  # fmt: skip
+__all__ = ["LAYER_FILES", "Baseline", "CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints",
+           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance", "undo_ulp"]  # fmt: skip
 
 
 class CheckpointError(RuntimeError):
@@ -149,3 +149,35 @@ def relative_distance(a: Mapping[str, Any], b: Mapping[str, Any], pattern: str =
 def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
     """Compare two checkpoint tag directories bit for bit."""
     return compare_tensors(checkpoint_tensors(a), checkpoint_tensors(b))
+
+
+@dataclass
+class Baseline:
+    """A failure-free run's final state and its checkpoint directory (a checkpoint every iteration)."""
+
+    final: dict[str, Any]
+    ckpt_dir: Path
+
+    def at(self, iterations_done: int) -> dict[str, Any]:
+        """The failure-free state after ``iterations_done`` iterations."""
+        return checkpoint_tensors(self.ckpt_dir / f"global_step{iterations_done}")
+
+
+def undo_ulp(baseline: Baseline, recovered: str | os.PathLike[str], consensus: int) -> float:
+    """Worst restoration error of a recovered state (a tag directory) against the failure-free one at
+    the consensus, in the update-undo measure (ulp of each tensor's largest magnitude before/after the
+    undone step). Raises AssertionError where the tensors differ in name or in an integer value."""
+    import torch
+
+    from ds_swift.undo.numerics import ulp_error
+
+    got, before, after = checkpoint_tensors(recovered), baseline.at(consensus + 1), baseline.at(consensus + 2)
+    if set(got) != set(before):
+        raise AssertionError(f"tensors differ: {sorted(set(got) ^ set(before))[:5]}")
+    worst = 0.0
+    for k, ref in before.items():
+        if ref.is_floating_point():
+            worst = max(worst, ulp_error(got[k], ref, after[k]))
+        elif not torch.equal(got[k], ref):
+            raise AssertionError(f"{k}: integer tensor differs")
+    return worst

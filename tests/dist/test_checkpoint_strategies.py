@@ -4,7 +4,8 @@
 *complete* checkpoint; ``tranlogs``, where only the lost ranks reload it and re-apply their
 logged updates; and ``pipechurn``, where the lost ranks' states are decoded from erasure-coded
 chunks in other machines' memory. Machines are SIGKILLed, and every job ends bitwise equal to a
-failure-free run; except ``scar`` (SCAR's partial recovery, issue 14), which ends near it, by design.
+failure-free run; except ``scar`` (SCAR's partial recovery, issue 14), which ends near it, by design,
+and ``immediate_rollback``, which is exact only where no rank had stepped the failed iteration.
 """
 
 from __future__ import annotations
@@ -188,3 +189,17 @@ def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp
     kept, reloaded = relative_distance(ref, got, r"layer_0[0-2]-"), relative_distance(ref, got, r"layer_0[3-5]-")
     assert kept is not None and reloaded is not None, sorted(ref)[:10]
     assert 0 < kept < reloaded < 0.02, (kept, reloaded)
+
+
+def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: Path, baseline: JobRun) -> None:
+    """bf16 + ZeRO-1: the replacements take the newest buddy copies of their partitions as they are. A
+    kill in a backward pass leaves no rank partly updated, so the replay is exact: bitwise, and no
+    deviation to announce."""
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
+                 {"strategy": "immediate_rollback"})  # fmt: skip
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "immediate_rollback" and tl["consensus"] == 7, tl["reason"]
+    assert "0->2 (iteration 7)" in tl["reason"] and "1->3 (iteration 7)" in tl["reason"], tl["reason"]
+    assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
+    assert_bitwise(baseline, job)

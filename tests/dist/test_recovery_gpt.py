@@ -9,14 +9,14 @@ a run without failure: bitwise, or within 2 ulp where an update was undone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
+from ds_swift.testing.checkpoints import Baseline, checkpoint_tensors, compare_tensors, relative_distance, undo_ulp
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,16 +64,6 @@ def assert_ok(job: JobRun, recoveries: int, injected: bool = True) -> list[dict[
     return timelines
 
 
-@dataclass
-class Baseline:
-    final: dict[str, torch.Tensor]
-    ckpt_dir: Path
-
-    def at(self, iterations_done: int) -> dict[str, torch.Tensor]:
-        """The failure-free state after ``iterations_done`` iterations (a checkpoint every iteration)."""
-        return checkpoint_tensors(self.ckpt_dir / f"global_step{iterations_done}")
-
-
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> Baseline:
     tmp = tmp_path_factory.mktemp("baseline")
@@ -81,22 +71,6 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> 
     assert run.code == 0, run.output[-6000:]
     assert not run.timelines()
     return Baseline(checkpoint_tensors(run.final_tag), run.ckpt_dir)
-
-
-def undo_ulp(baseline: Baseline, recovered: Path, consensus: int) -> float:
-    """Worst restoration error of a recovered state against the failure-free one at the consensus,
-    in the update-undo measure (ulp of each tensor's largest magnitude before/after the undone step)."""
-    from ds_swift.undo.numerics import ulp_error
-
-    got, before, after = checkpoint_tensors(recovered), baseline.at(consensus + 1), baseline.at(consensus + 2)
-    assert set(got) == set(before)
-    worst = 0.0
-    for k, ref in before.items():
-        if ref.is_floating_point():
-            worst = max(worst, ulp_error(got[k], ref, after[k]))
-        else:
-            assert torch.equal(got[k], ref), k
-    return worst
 
 
 def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseline: Baseline) -> None:
@@ -154,6 +128,47 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     print(f"undo: resumed state within {ulp} ulp of the failure-free run; after 8 more iterations "
           f"the largest difference is {drift:.3g}")
     assert ulp <= 2
+
+
+def test_immediate_rollback_keeps_the_partial_update_and_replays(tmp_path: Path, baseline: Baseline) -> None:
+    """The same failure as above, strategy immediate_rollback (Nicolae et al.): no undo. Rank 1 keeps
+    its update of iteration 7 and applies it again in the replay; rank 3's replacement takes rank 1's
+    state as it is; stage 0 (rank 0 did not step) replays exactly. The LR schedule is rewound."""
+    dump = tmp_path / "recovered"
+    job = launch(
+        tmp_path, PP2_DP2, ["--spares", "1"], script=FAULT_WORKER,
+        swift={"strategy": "immediate_rollback"},
+        env={"SWIFT_TEST_STALL": "rank=2,iteration=7", "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
+             "SWIFT_TEST_DUMP_DIR": str(dump)},
+    )  # fmt: skip
+    (tl,) = assert_ok(job, recoveries=1, injected=False)
+    assert tl["strategy"] == "immediate_rollback", tl["reason"]
+    assert tl["consensus"] == 6 and tl["undo_ranks"] == [] and tl["donors"] == {"2": 0, "3": 1}
+    assert tl["deviation"] == (
+        "replayed iteration 7 without undo; ranks [1] apply it a second time; lost ranks took states of other "
+        "iterations: rank 3 of iteration 7"
+    ), tl
+    assert "APPROXIMATE RECOVERY (strategy immediate_rollback)" in job.output
+    # The replay starts from the state as the failure left it: stage 0 (rank 0 had not stepped) at 7
+    # iterations done, stage 1 (rank 1 had) at 8, on both replicas.
+    resumed = checkpoint_tensors(dump / "recovered_gen1")
+    for pattern, done in ((r"layer_0[0-2]-", 7), (r"layer_0[3-5]-", 8)):
+        want = {k: v for k, v in baseline.at(done).items() if re.match(pattern, k)}
+        assert want and all(torch.equal(resumed[k], v) for k, v in want.items()), (pattern, done)
+    # So it ends near the failure-free run, not on it (every stage: stage 1's second update of
+    # iteration 7 reaches stage 0 through the gradients), less than one step's movement away.
+    ref, got = baseline.final, checkpoint_tensors(job.final_tag)
+    end = relative_distance(ref, got)
+    step = relative_distance(baseline.at(7), baseline.at(8))
+    print(f"immediate rollback: ends {end:.3g} from the failure-free run (one step moves it {step:.3g})")
+    assert end is not None and step is not None and 0 < end < step
+    # The replay ran at its own learning rate: the schedule ends where the failure-free run's does.
+    assert scheduler(job.final_tag) == scheduler(baseline.ckpt_dir / f"global_step{ITERS}")
+
+
+def scheduler(tag: Path) -> Any:
+    states = torch.load(next(tag.glob("mp_rank_*_model_states.pt")), map_location="cpu", weights_only=False)
+    return states["lr_scheduler"], states["global_steps"]
 
 
 def test_pipeline_only_job_falls_back_to_the_checkpoint(tmp_path: Path, warm_deepspeed: None) -> None:

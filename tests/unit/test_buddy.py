@@ -170,3 +170,23 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
     assert not off.active and "buddy.enabled is false" in off.lines()[0][1]
     replicated = buddy_cost({"optimizer": {"type": "AdamW"}}, SwiftConfig(), layout, 8e6)
     assert not replicated.active and "not partitioned" in replicated.why
+
+
+def test_immediate_rollback_takes_the_newest_copy_and_undoes_nothing() -> None:
+    # Rank 1 stepped iteration 6, rank 0 did not; rank 3's newest copy is of iteration 6, rank 2's of 5.
+    rs = reports({0: 5, 1: 6}, {0: [(2, 4), (2, 5)], 1: [(3, 5), (3, 6)]}, can_undo=False)
+    plan = plan_recovery(rs, zero_stage=1, partitioned=True, forced="immediate_rollback")
+    assert plan.strategy == "immediate_rollback", plan.reason
+    assert plan.consensus == 5 and plan.undo == () and plan.donors == {2: 0, 3: 1}
+    assert "ranks [1] stepped it already and step it again" in plan.reason
+    assert "1->3 (iteration 6)" in plan.reason and "0->2 (iteration 5)" in plan.reason
+    # The exact buddy strategy cannot (rank 1 cannot undo), and auto never picks the approximate one.
+    assert plan_recovery(rs, zero_stage=1, partitioned=True).strategy == "checkpoint"
+
+
+def test_immediate_rollback_without_a_source_falls_back_saying_why() -> None:
+    rs = reports({0: 6, 1: 6}, {0: [(1, 6)], 1: [(0, 6)]})
+    plan = plan_recovery(rs, zero_stage=1, partitioned=True, forced="immediate_rollback")
+    assert plan.strategy == "checkpoint" and "no buddy copy of the optimizer partition of rank(s) [2, 3]" in plan.reason
+    unpartitioned = plan_recovery(reports({0: 6, 1: 7}, {}), forced="immediate_rollback")
+    assert unpartitioned.strategy == "immediate_rollback" and unpartitioned.donors == {2: 0, 3: 1}
