@@ -224,7 +224,7 @@ PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 #: immediate rollback: a state copy from a survivor, as replication)
 KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
          "tranlogs": "logging", "pipechurn": "replication", "scar": "replication",
-         "immediate_rollback": "replication"}  # fmt: skip
+         "immediate_rollback": "replication", "lossy_forward": "replication"}  # fmt: skip
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:

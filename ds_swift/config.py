@@ -40,6 +40,7 @@ __all__ = [
     "MachinesConfig",
     "PipeChurnConfig",
     "STORAGE_SCHEMES",
+    "SimulateConfig",
     "Strategy",
     "SwiftConfig",
     "VerifyConfig",
@@ -49,7 +50,7 @@ __all__ = [
 
 Strategy = Literal[
     "auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs", "pipechurn", "scar",
-    "immediate_rollback",
+    "immediate_rollback", "lossy_forward",
 ]
 #: Strategies that recover by reloading the last global checkpoint on every rank.
 CHECKPOINT_STRATEGIES = ("checkpoint", "global_checkpoint", "checkfreq")
@@ -265,6 +266,51 @@ class PipeChurnConfig:
 
 
 @dataclass(frozen=True)
+class SimulateConfig:
+    """Nicolae et al.'s failure-simulation mode: a failure at ``iteration`` is simulated without
+    killing anything, to measure an approximate strategy's effect on the model cheaply
+    (ds_swift.runtime.simulate). Off while ``iteration`` is null."""
+
+    iteration: int | None = None
+    """The iteration the simulated failure hits (null: off)."""
+
+    strategy: str = "lossy_forward"
+    """``lossy_forward``: that iteration averages only the surviving replicas' gradients (the
+    ``casualties`` count as zero, from ``upto_layer`` down); ``immediate_rollback``: the ranks of
+    ``stepped_stages`` keep that iteration's update, the others do not apply it (undone), and every
+    rank trains it again."""
+
+    casualties: tuple[int, ...] = ()
+    """lossy_forward: the data-parallel replicas that fail (empty: the last one)."""
+
+    upto_layer: int | None = None
+    """lossy_forward: only the gradients of pipeline layers at or before this one are lost (the
+    failure hit the backward pass there; later layers were reduced before it); null: every layer,
+    what a real failure in DeepSpeed's pipeline loses (it reduces after the whole backward pass)."""
+
+    stepped_stages: tuple[int, ...] = ()
+    """immediate_rollback: the pipeline stages whose ranks had stepped when the failure hit."""
+
+    def __post_init__(self) -> None:
+        if self.iteration is not None:
+            _check_type("simulate_failure.iteration", self.iteration, int, "null or an iteration number >= 0")
+            if self.iteration < 0:
+                raise _fail("simulate_failure.iteration", self.iteration, "null or an iteration number >= 0")
+        if self.strategy not in ("lossy_forward", "immediate_rollback"):
+            raise _fail("simulate_failure.strategy", self.strategy, '"lossy_forward" or "immediate_rollback"')
+        if self.upto_layer is not None:
+            _check_type("simulate_failure.upto_layer", self.upto_layer, int, "null or a pipeline layer index >= 0")
+        for name in ("casualties", "stepped_stages"):
+            value = getattr(self, name)
+            _check_type(f"simulate_failure.{name}", value, (list, tuple), "a list of indices >= 0")
+            for v in value:
+                _check_type(f"simulate_failure.{name}", v, int, "a list of indices >= 0")
+                if v < 0:
+                    raise _fail(f"simulate_failure.{name}", value, "a list of indices >= 0")
+            object.__setattr__(self, name, tuple(value))
+
+
+@dataclass(frozen=True)
 class VerifyConfig:
     """Verified recovery: every restored rank's state is checked against a reference digest before
     training resumes; a mismatch falls back to the global checkpoint, naming the tensor
@@ -377,7 +423,9 @@ class SwiftConfig:
     ``immediate_rollback``: Nicolae et al.'s, approximate: no undo; the survivors' state as it is
     (a rank that stepped the failed iteration keeps that update) goes to the replacements (from a
     data-parallel replica, or the newest buddy copy of a ZeRO-1 partition) and the failed
-    mini-batch is replayed."""
+    mini-batch is replayed. ``lossy_forward``: Nicolae et al.'s, approximate: the state is restored
+    as by ``auto`` (replica or buddy copies), then the failed iteration averages only the gradients
+    of the data-parallel replicas that lost no rank."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Message logging for logging-based recovery."""
@@ -406,6 +454,9 @@ class SwiftConfig:
 
     pipechurn: PipeChurnConfig = field(default_factory=PipeChurnConfig)
     """PipeChurn's erasure coding (strategy ``pipechurn``)."""
+
+    simulate_failure: SimulateConfig = field(default_factory=SimulateConfig)
+    """Nicolae et al.'s failure-simulation mode (off unless its ``iteration`` is set)."""
 
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
@@ -445,9 +496,9 @@ class SwiftConfig:
     @property
     def analyzer_strategy(self) -> str:
         """What the topology analyzer is asked to plan per stage: ``tranlogs``, ``pipechurn`` and
-        ``scar`` (and ``immediate_rollback``) log no pipeline message, so there no stage recovers by message logging (each
+        ``scar`` (and ``immediate_rollback``, ``lossy_forward``) log no pipeline message, so there no stage recovers by message logging (each
         restores its lost ranks from the checkpoint, or from chunks, its own way: ``checkpoint``)."""
-        own = ("tranlogs", "pipechurn", "scar", "immediate_rollback")
+        own = ("tranlogs", "pipechurn", "scar", "immediate_rollback", "lossy_forward")
         return "checkpoint" if self.recovery_strategy in own else self.recovery_strategy
 
     @property
@@ -484,6 +535,7 @@ _NESTED: dict[str, type] = {
     "checkfreq": CheckFreqConfig,
     "verify": VerifyConfig,
     "pipechurn": PipeChurnConfig,
+    "simulate_failure": SimulateConfig,
 }
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ds_swift.recovery.digest import Verdict
     from ds_swift.recovery.kept import KeptState
     from ds_swift.recovery.logging_recovery import ReplayRuntime
+    from ds_swift.runtime.gradmask import GradScale
     from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "check_round",
@@ -64,6 +65,8 @@ class RecoveryOutcome:
     verdict: Verdict | None = None
     """This rank's check of the state it restored against its reference digest (None: it restored
     nothing that has one; see ds_swift.recovery.verify)."""
+    grad_scale: GradScale | None = None
+    """Lossy forward: how this rank scales its gradients of the iteration trained next."""
 
 
 @dataclass

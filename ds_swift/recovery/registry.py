@@ -13,6 +13,7 @@ from ds_swift.recovery.buddy import BuddyStrategy
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.global_checkpoint import GlobalCheckpointStrategy
 from ds_swift.recovery.logging_strategy import LoggingStrategy
+from ds_swift.recovery.lossy import LossyForwardStrategy
 from ds_swift.recovery.pipechurn import PipeChurnStrategy
 from ds_swift.recovery.replication import ReplicationStrategy
 from ds_swift.recovery.rollback import ImmediateRollbackStrategy
@@ -30,6 +31,7 @@ STRATEGIES = Registry(
         PipeChurnStrategy(),
         ScarStrategy(),
         ImmediateRollbackStrategy(),
+        LossyForwardStrategy(),
     ],
     fallback=GlobalCheckpointStrategy(),
 )

@@ -25,6 +25,7 @@ import atexit
 import json
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,11 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
+from ds_swift.runtime.gradmask import GradScale, scaled_gradients
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
+from ds_swift.runtime.simulate import FailureSimulation
 from ds_swift.runtime.timeline import PendingTimeline
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
@@ -115,6 +118,14 @@ class SwiftPipelineEngine:
         self._ctx = ctx
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
+        self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
+        self._simulation = (
+            FailureSimulation(cfg.simulate_failure, ctx.log)
+            if cfg.simulate_failure.iteration is not None and (ctx.env is None or not ctx.env.replacement)
+            else None
+        )
+        if self._simulation is not None:
+            self._grad_scale = self._simulation.grad_scale(engine)
         self._user_iter_warned = False
         self._closed = False
         # Message log and step-collective records, kept across rebuilds.
@@ -204,11 +215,18 @@ class SwiftPipelineEngine:
                         self._hooks.begin_iteration()
                         data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
                             int(engine.global_steps))  # fmt: skip
+                        if self._simulation is not None:
+                            self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
                         try:
-                            loss = engine.train_batch(data_iter=data)
+                            with self._scaled(engine):
+                                loss = engine.train_batch(data_iter=data)
                         finally:
                             self._monitor.progress.arm(False)
+                        if self._simulation is not None and self._simulation.roll_back(engine):
+                            attempts += 1  # the same mini-batch again (a plain data_iter cannot give it)
+                            self._hooks.logs.restart_iteration()
+                            continue
                     self._after_step()
                     return loss
                 except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
@@ -220,6 +238,17 @@ class SwiftPipelineEngine:
                 raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration")
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
+
+    def _scaled(self, engine: Any) -> AbstractContextManager[Any]:
+        """The gradient scaling a lossy forward recovery asked of the iteration about to be trained."""
+        scale, iteration = self._grad_scale, int(engine.global_steps)
+        if scale is None or scale.iteration != iteration:
+            if scale is not None and scale.iteration < iteration:
+                self._grad_scale = None  # trained (or skipped past by a later recovery)
+            return nullcontext()
+        self._ctx.log(f"iteration {iteration}: gradients x {scale.factor:g}"
+                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))  # fmt: skip
+        return scaled_gradients(engine.module, scale.factor, scale.upto_layer)
 
     def _position(self, data_iter: Any, attempts: int) -> Any:
         """The user's iterator, at the iteration about to be trained, or an error (never the wrong
@@ -387,6 +416,8 @@ class SwiftPipelineEngine:
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
+        self._grad_scale = done.outcome.grad_scale
+        self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)
         self._timeline.check_back(int(self._engine.global_steps))
 

@@ -203,3 +203,25 @@ def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: 
     assert "0->2 (iteration 7)" in tl["reason"] and "1->3 (iteration 7)" in tl["reason"], tl["reason"]
     assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
     assert_bitwise(baseline, job)
+
+
+def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: JobRun) -> None:
+    """Strategy lossy_forward: the buddy copies restore the consensus state, then iteration 8 averages
+    only replica 0's gradients (replica 1 lost machine 1). The failure-simulation mode, which kills
+    nothing, does the same to iteration 8: the two runs end bitwise equal, and off the failure-free run."""
+    job = launch(tmp_path / "real", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
+                 {"strategy": "lossy_forward"})  # fmt: skip
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "lossy_forward" and tl["consensus"] == 7 and tl["undo_ranks"] == [], tl["reason"]
+    assert "iteration 8 averages the gradients of data-parallel replicas [0] only" in tl["reason"], tl["reason"]
+    assert tl["deviation"].startswith("iteration 8 averaged the gradients of 1 of 2 data-parallel replicas"), tl
+    assert "APPROXIMATE RECOVERY (strategy lossy_forward)" in job.output
+    simulated = launch(tmp_path / "sim", [], {"simulate_failure": {"iteration": 8, "casualties": [1]}})
+    assert simulated.code == 0 and not simulated.timelines(), simulated.output[-6000:]
+    assert "simulated failure (lossy forward) at iteration 8" in simulated.output
+    assert_bitwise(simulated, job)
+    ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
+    distance = relative_distance(ref, got)
+    print(f"lossy forward: ends {distance:.3g} from the failure-free run")
+    assert distance is not None and distance > 0

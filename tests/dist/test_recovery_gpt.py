@@ -164,6 +164,12 @@ def test_immediate_rollback_keeps_the_partial_update_and_replays(tmp_path: Path,
     assert end is not None and step is not None and 0 < end < step
     # The replay ran at its own learning rate: the schedule ends where the failure-free run's does.
     assert scheduler(job.final_tag) == scheduler(baseline.ckpt_dir / f"global_step{ITERS}")
+    # The failure-simulation mode, killing nothing, does the same to iteration 7: bitwise.
+    swift = {"simulate_failure": {"iteration": 7, "strategy": "immediate_rollback", "stepped_stages": [1]}}
+    simulated = launch(tmp_path / "sim", PP2_DP2, [], swift=swift)
+    assert simulated.code == 0 and not simulated.timelines(), simulated.output[-6000:]
+    assert "simulated failure (immediate rollback) at iteration 7" in simulated.output
+    assert_bitwise_equal(checkpoint_tensors(simulated.final_tag), got)
 
 
 def scheduler(tag: Path) -> Any:
