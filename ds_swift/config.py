@@ -208,7 +208,18 @@ class CheckpointConfig:
     checkpoint counts once every rank's are on storage (ds_swift.checkpoint_async). ``null``: on
     for strategies ``global_checkpoint`` and ``checkfreq``, off otherwise."""
 
+    running_fraction: float | None = None
+    """SCAR's prioritized checkpoints (strategy ``scar``; null: off): every ``running_fraction x
+    interval`` iterations each rank saves the ``running_fraction`` of its optimizer state (fp32
+    masters with their Adam moments, in blocks) that changed most since it was last saved, into a
+    running checkpoint under ``dir``/running (as many bytes per ``interval`` as a full checkpoint);
+    a lost rank's replacement loads it over the last global checkpoint (ds_swift.running_checkpoint)."""
+
     def __post_init__(self) -> None:
+        if self.running_fraction is not None:
+            _check_type("checkpoint.running_fraction", self.running_fraction, (int, float), "null or a number in (0, 1]")
+            if not 0 < self.running_fraction <= 1:
+                raise _fail("checkpoint.running_fraction", self.running_fraction, "null or a number in (0, 1]")
         if self.async_save is not None:
             _check_type("checkpoint.async_save", self.async_save, bool, "true, false or null")
         _check_type("checkpoint.save_timeout_s", self.save_timeout_s, (int, float), "a positive number of seconds")
@@ -472,6 +483,12 @@ class SwiftConfig:
         if self.parallel_recovery_mode not in get_args(ParallelRecoveryMode):
             raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
         _check_type("run_dir", self.run_dir, str, "a directory path")
+        if self.checkpoint.running_fraction is not None and self.strategy != "scar":
+            raise ConfigError(
+                f"swift config: checkpoint.running_fraction={self.checkpoint.running_fraction!r} is read only by "
+                f'strategy "scar" (SCAR\'s partial recovery), not {self.strategy!r}: set "strategy": "scar", or '
+                "remove checkpoint.running_fraction"
+            )
 
     # ----------------------------------------------------------------- constructors
     @classmethod

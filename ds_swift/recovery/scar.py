@@ -15,6 +15,11 @@ partitions):
    global checkpoint, loudly;
 4. every rank rebuilds its low-precision parameters from the fp32 masters.
 
+With SCAR's prioritized checkpoints (``checkpoint.running_fraction``), each rank also keeps a running
+checkpoint of its optimizer state (ds_swift.running_checkpoint: the most-changed blocks, a few every
+iterations), and a replacement loads the blocks of it newer than the global checkpoint over it, so
+the lost part is staler only where it moved least.
+
 Approximate, and said so: no replay, no verification against a digest (the state differs from the
 failure-free run's by design). The outcome's ``deviation`` (and the timeline's) says which ranks
 went back how many iterations; ``ds-swift bench`` reports the final-loss delta and the parameters'
@@ -24,13 +29,50 @@ distance to the failure-free run.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replication import finish_restore, set_counters
 
-__all__ = ["ScarStrategy"]
+__all__ = ["ScarStrategy", "running_dir", "running_state"]
+
+#: A running checkpoint's blocks: at most this many elements, and at least 64 blocks per rank where
+#: the state is big enough (SCAR's priorities need blocks to choose among).
+BLOCK_ELEMENTS, MIN_BLOCKS = 65536, 64
+
+
+def running_dir(ckpt_dir: str | Path, rank: int) -> Path:
+    """Where ``rank`` keeps its running checkpoint."""
+    return Path(ckpt_dir) / "running" / f"rank{rank}"
+
+
+def running_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """The live tensors of a rank's optimizer state a running checkpoint keeps (fp32 masters, and the
+    inner optimizer's per-parameter state tensors of the same size), and the groups: each master
+    with its moments, saved block for block together."""
+    from ds_swift.patches.deepspeed_optim_state import capture_optimizer, optimizer_payload
+
+    payload = optimizer_payload(capture_optimizer(optimizer))
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, list[str]] = {}
+    inner = payload["inner"]["state"]
+    for i, master in enumerate(payload["masters"]):
+        key = f"masters.{i}"
+        tensors[key] = master
+        for name, t in sorted((inner.get(i) or {}).items()):
+            if isinstance(t, torch.Tensor) and t.numel() == master.numel() and t.is_floating_point():
+                tensors[f"state.{i}.{name}"] = t
+                groups.setdefault(key, []).append(f"state.{i}.{name}")
+    return tensors, groups
+
+
+def block_elements(tensors: dict[str, torch.Tensor]) -> int:
+    total = sum(t.numel() for t in tensors.values())
+    return max(1, min(BLOCK_ELEMENTS, total // MIN_BLOCKS))
 
 
 def _schedule(engine: Any) -> dict[str, Any] | None:
@@ -82,6 +124,7 @@ class ScarStrategy(RecoveryStrategy):
         if ctx.rank in lost:
             try:
                 load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+                self._load_running(ctx, step)
             except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
                 why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         else:
@@ -99,6 +142,27 @@ class ScarStrategy(RecoveryStrategy):
         if ctx.rank == min(r.rank for r in inputs.reports):
             loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy scar): {outcome.deviation}")
         return outcome
+
+    @staticmethod
+    def _load_running(ctx: RankContext, step: int) -> None:
+        """The blocks of this rank's running checkpoint newer than ``step``, over what it loaded."""
+        from ds_swift.running_checkpoint import MANIFEST, load_running_checkpoint
+
+        if ctx.ckpt is None:
+            return
+        where = running_dir(ctx.ckpt.ckpt_dir, ctx.rank)
+        if not (where / MANIFEST).exists():
+            return
+        live, _ = running_state(ctx.engine.optimizer)
+        loaded, ages = load_running_checkpoint(where, live, newer_than=max(step, 0))
+        with torch.no_grad():
+            for name, t in live.items():
+                t.copy_(loaded[name])
+        saved = sum(a.saved_blocks for a in ages.values())
+        total = sum(a.blocks for a in ages.values())
+        newest = max((a.newest for a in ages.values() if a.newest is not None), default=None)
+        ctx.log(f"running checkpoint: {saved} of {total} blocks newer than {checkpoint_source(step)} loaded over it"
+                + (f" (newest of iteration {newest})" if newest is not None else ""))  # fmt: skip
 
     @staticmethod
     def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:

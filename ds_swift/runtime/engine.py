@@ -44,6 +44,7 @@ from ds_swift.runtime.gradmask import GradScale, scaled_gradients
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
+from ds_swift.runtime.running import RunningCheckpoints
 from ds_swift.runtime.simulate import FailureSimulation
 from ds_swift.runtime.timeline import PendingTimeline
 
@@ -96,7 +97,8 @@ class SwiftPipelineEngine:
     _OWN = frozenset(
         {
             "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
-            "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism",
+            "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
+            "_running",
         }
     )  # fmt: skip
 
@@ -133,6 +135,13 @@ class SwiftPipelineEngine:
             cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
         )
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size())
+        fraction, ckpt_dir = cfg.checkpoint.running_fraction, self._ckpt.ckpt_dir
+        self._running = (
+            RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, dist.get_rank(),
+                               ctx.env is None or not ctx.env.replacement, ctx.log)
+            if fraction is not None and ckpt_dir is not None
+            else None
+        )  # fmt: skip
         self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
@@ -280,6 +289,8 @@ class SwiftPipelineEngine:
         return micro_batches(self._batch_fn, iteration, e.grid.get_data_parallel_id(), e.gradient_accumulation_steps())
 
     def _after_step(self) -> None:
+        if self._running is not None:
+            self._running.after_step(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
         if self._ckpt.after_iteration():  # an asynchronous checkpoint just completed
@@ -361,6 +372,8 @@ class SwiftPipelineEngine:
         env, store = self._ctx.env, self._ctx.store
         self._write_usage()
         self._ckpt.close()  # the last asynchronous checkpoint lands first
+        if self._running is not None:
+            self._running.close()
         buddy = self._rebuild.buddy
         # Every rank ends its last round (its peers' threads send theirs whatever their training
         # threads do), so the process does not exit inside a gloo op.

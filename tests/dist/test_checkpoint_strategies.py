@@ -191,6 +191,26 @@ def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp
     assert 0 < kept < reloaded < 0.02, (kept, reloaded)
 
 
+def test_scar_prioritized_checkpoints_leave_the_reloaded_stage_fresher(tmp_path: Path, baseline: JobRun) -> None:
+    """SCAR's running checkpoint (checkpoint.running_fraction 1/3 of interval 3: a third of each
+    rank's optimizer state, most changed first, after every iteration): the replacements load its
+    blocks newer than global_step6 over it, and the reloaded stage ends nearer the failure-free run
+    than with the global checkpoint alone (0.0129, the test above; measured 0.0092 with 42 of 66
+    blocks loaded: the runs are deterministic)."""
+    swift = {"strategy": "scar", "checkpoint": {"interval": 3, "running_fraction": 1 / 3}}
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "scar" and tl["checkpoint_step"] == 6, tl
+    loaded = re.findall(r"rank (\d+): running checkpoint: (\d+) of (\d+) blocks newer than global_step6", job.output)
+    assert sorted(int(r) for r, _, _ in loaded) == [2, 3], job.output[-3000:]
+    assert all(0 < int(n) <= int(m) for _, n, m in loaded), loaded
+    ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
+    reloaded = relative_distance(ref, got, r"layer_0[3-5]-")
+    print(f"scar with a running checkpoint: reloaded stage ends {reloaded:.3g} from the failure-free run")
+    assert reloaded is not None and 0 < reloaded < 0.011, reloaded
+
+
 def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: Path, baseline: JobRun) -> None:
     """bf16 + ZeRO-1: the replacements take the newest buddy copies of their partitions as they are. A
     kill in a backward pass leaves no rank partly updated, so the replay is exact: bitwise, and no
