@@ -57,7 +57,8 @@ def closable() -> SwiftPipelineEngine:
     on as __init__ switches it."""
     engine = SwiftPipelineEngine.__new__(SwiftPipelineEngine)
     parts = {"_timeline": mock.Mock(), "_monitor": mock.Mock(), "_hooks": mock.Mock(), "_recv_patch": mock.Mock(),
-             "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None), "_ckpt": mock.Mock()}  # fmt: skip
+             "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None), "_ckpt": mock.Mock(),
+             "_running": None}  # fmt: skip
     vars(engine).update(parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism())
     vars(engine)["_write_usage"] = lambda: None
     return engine
