@@ -11,15 +11,24 @@ copying, :func:`assign_buddies` (pure) decides who holds whose copy.
 the owner's state after some iteration's step; each buddy reports which ones it holds complete
 (:attr:`~ds_swift.recovery.consensus.RankReport.buddy_copies`). The restore must land every rank
 on one iteration: the consensus if every lost rank has a copy of it; one iteration earlier if a
-copy lags by one step and every survivor can undo to it; otherwise the strategy refuses, and the
-registry falls back to the global checkpoint, saying why.
+copy lags by one step and every survivor ahead of it can get back to it; otherwise the strategy
+refuses, and the registry falls back to the global checkpoint, saying why.
+
+A survivor ahead of the iteration gets back to it from a copy of its own, where a surviving buddy
+holds one: bitwise, where update-undo's arithmetic is exact only to 2 ulp (and needs the step's
+gradients still resident). Only a survivor without such a copy undoes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
@@ -27,7 +36,7 @@ from ds_swift.recovery.digest import partition_state
 from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
 from ds_swift.recovery.verify import check_received, publish_reference
 
-__all__ = ["BuddyError", "BuddyStrategy", "Member", "assign_buddies", "buddy_target"]
+__all__ = ["BuddyError", "BuddyStrategy", "BuddyTarget", "Member", "assign_buddies", "buddy_target"]
 
 
 class BuddyError(ValueError):
@@ -96,45 +105,64 @@ def assign_buddies(
     return out
 
 
-def _holders(inputs: RecoveryInputs) -> dict[int, dict[int, list[int]]]:
-    """lost rank -> iteration -> surviving ranks (on machines that did not fail) holding that copy."""
+def _holders(inputs: RecoveryInputs, owners: Iterable[int]) -> dict[int, dict[int, list[int]]]:
+    """owner -> iteration -> other surviving ranks (on machines that did not fail) holding that copy."""
     failed = inputs.failed_machines
-    lost = set(inputs.replacements)
-    out: dict[int, dict[int, list[int]]] = {r: {} for r in inputs.replacements}
+    out: dict[int, dict[int, list[int]]] = {r: {} for r in owners}
     for r in inputs.reports:
         if not r.survivor or r.machine in failed:
             continue
         for owner, version in r.buddy_copies:
-            if owner in lost:
+            if owner in out and owner != r.rank:
                 out[owner].setdefault(version, []).append(r.rank)
     return out
 
 
-def buddy_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, int], str]:
-    """The iteration every rank lands on and each lost rank's copy holder, or (None, {}, why not)."""
-    holders = _holders(inputs)
+@dataclass(frozen=True)
+class BuddyTarget:
+    """Where a buddy recovery lands: the iteration, each lost rank's copy holder, and each survivor
+    ahead of the iteration that takes its own copy back (the other survivors ahead undo)."""
+
+    iteration: int
+    holders: dict[int, int]
+    recopied: dict[int, int]
+
+
+def _pick(holders: dict[int, dict[int, list[int]]], target: int, load: Counter[int]) -> dict[int, int]:
+    chosen: dict[int, int] = {}
+    for owner in sorted(holders):
+        if target in holders[owner]:
+            pick = min(holders[owner][target], key=lambda h: (load[h], h))
+            chosen[owner] = pick
+            load[pick] += 1
+    return chosen
+
+
+def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
+    """Where every rank lands, or (None, why not)."""
+    holders = _holders(inputs, inputs.replacements)
     missing = sorted(r for r, versions in holders.items() if not versions)
     if missing:
-        return None, {}, (
+        return None, (
             f"no buddy copy of the optimizer partition of rank(s) {missing} survived "
             f"(their buddies were on failed machine(s) {sorted(inputs.failed_machines)})"
         )  # fmt: skip
     c = inputs.consensus
     for target in (c, c - 1):
-        if target < c and inputs.rebased(target).cannot_undo:
+        if not all(target in versions for versions in holders.values()):
             continue
-        if all(target in versions for versions in holders.values()):
-            load: Counter[int] = Counter()
-            chosen: dict[int, int] = {}
-            for lost in sorted(holders):
-                pick = min(holders[lost][target], key=lambda h: (load[h], h))
-                chosen[lost] = pick
-                load[pick] += 1
-            return target, chosen, ""
+        at = inputs.rebased(target)
+        load: Counter[int] = Counter()
+        chosen = _pick(holders, target, load)
+        recopied = _pick(_holders(inputs, at.undo), target, load)
+        stuck = [r for r in at.cannot_undo if r not in recopied]
+        if stuck:
+            continue
+        return BuddyTarget(target, chosen, recopied), ""
     have = "; ".join(f"rank {r}: iteration(s) {sorted(v)}" for r, v in sorted(holders.items()))
-    return None, {}, (
+    return None, (
         f"the buddy copies ({have}) do not reach the consensus iteration {c} "
-        f"(survivors can undo at most one step, to {c - 1})"
+        f"(survivors can undo at most one step, to {c - 1}, or take their own copy of it back)"
     )  # fmt: skip
 
 
@@ -147,40 +175,55 @@ class BuddyStrategy(RecoveryStrategy):
     name = "buddy"
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        why = inputs.keep_blocker() or inputs.wrapper_blocker()
+        if not inputs.survivors:
+            return "no rank survived with its state"
+        why = inputs.wrapper_blocker()
         if why is not None:
             return why
         if not inputs.replacements:
             return "no rank lost its state"
         if not inputs.partitioned:
             return "the optimizer state is not partitioned (no buddy copies are kept)"
-        return buddy_target(inputs)[2] or None
+        return buddy_target(inputs)[1] or None
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         return 0.1  # a partition copy per lost rank plus an all-gather: a little above replication
 
     def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
-        target, holders, _ = buddy_target(inputs)
+        target, _ = buddy_target(inputs)
         assert target is not None  # can_restore said so
-        pairs = ", ".join(f"{h}->{r}" for r, h in sorted(holders.items()))
-        reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target} ({pairs})"
-        if target < inputs.consensus:
-            reason += f"; a copy lags one step: survivors undo to iteration {target}"
-        return inputs.rebased(target).plan(self.name, reason, donors=holders)
+        pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
+        reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target.iteration} ({pairs})"
+        at = inputs.rebased(target.iteration)
+        if target.recopied:
+            back = ", ".join(f"{h}->{r}" for r, h in sorted(target.recopied.items()))
+            reason += f"; survivors {sorted(target.recopied)} take their own copy of iteration {target.iteration} back ({back})"
+        undo = tuple(r for r in at.undo if r not in target.recopied)
+        if undo:
+            reason += f"; survivors {list(undo)} undo to iteration {target.iteration}"
+        plan = at.plan(self.name, reason, donors={**target.holders, **target.recopied})
+        return dataclasses.replace(plan, undo=undo)
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         holdings = ctx.kept.buddy if ctx.kept is not None else None
-        for lost in plan.recipients_of(ctx.rank):
+        # A survivor may both send (a copy it holds) and receive (its own copy back): the sends are
+        # posted first and waited for last, so that two such survivors never wait on each other.
+        sending: list[tuple[Any, torch.Tensor]] = []
+
+        def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
+            sending.append((dist.isend(t, dst, group=group), t))
+
+        for owner in plan.recipients_of(ctx.rank):
             if holdings is None:
-                raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
-            copy = holdings.state_of(lost, plan.consensus)
+                raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {owner}'s buddy copy but holds none")
+            copy = holdings.state_of(owner, plan.consensus)
             if ctx.verify:
-                publish_reference(ctx, lost, copy)
-            sent = send_state(copy, lost)
+                publish_reference(ctx, owner, copy)
+            sent = send_state(copy, owner, send=isend)
             outcome.bytes_moved += sent
-            ctx.log(f"sent the buddy copy of rank {lost} (iteration {plan.consensus}, {sent / 1e6:.2f} MB)")
+            ctx.log(f"sending the buddy copy of rank {owner} (iteration {plan.consensus}, {sent / 1e6:.2f} MB)")
         holder = plan.donor_of(ctx.rank)
         if holder is not None:
             state = recv_state(holder)
@@ -189,6 +232,8 @@ class BuddyStrategy(RecoveryStrategy):
             if buffers:
                 ctx.engine.module.load_state_dict(buffers, strict=False)
             ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")
+        for work, _ in sending:
+            work.wait()
         finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
         if holder is not None and ctx.verify:
             outcome.verdict = check_received(ctx, holder, partition_state(ctx.engine), "my optimizer partition")

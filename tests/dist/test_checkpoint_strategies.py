@@ -24,15 +24,19 @@ from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 12
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
-def launch(tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None, nnodes: int = 2) -> JobRun:
-    spec = JobSpec(EXAMPLE, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes,
-                   loss_log=True)  # fmt: skip
+def launch(
+    tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None, nnodes: int = 2, script: Path = EXAMPLE,
+    env: dict[str, str] | None = None,
+) -> JobRun:
+    spec = JobSpec(script, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes,
+                   loss_log=True, env=env or {})  # fmt: skip
     return run_job(tmp, spec, 180.0)
 
 
@@ -209,6 +213,21 @@ def test_scar_prioritized_checkpoints_leave_the_reloaded_stage_fresher(tmp_path:
     reloaded = relative_distance(ref, got, r"layer_0[3-5]-")
     print(f"scar with a running checkpoint: reloaded stage ends {reloaded:.3g} from the failure-free run")
     assert reloaded is not None and 0 < reloaded < 0.011, reloaded
+
+
+def test_survivors_ahead_of_a_lagging_copy_take_their_own_copies_back_bitwise(tmp_path: Path, baseline: JobRun) -> None:
+    """4 machines of one rank, two buddies each: rank 2 dies right after its step of iteration 7,
+    before its copy of it leaves, so its newest copy is of iteration 6 and every survivor (all stepped
+    7) must get back to 6. Each takes its own copy of 6 back from a surviving buddy instead of
+    undoing (update-undo is exact only to 2 ulp): the job ends bitwise equal to the failure-free run."""
+    swift = {"buddy": {"replication_factor": 2}, "machines": {"gpus_per_node": 1}}
+    job = launch(tmp_path, ["--spares", "1"], swift, nnodes=4, script=FAULT_WORKER,
+                 env={"SWIFT_TEST_KILL_AFTER_STEP": "rank=2,iteration=7"})  # fmt: skip
+    assert job.code == 0, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "buddy" and tl["consensus"] == 6 and tl["undo_ranks"] == [], tl["reason"]
+    assert "survivors [0, 1, 3] take their own copy of iteration 6 back" in tl["reason"], tl["reason"]
+    assert_bitwise(baseline, job)
 
 
 def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: Path, baseline: JobRun) -> None:

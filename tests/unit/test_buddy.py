@@ -65,7 +65,7 @@ def test_a_copy_lagging_one_step_makes_the_survivors_undo() -> None:
     rs = reports({0: 6, 1: 6}, {0: [(2, 5), (2, 6)], 1: [(3, 4), (3, 5)]})
     plan = plan_recovery(rs, zero_stage=1, partitioned=True)
     assert plan.strategy == "buddy" and plan.consensus == 5 and plan.undo == (0, 1), plan.reason
-    assert "survivors undo to iteration 5" in plan.reason
+    assert "survivors [0, 1] undo to iteration 5" in plan.reason  # their own copies died with machine 1
 
 
 def test_a_copy_too_far_behind_or_without_undo_falls_back_loudly() -> None:
@@ -74,6 +74,32 @@ def test_a_copy_too_far_behind_or_without_undo_falls_back_loudly() -> None:
     assert plan.strategy == "checkpoint" and "do not reach the consensus iteration 6" in plan.reason
     rs = reports({0: 6, 1: 6}, {0: [(2, 6)], 1: [(3, 5)]}, can_undo=False)
     assert plan_recovery(rs, zero_stage=1, partitioned=True).strategy == "checkpoint"
+
+
+def four_machines(stepped: dict[int, int], copies: dict[int, list[tuple[int, int]]], can_undo: bool) -> list[RankReport]:
+    """pp 2 x dp 2, one rank per machine; machine 2 (rank 2) lost."""
+    return [
+        RankReport(rank=r, survivor=r != 2, stage=r % 2, dp=r // 2, tp=0, machine=r, last_stepped=stepped.get(r, -1),
+                   can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())))
+        for r in range(4)
+    ]  # fmt: skip
+
+
+def test_survivors_ahead_take_their_own_copies_back_instead_of_undoing() -> None:
+    # Rank 2's newest copy (on rank 0) is of iteration 5; the survivors stepped 6. Ranks 1 and 3 hold
+    # each other's copies of 5, rank 0's copies sat on rank 2 only: rank 0 undoes, 1 and 3 take theirs back.
+    copies = {0: [(2, 4), (2, 5)], 1: [(3, 5), (3, 6)], 3: [(1, 5), (1, 6)]}
+    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, True), zero_stage=1, partitioned=True)
+    assert plan.strategy == "buddy" and plan.consensus == 5, plan.reason
+    assert plan.undo == (0,) and plan.donors == {2: 0, 1: 3, 3: 1}, plan
+    assert "survivors [1, 3] take their own copy of iteration 5 back (3->1, 1->3); survivors [0] undo" in plan.reason
+    # Survivors that can no longer undo are fine where they get their copy back, not otherwise.
+    copies[1].append((0, 5))
+    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, False), zero_stage=1, partitioned=True)
+    assert plan.strategy == "buddy" and plan.undo == () and plan.donors == {2: 0, 0: 1, 1: 3, 3: 1}, plan
+    del copies[1][-1]
+    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, False), zero_stage=1, partitioned=True)
+    assert plan.strategy == "checkpoint" and "do not reach the consensus iteration 6" in plan.reason, plan.reason
 
 
 def test_losing_a_rank_and_its_only_buddy_says_why() -> None:
