@@ -302,14 +302,18 @@ def _f(value: float | None, fmt: str, none: str = "-") -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
-    head = (f"{'strategy':12s} {'recovered by':14s} {'throughput':>10s} {'total':>7s} {'init':>6s} {'recov':>6s} "
-            f"{'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} {'buddy':>7s}")  # fmt: skip
+    name_w = max([12, *(len(r["strategy"]) for r in rows)])
+    how = {id(r): ",".join(r["recovered_by"]) or "no recovery" for r in rows}
+    how_w = max([14, *(len(h) for h in how.values())])
+    head = (f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
+            f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
+            f"{'buddy':>7s}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         exact = "bitwise" if r["bitwise"] else (
             f"{r['param_distance']:.1e} rel" if r["param_distance"] is not None else f"{r['max_ulp']:.0f} ulp")
         lines.append(
-            f"{r['strategy']:12s} {','.join(r['recovered_by']) or 'no recovery':14s} "
+            f"{r['strategy']:{name_w}s} {how[id(r)]:{how_w}s} "
             f"{_f(r['throughput_ratio'], '.3f'):>10s} {_f(r['total_s'], '.2f'):>6s}s "
             f"{_f(r['initialization_s'], '.2f'):>5s}s {_f(r['recovery_s'], '.2f'):>5s}s {r['iterations_lost']:4d} "
             f"{_f(r['final_loss_delta'], '+.2e'):>10s} {exact:>10s} {_mb(r['bytes_per_iteration']):>9s} "
