@@ -12,9 +12,12 @@ while the next iteration's forward and backward passes run. The sent tensors are
 not copies. A buddy receives into a spare buffer and keeps the newest two complete copies per
 owner, so a copy being overwritten is never reported as complete.
 
-When a round has landed: each round ends with a barrier on the copier's group after the receives,
-so ``landed`` says that every rank's copy of the step is held (not only that this rank's copy has
-left). The next optimizer step waits for it (normally long done by then): no rank is ever more
+When a round has landed: after its receives, each rank adds itself to the round's counter in the
+job store (its own connection: a blocking wait must not hold up the heartbeats); the last one marks
+the round done and the others wait for that key, so ``landed`` says that every rank's copy of the
+step is held (not only that this rank's copy has left). Not a collective on the copier's group: a
+rank tearing down after a failure must be able to destroy that group at once, and a gloo barrier in
+flight held its destruction up for the op timeout. The next optimizer step waits for it (normally long done by then): no rank is ever more
 than one step ahead of any copy. The next backward waits only until this rank's own copy has left
 (``sent``); if some other rank's copy has not landed by then (the last stage starts its backward
 right after its first forward), this rank keeps a copy of the step's gradients
@@ -23,6 +26,7 @@ right after its first forward), this rank keeps a copy of the step's gradients
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import queue
@@ -40,7 +44,7 @@ from ds_swift.recovery.buddy import Member, assign_buddies
 from ds_swift.recovery.erasure import assign_holders, split_payload
 from ds_swift.recovery.replication import counters_of, decode, decode_dtype, encode, flat_sizes
 
-__all__ = ["BuddyCopier", "BuddyHoldings"]
+__all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding"]
 
 _HEADER, _MANIFEST, _DATA = 1, 2, 16  # message tags; tensor i of a payload uses _DATA + i
 
@@ -106,6 +110,39 @@ class BuddyHoldings:
             return sum(c.nbytes for held in self._copies.values() for c in held)
 
 
+class StoreLanding:
+    """Every rank's copies of a round are held: a counter per round in the job store.
+
+    Args:
+        store: a job-store connection of the copier thread's own.
+        generation: the generation (rounds of an earlier one never count).
+        world: ranks taking part.
+    """
+
+    def __init__(self, store: Any, generation: int, world: int) -> None:
+        self.store, self.generation, self.world = store, generation, world
+
+    def _key(self, version: int) -> str:
+        return f"buddy/{self.generation}/{version}"
+
+    def __call__(self, version: int, stopped: Callable[[], bool]) -> bool:
+        """Count this rank in for round ``version`` and wait until every rank is in (True), or until
+        ``stopped()`` (False)."""
+        key = self._key(version)
+        if self.store.add(key + "/n", 1) >= self.world:
+            self.store.set(key + "/done", "1")
+            for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
+                self.store.kv.delete_key(old)  # rounds are a step apart: two back is over everywhere
+            return True
+        while not stopped():
+            try:
+                self.store.kv.wait([key + "/done"], datetime.timedelta(seconds=0.5))
+                return True
+            except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
+                continue
+        return False
+
+
 class _Worker:
     """One generation's copier: its group, placement, queue and thread (a stale thread of a failed
     generation only ever touches its own worker)."""
@@ -118,8 +155,11 @@ class _Worker:
         holdings: BuddyHoldings,
         log: Callable[[str], None],
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
+        landing: Callable[[int, Callable[[], bool]], bool] | None = None,
     ) -> None:
         self.group = group
+        self.landing = landing
+        self.stopped = False
         self.split = split
         self.log = log
         self.buddies = buddies
@@ -194,8 +234,8 @@ class _Worker:
         _wait(works)
         for owner, v, theirs, flats in received:
             self.holdings.put(owner, v, theirs, flats)
-        dist.barrier(group=group)  # every rank's copy of this step is held
-        self.landed.set()
+        if self.landing is None or self.landing(version, lambda: self.stopped):
+            self.landed.set()
         return sent
 
 
@@ -237,10 +277,13 @@ class BuddyCopier:
     def rounds(self) -> int:
         return self._worker.rounds if self._worker is not None else 0
 
-    def start(self, engine: Any, machine: int) -> bool:
+    def start(self, engine: Any, machine: int, landing: Callable[[int], StoreLanding] | None = None) -> bool:
         """Collective on every rank of the generation: create the copier's gloo group, place the
         buddies, send the current state. False (and nothing started) where the optimizer state is not
-        partitioned: a replica then holds it whole (erasure coding copies it whatever the layout)."""
+        partitioned: a replica then holds it whole (erasure coding copies it whatever the layout).
+
+        ``landing(world)``: the store round that says when every rank's copies are held (None: only
+        this rank's own receives count, for runs without a job store)."""
         if self.erasure is None and not is_partitioned(engine.optimizer):
             return False  # the same answer on every rank (one config): no group is created anywhere
         grid = engine.grid
@@ -259,7 +302,8 @@ class BuddyCopier:
             split = functools.partial(_erasure_parts, *self.erasure)
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
-        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log, split)
+        landed = landing(dist.get_world_size()) if landing is not None else None
+        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log, split, landed)
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
         self.after_step(engine)
@@ -322,6 +366,7 @@ class BuddyCopier:
         w, self._worker = self._worker, None
         if w is None:
             return True
+        w.stopped = True
         w.queue.put(None)
         w.thread.join(timeout=finish_s)
         w.group = None

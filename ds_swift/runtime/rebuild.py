@@ -35,7 +35,7 @@ from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.runtime.buddy import BuddyCopier
+from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.hooks import EngineHooks
@@ -150,8 +150,15 @@ class Rebuilder:
         recovery): start copying this rank's optimizer partition to its buddies after every step."""
         from ds_swift.patches.instructions import hook_instructions, schedule
 
-        engine, buddy = self._holder.engine, self.buddy
-        if buddy is None or self._ctx.env is None or not buddy.start(engine, self._machine()):
+        engine, buddy, env = self._holder.engine, self.buddy, self._ctx.env
+        if buddy is None or env is None:
+            return
+        generation = self._monitor.generation
+
+        def landing(world: int) -> StoreLanding:
+            return StoreLanding(JobStore.from_env(env), generation, world)
+
+        if not buddy.start(engine, self._machine(), landing if self._ctx.store is not None else None):
             return
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
