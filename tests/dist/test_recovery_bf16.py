@@ -10,6 +10,7 @@ included) is bitwise equal to a failure-free run's.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert tl["failed_machine"] == 1 and tl["consensus"] == 6 and tl["undo_ranks"] == []
     assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    # Verified recovery (issue 16): each partition checked against its holder's digest of the copy.
+    assert tl["verification"] == {"2": "verified", "3": "verified"}, tl["verification"]
+    for r in tl["ranks"]:
+        if r["rank"] in (2, 3):
+            assert re.search(r"my optimizer partition bitwise equal to donor rank [01]'s", r["extra"]["verify"]["detail"])
     assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
