@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from ds_swift.runtime.gradmask import GradScale
     from ds_swift.runtime.timeline import RankTimeline
 
-__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "check_round",
-           "checkpoint_source", "loud"]
+__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "announce_deviation",
+           "check_round", "checkpoint_source", "loud"]
 
 
 def loud(rank: int, msg: str) -> None:
@@ -67,6 +67,15 @@ class RecoveryOutcome:
     nothing that has one; see ds_swift.recovery.verify)."""
     grad_scale: GradScale | None = None
     """Lossy forward: how this rank scales its gradients of the iteration trained next."""
+
+
+def announce_deviation(ctx: RankContext, inputs: RecoveryInputs, strategy: str, outcome: RecoveryOutcome,
+                       deviation: str) -> None:
+    """An approximate strategy's deviation: in the outcome (and so the timeline) on every rank, and
+    said loudly once, by the lowest rank."""
+    outcome.deviation = deviation
+    if ctx.rank == min(r.rank for r in inputs.reports):
+        loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy {strategy}): {deviation}")
 
 
 @dataclass

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.digest import partition_state
-from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.replication import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.verify import check_received, publish_reference
 
-__all__ = ["BuddyError", "BuddyStrategy", "BuddyTarget", "Member", "assign_buddies", "buddy_target"]
+__all__ = ["BuddyError", "BuddyStrategy", "BuddyTarget", "Member", "assign_buddies", "buddy_target", "copy_holders"]
 
 
 class BuddyError(ValueError):
@@ -105,7 +105,7 @@ def assign_buddies(
     return out
 
 
-def _holders(inputs: RecoveryInputs, owners: Iterable[int]) -> dict[int, dict[int, list[int]]]:
+def copy_holders(inputs: RecoveryInputs, owners: Iterable[int]) -> dict[int, dict[int, list[int]]]:
     """owner -> iteration -> other surviving ranks (on machines that did not fail) holding that copy."""
     failed = inputs.failed_machines
     out: dict[int, dict[int, list[int]]] = {r: {} for r in owners}
@@ -140,7 +140,7 @@ def _pick(holders: dict[int, dict[int, list[int]]], target: int, load: Counter[i
 
 def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
     """Where every rank lands, or (None, why not)."""
-    holders = _holders(inputs, inputs.replacements)
+    holders = copy_holders(inputs, inputs.replacements)
     missing = sorted(r for r, versions in holders.items() if not versions)
     if missing:
         return None, (
@@ -154,7 +154,7 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
         at = inputs.rebased(target)
         load: Counter[int] = Counter()
         chosen = _pick(holders, target, load)
-        recopied = _pick(_holders(inputs, at.undo), target, load)
+        recopied = _pick(copy_holders(inputs, at.undo), target, load)
         stuck = [r for r in at.cannot_undo if r not in recopied]
         if stuck:
             continue
@@ -227,10 +227,7 @@ class BuddyStrategy(RecoveryStrategy):
         holder = plan.donor_of(ctx.rank)
         if holder is not None:
             state = recv_state(holder)
-            buffers = state.pop("buffers", None) or {}
-            load_state(ctx.engine, state, plan.consensus + 1)
-            if buffers:
-                ctx.engine.module.load_state_dict(buffers, strict=False)
+            load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")
         for work, _ in sending:
             work.wait()

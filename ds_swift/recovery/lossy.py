@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
 from ds_swift.recovery.buddy import BuddyStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replication import ReplicationStrategy
@@ -87,10 +87,8 @@ class LossyForwardStrategy(RecoveryStrategy):
             return outcome
         iteration = plan.consensus + 1
         outcome.grad_scale = GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp))
-        outcome.deviation = (
+        announce_deviation(ctx, inputs, self.name, outcome, (
             f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
             f"(replicas {sorted(lost)} lost a rank and count as zero)"
-        )
-        if ctx.rank == min(r.rank for r in inputs.reports):
-            loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy lossy_forward): {outcome.deviation}")
+        ))  # fmt: skip
         return outcome

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.erasure import erasure_target, join_chunks
-from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.replication import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.verify import check_published
 
 __all__ = ["PipeChurnStrategy"]
@@ -68,10 +68,7 @@ class PipeChurnStrategy(RecoveryStrategy):
         if ctx.rank in sources:
             chunks = [recv_state(holder) for holder, _ in sorted(sources[ctx.rank])]
             state = join_chunks(chunks)
-            buffers = state.pop("buffers", None) or {}
-            load_state(ctx.engine, state, plan.consensus + 1)
-            if buffers:
-                ctx.engine.module.load_state_dict(buffers, strict=False)
+            load_received(ctx.engine, state, plan.consensus + 1)
             size = sum(int(c["chunk"].numel()) for c in chunks)
             ctx.log(
                 f"decoded my state of iteration {plan.consensus} from chunks "

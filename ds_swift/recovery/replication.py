@@ -48,6 +48,7 @@ __all__ = [
     "finish_restore",
     "flat_sizes",
     "flatten",
+    "load_received",
     "load_state",
     "recv_state",
     "send_state",
@@ -237,6 +238,16 @@ def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
         torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def load_received(engine: Any, state: dict[str, Any], iteration: int) -> None:
+    """:func:`load_state` of a state received from a peer: a replica's whole state, or a partition
+    copy (a buddy copy, decoded chunks), which has no module parameters (the low-precision ones come
+    from the masters in :func:`finish_restore`) but carries the module's buffers under ``buffers``."""
+    buffers = state.pop("buffers", None) or {}
+    load_state(engine, state, iteration)
+    if buffers:
+        engine.module.load_state_dict(buffers, strict=False)
 
 
 def finish_restore(engine: Any) -> None:

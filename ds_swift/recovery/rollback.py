@@ -25,9 +25,17 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
+from ds_swift.recovery.buddy import copy_holders
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replication import capture_state, donors_for, finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.replication import (
+    capture_state,
+    donors_for,
+    finish_restore,
+    load_received,
+    recv_state,
+    send_state,
+)
 
 __all__ = ["ImmediateRollbackStrategy", "rollback_sources"]
 
@@ -44,13 +52,7 @@ def rollback_sources(inputs: RecoveryInputs) -> tuple[dict[int, tuple[int, int]]
             stages = sorted({by_rank[r].stage for r in missing})
             return {}, f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing}) to take state from"
         return {lost: (d, by_rank[d].last_stepped) for lost, d in donors.items()}, ""
-    failed, lost = inputs.failed_machines, set(inputs.replacements)
-    held: dict[int, dict[int, list[int]]] = {r: {} for r in inputs.replacements}
-    for r in inputs.reports:
-        if r.survivor and r.machine not in failed:
-            for owner, version in r.buddy_copies:
-                if owner in lost:
-                    held[owner].setdefault(version, []).append(r.rank)
+    held = copy_holders(inputs, inputs.replacements)
     missing = sorted(r for r, v in held.items() if not v)
     if missing:
         return {}, f"no buddy copy of the optimizer partition of rank(s) {missing} survived to take state from"
@@ -119,10 +121,7 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         donor = plan.donor_of(ctx.rank)
         if donor is not None:
             state = recv_state(donor)
-            buffers = state.pop("buffers", None) or {}
-            load_state(ctx.engine, state, plan.consensus + 1)
-            if buffers:
-                ctx.engine.module.load_state_dict(buffers, strict=False)
+            load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"immediate rollback: took rank {donor}'s state of iteration {sources[ctx.rank][1]}")
         finish_restore(ctx.engine)
         lagging = {r: v for r, (_, v) in sources.items() if v != plan.consensus}
@@ -134,9 +133,8 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
                          + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items())))  # fmt: skip
         if not rewound:
             parts.append(f"rank {ctx.rank}'s LR schedule runs one step ahead")
-        outcome.deviation = "; ".join(parts) if (ahead or lagging or not rewound) else None
-        if outcome.deviation and ctx.rank == min(r.rank for r in inputs.reports):
-            loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy immediate_rollback): {outcome.deviation}")
+        if ahead or lagging or not rewound:
+            announce_deviation(ctx, inputs, self.name, outcome, "; ".join(parts))
         return outcome
 
     @staticmethod

@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source, loud
+from ds_swift.recovery.base import (
+    RankContext,
+    RecoveryOutcome,
+    RecoveryStrategy,
+    announce_deviation,
+    check_round,
+    checkpoint_source,
+    loud,
+)
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replication import finish_restore, set_counters
 
@@ -135,12 +143,10 @@ class ScarStrategy(RecoveryStrategy):
         finish_restore(ctx.engine)
         behind = plan.consensus + 1 - max(0, step)
         outcome.checkpoint_step = step if step >= 0 else None
-        outcome.deviation = (
+        announce_deviation(ctx, inputs, self.name, outcome, (
             f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
             f"(partial recovery: the job goes on from a state the failure-free run never had)"
-        )
-        if ctx.rank == min(r.rank for r in inputs.reports):
-            loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy scar): {outcome.deviation}")
+        ))  # fmt: skip
         return outcome
 
     @staticmethod

@@ -47,6 +47,8 @@ class RunningCheckpoints:
     def after_step(self, engine: Any) -> None:
         """A round, where one is due after the step just taken."""
         done = int(engine.global_steps)
+        if self._ckpt is not None and not self._ckpt.due(done):
+            return  # most steps: nothing to gather
         tensors, groups = running_state(engine.optimizer)
         if self._ckpt is None:
             self._ckpt = RunningCheckpoint(self.directory, fraction=self.fraction, interval=self.interval, groups=groups,

@@ -14,6 +14,7 @@ workers, replacements) is SIGKILLed.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +24,8 @@ from typing import Any
 
 from ds_swift.testing.procs import ProcessSet, worker_env
 
-__all__ = ["JobRun", "JobSpec", "JobTimeout", "build_deepspeed_shm_op", "deepspeed_shm_op_built", "run_job"]
+__all__ = ["JobRun", "JobSpec", "JobTimeout", "assert_verified", "build_deepspeed_shm_op", "deepspeed_shm_op_built",
+           "run_job"]
 
 
 @dataclass(frozen=True)
@@ -189,3 +191,16 @@ def build_deepspeed_shm_op(log_dir: str | Path, timeout_s: float = 600.0) -> Non
         procs.spawn_python("warm", ["-c", _SHM_BUILD], env=worker_env())
         if procs.wait("warm", timeout_s) != 0:
             raise RuntimeError(f"building DeepSpeed's shm comm op failed:\n{procs.log('warm')[-3000:]}")
+
+
+def assert_verified(tl: Mapping[str, Any], ranks: Sequence[int], against: str) -> None:
+    """A recovery timeline says the state of ``ranks`` (and no other) was verified bitwise ``against``
+    (a pattern of the verdict's detail); raises AssertionError otherwise."""
+    if tl["verification"] != {str(r): "verified" for r in ranks}:
+        raise AssertionError(f"verification: {tl['verification']}")
+    for r in tl["ranks"]:
+        if r["rank"] in ranks:
+            if not re.search(against, r["extra"]["verify"]["detail"]):
+                raise AssertionError(f"rank {r['rank']}: {r['extra']['verify']}")
+        elif "verify" in r["extra"]:  # survivors kept their own state: nothing to check
+            raise AssertionError(f"rank {r['rank']} verified a state it kept: {r}")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ds_swift.testing.checkpoints import Baseline, checkpoint_tensors, compare_tensors, relative_distance, undo_ulp
-from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+from ds_swift.testing.jobs import JobRun, JobSpec, assert_verified, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
@@ -83,16 +83,6 @@ def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseli
     # Verified recovery (issue 16): each replacement's state checked against its donor's digest.
     assert_verified(tl, [2, 3], r"the state bitwise equal to donor rank [01]'s \(\d+ tensors\)")
     assert_bitwise_equal(baseline.final, checkpoint_tensors(job.final_tag))
-
-
-def assert_verified(tl: dict[str, Any], ranks: list[int], against: str) -> None:
-    """The timeline says the state of ``ranks`` (and no other) was verified bitwise ``against``."""
-    assert tl["verification"] == {str(r): "verified" for r in ranks}, tl["verification"]
-    for r in tl["ranks"]:
-        if r["rank"] in ranks:
-            assert re.search(against, r["extra"]["verify"]["detail"]), r["extra"]["verify"]
-        else:
-            assert "verify" not in r["extra"], r  # survivors kept their own state: nothing to check
 
 
 def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline) -> None:

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
-from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+from ds_swift.testing.jobs import JobRun, JobSpec, assert_verified, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
@@ -54,16 +54,6 @@ def one_timeline(job: JobRun) -> dict[str, Any]:
     assert job.code == 0, job.output[-8000:]
     (tl,) = job.timelines()
     return tl
-
-
-def assert_verified(tl: dict[str, Any], ranks: list[int], against: str) -> None:
-    """The timeline says the state of ``ranks`` (and no other) was verified bitwise ``against``."""
-    assert tl["verification"] == {str(r): "verified" for r in ranks}, tl["verification"]
-    for r in tl["ranks"]:
-        if r["rank"] in ranks:
-            assert re.search(against, r["extra"]["verify"]["detail"]), r["extra"]["verify"]
-        else:
-            assert "verify" not in r["extra"], r  # survivors kept their own state: nothing to check
 
 
 def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
