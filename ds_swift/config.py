@@ -36,6 +36,7 @@ __all__ = [
     "CheckFreqConfig",
     "CheckpointConfig",
     "ConfigError",
+    "ElasticConfig",
     "LoggingConfig",
     "MachinesConfig",
     "PipeChurnConfig",
@@ -322,6 +323,33 @@ class SimulateConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic shrink (strategy ``lossy_forward``, Nicolae et al. section III-B): with no spare
+    machine left (``ds-swift-launch --elastic``), the job goes on without the failed machine's
+    data-parallel replicas instead of stopping (ds_swift.recovery.shrink)."""
+
+    enabled: bool = False
+    """Shrink data parallelism when the launcher has no spare machine left."""
+
+    global_batch: str = "keep"
+    """``keep``: the global batch stays the same, each remaining replica accumulating more
+    micro-batches (``gradient_accumulation_steps`` x dp / new dp; the same samples, the same
+    update up to the summation order); ``shrink``: the accumulation stays, the global batch shrinks
+    with the replicas (the casualties' samples are left out from then on)."""
+
+    min_data_parallel: int = 1
+    """Below this many data-parallel replicas the job stops instead of shrinking further."""
+
+    def __post_init__(self) -> None:
+        _check_type("elastic.enabled", self.enabled, bool, "true or false")
+        if self.global_batch not in ("keep", "shrink"):
+            raise _fail("elastic.global_batch", self.global_batch, '"keep" or "shrink"')
+        _check_type("elastic.min_data_parallel", self.min_data_parallel, int, "an integer >= 1")
+        if self.min_data_parallel < 1:
+            raise _fail("elastic.min_data_parallel", self.min_data_parallel, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class VerifyConfig:
     """Verified recovery: every restored rank's state is checked against a reference digest before
     training resumes; a mismatch falls back to the global checkpoint, naming the tensor
@@ -469,6 +497,9 @@ class SwiftConfig:
     simulate_failure: SimulateConfig = field(default_factory=SimulateConfig)
     """Nicolae et al.'s failure-simulation mode (off unless its ``iteration`` is set)."""
 
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Elastic shrink with no spare left (strategy ``lossy_forward``)."""
+
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
 
@@ -488,6 +519,12 @@ class SwiftConfig:
                 f"swift config: checkpoint.running_fraction={self.checkpoint.running_fraction!r} is read only by "
                 f'strategy "scar" (SCAR\'s partial recovery), not {self.strategy!r}: set "strategy": "scar", or '
                 "remove checkpoint.running_fraction"
+            )
+        if self.elastic.enabled and self.strategy != "lossy_forward":
+            raise ConfigError(
+                f"swift config: elastic.enabled=true needs \"strategy\": \"lossy_forward\" (the survivors go on "
+                f"without the lost replicas' samples of the failed iteration), not {self.strategy!r}: set the "
+                "strategy, or remove elastic.enabled"
             )
 
     # ----------------------------------------------------------------- constructors
@@ -553,6 +590,7 @@ _NESTED: dict[str, type] = {
     "verify": VerifyConfig,
     "pipechurn": PipeChurnConfig,
     "simulate_failure": SimulateConfig,
+    "elastic": ElasticConfig,
 }
 
 

@@ -31,6 +31,7 @@ Keys (relative to the job prefix)::
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from collections.abc import Callable, Iterable
 
@@ -41,10 +42,14 @@ from ds_swift.store_url import StoreURL
 from ds_swift.worker_env import MembershipError, WorkerEnv
 
 __all__ = [
+    "LAYOUT_KEY",
     "GenerationFailed",
     "JobStore",
     "MembershipError",
     "WorkerEnv",
+    "fate_key",
+    "grow_key",
+    "read_layout",
 ]
 
 _POLL_S = 0.02
@@ -312,3 +317,27 @@ class JobStore:
         delete_prefix = getattr(self.raw, "delete_prefix", None)
         if delete_prefix is not None:
             delete_prefix(self.prefix)
+
+
+# ---------------------------------------------------------------------------- elastic layout
+#: Job-store key of the job's machines in rank order (JSON; absent: 0, 1, ..., every machine). A
+#: rank is its machine's position in it times the ranks per machine, plus its local rank
+#: (ds_swift.recovery.elastic: an elastic shrink drops a machine, a grow appends one).
+LAYOUT_KEY = "launch/layout"
+
+
+def read_layout(store: JobStore, num_machines: int) -> list[int]:
+    """The job's machines in rank order."""
+    raw = store.get(LAYOUT_KEY)
+    return [int(m) for m in json.loads(raw)] if raw else list(range(num_machines))
+
+
+def fate_key(generation: int, machine: int) -> str:
+    """Where the launcher says what becomes of ``machine``, failed in ``generation``: ``spare``,
+    ``restart``, ``shrink`` (the job goes on without it) or ``abort``."""
+    return f"launch/fate/{generation}/{machine}"
+
+
+def grow_key(generation: int) -> str:
+    """Set to a machine id when generation ``generation`` ended because that machine came back."""
+    return f"launch/grow/{generation}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds_swift.detect.watchdog import hung_machine_key
-from ds_swift.membership import JobStore, WorkerEnv
+from ds_swift.membership import JobStore, WorkerEnv, grow_key, read_layout
 from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
@@ -74,6 +74,8 @@ class JobSpec:
     warm_spares: bool = False
     """Spares keep warm workers (ds-swift-launch: on unless ``--cold-spares``)."""
     secret: str = field(default="", repr=False)
+    elastic: bool = False
+    """With no spare left, the job goes on without a failed machine (``--elastic``)."""
 
     @classmethod
     def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "") -> JobSpec:
@@ -93,6 +95,7 @@ class JobSpec:
             store_url=store_url,
             warm_spares=not args.cold_spares,
             secret=args.job_secret,
+            elastic=args.elastic,
         )
 
     @property
@@ -131,6 +134,9 @@ class MachineAgent:
         self.workers: list[Worker] = []
         self._dying: list[Worker] = []  # SIGKILLed by us, not reaped yet
         self._restart_at = 0.0
+        self._grow_back = False  # RESTARTING after an elastic shrink: the machine comes back as a grow
+        self._grow_pending: int | None = None  # the generation a grow ends once the machine's ranks joined the next
+        self._layout: list[int] | None = None  # the job's machines in rank order, once a grow changed them
         self._failed_generation = 0  # the generation whose timeline the next replacement completes
         self._scan_from = 1  # next replacement request a spare looks at
         # A GPU with uncorrectable ECC errors or a critical Xid computes wrong numbers or hangs:
@@ -173,9 +179,14 @@ class MachineAgent:
         self._dying = [w for w in self._dying if w.poll() is None]
         if self.state is AgentState.RUNNING:
             self._check_workers()
+            if self._grow_pending is not None and self.state is AgentState.RUNNING:
+                self._grow_when_joined()
         elif self.state is AgentState.RESTARTING and time.monotonic() >= self._restart_at:
-            self.state = AgentState.RUNNING
-            self._spawn_replacement()
+            if self._grow_back:
+                self._grow()
+            else:
+                self.state = AgentState.RUNNING
+                self._spawn_replacement()
         elif self.state is AgentState.SPARE and self._pool is not None:
             lines = self._pool.check()
             if lines:
@@ -226,11 +237,16 @@ class MachineAgent:
     def _worker_envs(self, generation: int, replacement: bool) -> list[WorkerEnv]:
         assert self.machine is not None
         inject = format_specs(self.job.inject)
+        ranks, world = self.job.ranks(self.machine), self.job.world_size
+        if self._layout is not None:  # an elastic grow: the machine's place in the job's layout
+            n = self.job.nproc_per_node
+            position = self._layout.index(self.machine)
+            ranks, world = range(position * n, (position + 1) * n), len(self._layout) * n
         return [
             WorkerEnv(
                 rank=rank,
                 local_rank=local_rank,
-                world_size=self.job.world_size,
+                world_size=world,
                 machine=self.machine,
                 num_machines=self.job.num_machines,
                 generation=generation,
@@ -243,7 +259,7 @@ class MachineAgent:
                 store_url=self.job.store_url,
                 secret=self.job.secret,
             )
-            for local_rank, rank in enumerate(self.job.ranks(self.machine))
+            for local_rank, rank in enumerate(ranks)
         ]
 
     def _spawn(self, generation: int, replacement: bool) -> bool:
@@ -265,6 +281,46 @@ class MachineAgent:
                 return False
             self.workers.append(worker)
         return False
+
+    def _grow(self) -> None:
+        """The machine is back after an elastic shrink. Once the job trains again (the shrink's
+        recovery is over) its ranks start, for the next generation, at their place in the grown layout
+        (last); :meth:`_grow_when_joined` ends the generation in force when they wait there."""
+        assert self.machine is not None
+        g = self.store.generation()
+        if self.store.failure(g) is not None or self.store.get(f"gen{g}/resumed") is None:
+            return  # a recovery is in progress: come back next tick
+        self._layout = [*(m for m in read_layout(self.store, self.job.num_machines) if m != self.machine), self.machine]
+        self.state = AgentState.RUNNING
+        self._grow_back = False
+        self._grow_pending = g
+        self._failed_generation = g
+        self._spawn(generation=g + 1, replacement=True)
+        self.events(f"machine {self.machine}: back after {self.job.restart_delay_s:g} s; its ranks start for "
+                    f"generation {g + 1} on machines {self._layout}", event="grow_started", node=self.node,
+                    machine=self.machine, generation=g + 1, machines=self._layout)  # fmt: skip
+
+    def _grow_when_joined(self) -> None:
+        """The returning machine's ranks all wait in generation g+1: publish the grown layout, name the
+        machine in ``launch/grow/<g>`` and end generation g (not a failure: nothing is lost), so that
+        the survivors rebuild with it (ds_swift.recovery.elastic). Training paused only from here."""
+        g = self._grow_pending
+        assert g is not None and self.machine is not None
+        if self.store.failure(g) is not None:
+            self.control.abort(f"machine {self.machine}: generation {g} failed while the machine was coming back "
+                               "(elastic grow); a failure during a grow is not recovered")  # fmt: skip
+            return
+        if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
+            return
+        self._grow_pending = None
+        self._layout = self.control.return_machine(self.machine, self.job.num_machines)
+        self.store.set(grow_key(g), str(self.machine))
+        self.store.declare_failure(g, f"machine {self.machine} is back (elastic grow): a rebuild with it")
+        self.store.advance_generation(g)
+        self.control.record_replacement_spawned(g, time.time())
+        self.events(f"machine {self.machine}: its ranks wait in generation {g + 1}; generation {g} ends for a "
+                    f"rebuild on machines {self._layout}", event="grow", node=self.node, machine=self.machine,
+                    generation=g + 1, machines=self._layout)  # fmt: skip
 
     def _spawn_replacement(self) -> None:
         generation = self.store.generation()
@@ -382,7 +438,8 @@ class MachineAgent:
         what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
         outcome = self._handle_failure(machine, reason, t_detected, own=True, rank=worker.rank, returncode=returncode)
-        if outcome == "restart":
+        if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
+            self._grow_back = outcome == "shrink"
             self.state = AgentState.RESTARTING
             self._restart_at = time.monotonic() + (self.job.restart_delay_s or 0.0)
             self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
@@ -426,6 +483,12 @@ class MachineAgent:
         if own:
             self._failed_generation = failed_generation
 
+        fate = self._fate(machine, failed_generation, reason, own)
+        self.control.set_fate(failed_generation, machine, fate)
+        return fate
+
+    def _fate(self, machine: int, failed_generation: int, reason: str, own: bool) -> str:
+        """What becomes of the failed ``machine``: "spare", "restart", "shrink" or "abort"."""
         if self._one_failure_too_many(reason):
             return "abort"
         if self.job.num_spares > 0:
@@ -435,6 +498,14 @@ class MachineAgent:
                 self.events(f"machine {machine}: spare {slot} of {self.job.num_spares} requested", event="spare_requested",
                             node=self.node, machine=machine, slot=slot)
                 return "spare"
+        if self.job.elastic:
+            left = self.control.remove_machine(machine, self.job.num_machines)
+            if left:
+                back = (f"; it comes back after {self.job.restart_delay_s:g} s" if own and self.job.restart_delay_s
+                        is not None else "")  # fmt: skip
+                self.events(f"machine {machine}: no spare left; the job goes on without it on machines {left} "
+                            f"(--elastic){back}", event="shrink", node=self.node, machine=machine, machines=left)
+                return "shrink"
         if own and self.job.restart_delay_s is not None:
             return "restart"
         why = f"all {self.job.num_spares} spares are in use" if self.job.num_spares else "no spare machines (--spares 0)"

@@ -59,6 +59,8 @@ class LaunchArgs:
     restart_delay_s: float | None = None
     """Restart a failed machine's ranks on the same agent after this delay (None: never)."""
     max_failures: int = DEFAULT_MAX_FAILURES
+    elastic: bool = False
+    """With no spare left (and no restart), go on without the failed machine (an elastic shrink)."""
     node_rank: int | None = None
     """Multi-host: this invocation's agent (``0..nnodes-1`` machines, then spares). None: simulate all on one host."""
     master_addr: str = "127.0.0.1"
@@ -149,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-delay", "--restart_delay", dest="restart_delay", type=_seconds, default=None, metavar="SEC",
                    help="with no spare left, restart a failed machine's ranks on the same agent after SEC seconds "
                         "(default: never, the job fails)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with no spare left, go on without the failed machine: the workers drop its data-parallel "
+                        "replicas (swift config: strategy lossy_forward with elastic.enabled; default: the job fails); "
+                        "with --restart-delay the machine comes back after the delay and the job grows back")
     p.add_argument("--max-failures", "--max_failures", dest="max_failures", type=_non_negative_int, metavar="K",
                    default=DEFAULT_MAX_FAILURES,
                    help=f"machine failures the job survives before it gives up (default {DEFAULT_MAX_FAILURES})")
@@ -298,6 +304,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         cold_spares=ns.cold_spares,
         restart_delay_s=ns.restart_delay,
         max_failures=ns.max_failures,
+        elastic=ns.elastic,
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,

@@ -10,7 +10,10 @@ prefix next to :mod:`ds_swift.membership`'s (``launch/`` for the agents' own pro
     launch/spares_taken          counter of spares handed out; value s -> request s
     launch/replace/<s>           "<machine>:<failed generation>": a spare must take over that machine
     launch/replace/<s>/claim     counter; the spare that moved it to 1 owns the request
-    launch/done/<m>              every current rank of machine m exited 0
+    launch/done/<m>              every current rank of machine m exited 0 ("removed": it left the job)
+    launch/layout                the job's machines in rank order (JSON), after an elastic shrink or grow
+    launch/fate/<g>/<m>          what became of machine m, failed in generation g: spare, restart, shrink or abort
+    launch/grow/<g>              machine m came back (--elastic with --restart-delay): generation g ends for it
     launch/exited                agents (other than 0) that saw the end; agent 0 keeps the store up until all did
     gen<g>/failed_machine        the machine whose failure ended generation g (first one, if several)
     gen<g>/t/detected            time.time() when that machine's agent saw the death
@@ -26,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from ds_swift.membership import JobStore
+from ds_swift.membership import LAYOUT_KEY, JobStore, read_layout
 
 __all__ = ["EventLog", "JobControl"]
 
@@ -82,6 +85,25 @@ class JobControl:
             return None
         machine, _, gen = value.partition(":")
         return int(machine), int(gen)
+
+    def set_fate(self, failed_generation: int, machine: int, fate: str) -> None:
+        """Tell the survivors what becomes of ``machine`` (spare, restart, shrink, abort)."""
+        self.store.set(f"launch/fate/{failed_generation}/{machine}", fate)
+
+    def remove_machine(self, machine: int, num_machines: int) -> list[int]:
+        """The job goes on without ``machine`` (an elastic shrink); returns the machines left."""
+        layout = [m for m in read_layout(self.store, num_machines) if m != machine]
+        if layout:
+            self.store.set(LAYOUT_KEY, json.dumps(layout))
+            self.store.set(f"launch/done/{machine}", "removed")
+        return layout
+
+    def return_machine(self, machine: int, num_machines: int) -> list[int]:
+        """``machine`` rejoins the job after a shrink, last in rank order; returns the layout."""
+        layout = [*(m for m in read_layout(self.store, num_machines) if m != machine), machine]
+        self.store.set(LAYOUT_KEY, json.dumps(layout))
+        self.store.kv.delete_key(f"launch/done/{machine}")
+        return layout
 
     def claim(self, slot: int) -> bool:
         return self.store.add(f"launch/replace/{slot}/claim", 1) == 1

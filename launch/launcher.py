@@ -225,6 +225,8 @@ def _describe(args: LaunchArgs, where: str) -> str:
     parts = [f"{args.nnodes} machine(s) x {args.nproc_per_node} rank(s)", f"{args.spares} spare(s)"]
     if args.restart_delay_s is not None:
         parts.append(f"restart after {args.restart_delay_s:g} s")
+    if args.elastic:
+        parts.append("elastic (no spare left: go on without the failed machine)")
     parts.append(f"max {args.max_failures} failure(s)")
     if args.inject:
         parts.append("inject " + "; ".join(str(s) for s in args.inject))

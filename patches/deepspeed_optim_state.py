@@ -43,6 +43,7 @@ __all__ = [
     "optimizer_payload",
     "optimizer_scalars",
     "refresh_lp_params",
+    "reshard_optimizer",
 ]
 
 _DS_RANGE = ("0.19.0", "0.20.0")
@@ -210,6 +211,73 @@ def load_optimizer(opt: Any, payload: dict[str, Any]) -> None:
     link = getattr(opt, "_link_all_hp_params", None)
     if callable(link):
         link()  # the hp mappings point at the optimizer state dict that load_state_dict replaced
+
+
+def _unpadded(opt: Any, kind: str, group: int) -> int:
+    """The elements of flat parameter group ``group`` without the alignment padding at its end."""
+    lp = opt.bf16_groups[group] if kind == "bf16" else opt.bit16_groups[group]
+    return sum(int(p.numel()) for p in lp)
+
+
+def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
+    """The payload :func:`load_optimizer` takes for ``opt``, built from the payloads of EVERY
+    partition of another data-parallel size (an elastic shrink or grow), in partition-id order.
+
+    A ``bf16``/``zero`` group is one flat buffer, aligned at its end to the partition count and cut
+    into equal contiguous partitions: the old partitions joined, less their padding, are the whole
+    group; padded for the new count (zeros, as DeepSpeed pads), this rank's partition is its slice.
+    The masters and each partition-sized tensor of the inner optimizer's state (Adam's moments) are
+    cut so; its scalars (the step count) must agree across the parts. Unpartitioned wrappers hold
+    the whole state on every rank: any part is it.
+
+    Raises:
+        GeometryError: the parts are not one whole set of partitions of the same model and kind.
+    """
+    want = geometry_of(opt)
+    kind = want["kind"]
+    if not parts:
+        raise GeometryError("no partition of the old geometry to reshard from")
+    kinds = {p["geometry"]["kind"] for p in parts}
+    if kinds != {kind}:
+        raise GeometryError(f"optimizer state of kind(s) {sorted(kinds)} cannot be loaded into a {kind!r} wrapper")
+    if kind not in ("bf16", "zero"):
+        if parts[0]["geometry"] != want:
+            raise GeometryError(f"optimizer state of another geometry: {parts[0]['geometry']} vs {want}")
+        return parts[0]
+    count = len(parts)
+    for q, part in enumerate(parts):
+        ids = part["geometry"]["partitions"]
+        if ids != [[q, count]] * len(want["partitions"]):
+            raise GeometryError(f"part {q} of {count} holds partitions {ids}: not one whole set, in order")
+    out_masters, out_state = [], {}
+    inner_parts = [p["inner"] for p in parts]
+    for i, (pid, new_count) in enumerate(want["partitions"]):
+        size, full = want["masters"][i], _unpadded(opt, kind, i)
+
+        def cut(tensors: list[torch.Tensor], i: int = i, pid: int = pid, size: int = size, full: int = full,
+                new_count: int = new_count) -> torch.Tensor:  # fmt: skip
+            joined = torch.cat([t.reshape(-1) for t in tensors])
+            if joined.numel() < full:
+                raise GeometryError(f"group {i}: the old partitions hold {joined.numel()} elements, the model {full}")
+            padded = torch.zeros(size * new_count, dtype=joined.dtype)
+            padded[:full] = joined[:full]
+            return padded[pid * size : (pid + 1) * size].clone()
+
+        out_masters.append(cut([p["masters"][i] for p in parts]))
+        states = [ip["state"].get(i, {}) for ip in inner_parts]
+        merged: dict[str, Any] = {}
+        for key, value in states[0].items():
+            values = [st[key] for st in states]
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == parts[0]["masters"][i].numel():
+                merged[key] = cut(values)
+            elif all(torch.equal(torch.as_tensor(v), torch.as_tensor(value)) for v in values):
+                merged[key] = value
+            else:
+                raise GeometryError(f"group {i}: optimizer state {key!r} differs between the old partitions")
+        out_state[i] = merged
+    inner = {"state": out_state, "param_groups": copy.deepcopy(inner_parts[0]["param_groups"])}
+    return {"geometry": want, "masters": out_masters, "inner": inner, "scalers": parts[0]["scalers"],
+            "flags": parts[0]["flags"]}  # fmt: skip
 
 
 def refresh_lp_params(opt: Any) -> None:

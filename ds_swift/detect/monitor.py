@@ -35,10 +35,15 @@ class FailureMonitor:
         self.progress = Progress()
 
     def start_watchdog(
-        self, env: WorkerEnv, heartbeat_timeout_s: float, peers: Sequence[int], hang_timeout_s: float | None = None
+        self,
+        env: WorkerEnv,
+        heartbeat_timeout_s: float,
+        peers: Sequence[int],
+        hang_timeout_s: float | None = None,
+        machines: Sequence[int] | None = None,
     ) -> None:
         """Start polling the failure flag (and heartbeating, and watching for a hang) on a store
-        connection of its own."""
+        connection of its own. ``machines``: the job's machines in rank order (None: all of them)."""
         self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank, hang_timeout_s)
         self._watchdog = Watchdog(
             lambda: JobStore.from_env(env),
@@ -49,7 +54,8 @@ class FailureMonitor:
             peers,
             progress=self.progress,
             hang_timeout_s=hang_timeout_s,
-            ranks_per_machine=env.world_size // max(1, env.num_machines),
+            ranks_per_machine=env.world_size // max(1, len(machines) if machines is not None else env.num_machines),
+            machines=machines,
         ).start()
 
     @property

@@ -55,6 +55,7 @@ class Watchdog:
         progress: the training thread's progress (None: not watched).
         hang_timeout_s: armed time without progress after which this rank declares itself hung.
         ranks_per_machine: to name the machine of a stale or hung rank (rank // ranks_per_machine).
+        machines: the job's machines in rank order (after an elastic shrink, not all of them; None: 0, 1, ...).
     """
 
     def __init__(
@@ -68,7 +69,9 @@ class Watchdog:
         progress: Progress | None = None,
         hang_timeout_s: float | None = None,
         ranks_per_machine: int = 1,
+        machines: Sequence[int] | None = None,
     ) -> None:
+        self.machines = tuple(machines) if machines is not None else None
         self._store_factory = store_factory
         self.progress = progress
         self.hang_timeout_s = hang_timeout_s
@@ -175,7 +178,8 @@ class Watchdog:
 
     def _fail_machine(self, store: JobStore, g: int, rank: int, reason: str) -> str:
         """Declare ``g`` failed for ``reason`` and have ``rank``'s agent kill its machine."""
-        store.set(hung_machine_key(rank // self.ranks_per_machine), f"{g} {reason}")
+        index = rank // self.ranks_per_machine
+        store.set(hung_machine_key(self.machines[index] if self.machines is not None else index), f"{g} {reason}")
         declare_failure(store, g, reason)
         return store.failure(g) or reason
 

@@ -167,7 +167,8 @@ class SwiftPipelineEngine:
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(
-                ctx.env, cfg.watchdog.heartbeat_timeout_s, watched_peers(engine), cfg.watchdog.hang_timeout_s
+                ctx.env, cfg.watchdog.heartbeat_timeout_s, watched_peers(engine), cfg.watchdog.hang_timeout_s,
+                self._rebuild.machines,
             )
             if ctx.env.replacement:
                 self._resume(self._rebuild.as_replacement())

@@ -29,13 +29,14 @@ from ds_swift.detect.classify import is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
-from ds_swift.membership import GenerationFailed, JobStore
+from ds_swift.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
-from ds_swift.recovery.base import RecoveryOutcome
+from ds_swift.recovery.base import RecoveryOutcome, loud
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
+from ds_swift.recovery.elastic import Resize, ResizeRefused, recover_resized, resized_ds_config
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
+from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.hooks import EngineHooks
@@ -101,6 +102,14 @@ class Rebuilder:
         self._hooks = hooks
         self._monitor = monitor
         self._ckpt = ckpt
+        #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
+        self.resize: Resize | None = None
+        #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
+        self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
+        #: the job's machines in rank order (ds_swift.recovery.elastic)
+        self._machines: list[int] | None = None
+        if ctx.env is not None and ctx.store is not None and cfg.elastic.enabled:
+            self._machines = read_layout(ctx.store, ctx.env.num_machines)
         # A forced strategy that never reads buddy copies does not pay for them.
         unused = cfg.recovery_strategy in ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")
         self.buddy = (
@@ -231,6 +240,8 @@ class Rebuilder:
         done("copier threads")
         self._hooks.uninstall()
         engine = self._holder.engine
+        if self._cfg.elastic.enabled:
+            self._old_grid = grid_of(engine)
         kept = KeptState.capture(engine, self._hooks.take_undo())
         kept.buddy = self.buddy.holdings if self.buddy is not None else None
         # The user's script may still hold the old module (or engine): cut the groups out of them.
@@ -251,10 +262,50 @@ class Rebuilder:
         keeps survivors from joining before the agent declared (it would then fail g+1 too)."""
         store, env = self._ctx.store, self._ctx.env
         assert store is not None and env is not None
+        if self._cfg.elastic.enabled:
+            back = store.get(grow_key(g))
+            if back is not None:  # not a failure: a machine came back (its agent set the key first)
+                self._resize(g, "grow", int(back))
+                return
         machine = wait_failed_machine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s))
         if machine == env.machine:
             self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
             os._exit(70)
+        if machine is not None and self._cfg.elastic.enabled:
+            fate = _wait_key(store, fate_key(g, machine), self._ctx.join_timeout_s)
+            if fate == "shrink":
+                self._resize(g, "shrink", machine)
+            elif fate is None:
+                self._ctx.log(f"the launcher did not say within {self._ctx.join_timeout_s:g} s what becomes of "
+                              f"machine {machine}: waiting for its replacement")  # fmt: skip
+
+    def _resize(self, g: int, kind: str, machine: int) -> None:
+        """The launcher goes on without ``machine`` (a shrink: no spare left, ``--elastic``) or takes it
+        back (a grow): this rank's place in the new world, the DeepSpeed config with its batch, the
+        watchdog on the new ranks."""
+        store, env, cfg = self._ctx.store, self._ctx.env, self._cfg
+        assert store is not None and env is not None and self._machines is not None and self._old_grid is not None
+        if self._build is not None:
+            raise ResizeRefused("elastic.enabled: ds-swift rebuilds the engine with another data-parallel size "
+                                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn")  # fmt: skip
+        coords, gas, micro, partitioned = self._old_grid
+        layout = read_layout(store, env.num_machines)
+        try:
+            resize = Resize.plan(kind=kind, machine=machine, old_layout=self._machines, new_layout=layout,
+                                 old_coords=coords, gas=gas, micro=micro, policy=cfg.elastic.global_batch,
+                                 min_dp=cfg.elastic.min_data_parallel, partitioned=partitioned)  # fmt: skip
+        except ResizeRefused as exc:
+            loud(env.rank, f"ELASTIC {kind.upper()} REFUSED: {exc}")
+            raise
+        rank = resize.new_rank_of(env.rank)
+        assert rank is not None  # this rank's machine is in the new layout
+        self._ctx.log(resize.describe() + f"; rank {env.rank} -> {rank}")
+        self.resize, self._machines = resize, layout
+        self._ctx.env = env = dataclasses.replace(env, rank=rank, world_size=resize.new_world)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(env.rank), str(env.world_size)
+        self._ds_config = resized_ds_config(self._ds_config, resize)
+        self._monitor.stop()
+        self._monitor.start_watchdog(env, cfg.watchdog.heartbeat_timeout_s, (), cfg.watchdog.hang_timeout_s, layout)
 
     # ------------------------------------------------------------------ replacement
     def as_replacement(self) -> Rejoined:
@@ -320,6 +371,8 @@ class Rebuilder:
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
+        if env.rank == 0:
+            store.set(f"gen{generation}/resumed", "1")  # the job trains again (an elastic grow waits for it)
         self.start_generation()
         self._monitor.set_generation(generation, watched_peers(self._holder.engine))
         self._monitor.set_armed(True)
@@ -334,6 +387,16 @@ class Rebuilder:
         env, store = self._ctx.env, self._ctx.store
         assert env is not None and store is not None
         engine = self._holder.engine
+        if self.resize is not None or self._growing(generation):
+            outcome = recover_resized(
+                store=store, generation=generation, engine=engine, kept=kept, resize=self.resize, timeline=tl,
+                gather_timeout_s=self._ctx.join_timeout_s, log=self._ctx.log,
+                zero_stage=int(engine.zero_optimization_stage()),
+            )  # fmt: skip
+            self.resize = None
+            if self.buddy is not None:  # copies keyed by the old ranks: the new generation copies afresh
+                self.buddy.holdings = BuddyHoldings()
+            return outcome
         erasure = self.buddy is not None and self.buddy.erasure is not None
         return run_recovery(
             store=store,
@@ -362,6 +425,41 @@ class Rebuilder:
             updates=self._cfg.logging.storage if self.updates is not None else None,
         )
 
+    @property
+    def machines(self) -> list[int] | None:
+        """The job's machines in rank order where an elastic shrink may change them (else None: all)."""
+        return self._machines
+
+    def _growing(self, generation: int) -> bool:
+        """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
+        survivors, resharded (ds_swift.recovery.elastic)."""
+        env, store = self._ctx.env, self._ctx.store
+        return (self._cfg.elastic.enabled and env is not None and env.replacement and store is not None
+                and store.get(grow_key(generation - 1)) is not None)  # fmt: skip
+
     def _machine(self) -> int:
         env = self._ctx.env
         return env.machine if env is not None else dist.get_rank() // self._cfg.machines.gpus_per_node
+
+
+def grid_of(engine: Any) -> tuple[tuple[tuple[int, int, int], ...], int, int, bool]:
+    """(stage, dp, tp) of every rank of ``engine``'s grid, its accumulation steps and micro-batch,
+    and whether its optimizer state is partitioned over data-parallel ranks."""
+    topo = engine.grid._topo
+    axes = topo.get_axis_names()
+    coords = []
+    for r in range(topo.world_size()):
+        c = topo.get_coord(r)
+        coords.append((int(c.pipe), int(c.data), int(getattr(c, "model", 0)) if "model" in axes else 0))
+    return (tuple(coords), int(engine.gradient_accumulation_steps()), int(engine.train_micro_batch_size_per_gpu()),
+            is_partitioned(engine.optimizer))  # fmt: skip
+
+
+def _wait_key(store: JobStore, key: str, timeout_s: float) -> str | None:
+    """The value of ``key`` once set, or None after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = store.get(key)
+        if value is not None or time.monotonic() >= deadline:
+            return value
+        time.sleep(0.01)

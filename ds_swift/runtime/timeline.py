@@ -107,6 +107,8 @@ class Timeline:
     digest (details in each rank's ``extra["verify"]``; a mismatch fell back to the checkpoint)."""
     deviation: str | None = None
     """Approximate strategies (``scar``): how far the restored state is from the failure-free run's."""
+    resize: dict[str, Any] | None = None
+    """An elastic shrink or grow: the machine, the machines now, dp and accumulation before/after."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -190,6 +192,7 @@ def build_timeline(
         replay=replay,
         verification={str(r.rank): r.extra["verify"]["status"] for r in ranks if "verify" in r.extra},
         deviation=deviation,
+        resize=next((r.extra["resize"] for r in ranks if "resize" in r.extra), None),
     )
 
 

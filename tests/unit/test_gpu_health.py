@@ -192,7 +192,7 @@ def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
             self.killed = True
 
     class Job:
-        num_machines, nproc_per_node, num_spares, max_failures, restart_delay_s = 2, 2, 0, 3, None
+        num_machines, nproc_per_node, num_spares, max_failures, restart_delay_s, elastic = 2, 2, 0, 3, None, False
         inject: tuple[object, ...] = ()
 
     events: list[str] = []

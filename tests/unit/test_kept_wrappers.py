@@ -21,6 +21,7 @@ from ds_swift.patches.deepspeed_optim_state import (
     load_optimizer,
     optimizer_payload,
     refresh_lp_params,
+    reshard_optimizer,
 )
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.replication import decode, encode, flat_sizes, recv_state, send_state
@@ -132,6 +133,55 @@ def test_another_geometry_is_refused_loudly(world: None) -> None:
         load_optimizer(engine("bf16", hidden=6, steps=0).optimizer, payload)
     with pytest.raises(GeometryError, match="kind"):
         load_optimizer(engine("zero", steps=0).optimizer, payload)
+
+
+def split_like_dp(payload: dict[str, Any], dp: int, lp_numels: list[int]) -> list[dict[str, Any]]:
+    """The payloads ``dp`` data-parallel ranks would hold of ``payload`` (one rank's whole state):
+    each flat group padded at its end to a multiple of 2 x dp (DeepSpeed's alignment), cut in dp."""
+    import copy
+
+    parts = []
+    for q in range(dp):
+        part = copy.deepcopy(payload)
+        for i, full in enumerate(lp_numels):
+            size = -(-full // (2 * dp)) * 2
+
+            def cut(t: torch.Tensor, size: int = size, full: int = full, q: int = q) -> torch.Tensor:
+                padded = torch.zeros(size * dp, dtype=t.dtype)
+                padded[:full] = t.reshape(-1)[:full]
+                return padded[q * size : (q + 1) * size].clone()
+
+            part["masters"][i] = cut(payload["masters"][i])
+            part["geometry"]["masters"][i] = size
+            part["geometry"]["partitions"][i] = [q, dp]
+            for key, value in payload["inner"]["state"][i].items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    part["inner"]["state"][i][key] = cut(value)
+        parts.append(part)
+    return parts
+
+
+@pytest.mark.parametrize("kind", ["bf16", "zero"])
+def test_partitions_of_another_data_parallel_size_reshard_bitwise(world: None, kind: str) -> None:
+    """An elastic shrink (ds_swift.recovery.shrink): the partitions of 2 or 3 replicas, joined and cut
+    again for this engine's single one, are its own state bit for bit; a misplaced or missing
+    partition, or moments that disagree on the step, are refused."""
+    eng = engine(kind, hidden=7)  # 7 * 7 + 7 + 7 + 1 = 64 parameters: padding for dp 3 (and not for 2)
+    opt = eng.optimizer
+    payload = optimizer_payload(capture_optimizer(opt))
+    groups = opt.bf16_groups if kind == "bf16" else opt.bit16_groups
+    numels = [sum(p.numel() for p in g) for g in groups]
+    for dp in (2, 3):
+        parts = split_like_dp(payload, dp, numels)
+        assert_same(reshard_optimizer(parts, opt), payload)
+        with pytest.raises(GeometryError, match="not one whole set"):
+            reshard_optimizer(parts[::-1], opt)
+        with pytest.raises(GeometryError, match="not one whole set"):
+            reshard_optimizer(parts[:-1], opt)
+    parts = split_like_dp(payload, 2, numels)
+    parts[1]["inner"]["state"][0]["step"] = parts[1]["inner"]["state"][0]["step"] + 1
+    with pytest.raises(GeometryError, match="'step' differs"):
+        reshard_optimizer(parts, opt)
 
 
 def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: None) -> None:

@@ -9,6 +9,11 @@ In generation 0 only (replacements never fault):
 
 ``SWIFT_TEST_CPU_FP16=1``: fp16 allowed on DeepSpeed's CPU accelerator (ds_swift.patches.cpu_fp16).
 
+``SWIFT_TEST_HOLD_FOR_GROW="iteration=I"`` (an elastic grow, tests/dist/test_elastic.py): after the
+first rebuild, rank 0 waits at iteration I's first forward pass until the generation ends (the
+returning machine's ranks have started and its agent ended it), so that the grow lands mid-job
+however long their start takes.
+
 And after every recovery, with ``SWIFT_TEST_DUMP_DIR=DIR``, every rank saves the state it resumes
 from as a DeepSpeed checkpoint ``DIR/recovered_gen<g>`` (what an undo left, before any further
 training amplifies its rounding).
@@ -192,6 +197,27 @@ def _patch_logging_recovery(rank: int) -> None:
         CheckpointManager.save = save_or_die  # type: ignore[method-assign]
 
 
+def _hold_hook(iteration: int) -> Any:
+    held = [False]  # once: the forward passes after it run into the generation's end
+
+    def hold_hook(eng: Any, call_next: Any, **kw: Any) -> Any:
+        import torch.distributed as dist
+
+        ctx = current_context()
+        if (int(eng.global_steps) == iteration and dist.get_rank() == 0 and ctx is not None and ctx.store is not None
+                and not held[0]):  # fmt: skip
+            held[0] = True
+            g = ctx.store.generation()
+            print(f"[test] rank 0: holding at iteration {iteration} until generation {g} ends", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            deadline = time.monotonic() + 300
+            while ctx.store.failure(g) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return call_next(**kw)
+
+    return hold_hook
+
+
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
@@ -199,9 +225,13 @@ def main() -> None:
     original = EngineHooks.install
     installs = [0]
 
+    hold = _spec("SWIFT_TEST_HOLD_FOR_GROW")
+
     def install(self: Any, engine: Any) -> None:
         original(self, engine)
         installs[0] += 1
+        if hold and installs[0] == 2 and os.environ.get("SWIFT_REPLACEMENT") != "1":
+            self.add(hook_instructions(engine, "test.hold", {schedule.ForwardPass: _hold_hook(hold["iteration"])}))
         if os.environ.get("SWIFT_REPLACEMENT") == "1" or installs[0] > 1:
             return  # generation 0 only: later engines are rebuilt after a recovery
         hooks = {}
