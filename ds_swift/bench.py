@@ -49,8 +49,10 @@ from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_s
 __all__ = ["BenchError", "bench_profile", "bench_rows", "format_table", "profile_row", "register", "strategy_overrides"]
 
 REFERENCE = "none"
-#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``)
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+#: lossy forward with no spare: the job goes on without the failed machine (an elastic shrink)
+ELASTIC = "lossy_forward_elastic"
+#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), and ELASTIC
+STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC)
 _CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iterations")
 
 
@@ -64,6 +66,8 @@ def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
         return {"enabled": False}
     if name not in STRATEGIES:
         raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name == ELASTIC:
+        return {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": interval}}
     return {"strategy": name, "checkpoint": {"interval": interval}}
 
 
@@ -84,7 +88,7 @@ class BenchSetup:
         launcher: list[str] = []
         if failure:
             inject = f"machine={self.machine},iteration={self.kill_iteration},phase={self.phase}"
-            launcher = ["--spares", "1", "--inject", inject]
+            launcher = [*(["--elastic"] if strategy == ELASTIC else ["--spares", "1"]), "--inject", inject]
         # The swift section's machines are the launcher's (PipeChurn's chunks go to other machines).
         swift = {**strategy_overrides(strategy, self.interval), "machines": {"gpus_per_node": self.nproc}}
         return JobSpec(

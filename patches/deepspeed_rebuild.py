@@ -232,6 +232,13 @@ def release_process_groups(*roots: Any, max_depth: int = 3) -> int:
     for root in roots:
         visit(root, 0)
         if isinstance(root, torch.nn.Module):
+            # megatron-core's tensor-parallel layers keep their group (``self.tp_group``): a tp peer
+            # blocked in its backward all-reduce (LinearWithGradAccumulationAndAsyncCommunication)
+            # waits the op timeout while anything still holds this module.
+            for sub in root.modules():
+                if sub is not root and id(sub) not in seen:
+                    seen.add(id(sub))
+                    cut(vars(sub), True)
             for param in root.parameters():
                 attrs = getattr(param, "__dict__", None)
                 if isinstance(attrs, dict):

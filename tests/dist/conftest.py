@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.testing.jobs import build_deepspeed_shm_op
+from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the configuration users run, on the tiny GPT: bf16 + ZeRO-1, pp 2 x dp 2 on 2 machines of 2 ranks
+BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+BF16_ITERS = 12
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +35,14 @@ def small_log_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="session")
+def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
+    """The failure-free run of :data:`BF16` (12 iterations, checkpoints every 5, a loss log) that
+    test_checkpoint_strategies.py and test_elastic.py compare with: one run for both."""
+    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
+                   loss_log=True)  # fmt: skip
+    run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
+    assert run.code == 0 and not run.timelines(), run.output[-6000:]
+    return run

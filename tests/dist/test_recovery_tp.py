@@ -23,7 +23,7 @@ EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 7
 JOB_DEADLINE_S = 420.0
-SWIFT = {"machines": {"gpus_per_node": 4, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 60.0},
+SWIFT = {"machines": {"gpus_per_node": 4, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 30.0},
          "checkpoint": {"interval": 4}}  # fmt: skip
 #: a small model (8 ranks share 2 cores), split over 2 tensor-parallel ranks
 SCRIPT = ("--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2")
