@@ -98,7 +98,7 @@ def compare_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDif
         x, y = a[name], b[name]
         if x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y)):
             continue
-        gap = float((x.double() - y.double()).abs().max()) if x.shape == y.shape and x.numel() else float("inf")
+        gap = float((x.detach().double() - y.detach().double()).abs().max()) if x.shape == y.shape and x.numel() else float("inf")
         diff.differing.append((name, gap))
         diff.max_ulp = max(diff.max_ulp, ulp_distance(x, y))
     return diff
