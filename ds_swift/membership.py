@@ -49,7 +49,9 @@ __all__ = [
     "WorkerEnv",
     "fate_key",
     "grow_key",
+    "grown_layout",
     "read_layout",
+    "resumed_key",
 ]
 
 _POLL_S = 0.02
@@ -305,6 +307,15 @@ class JobStore:
     def set(self, key: str, value: str) -> None:
         self._put(key, value)
 
+    def wait_value(self, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
+        """The value at ``key`` once set, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self._read(key)
+            if value is not None or time.monotonic() >= deadline:
+                return value
+            time.sleep(poll_s)
+
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""
         return self._read(key)
@@ -341,3 +352,13 @@ def fate_key(generation: int, machine: int) -> str:
 def grow_key(generation: int) -> str:
     """Set to a machine id when generation ``generation`` ended because that machine came back."""
     return f"launch/grow/{generation}"
+
+
+def resumed_key(generation: int) -> str:
+    """Set once the recovery into ``generation`` is over and the job trains again (a grow waits for it)."""
+    return f"gen{generation}/resumed"
+
+
+def grown_layout(layout: list[int], machine: int) -> list[int]:
+    """``layout`` with ``machine`` back in it, last in rank order (survivors keep their ranks)."""
+    return [*(m for m in layout if m != machine), machine]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds_swift.detect.watchdog import hung_machine_key
-from ds_swift.membership import JobStore, WorkerEnv, grow_key, read_layout
+from ds_swift.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
@@ -288,9 +288,9 @@ class MachineAgent:
         (last); :meth:`_grow_when_joined` ends the generation in force when they wait there."""
         assert self.machine is not None
         g = self.store.generation()
-        if self.store.failure(g) is not None or self.store.get(f"gen{g}/resumed") is None:
+        if self.store.failure(g) is not None or self.store.get(resumed_key(g)) is None:
             return  # a recovery is in progress: come back next tick
-        self._layout = [*(m for m in read_layout(self.store, self.job.num_machines) if m != self.machine), self.machine]
+        self._layout = grown_layout(read_layout(self.store, self.job.num_machines), self.machine)
         self.state = AgentState.RUNNING
         self._grow_back = False
         self._grow_pending = g

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from ds_swift.membership import LAYOUT_KEY, JobStore, read_layout
+from ds_swift.membership import LAYOUT_KEY, JobStore, fate_key, grown_layout, read_layout
 
 __all__ = ["EventLog", "JobControl"]
 
@@ -88,7 +88,7 @@ class JobControl:
 
     def set_fate(self, failed_generation: int, machine: int, fate: str) -> None:
         """Tell the survivors what becomes of ``machine`` (spare, restart, shrink, abort)."""
-        self.store.set(f"launch/fate/{failed_generation}/{machine}", fate)
+        self.store.set(fate_key(failed_generation, machine), fate)
 
     def remove_machine(self, machine: int, num_machines: int) -> list[int]:
         """The job goes on without ``machine`` (an elastic shrink); returns the machines left."""
@@ -100,7 +100,7 @@ class JobControl:
 
     def return_machine(self, machine: int, num_machines: int) -> list[int]:
         """``machine`` rejoins the job after a shrink, last in rank order; returns the layout."""
-        layout = [*(m for m in read_layout(self.store, num_machines) if m != machine), machine]
+        layout = grown_layout(read_layout(self.store, num_machines), machine)
         self.store.set(LAYOUT_KEY, json.dumps(layout))
         self.store.kv.delete_key(f"launch/done/{machine}")
         return layout

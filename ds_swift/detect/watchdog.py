@@ -198,11 +198,5 @@ def ensure_generation_moved(store: JobStore, generation: int) -> None:
 def wait_failed_machine(store: JobStore, generation: int, timeout_s: float) -> int | None:
     """The machine whose failure ended ``generation``, as its node agent records it (None if no
     agent says so within ``timeout_s``: a failure declared by a worker, with nobody dead)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        machine = store.get(f"gen{generation}/failed_machine")
-        if machine is not None:
-            return int(machine)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
+    machine = store.wait_value(f"gen{generation}/failed_machine", timeout_s)
+    return int(machine) if machine is not None else None

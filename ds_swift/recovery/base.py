@@ -73,9 +73,15 @@ def announce_deviation(ctx: RankContext, inputs: RecoveryInputs, strategy: str, 
                        deviation: str) -> None:
     """An approximate strategy's deviation: in the outcome (and so the timeline) on every rank, and
     said loudly once, by the lowest rank."""
+    say_deviation(ctx.rank, ctx.rank == min(r.rank for r in inputs.reports), strategy, outcome, deviation)
+
+
+def say_deviation(rank: int, lowest: bool, strategy: str, outcome: RecoveryOutcome, deviation: str) -> None:
+    """:func:`announce_deviation` for a recovery outside the strategy registry (an elastic resize):
+    ``lowest`` is whether this rank is the one that says it."""
     outcome.deviation = deviation
-    if ctx.rank == min(r.rank for r in inputs.reports):
-        loud(ctx.rank, f"APPROXIMATE RECOVERY (strategy {strategy}): {deviation}")
+    if lowest:
+        loud(rank, f"APPROXIMATE RECOVERY (strategy {strategy}): {deviation}")
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift.membership import JobStore
-from ds_swift.recovery.base import RecoveryOutcome, loud
+from ds_swift.recovery.base import RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
@@ -290,11 +290,12 @@ def recover_resized(
               for dst in range(world) if dst not in survivor_ranks}  # fmt: skip
     first = {dst: survivor_ranks[donors.get(dst, dst)] for dst in range(world)}
     transfers = _transfers(resize, coords, sources, first)
+    state = kept.state() if kept is not None else None  # after the undo: what this rank now holds
 
     def payload_of(owner: int) -> dict[str, Any]:
         if owner == old_rank and sources[owner] == owner:
-            assert kept is not None
-            return {"optimizer": kept.state()["optimizer"]}
+            assert state is not None
+            return {"optimizer": state["optimizer"]}
         if kept is None or kept.buddy is None:
             raise RuntimeError(f"rank {rank} was chosen to send rank {owner}'s buddy copy but holds none")
         return {"optimizer": kept.buddy.state_of(owner, iteration)["optimizer"]}
@@ -307,8 +308,8 @@ def recover_resized(
     moved = 0
     for dst, src in sorted(donors.items()):
         if src == rank:
-            assert kept is not None
-            rest = {k: v for k, v in kept.state().items() if k != "optimizer"}
+            assert kept is not None and state is not None
+            rest = {k: v for k, v in state.items() if k != "optimizer"}
             moved += send_state({**rest, "counters": kept.counters or {}}, dst, send=isend)
     for owner, src, dst in transfers:
         if src == rank and dst != rank:
@@ -318,8 +319,8 @@ def recover_resized(
         load_state(engine, rest, iteration + 1)
         counters = rest.get("counters") or {}
     else:
-        assert kept is not None
-        load_state(engine, {**kept.state(), "optimizer": None}, iteration + 1)
+        assert kept is not None and state is not None
+        load_state(engine, {**state, "optimizer": None}, iteration + 1)
         counters = kept.counters or {}
     engine.skipped_steps = int(counters.get("skipped_steps", 0))
     parts: dict[int, dict[str, Any]] = {}
@@ -341,12 +342,11 @@ def recover_resized(
                         tuple(sorted(donors)), donors=donors, undo=new_undo)  # fmt: skip
     outcome = RecoveryOutcome(plan, iteration + 1, bytes_moved=moved)
     if resize.policy == "keep":
-        outcome.deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
+        deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
     else:
-        outcome.deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
-                             f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")  # fmt: skip
-    if rank == 0:
-        loud(rank, f"APPROXIMATE RECOVERY (strategy lossy_forward): {outcome.deviation}")
+        deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
+                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")  # fmt: skip
+    say_deviation(rank, rank == 0, "lossy_forward", outcome, deviation)
     timeline.extra["resize"] = {
         "kind": resize.kind, "machine": resize.machine, "machines": list(resize.new_layout),
         "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],

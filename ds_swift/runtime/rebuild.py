@@ -29,7 +29,7 @@ from ds_swift.detect.classify import is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
-from ds_swift.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout
+from ds_swift.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.base import RecoveryOutcome, loud
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
@@ -272,7 +272,7 @@ class Rebuilder:
             self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
             os._exit(70)
         if machine is not None and self._cfg.elastic.enabled:
-            fate = _wait_key(store, fate_key(g, machine), self._ctx.join_timeout_s)
+            fate = store.wait_value(fate_key(g, machine), self._ctx.join_timeout_s)
             if fate == "shrink":
                 self._resize(g, "shrink", machine)
             elif fate is None:
@@ -372,7 +372,7 @@ class Rebuilder:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
         if env.rank == 0:
-            store.set(f"gen{generation}/resumed", "1")  # the job trains again (an elastic grow waits for it)
+            store.set(resumed_key(generation), "1")
         self.start_generation()
         self._monitor.set_generation(generation, watched_peers(self._holder.engine))
         self._monitor.set_armed(True)
@@ -454,12 +454,3 @@ def grid_of(engine: Any) -> tuple[tuple[tuple[int, int, int], ...], int, int, bo
     return (tuple(coords), int(engine.gradient_accumulation_steps()), int(engine.train_micro_batch_size_per_gpu()),
             is_partitioned(engine.optimizer))  # fmt: skip
 
-
-def _wait_key(store: JobStore, key: str, timeout_s: float) -> str | None:
-    """The value of ``key`` once set, or None after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = store.get(key)
-        if value is not None or time.monotonic() >= deadline:
-            return value
-        time.sleep(0.01)
