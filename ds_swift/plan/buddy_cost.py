@@ -8,7 +8,8 @@ of the fp32 master weights plus the optimizer state of that share::
 (params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After every
 step each rank sends that payload to each of its ``replication_factor`` buddies (network bytes per
 rank per iteration) and holds the newest two complete copies of each partition it is buddy of
-(host memory per rank: 2 x factor x partition bytes on average).
+(host memory per rank: 2 x factor x partition bytes on average), plus its own copy of its last two
+steps, staged before sending (2 x partition bytes): what makes a survivor's undo bitwise.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class BuddyCost:
         return [
             ("buddy copies", f"on, {self.factor} buddy(ies) per rank ({self.why})"),
             ("buddy network / rank / iteration", f"{net / 1e9:.3f} GB ({net} bytes)"),
-            ("buddy host memory / rank", f"{host / 1e9:.3f} GB (2 copies x {self.factor} partition(s))"),
+            ("buddy host memory / rank", f"{host / 1e9:.3f} GB (2 copies x {self.factor} buddy partition(s) + 2 own copies)"),
         ]
 
 
@@ -87,4 +88,4 @@ def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, n
     opt = str((ds.get("optimizer") or {}).get("type", "adamw")).lower()
     per_param = 4 + 4 * _MOMENTS.get(opt, 2)
     part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
-    return BuddyCost(True, why, factor, part, part * factor, 2 * factor * part)
+    return BuddyCost(True, why, factor, part, part * factor, 2 * (factor + 1) * part)

@@ -14,9 +14,11 @@ on one iteration: the consensus if every lost rank has a copy of it; one iterati
 copy lags by one step and every survivor ahead of it can get back to it; otherwise the strategy
 refuses, and the registry falls back to the global checkpoint, saying why.
 
-A survivor ahead of the iteration gets back to it from a copy of its own, where a surviving buddy
-holds one: bitwise, where update-undo's arithmetic is exact only to 2 ulp (and needs the step's
-gradients still resident). Only a survivor without such a copy undoes.
+A survivor ahead of the iteration gets back to it bitwise from its own copy of that iteration, which
+the copier staged in its host memory before sending it (ds_swift.runtime.buddy); failing that (the
+copier's state was lost with a restart of the process), from a copy a surviving buddy holds; only a
+survivor with neither undoes by update-undo's inverse update, which is exact only to 2 ulp, and the
+recovery then says so (an approximate recovery).
 """
 
 from __future__ import annotations
@@ -154,7 +156,10 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
         at = inputs.rebased(target)
         load: Counter[int] = Counter()
         chosen = _pick(holders, target, load)
-        recopied = _pick(copy_holders(inputs, at.undo), target, load)
+        # A survivor holding its own copy of the target takes it back locally (bitwise, no transfer).
+        by_rank = inputs.by_rank
+        remote = [r for r in at.undo if not by_rank[r].undo_exact]
+        recopied = _pick(copy_holders(inputs, remote), target, load)
         stuck = [r for r in at.cannot_undo if r not in recopied]
         if stuck:
             continue
@@ -199,8 +204,13 @@ class BuddyStrategy(RecoveryStrategy):
             back = ", ".join(f"{h}->{r}" for r, h in sorted(target.recopied.items()))
             reason += f"; survivors {sorted(target.recopied)} take their own copy of iteration {target.iteration} back ({back})"
         undo = tuple(r for r in at.undo if r not in target.recopied)
-        if undo:
-            reason += f"; survivors {list(undo)} undo to iteration {target.iteration}"
+        by_rank = inputs.by_rank
+        exact = [r for r in undo if by_rank[r].undo_exact]
+        if exact:
+            reason += f"; survivors {exact} undo to iteration {target.iteration} from their own copies of it"
+        if len(exact) < len(undo):
+            inexact = [r for r in undo if r not in exact]
+            reason += f"; survivors {inexact} undo to iteration {target.iteration} by the inverse update"
         plan = at.plan(self.name, reason, donors={**target.holders, **target.recopied})
         return dataclasses.replace(plan, undo=undo)
 

@@ -48,6 +48,9 @@ class RankReport:
     log_lost: str | None = None
     """Why this rank's message log stopped covering its sends (a write error: full disk,
     unreachable storage), or None: a replay that needs its messages cannot be exact."""
+    undo_exact: bool = False
+    """That undo would be bitwise (the rank holds its own copy of the iteration before; otherwise
+    update-undo's inverse update gets within 2 ulp of it, and the recovery says so)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager, Origin
 from ds_swift.membership import JobStore
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, loud
-from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
+from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.registry import STRATEGIES
@@ -66,6 +66,7 @@ def rank_report(engine: Any, kept: KeptState | None, machine: int) -> RankReport
         machine=int(machine),
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
+        undo_exact=kept is not None and kept.undo_exact,
     )
 
 
@@ -150,6 +151,7 @@ def run_recovery(
     except RestoreFailed as failed:
         plan, chosen = STRATEGIES.fall_back(inputs, failed.reason)
         outcome = chosen.restore(plan, inputs, ctx)
+    _say_inexact_undo(ctx, inputs, plan, outcome)
     if verify:  # what is trained again is published again; a later replay must not meet the old digests
         forget_from(store, rank, outcome.resume_iteration)
     outcome.latest_checkpoint = step
@@ -157,6 +159,19 @@ def run_recovery(
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved
     return outcome
+
+
+def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:
+    """Survivors that undid by the inverse update (no own copy of the iteration before) resume from a
+    state within 2 ulp of the failure-free run's, not on it: an approximate recovery, said aloud."""
+    by_rank = inputs.by_rank
+    inexact = [r for r in plan.undo if r in by_rank and not by_rank[r].undo_exact]
+    if not inexact:
+        return
+    what = (f"survivors {inexact} undid iteration {plan.consensus + 1} by update-undo's inverse update, which "
+            "restores the state before it only to within 2 ulp (no own copy of it was held: buddy copies are off "
+            "or not used by this strategy)")  # fmt: skip
+    announce_deviation(ctx, inputs, plan.strategy, outcome, f"{outcome.deviation}; {what}" if outcome.deviation else what)
 
 
 def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:

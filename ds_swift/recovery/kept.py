@@ -44,7 +44,11 @@ class KeptState:
     why_not: str | None = None
     """Why the optimizer state could not be kept (an unsupported wrapper), or None."""
     buddy: Any = None
-    """The buddy copies of other ranks' partitions this rank holds (ds_swift.runtime.buddy.BuddyHoldings)."""
+    """The buddy copies of other ranks' partitions this rank holds, and its own copies of its last
+    two steps (ds_swift.runtime.buddy.BuddyHoldings)."""
+    restored: dict[str, Any] | None = None
+    """The own copy an undo took back (optimizer payload, LR scheduler, counters, buffers), loaded
+    in place of the kept optimizer state; None: the kept state is loaded as it is."""
 
     @classmethod
     def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None) -> KeptState:
@@ -98,12 +102,21 @@ class KeptState:
 
     @property
     def can_undo(self) -> bool:
-        return self.undo is not None and bool(getattr(self.undo, "can_undo", True))
+        return self.undo_exact or (self.undo is not None and bool(getattr(self.undo, "can_undo", True)))
+
+    @property
+    def undo_exact(self) -> bool:
+        """An undo of the last step would be bitwise: this rank holds its own copy of the iteration
+        before it (the buddy copier's, ds_swift.runtime.buddy), so it takes that back instead of
+        computing the inverse update (exact only to 2 ulp)."""
+        return self.optimizer is not None and self.buddy is not None and (self.last_stepped - 1) in self.buddy.own_versions()
 
     def undo_blocker(self) -> str | None:
         """Why this survivor cannot undo its last step (None if it can)."""
         if self.optimizer is None:
             return self.why_not or "it has no optimizer"
+        if self.undo_exact:
+            return None
         if self.undo is None:
             return "no update-undo record of its last step"
         if self.can_undo:
@@ -118,16 +131,27 @@ class KeptState:
             return str(exc)
         return "the update-undo record cannot be undone"
 
-    def undo_to(self, iteration: int) -> None:
-        """Undo the last step so that ``iteration`` is the last one applied (one step back at most)."""
+    def undo_to(self, iteration: int) -> str:
+        """Undo the last step so that ``iteration`` is the last one applied (one step back at most):
+        bitwise from this rank's own copy of ``iteration`` where it holds one, else by update-undo's
+        inverse update (within 2 ulp). Returns how ("own copy", "inverse update"; "" if nothing to undo)."""
         if iteration >= self.last_stepped:
-            return
+            return ""
+        own = self.buddy.own_state(iteration) if self.buddy is not None and self.optimizer is not None else None
+        if own is not None and iteration == self.last_stepped - 1:
+            self.restored = own
+            if self.counters is not None:
+                self.counters["skipped_steps"] = int((own.get("counters") or {}).get("skipped_steps", 0))
+            self.last_stepped = iteration
+            self.undo = None
+            return "own copy"
         if self.undo is None or iteration != self.last_stepped - 1:
             raise RuntimeError(f"cannot undo from iteration {self.last_stepped} back to {iteration}")
         rec = self.undo.undo()
         self._restore_step_scalars(getattr(rec, "engine_state", None) or {})
         self.last_stepped = iteration
         self.undo = None
+        return "inverse update"
 
     def rewind_schedule(self, iteration: int) -> bool:
         """Put the LR scheduler and the step scalars (loss scaler, flags, skipped steps), not the
@@ -157,7 +181,13 @@ class KeptState:
 
     def state(self) -> dict[str, Any]:
         """The kept state in the form :func:`~ds_swift.recovery.replication.load_state` takes (read
-        after any undo)."""
+        after any undo). After an undo from the own copy, the module's buffers are the copy's and its
+        parameters the kept ones of the undone step: the strategies rebuild them from the masters
+        (``finish_restore``)."""
+        if self.restored is not None:
+            module = {**self.module, **(self.restored.get("buffers") or {})}
+            return {"module": module, "optimizer": self.restored["optimizer"],
+                    "lr_scheduler": self.restored.get("lr_scheduler"), "rng": {}}  # fmt: skip
         return {
             "module": self.module,
             "optimizer": optimizer_payload(self.optimizer) if self.optimizer is not None else None,
@@ -171,9 +201,11 @@ class KeptState:
         """Undo to ``consensus`` where ``undo`` says so, then load the kept state into ``engine``
         (the rebuilt one), which resumes at ``consensus + 1``."""
         if undo:
-            log(f"undo: last stepped iteration {self.last_stepped} -> consensus {consensus}")
-            timeline.undone_from = self.last_stepped
-            self.undo_to(consensus)
+            last = self.last_stepped
+            timeline.undone_from = last
+            how = self.undo_to(consensus)
+            log(f"undo: last stepped iteration {last} -> consensus {consensus} ({how})")
+            timeline.extra["undo"] = how
             timeline.t_undone = time.time()
         load_state(engine, self.state(), consensus + 1)
         if self.counters is not None:

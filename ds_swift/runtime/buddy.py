@@ -6,22 +6,32 @@ scheduler, the engine's counters and the module's non-parameter buffers, as a te
 (JSON manifest + tensors, ds_swift.recovery.replication.encode). Who holds whose copy:
 ds_swift.recovery.buddy.assign_buddies.
 
-Off the critical path: the step's hook only hands references to a background thread, which sends
-them on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs in gloo's threads)
-while the next iteration's forward and backward passes run. The sent tensors are the live ones,
-not copies. A buddy receives into a spare buffer and keeps the newest two complete copies per
-owner, so a copy being overwritten is never reported as complete.
+Off the critical path: the step's hook only hands references to a background thread, which first
+stages the state into host memory of its own (the rank's *own copy*, the newest two kept) and then
+sends the staged tensors on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs
+in gloo's threads) while the next iteration's forward and backward passes run. A buddy receives into
+a spare buffer and keeps the newest two complete copies per owner, so a copy being overwritten is
+never reported as complete.
 
 When a round has landed: after its receives, each rank adds itself to the round's counter in the
 job store (its own connection: a blocking wait must not hold up the heartbeats); the last one marks
 the round done and the others wait for that key, so ``landed`` says that every rank's copy of the
 step is held (not only that this rank's copy has left). Not a collective on the copier's group: a
 rank tearing down after a failure must be able to destroy that group at once, and a gloo barrier in
-flight held its destruction up for the op timeout. The next optimizer step waits for it (normally long done by then): no rank is ever more
-than one step ahead of any copy. The next backward waits only until this rank's own copy has left
-(``sent``); if some other rank's copy has not landed by then (the last stage starts its backward
-right after its first forward), this rank keeps a copy of the step's gradients
-(``InvertibleOptimizer.keep_grads``), so it can still undo that step should a copy be one behind.
+flight held its destruction up for the op timeout. The next optimizer step waits for it (normally
+long done by then): no rank is ever more than one step ahead of any copy.
+
+Why the own copy: a failure between a step and the landing of its round can find a lost rank's copy
+one step behind, and the survivors that took the step must go back to the iteration before it.
+Update-undo's inverse arithmetic gets there only to within 2 ulp (rounding in the forward step merges
+neighbouring pre-images: measured on a 120k-element AdamW partition, 4% of the masters and 27% of
+``exp_avg`` are not recovered bit for bit), and the job would then go on from a state the
+failure-free run never had. The own copy of the previous step is still complete at that moment (a
+step waits for the previous round, and staging the next round fills the older of the two buffers),
+so the survivor takes it back bitwise (:meth:`BuddyHoldings.own_state`, used by
+``ds_swift.recovery.kept.KeptState.undo_to``). It costs two more copies of the partition in host
+memory and one host copy per step on the copier thread; on a GPU that copy is the device-to-host
+staging gloo needs anyway.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from ds_swift.recovery.buddy import Member, assign_buddies
 from ds_swift.recovery.erasure import assign_holders, split_payload
 from ds_swift.recovery.replication import counters_of, decode, decode_dtype, encode, flat_sizes
 
-__all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding"]
+__all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
 
 _HEADER, _MANIFEST, _DATA = 1, 2, 16  # message tags; tensor i of a payload uses _DATA + i
 
@@ -67,24 +77,47 @@ class BuddyHoldings:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._copies: dict[int, list[_Copy]] = {}
+        self._own: list[_Copy] = []
+        """This rank's own state after its last two steps (see the module's docstring)."""
 
-    def spare(self, owner: int, manifest: bytes) -> dict[torch.dtype, torch.Tensor]:
-        """Buffers to receive ``owner``'s next copy into: the oldest copy's, dropped from the complete
-        ones first (so it is never reported while being overwritten), or new ones."""
+    def spare(self, owner: int | None, manifest: bytes) -> dict[torch.dtype, torch.Tensor]:
+        """Buffers to receive ``owner``'s next copy into (None: this rank's own next copy): the oldest
+        copy's, dropped from the complete ones first (so it is never reported while being
+        overwritten), or new ones."""
         sizes = flat_sizes(manifest)
         with self._lock:
-            held = self._copies.setdefault(owner, [])
+            held = self._own if owner is None else self._copies.setdefault(owner, [])
             if len(held) >= 2:
                 old = held.pop(0)
                 if {d: t.numel() for d, t in old.flats.items()} == sizes:
                     return old.flats
         return {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
 
-    def put(self, owner: int, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
+    def put(self, owner: int | None, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
+        """A complete copy of ``owner``'s state after iteration ``version`` (None: this rank's own)."""
         with self._lock:
-            held = [c for c in self._copies.setdefault(owner, []) if c.version != version]
+            held = [c for c in (self._own if owner is None else self._copies.setdefault(owner, [])) if c.version != version]
             held.append(_Copy(version, manifest, flats))
-            self._copies[owner] = sorted(held, key=lambda c: c.version)[-2:]
+            newest = sorted(held, key=lambda c: c.version)[-2:]
+            if owner is None:
+                self._own = newest
+            else:
+                self._copies[owner] = newest
+
+    def own_state(self, version: int) -> dict[str, Any] | None:
+        """This rank's own state after iteration ``version``, decoded into fresh tensors (a load must
+        not alias buffers the next round overwrites), or None where no complete own copy of it is held."""
+        with self._lock:
+            found = next((c for c in self._own if c.version == version), None)
+            if found is None:
+                return None
+            flats = {d: t.clone() for d, t in found.flats.items()}
+        return decode(found.manifest, flats)
+
+    def own_versions(self) -> tuple[int, ...]:
+        """The iterations of the complete own copies held."""
+        with self._lock:
+            return tuple(c.version for c in self._own)
 
     def copies(self) -> tuple[tuple[int, int], ...]:
         """(owner, iteration) of every complete copy held."""
@@ -106,8 +139,9 @@ class BuddyHoldings:
         raise KeyError(f"no complete buddy copy of rank {owner} at iteration {version}")
 
     def nbytes(self) -> int:
+        """Host memory of every copy held: other ranks' and this rank's own."""
         with self._lock:
-            return sum(c.nbytes for held in self._copies.values() for c in held)
+            return sum(c.nbytes for held in (*self._copies.values(), self._own) for c in held)
 
 
 class StoreLanding:
@@ -166,9 +200,6 @@ class _Worker:
         self.owners = owners
         self.holdings = holdings
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.sent = threading.Event()
-        """This rank's copy of the last round has left (its sends completed)."""
-        self.sent.set()
         self.landed = threading.Event()
         """Every rank's copy of the last round is held (the round's closing barrier passed)."""
         self.landed.set()
@@ -193,12 +224,12 @@ class _Worker:
                     )
             except Exception as exc:  # noqa: BLE001 - handed to the training thread at its next step
                 self.error = exc
-                self.sent.set()
                 self.landed.set()
                 return
 
-    def _round(self, version: int, manifest: bytes, tensors: list[torch.Tensor]) -> int:
+    def _round(self, version: int, manifest: bytes, live: list[torch.Tensor]) -> int:
         group = self.group
+        tensors = stage_own(self.holdings, version, manifest, live)
         # One part per buddy: the same payload for each (buddy copies), or chunk j for the j-th
         # (pipechurn's erasure coding, done here on the copier thread).
         parts = self.split(manifest, tensors) if self.split is not None else [(manifest, tensors)] * len(self.buddies)
@@ -230,7 +261,6 @@ class _Worker:
         _wait(sends)
         del alive
         self.bytes_sent += sent
-        self.sent.set()
         _wait(works)
         for owner, v, theirs, flats in received:
             self.holdings.put(owner, v, theirs, flats)
@@ -310,22 +340,13 @@ class BuddyCopier:
         return True
 
     def before_step(self, check: Callable[[], None] | None = None) -> None:
-        """The optimizer step is about to change the tensors the last round sends: wait until that
+        """The optimizer step is about to change the tensors the last round stages: wait until that
         round has landed everywhere (``landed``; normally long done by then).
 
         ``check`` raises if the generation failed meanwhile; it is called every 0.1 s of waiting. A
         round sending to a dead holder waits for gloo's op timeout, and so would training: the
         failure flag ends the wait as soon as the job knows."""
         self._wait(lambda w: w.landed, check)
-
-    def before_backward(self, check: Callable[[], None] | None = None) -> None:
-        """Wait until this rank's copy of the last step has left (see :meth:`before_step`)."""
-        self._wait(lambda w: w.sent, check)
-
-    def landed(self) -> bool:
-        """Whether every rank holds its copies of the last round (True with no copier running)."""
-        w = self._worker
-        return w is None or w.landed.is_set()
 
     def _wait(self, event: Callable[[_Worker], threading.Event], check: Callable[[], None] | None) -> None:
         w = self._worker
@@ -345,18 +366,9 @@ class BuddyCopier:
         w = self._worker
         if w is None:
             return
-        module = engine.module
-        params = {n for n, _ in module.named_parameters()}
-        payload = {
-            "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
-            "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
-            "counters": counters_of(engine),
-            "buffers": {k: v for k, v in module.state_dict().items() if k not in params},
-        }
-        manifest, tensors = encode(payload)
-        w.sent.clear()
+        manifest, tensors = state_payload(engine)
         w.landed.clear()
-        w.queue.put((int(engine.global_steps) - 1, manifest, [t.detach().reshape(-1) for t in tensors]))
+        w.queue.put((int(engine.global_steps) - 1, manifest, tensors))
 
     def stop(self, finish_s: float = 0.2) -> bool:
         """Let go of the generation's thread and group, after at most ``finish_s`` for the round in
@@ -371,6 +383,40 @@ class BuddyCopier:
         w.thread.join(timeout=finish_s)
         w.group = None
         return not w.thread.is_alive()
+
+
+def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """What a round copies of ``engine``: the optimizer partition (fp32 masters, inner state, loss
+    scaler, flags), the LR scheduler, the engine's counters and the module's non-parameter buffers,
+    encoded (the tensors are the live ones, flat)."""
+    module = engine.module
+    params = {n for n, _ in module.named_parameters()}
+    payload = {
+        "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
+        "counters": counters_of(engine),
+        "buffers": {k: v for k, v in module.state_dict().items() if k not in params},
+    }
+    manifest, tensors = encode(payload)
+    return manifest, [t.detach().reshape(-1) for t in tensors]
+
+
+def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's own copy of a round: the live tensors (flat, in the manifest's order) copied into
+    host buffers (the older own copy's), kept as complete once copied. Returns the staged views: the
+    round sends those, not the live tensors."""
+    flats = holdings.spare(None, manifest)
+    offsets = dict.fromkeys(flats, 0)
+    staged = []
+    with torch.no_grad():
+        for t in live:
+            n, o = t.numel(), offsets[t.dtype]
+            view = flats[t.dtype][o : o + n]
+            view.copy_(t)
+            staged.append(view)
+            offsets[t.dtype] = o + n
+    holdings.put(None, version, manifest, flats)
+    return staged
 
 
 def _erasure_parts(k: int, r: int, manifest: bytes, tensors: list[torch.Tensor]) -> list[tuple[bytes, list[torch.Tensor]]]:

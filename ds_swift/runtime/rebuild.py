@@ -176,19 +176,7 @@ class Rebuilder:
             buddy.after_step(eng)
             return out
 
-        def backward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            # The last step can be undone only until this backward overwrites its gradients: by then
-            # this rank's own copy has left. If another rank's copy has not landed yet, a failure now
-            # could find it one step behind this rank: keep a copy of the gradients (undo stays
-            # possible), or, where there is no undoable step to keep, wait for the round.
-            buddy.before_backward(self._monitor.check_after_receive)
-            if not buddy.landed():
-                undo = self._hooks.undo
-                if undo is None or not undo.optimizer.keep_grads():
-                    buddy.before_step(self._monitor.check_after_receive)
-            return call_next(**kw)
-
-        hooks = {schedule.OptimizerStep: step, schedule.BackwardPass: backward}
+        hooks = {schedule.OptimizerStep: step}
         self._hooks.add(hook_instructions(engine, "ds_swift.buddy", hooks))
 
     def build_engine(self) -> Any:

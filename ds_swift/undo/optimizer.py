@@ -91,7 +91,6 @@ class InvertibleOptimizer:
         self._record: StepRecord | None = None
         self._txn: StepRecord | None = None
         self._released = False
-        self._own_grads = False  # the record holds copies of g_t (keep_grads), not DeepSpeed's buffers
         self._last_iteration: int | None = last_stepped_iteration
         # Bound before anyone (attach_to_engine) patches ``optimizer.step`` to route here.
         self._inner_step = optimizer.step
@@ -215,7 +214,6 @@ class InvertibleOptimizer:
         # The previous record (if any) drops here: its gradients are overwritten anyway.
         self._record = rec
         self._released = False
-        self._own_grads = False
         self._last_iteration = rec.iteration
         return rec
 
@@ -284,34 +282,12 @@ class InvertibleOptimizer:
         """Drop the references to the step's gradients (the next backward is about to
         overwrite them): the record stays for inspection but can no longer be undone."""
         rec = self._record
-        if rec is None or self._released or self._own_grads:
-            return  # called at every backward: keep it O(1) after the first (kept copies stay)
+        if rec is None or self._released:
+            return  # called at every backward: keep it O(1) after the first
         for g in rec.groups:
             for pr in g.params:
                 pr.grad_ref = None
         self._released = True
-
-    def keep_grads(self) -> bool:
-        """Copy the last step's gradients into the record, so that the step stays undoable after the
-        next backward overwrites them (until the next step replaces the record). Costs one copy of
-        the gradients the step used. True when the step is undoable with the copies; False where it
-        already was not (released, or changed since)."""
-        rec = self._record
-        if rec is None or self._released:
-            return False
-        if self._own_grads:
-            return True
-        try:
-            self._validate(rec)
-        except UndoError:
-            return False
-        with torch.no_grad():
-            for g in rec.groups:
-                for pr in g.params:
-                    kept = pr.grad().clone()  # type: ignore[union-attr]  # _validate: every grad is there
-                    pr.grad_ref, pr.grad_version = kept, kept._version
-        self._own_grads = True
-        return True
 
     def _validate(self, rec: StepRecord) -> None:
         for g in rec.groups:

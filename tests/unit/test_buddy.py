@@ -191,7 +191,7 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
     cost = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"replication_factor": 2}}), layout, 8e6)
     assert cost.active and cost.partition_bytes == 8_000_000 // 2 // 4 * 12
     assert cost.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes
-    assert cost.host_bytes_per_rank == 2 * 2 * cost.partition_bytes
+    assert cost.host_bytes_per_rank == 2 * (2 + 1) * cost.partition_bytes  # the buddies' copies and two own
     off = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"enabled": False}}), layout, 8e6)
     assert not off.active and "buddy.enabled is false" in off.lines()[0][1]
     replicated = buddy_cost({"optimizer": {"type": "AdamW"}}, SwiftConfig(), layout, 8e6)

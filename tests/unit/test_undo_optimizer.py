@@ -186,50 +186,6 @@ def test_overwritten_gradient_detected(how: str) -> None:
         opt.undo()
 
 
-@pytest.mark.parametrize("how", ["zero_in_place", "new_backward", "wrapper_zero_grad"])
-def test_kept_gradients_survive_the_next_backward(how: str) -> None:
-    """keep_grads (a buddy copy not landed yet): after .grad changed, the undo is bitwise the one that
-    would have run right after the step."""
-
-    def stepped() -> tuple[torch.nn.Linear, InvertibleOptimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
-        opt = InvertibleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        for _ in range(2):
-            opt.zero_grad()
-            model(torch.randn(3, 4)).sum().backward()
-            opt.step()
-        return model, opt
-
-    def state(model: torch.nn.Linear, opt: InvertibleOptimizer) -> list[torch.Tensor]:
-        return [t for p in model.parameters() for t in (p.detach(), *opt.state[p].values())]
-
-    ref_model, ref_opt = stepped()
-    ref_opt.undo()
-    model, opt = stepped()
-    assert opt.keep_grads() and opt.keep_grads()  # the second call keeps what the first copied
-    if how == "zero_in_place":
-        model.zero_grad(set_to_none=False)
-    elif how == "new_backward":
-        model(torch.randn(3, 4)).sum().backward()
-    else:
-        opt.zero_grad()
-    assert opt.can_undo
-    opt.undo()
-    got, want = state(model, opt), state(ref_model, ref_opt)
-    assert len(got) == len(want) == 8 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-def test_keep_grads_after_release_or_before_any_step_is_refused() -> None:
-    model = torch.nn.Linear(4, 2)
-    opt = InvertibleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert not opt.keep_grads()  # nothing stepped
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()  # releases: too late to keep
-    assert not opt.keep_grads() and not opt.can_undo
-
-
 def test_parameter_modified_after_step_detected() -> None:
     params = _params()
     opt = InvertibleOptimizer(torch.optim.SGD(params, lr=0.1))
