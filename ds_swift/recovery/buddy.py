@@ -14,16 +14,14 @@ on one iteration: the consensus if every lost rank has a copy of it; one iterati
 copy lags by one step and every survivor ahead of it can get back to it; otherwise the strategy
 refuses, and the registry falls back to the global checkpoint, saying why.
 
-A survivor ahead of the iteration gets back to it bitwise from its own copy of that iteration, which
-the copier staged in its host memory before sending it (ds_swift.runtime.buddy); failing that (the
-copier's state was lost with a restart of the process), from a copy a surviving buddy holds; only a
-survivor with neither undoes by update-undo's inverse update, which is exact only to 2 ulp, and the
-recovery then says so (an approximate recovery).
+A survivor ahead of the iteration undoes: bitwise, from its own copy of that iteration, which the
+copier staged in its host memory before sending it (ds_swift.runtime.buddy, used by
+ds_swift.recovery.kept); only without one, by update-undo's inverse update, which is exact only to
+2 ulp, and the recovery then says so (an approximate recovery).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -122,16 +120,16 @@ def copy_holders(inputs: RecoveryInputs, owners: Iterable[int]) -> dict[int, dic
 
 @dataclass(frozen=True)
 class BuddyTarget:
-    """Where a buddy recovery lands: the iteration, each lost rank's copy holder, and each survivor
-    ahead of the iteration that takes its own copy back (the other survivors ahead undo)."""
+    """Where a buddy recovery lands: the iteration, and each lost rank's copy holder (the survivors
+    ahead of the iteration undo)."""
 
     iteration: int
     holders: dict[int, int]
-    recopied: dict[int, int]
 
 
-def _pick(holders: dict[int, dict[int, list[int]]], target: int, load: Counter[int]) -> dict[int, int]:
+def _pick(holders: dict[int, dict[int, list[int]]], target: int) -> dict[int, int]:
     chosen: dict[int, int] = {}
+    load: Counter[int] = Counter()
     for owner in sorted(holders):
         if target in holders[owner]:
             pick = min(holders[owner][target], key=lambda h: (load[h], h))
@@ -151,23 +149,12 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
         )  # fmt: skip
     c = inputs.consensus
     for target in (c, c - 1):
-        if not all(target in versions for versions in holders.values()):
-            continue
-        at = inputs.rebased(target)
-        load: Counter[int] = Counter()
-        chosen = _pick(holders, target, load)
-        # A survivor holding its own copy of the target takes it back locally (bitwise, no transfer).
-        by_rank = inputs.by_rank
-        remote = [r for r in at.undo if not by_rank[r].undo_exact]
-        recopied = _pick(copy_holders(inputs, remote), target, load)
-        stuck = [r for r in at.cannot_undo if r not in recopied]
-        if stuck:
-            continue
-        return BuddyTarget(target, chosen, recopied), ""
+        if all(target in versions for versions in holders.values()) and not inputs.rebased(target).cannot_undo:
+            return BuddyTarget(target, _pick(holders, target)), ""
     have = "; ".join(f"rank {r}: iteration(s) {sorted(v)}" for r, v in sorted(holders.items()))
     return None, (
         f"the buddy copies ({have}) do not reach the consensus iteration {c} "
-        f"(survivors can undo at most one step, to {c - 1}, or take their own copy of it back)"
+        f"(survivors can undo at most one step, to {c - 1})"
     )  # fmt: skip
 
 
@@ -200,26 +187,21 @@ class BuddyStrategy(RecoveryStrategy):
         pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
         reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target.iteration} ({pairs})"
         at = inputs.rebased(target.iteration)
-        if target.recopied:
-            back = ", ".join(f"{h}->{r}" for r, h in sorted(target.recopied.items()))
-            reason += f"; survivors {sorted(target.recopied)} take their own copy of iteration {target.iteration} back ({back})"
-        undo = tuple(r for r in at.undo if r not in target.recopied)
         by_rank = inputs.by_rank
-        exact = [r for r in undo if by_rank[r].undo_exact]
+        exact = [r for r in at.undo if by_rank[r].undo_exact]
         if exact:
             reason += f"; survivors {exact} undo to iteration {target.iteration} from their own copies of it"
-        if len(exact) < len(undo):
-            inexact = [r for r in undo if r not in exact]
+        if len(exact) < len(at.undo):
+            inexact = [r for r in at.undo if r not in exact]
             reason += f"; survivors {inexact} undo to iteration {target.iteration} by the inverse update"
-        plan = at.plan(self.name, reason, donors={**target.holders, **target.recopied})
-        return dataclasses.replace(plan, undo=undo)
+        return at.plan(self.name, reason, donors=target.holders)
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         holdings = ctx.kept.buddy if ctx.kept is not None else None
-        # A survivor may both send (a copy it holds) and receive (its own copy back): the sends are
-        # posted first and waited for last, so that two such survivors never wait on each other.
+        # The sends are posted first and waited for last: a rank holding several copies serves its
+        # receivers in any order.
         sending: list[tuple[Any, torch.Tensor]] = []
 
         def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:

@@ -276,8 +276,7 @@ def recover_resized(
     sources = {r: r for r in inputs.survivors}  # old rank -> old rank whose state (or copy) it is
     if target is not None:
         sources.update(target.holders)
-        sources.update(target.recopied)
-    undo = [r for r in at.undo if sources[r] == r]
+    undo = list(at.undo)
     timeline.t_consensus = time.time()
     if kept is not None and old_rank in undo:
         log(f"undo: last stepped iteration {kept.last_stepped} -> consensus {iteration}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.logging_recovery import run_logging_recovery
@@ -66,6 +67,14 @@ class LoggingStrategy(RecoveryStrategy):
             return f"logging-based recovery from {source} failed before ({setup.unavailable})"
         if inputs.consensus < max(0, setup.checkpoint_step) - 1:
             return f"the survivors' iteration {inputs.consensus} is older than {source}"
+        undo = [r for r in inputs.undo if r not in group]
+        if undo and inputs.partitioned:
+            # An undo restores the fp32 master partition only; the low-precision parameters are
+            # all-gathered from the data-parallel peers', some of which replay meanwhile.
+            return (
+                f"survivors {undo} would undo a step, and their low-precision parameters are rebuilt from "
+                "every data-parallel peer's masters, which the replaying ranks cannot join"
+            )
         return None
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
@@ -92,6 +101,10 @@ class LoggingStrategy(RecoveryStrategy):
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
+        if ctx.rank in plan.undo:
+            # The undo put the fp32 masters back; the low-precision parameters (bf16/fp16) follow them
+            # (a local copy: can_restore refused partitioned states).
+            refresh_lp_params(ctx.engine.optimizer)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         if not plan.replay_ranks:
             return outcome  # nobody lost: the survivors' kept state is all there is

@@ -112,7 +112,8 @@ def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline
 
 def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) -> None:
     """Rank 3 dies right after its step of iteration 7; rank 2 stalls before its all-reduce and is
-    killed with its machine. Rank 1 (rank 3's replica) stepped 7, rank 0 did not: rank 1 undoes."""
+    killed with its machine. Rank 1 (rank 3's replica) stepped 7, rank 0 did not: rank 1 undoes, by
+    the inverse update (within 2 ulp), and the recovery says it is approximate."""
     dump = tmp_path / "recovered"
     job = launch(
         tmp_path, PP2_DP2, ["--spares", "1"], script=FAULT_WORKER,
@@ -124,6 +125,9 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     assert tl["consensus"] == 6 and tl["undo_ranks"] == [1]
     (r1,) = [r for r in tl["ranks"] if r["rank"] == 1]
     assert r1["undone_from"] == 7 and r1["t_undone"] is not None
+    # fp32 without ZeRO keeps no buddy copies, so no own copy of iteration 6: the inverse update, said aloud.
+    assert "survivors [1] undid iteration 7 by update-undo's inverse update" in (tl["deviation"] or ""), tl
+    assert "APPROXIMATE RECOVERY (strategy replication)" in job.output
     ulp = undo_ulp(baseline, dump / "recovered_gen1", consensus=6)
     drift = compare_tensors(baseline.final, checkpoint_tensors(job.final_tag)).max_gap
     print(f"undo: resumed state within {ulp} ulp of the failure-free run; after 8 more iterations "

@@ -320,3 +320,20 @@ def test_plan_falls_back_to_the_checkpoint_and_says_why() -> None:
         plan = plan_recovery(reports, logging=setup)
         assert plan.strategy == "checkpoint" and why in plan.reason, (why, plan.reason)
     assert plan_recovery(reports, forced="checkpoint", logging=LoggingSetup(frozenset(range(4)))).strategy == "checkpoint"
+
+
+def test_plan_refuses_an_undo_next_to_a_replay_of_partitioned_state() -> None:
+    """A survivor outside the replayed group that undoes restores its fp32 masters only; under a
+    partitioned state (ZeRO-1, BF16_Optimizer with dp > 1) its low-precision parameters are all-gathered
+    from data-parallel peers that are replaying meanwhile: refused, saying why (the checkpoint then)."""
+    import dataclasses
+
+    from ds_swift.recovery.consensus import LoggingSetup
+    from ds_swift.recovery.registry import plan_recovery
+
+    setup = LoggingSetup(frozenset(range(4)), ((0,), (1,)), checkpoint_step=8)
+    reports = [dataclasses.replace(r, last_stepped=12) if r.rank == 1 else r for r in _reports({1})]
+    plan = plan_recovery(reports, logging=setup)
+    assert plan.strategy == "logging" and plan.undo == (1,), plan.reason  # unpartitioned: a local refresh
+    plan = plan_recovery(reports, logging=setup, zero_stage=1, partitioned=True)
+    assert plan.strategy == "checkpoint" and "survivors [1] would undo a step" in plan.reason, plan.reason

@@ -43,12 +43,13 @@ def test_too_few_machines_for_the_factor_is_an_error_naming_the_field() -> None:
 
 
 def reports(
-    stepped: dict[int, int], copies: dict[int, list[tuple[int, int]]], can_undo: bool = True
+    stepped: dict[int, int], copies: dict[int, list[tuple[int, int]]], can_undo: bool = True, exact: bool = False
 ) -> list[RankReport]:
     """pp 2 x dp 2, machine 1 (ranks 2, 3) lost."""
     return [
         RankReport(rank=r, survivor=r in stepped, stage=r % 2, dp=r // 2, tp=0, machine=r // 2,
-                   last_stepped=stepped.get(r, -1), can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())))
+                   last_stepped=stepped.get(r, -1), can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())),
+                   undo_exact=exact and r in stepped)
         for r in range(4)
     ]  # fmt: skip
 
@@ -62,10 +63,14 @@ def test_buddy_copies_restore_a_partitioned_optimizer() -> None:
 
 
 def test_a_copy_lagging_one_step_makes_the_survivors_undo() -> None:
-    rs = reports({0: 6, 1: 6}, {0: [(2, 5), (2, 6)], 1: [(3, 4), (3, 5)]})
-    plan = plan_recovery(rs, zero_stage=1, partitioned=True)
+    copies = {0: [(2, 5), (2, 6)], 1: [(3, 4), (3, 5)]}
+    plan = plan_recovery(reports({0: 6, 1: 6}, copies, exact=True), zero_stage=1, partitioned=True)
     assert plan.strategy == "buddy" and plan.consensus == 5 and plan.undo == (0, 1), plan.reason
-    assert "survivors [0, 1] undo to iteration 5" in plan.reason  # their own copies died with machine 1
+    assert "survivors [0, 1] undo to iteration 5 from their own copies of it" in plan.reason
+    # Without own copies (the copier's host copies lost), the inverse update: said in the plan.
+    plan = plan_recovery(reports({0: 6, 1: 6}, copies), zero_stage=1, partitioned=True)
+    assert plan.strategy == "buddy" and plan.undo == (0, 1), plan.reason
+    assert "survivors [0, 1] undo to iteration 5 by the inverse update" in plan.reason
 
 
 def test_a_copy_too_far_behind_or_without_undo_falls_back_loudly() -> None:
@@ -74,32 +79,6 @@ def test_a_copy_too_far_behind_or_without_undo_falls_back_loudly() -> None:
     assert plan.strategy == "checkpoint" and "do not reach the consensus iteration 6" in plan.reason
     rs = reports({0: 6, 1: 6}, {0: [(2, 6)], 1: [(3, 5)]}, can_undo=False)
     assert plan_recovery(rs, zero_stage=1, partitioned=True).strategy == "checkpoint"
-
-
-def four_machines(stepped: dict[int, int], copies: dict[int, list[tuple[int, int]]], can_undo: bool) -> list[RankReport]:
-    """pp 2 x dp 2, one rank per machine; machine 2 (rank 2) lost."""
-    return [
-        RankReport(rank=r, survivor=r != 2, stage=r % 2, dp=r // 2, tp=0, machine=r, last_stepped=stepped.get(r, -1),
-                   can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())))
-        for r in range(4)
-    ]  # fmt: skip
-
-
-def test_survivors_ahead_take_their_own_copies_back_instead_of_undoing() -> None:
-    # Rank 2's newest copy (on rank 0) is of iteration 5; the survivors stepped 6. Ranks 1 and 3 hold
-    # each other's copies of 5, rank 0's copies sat on rank 2 only: rank 0 undoes, 1 and 3 take theirs back.
-    copies = {0: [(2, 4), (2, 5)], 1: [(3, 5), (3, 6)], 3: [(1, 5), (1, 6)]}
-    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, True), zero_stage=1, partitioned=True)
-    assert plan.strategy == "buddy" and plan.consensus == 5, plan.reason
-    assert plan.undo == (0,) and plan.donors == {2: 0, 1: 3, 3: 1}, plan
-    assert "survivors [1, 3] take their own copy of iteration 5 back (3->1, 1->3); survivors [0] undo" in plan.reason
-    # Survivors that can no longer undo are fine where they get their copy back, not otherwise.
-    copies[1].append((0, 5))
-    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, False), zero_stage=1, partitioned=True)
-    assert plan.strategy == "buddy" and plan.undo == () and plan.donors == {2: 0, 0: 1, 1: 3, 3: 1}, plan
-    del copies[1][-1]
-    plan = plan_recovery(four_machines({0: 6, 1: 6, 3: 6}, copies, False), zero_stage=1, partitioned=True)
-    assert plan.strategy == "checkpoint" and "do not reach the consensus iteration 6" in plan.reason, plan.reason
 
 
 def test_losing_a_rank_and_its_only_buddy_says_why() -> None:
