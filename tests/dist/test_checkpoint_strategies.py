@@ -191,15 +191,16 @@ def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp
     # The replacements took the job's counters and LR schedule, not the checkpoint's.
     assert scheduler_state(job.final_tag) == scheduler_state(baseline.final_tag)
     # Near the failure-free run, not on it: stage 0 (layers 0-2, kept) and stage 1 (layers 3-5,
-    # reloaded) both differ at the end, stage 1 by more. Measured (the runs are deterministic): with
-    # the global checkpoint alone 0.0025 and 0.0129 (0.049 between the failure-free run's
-    # global_step6 and its end, 0.070 from global_step3); with the running checkpoint (42 of 66
-    # blocks newer than global_step6) the reloaded stage ends at 0.0092.
+    # reloaded) both differ at the end, stage 1 by more. Measured: with the global checkpoint alone
+    # 0.0025 and 0.0129 (0.049 between the failure-free run's global_step6 and its end, 0.070 from
+    # global_step3); with the running checkpoint the reloaded stage ends closer, how much closer
+    # depending on how many of its blocks the kill left written (42 of 66 on both lost ranks: 0.0092;
+    # 42 and 21: 0.0115).
     ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
     kept, reloaded = relative_distance(ref, got, r"layer_0[0-2]-"), relative_distance(ref, got, r"layer_0[3-5]-")
     assert kept is not None and reloaded is not None, sorted(ref)[:10]
     print(f"scar: kept stage ends {kept:.3g}, reloaded stage {reloaded:.3g} from the failure-free run")
-    assert 0 < kept < reloaded < 0.011, (kept, reloaded)
+    assert 0 < kept < reloaded < 0.0125, (kept, reloaded)
 
 
 def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tmp_path: Path, baseline: JobRun) -> None:
@@ -233,20 +234,23 @@ def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: 
 
 
 def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: JobRun) -> None:
-    """Strategy lossy_forward: the buddy copies restore the consensus state, then iteration 8 averages
-    only replica 0's gradients (replica 1 lost machine 1). The failure-simulation mode, which kills
-    nothing, does the same to iteration 8: the two runs end bitwise equal, and off the failure-free run."""
+    """Strategy lossy_forward: the buddy copies restore the consensus state, then the next iteration
+    averages only replica 0's gradients (replica 1 lost machine 1). The failure-simulation mode, which
+    kills nothing, does the same to that iteration: the two runs end bitwise equal, and off the
+    failure-free run. (Killed in iteration 8's backward, the consensus is 7, or 6 where the copies of 7
+    had not landed yet and the survivors undid 7 from their own copies.)"""
     job = launch(tmp_path / "real", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
                  {"strategy": "lossy_forward"})  # fmt: skip
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
-    assert tl["strategy"] == "lossy_forward" and tl["consensus"] == 7 and tl["undo_ranks"] == [], tl["reason"]
-    assert "iteration 8 averages the gradients of data-parallel replicas [0] only" in tl["reason"], tl["reason"]
-    assert tl["deviation"].startswith("iteration 8 averaged the gradients of 1 of 2 data-parallel replicas"), tl
+    assert tl["strategy"] == "lossy_forward" and (tl["consensus"], tl["undo_ranks"]) in ((7, []), (6, [0, 1])), tl
+    lossy = tl["consensus"] + 1
+    assert f"iteration {lossy} averages the gradients of data-parallel replicas [0] only" in tl["reason"], tl["reason"]
+    assert tl["deviation"].startswith(f"iteration {lossy} averaged the gradients of 1 of 2 data-parallel replicas"), tl
     assert "APPROXIMATE RECOVERY (strategy lossy_forward)" in job.output
-    simulated = launch(tmp_path / "sim", [], {"simulate_failure": {"iteration": 8, "casualties": [1]}})
+    simulated = launch(tmp_path / "sim", [], {"simulate_failure": {"iteration": lossy, "casualties": [1]}})
     assert simulated.code == 0 and not simulated.timelines(), simulated.output[-6000:]
-    assert "simulated failure (lossy forward) at iteration 8" in simulated.output
+    assert f"simulated failure (lossy forward) at iteration {lossy}" in simulated.output
     assert_bitwise(simulated, job)
     ref, got = checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag)
     distance = relative_distance(ref, got)

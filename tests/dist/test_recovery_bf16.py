@@ -87,7 +87,9 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     job = launch(tmp_path, BF16, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"])
     tl = one_recovery(job)
     assert tl["strategy"] == "buddy", tl["reason"]
-    assert tl["failed_machine"] == 1 and tl["consensus"] == 6 and tl["undo_ranks"] == []
+    # The kill may come before the copies of iteration 6 landed: then the survivors undo 6, bitwise
+    # from their own copies (tests/dist/test_checkpoint_strategies.py forces that case).
+    assert tl["failed_machine"] == 1 and (tl["consensus"], tl["undo_ranks"]) in ((6, []), (5, [0, 1])), tl["reason"]
     assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
     # Verified recovery (issue 16): each partition checked against its holder's digest of the copy.
