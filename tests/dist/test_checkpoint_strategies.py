@@ -221,16 +221,22 @@ def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tm
 
 def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: Path, baseline: JobRun) -> None:
     """bf16 + ZeRO-1: the replacements take the newest buddy copies of their partitions as they are. A
-    kill in a backward pass leaves no rank partly updated, so the replay is exact: bitwise, and no
-    deviation to announce."""
+    kill in a backward pass leaves no rank partly updated, so where the copies of the last step had
+    landed the replay is exact: bitwise, and no deviation to announce. Where they had not (the kill
+    came first: a race), the lost ranks take copies one step older than the survivors' state, and the
+    recovery says so: an approximate recovery, announced."""
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
                  {"strategy": "immediate_rollback"})  # fmt: skip
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "immediate_rollback" and tl["consensus"] == 7, tl["reason"]
-    assert "0->2 (iteration 7)" in tl["reason"] and "1->3 (iteration 7)" in tl["reason"], tl["reason"]
-    assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
-    assert_bitwise(baseline, job)
+    if tl["deviation"] is None:
+        assert "0->2 (iteration 7)" in tl["reason"] and "1->3 (iteration 7)" in tl["reason"], tl["reason"]
+        assert "APPROXIMATE RECOVERY" not in job.output
+        assert_bitwise(baseline, job)
+    else:
+        assert re.search(r"lost ranks took states of other iterations: rank [23] of iteration 6", tl["deviation"]), tl
+        assert "APPROXIMATE RECOVERY (strategy immediate_rollback)" in job.output
 
 
 def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: JobRun) -> None:
