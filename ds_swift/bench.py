@@ -23,7 +23,8 @@ against wall-clock time: where the time lost to the failure shows). ``bench.json
 profile (``ds_swift/sim/profile.py``): its ``strategies`` key holds one row per strategy in the
 form ``ds-swift simulate --profile bench.json`` reads (``checkpoint`` is named
 ``global_checkpoint`` there, and a logging row's ``iterations_lost`` counts the iterations the
-replacement replayed); ``details`` holds every figure above and each run's directory. ``--json``
+replacement replayed; an elastic shrink's row is kind ``elastic`` with its ``shrunk_throughput``,
+the median step before the failure over the one after it); ``details`` holds every figure above and each run's directory. ``--json``
 prints it as the last line. The jobs run one after another: compare the rows of one run, not across machines.
 """
 
@@ -111,6 +112,26 @@ def step_seconds(job: JobRun, warmup: int = 2) -> float | None:
     times = [first[i] for i in sorted(first) if i >= warmup]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps) if gaps else None
+
+
+def shrunk_throughput(job: JobRun, timelines: list[dict[str, Any]], warmup: int = 2) -> float | None:
+    """An elastic shrink's speed: the median step time before the failure over the one after the
+    job went on without the failed machine (None: no shrink, or too few steps on either side)."""
+    shrink = next((tl for tl in timelines if (tl.get("resize") or {}).get("kind") == "shrink"), None)
+    if shrink is None:
+        return None
+    first: dict[int, float] = {}
+    for t, i, _ in loss_series(job):
+        first.setdefault(i, t)
+    resumed = int(shrink["consensus"]) + 1
+
+    def median_gap(iters: list[int]) -> float | None:
+        gaps = [first[b] - first[a] for a, b in zip(iters, iters[1:], strict=False) if b == a + 1]
+        return statistics.median(gaps) if gaps else None
+
+    before = median_gap([i for i in sorted(first) if warmup <= i <= resumed - 1])
+    after = median_gap([i for i in sorted(first) if i > resumed])  # the first step after it pays the rebuild
+    return before / after if before and after else None
 
 
 def usage(job: JobRun) -> dict[str, int]:
@@ -201,6 +222,7 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
             "initialization_s": sum(tl["initialization_s"] for tl in timelines) if timelines else None,
             "recovery_s": sum(tl["recovery_s"] for tl in timelines) if timelines else None,
             "iterations_lost": iterations_lost(read_loss_log(failed.loss_log)),
+            "shrunk_throughput": shrunk_throughput(failed, timelines),
             "final_loss_delta": loss - ref_loss if loss is not None and ref_loss is not None else None,
             "bitwise": diff.bitwise_equal,
             "max_ulp": diff.max_ulp,
@@ -252,7 +274,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
     interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
     used = timelines[-1]["strategy"] if timelines else "checkpoint"
-    kind = KINDS.get(used, "checkpoint")
+    kind = "elastic" if detail.get("shrunk_throughput") is not None else KINDS.get(used, "checkpoint")
     lost = detail["iterations_lost"]
     restore = None
     if kind == "logging":  # (and tranlogs)
@@ -278,6 +300,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
         "final_loss_delta": detail["final_loss_delta"],
         "checkpoint_interval": interval,
         "checkpoint_cost_s": checkpoint_stall_s(clean, interval),
+        **({"shrunk_throughput": min(0.999, detail["shrunk_throughput"])} if kind == "elastic" else {}),
     }
 
 

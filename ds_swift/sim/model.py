@@ -16,6 +16,15 @@ the failure costs:
   the survivors by parallel recovery; log download overlaps the replay, so the slower of the
   two sets the pace).
 
+``elastic`` (lossy forward with an elastic shrink: no spare, the job goes on without the failed
+machine until it comes back) replays nothing, but runs at ``f`` = ``shrunk_throughput`` of its
+speed meanwhile: with ``W`` seconds of compute left at the failure and the machine back after
+``repair_s``, the failure costs ``(1 - f) * repair_s + grow_s`` (the work not done while shrunk is
+done later at full speed, plus the pause to grow back) if the job is still running then
+(``f * repair_s < W``), else ``W * (1/f - 1)`` (the rest of the job shrunk). ``f`` defaults to
+``(machines - 1) / machines``: the failed machine's data-parallel replicas are gone. The result is
+approximate (lossy forward), which the time model does not price.
+
 Restore points are multiples of ``checkpoint_interval`` (and ``snapshot_interval`` for
 ``snapshot``), and iteration 0. The failure-free time is the compute time plus one stall per
 checkpoint and per snapshot; failures add their costs. The time spent recovering is not itself
@@ -45,9 +54,10 @@ __all__ = [
     "interval_field",
     "recovery_paths",
     "restore_intervals",
+    "shrunk_throughput",
 ]
 
-RecoveryKind = Literal["checkpoint", "snapshot", "replication", "logging"]
+RecoveryKind = Literal["checkpoint", "snapshot", "replication", "logging", "elastic"]
 
 
 def _err(name: str, value: Any, allowed: str) -> ConfigError:
@@ -165,6 +175,7 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "snapshot": frozenset({"snapshot_interval", "snapshot_cost_s", "load_s", "broadcast_s"}),
     "replication": frozenset({"undo_s", "broadcast_s"}),
     "logging": frozenset({"load_s", "undo_s", "logging"}),
+    "elastic": frozenset({"undo_s", "broadcast_s", "repair_s", "grow_s", "shrunk_throughput"}),
 }
 COMMON_FIELDS = frozenset({"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead"})
 
@@ -181,7 +192,8 @@ class StrategySpec:
     ``snapshot``: everyone restores the last snapshot (CheckFreq: from disk; Elastic Horovod: a
     survivor broadcasts its in-memory copy) and recomputes; ``replication``: survivors undo the
     in-flight update and a replica broadcasts the lost state; ``logging``: the failed group
-    replays from the last checkpoint and the logs."""
+    replays from the last checkpoint and the logs; ``elastic``: the job shrinks to the surviving
+    machines and grows back when the failed one returns (see the module docstring)."""
 
     checkpoint_interval: int | None = None
     """Iterations between global checkpoints; ``None``: never."""
@@ -213,6 +225,17 @@ class StrategySpec:
     logging: LoggingSpec | None = None
     """``logging`` only: replay model."""
 
+    repair_s: float | None = None
+    """``elastic`` only: failure -> the machine is back and the job grows back; ``None``: it does
+    not come back (the rest of the job runs shrunk)."""
+
+    grow_s: float = 0.0
+    """``elastic`` only: the pause to grow back (rendezvous, rebuild, resharding), per failure."""
+
+    shrunk_throughput: float | None = None
+    """``elastic`` only: throughput while shrunk, as a fraction of the full job's; ``None``:
+    ``(machines - 1) / machines``."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise _err("name", self.name, "a non-empty string")
@@ -233,6 +256,14 @@ class StrategySpec:
                 object.__setattr__(self, "logging", LoggingSpec())
         elif self.logging is not None:
             raise ConfigError(f"logging is only read by kind logging, not {self.kind}")
+        if self.kind == "elastic":
+            _check_number("repair_s", self.repair_s, allow_none=True)
+            _check_number("grow_s", self.grow_s)
+            _check_number("shrunk_throughput", self.shrunk_throughput, positive=True, allow_none=True)
+            if self.shrunk_throughput is not None and self.shrunk_throughput >= 1:
+                raise _err("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
+        elif self.repair_s is not None or self.grow_s or self.shrunk_throughput is not None:
+            raise ConfigError(f"repair_s/grow_s/shrunk_throughput are only read by kind elastic, not {self.kind}")
 
     @property
     def fixed_s(self) -> float:
@@ -295,7 +326,7 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
     t = workload.iteration_time_s * (1.0 + strategy.iteration_overhead)
     if strategy.kind in ("checkpoint", "snapshot"):
         return (RecoveryPath(1.0, t),)
-    if strategy.kind == "replication":
+    if strategy.kind in ("replication", "elastic"):
         return (RecoveryPath(1.0, 0.0),)
     spec = strategy.logging
     assert spec is not None  # __post_init__ fills it for kind logging
@@ -317,6 +348,25 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
             speed = spec.parallel_speedup if spec.parallel_speedup is not None else float(max(1, machines // size))
         paths.append(RecoveryPath(size / machines, max(t * fraction / speed, spec.download_s_per_iteration)))
     return tuple(paths)
+
+
+def shrunk_throughput(workload: Workload, strategy: StrategySpec) -> float:
+    """``elastic``: the shrunk job's throughput fraction (given, or ``(machines - 1) / machines``)."""
+    if strategy.shrunk_throughput is not None:
+        return strategy.shrunk_throughput
+    if workload.machines < 2:
+        raise _err("machines", workload.machines, "at least 2 for kind elastic (one machine cannot shrink)")
+    return (workload.machines - 1) / workload.machines
+
+
+def _shrunk_cost_s(workload: Workload, strategy: StrategySpec, remaining_s: np.ndarray) -> np.ndarray:
+    """``elastic``: what running without the failed machine costs, per failure with ``remaining_s``
+    of compute left (see the module docstring)."""
+    f = shrunk_throughput(workload, strategy)
+    rest_shrunk = remaining_s * (1.0 / f - 1.0)
+    if strategy.repair_s is None:
+        return rest_shrunk
+    return np.where(f * strategy.repair_s < remaining_s, (1.0 - f) * strategy.repair_s + strategy.grow_s, rest_shrunk)
 
 
 def _restore_points(total_iterations: int, intervals: tuple[int, ...]) -> np.ndarray:
@@ -354,7 +404,19 @@ def expected_failure_cost_s(workload: Workload, strategy: StrategySpec) -> float
     replay = 0.0
     if pace > 0.0:
         replay = pace * expected_replay_iterations(workload.total_iterations, restore_intervals(strategy))
+    if strategy.kind == "elastic":
+        replay += _expected_shrunk_cost_s(workload, strategy, workload.total_iterations * t)
     return strategy.fixed_s + 0.5 * t + replay
+
+
+def _expected_shrunk_cost_s(workload: Workload, strategy: StrategySpec, total_s: float) -> float:
+    """E[_shrunk_cost_s] for compute left uniform in (0, total_s] (a failure at a uniform position)."""
+    f = shrunk_throughput(workload, strategy)
+    if strategy.repair_s is None or f * strategy.repair_s >= total_s:
+        return 0.5 * total_s * (1.0 / f - 1.0)
+    edge = f * strategy.repair_s  # below: the rest of the job shrunk; above: shrunk for repair_s, then grown
+    short = 0.5 * edge * edge * (1.0 / f - 1.0)
+    return (short + (total_s - edge) * ((1.0 - f) * strategy.repair_s + strategy.grow_s)) / total_s
 
 
 def failure_costs_s(
@@ -383,4 +445,7 @@ def failure_costs_s(
         index = np.minimum(np.searchsorted(edges, np.asarray(machine_u, dtype=np.float64), side="right"),
                            len(paths) - 1)
         pace = np.array([p.replay_s_per_iteration for p in paths])[index]
-    return strategy.fixed_s + t * inflight + pace * (done - restore)
+    cost = strategy.fixed_s + t * inflight + pace * (done - restore)
+    if strategy.kind == "elastic":
+        cost = cost + _shrunk_cost_s(workload, strategy, (n - x) * t)
+    return cost

@@ -37,6 +37,9 @@ slowdown:
   iterations_lost x t_b (1 + o)`` (the model replays at full speed; clamped at 0);
 - replication: the whole ``recovery_s`` is a per-failure constant (``broadcast_s``): nothing is
   replayed, so ``iterations_lost`` must be 0;
+- elastic (lossy forward without a spare): the whole ``recovery_s`` is a per-failure constant
+  (``broadcast_s``: the resharding), and ``shrunk_throughput`` as measured; ``repair_s`` and
+  ``grow_s`` (when the machine comes back) are policy, from the YAML's strategy of the same name;
 - logging (SWIFT, TranLogs): ``load_s = restore_s`` (0 without one) and ``replay_fraction =
   (recovery_s - restore_s) / (iterations_lost x t_b (1 + o))``, with parallel recovery off
   (the measured pace already has whatever speed-up the bench's recovery had);
@@ -160,6 +163,10 @@ class BenchRow:
     snapshot_cost_s: float = 0.0
     """Snapshot kinds only: training stall per snapshot."""
 
+    shrunk_throughput: float | None = None
+    """Kind elastic only: the shrunk job's throughput over the full job's (median steps after and
+    before the failure)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise _fail("name", self.name, "a non-empty strategy name such as global_checkpoint")
@@ -202,6 +209,13 @@ class BenchRow:
                      f"required for kind snapshot ({self.name}): iterations between snapshots in the bench")
         elif self.snapshot_interval is not None or self.snapshot_cost_s:
             raise ConfigError(f"snapshot_interval/snapshot_cost_s are only read by kind snapshot, not {self.kind}")
+        if self.kind == "elastic":
+            _number("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1) (required for kind elastic)",
+                    positive=True)
+            if self.shrunk_throughput is not None and self.shrunk_throughput >= 1:
+                raise _fail("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
+        elif self.shrunk_throughput is not None:
+            raise ConfigError(f"shrunk_throughput is only read by kind elastic, not {self.kind}")
         if self.kind == "replication" and self.iterations_lost:
             raise _fail("iterations_lost", self.iterations_lost,
                         "0 for kind replication (it replays nothing); give kind checkpoint, snapshot or logging")
@@ -347,6 +361,10 @@ def strategy_from_row(
         costs.update(snapshot_interval=snapshot_interval, snapshot_cost_s=row.snapshot_cost_s)
     elif kind == "replication":
         costs["broadcast_s"] = row.recovery_s
+    elif kind == "elastic":
+        costs.update(broadcast_s=row.recovery_s, shrunk_throughput=row.shrunk_throughput)
+        if base is not None:
+            costs.update(repair_s=base.repair_s, grow_s=base.grow_s)
     elif kind == "logging":
         restore = row.restore_s or 0.0
         costs["load_s"] = restore

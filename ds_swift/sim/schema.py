@@ -31,10 +31,11 @@ Schema (times in seconds unless the name says hours, intervals in iterations)::
             logging: {replay_fraction: 0.40, parallel_recovery: true, parallel_speedup: 1.86}
 
 Strategy fields (see :class:`ds_swift.sim.model.StrategySpec`): ``kind`` (checkpoint |
-snapshot | replication | logging), ``checkpoint_interval``, ``checkpoint_cost_s``,
+snapshot | replication | logging | elastic), ``checkpoint_interval``, ``checkpoint_cost_s``,
 ``restart_s``, ``iteration_overhead`` for every kind; ``load_s`` (checkpoint, snapshot,
 logging), ``snapshot_interval`` and ``snapshot_cost_s`` (snapshot), ``undo_s`` (replication,
-logging), ``broadcast_s`` (replication, snapshot), ``logging`` (logging: ``groups`` as a count
+logging, elastic), ``broadcast_s`` (replication, snapshot, elastic), ``repair_s``, ``grow_s`` and
+``shrunk_throughput`` (elastic), ``logging`` (logging: ``groups`` as a count
 of balanced groups or a list of machines per group, ``replay_fraction``,
 ``parallel_recovery``, ``parallel_speedup``, ``upload_s``, ``download_s_per_iteration``).
 A field in ``defaults`` that a kind does not read is skipped for that strategy; the same field
@@ -53,7 +54,15 @@ import yaml
 
 from ds_swift.config import ConfigError
 from ds_swift.sim.failures import FailureModel
-from ds_swift.sim.model import COMMON_FIELDS, KIND_FIELDS, LoggingSpec, StrategySpec, Workload, recovery_paths
+from ds_swift.sim.model import (
+    COMMON_FIELDS,
+    KIND_FIELDS,
+    LoggingSpec,
+    StrategySpec,
+    Workload,
+    recovery_paths,
+    shrunk_throughput,
+)
 
 __all__ = ["SimConfig", "SweepSpec", "WorkloadConfig", "load_sim_config", "parse_sim_config"]
 
@@ -268,6 +277,8 @@ def _strategy(
         spec = StrategySpec(name=name, **fields)
         if spec.kind == "logging":
             recovery_paths(workload, spec)  # group sizes vs machines, checked now, not mid-run
+        if spec.kind == "elastic":
+            shrunk_throughput(workload, spec)  # a one-machine job cannot shrink: said now
     except ConfigError as exc:
         raise ctx.error(path, str(exc)) from None
     except TypeError as exc:  # a wrong-typed value that the dataclass could not even hold

@@ -93,6 +93,23 @@ def test_a_logging_row_counts_the_replayed_iterations(tmp_path: Path) -> None:
     assert prow.restore_s == pytest.approx(0.5)
 
 
+def test_an_elastic_row_measures_the_shrunk_speed(tmp_path: Path) -> None:
+    """No spare: the job shrank at iteration 4 (consensus 3) and went on at half speed; the profile
+    row is kind elastic with that speed, which the simulator's elastic model reads."""
+    ref = fake_job(tmp_path, "none", STEADY, W)
+    losses = [(i, 1.0, 100.0 + i) for i in range(4)] + [(4, 1.0, 110.0)] + [(i, 1.0, 110.0 + 2 * (i - 4)) for i in range(5, 9)]
+    tl = {"strategy": "lossy_forward", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 0.5,
+          "consensus": 3, "resize": {"kind": "shrink", "dp": [2, 1]}}  # fmt: skip
+    clean, failed = fake_job(tmp_path, "c", STEADY, W), fake_job(tmp_path, "f", losses, W, timelines=[tl])
+    rows = bench_rows(ref, {"lossy_forward_elastic": (clean, failed)})
+    assert rows[0]["shrunk_throughput"] == pytest.approx(0.5)
+    (prow,) = parse_profile(bench_profile(ref, {"lossy_forward_elastic": (clean, failed)}, rows, interval=8)).strategies
+    assert (prow.kind, prow.shrunk_throughput) == ("elastic", pytest.approx(0.5))
+    # A spare took the failed machine's place: no shrink, no elastic row.
+    spare = fake_job(tmp_path, "s", STEADY, W, timelines=[{**tl, "resize": None}])
+    assert bench_rows(ref, {"lossy_forward": (clean, spare)})[0]["shrunk_throughput"] is None
+
+
 def test_the_checkpoint_stall_is_the_excess_of_the_save_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     import ds_swift.bench as bench
 

@@ -103,7 +103,7 @@ def test_example_weibull_config_runs(capsys: pytest.CaptureFixture[str]) -> None
     assert cli.main([str(example), "--json", "--repeats", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
     row = out["gpt-32-machines"]
-    assert set(row) == {"global_checkpoint", "swift", "swift_one_group_per_machine"}
+    assert set(row) == {"global_checkpoint", "swift", "swift_one_group_per_machine", "elastic_shrink"}
     assert all(h > 200000 * 2.5 / 3600 for h in row.values())
 
 

@@ -21,6 +21,7 @@ from ds_swift.sim.model import (
     failure_costs_s,
     failure_free_s,
     recovery_paths,
+    shrunk_throughput,
 )
 from ds_swift.sim.runner import mean_ci, simulate, simulate_samples
 
@@ -44,7 +45,7 @@ def workloads(draw: st.DrawFn) -> Workload:
 
 @st.composite
 def strategies_(draw: st.DrawFn, machines: int) -> StrategySpec:
-    kind: Any = draw(st.sampled_from(["checkpoint", "snapshot", "replication", "logging"]))
+    kind: Any = draw(st.sampled_from(["checkpoint", "snapshot", "replication", "logging", "elastic"]))
     common: dict[str, Any] = dict(
         checkpoint_interval=draw(intervals),
         checkpoint_cost_s=draw(costs),
@@ -58,6 +59,11 @@ def strategies_(draw: st.DrawFn, machines: int) -> StrategySpec:
                             load_s=draw(costs), broadcast_s=draw(costs), **common)
     if kind == "replication":
         return StrategySpec("s", kind, undo_s=draw(costs), broadcast_s=draw(costs), **common)
+    if kind == "elastic":
+        given = machines < 2 or draw(st.booleans())
+        return StrategySpec("s", kind, undo_s=draw(costs), broadcast_s=draw(costs), grow_s=draw(costs),
+                            repair_s=draw(st.one_of(st.none(), st.floats(0.0, 1e5))),
+                            shrunk_throughput=draw(st.floats(0.3, 0.95)) if given else None, **common)
     if draw(st.booleans()):
         spec = LoggingSpec(replay_fraction=draw(st.floats(0.05, 1.0)), parallel_recovery=draw(st.booleans()),
                            parallel_speedup=draw(st.floats(1.0, 16.0)))
@@ -114,6 +120,25 @@ def test_failure_cost_by_hand() -> None:
     assert failure_costs_s(wl, log, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 5 + 5 * 2.5)
 
 
+def test_an_elastic_shrink_costs_the_throughput_lost_until_the_machine_is_back() -> None:
+    wl = Workload("w", total_iterations=100, iteration_time_s=10.0, machines=4)
+    # Default: 3 of 4 machines, 0.75 of the speed. The machine is back after 200 s: 50 s of work not
+    # done meanwhile, plus the pause to grow back, plus half an in-flight iteration and the reshard.
+    el = StrategySpec("e", "elastic", restart_s=100.0, broadcast_s=2.0, repair_s=200.0, grow_s=30.0)
+    assert failure_costs_s(wl, el, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(102 + 5 + 50 + 30)
+    # 100 s of compute left (x = 90): it ends shrunk, before the machine is back: 100 * (1/0.75 - 1).
+    assert failure_costs_s(wl, el, np.array([0.9]), np.array([0.0]))[0] == pytest.approx(102 + 100 / 3)
+    never = StrategySpec("e", "elastic", restart_s=100.0, shrunk_throughput=0.5)  # it never comes back
+    assert failure_costs_s(wl, never, np.array([0.5]), np.array([0.0]))[0] == pytest.approx(100 + 500)
+    assert expected_failure_cost_s(wl, never) == pytest.approx(100 + 5 + 0.5 * 1000)
+    with pytest.raises(ConfigError, match="machines=1 is invalid: at least 2 for kind elastic"):
+        failure_costs_s(Workload("one", 10, 1.0), el, np.array([0.5]), np.array([0.0]))
+    with pytest.raises(ConfigError, match="only read by kind elastic"):
+        StrategySpec("r", "replication", repair_s=10.0)
+    with pytest.raises(ConfigError, match="shrunk_throughput=1.0 is invalid"):
+        StrategySpec("e", "elastic", shrunk_throughput=1.0)
+
+
 def test_selective_logging_groups_replay_the_whole_group() -> None:
     # 4 machines, 16 stages, 4 micro-batches; groups of 1 and 3 machines.
     wl = Workload("w", total_iterations=100, iteration_time_s=1.0, machines=4, pipeline_stages=16, micro_batches=4)
@@ -151,7 +176,9 @@ def test_expected_cost_matches_the_monte_carlo_mean(job: tuple[Workload, Strateg
     machine_u = np.random.default_rng(0).permutation(u)
     mc = float(np.mean(failure_costs_s(wl, s, u, machine_u)))
     exact = expected_failure_cost_s(wl, s)
-    scale = s.fixed_s + wl.iteration_time_s * (1 + s.iteration_overhead) * (wl.total_iterations + 1)
+    # An elastic shrink costs up to the rest of the job over its shrunk speed, on top.
+    spread = 1 + (1 / shrunk_throughput(wl, s) if s.kind == "elastic" else 0)
+    scale = s.fixed_s + s.grow_s + wl.iteration_time_s * (1 + s.iteration_overhead) * (wl.total_iterations + 1) * spread
     assert abs(mc - exact) <= 2e-3 * scale
 
 

@@ -131,6 +131,28 @@ def test_conversion_of_each_kind(profile: BenchProfile) -> None:
     assert logging.logging.replay_fraction == pytest.approx(6.0 / (25 * 0.5 * (1 + logging.iteration_overhead)))
 
 
+def test_an_elastic_row_takes_the_measured_speed_and_the_yamls_repair_policy(profile: BenchProfile) -> None:
+    doc = copy.deepcopy(RAW)
+    doc["strategies"].append({**doc["strategies"][0], "name": "lossy_forward_elastic", "kind": "elastic",
+                              "shrunk_throughput": 0.6, "recovery_s": 0.7, "exact": False, "max_ulp": None})
+    elastic_profile = parse_profile(doc)
+    row = _row(elastic_profile, "lossy_forward_elastic")
+    spec = strategy_from_row(row, elastic_profile)
+    assert (spec.kind, spec.shrunk_throughput, spec.broadcast_s, spec.repair_s) == ("elastic", 0.6, 0.7, None)
+    from ds_swift.sim.model import StrategySpec
+
+    base = StrategySpec("lossy_forward_elastic", "elastic", repair_s=3600.0, grow_s=40.0)
+    spec = strategy_from_row(row, elastic_profile, base=base)
+    assert (spec.repair_s, spec.grow_s, spec.shrunk_throughput) == (3600.0, 40.0, 0.6)
+    bad = copy.deepcopy(doc)
+    del bad["strategies"][-1]["shrunk_throughput"]
+    with pytest.raises(ConfigError, match="shrunk_throughput=None is invalid: a fraction in"):
+        parse_profile(bad)
+    bad["strategies"][-1].update(kind="replication", shrunk_throughput=0.5, iterations_lost=0)
+    with pytest.raises(ConfigError, match="shrunk_throughput is only read by kind elastic"):
+        parse_profile(bad)
+
+
 @pytest.mark.parametrize("name", ["global_checkpoint", "checkfreq", "replication", "logging", "tranlogs"])
 def test_simulating_the_bench_job_gives_back_what_was_measured(profile: BenchProfile, name: str) -> None:
     """On the bench's own job, the model reproduces the measured kill -> back time and the
