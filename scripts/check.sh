@@ -7,7 +7,10 @@ ruff check . || exit 1
 mypy ds_swift launch patches || exit 1
 # Every change to DeepSpeed / torch behaviour must live in patches/ (see the script's docstring).
 python scripts/check_patch_seams.py || exit 1
-python -m pytest -q -p no:cacheprovider "$@"
+# Tests marked slow (a variant another CI test covers) run with `bash scripts/check.sh -m slow`.
+marker=(-m "not slow")
+for a in "$@"; do [[ $a == -m ]] && marker=(); done
+python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
 rc=$?
 # pytest exits 5 when it collected no test: that is not a failure of the code.
 if [[ $rc == 5 ]]; then echo "pytest collected no tests"; exit 0; fi

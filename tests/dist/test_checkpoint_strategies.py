@@ -137,7 +137,8 @@ def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_
     assert_bitwise(baseline, job)
 
 
-@pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["one-machine", "two-machines-at-once"])
+@pytest.mark.parametrize("lost", [pytest.param([1], marks=pytest.mark.slow), [1, 2]],
+                         ids=["one-machine", "two-machines-at-once"])  # CI: the two at once (one is slow)
 def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     tmp_path: Path, baseline: JobRun, lost: list[int]
 ) -> None:

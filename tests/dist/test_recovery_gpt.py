@@ -135,6 +135,7 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     assert ulp <= 2
 
 
+@pytest.mark.slow  # CI runs the ZeRO-1 variant (tests/dist/test_checkpoint_strategies.py)
 def test_immediate_rollback_keeps_the_partial_update_and_replays(tmp_path: Path, baseline: Baseline) -> None:
     """The same failure as above, strategy immediate_rollback (Nicolae et al.): no undo. Rank 1 keeps
     its update of iteration 7 and applies it again in the replay; rank 3's replacement takes rank 1's
