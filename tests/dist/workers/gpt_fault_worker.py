@@ -7,6 +7,10 @@ In generation 0 only (replacements never fault):
 - ``SWIFT_TEST_KILL_AFTER_STEP="rank=R,iteration=I"``: rank R SIGKILLs itself right after its
   optimizer step of iteration I.
 
+- ``SWIFT_TEST_DEAF_RECV="rank=R"``: rank R never raises at the failure flag after a pipeline receive
+  (as a rank whose receive returned just before the flag was set): it goes on into the next forward
+  pass while its tensor-parallel peer leaves (tests/dist/test_recovery_tp.py).
+
 ``SWIFT_TEST_CPU_FP16=1``: fp16 allowed on DeepSpeed's CPU accelerator (ds_swift.patches.cpu_fp16).
 
 ``SWIFT_TEST_HOLD_FOR_GROW="iteration=I"`` (an elastic grow, tests/dist/test_elastic.py): after the
@@ -221,6 +225,11 @@ def _hold_hook(iteration: int) -> Any:
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
+    deaf = _spec("SWIFT_TEST_DEAF_RECV")
+    if deaf and deaf["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
+        from ds_swift.detect.monitor import FailureMonitor
+
+        FailureMonitor.check_after_receive = lambda self: None  # type: ignore[method-assign]
     _patch_logging_recovery(rank)
     original = EngineHooks.install
     installs = [0]
