@@ -5,8 +5,7 @@ In generation 0 only (replacements never fault):
 - ``SWIFT_TEST_STALL="rank=R,iteration=I"``: rank R stops at the start of iteration I's
   ReduceGrads (before its gradient all-reduce) until its agent kills it;
 - ``SWIFT_TEST_KILL_AFTER_STEP="rank=R,iteration=I"``: rank R SIGKILLs itself right after its
-  optimizer step of iteration I.
-
+  optimizer step of iteration I;
 - ``SWIFT_TEST_DEAF_RECV="rank=R"``: rank R never raises at the failure flag after a pipeline receive
   (as a rank whose receive returned just before the flag was set): it goes on into the next forward
   pass while its tensor-parallel peer leaves (tests/dist/test_recovery_tp.py).
