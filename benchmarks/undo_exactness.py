@@ -49,6 +49,7 @@ def measure(elements: int, steps: int, lr: float, weight_decay: float, seed: int
     again = torch.optim.AdamW([q], lr=lr, weight_decay=weight_decay)
     again.state[q] = {"step": torch.tensor(float(steps - 1)), "exp_avg": undone["exp_avg"].clone(),
                       "exp_avg_sq": undone["exp_avg_sq"].clone()}  # fmt: skip
+    assert p.grad is not None
     q.grad = p.grad.clone()
     again.step()
     redone = {"masters": q.detach(), "exp_avg": again.state[q]["exp_avg"], "exp_avg_sq": again.state[q]["exp_avg_sq"]}
