@@ -485,6 +485,11 @@ def run(args: argparse.Namespace) -> int:
             say(f"{r['strategy']}: recovered by {how}: {why}")
         if not r["failure_free_bitwise"]:
             say(f"{r['strategy']}: the failure-free run differs from the reference (ds-swift off): a bug, report it")
+        shrunk = r.get("shrunk_throughput")
+        if shrunk is not None:
+            say(f"{r['strategy']}: after the elastic shrink the job ran at {shrunk:.3f} of its speed before"
+                + (" (faster: its ranks shared fewer cores; the profile row caps it at 0.999, measure it on the real "
+                   "machines)" if shrunk >= 1 else ""))
     say(f"bench.json and {png.name} in {out} ({result['seconds']:.0f} s)")
     if args.json:
         print(json.dumps(result, sort_keys=True))
