@@ -76,6 +76,20 @@ def test_global_checkpoint_saves_asynchronously_and_reloads_the_last_complete_on
     assert_bitwise(baseline, job)
 
 
+def test_a_checkpoint_that_does_not_load_on_one_rank_makes_every_rank_step_back(tmp_path: Path, baseline: JobRun) -> None:
+    """The checkpoint fallback meets a corrupt file: rank 0's optimizer state of global_step6 is garbage
+    (overwritten as it is opened). Its load fails; every rank hears so and loads global_step3 instead,
+    loudly, naming the rank; the job trains on from there and ends bitwise equal to the failure-free run."""
+    swift = {"strategy": "checkpoint", "checkpoint": {"interval": 3}}  # synchronous saves: 6 is complete
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift,
+                 script=FAULT_WORKER, env={"SWIFT_TEST_CORRUPT_CKPT": "rank=0,iteration=6"})  # fmt: skip
+    tl = one_checkpoint_recovery(job)
+    assert "loading global_step6" in job.output and tl["checkpoint_step"] == 3, tl  # chosen, then stepped back from
+    assert "[test] rank 0: corrupted" in job.output
+    assert re.search(r"CHECKPOINT global_step6 DOES NOT LOAD on ranks \[0\] \(rank 0: \w+", job.output), job.output[-4000:]
+    assert_bitwise(baseline, job)
+
+
 def test_checkfreq_chooses_its_interval_and_recovers_bitwise(tmp_path: Path, baseline: JobRun) -> None:
     swift = {"strategy": "checkfreq", "checkfreq": {"profile_at": 3, "max_overhead": 0.5}}
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=9,phase=backward"], swift)

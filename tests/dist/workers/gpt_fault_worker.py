@@ -35,6 +35,9 @@ For logging-based recovery (tests/dist/test_recovery_logging.py):
   and only the digest check (verified recovery) can tell;
 - ``SWIFT_TEST_KILL_IN_REPLAY="rank=R,iteration=I"``: replacement rank R SIGKILLs itself when its
   replay reaches iteration I (once per job): a cascading failure during the recovery;
+- ``SWIFT_TEST_CORRUPT_CKPT="rank=R,iteration=I"``: rank R, the first time it loads the global
+  checkpoint of I iterations (a checkpoint fallback), overwrites the first optimizer-state file of
+  its own it opens there with garbage first: a corrupt file of one rank (once per job);
 - ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
   checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save.
 
@@ -221,9 +224,29 @@ def _hold_hook(iteration: int) -> Any:
     return hold_hook
 
 
+def _corrupt_on_load(rank: int, iteration: int) -> None:
+    import torch
+
+    original = torch.load
+    done = [False]
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        path = str(f)
+        if not done[0] and f"global_step{iteration}" in path and "optim_states" in path and _once("corrupt_ckpt"):
+            done[0] = True
+            Path(path).write_bytes(b"garbage, not a checkpoint" * 64)
+            print(f"[test] rank {rank}: corrupted {path}", file=sys.stderr, flush=True)
+        return original(f, *args, **kwargs)
+
+    torch.load = load  # type: ignore[assignment]
+
+
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
+    corrupt = _spec("SWIFT_TEST_CORRUPT_CKPT")
+    if corrupt and corrupt["rank"] == rank:
+        _corrupt_on_load(rank, corrupt["iteration"])
     deaf = _spec("SWIFT_TEST_DEAF_RECV")
     if deaf and deaf["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         from ds_swift.detect.monitor import FailureMonitor
