@@ -16,7 +16,9 @@ failure-free run, any exact fallback bitwise). Points: ``forward``, ``backward``
 ``step``, ``send``, ``recv`` of an iteration, ``save`` (a rank dies as the periodic checkpoint
 starts), and per config its own: ``replay`` (a replacement dies mid-replay) and ``corrupt_log``
 (a record of the log is corrupt; the replay must refuse it and fall back) for logging;
-``two_machines`` (machines 0 and 2 of four die at once) for replication; ``full_ckpt_disk`` (the
+``two_machines`` (machines 0 and 2 of four die at once) and ``corrupt_ckpt`` / ``missing_ckpt`` (a
+checkpoint fallback whose newest checkpoint has a corrupt or missing file of one rank: every rank
+must step back to the one before it) for replication; ``full_ckpt_disk`` (the
 checkpoint directory on a 2 MB tmpfs that fills up: training goes on, a later failure reloads an
 older complete checkpoint, or restarts) for replication (synchronous saves) and global_checkpoint
 (asynchronous); and one bad value per config section.
@@ -116,6 +118,11 @@ def cases() -> list[Case]:
     for config in ("replication", "global_checkpoint"):  # synchronous and asynchronous saves
         out.append(Case(config, "full_ckpt_disk", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
                         small_ckpt_disk=True))
+    # A checkpoint fallback (forced, synchronous saves) meets a corrupt / a missing file of rank 0 in
+    # the newest checkpoint (8): every rank must step back to 4 together, loudly, and end bitwise.
+    for point, env in (("corrupt_ckpt", "SWIFT_TEST_CORRUPT_CKPT"), ("missing_ckpt", "SWIFT_TEST_MISSING_CKPT")):
+        out.append(Case("replication", point, 1, inject="machine=1,iteration=10,phase=backward",
+                        env={env: "rank=0,iteration=8"}, swift={"strategy": "checkpoint"}))
     for swift, name in BAD_VALUES:
         out.append(Case("replication", f"bad {name}", None, swift=swift, bad_field=name))
     return out

@@ -38,6 +38,7 @@ For logging-based recovery (tests/dist/test_recovery_logging.py):
 - ``SWIFT_TEST_CORRUPT_CKPT="rank=R,iteration=I"``: rank R, the first time it loads the global
   checkpoint of I iterations (a checkpoint fallback), overwrites the first optimizer-state file of
   its own it opens there with garbage first: a corrupt file of one rank (once per job);
+  ``SWIFT_TEST_MISSING_CKPT`` (same form): deletes that file instead;
 - ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
   checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save.
 
@@ -224,7 +225,7 @@ def _hold_hook(iteration: int) -> Any:
     return hold_hook
 
 
-def _corrupt_on_load(rank: int, iteration: int) -> None:
+def _corrupt_on_load(rank: int, iteration: int, delete: bool) -> None:
     import torch
 
     original = torch.load
@@ -234,8 +235,11 @@ def _corrupt_on_load(rank: int, iteration: int) -> None:
         path = str(f)
         if not done[0] and f"global_step{iteration}" in path and "optim_states" in path and _once("corrupt_ckpt"):
             done[0] = True
-            Path(path).write_bytes(b"garbage, not a checkpoint" * 64)
-            print(f"[test] rank {rank}: corrupted {path}", file=sys.stderr, flush=True)
+            if delete:
+                Path(path).unlink()
+            else:
+                Path(path).write_bytes(b"garbage, not a checkpoint" * 64)
+            print(f"[test] rank {rank}: {'deleted' if delete else 'corrupted'} {path}", file=sys.stderr, flush=True)
         return original(f, *args, **kwargs)
 
     torch.load = load  # type: ignore[assignment]
@@ -244,9 +248,10 @@ def _corrupt_on_load(rank: int, iteration: int) -> None:
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
     rank = int(os.environ["RANK"])
-    corrupt = _spec("SWIFT_TEST_CORRUPT_CKPT")
-    if corrupt and corrupt["rank"] == rank:
-        _corrupt_on_load(rank, corrupt["iteration"])
+    for name, delete in (("SWIFT_TEST_CORRUPT_CKPT", False), ("SWIFT_TEST_MISSING_CKPT", True)):
+        spec = _spec(name)
+        if spec and spec["rank"] == rank:
+            _corrupt_on_load(rank, spec["iteration"], delete)
     deaf = _spec("SWIFT_TEST_DEAF_RECV")
     if deaf and deaf["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         from ds_swift.detect.monitor import FailureMonitor
