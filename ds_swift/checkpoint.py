@@ -301,8 +301,10 @@ class CheckpointManager:
         """Load the newest checkpoint :meth:`latest` allows into ``engine``; returns its iterations
         done, or None."""
         found = self.latest(at_most)
-        if found is None:
-            return None
+        return None if found is None else self.load(engine, found)
+
+    def load(self, engine: Any, found: tuple[int, str, str]) -> int:
+        """Load the checkpoint :meth:`latest` found into ``engine``; returns its iterations done."""
         done, where, tag = found
         load_path, _ = engine.load_checkpoint(where, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:

@@ -165,7 +165,7 @@ def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
     """Survivors that undid by the inverse update (no own copy of the iteration before) resume from a
     state within 2 ulp of the failure-free run's, not on it: an approximate recovery, said aloud."""
     by_rank = inputs.by_rank
-    inexact = [r for r in plan.undo if r in by_rank and not by_rank[r].undo_exact]
+    inexact = [r for r in plan.undo if not by_rank[r].undo_exact]
     if not inexact:
         return
     what = (f"survivors {inexact} undid iteration {plan.consensus + 1} by update-undo's inverse update, which "

@@ -279,10 +279,7 @@ def recover_resized(
     undo = list(at.undo)
     timeline.t_consensus = time.time()
     if kept is not None and old_rank in undo:
-        log(f"undo: last stepped iteration {kept.last_stepped} -> consensus {iteration}")
-        timeline.undone_from = kept.last_stepped
-        kept.undo_to(iteration)
-        timeline.t_undone = time.time()
+        kept.undo_logged(iteration, timeline, log)
 
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
     donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])

@@ -66,7 +66,7 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
         if found is not None:
             tried = True
             try:
-                ckpt.load_latest(ctx.engine, at_most=done)
+                ckpt.load(ctx.engine, found)
             except Exception as exc:  # noqa: BLE001 - reported to every rank, which step back together
                 error = f"{type(exc).__name__}: {exc}"[:300]
         record = json.dumps({"done": done, "error": error, "tried": tried})

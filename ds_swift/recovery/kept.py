@@ -153,6 +153,15 @@ class KeptState:
         self.undo = None
         return "inverse update"
 
+    def undo_logged(self, consensus: int, timeline: RankTimeline, log: Callable[[str], None]) -> None:
+        """:meth:`undo_to` ``consensus`` in a recovery: logged, and stamped on the rank's timeline."""
+        last = self.last_stepped
+        timeline.undone_from = last
+        how = self.undo_to(consensus)
+        log(f"undo: last stepped iteration {last} -> consensus {consensus} ({how})")
+        timeline.extra["undo"] = how
+        timeline.t_undone = time.time()
+
     def rewind_schedule(self, iteration: int) -> bool:
         """Put the LR scheduler and the step scalars (loss scaler, flags, skipped steps), not the
         weights, back to before the last step, so that replaying ``iteration + 1`` runs at its own
@@ -201,12 +210,7 @@ class KeptState:
         """Undo to ``consensus`` where ``undo`` says so, then load the kept state into ``engine``
         (the rebuilt one), which resumes at ``consensus + 1``."""
         if undo:
-            last = self.last_stepped
-            timeline.undone_from = last
-            how = self.undo_to(consensus)
-            log(f"undo: last stepped iteration {last} -> consensus {consensus} ({how})")
-            timeline.extra["undo"] = how
-            timeline.t_undone = time.time()
+            self.undo_logged(consensus, timeline, log)
         load_state(engine, self.state(), consensus + 1)
         if self.counters is not None:
             engine.skipped_steps = self.counters["skipped_steps"]

@@ -121,17 +121,22 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), tensors
 
 
+def flat_views(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor of ``manifest``, in order, as a 1-D view of its dtype's flat buffer in ``flats``."""
+    offsets = dict.fromkeys(flats, 0)
+    views = []
+    for shape, name in json.loads(manifest.decode())["tensors"]:
+        dtype, n = _DTYPES[name], int(torch.Size(shape).numel())
+        views.append(flats[dtype][offsets[dtype] : offsets[dtype] + n])
+        offsets[dtype] += n
+    return views
+
+
 def decode(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> Any:
     """The state :func:`encode` described, its tensors cut out of one flat buffer per dtype (views)."""
     doc = json.loads(manifest.decode())
-    metas = [(torch.Size(shape), _DTYPES[dtype]) for shape, dtype in doc["tensors"]]
-    offsets = dict.fromkeys(flats, 0)
-    tensors = []
-    for shape, dtype in metas:
-        n = shape.numel()
-        tensors.append(flats[dtype][offsets[dtype] : offsets[dtype] + n].view(shape))
-        offsets[dtype] += n
-    return unflatten(doc["skeleton"], tensors)
+    views = flat_views(manifest, flats)
+    return unflatten(doc["skeleton"], [v.view(shape) for v, (shape, _) in zip(views, doc["tensors"], strict=True)])
 
 
 def decode_dtype(name: str) -> torch.dtype:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import queue
 import threading
 import time
@@ -52,7 +51,7 @@ import torch.distributed as dist
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.buddy import Member, assign_buddies
 from ds_swift.recovery.erasure import assign_holders, split_payload
-from ds_swift.recovery.replication import counters_of, decode, decode_dtype, encode, flat_sizes
+from ds_swift.recovery.replication import counters_of, decode, encode, flat_sizes, flat_views
 
 __all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
 
@@ -86,7 +85,7 @@ class BuddyHoldings:
         overwritten), or new ones."""
         sizes = flat_sizes(manifest)
         with self._lock:
-            held = self._own if owner is None else self._copies.setdefault(owner, [])
+            held = self._held(owner)
             if len(held) >= 2:
                 old = held.pop(0)
                 if {d: t.numel() for d, t in old.flats.items()} == sizes:
@@ -96,13 +95,13 @@ class BuddyHoldings:
     def put(self, owner: int | None, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
         """A complete copy of ``owner``'s state after iteration ``version`` (None: this rank's own)."""
         with self._lock:
-            held = [c for c in (self._own if owner is None else self._copies.setdefault(owner, [])) if c.version != version]
-            held.append(_Copy(version, manifest, flats))
-            newest = sorted(held, key=lambda c: c.version)[-2:]
-            if owner is None:
-                self._own = newest
-            else:
-                self._copies[owner] = newest
+            held = self._held(owner)
+            kept = [c for c in held if c.version != version] + [_Copy(version, manifest, flats)]
+            held[:] = sorted(kept, key=lambda c: c.version)[-2:]
+
+    def _held(self, owner: int | None) -> list[_Copy]:
+        """The complete copies of ``owner`` (None: this rank's own); call with the lock held."""
+        return self._own if owner is None else self._copies.setdefault(owner, [])
 
     def own_state(self, version: int) -> dict[str, Any] | None:
         """This rank's own state after iteration ``version``, decoded into fresh tensors (a load must
@@ -250,13 +249,7 @@ class _Worker:
         for o, b in blobs.items():
             theirs = b.numpy().tobytes()
             flats = self.holdings.spare(o, theirs)
-            offsets = dict.fromkeys(flats, 0)
-            for i, (shape, dtype) in enumerate(tensor_metas(theirs)):
-                n = int(torch.Size(shape).numel())
-                works.append(
-                    dist.irecv(flats[dtype][offsets[dtype] : offsets[dtype] + n], o, group=group, tag=_DATA + i)
-                )
-                offsets[dtype] += n
+            works += [dist.irecv(v, o, group=group, tag=_DATA + i) for i, v in enumerate(flat_views(theirs, flats))]
             received.append((o, int(headers[o][0]), theirs, flats))
         _wait(sends)
         del alive
@@ -406,15 +399,10 @@ def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list
     host buffers (the older own copy's), kept as complete once copied. Returns the staged views: the
     round sends those, not the live tensors."""
     flats = holdings.spare(None, manifest)
-    offsets = dict.fromkeys(flats, 0)
-    staged = []
+    staged = flat_views(manifest, flats)
     with torch.no_grad():
-        for t in live:
-            n, o = t.numel(), offsets[t.dtype]
-            view = flats[t.dtype][o : o + n]
+        for view, t in zip(staged, live, strict=True):
             view.copy_(t)
-            staged.append(view)
-            offsets[t.dtype] = o + n
     holdings.put(None, version, manifest, flats)
     return staged
 
@@ -428,8 +416,3 @@ def _wait(works: list[Any]) -> None:
     for w in works:
         if w is not None:  # None only for a rank outside the group, which none of ours is
             w.wait()
-
-
-def tensor_metas(manifest: bytes) -> list[tuple[list[int], torch.dtype]]:
-    """(shape, dtype) of each tensor of an encoded payload, in sending order."""
-    return [(shape, decode_dtype(d)) for shape, d in json.loads(manifest.decode())["tensors"]]

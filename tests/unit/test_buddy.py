@@ -10,8 +10,8 @@ import torch
 from ds_swift.recovery.buddy import BuddyError, Member, assign_buddies, buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
 from ds_swift.recovery.registry import plan_recovery
-from ds_swift.recovery.replication import encode
-from ds_swift.runtime.buddy import BuddyHoldings, tensor_metas
+from ds_swift.recovery.replication import encode, flat_views
+from ds_swift.runtime.buddy import BuddyHoldings
 
 
 def pp2_dp2(machines: dict[int, int] | None = None) -> list[Member]:
@@ -113,7 +113,7 @@ def test_holdings_keep_two_complete_copies_and_never_report_one_being_overwritte
     h = BuddyHoldings()
     payload = {"optimizer": {"masters": [torch.arange(4.0)], "step": torch.tensor(3.0)}, "counters": {"g": 1}}
     manifest, tensors = encode(payload)
-    assert [m[1] for m in tensor_metas(manifest)] == [torch.float32, torch.float32]
+    assert [v.dtype for v in flat_views(manifest, {torch.float32: torch.empty(5)})] == [torch.float32, torch.float32]
     for version in (4, 5):
         flats = h.spare(7, manifest)
         flats[torch.float32].copy_(torch.cat([t.reshape(-1) for t in tensors]) + version)
