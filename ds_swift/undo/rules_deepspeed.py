@@ -1,12 +1,17 @@
 """Inverse of deepspeed.ops.adam.FusedAdam (DeepSpeed's default Adam on GPUs).
 
 The kernel (csrc/adam/multi_tensor_adam.cu) cannot be replayed op for op from Python, so the
-inverse is the float64 formula only (no refinement); it is tested against a torch stand-in
-of the kernel (tests/unit/test_undo_fused_adam.py), not the CUDA kernel itself.
+inverse is the float64 formula only (no refinement), with the hyperparameters as the kernel sees
+them: ``lr``, the betas, ``eps`` and ``weight_decay`` arrive as C ``float``, so ``1 - beta1`` is
+``1 - float(0.9)`` = 0.10000002, 2 ulp away from 0.1, and the bias corrections are
+``float(1 - pow(float(beta), step))``. Tested against a torch stand-in of the kernel
+(tests/unit/test_undo_fused_adam.py) and, on a GPU, against the kernel itself built from DeepSpeed's
+sources (tests/gpu/test_undo_fused_adam_gpu.py, ``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import torch
@@ -16,6 +21,11 @@ from ds_swift.undo.records import GroupRecord, ParamRecord
 from ds_swift.undo.rules import UndoContext, UndoRule
 
 __all__ = ["DeepSpeedFusedAdamRule"]
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to a C ``float``, as the kernel's arguments are."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 class DeepSpeedFusedAdamRule(UndoRule):
@@ -46,10 +56,10 @@ class DeepSpeedFusedAdamRule(UndoRule):
 
     def undo_param(self, ctx: UndoContext) -> None:
         h = ctx.hyper
-        lr, eps, wd = float(h["lr"]), float(h["eps"]), float(h["weight_decay"])
-        beta1, beta2 = (float(b) for b in h["betas"])
+        lr, eps, wd = f32(float(h["lr"])), f32(float(h["eps"])), f32(float(h["weight_decay"]))
+        beta1, beta2 = (f32(float(b)) for b in h["betas"])
         t = int(ctx.extra["kernel_step"])
-        bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if h.get("bias_correction", True) else (1.0, 1.0)
+        bc1, bc2 = (f32(1 - beta1**t), f32(1 - beta2**t)) if h.get("bias_correction", True) else (1.0, 1.0)
         m1, v1, x1 = ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.param
         r = (w(m1) / bc1) / ((w(v1) / bc2).sqrt() + eps)
         decoupled = ctx.extra["adam_w_mode"] == 1

@@ -12,6 +12,7 @@ import torch
 
 from ds_swift.undo import InvertibleOptimizer
 from ds_swift.undo.numerics import ulp_error
+from ds_swift.undo.rules_deepspeed import f32
 
 
 class _FakeFusedAdam(torch.optim.Optimizer):
@@ -27,8 +28,9 @@ class _FakeFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            # The kernel takes its hyperparameters as C floats.
+            b1, b2 = (f32(b) for b in group["betas"])
+            lr, wd, eps = f32(group["lr"]), f32(group["weight_decay"]), f32(group["eps"])
             todo = []
             state: dict[str, Any] = {}
             for p in group["params"]:
@@ -44,7 +46,7 @@ class _FakeFusedAdam(torch.optim.Optimizer):
                 continue
             state["step"] += 1
             t = state["step"]
-            bc1, bc2 = 1 - b1**t, 1 - b2**t
+            bc1, bc2 = f32(1 - b1**t), f32(1 - b2**t)
             for p, g, m, v in todo:
                 if self.adam_w_mode == 0:
                     g = g + wd * p
