@@ -32,29 +32,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+from ds_swift.bench_measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
+from ds_swift.bench_profile import bench_profile, profile_row
 from ds_swift.config import Strategy
 from ds_swift.demo import CONFIGS, DemoError, find_repo
 from ds_swift.demo_report import iterations_lost, read_loss_log
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
 
-__all__ = ["BenchError", "bench_profile", "bench_rows", "format_table", "profile_row", "register", "strategy_overrides"]
+__all__ = [
+    "BenchError", "PeakRss", "bench_profile", "bench_rows", "final_loss", "format_table", "loss_series", "profile_row",
+    "register", "shrunk_throughput", "step_seconds", "strategy_overrides", "usage",
+]  # fmt: skip
 
 REFERENCE = "none"
 #: lossy forward with no spare: the job goes on without the failed machine (an elastic shrink)
 ELASTIC = "lossy_forward_elastic"
 #: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), and ELASTIC
 STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC)
-_CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iterations")
 
 
 class BenchError(RuntimeError):
@@ -99,104 +101,6 @@ class BenchSetup:
         )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- what a job shows
-def step_seconds(job: JobRun, warmup: int = 2) -> float | None:
-    """Median time between consecutive iterations' loss lines (first run of each iteration only)."""
-    first: dict[int, float] = {}
-    for line in job.loss_log.read_text().splitlines() if job.loss_log.exists() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        first.setdefault(int(rec["iteration"]), float(rec["time"]))
-    times = [first[i] for i in sorted(first) if i >= warmup]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    return statistics.median(gaps) if gaps else None
-
-
-def shrunk_throughput(job: JobRun, timelines: list[dict[str, Any]], warmup: int = 2) -> float | None:
-    """An elastic shrink's speed: the median step time before the failure over the one after the
-    job went on without the failed machine (None: no shrink, or too few steps on either side)."""
-    shrink = next((tl for tl in timelines if (tl.get("resize") or {}).get("kind") == "shrink"), None)
-    if shrink is None:
-        return None
-    first: dict[int, float] = {}
-    for t, i, _ in loss_series(job):
-        first.setdefault(i, t)
-    resumed = int(shrink["consensus"]) + 1
-
-    def median_gap(iters: list[int]) -> float | None:
-        gaps = [first[b] - first[a] for a, b in zip(iters, iters[1:], strict=False) if b == a + 1]
-        return statistics.median(gaps) if gaps else None
-
-    before = median_gap([i for i in sorted(first) if warmup <= i <= resumed - 1])
-    after = median_gap([i for i in sorted(first) if i > resumed])  # the first step after it pays the rebuild
-    return before / after if before and after else None
-
-
-def usage(job: JobRun) -> dict[str, int]:
-    """Summed log/buddy bytes and the largest peak RSS over the ranks' usage records."""
-    records = []
-    for path in sorted((job.run_dir / "usage").glob("rank*.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except ValueError:
-            continue
-    ckpt = sum(f.stat().st_size for f in job.ckpt_dir.rglob("*") if f.is_file()) if job.ckpt_dir.exists() else 0
-    return {
-        "ranks_reporting": len(records),
-        "log_bytes": sum(int(r.get("log_bytes", 0)) for r in records),
-        "checkpoint_bytes": ckpt,
-        "buddy_host_bytes_max": max((int(r.get("buddy_host_bytes", 0)) for r in records), default=0),
-        "buddy_bytes_sent": sum(int(r.get("buddy_bytes_sent", 0)) for r in records),
-        "max_rss_bytes": peak_rss(job),
-    }
-
-
-def peak_rss(job: JobRun) -> int:
-    """The largest resident memory of one of the job's ranks (``PeakRss``, written by the bench)."""
-    try:
-        return int(json.loads((job.dir / "peak_rss.json").read_text())["max_rss_bytes"])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-class PeakRss:
-    """``run_job``'s on_poll: the largest resident memory any of the job's training processes
-    reached (sampled every ~0.2 s; the processes are those whose command line names the job's
-    config). The same sampling for every job, ds-swift on or off."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    def __call__(self, job: JobRun) -> None:
-        import psutil
-
-        config = str(job.dir / "ds_config.json")
-        for proc in psutil.process_iter(["cmdline", "memory_info"]):
-            cmd, mem = proc.info.get("cmdline") or [], proc.info.get("memory_info")
-            if mem is not None and config in cmd and "--local_rank" in " ".join(cmd):
-                self.peak = max(self.peak, int(mem.rss))
-
-
-def loss_series(job: JobRun) -> list[tuple[float, int, float]]:
-    """``(seconds since the first loss line, iteration, loss)`` in the order written."""
-    out = []
-    for line in job.loss_log.read_text().splitlines() if job.loss_log.exists() else []:
-        try:
-            rec = json.loads(line)
-            out.append((float(rec["time"]), int(rec["iteration"]), float(rec["loss"])))
-        except (ValueError, KeyError):
-            continue
-    t0 = out[0][0] if out else 0.0
-    return [(t - t0, i, loss) for t, i, loss in out]
-
-
-def final_loss(job: JobRun) -> float | None:
-    points = read_loss_log(job.loss_log)
-    return points[-1].loss if points else None
-
-
 # ---------------------------------------------------------------------------- the rows
 def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> list[dict[str, Any]]:
     """One row per strategy from its failure-free and failure runs, against the reference."""
@@ -239,89 +143,6 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
             "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
         })  # fmt: skip
     return rows
-
-
-#: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
-PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
-#: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
-#: ranks alone load the checkpoint and catch up, as with logging; PipeChurn: the lost ranks' state
-#: comes from other machines' memory, as with replication; SCAR's partial recovery: the lost ranks
-#: load and nobody trains an iteration again, which costs what a replication costs, inexactly; the
-#: immediate rollback: a state copy from a survivor, as replication)
-KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
-         "tranlogs": "logging", "pipechurn": "replication", "scar": "replication",
-         "immediate_rollback": "replication", "lossy_forward": "replication"}  # fmt: skip
-
-
-def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
-    """Training stall per global checkpoint: the step gaps' excess over the median step, per save."""
-    first: dict[int, float] = {}
-    for t, i, _ in loss_series(job):
-        first.setdefault(i, t)
-    iters = [i for i in sorted(first) if i >= warmup]
-    gaps = [first[b] - first[a] for a, b in zip(iters, iters[1:], strict=False)]
-    # A save after iteration i (global_steps i + 1 a multiple of the interval) falls in the gap after i.
-    saves = sum(1 for i in iters[:-1] if (i + 1) % interval == 0)
-    if not gaps or not saves:
-        return 0.0
-    median = statistics.median(gaps)
-    return max(0.0, sum(g - median for g in gaps if g > median) / saves)
-
-
-def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
-    """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
-    chosen = _CHECKFREQ_CHOICE.search(clean.output) if detail["strategy"] == "checkfreq" else None
-    interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
-    timelines = failed.timelines()
-    used = timelines[-1]["strategy"] if timelines else "checkpoint"
-    kind = "elastic" if detail.get("shrunk_throughput") is not None else KINDS.get(used, "checkpoint")
-    lost = detail["iterations_lost"]
-    restore = None
-    if kind == "logging":  # (and tranlogs)
-        # What the simulator calls lost for logging: the iterations the replacement replayed.
-        tl = timelines[-1]
-        start = int(tl.get("checkpoint_step") or 0)
-        lost = max(1, int(tl["pre_failure_iteration"]) - start)
-        replay = (tl.get("replay") or {}).get("replay_s")
-        restore = max(0.0, detail["recovery_s"] - replay) if replay is not None else None
-    ulp = detail["max_ulp"]
-    return {
-        "name": PROFILE_NAMES.get(detail["strategy"], detail["strategy"]),
-        "kind": kind,  # CheckFreq's two phases as measured: a checkpoint with its snapshot stall
-        "throughput_ratio": detail["throughput_ratio"],
-        "init_s": detail["initialization_s"] or 0.0,
-        "recovery_s": detail["recovery_s"] or 0.0,
-        "restore_s": restore,
-        "iterations_lost": lost,
-        "bytes_per_iteration": detail["bytes_per_iteration"],
-        "host_memory_per_rank": detail["host_memory_per_rank"],
-        "exact": detail["bitwise"],
-        "max_ulp": 0 if detail["bitwise"] else (int(ulp) if ulp != float("inf") else None),
-        "final_loss_delta": detail["final_loss_delta"],
-        "checkpoint_interval": interval,
-        "checkpoint_cost_s": checkpoint_stall_s(clean, interval),
-        **({"shrunk_throughput": min(0.999, detail["shrunk_throughput"])} if kind == "elastic" else {}),
-    }
-
-
-def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]],
-                  interval: int) -> dict[str, Any]:  # fmt: skip
-    """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
-    rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
-    if "global_checkpoint" in runs:  # then "checkpoint" (synchronous saves) keeps its own name
-        for row, d in zip(rows, details, strict=True):
-            if d["strategy"] == "checkpoint":
-                row["name"], row["kind"] = "checkpoint_sync", "checkpoint"
-    costs = [r["checkpoint_cost_s"] for r in rows if r["name"] == "global_checkpoint"] or [
-        statistics.median(r["checkpoint_cost_s"] for r in rows)
-    ]
-    return {
-        "version": 1,
-        "iteration_time_s": step_seconds(reference),
-        "checkpoint_interval": interval,
-        "checkpoint_cost_s": costs[0],
-        "strategies": rows,
-    }
 
 
 def _f(value: float | None, fmt: str, none: str = "-") -> str:
