@@ -29,6 +29,9 @@ For logging-based recovery (tests/dist/test_recovery_logging.py):
   message log for a replay and the log holds it, flips one payload byte of the activation (I, M)
   stage S sent (once per job): the replay must fail on its checksum and every rank fall back to
   the global checkpoint;
+- ``SWIFT_TEST_TRUNCATE_LOG`` (same form): instead, cuts the chunk file holding that activation in the
+  middle of its record (a write or an upload cut short); ``SWIFT_TEST_MISSING_LOG``: deletes the
+  chunk and its index (storage lost them). Either way the replay must refuse the log and fall back;
 - ``SWIFT_TEST_PERTURB_LOG="rank=R,iteration=I,micro_batch=M[,src=S]"``: the same, but instead of
   flipping a byte it adds 1 to the first element of that activation and writes the checksums again
   (record header and index entry): the log reader accepts it, the replay runs on a wrong message,
@@ -39,6 +42,13 @@ For logging-based recovery (tests/dist/test_recovery_logging.py):
   checkpoint of I iterations (a checkpoint fallback), overwrites the first optimizer-state file of
   its own it opens there with garbage first: a corrupt file of one rank (once per job);
   ``SWIFT_TEST_MISSING_CKPT`` (same form): deletes that file instead;
+- ``SWIFT_TEST_KILL_IN_RECV_STATE="rank=R"``: replacement rank R SIGKILLs itself in the middle of
+  receiving its state from a buddy copy (the manifest in, the tensors not; once per job), and
+  ``SWIFT_TEST_KILL_IN_SEND_STATE="rank=R"``: rank R, a survivor, SIGKILLs itself in the middle of
+  sending one: a peer vanishing mid-transfer, on either end;
+- ``SWIFT_TEST_KILL_IN_LOG_WRITE="rank=R,iteration=I"``: rank R SIGKILLs itself in the middle of
+  writing the first record of iteration I to its message log (half the record on disk: a torn
+  tail its replacement's writer must cut off before it logs again);
 - ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
   checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save.
 
@@ -91,6 +101,33 @@ def _corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | No
         done = True
         print(f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
               file=sys.stderr, flush=True)
+    return done
+
+
+def _truncate(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
+    """Cut the chunk holding the logged activation (iteration, micro-batch) in the middle of its record."""
+    done = False
+    for path, entry in list(_logged_activations(storage, iteration, micro_batch, src_stage)):
+        with open(path, "r+b") as f:
+            f.truncate(entry.offset + entry.length // 2)
+        done = True
+        print(f"[test] truncated {path.name} in the record of iteration {iteration} micro-batch {micro_batch}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return done
+
+
+def _delete(storage: str, iteration: int, micro_batch: int, src_stage: int | None) -> bool:
+    """Delete the chunk holding the logged activation (iteration, micro-batch), and its index."""
+    from ds_swift.msglog.chunk_format import ChunkName
+
+    done = False
+    for path, _ in list(_logged_activations(storage, iteration, micro_batch, src_stage)):
+        index = path.with_name(ChunkName.parse(path.name).index_file)  # type: ignore[union-attr]
+        path.unlink()
+        index.unlink(missing_ok=True)
+        done = True
+        print(f"[test] deleted {path.name} and its index (iteration {iteration} micro-batch {micro_batch})",
+              file=sys.stderr, flush=True)  # fmt: skip
     return done
 
 
@@ -162,10 +199,12 @@ def _patch_logging_recovery(rank: int) -> None:
         return load(self, load_dir, tag, *args, **kwargs)
 
     deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
-    corrupt, kill = _spec("SWIFT_TEST_CORRUPT_LOG"), _spec("SWIFT_TEST_KILL_IN_REPLAY")
-    perturb = _spec("SWIFT_TEST_PERTURB_LOG")
-    change = _perturb if perturb else _corrupt
-    corrupt = corrupt or perturb
+    kill = _spec("SWIFT_TEST_KILL_IN_REPLAY")
+    corrupt, change = {}, _corrupt
+    for name, how in (("SWIFT_TEST_CORRUPT_LOG", _corrupt), ("SWIFT_TEST_PERTURB_LOG", _perturb),
+                      ("SWIFT_TEST_TRUNCATE_LOG", _truncate), ("SWIFT_TEST_MISSING_LOG", _delete)):  # fmt: skip
+        if _spec(name):
+            corrupt, change = _spec(name), how
     if corrupt and corrupt["rank"] == rank:
         open_reader = logging_recovery._open_reader
 
@@ -202,6 +241,61 @@ def _patch_logging_recovery(rank: int) -> None:
             return save(self, engine)
 
         CheckpointManager.save = save_or_die  # type: ignore[method-assign]
+
+
+def _patch_state_transfer(rank: int) -> None:
+    import ds_swift.recovery.buddy as buddy
+
+    def dying(op: Any, what: str) -> Any:
+        """``op`` (dist.send or dist.recv) that SIGKILLs this process after the first two calls."""
+        calls = [0]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if calls[0] == 2 and _once("kill_in_transfer"):
+                print(f"[test] rank {rank}: SIGKILL in the middle of {what} a state", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls[0] += 1
+            return op(*args, **kwargs)
+
+        return call
+
+    recv = _spec("SWIFT_TEST_KILL_IN_RECV_STATE")
+    if recv and recv["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") == "1":
+        recv_state = buddy.recv_state
+        buddy.recv_state = lambda src, group=None, recv=None: recv_state(  # type: ignore[assignment]
+            src, group, dying(recv or torch_dist().recv, "receiving"))
+    send = _spec("SWIFT_TEST_KILL_IN_SEND_STATE")
+    if send and send["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
+        send_state = buddy.send_state
+        buddy.send_state = lambda state, dst, group=None, send=None: send_state(  # type: ignore[assignment]
+            state, dst, group, dying(send or torch_dist().send, "sending"))
+
+
+def _patch_log_write(rank: int) -> None:
+    spec = _spec("SWIFT_TEST_KILL_IN_LOG_WRITE")
+    if not spec or spec["rank"] != rank or os.environ.get("SWIFT_REPLACEMENT") == "1":
+        return
+    from ds_swift.msglog import writer
+
+    append = writer.ChunkWriter.append
+
+    def append_or_die(self: Any, header: Any, payload: Any) -> Any:
+        # On the writer thread; generation 0 of this process only, so no job-wide "once" is needed.
+        if header.iteration == spec["iteration"]:
+            record = header.pack(0) + payload.numpy().tobytes()
+            os.write(self.fd, record[: len(record) // 2])
+            print(f"[test] rank {rank}: SIGKILL in the middle of writing a log record of iteration "
+                  f"{header.iteration} to {self.path.name}", file=sys.stderr, flush=True)  # fmt: skip
+            os.kill(os.getpid(), signal.SIGKILL)
+        return append(self, header, payload)
+
+    writer.ChunkWriter.append = append_or_die  # type: ignore[method-assign]
+
+
+def torch_dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
 
 
 def _hold_hook(iteration: int) -> Any:
@@ -258,6 +352,8 @@ def main() -> None:
 
         FailureMonitor.check_after_receive = lambda self: None  # type: ignore[method-assign]
     _patch_logging_recovery(rank)
+    _patch_state_transfer(rank)
+    _patch_log_write(rank)
     original = EngineHooks.install
     installs = [0]
 
