@@ -263,14 +263,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", default="", help="comma-separated points (phases, save, replay, corrupt_log, "
                    "two_machines, full_ckpt_disk, bad); default: all")
     p.add_argument("--machines", default="0,1", help="machines to kill in the phase cases")
+    p.add_argument("--cases", default="", help="comma-separated case names as the table prints them "
+                   "(\"replication/recv_state m1,replication/bad strategy\"): these, instead of the filters above")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds one job may take (then: a hang)")
     p.add_argument("--keep", default=None, help="keep the jobs' directories here")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--shared-reference", action="store_true",
+                   help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
+                   "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
+                   "run bitwise against ds-swift off)")  # fmt: skip
     args = p.parse_args(argv)
     configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
     points = {x.strip() for x in args.points.split(",") if x.strip()}
     chosen = [c for c in cases() if c.config in configs and (c.machine is None or c.machine in machines)
               and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]  # fmt: skip
+    if args.cases:
+        names = {n.strip() for n in args.cases.split(",") if n.strip()}
+        chosen = [c for c in cases() if c.name in names]
+        unknown = names - {c.name for c in chosen}
+        if unknown:
+            p.error(f"--cases: no such case {sorted(unknown)}; the names are those of the table")
     base = Path(args.keep or tempfile.mkdtemp(prefix="fault-matrix-"))
     build_deepspeed_shm_op(base / "warm")  # once, not in every job's start-up
     refs: dict[str, JobRun] = {}
@@ -278,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, case in enumerate(chosen):
         ref = None
         if case.bad_field is None:
-            if case.config not in refs:
-                refs[case.config] = reference(base, case.config, args.timeout)
-            ref = refs[case.config]
+            key = f"{CONFIGS[case.config][0].stem}-{NNODES.get(case.config, 2)}" if args.shared_reference else case.config
+            if key not in refs:
+                refs[key] = reference(base, case.config, args.timeout)
+            ref = refs[key]
         row = run_case(case, base / f"{i:02d}", ref, args.timeout)
         rows.append(row)
         mark = {True: "pass", False: "FAIL", None: "skip"}[row["passed"]]

@@ -1,7 +1,9 @@
-"""The CI subset of ``benchmarks/fault_matrix.py`` (the full matrix is a benchmark): one bad value
-per config section stops the job naming the field, and a full checkpoint disk under asynchronous
-saves is said, training goes on, and a later failure still ends bitwise equal to the reference.
-The phase, save, replay and corrupt-log points run in CI in the recovery tests."""
+"""The CI subset of ``benchmarks/fault_matrix.py`` (the full matrix is a benchmark): a bad value stops
+the job naming the field; a full checkpoint disk under asynchronous saves is said, training goes on,
+and a later failure still ends bitwise equal to the reference; a replacement killed in the middle of
+receiving its state from a buddy copy is replaced in turn and the recovery retried, bitwise.
+The phase, save, replay, corrupt-log and full-log-disk points run in CI in the recovery tests; the
+torn and missing log chunks in the unit tests of the log reader and the replay feeder."""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ def matrix():  # noqa: ANN201 - the benchmark module
     return module
 
 
-def test_bad_values_and_a_full_checkpoint_disk(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                warm_deepspeed: None) -> None:  # fmt: skip
+def test_bad_values_a_full_checkpoint_disk_and_a_kill_mid_transfer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], warm_deepspeed: None
+) -> None:
     fm = matrix()
     # Two of the bad values (the benchmark runs them all; every field's check is a unit test): a
     # worker-side one, and one that only the launcher's machine count shows.
@@ -34,16 +37,16 @@ def test_bad_values_and_a_full_checkpoint_disk(tmp_path: Path, capsys: pytest.Ca
     assert set(bad) <= {field for _, field in fm.BAD_VALUES}
     # The full checkpoint disk with asynchronous saves (global_checkpoint); the benchmark also runs
     # it with synchronous ones (replication).
-    doc = {"cases": []}
-    for configs, points in (("replication", ",".join(f"bad {field}" for field in bad)),
-                            ("global_checkpoint", "full_ckpt_disk")):  # fmt: skip
-        code = fm.main(["--configs", configs, "--points", points, "--machines", "1", "--keep",
-                        str(tmp_path / configs), "--json"])  # fmt: skip
-        out = capsys.readouterr().out
-        assert code == 0, out
-        doc["cases"] += fm.json.loads(out.strip().splitlines()[-1])["cases"]
+    chosen = [*(f"replication/bad {field}" for field in bad), "replication/recv_state m1",
+              "global_checkpoint/full_ckpt_disk m1"]  # fmt: skip
+    code = fm.main(["--cases", ",".join(chosen), "--keep", str(tmp_path / "matrix"), "--shared-reference", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    doc = fm.json.loads(out.strip().splitlines()[-1])
     names = {r["case"] for r in doc["cases"]}
-    assert {f"replication/bad {field}" for field in bad} <= names
+    assert {f"replication/bad {field}" for field in bad} | {"replication/recv_state m1"} <= names
+    (transfer,) = [r for r in doc["cases"] if r["case"] == "replication/recv_state m1"]
+    assert transfer["passed"] and transfer["how"] == "buddy, bitwise", transfer
     disk = [r for r in doc["cases"] if r["case"].startswith("global_checkpoint/full_ckpt_disk")]
     assert len(disk) == 1
     if disk[0]["passed"] is None:
