@@ -9,22 +9,31 @@ final state that differs, a hang (the job's deadline: its whole process tree is 
 
 Configs (``CONFIGS``): ``replication`` (bf16 + ZeRO-1, pp 2 x dp 2: buddy copies and replicas),
 ``logging`` (bf16 + ZeRO-1, pp 4 over 2 machines, a storage budget), ``global_checkpoint`` and
-``checkfreq`` (asynchronous checkpoints, every rank reloads), and ``elastic`` (lossy forward without
-a spare: the job goes on without the failed machine; approximate by design, so its cases pass on an
-announced approximate recovery that shrank the job and ends within 1e-2 relative distance of the
-failure-free run, any exact fallback bitwise). Points: ``forward``, ``backward``,
-``step``, ``send``, ``recv`` of an iteration, ``save`` (a rank dies as the periodic checkpoint
-starts), and per config its own: ``replay`` (a replacement dies mid-replay) and ``corrupt_log``
-(a record of the log is corrupt; the replay must refuse it and fall back) for logging;
-``two_machines`` (machines 0 and 2 of four die at once) and ``corrupt_ckpt`` / ``missing_ckpt`` (a
-checkpoint fallback whose newest checkpoint has a corrupt or missing file of one rank: every rank
-must step back to the one before it) for replication; ``full_ckpt_disk`` (the
-checkpoint directory on a 2 MB tmpfs that fills up: training goes on, a later failure reloads an
-older complete checkpoint, or restarts) for replication (synchronous saves) and global_checkpoint
-(asynchronous); and one bad value per config section.
+``checkfreq`` (asynchronous checkpoints, every rank reloads), ``elastic`` (lossy forward without a
+spare: the job goes on without the failed machine), and the other seed systems' strategies on the
+same job: ``tranlogs``, ``pipechurn`` (on 4 machines of one rank: its (2, 1) chunks need 3 other
+machines), ``scar`` and ``immediate_rollback``. The approximate ones (``APPROXIMATE``: elastic, scar,
+immediate_rollback) pass bitwise, or on a recovery announced approximate that ends within a relative
+distance of the failure-free run (elastic must also have shrunk the job).
 
-    python benchmarks/fault_matrix.py                         # everything (~40 min on 2 cores)
+Points: ``forward``, ``backward``, ``step``, ``send``, ``recv`` of an iteration, ``save`` (a rank dies
+as the periodic checkpoint starts), and per config its own. Logging: ``replay`` (a replacement dies
+mid-replay), ``corrupt_log`` / ``truncated_log`` / ``missing_log`` (a record of the log corrupt, its
+chunk cut short, its chunk and index deleted: the replay must refuse it and fall back, loudly),
+``log_write`` (a rank dies in the middle of writing a record: the torn tail is cut off when its
+replacement logs again) and ``full_log_disk`` (the log on a 256 KB tmpfs: logging stops loudly, a
+later failure falls back). Replication: ``two_machines`` (machines 0 and 2 of four die at once),
+``recv_state`` / ``send_state`` (the replacement dies mid-receive of its buddy copy: a second spare
+and a retried recovery; the survivor sending it dies: both machines lost, the checkpoint),
+``corrupt_ckpt`` / ``missing_ckpt`` (a checkpoint fallback whose newest checkpoint has a corrupt or
+missing file of one rank: every rank must step back to the one before it). ``full_ckpt_disk`` (the
+checkpoint directory on a 2 MB tmpfs: training goes on, a later failure reloads an older complete
+checkpoint, or restarts) for replication (synchronous saves) and global_checkpoint (asynchronous).
+And one bad value per config section.
+
+    python benchmarks/fault_matrix.py                         # everything (~45 min on 2 cores)
     python benchmarks/fault_matrix.py --configs logging --points backward,replay,corrupt_log
+    python benchmarks/fault_matrix.py --cases "replication/recv_state m1,replication/bad strategy" --shared-reference
     python benchmarks/fault_matrix.py --json                  # last line: {"cases": [...], "passed": N, ...}
 
 It prints one line per case as it ends, then the table, then ``N passed, M failed``; the exit code
