@@ -17,6 +17,7 @@ Why the inverse is computed the way it is:
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterator
 
 import torch
@@ -36,6 +37,11 @@ WORK_DTYPE = torch.float64
 # temporaries (about a dozen slices: 2 MB each) stay small even for a multi-GB flat ZeRO
 # partition.
 CHUNK_ELEMENTS = 1 << 18
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to a C ``float``: what a CUDA kernel taking ``float`` arguments computes with."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def w(t: torch.Tensor) -> torch.Tensor:

@@ -11,21 +11,15 @@ sources (tests/gpu/test_undo_fused_adam_gpu.py, ``scripts/gpu_check.sh``).
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import torch
 
-from ds_swift.undo.numerics import w
+from ds_swift.undo.numerics import f32, w
 from ds_swift.undo.records import GroupRecord, ParamRecord
 from ds_swift.undo.rules import UndoContext, UndoRule
 
 __all__ = ["DeepSpeedFusedAdamRule"]
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to a C ``float``, as the kernel's arguments are."""
-    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 class DeepSpeedFusedAdamRule(UndoRule):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ds_swift.undo.lamb import Lamb, lamb_direction, lamb_step_size
-from ds_swift.undo.numerics import w
+from ds_swift.undo.numerics import f32, w
 from ds_swift.undo.records import GroupRecord, NotInvertibleError, UndoError
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 from ds_swift.undo.rules_torch import addcmul_term, sc, solve
@@ -33,6 +33,7 @@ class LambRule(UndoRule):
 
     name = "Lamb"
     replayable = True
+    kernel_floats = False
 
     def post_step(self, optimizer: Any, groups: list[GroupRecord], call_kwargs: dict[str, Any]) -> None:
         coeffs = list(getattr(optimizer, "lamb_coeffs", []))
@@ -55,8 +56,10 @@ class LambRule(UndoRule):
         h = ctx.hyper
         if "trust_ratio" not in ctx.extra:
             raise UndoError(f"LAMB trust ratio was not recorded: {ctx.extra.get('trust_ratio_missing', 'unknown')}")
-        lr, eps, wd = float(h["lr"]), float(h["eps"]), float(h["weight_decay"])
-        beta1, beta2 = (float(b) for b in h["betas"])
+        # A CUDA kernel takes its hyperparameters as C floats: 1 - float(0.9) is 2 ulp from 0.1.
+        real = f32 if self.kernel_floats else float
+        lr, eps, wd = real(float(h["lr"])), real(float(h["eps"])), real(float(h["weight_decay"]))
+        beta1, beta2 = (real(float(b)) for b in h["betas"])
         assert ctx.step is not None
         t = int(ctx.step)
         coeff = ctx.extra["trust_ratio"]
@@ -107,6 +110,7 @@ class DeepSpeedFusedLambRule(LambRule):
 
     name = "FusedLamb"
     replayable = False
+    kernel_floats = True
 
     def _eps_inside(self, optimizer: Any, hyper: dict[str, Any]) -> bool:
         return getattr(optimizer, "eps_mode", 1) == 0

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from ds_swift.undo import InvertibleOptimizer
-from ds_swift.undo.numerics import ulp_error
-from ds_swift.undo.rules_deepspeed import f32
+from ds_swift.undo.numerics import f32, ulp_error
 
 
 class _FakeFusedAdam(torch.optim.Optimizer):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ds_swift.undo import InvertibleOptimizer, Lamb
-from ds_swift.undo.numerics import ulp_error
+from ds_swift.undo.numerics import f32, ulp_error
 
 
 def test_lamb_matches_reference_formula_and_keeps_trust_ratios() -> None:
@@ -106,16 +106,17 @@ class _FakeFusedLamb(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                b1, b2 = group["betas"]
+                b1, b2 = (f32(b) for b in group["betas"])  # the kernel takes C floats
                 state["step"] += 1
                 g = p.grad / combined
                 state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
                 state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
                 t = state["step"]
-                step_size = group["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t)
+                lr, eps, wd = f32(group["lr"]), f32(group["eps"]), f32(group["weight_decay"])
+                step_size = f32(lr * math.sqrt(f32(1 - b2**t)) / f32(1 - b1**t))
                 v = state["exp_avg_sq"]
-                denom = (v + group["eps"]).sqrt() if self.eps_mode == 0 else v.sqrt() + group["eps"]
-                update = state["exp_avg"] / denom + group["weight_decay"] * p
+                denom = (v + eps).sqrt() if self.eps_mode == 0 else v.sqrt() + eps
+                update = state["exp_avg"] / denom + wd * p
                 w, u = p.norm(), update.norm()
                 coeff = (w / u).clamp(group["min_coeff"], group["max_coeff"]) if w > 0 and u > 0 else torch.tensor(1.0)
                 p.sub_(step_size * coeff * update)
