@@ -212,9 +212,12 @@ class LogReader:
         kind = edge.kind
         first = info.entries.get((iteration, micro_batch, kind, 0))
         if first is None:
+            # A chunk cut short (a write or a copy that did not finish) shows as records missing at
+            # its end: say what its index and scan found.
+            found = f" ({'; '.join(info.problems)})" if info.problems else ""
             raise MissingRecordError(
                 f"message log {self.location}: {info.path.name} has no {kind} record for iteration {iteration} "
-                f"micro-batch {micro_batch}"
+                f"micro-batch {micro_batch}{found}"
             )
         tensors = []
         for part in range(first.num_parts):

@@ -93,6 +93,23 @@ def test_missing_records_and_edges_raise_naming_what_is_missing(tmp_path: Path) 
         LogReader(tmp_path / "nope")
 
 
+def test_a_chunk_cut_short_names_what_its_index_and_scan_found(tmp_path: Path) -> None:
+    """A chunk truncated in the middle of a record (a write or a copy that did not finish): the
+    records before the cut read back, the cut one is missing, and the error says why."""
+    w = LogWriter(tmp_path, 10, PythonAppender())
+    for mb in range(3):
+        w.write(meta(0, mb), [torch.full((64,), float(mb))])
+    w.close()
+    (chunk,) = tmp_path.glob("*.swlog")
+    e = load_chunk(chunk).order[1]
+    os.truncate(chunk, e.offset + e.length // 2)
+    r = LogReader(tmp_path)
+    assert torch.equal(r.get(0, 0, "act", 1, 2), torch.zeros(64))  # type: ignore[arg-type]
+    with pytest.raises(MissingRecordError, match=r"no act record for iteration 0 micro-batch 1 \(.*points outside "
+                       r"the chunk.*truncated"):  # fmt: skip
+        r.get(0, 1, "act", 1, 2)
+
+
 def test_flipped_payload_byte_names_file_and_record(tmp_path: Path) -> None:
     w = LogWriter(tmp_path, 10, PythonAppender())
     for mb in range(3):
