@@ -29,10 +29,11 @@ from ds_swift.checkpoint import CheckpointManager, Origin
 from ds_swift.membership import JobStore
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.digest import Verdict
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.verify import agree, forget_from, mismatch_reason
+from ds_swift.recovery.verify import agree, check_published, forget_from, mismatch_reason, published_digests
 from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
@@ -147,6 +148,7 @@ def run_recovery(
     try:
         outcome = chosen.restore(plan, inputs, ctx)
         if verify:
+            outcome.verdict = outcome.verdict or _own_copy_verdict(ctx, inputs, plan)
             _verified(ctx, world_size, outcome)
     except RestoreFailed as failed:
         plan, chosen = STRATEGIES.fall_back(inputs, failed.reason)
@@ -172,6 +174,18 @@ def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
             "restores the state before it only to within 2 ulp (no own copy of it was held: buddy copies are off "
             "or not used by this strategy)")  # fmt: skip
     announce_deviation(ctx, inputs, plan.strategy, outcome, f"{outcome.deviation}; {what}" if outcome.deviation else what)
+
+
+def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan) -> Verdict | None:
+    """A survivor that went back a step by its own copy, checked against the digest it published of
+    that iteration while it trained (where digests are published): a wrong copy (staged from
+    buffers a later round refilled, say) would otherwise train on unnoticed."""
+    rank = ctx.rank
+    if rank not in plan.undo or rank in plan.replay_ranks or not inputs.by_rank[rank].undo_exact:
+        return None
+    if plan.consensus not in published_digests(ctx.store, rank):
+        return None  # digests are published only where a replay may happen (verify.digest_interval)
+    return check_published(ctx.store, rank, ctx.engine, plan.consensus, "my state undone from my own copy")
 
 
 def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:

@@ -231,6 +231,10 @@ def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tm
     assert "survivors [0, 1] undo to iteration 6 from their own copies of it" in tl["reason"], tl["reason"]
     assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
     assert "undo: last stepped iteration 7 -> consensus 6 (own copy)" in job.output
+    # Each checked its undone state against the digest it published of iteration 6 while training.
+    verified = re.findall(r"rank (\d+): restored state verified: my state undone from my own copy \(iteration 6\) "
+                          r"bitwise equal to the digest rank \1 published", job.output)  # fmt: skip
+    assert sorted(map(int, verified)) == [0, 1], job.output[-4000:]
     assert_bitwise(baseline, job)
 
 
