@@ -33,7 +33,14 @@ from ds_swift.recovery.digest import Verdict
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.verify import agree, check_published, forget_from, mismatch_reason, published_digests
+from ds_swift.recovery.verify import (
+    OWN_COPY,
+    agree,
+    check_published,
+    forget_from,
+    mismatch_reason,
+    published_digests,
+)
 from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
@@ -185,7 +192,7 @@ def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
         return None
     if plan.consensus not in published_digests(ctx.store, rank):
         return None  # digests are published only where a replay may happen (verify.digest_interval)
-    return check_published(ctx.store, rank, ctx.engine, plan.consensus, "my state undone from my own copy")
+    return check_published(ctx.store, rank, ctx.engine, plan.consensus, OWN_COPY)
 
 
 def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:

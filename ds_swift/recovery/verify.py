@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ds_swift.recovery.consensus import RecoveryPlan
 
 __all__ = [
+    "OWN_COPY",
     "SLOTS",
     "ReplayCheck",
     "agree",
@@ -49,6 +50,11 @@ __all__ = [
 #: digests kept per rank (a ring of job-store keys): a replay checks the newest one up to the
 #: consensus, and a rank publishes at most one past it
 SLOTS = 4
+
+
+OWN_COPY = "my state undone from my own copy"
+"""What a survivor that went back a step by its own copy checked against its own digest (the
+coordinator's verdict detail starts with it)."""
 
 
 def digest_key(rank: int, slot: int) -> str:

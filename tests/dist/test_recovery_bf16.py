@@ -10,7 +10,6 @@ included) is bitwise equal to a failure-free run's.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
