@@ -176,6 +176,7 @@ def four_machines(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.slow  # CI runs the bf16 + ZeRO-1 variant (tests/dist/test_recovery_logging_bf16.py)
 def test_kill_at_backward_replays_machine_1_bitwise(sequential: JobRun, reference: dict[str, torch.Tensor]) -> None:
     (tl,) = assert_recovered(sequential, 1)
     assert_logging(tl, machine=1, consensus=11, group=[2, 3])
