@@ -108,7 +108,8 @@ class Case:
     inject: str = ""
     env: dict[str, str] = field(default_factory=dict)
     swift: dict[str, Any] = field(default_factory=dict)
-    nnodes: int = 2
+    nnodes: int = 0
+    """Machines; 0: the config's (``NNODES``, else 2)."""
     spares: int = 1
     bad_field: str | None = None
     """A bad config value: the job must stop naming this field."""
@@ -117,6 +118,9 @@ class Case:
     disk_size: str = "2m"
     must_say: tuple[str, ...] = ()
     """Lines the job's output must hold (the fault really happened; the fallback was announced)."""
+
+    def __post_init__(self) -> None:
+        self.nnodes = self.nnodes or NNODES.get(self.config, 2)
 
     @property
     def name(self) -> str:
@@ -129,12 +133,10 @@ def cases() -> list[Case]:
     for config in CONFIGS:
         for machine in (0, 1):
             for phase in PHASES:
-                out.append(Case(config, phase, machine, inject=f"machine={machine},iteration={KILL_AT},phase={phase}",
-                                nnodes=NNODES.get(config, 2)))  # fmt: skip
+                out.append(Case(config, phase, machine, inject=f"machine={machine},iteration={KILL_AT},phase={phase}"))
         # Rank 3 (the last machine) dies as the periodic checkpoint after 8 iterations starts.
         at = 8 if config != "checkfreq" else 3
-        out.append(Case(config, "save", 1, env={"SWIFT_TEST_KILL_IN_SAVE": f"rank=3,iteration={at}"},
-                        nnodes=NNODES.get(config, 2)))  # fmt: skip
+        out.append(Case(config, "save", 1, env={"SWIFT_TEST_KILL_IN_SAVE": f"rank=3,iteration={at}"}))
     out.append(Case("logging", "replay", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
                     env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=2,iteration=5"}, spares=2))
     # A damaged log: a corrupt record, a chunk cut short, a chunk lost. The replay must refuse it
@@ -208,7 +210,7 @@ def spec_for(case: Case, config_swift: dict[str, Any] | None = None) -> JobSpec:
 
 
 def reference(work: Path, config: str, timeout: float) -> JobRun:
-    job = run_job(work / f"reference-{config}", spec_for(Case(config, "none", nnodes=NNODES.get(config, 2))), timeout)
+    job = run_job(work / f"reference-{config}", spec_for(Case(config, "none")), timeout)
     if job.code != 0 or job.timelines():
         raise RuntimeError(f"the failure-free run of {config} failed (exit {job.code}):\n{job.output[-3000:]}")
     return job

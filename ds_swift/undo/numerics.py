@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,9 +40,10 @@ WORK_DTYPE = torch.float64
 CHUNK_ELEMENTS = 1 << 18
 
 
-def f32(x: float) -> float:
-    """``x`` rounded to a C ``float``: what a CUDA kernel taking ``float`` arguments computes with."""
-    return float(struct.unpack("f", struct.pack("f", x))[0])
+def f32(x: Any) -> float:
+    """``x`` (a number, or a one-element tensor) rounded to a C ``float``: what a CUDA kernel taking
+    ``float`` arguments computes with."""
+    return float(struct.unpack("f", struct.pack("f", float(x)))[0])
 
 
 def w(t: torch.Tensor) -> torch.Tensor:

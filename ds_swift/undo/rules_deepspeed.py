@@ -50,8 +50,8 @@ class DeepSpeedFusedAdamRule(UndoRule):
 
     def undo_param(self, ctx: UndoContext) -> None:
         h = ctx.hyper
-        lr, eps, wd = f32(float(h["lr"])), f32(float(h["eps"])), f32(float(h["weight_decay"]))
-        beta1, beta2 = (f32(float(b)) for b in h["betas"])
+        lr, eps, wd = f32(h["lr"]), f32(h["eps"]), f32(h["weight_decay"])
+        beta1, beta2 = (f32(b) for b in h["betas"])
         t = int(ctx.extra["kernel_step"])
         bc1, bc2 = (f32(1 - beta1**t), f32(1 - beta2**t)) if h.get("bias_correction", True) else (1.0, 1.0)
         m1, v1, x1 = ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.param

@@ -58,8 +58,8 @@ class LambRule(UndoRule):
             raise UndoError(f"LAMB trust ratio was not recorded: {ctx.extra.get('trust_ratio_missing', 'unknown')}")
         # A CUDA kernel takes its hyperparameters as C floats: 1 - float(0.9) is 2 ulp from 0.1.
         real = f32 if self.kernel_floats else float
-        lr, eps, wd = real(float(h["lr"])), real(float(h["eps"])), real(float(h["weight_decay"]))
-        beta1, beta2 = (real(float(b)) for b in h["betas"])
+        lr, eps, wd = real(h["lr"]), real(h["eps"]), real(h["weight_decay"])
+        beta1, beta2 = (real(b) for b in h["betas"])
         assert ctx.step is not None
         t = int(ctx.step)
         coeff = ctx.extra["trust_ratio"]

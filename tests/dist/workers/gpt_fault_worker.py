@@ -244,6 +244,8 @@ def _patch_logging_recovery(rank: int) -> None:
 
 
 def _patch_state_transfer(rank: int) -> None:
+    import torch.distributed as dist
+
     import ds_swift.recovery.buddy as buddy
 
     def dying(op: Any, what: str) -> Any:
@@ -263,12 +265,12 @@ def _patch_state_transfer(rank: int) -> None:
     if recv and recv["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") == "1":
         recv_state = buddy.recv_state
         buddy.recv_state = lambda src, group=None, recv=None: recv_state(  # type: ignore[assignment]
-            src, group, dying(recv or torch_dist().recv, "receiving"))
+            src, group, dying(recv or dist.recv, "receiving"))
     send = _spec("SWIFT_TEST_KILL_IN_SEND_STATE")
     if send and send["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         send_state = buddy.send_state
         buddy.send_state = lambda state, dst, group=None, send=None: send_state(  # type: ignore[assignment]
-            state, dst, group, dying(send or torch_dist().send, "sending"))
+            state, dst, group, dying(send or dist.send, "sending"))
 
 
 def _patch_log_write(rank: int) -> None:
@@ -290,12 +292,6 @@ def _patch_log_write(rank: int) -> None:
         return append(self, header, payload)
 
     writer.ChunkWriter.append = append_or_die  # type: ignore[method-assign]
-
-
-def torch_dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
 
 
 def _hold_hook(iteration: int) -> Any:
