@@ -6,11 +6,17 @@ Same formats as the ``deepspeed`` launcher: ``hostname slots=N`` lines, and filt
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HostEntry", "HostfileError", "filter_resources", "is_local", "read_hostfile"]
+__all__ = ["HostEntry", "HostfileError", "check_host", "filter_resources", "is_local", "read_hostfile"]
+
+#: a host name or IPv4 address: what ssh and pdsh take as a host and nothing else. A leading '-' would
+#: be an ssh option (``-oProxyCommand=...`` runs a command here); '[', ',', '@', '^' mean host lists,
+#: users or files to pdsh; shell characters would break out of the commands the hosts run.
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 
 
 class HostfileError(ValueError):
@@ -23,6 +29,20 @@ class HostEntry:
 
     host: str
     slots: int
+
+
+def check_host(host: str, where: str) -> str:
+    """``host`` if it is a plain host name or IPv4 address; else HostfileError naming ``where``."""
+    if _HOST_NAME.match(host):
+        return host
+    if host.startswith("-"):
+        why = "starts with '-', which ssh and pdsh would read as an option"
+    elif ":" in host.strip("[]"):
+        why = ("looks like an IPv6 address, which is not supported (':' separates GPU slots in --include); "
+               "give the host a name in /etc/hosts or use its IPv4 address")
+    else:
+        why = "is not a host name: only letters, digits, '.', '-' and '_' (not first) may appear in one"
+    raise HostfileError(f"{where}: host {host!r} {why}")
 
 
 def read_hostfile(path: str) -> tuple[HostEntry, ...]:
@@ -46,6 +66,7 @@ def read_hostfile(path: str) -> tuple[HostEntry, ...]:
             slots = -1
         if slots < 1:
             raise HostfileError(f"--hostfile {path}:{n}: slots must be a positive integer in {raw.strip()!r}")
+        check_host(parts[0], f"--hostfile {path}:{n}")
         if any(h.host == parts[0] for h in hosts):
             raise HostfileError(f"--hostfile {path}:{n}: host {parts[0]} is listed twice")
         hosts.append(HostEntry(parts[0], slots))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ds_swift.store_auth import SECRET_ENV
 
-from .hostfile import HostEntry, HostfileError, filter_resources, read_hostfile
+from .hostfile import HostEntry, HostfileError, check_host, filter_resources, read_hostfile
 from .slurm import SlurmStep
 
 __all__ = ["DEFAULT_MASTER_PORT", "LaunchUsageError", "Placement", "place_agents", "ssh_message"]
@@ -118,6 +118,11 @@ def place_agents(ns: argparse.Namespace, env: dict[str, str], launcher: str) -> 
         hosts = tuple(HostEntry(h, len(slots)) for h, slots in chosen)
     if ns.node_host is not None:  # an agent that --launcher pdsh|ssh started: its rank is its host's index
         order = (ns.agent_hosts or "").split(",")
+        try:
+            for host in (*order, ns.node_host):
+                check_host(host, "--agent-hosts/--node-host")
+        except HostfileError as exc:
+            raise LaunchUsageError(str(exc)) from None
         if ns.node_host not in order:
             raise LaunchUsageError(f"--node-host {ns.node_host} is not in --agent-hosts {ns.agent_hosts}")
         node_rank = order.index(ns.node_host)

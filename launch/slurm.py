@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .hostfile import HostfileError, check_host
+
 __all__ = ["SlurmStep", "expand_nodelist", "in_slurm_step"]
 
 
@@ -92,6 +94,11 @@ class SlurmStep:
         if not nodelist:
             raise ValueError("SLURM_JOB_NODELIST is not set")
         hosts = tuple(expand_nodelist(nodelist))
+        for host in hosts:
+            try:
+                check_host(host, f"the SLURM node list {nodelist!r}")
+            except HostfileError as exc:
+                raise ValueError(str(exc)) from None
         nnodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or len(hosts))
         if nnodes != len(hosts):
             raise ValueError(f"SLURM_NNODES={nnodes} but the node list {nodelist!r} names {len(hosts)} hosts")

@@ -84,16 +84,30 @@ while args and args[0].startswith("-"):
         if flag == "-w":
             hosts = value.split(",")
 command = " ".join(args)
+def expand(host):  # pdsh's own rules (src/common/pipecmd.c): %h, %u, %n, and %% for one %
+    out, i = [], 0
+    while i < len(command):
+        two = command[i:i + 2]
+        if two in ("%h", "%u", "%n", "%%"):
+            out.append({"%h": host, "%u": os.environ.get("USER", "u"), "%n": "0", "%%": "%"}[two])
+            i += 2
+        else:
+            out.append(command[i])
+            i += 1
+    return "".join(out)
 for host in hosts:
-    start(host, ["bash", "-c", command.replace("%h", host)], dict(os.environ, STANDIN_HOST=host))
+    start(host, ["bash", "-c", expand(host)], dict(os.environ, STANDIN_HOST=host))
 finish()
 '''
 
 SSH = _COMMON + '''
-# ssh [-o OPTION]... host command: one host per call; the command is one shell line.
+# ssh [-o OPTION]... [--] host command: one host per call; the command is one shell line.
 args = sys.argv[1:]
 while args and args[0] == "-o":
     args = args[2:]
+if args and args[0] == "--":
+    args = args[1:]
+assert not args[0].startswith("-"), f"ssh would read the host {args[0]!r} as an option"
 host, command = args[0], " ".join(args[1:])
 start(host, ["bash", "-c", command], dict(os.environ, STANDIN_HOST=host))
 finish()

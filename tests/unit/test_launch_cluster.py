@@ -12,7 +12,9 @@ from ds_swift.launch.remote import (
     agent_argv,
     agent_command,
     deepspeed_env,
+    render,
     visible_devices_case,
+    write_env_file,
 )
 from ds_swift.launch.slurm import SlurmStep, expand_nodelist, in_slurm_step
 from ds_swift.store_url import StoreURL, parse_endpoints
@@ -118,10 +120,10 @@ def test_pdsh_arguments(tmp_path: Path) -> None:
     argv = agent_argv(args, "tcp://launch:1234", "tok", str(secret_file))
     assert argv[-3:] == ["t.py", "--lr", "1"]
     assert args.job_secret not in " ".join(argv)  # the secret never goes on a command line
-    assert argv[argv.index("--agent-hosts") + 1] == "w0,w2" and argv[argv.index("--node-host") + 1] == "%h"
+    assert argv[argv.index("--agent-hosts") + 1] == "w0,w2" and "--node-host" not in argv  # agent_command's slot
     assert "--inject" in argv and argv[argv.index("--store") + 1] == "tcp://launch:1234"
     # w0 keeps GPUs 1,3; w2's 0,1 are the default and need nothing.
-    assert visible_devices_case(args) == "case %h in w0) export CUDA_VISIBLE_DEVICES=1,3;; esac; "
+    assert render(visible_devices_case(args), None) == "case %h in w0) export CUDA_VISIBLE_DEVICES=1,3;; esac; "
     # The agent that pdsh starts on w2 finds its rank from its host name.
     agent = parse_args([*argv[: argv.index("t.py")], "--node-host", "w2", "t.py"], environ={})
     assert agent.node_rank == 1 and agent.launcher == "local" and agent.store_url == "tcp://launch:1234"
@@ -137,8 +139,10 @@ def test_deepspeed_env_file_and_exported_prefixes(tmp_path: Path) -> None:
     env = deepspeed_env({"HOME": str(tmp_path / "nohome"), "NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "OTHER": "1"},
                         cwd=str(tmp_path))
     assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "NCCL_IB_HCA": "mlx5", "FOO": "a b"}
-    line = agent_command(["--node-host", "%h", "t.py"], env, "/work dir", python="/py")
-    assert line.startswith("cd '/work dir'; export FOO='a b'; ") and line.endswith("/py -u -m ds_swift.launch.cli --node-host %h t.py")
+    write_env_file(str(tmp_path / "agent.env"), env)
+    assert "\nexport FOO='a b'\n" in (tmp_path / "agent.env").read_text()
+    line = render(agent_command(["t.py"], "/run/agent.env", "/work dir", python="/py"), None)
+    assert line.endswith("; cd '/work dir' && . /run/agent.env && exec /py -u -m ds_swift.launch.cli --node-host %h t.py")
 
 
 # ---------------------------------------------------------------------- a dead agent's machine
