@@ -155,3 +155,98 @@ def test_swift_checkpoints_default_to_megatrons_save_directory() -> None:
     assert swift_section(args, {})["checkpoint"] == {"dir": "/ckpt", "interval": 50}
     kept = swift_section(args, {"swift": {"checkpoint": {"dir": "/mine"}}})
     assert kept["checkpoint"] == {"dir": "/mine"}
+
+
+# ---------------------------------------------------------------------- --check: where a checkout stands
+def check(repo: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`ds-swift megatron-patch --check REPO`: (exit code, what it printed); the checkout must not change."""
+    from ds_swift.cli import main
+
+    before = (git(repo, "status", "--porcelain"), git(repo, "diff"))
+    code = main(["megatron-patch", "--check", str(repo)])
+    assert (git(repo, "status", "--porcelain"), git(repo, "diff")) == before  # --check changes nothing
+    return code, capsys.readouterr().out
+
+
+def apply_by_hand(repo: Path, *names: str) -> None:
+    for patch in load_series():
+        if patch.name[:4] in names:
+            git(repo, "apply", str(patch.path))
+
+
+def test_check_says_the_series_applies_to_the_pinned_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = pinned_files(tmp_path)
+    code, out = check(repo, capsys)
+    assert code == 1 and f"{repo}: applies: none of the 4 patches is applied" in out
+
+
+def test_check_says_the_series_is_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = pinned_files(tmp_path)
+    apply_series(repo, force=True)
+    code, out = check(repo, capsys)
+    assert code == 0 and f"{repo}: applied: all 4 patches are in place" in out
+
+
+def test_check_names_the_patches_of_a_half_applied_checkout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = pinned_files(tmp_path)
+    apply_by_hand(repo, "0001", "0002")
+    code, out = check(repo, capsys)
+    assert code == 3
+    assert ("half applied: 0001-swift-arguments.patch, 0002-swift-init-and-wrap.patch applied; "
+            "0003-swift-data-after-recovery.patch, 0004-cpu-gloo.patch not") in out
+    before = git(repo, "diff")
+    with pytest.raises(MegatronPatchError, match="is half applied .*nothing changed"):
+        apply_series(repo, force=True)
+    assert git(repo, "diff") == before
+
+
+def test_a_half_applied_checkout_is_reported_hunk_by_hunk_and_left_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0001, 0002 and 0004 in place, 0003 not: the first version reverse-applied 0004 to probe, failed on
+    0003, left 0004 reversed and said that 0001 'does not apply'."""
+    repo = pinned_files(tmp_path)
+    apply_by_hand(repo, "0001", "0002")
+    training = repo / "megatron" / "training.py"
+    pinned_training = training.read_text()
+    apply_by_hand(repo, "0003", "0004")
+    git(repo, "apply", "-R", str(load_series()[2].path))  # take 0003 back out, 0004 stays
+    assert training.read_text() != pinned_training
+    before = git(repo, "diff")
+    with pytest.raises(MegatronPatchError, match=r"is half applied \(0001-swift-arguments.patch applied; .*"
+                                                 r"0003-swift-data-after-recovery.patch not applied; 0004-cpu-gloo.patch applied\)"):
+        apply_series(repo, force=True)
+    assert git(repo, "diff") == before
+    code, out = check(repo, capsys)
+    assert code == 3
+    assert ("0003-swift-data-after-recovery.patch megatron/training.py @@ -715,7 +715,8 @@ def train_step("
+            "forward_step_func, data_iterator,: not applied") in out
+    assert "0004-cpu-gloo.patch megatron/tokenizer/tokenizer.py @@ -6,7 +6,6 @@: applied" in out
+    assert ": conflicts" not in out
+
+
+def test_check_names_the_hunk_that_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = pinned_files(tmp_path)
+    training = repo / "megatron" / "training.py"
+    training.write_text(training.read_text().replace("    if found_kill_switch():", "    if found_kill_switch():  # x", 1))
+    code, out = check(repo, capsys)
+    assert code == 4 and f"{repo}: does not apply: 0002-swift-init-and-wrap.patch conflicts" in out
+    assert "0002-swift-init-and-wrap.patch megatron/training.py @@ -130,6 +133,12 @@ def pretrain(" in out
+    assert out.count(": conflicts") == 1
+
+
+def test_a_folder_inside_another_repository_is_really_patched(tmp_path: Path) -> None:
+    """git apply run in a folder of a bigger repository skips every file and exits 0: the first version
+    said 'applied 4 patches' and changed nothing."""
+    outer = tmp_path / "project"
+    outer.mkdir()
+    vendored = pinned_files(outer)
+    shutil.rmtree(vendored / ".git")
+    git(outer, "init", "-q")
+    git(outer, "add", "-A")
+    git(outer, "commit", "-qm", "vendored Megatron-DeepSpeed")
+    with pytest.raises(MegatronPatchError, match="not a git checkout .*--force"):
+        apply_series(vendored)
+    assert apply_series(vendored, force=True).startswith("applied 4 patches")
+    assert "model[0] = _SWIFT.wrap(model[0], args)" in (vendored / "megatron" / "training.py").read_text()
+    assert apply_series(vendored, force=True).startswith("already applied")
