@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .megatron_patch_state import EXIT_CODES, MegatronPatchError, SeriesState, git, series_state
+from .megatron_patch_state import EXIT_CODES, MegatronPatchError, SeriesState, git, series_state, touched_files
 
 __all__ = [
     "MegatronPatchError",
@@ -127,7 +127,7 @@ def apply_series(checkout: Path, series: list[PatchFile] | None = None, *, force
         raise MegatronPatchError(
             f"{checkout} is half applied ({_half_summary(state)}): nothing changed; "
             f"'ds-swift megatron-patch --check {checkout}' lists every hunk; restore the files the series "
-            "touches (git checkout -- megatron) and run again"
+            f"touches (git -C {checkout} checkout -- {' '.join(touched_files(series))}) and run again"
         )
     if state.failure is not None:  # does not apply
         name, stderr = state.failure

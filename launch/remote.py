@@ -144,7 +144,9 @@ def start_agents(
     """pdsh: one process for all hosts; ssh: one per host (``--`` before it: never an option)."""
     popen_env = None if env is None else dict(env)
     if launcher == "pdsh":
-        # -S: pdsh exits with the largest remote exit code; -f: all hosts at once.
+        # -S: pdsh exits with the largest remote exit code; -f: all hosts at once. pdsh's own ssh call
+        # (PDSH_SSH_ARGS, by default '-2 -a -x -l%u %h') has no '--': the host names were checked, so
+        # none starts with '-', and none holds -w's list syntax ('[1-3]', '^file', '@group', 'user@').
         argv = ["pdsh", "-S", "-f", str(max(len(hosts), 32)), "-w", ",".join(hosts), render(command, None)]
         return [subprocess.Popen(argv, env=popen_env, stdin=subprocess.DEVNULL)]
     if launcher == "ssh":
