@@ -146,10 +146,12 @@ class LogReader:
     def _local(self, filename: str) -> Path:
         path = self.directory / filename
         if self._store is not None and not path.exists():
-            self._store.get_file(filename, path)
+            # the index before its chunk: uploads go the other way round (msglog.upload), so the
+            # index can only be older than the chunk, a gap the chunk scan fills
             idx = self._names[filename].index_file
             if self._store.exists(idx):
                 self._store.get_file(idx, self.directory / idx)
+            self._store.get_file(filename, path)
         return path
 
     def chunk(self, cn: ChunkName) -> ChunkInfo:
