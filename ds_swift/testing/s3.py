@@ -8,6 +8,7 @@ same from :attr:`S3Server.env`), and stops it on exit, also on failure. Needs th
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ def s3_server(bucket: str = "ds-swift-test") -> Iterator[S3Server]:
     """Run moto's S3 server on 127.0.0.1 for the duration of the block (see the module docstring)."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     saved = dict(os.environ)
