@@ -12,6 +12,7 @@ sweeps it, :meth:`Store.delete_where`); after it, the superseded object is delet
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -171,13 +172,19 @@ class Store:
             previous = None
         obj = staged_name(name)
         with self._errors("upload", name):
-            self.backend.put_file(local, obj)
-            stored = self.backend.size(obj)
-            if stored != size:
-                self._discard(obj)
-                raise ChecksumError(
-                    errno.EIO, f"log store: upload {self.url}/{name}: stored {stored} bytes, the local file has {size}"
-                )
+            try:
+                self.backend.put_file(local, obj)
+                stored = self.backend.size(obj)
+                if stored != size:
+                    raise ChecksumError(
+                        errno.EIO,
+                        f"log store: upload {self.url}/{name}: stored {stored} bytes, the local file has {size}",
+                    )
+            except Exception:
+                # unpublished, so nobody reads it: never let failed tries fill a full disk
+                with contextlib.suppress(Exception):
+                    self.backend.delete(obj)
+                raise
             meta = {"size": size, "crc32c": crc, "object": obj}
             self.backend.replace_bytes(name + CRC_SUFFIX, json.dumps(meta).encode())
         if previous is not None and previous.obj != obj:

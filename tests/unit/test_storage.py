@@ -169,13 +169,19 @@ def test_real_webhdfs_client_against_a_closed_port_is_unreachable() -> None:
 def test_full_disk_on_upload_is_a_storage_full_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = open_store(str(tmp_path / "store"))
     src = _file(tmp_path, "big.swlog", b"y" * 100)
+    s.put_file(src)
+    before = sorted(s.backend.list())
 
-    def full(*a: Any, **k: Any) -> None:
+    def full(local_path: str, name: str) -> None:
+        s.backend.write_bytes(name, b"y" * 10)  # as far as it got
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(s.backend, "put_file", full)
     with pytest.raises(StorageFullError, match=r"big.swlog: out of space"):
-        s.put_file(src)
+        s.put_file(_file(tmp_path, "big.swlog", b"y" * 200))
+    # the part written is removed (a full disk gets no fuller per try); the last upload stands
+    assert sorted(s.backend.list()) == before
+    assert s.get_file("big.swlog", tmp_path / "dl").read_bytes() == b"y" * 100
 
 
 def test_unwritable_local_store_names_the_path(tmp_path: Path) -> None:
