@@ -272,7 +272,10 @@ class Store:
 
     def delete(self, name: str, missing_ok: bool = True) -> None:
         """Delete an object: its sidecar first (never a published name without its bytes), then its bytes."""
-        meta = self._published(name)
+        try:
+            meta = self._published(name)
+        except ChecksumError:  # an unreadable sidecar goes too; GC (delete_where) sweeps its object
+            meta = None
         stored = [name + CRC_SUFFIX, meta.obj if meta else name]
         if meta is None and not missing_ok:
             self._require(name)
