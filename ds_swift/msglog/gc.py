@@ -17,7 +17,7 @@ __all__ = ["delete_chunks_before", "gc_before"]
 
 
 def delete_chunks_before(location: str | os.PathLike[str], iteration: int) -> list[str]:
-    """Delete chunk and index files (and store sidecars) holding only iterations ``< iteration``.
+    """Delete chunk and index files (store sidecars and unpublished uploads too) holding only iterations ``< iteration``.
 
     Args:
         location: a local directory or a store URL (ds_swift.storage).
@@ -26,26 +26,25 @@ def delete_chunks_before(location: str | os.PathLike[str], iteration: int) -> li
     Returns the names deleted.
     """
     from ds_swift.storage import local_path_of, open_store
+    from ds_swift.storage.store import CRC_SUFFIX, logical_name
 
     local = local_path_of(str(location))
-    deleted: list[str] = []
     if local is not None:
+        # a writer's directory, or a file:// store (sidecars and uploads' objects beside the chunks)
         directory = Path(local)
         if not directory.is_dir():
             return []
-        for p in sorted(directory.iterdir()):
-            cn = ChunkName.parse(p.name)
-            if cn is not None and cn.end_iteration <= iteration:
-                p.unlink(missing_ok=True)
-                deleted.append(p.name)
-        return deleted
-    store = open_store(str(location))
-    for name in store.names():
-        cn = ChunkName.parse(name)
-        if cn is not None and cn.end_iteration <= iteration:
-            store.delete(name)
-            deleted.append(name)
-    return deleted
+        doomed = [p for p in directory.iterdir() if _before(logical_name(p.name), iteration)]
+        for p in sorted(doomed, key=lambda p: not p.name.endswith(CRC_SUFFIX)):  # unpublish first
+            p.unlink(missing_ok=True)
+        return sorted({logical_name(p.name) for p in doomed})
+    # one listing; what an interrupted upload of such a chunk left (an unpublished object) goes too
+    return open_store(str(location)).delete_where(lambda name: _before(name, iteration))
+
+
+def _before(name: str, iteration: int) -> bool:
+    cn = ChunkName.parse(name)
+    return cn is not None and cn.end_iteration <= iteration
 
 
 def gc_before(log_dir_or_url: str | os.PathLike[str], iteration: int) -> list[str]:

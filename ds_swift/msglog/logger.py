@@ -40,6 +40,7 @@ from ds_swift.msglog.edge import KINDS, LogEdge, pipeline_position
 from ds_swift.msglog.gc import delete_chunks_before
 from ds_swift.msglog.plan import LoggingPlan
 from ds_swift.msglog.staging import CopyMode, Stager, make_stager
+from ds_swift.msglog.upload import upload_files
 from ds_swift.msglog.writer import LogWriter, MessageMeta, make_appender
 from ds_swift.msglog.writer_thread import WriteItem, WriterThread
 
@@ -284,17 +285,7 @@ class MessageLogHandle:
         store = open_store(url)
 
         def do_upload(_w: LogWriter) -> list[str]:
-            done = []
-            # index before chunk: a reader then sees a chunk at least as long as its index
-            for path in sorted(self.files(), key=lambda p: (p.stem, p.suffix != ".swidx")):
-                st = path.stat()
-                sig = (st.st_size, st.st_mtime_ns)
-                if self._uploaded.get(path.name) == sig:
-                    continue
-                store.put_file(path, path.name)
-                self._uploaded[path.name] = sig
-                done.append(path.name)
-            return done
+            return upload_files(store, self.files(), self._uploaded)
 
         t0 = time.perf_counter()
         names: list[str] = self._writer.call(do_upload, timeout_s)

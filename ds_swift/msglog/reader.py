@@ -86,6 +86,13 @@ class VerifyReport:
         return not self.errors
 
 
+def _is_store(directory: Path) -> bool:
+    """Whether a directory is a file:// store (uploads with checksum sidecars), not a writer's chunks."""
+    from ds_swift.storage.store import CRC_SUFFIX
+
+    return any(p.name.endswith(CHUNK_SUFFIX + CRC_SUFFIX) for p in directory.iterdir())
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
@@ -121,12 +128,14 @@ class LogReader:
         self.location = str(location)
         self._store: Store | None = None
         local = local_path_of(self.location) if store is None else None
-        if local is not None:
+        if local is not None and not local.is_dir():
+            raise FileNotFoundError(f"message log directory {local} does not exist")
+        if local is not None and not _is_store(local):
+            # chunks as the writer wrote them (no checksum sidecars): read in place
             self.directory = local
-            if not self.directory.is_dir():
-                raise FileNotFoundError(f"message log directory {self.directory} does not exist")
             names = sorted(p.name for p in self.directory.iterdir() if p.name.endswith(CHUNK_SUFFIX))
         else:
+            # a store: file:// holds the uploads' objects (NAME~TOKEN) and sidecars, like any other
             self._store = store or open_store(self.location)
             self._tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="ds-swift-logs-")
             self.directory = Path(cache_dir or self._tmp.name)  # type: ignore[union-attr]
@@ -146,10 +155,12 @@ class LogReader:
     def _local(self, filename: str) -> Path:
         path = self.directory / filename
         if self._store is not None and not path.exists():
-            self._store.get_file(filename, path)
+            # the index before its chunk: uploads go the other way round (msglog.upload), so the
+            # index can only be older than the chunk, a gap the chunk scan fills
             idx = self._names[filename].index_file
             if self._store.exists(idx):
                 self._store.get_file(idx, self.directory / idx)
+            self._store.get_file(filename, path)
         return path
 
     def chunk(self, cn: ChunkName) -> ChunkInfo:

@@ -12,7 +12,7 @@ import errno
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import MethodType
 from typing import Any
@@ -24,6 +24,7 @@ from deepspeed.runtime.pipe import p2p
 from ds_swift.config import SwiftConfig
 from ds_swift.msglog import LogReader, MachineBoundaryPlan, MessageLogError, install_message_logging
 from ds_swift.patches.instructions import schedule
+from ds_swift.testing.s3 import S3Server, s3_server
 
 
 class FakeGrid:
@@ -293,8 +294,15 @@ def test_a_failed_write_surfaces_on_the_training_thread(tmp_path: Path, wire: li
     h.remove()
 
 
-def test_upload_and_gc_in_the_store(tmp_path: Path, wire: list) -> None:
-    url = f"memory://ds-swift-logger-{uuid.uuid4().hex}"
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+@pytest.mark.parametrize("scheme", ["memory", "s3"])
+def test_upload_and_gc_in_the_store(tmp_path: Path, wire: list, scheme: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("s3").url() if scheme == "s3" else f"memory://ds-swift-logger-{uuid.uuid4().hex}"
     e = FakeEngine(1)
     c = SwiftConfig.from_dict({"logging": {"storage": url, "local_dir": str(tmp_path / "local"), "chunk_iterations": 2}})
     with install_message_logging(e, PLAN, c, native=False) as h:
@@ -308,4 +316,9 @@ def test_upload_and_gc_in_the_store(tmp_path: Path, wire: list) -> None:
         deleted = h.gc_before(4, store_url=url)  # checkpoint at iteration 4
         assert len(deleted) == 2 * 2 * 2  # local + store, 2 chunks, chunk + index
     assert {cn.first_iteration for cn in LogReader(url, cache_dir=str(tmp_path / "c2")).chunk_names()} == {4}
+    from ds_swift.storage import open_store
+
+    # nothing of the collected chunks is left, and of each upload only the last version
+    left = open_store(url).backend.list()
+    assert len(left) == 2 * 2 and all("_it0000000004-" in n for n in left), left
     assert {cn.first_iteration for cn in LogReader(tmp_path / "local").chunk_names()} == {4}

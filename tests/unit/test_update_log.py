@@ -90,7 +90,7 @@ def test_a_corrupt_or_missing_record_is_refused_naming_it(tmp_path: Path) -> Non
     load_record(store, 3, 1)  # intact
     with pytest.raises(UpdateLogError, match=r"upd_r00003_it0000000002\.pt"):
         load_record(store, 3, 2)  # never written (the rank died before its writer stored it)
-    stored = tmp_path / "log" / record_name(3, 1)
+    stored = tmp_path / "log" / store.current_object(record_name(3, 1))  # the upload's object
     data = bytearray(stored.read_bytes())
     data[len(data) // 2] ^= 0xFF
     stored.write_bytes(bytes(data))
