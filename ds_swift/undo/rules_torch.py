@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ds_swift.undo.numerics import WORK_DTYPE, Replay, refine, w
-from ds_swift.undo.records import UndoError
+from ds_swift.undo.numerics import REFINE, WORK_DTYPE, Replay, f32, refine, refine_dense, w
+from ds_swift.undo.records import STRATEGY_HINT, NotInvertibleError, UndoError
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 
 __all__ = ["AdagradRule", "AdamRule", "RMSpropRule", "SGDRule"]
@@ -40,7 +40,10 @@ def solve(xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward,
     """Round the float64 solution to ``target``'s dtype; refine it against the forward
     ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x)."""
     x = xw.to(target.dtype)
-    return refine(x, target, Replay(forward, tensors), estimate=xw) if exact else x
+    if not exact:
+        return x
+    how = refine_dense if REFINE.get() == "dense" else refine
+    return how(x, target, Replay(forward, tensors), estimate=xw)
 
 
 def first_step_x0(
@@ -67,8 +70,9 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 
 def sc(value: float, like: torch.Tensor) -> float:
-    """A Python scalar as the kernel sees it (cast to the op-math type of ``like``)."""
-    return float(torch.tensor(value, dtype=_opmath(like.dtype)))
+    """A Python scalar as the kernel sees it (cast to the op-math type of ``like``); rounded on the
+    host (not through a tensor: a scalar read per call shows up as a sync in profiles)."""
+    return float(value) if _opmath(like.dtype) == torch.float64 else f32(value)
 
 
 def rnd(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -178,6 +182,19 @@ class AdamRule(UndoRule):
             "cannot be inverted"
         ),
     }
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        super().check_group(group)
+        if group.get("fused"):
+            devices = sorted({p.device.type for p in group["params"]} - {"cpu"})
+            if devices:
+                raise NotInvertibleError(
+                    f"{self.name}(fused=True) on {', '.join(devices)} is not invertible within the promised 2 ulp: "
+                    "torch's fused GPU kernel rounds its moments differently from the foreach and single-tensor "
+                    "paths this inverse models (its undo left exp_avg_sq 147 ulp off on an H100). Construct the "
+                    "optimizer without fused=True (foreach, torch's default on GPUs, is undone within 2 ulp), "
+                    f"or {STRATEGY_HINT}."
+                )
 
     def undo_param(self, ctx: UndoContext) -> None:
         h = ctx.hyper
