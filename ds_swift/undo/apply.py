@@ -7,14 +7,17 @@ replay is deterministic (tests/unit/test_undo_fast_path.py):
   by ``numerics.refine``, which gathers the elements whose candidate misses (a host sync and a dozen
   small launches per slice). On a GPU, 256M AdamW elements took 3.5 s this way: 12,928 launches
   and 296 ms of CPU per 16M elements for 29 ms of GPU work.
-* ``"fast"`` (the default): slices of 2^24 elements on a GPU (2^22 elsewhere; the float64
-  temporaries of a slice stay near 128 MB / 32 MB each; both multiples of any vector width, so a
-  slice's elements meet the vectorised or scalar code of a CPU kernel as in the step), refined by ``numerics.refine_dense`` (a
-  fixed number of elementwise kernels, no host sync). Tensors smaller than a slice that the rule
-  treats alike (same dtype, device, step count, created state entries and recorded scalars) are
-  packed into one flat tensor per operand, undone by one rule call and copied back with
-  ``torch._foreach_copy_``: a model's hundreds of biases and norms cost a few launches, not a few
-  per tensor.
+* ``"fast"`` (the default): slices of 2^24 elements on a GPU (each float64 temporary 128 MB: few
+  launches per element), 2^18 on a CPU (2 MB: the slice's temporaries stay in cache, measured
+  faster there than 2^22); both multiples of any vector width, so a slice's elements meet the
+  vectorised or scalar code of a CPU kernel as in the step. On a GPU
+  (any non-CPU device) refined by ``numerics.refine_dense``: a fixed number of elementwise kernels,
+  no host sync. On a CPU by ``numerics.refine``, which is cheaper there (it replays the forward on
+  the misses only, and a CPU tensor's ``nonzero`` waits for nothing); ``FAST_REFINE`` forces one.
+  Tensors smaller than a slice that the rule treats alike (same dtype, device, step count, created
+  state entries and recorded scalars) are packed into one flat tensor per operand, undone by one
+  rule call and copied back with ``torch._foreach_copy_``: a model's hundreds of biases and norms
+  cost a few launches, not a few per tensor.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ from typing import Any, Literal
 
 import torch
 
-from ds_swift.undo.numerics import CHUNK_ELEMENTS, REFINE, chunk_slices
+from ds_swift.undo.numerics import CHUNK_ELEMENTS, REFINE, RefineMode, chunk_slices
 from ds_swift.undo.records import GroupRecord, ParamRecord
 from ds_swift.undo.rules import UndoContext, UndoRule
 
-__all__ = ["FAST_CHUNK_CPU", "FAST_CHUNK_CUDA", "UndoPath", "undo_group"]
+__all__ = ["FAST_CHUNK_CPU", "FAST_CHUNK_CUDA", "FAST_REFINE", "UndoPath", "undo_group"]
 
 UndoPath = Literal["fast", "reference"]
 FAST_CHUNK_CUDA = 1 << 24
-FAST_CHUNK_CPU = 1 << 22
+FAST_CHUNK_CPU = 1 << 18
+FAST_REFINE: RefineMode | None = None
+"""The fast path's refinement; None: dense on a GPU, gathering on a CPU (tests force each)."""
 
 
 def _step_value(step: Any) -> float | None:
@@ -177,7 +182,7 @@ def _packs(items: list[_Item], chunk: int) -> Iterator[list[_Item]]:
 def undo_group(rule: UndoRule, opt: Any, grec: GroupRecord, *, exact: bool, path: UndoPath) -> None:
     """Restore every tensor ``grec`` recorded, its state, counters and created state entries."""
     items = [_item(opt, pr) for pr in grec.params]
-    token = REFINE.set("gather" if path == "reference" else "dense")
+    token = REFINE.set("gather" if path == "reference" else _fast_refine(items))
     try:
         if path == "reference":
             for it in items:
@@ -202,3 +207,9 @@ def undo_group(rule: UndoRule, opt: Any, grec: GroupRecord, *, exact: bool, path
 def _fast_chunk(items: list[_Item]) -> int:
     on_gpu = any(it.pr.param.device.type == "cuda" for it in items)
     return FAST_CHUNK_CUDA if on_gpu else FAST_CHUNK_CPU
+
+
+def _fast_refine(items: list[_Item]) -> RefineMode:
+    if FAST_REFINE is not None:
+        return FAST_REFINE
+    return "dense" if any(it.pr.param.device.type != "cpu" for it in items) else "gather"

@@ -18,7 +18,8 @@ the forward on every element once and searches the neighbours of the few that mi
 with ``nonzero`` (a host sync, and a dozen small launches, per slice); :func:`refine_dense` replays
 the forward on the candidate and on all ``2*radius`` neighbours of every element and picks with
 ``torch.where``: a fixed number of elementwise kernels and no host sync, which is what a GPU wants.
-Which one :func:`ds_swift.undo.rules_torch.solve` uses is set by the undo driver (``REFINE``).
+Which one :func:`ds_swift.undo.rules_torch.solve` uses is set by the undo driver (``REFINE``; see
+:mod:`ds_swift.undo.apply`: dense on a GPU, gathering on a CPU, where it is cheaper and syncs nothing).
 """
 
 from __future__ import annotations
@@ -152,23 +153,24 @@ def refine_dense(
     refine element for element, for a fixed ``1 + 2*radius`` forward replays of the whole slice."""
     flat = candidate.reshape(-1)
     goal = target.reshape(-1)
-    ok = forward(flat) == goal
     if estimate is None:
         toward = torch.full_like(flat, math.inf)
     else:
         up = estimate.reshape(-1) > flat.to(estimate.dtype)
         toward = torch.where(up, math.inf, -math.inf).to(flat.dtype)
-    away = toward.neg()
-    best = flat
+    order = [flat]  # refine's order of preference
     near = far = flat
+    away = toward.neg()
     for _ in range(radius):
         near = torch.nextafter(near, toward)
         far = torch.nextafter(far, away)
-        for c in (near, far):
-            hit = (forward(c) == goal).logical_and_(ok.logical_not())
-            best = torch.where(hit, c, best)
-            ok.logical_or_(hit)
-    return best.view_as(candidate)
+        order += [near, far]
+    # Least preferred first: each hit overrides what the ones after it chose. The candidate itself
+    # is also the answer where nothing hits, so it needs no check.
+    best = flat
+    for c in reversed(order[1:]):
+        best = torch.where(forward(c) == goal, c, best)
+    return torch.where(forward(flat) == goal, flat, best).view_as(candidate)
 
 
 # ---- error measures (tests, benchmark, issue note) -------------------------------------

@@ -78,9 +78,14 @@ def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("small_slices")
+@pytest.mark.parametrize("refine", ["dense", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fast_path_is_exact_where_the_reference_is_and_within_2_ulp(name: str, dtype: torch.dtype) -> None:
+def test_fast_path_is_exact_where_the_reference_is_and_within_2_ulp(
+    name: str, dtype: torch.dtype, refine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``refine``: the fast path's refinement, dense (a GPU's) or gathering (a CPU's)."""
+    monkeypatch.setattr(apply, "FAST_REFINE", refine)
     cls, kwargs = CONFIGS[name]
     ref = _run("reference", cls, kwargs, dtype)
     fast = _run("fast", cls, kwargs, dtype)
@@ -117,9 +122,12 @@ def test_small_tensors_are_packed_into_few_rule_calls(monkeypatch: pytest.Monkey
     assert all(ulp_error(p.detach(), b) <= 2 for p, b in zip(params, before, strict=True))
 
 
-def test_fast_undo_gathers_nothing_and_reads_no_scalar_per_slice(small_slices: None) -> None:
-    """No ``nonzero`` (a host sync on a GPU) and no scalar read per slice: at most one per tensor
-    (its step counter)."""
+def test_dense_refinement_gathers_nothing_and_reads_no_scalar_per_slice(
+    small_slices: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path as it runs on a GPU: no ``nonzero`` (a host sync there) and no scalar read per
+    slice, at most one per tensor (its step counter, a CPU tensor for non-fused AdamW)."""
+    monkeypatch.setattr(apply, "FAST_REFINE", "dense")
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (9000, 5000)]
     opt = InvertibleOptimizer(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
