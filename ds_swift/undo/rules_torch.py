@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ds_swift.undo.numerics import REFINE, WORK_DTYPE, Replay, f32, refine, refine_dense, w
+from ds_swift.undo.numerics import REFINE, WORK_DTYPE, Replay, f32, refine, refine_dense, refine_monotone, w
 from ds_swift.undo.records import STRATEGY_HINT, NotInvertibleError, UndoError
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 
@@ -36,14 +36,19 @@ __all__ = ["AdagradRule", "AdamRule", "RMSpropRule", "SGDRule"]
 Forward = Callable[..., torch.Tensor]
 
 
-def solve(xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward, *tensors: torch.Tensor) -> torch.Tensor:
+def solve(
+    xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward, *tensors: torch.Tensor, monotone: bool = False
+) -> torch.Tensor:
     """Round the float64 solution to ``target``'s dtype; refine it against the forward
-    ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x)."""
+    ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x). ``monotone``:
+    the forward is non-decreasing in x (see numerics.refine_monotone), which dense refinement uses."""
     x = xw.to(target.dtype)
     if not exact:
         return x
-    how = refine_dense if REFINE.get() == "dense" else refine
-    return how(x, target, Replay(forward, tensors), estimate=xw)
+    replay = Replay(forward, tensors)
+    if REFINE.get() == "gather":
+        return refine(x, target, replay, estimate=xw)
+    return refine_monotone(x, target, replay) if monotone else refine_dense(x, target, replay, estimate=xw)
 
 
 def first_step_x0(
@@ -233,7 +238,8 @@ class AdamRule(UndoRule):
                 x = x.mul(decay)
             return x.addcdiv(m, d, value=-step_size)
 
-        x0 = solve(xw, x1, exact, fwd, m1, denom)
+        # x*decay (decay > 0) then one rounded add of a term free of x: non-decreasing in x.
+        x0 = solve(xw, x1, exact, fwd, m1, denom, monotone=decay > 0 or not (decoupled and wd != 0))
         if "exp_avg" not in ctx.new_keys:
             g = _grad(ctx)
             gp = g.add(x0, alpha=wd) if (wd != 0 and not decoupled) else g
@@ -241,7 +247,9 @@ class AdamRule(UndoRule):
             mw = (w(m1) - wt * w(gp)) / (1 - wt)
             vw = ((w(v1) - addcmul_term(1 - beta2, gp, gp)) / sc(beta2, v1)).clamp_min_(0)
             m0 = solve(mw, m1, exact, lambda m, gp: m.lerp(gp, wt), gp)
-            v0 = solve(vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp)
+            # (lerp, for m, reads m twice: not monotone at the rounding level, so searched both ways.)
+            v0 = solve(vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp,
+                       monotone=beta2 > 0)
             m1.copy_(m0)
             v1.copy_(v0)
         x1.copy_(x0)

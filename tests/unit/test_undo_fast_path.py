@@ -12,6 +12,7 @@ sizes are shrunk so that both paths cut the large tensors into several slices, a
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -166,3 +167,25 @@ def test_unknown_undo_path_is_refused() -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="undo_path"):
         InvertibleOptimizer(torch.optim.SGD([p], lr=0.1), undo_path="quick")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [0.999, 0.25, 1.0])
+def test_the_three_refinements_choose_alike(scale: float) -> None:
+    """refine (gathering), refine_dense and, for a non-decreasing forward, refine_monotone: the same
+    element for element, from candidates up to 3 ulp off either side (some beyond the radius)."""
+    from ds_swift.undo.numerics import Replay, refine, refine_dense, refine_monotone
+
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-20, 5, (200_000,), generator=g).float())
+    add = torch.randn(200_000, generator=g) * 1e-3
+    forward = Replay(lambda x, a: x.mul(scale).add(a), (add,))
+    target = forward(x0)
+    cand = x0.clone()
+    for _ in range(3):  # a random walk of up to 3 ulp
+        cand = torch.nextafter(cand, torch.where(torch.rand(cand.shape, generator=g) < 0.5, -math.inf, math.inf))
+    estimate = x0.double() + (cand.double() - x0.double()) * 0.3
+    a = refine(cand, target, forward, estimate=estimate)
+    b = refine_dense(cand, target, forward, estimate=estimate)
+    c = refine_monotone(cand, target, forward)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert bool((forward(a) == target).double().mean() > 0.5)  # the search did something
