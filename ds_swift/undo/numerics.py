@@ -12,6 +12,14 @@ Why the inverse is computed the way it is:
   and keeps the one that reproduces the post-step value bit for bit. For parameters and
   second moments this makes undo exact for almost every element; what remains is the
   information the forward destroyed (many pre-images map to one result).
+
+Two refinements give the same answer element for element: :func:`refine` (the reference) replays
+the forward on every element once and searches the neighbours of the few that miss, gathering them
+with ``nonzero`` (a host sync, and a dozen small launches, per slice); :func:`refine_dense` replays
+the forward on the candidate and on all ``2*radius`` neighbours of every element and picks with
+``torch.where``: a fixed number of elementwise kernels and no host sync, which is what a GPU wants.
+Which one :func:`ds_swift.undo.rules_torch.solve` uses is set by the undo driver (``REFINE``; see
+:mod:`ds_swift.undo.apply`: dense on a GPU, gathering on a CPU, where it is cheaper and syncs nothing).
 """
 
 from __future__ import annotations
@@ -19,16 +27,20 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Literal
 
 import torch
 
 __all__ = [
+    "REFINE",
     "WORK_DTYPE",
     "Replay",
     "chunk_slices",
     "elementwise_rel_error",
     "refine",
+    "refine_dense",
+    "refine_monotone",
     "ulp_error",
     "w",
 ]
@@ -39,11 +51,19 @@ WORK_DTYPE = torch.float64
 # partition.
 CHUNK_ELEMENTS = 1 << 18
 
+RefineMode = Literal["dense", "gather"]
+# Set by the undo driver around a rule call (the rules reach refinement through solve(), several
+# calls deep; threading the mode through every signature would only add noise).
+REFINE: ContextVar[RefineMode] = ContextVar("ds_swift_undo_refine", default="dense")
+
 
 def f32(x: Any) -> float:
     """``x`` (a number, or a one-element tensor) rounded to a C ``float``: what a CUDA kernel taking
     ``float`` arguments computes with."""
-    return float(struct.unpack("f", struct.pack("f", float(x)))[0])
+    try:
+        return float(struct.unpack("f", struct.pack("f", float(x)))[0])
+    except OverflowError:  # beyond float's range: what a cast to float gives
+        return math.copysign(math.inf, float(x))
 
 
 def w(t: torch.Tensor) -> torch.Tensor:
@@ -119,6 +139,60 @@ def refine(
     out = flat.clone()
     out[miss] = best
     return out.view_as(candidate)
+
+
+def refine_dense(
+    candidate: torch.Tensor,
+    target: torch.Tensor,
+    forward: Replay,
+    estimate: torch.Tensor | None = None,
+    radius: int = 2,
+) -> torch.Tensor:
+    """:func:`refine` without a host sync: the forward is replayed on the candidate and on each of
+    its ``2*radius`` neighbours for every element, and the first that maps onto ``target`` in
+    refine's order (candidate, then nearest first, the estimate's side first) wins. Same answer as
+    refine element for element, for a fixed ``1 + 2*radius`` forward replays of the whole slice."""
+    flat = candidate.reshape(-1)
+    goal = target.reshape(-1)
+    if estimate is None:
+        toward = torch.full_like(flat, math.inf)
+    else:
+        up = estimate.reshape(-1) > flat.to(estimate.dtype)
+        toward = torch.where(up, math.inf, -math.inf).to(flat.dtype)
+    order = [flat]  # refine's order of preference
+    near = far = flat
+    away = toward.neg()
+    for _ in range(radius):
+        near = torch.nextafter(near, toward)
+        far = torch.nextafter(far, away)
+        order += [near, far]
+    # Least preferred first: each hit overrides what the ones after it chose. The candidate itself
+    # is also the answer where nothing hits, so it needs no check.
+    best = flat
+    for c in reversed(order[1:]):
+        best = torch.where(forward(c) == goal, c, best)
+    return torch.where(forward(flat) == goal, flat, best).view_as(candidate)
+
+
+def refine_monotone(candidate: torch.Tensor, target: torch.Tensor, forward: Replay, radius: int = 2) -> torch.Tensor:
+    """:func:`refine_dense` for a forward that is non-decreasing in x (each of its roundings is
+    monotone: x scaled by a positive constant, then a fused or rounded add of terms not depending on
+    x). Then every pre-image of ``target`` lies on the side where ``forward(candidate)`` falls short,
+    and refine's nearest-first search reduces to stepping that way: ``1 + radius`` replays instead of
+    ``1 + 2*radius``, with the same answer."""
+    flat = candidate.reshape(-1)
+    goal = target.reshape(-1)
+    at = forward(flat)
+    toward = torch.where(at < goal, math.inf, -math.inf).to(flat.dtype)
+    steps = []
+    c = flat
+    for _ in range(radius):
+        c = torch.nextafter(c, toward)
+        steps.append(c)
+    best = flat
+    for c in reversed(steps):
+        best = torch.where(forward(c) == goal, c, best)
+    return torch.where(at == goal, flat, best).view_as(candidate)
 
 
 # ---- error measures (tests, benchmark, issue note) -------------------------------------

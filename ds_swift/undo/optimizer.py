@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ds_swift.undo.numerics import chunk_slices
+from ds_swift.undo.apply import UndoPath, undo_group
 from ds_swift.undo.records import GroupRecord, NotInvertibleError, ParamRecord, StepRecord, UndoError
-from ds_swift.undo.rules import UndoContext, UndoRule, rule_for
+from ds_swift.undo.rules import UndoRule, rule_for
 
 __all__ = ["InvertibleOptimizer"]
 
@@ -63,6 +63,10 @@ class InvertibleOptimizer:
             in ``.grad`` at undo time, checked through weak references and version counters.
         refine: check the float64 inverse against a replay of the forward (exact for most
             elements); off only to measure what refinement buys.
+        undo_path: "fast" (the default: large slices and packed small tensors, refinement
+            without host syncs) or "reference" (per-tensor 2^18-element slices, refinement that
+            gathers the misses: the float64 path the fast one is tested against); see
+            ds_swift.undo.apply.
         last_stepped_iteration: the iteration of the last step taken before wrapping (not
             undoable, but reported until the first recorded step).
     """
@@ -79,6 +83,7 @@ class InvertibleOptimizer:
         *,
         retain_grads: bool = False,
         refine: bool = True,
+        undo_path: UndoPath = "fast",
         last_stepped_iteration: int | None = None,
     ) -> None:
         if isinstance(optimizer, InvertibleOptimizer):
@@ -87,6 +92,9 @@ class InvertibleOptimizer:
         self.lr_scheduler = lr_scheduler
         self.retain_grads = retain_grads
         self.refine = refine
+        if undo_path not in ("fast", "reference"):
+            raise ValueError(f"undo_path must be 'fast' or 'reference', not {undo_path!r}")
+        self.undo_path: UndoPath = undo_path
         self.rule: UndoRule = rule_for(optimizer)
         self._record: StepRecord | None = None
         self._txn: StepRecord | None = None
@@ -323,8 +331,7 @@ class InvertibleOptimizer:
         opt = self.optimizer
         with torch.no_grad():
             for grec in reversed(rec.groups):
-                for pr in grec.params:
-                    self._undo_param(opt, grec, pr)
+                undo_group(self.rule, opt, grec, exact=self.refine, path=self.undo_path)
             for grec in rec.groups:
                 _restore_hyper(grec.group, grec.hyper)
         if self.lr_scheduler is not None and rec.lr_scheduler_state is not None:
@@ -332,42 +339,3 @@ class InvertibleOptimizer:
         self._record = None
         self._last_iteration = rec.prev_iteration
         return rec
-
-    def _undo_param(self, opt: Any, grec: GroupRecord, pr: ParamRecord) -> None:
-        p = pr.param
-        grad = pr.grad()
-        assert grad is not None
-        state: dict[str, Any] = opt.state[p] if p in opt.state else {}
-        step = _step_value(state.get("step"))
-        shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
-        sliceable = (
-            p.is_contiguous()
-            and grad.is_contiguous()
-            and grad.shape == p.shape
-            and all(state[k].is_contiguous() for k in shaped)
-        )
-        slices = list(chunk_slices(p.numel())) if sliceable and p.numel() > 0 else [slice(None)]
-        for sl in slices:
-            if sl == slice(None):
-                view, gview, sub = p, grad, state
-            else:
-                view, gview = p.view(-1)[sl], grad.reshape(-1)[sl]
-                sub = {k: (v.view(-1)[sl] if k in shaped else v) for k, v in state.items()}
-            ctx = UndoContext(
-                param=view,
-                grad=gview,
-                state=sub,
-                hyper=grec.hyper,
-                step=step,
-                new_keys=pr.new_state_keys,
-                extra=pr.extra,
-                grad_mutated=pr.grad_mutated,
-                exact=self.refine,
-                call_kwargs=grec.call_kwargs,
-            )
-            self.rule.undo_param(ctx)
-        self.rule.undo_counters(state, pr)
-        for key in pr.new_state_keys:
-            state.pop(key, None)
-        if not pr.state_existed and p in opt.state and not opt.state[p]:
-            del opt.state[p]

@@ -23,7 +23,7 @@ __all__ = ["GroupRecord", "NotInvertibleError", "ParamRecord", "StepRecord", "Un
 STRATEGY_HINT = (
     'update-undo (which replication and logging recovery rely on) cannot be used with it: '
     'set "swift": {"strategy": "checkpoint"} in the DeepSpeed config, or use an invertible optimizer '
-    "(SGD, Adam/AdamW without amsgrad, Adagrad, RMSprop, LAMB)"
+    "(SGD, Adam/AdamW without amsgrad and, on a GPU, without fused=True, Adagrad, RMSprop, LAMB)"
 )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ds_swift.undo.lamb import Lamb, lamb_direction, lamb_step_size
-from ds_swift.undo.numerics import f32, w
+from ds_swift.undo.numerics import WORK_DTYPE, f32, w
 from ds_swift.undo.records import GroupRecord, NotInvertibleError, UndoError
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 from ds_swift.undo.rules_torch import addcmul_term, sc, solve
@@ -74,8 +74,11 @@ class LambRule(UndoRule):
         m1, v1, x1 = ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.param
         step_size = lamb_step_size(lr, beta1, beta2, t, bool(h["bias_correction"]))
         r = lamb_direction(m1, v1, eps, bool(ctx.extra.get("eps_inside_sqrt", False)))
-        c = float(coeff.reshape(-1)[0]) if isinstance(coeff, torch.Tensor) else float(coeff)
-        c = c * step_size
+        # A recorded trust ratio is a device tensor: read it as a 0-dim float64 tensor, not with
+        # float() (a host sync per slice); the float64 product is the same either way.
+        c: torch.Tensor | float = (
+            coeff.reshape(-1)[0].to(WORK_DTYPE) if isinstance(coeff, torch.Tensor) else float(coeff)
+        ) * step_size
         scale = coeff * step_size if isinstance(coeff, torch.Tensor) else None
         if wd == 0 and scale is not None and self.replayable:
             xw = w(x1) + w(r.mul(scale))  # the increment exactly as Lamb.step formed it

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ds_swift.undo.numerics import WORK_DTYPE, Replay, refine, w
-from ds_swift.undo.records import UndoError
+from ds_swift.undo.numerics import REFINE, WORK_DTYPE, Replay, f32, refine, refine_dense, refine_monotone, w
+from ds_swift.undo.records import STRATEGY_HINT, NotInvertibleError, UndoError
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 
 __all__ = ["AdagradRule", "AdamRule", "RMSpropRule", "SGDRule"]
@@ -36,11 +36,19 @@ __all__ = ["AdagradRule", "AdamRule", "RMSpropRule", "SGDRule"]
 Forward = Callable[..., torch.Tensor]
 
 
-def solve(xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward, *tensors: torch.Tensor) -> torch.Tensor:
+def solve(
+    xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward, *tensors: torch.Tensor, monotone: bool = False
+) -> torch.Tensor:
     """Round the float64 solution to ``target``'s dtype; refine it against the forward
-    ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x)."""
+    ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x). ``monotone``:
+    the forward is non-decreasing in x (see numerics.refine_monotone), which dense refinement uses."""
     x = xw.to(target.dtype)
-    return refine(x, target, Replay(forward, tensors), estimate=xw) if exact else x
+    if not exact:
+        return x
+    replay = Replay(forward, tensors)
+    if REFINE.get() == "gather":
+        return refine(x, target, replay, estimate=xw)
+    return refine_monotone(x, target, replay) if monotone else refine_dense(x, target, replay, estimate=xw)
 
 
 def first_step_x0(
@@ -67,8 +75,9 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 
 def sc(value: float, like: torch.Tensor) -> float:
-    """A Python scalar as the kernel sees it (cast to the op-math type of ``like``)."""
-    return float(torch.tensor(value, dtype=_opmath(like.dtype)))
+    """A Python scalar as the kernel sees it (cast to the op-math type of ``like``); rounded on the
+    host (not through a tensor: a scalar read per call shows up as a sync in profiles)."""
+    return float(value) if _opmath(like.dtype) == torch.float64 else f32(value)
 
 
 def rnd(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -76,13 +85,25 @@ def rnd(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.to(_opmath(like.dtype)).to(WORK_DTYPE)
 
 
+def _ieee_same(t1: torch.Tensor, t2: torch.Tensor | None = None) -> bool:
+    """Whether an op on ``t1`` (and ``t2``) in its own dtype rounds as rnd() of the float64 op: for
+    float32 (float64) tensors, the op-math type is the dtype, and one multiplication or division of
+    two float32 values done in float64 and rounded to float32 is the correctly rounded float32
+    result (53 >= 2*24 + 2 bits). Doing it in float32 moves a quarter of the bytes."""
+    return t1.dtype in (torch.float32, torch.float64) and (t2 is None or t2.dtype == t1.dtype)
+
+
 def addcmul_term(value: float, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
     """The increment ``addcmul(t1, t2, value)`` adds, unrounded: fl(value*t1)*t2."""
+    if _ieee_same(t1):
+        return w(t1.mul(sc(value, t1))) * w(t2)
     return rnd(sc(value, t1) * w(t1), t1) * w(t2)
 
 
 def addcdiv_term(value: float, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
     """The increment ``addcdiv(t1, t2, value)`` adds: fl(fl(value*t1)/t2)."""
+    if _ieee_same(t1, t2):
+        return w(t1.mul(sc(value, t1)).div_(t2))
     return rnd(rnd(sc(value, t1) * w(t1), t1) / w(t2), t1)
 
 
@@ -179,6 +200,19 @@ class AdamRule(UndoRule):
         ),
     }
 
+    def check_group(self, group: dict[str, Any]) -> None:
+        super().check_group(group)
+        if group.get("fused"):
+            devices = sorted({p.device.type for p in group["params"]} - {"cpu"})
+            if devices:
+                raise NotInvertibleError(
+                    f"{self.name}(fused=True) on {', '.join(devices)} is not invertible within the promised 2 ulp: "
+                    "torch's fused GPU kernel rounds its moments differently from the foreach and single-tensor "
+                    "paths this inverse models (its undo left exp_avg_sq 147 ulp off on an H100). Construct the "
+                    "optimizer without fused=True (foreach, torch's default on GPUs, is undone within 2 ulp), "
+                    f"or {STRATEGY_HINT}."
+                )
+
     def undo_param(self, ctx: UndoContext) -> None:
         h = ctx.hyper
         lr, eps, wd = float(h["lr"]), float(h["eps"]), float(h["weight_decay"])
@@ -204,7 +238,8 @@ class AdamRule(UndoRule):
                 x = x.mul(decay)
             return x.addcdiv(m, d, value=-step_size)
 
-        x0 = solve(xw, x1, exact, fwd, m1, denom)
+        # x*decay (decay > 0) then one rounded add of a term free of x: non-decreasing in x.
+        x0 = solve(xw, x1, exact, fwd, m1, denom, monotone=decay > 0 or not (decoupled and wd != 0))
         if "exp_avg" not in ctx.new_keys:
             g = _grad(ctx)
             gp = g.add(x0, alpha=wd) if (wd != 0 and not decoupled) else g
@@ -212,7 +247,9 @@ class AdamRule(UndoRule):
             mw = (w(m1) - wt * w(gp)) / (1 - wt)
             vw = ((w(v1) - addcmul_term(1 - beta2, gp, gp)) / sc(beta2, v1)).clamp_min_(0)
             m0 = solve(mw, m1, exact, lambda m, gp: m.lerp(gp, wt), gp)
-            v0 = solve(vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp)
+            # (lerp, for m, reads m twice: not monotone at the rounding level, so searched both ways.)
+            v0 = solve(vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp,
+                       monotone=beta2 > 0)
             m1.copy_(m0)
             v1.copy_(v0)
         x1.copy_(x0)

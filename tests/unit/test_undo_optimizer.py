@@ -300,15 +300,18 @@ def test_transaction_that_raises_records_what_was_applied() -> None:
     assert numerics.ulp_error(params[0].detach(), before[0]) <= 1.0
 
 
-def test_chunked_undo_matches_unchunked(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_chunked_undo_matches_unchunked(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Slices of 7 elements against whole tensors (the fast path packs the two then)."""
+    from ds_swift.undo import apply
+
     results = []
     for chunk in (7, 1 << 21):
-        monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", chunk)
-        import ds_swift.undo.optimizer as optmod
-
-        monkeypatch.setattr(optmod, "chunk_slices", lambda n, c=chunk: numerics.chunk_slices(n, c))
+        monkeypatch.setattr(apply, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(apply, "FAST_CHUNK_CPU", chunk)
         params = _params(2, size=50, seed=1)
-        opt = InvertibleOptimizer(torch.optim.RMSprop(params, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.01))
+        inner = torch.optim.RMSprop(params, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.01)
+        opt = InvertibleOptimizer(inner, undo_path=path)  # type: ignore[arg-type]
         for it in range(3):
             _grads(params, it)
             opt.step()
