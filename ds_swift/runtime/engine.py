@@ -438,8 +438,8 @@ class SwiftPipelineEngine:
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
-        self._guard.after_recovery(self._engine, int(self._engine.global_steps), done.generation,
-                                   dist.get_world_size(), self._ctx.join_timeout_s)  # fmt: skip
+        self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
+                                   self._ctx.join_timeout_s)  # fmt: skip
         self._grad_scale = done.outcome.grad_scale
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)

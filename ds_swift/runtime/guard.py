@@ -23,6 +23,7 @@ later generation ends the job (the launcher's abort key, then an error on every 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -39,6 +40,8 @@ WINDOW = 10
 ROLLBACK_KEY = "guard/rollback"
 #: job-store key: the generation whose recovery served that request
 SERVED_KEY = "guard/rollback_served"
+#: job-store key: why the guard tripped (the step back's reason in its timeline)
+REASON_KEY = "guard/reason"
 #: job-store key: the generation of the guard's first trip
 FIRST_TRIP_KEY = "guard/first_trip"
 #: the launcher's abort key (launch/control.py): every agent stops the job with this reason
@@ -84,7 +87,13 @@ def forced_strategy(store: Any, configured: str) -> str:
     if store is None:
         return configured
     wanted = store.get(ROLLBACK_KEY)
-    return "checkpoint" if wanted is not None and wanted != store.get(SERVED_KEY) else configured
+    return "checkpoint" if wanted is not None and wanted != _served(store) else configured
+
+
+def _served(store: Any) -> str | None:
+    """The trip generation whose step back was served (SERVED_KEY holds ``<trip>:<recovery generation>``)."""
+    value = store.get(SERVED_KEY)
+    return value.split(":")[0] if value else None
 
 
 @dataclass
@@ -135,36 +144,46 @@ class LossGuard:
         if why is None:
             self.history.append((iteration, value))  # type: ignore[arg-type]  # judged finite
             return None
-        return self._trip(f"post-recovery guard: iteration {iteration}, {win.iterations} after the recovery at "
-                          f"iteration {win.start}: {why}", generation)  # fmt: skip
+        return self._trip(f"iteration {iteration} (watched: {win.iterations} iterations from the recovery's resume "
+                          f"at {win.start}): {why}", generation)  # fmt: skip
 
     def _trip(self, why: str, generation: int) -> str:
         first = self.store.get(FIRST_TRIP_KEY)
         if first is not None and first != str(generation):
-            reason = (f"{why}; the guard already stepped back to the global checkpoint once (generation {first}): "
-                      "ending the job instead of looping through restarts. Look for the cause (data, learning "
-                      "rate, hardware) and restart from a checkpoint you trust")  # fmt: skip
+            reason = (f"post-recovery guard: {why}; the guard already stepped back to the global checkpoint once "
+                      f"(generation {first}): ending the job instead of looping through restarts. Look for the cause "
+                      "(data, learning rate, hardware) and restart from a checkpoint you trust")  # fmt: skip
             loud(self.rank, f"POST-RECOVERY GUARD TRIPPED AGAIN: {reason}")
             # launch/control.py's set_once: the first reason is the one the launcher reports.
             if self.store.add(f"{ABORT_KEY}/n", 1) == 1:
                 self.store.set(ABORT_KEY, reason)
             raise GuardTripped(f"ds-swift: {reason}")
-        self.store.set(FIRST_TRIP_KEY, str(generation))
-        self.store.set(ROLLBACK_KEY, str(generation))
         loud(self.rank, f"POST-RECOVERY GUARD TRIPPED: {why}: EVERY RANK STEPS BACK TO THE GLOBAL CHECKPOINT (once; a "
                         "second trip ends the job)")  # fmt: skip
+        why = f"post-recovery guard: {why}"
+        self.store.set(FIRST_TRIP_KEY, str(generation))
+        self.store.set(REASON_KEY, why)
+        self.store.set(ROLLBACK_KEY, str(generation))  # last: the request is whole once it is there
         self.store.declare_failure(generation, why)
         return why
 
-    def after_recovery(self, engine: Any, resume_iteration: int, generation: int, world: int, timeout_s: float) -> None:
-        """Every rank of ``generation``, after its recovery: agree on the reference, open the window."""
+    def after_recovery(self, engine: Any, outcome: Any, generation: int, world: int, timeout_s: float) -> None:
+        """Every rank of ``generation``, after its recovery (``outcome``): agree on the reference,
+        open the window; a step back the guard asked for says so in its plan (and timeline)."""
+        resume_iteration = int(engine.global_steps)
         self._skipped = int(getattr(engine, "skipped_steps", 0) or 0)
         self._judged = resume_iteration - 1
         if self.iterations <= 0 or self.store is None:
             return
-        served = self.store.get(ROLLBACK_KEY)
-        if served is not None and self.rank == 0:
-            self.store.set(SERVED_KEY, served)  # after the recovery's last barrier: every rank read it
+        wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
+        # Rank 0 may have marked it served already, in this generation: the same answer on every rank.
+        pending = wanted is not None and (served is None or served.split(":")[0] != wanted
+                                          or served == f"{wanted}:{generation}")  # fmt: skip
+        if pending and outcome.plan.strategy == "checkpoint":
+            why = self.store.get(REASON_KEY) or "post-recovery guard"
+            outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
+            if self.rank == 0:  # after the recovery's last barrier: every rank read the request
+                self.store.set(SERVED_KEY, f"{wanted}:{generation}")
         mine = [x for i, x in self.history if i < resume_iteration]
         self.history = deque(((i, x) for i, x in self.history if i < resume_iteration), maxlen=WINDOW)
         self.store.publish(generation, "guard_ref", self.rank, ",".join(repr(x) for x in mine))

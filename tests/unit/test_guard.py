@@ -51,6 +51,17 @@ class FakeStore:
         return first
 
 
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    reason: str = ""
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+
+
 @dataclass
 class Engine:
     global_steps: int = 0
@@ -83,17 +94,21 @@ def survivor_and_replacement(store: FakeStore) -> tuple[LossGuard, Engine, LossG
     for loss in (3.0, 2.8, 2.6, 2.5, 2.4, 2.3):
         assert train(a, ea, loss) is None  # no recovery yet: nothing judged
     eb.global_steps = 6
-    recover(store, 1, 6, (a, ea), (b, eb))
+    recover(store, 1, 6, "buddy", (a, ea), (b, eb))
     return a, ea, b, eb
 
 
-def recover(store: FakeStore, generation: int, resume: int, *ranks: tuple[LossGuard, Engine]) -> None:
+def recover(store: FakeStore, generation: int, resume: int, strategy: str, *ranks: tuple[LossGuard, Engine]
+            ) -> list[Outcome]:  # fmt: skip
     """Every rank's after_recovery; the fake gather needs every value published first (the real one
     waits): the last rank's (a replacement's: empty) is published ahead."""
     store.publish(generation, "guard_ref", ranks[-1][0].rank, "")
+    outcomes = []
     for guard, engine in ranks:
         engine.global_steps = resume
-        guard.after_recovery(engine, resume, generation, len(ranks), 1.0)
+        outcomes.append(Outcome(Plan(strategy, 'the config forces strategy "checkpoint"')))
+        guard.after_recovery(engine, outcomes[-1], generation, len(ranks), 1.0)
+    return outcomes
 
 
 def test_every_rank_agrees_on_the_reference_and_trips_once() -> None:
@@ -109,8 +124,9 @@ def test_every_rank_agrees_on_the_reference_and_trips_once() -> None:
     assert store.failures[1] == whys[0] and store.get(ROLLBACK_KEY) == "1" and store.get(FIRST_TRIP_KEY) == "1"
     assert forced_strategy(store, "auto") == "checkpoint"
     # The step back to the checkpoint of 4 iterations (generation 2): served, the window opens again.
-    recover(store, 2, 4, (a, ea), (b, eb))
+    outcomes = recover(store, 2, 4, "checkpoint", (a, ea), (b, eb))
     assert forced_strategy(store, "auto") == "auto"
+    assert all(o.plan.reason == f"{whys[0]} (the guard's step back)" for o in outcomes)  # in the timeline
     assert a.window is not None and a.window.reference == 3.0
     # A second trip, in a later generation: the job ends, with the launcher's abort key set once.
     with pytest.raises(GuardTripped, match="already stepped back to the global checkpoint once"):
@@ -127,7 +143,7 @@ def test_outside_the_window_and_off_nothing_is_judged() -> None:
     assert train(a, ea, math.nan, generation=1) is None  # iteration 10: after the window
     off = LossGuard(0, 2.0, 0, store, lambda s: None)
     e = Engine()
-    off.after_recovery(e, 0, 1, 1, 1.0)
+    off.after_recovery(e, Outcome(Plan("buddy")), 1, 1, 1.0)
     assert train(off, e, math.nan) is None and off.window is None
 
 
