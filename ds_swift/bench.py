@@ -26,6 +26,11 @@ form ``ds-swift simulate --profile bench.json`` reads (``checkpoint`` is named
 replacement replayed; an elastic shrink's row is kind ``elastic`` with its ``shrunk_throughput``,
 the median step before the failure over the one after it); ``details`` holds every figure above and each run's directory. ``--json``
 prints it as the last line. The jobs run one after another: compare the rows of one run, not across machines.
+
+Before any job runs, every strategy's requirements are checked against ``--nnodes`` /
+``--nproc-per-node`` (``ds_swift.bench_jobs``: pipechurn needs k + r + 1 machines, say); a strategy
+whose job fails all the same gets a ``FAILED`` row saying why, the others' rows are kept, and the
+exit code is 1.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+from ds_swift.bench_jobs import BenchError, Runner, failed_rows, infeasible_strategies, run_strategies
 from ds_swift.bench_measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
 from ds_swift.bench_profile import bench_profile, profile_row
 from ds_swift.config import Strategy
@@ -57,10 +63,6 @@ REFERENCE = "none"
 ELASTIC = "lossy_forward_elastic"
 #: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), and ELASTIC
 STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC)
-
-
-class BenchError(RuntimeError):
-    """A job of the bench failed; the message names it and its log directory."""
 
 
 def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
@@ -239,7 +241,8 @@ def _check(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
+    """The sub-command; ``runner`` runs one job (``ds_swift.testing.jobs.run_job``; a fake in the tests)."""
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
     try:
         names = _check(args)
@@ -248,6 +251,10 @@ def run(args: argparse.Namespace) -> int:
             repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
             args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
         )  # fmt: skip
+        # Every strategy's requirements before any job runs (not a failure after the others trained).
+        refused = infeasible_strategies(setup, names)
+        if refused:
+            raise BenchError("; ".join(f"{name} cannot run: {why}" for name, why in refused.items()))
     except (BenchError, DemoError) as exc:
         print(f"ds-swift bench: error: {exc}", file=sys.stderr)
         return 2
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"[bench] {name}: {'machine ' + str(args.machine) + ' killed' if failure else 'no failure'} ...")
         try:
             rss = PeakRss()
-            done = run_job(where, setup.spec(name, failure), args.timeout, on_poll=rss)
+            done = runner(where, setup.spec(name, failure), args.timeout, on_poll=rss)
             (done.dir / "peak_rss.json").write_text(json.dumps({"max_rss_bytes": rss.peak}))
         except JobTimeout as exc:
             raise BenchError(f"{name}: still running after {args.timeout:.0f} s (killed); see {exc.job.proc_logs}") from None
@@ -274,9 +281,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         reference = job(REFERENCE, False)
-        runs = {name: (job(name, False), job(name, True)) for name in names}
     except BenchError as exc:
-        print(f"ds-swift bench: failed: {exc}", file=sys.stderr)
+        print(f"ds-swift bench: failed: the reference job, nothing to compare with: {exc}", file=sys.stderr)
+        return 1
+    runs, failed = run_strategies(names, job)  # a strategy that fails costs its own row only
+    for name, why in failed.items():
+        print(f"ds-swift bench: {name} failed: {why}", file=sys.stderr)
+    if not runs:
+        for line in failed_rows(failed):
+            say(line)
         return 1
     rows = bench_rows(reference, runs)
     title = f"{setup.config.name}: machine {args.machine} killed at iteration {args.kill_iteration}"
@@ -291,13 +304,14 @@ def run(args: argparse.Namespace) -> int:
                    "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
         "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "plot": str(png),
+        "failed": failed,
         "seconds": time.monotonic() - t0,
     }  # fmt: skip
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     ref = result["reference"]
     say(f"reference ({REFERENCE}: ds-swift off, no failure): {_f(ref['step_s'], '.3f')} s per iteration, final loss "
         f"{_f(ref['final_loss'], '.4f')}, peak rss/rank {_mb(ref['max_rss_bytes'])}")
-    for line in format_table(rows):
+    for line in format_table(rows) + failed_rows(failed):
         say(line)
     for r in rows:
         if not r["recovered_by"]:
@@ -314,4 +328,4 @@ def run(args: argparse.Namespace) -> int:
     say(f"bench.json and {png.name} in {out} ({result['seconds']:.0f} s)")
     if args.json:
         print(json.dumps(result, sort_keys=True))
-    return 0
+    return 1 if failed else 0

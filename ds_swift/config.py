@@ -368,8 +368,24 @@ class VerifyConfig:
     few ms of a background thread on the tiny CPU GPT (benchmarks/digest_overhead.py): raise this
     where cores are scarce."""
 
+    guard_iterations: int = 20
+    """Iterations watched after every recovery (ds_swift.runtime.guard): a non-finite loss, or one
+    diverging from the run's losses before the failure (see ``guard_loss_factor``), steps every rank
+    back to the global checkpoint, loudly, once; a second trip ends the job with the reason instead
+    of looping through restarts. 0 turns the guard off."""
+
+    guard_loss_factor: float = 2.0
+    """A loss above this many times the largest of the last 10 losses before the failure diverges
+    (fp16 loss-scale skips are not judged). Must be more than 1."""
+
     def __post_init__(self) -> None:
         _check_type("verify.enabled", self.enabled, bool, "true or false")
+        _check_type("verify.guard_iterations", self.guard_iterations, int, "a number of iterations >= 0 (0: off)")
+        if self.guard_iterations < 0:
+            raise _fail("verify.guard_iterations", self.guard_iterations, "a number of iterations >= 0 (0: off)")
+        _check_type("verify.guard_loss_factor", self.guard_loss_factor, (int, float), "a number > 1, e.g. 2.0")
+        if not self.guard_loss_factor > 1:
+            raise _fail("verify.guard_loss_factor", self.guard_loss_factor, "a number > 1, e.g. 2.0")
         _check_type("verify.digest_interval", self.digest_interval, int, "a positive number of iterations")
         if self.digest_interval < 1:
             raise _fail("verify.digest_interval", self.digest_interval,

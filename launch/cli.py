@@ -24,6 +24,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # torch (the job store) is imported only now: --help and usage errors stay instant.
     from .launcher import run
+    from .preflight import preflight
+
+    # A configuration the strategy cannot serve is refused before any worker starts (not a hang
+    # at the first failure, nor an abort inside the workers).
+    why = preflight(args)
+    if why is not None:
+        print(f"ds-swift-launch: error: {why}", file=sys.stderr)
+        return 2
 
     return run(args)
 

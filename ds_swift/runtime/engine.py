@@ -41,6 +41,7 @@ from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.gradmask import GradScale, scaled_gradients
+from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
@@ -98,7 +99,7 @@ class SwiftPipelineEngine:
         {
             "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
             "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
-            "_running",
+            "_running", "_guard",
         }
     )  # fmt: skip
 
@@ -120,6 +121,8 @@ class SwiftPipelineEngine:
         self._ctx = ctx
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
+        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
+                                ctx.log)  # fmt: skip
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = (
             FailureSimulation(cfg.simulate_failure, ctx.log)
@@ -237,8 +240,13 @@ class SwiftPipelineEngine:
                             attempts += 1  # the same mini-batch again (a plain data_iter cannot give it)
                             self._hooks.logs.restart_iteration()
                             continue
-                    self._after_step()
-                    return loss
+                    # Judged before the step's checkpoint: a tripped iteration's state is never saved.
+                    how = self._guard.after_iteration(self._engine, loss, self._monitor.generation)
+                    if how is None:
+                        self._after_step()
+                        return loss
+                except GuardTripped:
+                    raise  # the second trip: the job ends
                 except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
                     how = self._monitor.classify(exc)
                 finally:
@@ -430,6 +438,8 @@ class SwiftPipelineEngine:
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
+        self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
+                                   self._ctx.join_timeout_s)  # fmt: skip
         self._grad_scale = done.outcome.grad_scale
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)

@@ -39,6 +39,7 @@ from ds_swift.recovery.kept import KeptState
 from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
+from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.runtime.timeline import RankTimeline
 from ds_swift.runtime.update_logging import UpdateLogger
@@ -400,7 +401,7 @@ class Rebuilder:
                 log_lost=self._hooks.logs.coverage_lost,
             ),
             kept=kept,
-            strategy=self._cfg.recovery_strategy,
+            strategy=forced_strategy(store, self._cfg.recovery_strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),

@@ -17,6 +17,11 @@ first rebuild, rank 0 waits at iteration I's first forward pass until the genera
 returning machine's ranks have started and its agent ended it), so that the grow lands mid-job
 however long their start takes.
 
+``SWIFT_TEST_NAN_LOSS="rank=R,iteration=I"`` (the post-recovery guard, tests/dist/test_guard.py):
+rank R, a last-stage rank, on an engine built after a recovery, makes iteration I's reported loss
+NaN (once per process): every rank then sees NaN (DeepSpeed averages it over the replicas and
+broadcasts it down the pipeline).
+
 And after every recovery, with ``SWIFT_TEST_DUMP_DIR=DIR``, every rank saves the state it resumes
 from as a DeepSpeed checkpoint ``DIR/recovered_gen<g>`` (what an undo left, before any further
 training amplifies its rounding).
@@ -315,6 +320,18 @@ def _hold_hook(iteration: int) -> Any:
     return hold_hook
 
 
+def _nan_hook(rank: int, iteration: int, fired: list[bool]) -> Any:
+    def nan_hook(eng: Any, call_next: Any, **kw: Any) -> Any:
+        result = call_next(**kw)
+        if int(eng.global_steps) == iteration and eng.is_last_stage() and not fired[0]:
+            fired[0] = True  # the later micro-batches add to NaN: the iteration's loss is NaN
+            eng.total_loss = eng.total_loss * float("nan")
+            print(f"[test] rank {rank}: NaN loss at iteration {iteration}", file=sys.stderr, flush=True)
+        return result
+
+    return nan_hook
+
+
 def _corrupt_on_load(rank: int, iteration: int, delete: bool) -> None:
     import torch
 
@@ -354,12 +371,16 @@ def main() -> None:
     installs = [0]
 
     hold = _spec("SWIFT_TEST_HOLD_FOR_GROW")
+    nan, nan_fired = _spec("SWIFT_TEST_NAN_LOSS"), [False]
 
     def install(self: Any, engine: Any) -> None:
         original(self, engine)
         installs[0] += 1
         if hold and installs[0] == 2 and os.environ.get("SWIFT_REPLACEMENT") != "1":
             self.add(hook_instructions(engine, "test.hold", {schedule.ForwardPass: _hold_hook(hold["iteration"])}))
+        if nan and nan["rank"] == rank and (installs[0] > 1 or os.environ.get("SWIFT_REPLACEMENT") == "1"):
+            self.add(hook_instructions(engine, "test.nan", {schedule.ForwardPass: _nan_hook(rank, nan["iteration"],
+                                                                                            nan_fired)}))  # fmt: skip
         if os.environ.get("SWIFT_REPLACEMENT") == "1" or installs[0] > 1:
             return  # generation 0 only: later engines are rebuilt after a recovery
         hooks = {}

@@ -1,0 +1,205 @@
+"""The post-recovery guard: for ``verify.guard_iterations`` iterations after any recovery, a loss that
+is not finite, or that diverges from the run's own trend before the failure, steps every rank back
+to the global checkpoint, loudly, once; a second trip ends the job with the reason instead of
+looping (users of other systems hit NaN a few iterations after loading a replicated checkpoint and
+then looped through restarts: Megatron-LM#5281).
+
+*What diverging means.* The reference is the run's last :data:`WINDOW` losses before the failure
+(iterations the recovery did not roll back, loss-scale skips left out): a loss above
+``max + (guard_loss_factor - 1) x max |loss|`` of them (for positive losses ``factor x max``)
+diverges. A rising max would need the loss to more than double at the default factor 2: far above
+the noise of a healthy run, and what a corrupt restore does. An iteration whose step the fp16 loss
+scaler skipped (an overflow: ``engine.skipped_steps`` moved) is not judged: the scaler handles it.
+
+*One verdict.* DeepSpeed's pipeline engine averages the loss over the data-parallel replicas and
+broadcasts it from the last stage to the whole pipeline, so every rank judges the same number; the
+reference is agreed through the job store at each recovery (a replacement has no history of its
+own). A trip goes through the recovery protocol: every rank that trips declares the generation
+failed with the reason and names it in :data:`ROLLBACK_KEY`; the rebuild then forces the global
+checkpoint strategy for that recovery (:func:`forced_strategy`), on every rank, however each one
+saw the failure. :data:`FIRST_TRIP_KEY` records the generation of the first trip: a trip in any
+later generation ends the job (the launcher's abort key, then an error on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ds_swift.recovery.base import loud
+
+__all__ = ["FIRST_TRIP_KEY", "GuardTripped", "LossGuard", "ROLLBACK_KEY", "forced_strategy", "judge", "reference_of"]
+
+#: pre-failure losses the divergence reference is taken over
+WINDOW = 10
+#: job-store key: the generation whose recovery must load the global checkpoint (the guard tripped)
+ROLLBACK_KEY = "guard/rollback"
+#: job-store key: the generation whose recovery served that request
+SERVED_KEY = "guard/rollback_served"
+#: job-store key: why the guard tripped (the step back's reason in its timeline)
+REASON_KEY = "guard/reason"
+#: job-store key: the generation of the guard's first trip
+FIRST_TRIP_KEY = "guard/first_trip"
+#: the launcher's abort key (launch/control.py): every agent stops the job with this reason
+ABORT_KEY = "launch/abort"
+
+
+class GuardTripped(RuntimeError):
+    """The guard tripped a second time: the job ends instead of stepping back again."""
+
+
+def reference_of(losses: Iterable[float]) -> float | None:
+    """The divergence reference of a run's recent finite losses (None: none to judge by)."""
+    finite = [x for x in losses if math.isfinite(x)]
+    return max(finite) if finite else None
+
+
+def judge(loss: float | None, reference: float | None, magnitude: float | None, factor: float, skipped: bool) -> str | None:
+    """Why ``loss`` trips the guard, or None.
+
+    Args:
+        loss: the iteration's loss (the same on every rank), None if the engine gave none.
+        reference: the largest of the recent pre-failure losses (None: no history: only a
+            non-finite loss trips).
+        magnitude: the largest absolute value of those losses.
+        factor: ``verify.guard_loss_factor``.
+        skipped: the fp16 loss scaler skipped this iteration's step (an overflow, not a divergence).
+    """
+    if loss is None or skipped:
+        return None
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if reference is None or magnitude is None:
+        return None
+    limit = reference + (factor - 1.0) * magnitude
+    if loss > limit:
+        return (f"the loss {loss:.6g} diverges from the run's trend before the failure (limit {limit:.6g}: "
+                f"{factor:g} x the largest of its last {WINDOW} losses, {reference:.6g})")  # fmt: skip
+    return None
+
+
+def forced_strategy(store: Any, configured: str) -> str:
+    """The strategy a recovery must use: ``checkpoint`` while a guard trip is not yet served."""
+    if store is None:
+        return configured
+    wanted = store.get(ROLLBACK_KEY)
+    return "checkpoint" if wanted is not None and wanted != _served(store) else configured
+
+
+def _served(store: Any) -> str | None:
+    """The trip generation whose step back was served (SERVED_KEY holds ``<trip>:<recovery generation>``)."""
+    value = store.get(SERVED_KEY)
+    return value.split(":")[0] if value else None
+
+
+@dataclass
+class _Window:
+    iterations: int
+    start: int = 0
+    reference: float | None = None
+    magnitude: float | None = None
+
+    def covers(self, iteration: int) -> bool:
+        return self.start <= iteration < self.start + self.iterations
+
+
+class LossGuard:
+    """Watches the loss after each recovery; see the module docstring.
+
+    Args:
+        iterations: ``verify.guard_iterations`` (0: off).
+        factor: ``verify.guard_loss_factor``.
+        rank: this rank (for the loud lines).
+        store: the job store (None: no recovery happens, nothing to guard).
+        log: this rank's log.
+    """
+
+    def __init__(self, iterations: int, factor: float, rank: int, store: Any, log: Callable[[str], None]) -> None:
+        self.iterations, self.factor, self.rank, self.store, self.log = iterations, factor, rank, store, log
+        self.history: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.window: _Window | None = None
+        self._judged = -1
+        self._skipped = 0
+
+    def after_iteration(self, engine: Any, loss: Any, generation: int) -> str | None:
+        """After iteration ``engine.global_steps - 1`` was trained: the reason it trips the guard
+        (the caller recovers with it), or None. Raises :class:`GuardTripped` on a second trip."""
+        iteration = int(engine.global_steps) - 1
+        skipped_now = int(getattr(engine, "skipped_steps", 0) or 0)
+        skipped, self._skipped = skipped_now > self._skipped, skipped_now
+        if iteration <= self._judged or self.iterations <= 0 or self.store is None:
+            return None
+        self._judged = iteration
+        value = float(loss) if loss is not None else None
+        win = self.window
+        if win is None or not win.covers(iteration):
+            if value is not None and math.isfinite(value) and not skipped:
+                self.history.append((iteration, value))
+            return None
+        why = judge(value, win.reference, win.magnitude, self.factor, skipped)
+        if why is None:
+            self.history.append((iteration, value))  # type: ignore[arg-type]  # judged finite
+            return None
+        return self._trip(f"iteration {iteration} (watched: {win.iterations} iterations from the recovery's resume "
+                          f"at {win.start}): {why}", generation)  # fmt: skip
+
+    def _trip(self, why: str, generation: int) -> str:
+        first = self.store.get(FIRST_TRIP_KEY)
+        if first is not None and first != str(generation):
+            reason = (f"post-recovery guard: {why}; the guard already stepped back to the global checkpoint once "
+                      f"(generation {first}): ending the job instead of looping through restarts. Look for the cause "
+                      "(data, learning rate, hardware) and restart from a checkpoint you trust")  # fmt: skip
+            loud(self.rank, f"POST-RECOVERY GUARD TRIPPED AGAIN: {reason}")
+            # launch/control.py's set_once: the first reason is the one the launcher reports.
+            if self.store.add(f"{ABORT_KEY}/n", 1) == 1:
+                self.store.set(ABORT_KEY, reason)
+            raise GuardTripped(f"ds-swift: {reason}")
+        loud(self.rank, f"POST-RECOVERY GUARD TRIPPED: {why}: EVERY RANK STEPS BACK TO THE GLOBAL CHECKPOINT (once; a "
+                        "second trip ends the job)")  # fmt: skip
+        why = f"post-recovery guard: {why}"
+        self.store.set(FIRST_TRIP_KEY, str(generation))
+        self.store.set(REASON_KEY, why)
+        self.store.set(ROLLBACK_KEY, str(generation))  # last: the request is whole once it is there
+        self.store.declare_failure(generation, why)
+        return why
+
+    def after_recovery(self, engine: Any, outcome: Any, generation: int, world: int, timeout_s: float) -> None:
+        """Every rank of ``generation``, after its recovery (``outcome``): agree on the reference,
+        open the window; a step back the guard asked for says so in its plan (and timeline)."""
+        resume_iteration = int(engine.global_steps)
+        self._skipped = int(getattr(engine, "skipped_steps", 0) or 0)
+        self._judged = resume_iteration - 1
+        if self.iterations <= 0 or self.store is None:
+            return
+        wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
+        # Rank 0 may have marked it served already, in this generation: the same answer on every rank.
+        pending = wanted is not None and (served is None or served.split(":")[0] != wanted
+                                          or served == f"{wanted}:{generation}")  # fmt: skip
+        if pending and outcome.plan.strategy == "checkpoint":
+            why = self.store.get(REASON_KEY) or "post-recovery guard"
+            outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
+            if self.rank == 0:  # after the recovery's last barrier: every rank read the request
+                self.store.set(SERVED_KEY, f"{wanted}:{generation}")
+        mine = [x for i, x in self.history if i < resume_iteration]
+        self.history = deque(((i, x) for i, x in self.history if i < resume_iteration), maxlen=WINDOW)
+        self.store.publish(generation, "guard_ref", self.rank, ",".join(repr(x) for x in mine))
+        try:
+            said = self.store.gather(generation, "guard_ref", range(world), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a timeout or the next failure: the guard must not end the job
+            self.log(f"post-recovery guard: the ranks' losses not gathered ({type(exc).__name__}: {exc})")
+            said = {}
+        # Survivors hold the same losses (every rank judges the broadcast one); replacements none.
+        longest = max((v for v in said.values()), key=lambda v: len(v.split(",")) if v else 0, default="")
+        losses = [float(x) for x in longest.split(",")] if longest else []
+        if not losses and not said:
+            loud(self.rank, f"post-recovery guard: no rank's losses gathered within {timeout_s:g} s: "
+                            "only a non-finite loss trips it this time")  # fmt: skip
+        ref = reference_of(losses)
+        mag = max((abs(x) for x in losses), default=None)
+        self.window = _Window(self.iterations, resume_iteration, ref, mag)
+        self.log(f"post-recovery guard: iterations {resume_iteration}..{resume_iteration + self.iterations - 1} "
+                 f"watched (non-finite, or above {self.factor:g} x {ref if ref is not None else '-'})")  # fmt: skip

@@ -1,0 +1,69 @@
+"""Before any worker starts: can the job's recovery strategy serve the machines it is given?
+
+The launcher reads the training script's DeepSpeed config the way the script will (its
+``--deepspeed_config``, Megatron's ``--swift``/``--swift-config``/``--save`` through
+:func:`ds_swift.megatron.swift_section`, and its ``--pipeline-model-parallel-size`` /
+``--tensor-model-parallel-size``) and runs the checks of :mod:`ds_swift.recovery.feasible`. A
+script whose config is not on its command line is not checked (nothing to read); an invalid swift
+section is reported here too, before the job starts, rather than by every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+
+from .args import LaunchArgs
+
+__all__ = ["check_job", "preflight", "script_namespace"]
+
+
+def script_namespace(script_args: Sequence[str]) -> argparse.Namespace:
+    """The training script's flags that say what its swift section and plan are (the rest ignored)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", default=None)
+    p.add_argument("--swift", action="store_true")
+    p.add_argument("--swift-config", dest="swift_config", default=None)
+    p.add_argument("--save", default=None)
+    p.add_argument("--save-interval", dest="save_interval", type=int, default=None)
+    p.add_argument("--pipeline-model-parallel-size", dest="pipeline", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", dest="tensor", type=int, default=None)
+    ns, _ = p.parse_known_args(list(script_args))
+    return ns
+
+
+def check_job(
+    ds_config: Mapping[str, Any], script_args: Sequence[str], nnodes: int, nproc_per_node: int, elastic: bool
+) -> list[str]:
+    """Every requirement of the job's strategy that this job does not meet, one line each (an
+    invalid swift section is one such line)."""
+    from ds_swift.megatron import swift_section
+    from ds_swift.recovery.feasible import JobShape, infeasible
+
+    ns = script_namespace(script_args)
+    try:
+        cfg = SwiftConfig.from_dict(swift_section(ns, dict(ds_config)))
+    except ConfigError as exc:
+        return [str(exc)]
+    shape = JobShape.from_ds_config(ds_config, nnodes, nproc_per_node, elastic, ns.pipeline, ns.tensor)
+    return infeasible(cfg, shape)
+
+
+def preflight(args: LaunchArgs) -> str | None:
+    """The reason this job cannot be served as configured (one line per requirement), or None."""
+    ns = script_namespace(args.command.args)
+    if ns.deepspeed_config is None and ns.swift_config is None:
+        if args.elastic:
+            return ("--elastic: the training script's DeepSpeed config is not on its command line "
+                    "(--deepspeed_config FILE), so the launcher cannot check that it enables the elastic shrink; "
+                    "pass it, or drop --elastic")  # fmt: skip
+        return None
+    try:
+        ds_config = load_ds_config(ns.deepspeed_config) if ns.deepspeed_config else {}
+    except ConfigError as exc:
+        return str(exc)
+    whys = check_job(ds_config, args.command.args, args.nnodes, args.nproc_per_node, args.elastic)
+    return "; ".join(whys) if whys else None

@@ -1,0 +1,122 @@
+"""A configuration a strategy cannot serve is refused before any worker starts (issue 30 item 2,
+issue 34 item 6): one line naming the field or flag and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.launch.args import parse_args
+from ds_swift.launch.cli import main
+from ds_swift.launch.preflight import preflight
+from ds_swift.recovery.feasible import JobShape, check_feasible, infeasible
+
+LOSSY = {"enabled": True, "strategy": "lossy_forward"}
+ELASTIC = {**LOSSY, "elastic": {"enabled": True}}
+
+
+def cfg(**section: Any) -> SwiftConfig:
+    return SwiftConfig.from_dict(section)
+
+
+def pp2(machines: int = 2, per: int = 2, elastic: bool = False, partitioned: bool = False) -> JobShape:
+    return JobShape(machines, per, elastic, pipeline=2, partitioned_optimizer=partitioned)
+
+
+def test_elastic_without_the_config_is_refused_naming_the_field() -> None:
+    # The hang of issue 30 item 2: the survivors, never told to shrink, would wait for a replacement.
+    (why,) = infeasible(cfg(**LOSSY), pp2(elastic=True))
+    assert why.startswith("--elastic:") and "elastic.enabled=false" in why and '"enabled": true' in why
+    (off,) = infeasible(cfg(), pp2(elastic=True))
+    assert "swift.enabled is false" in off
+    assert infeasible(cfg(**ELASTIC), pp2(elastic=True)) == []
+    assert infeasible(cfg(**LOSSY), pp2(elastic=False)) == []  # a spare (or the job's end) serves it
+
+
+def test_elastic_needs_whole_replicas_per_machine_and_one_left() -> None:
+    (why,) = infeasible(cfg(**ELASTIC), JobShape(4, 1, True, pipeline=2))
+    assert "--nproc-per-node 1 is not a multiple of tp x pp = 2" in why and "--nproc-per-node 2" in why
+    (why,) = infeasible(cfg(**ELASTIC), pp2(machines=1, elastic=True))
+    assert "leaves 0 data-parallel replica(s)" in why and "--nnodes 2" in why
+    floor = cfg(**{**ELASTIC, "elastic": {"enabled": True, "min_data_parallel": 2}})
+    (why,) = infeasible(floor, pp2(machines=2, elastic=True))
+    assert "elastic.min_data_parallel=2" in why and "--nnodes 3" in why
+    assert infeasible(floor, pp2(machines=3, elastic=True)) == []
+    # The pipeline size unknown: not guessed.
+    assert infeasible(cfg(**ELASTIC), JobShape(1, 2, True)) == []
+
+
+def test_pipechurn_needs_k_plus_r_plus_one_machines() -> None:
+    churn = cfg(enabled=True, strategy="pipechurn")
+    (why,) = infeasible(churn, pp2(machines=2))
+    assert 'strategy "pipechurn" needs k + r + 1 = 4 machines' in why and "--nnodes 4" in why
+    assert "pipechurn.parity_chunks=1" in why
+    assert infeasible(churn, pp2(machines=4)) == []
+    wide = cfg(enabled=True, strategy="pipechurn", pipechurn={"data_chunks": 3, "parity_chunks": 2})
+    assert "--nnodes 6" in infeasible(wide, pp2(machines=4))[0]
+    with pytest.raises(ConfigError, match="--nnodes 4"):
+        check_feasible(churn, pp2(machines=3))
+
+
+def test_buddy_copies_need_another_machine_only_where_the_state_is_partitioned() -> None:
+    one = JobShape(1, 4, pipeline=2, partitioned_optimizer=True)
+    (why,) = infeasible(cfg(enabled=True), one)
+    assert "buddy.replication_factor=1" in why and "--nnodes 2" in why and '"buddy": {"enabled": false}' in why
+    assert infeasible(cfg(enabled=True, buddy={"enabled": False}), one) == []
+    assert infeasible(cfg(enabled=True, strategy="checkpoint"), one) == []  # never reads a copy
+    assert infeasible(cfg(enabled=True), JobShape(1, 4, pipeline=2, partitioned_optimizer=False)) == []
+    assert infeasible(cfg(enabled=True), JobShape(1, 2, pipeline=2, partitioned_optimizer=True)) == []  # dp 1
+    three = cfg(enabled=True, buddy={"replication_factor": 3})
+    assert "--nnodes 3" in infeasible(three, pp2(machines=2, partitioned=True))[0]
+    assert infeasible(three, pp2(machines=3, partitioned=True)) == []
+
+
+def test_the_shape_comes_from_the_deepspeed_config_and_megatron_flags() -> None:
+    ds = {"pipeline": {"stages": 2}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    shape = JobShape.from_ds_config(ds, 2, 2)
+    assert (shape.pipeline, shape.data_parallel, shape.partitioned) == (2, 2, True)
+    shape = JobShape.from_ds_config({}, 2, 4, pipeline=2, tensor=2)
+    assert (shape.replica, shape.data_parallel, shape.partitioned) == (4, 2, False)
+
+
+def write_config(tmp: Path, swift: dict[str, Any]) -> Path:
+    path = tmp / "ds.json"
+    path.write_text(json.dumps({"pipeline": {"stages": 2}, "swift": swift}))
+    return path
+
+
+def launch_argv(config: Path, *launcher: str) -> list[str]:
+    return ["--nnodes", "2", "--nproc-per-node", "2", *launcher, "examples/pretrain_gpt.py",
+            "--deepspeed_config", str(config), "--train-iters", "3"]  # fmt: skip
+
+
+def test_the_launcher_refuses_the_elastic_hang_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, LOSSY)
+    argv = launch_argv(config, "--spares", "0", "--elastic", "--run-dir", str(tmp_path / "run"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-swift-launch: error: --elastic: the swift config has elastic.enabled=false"), err
+    assert not (tmp_path / "run").exists()  # no store, no agent, no worker: nothing started
+    assert preflight(parse_args(launch_argv(write_config(tmp_path, ELASTIC), "--elastic"))) is None
+
+
+def test_the_launcher_refuses_pipechurn_on_too_few_machines_and_reads_megatron_flags(tmp_path: Path) -> None:
+    churn = write_config(tmp_path, {"enabled": True, "strategy": "pipechurn"})
+    why = preflight(parse_args(launch_argv(churn)))
+    assert why is not None and "--nnodes 4" in why
+    # --swift-config replaces the section (Megatron's flags, read as the script reads them).
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"swift": {"enabled": True, "strategy": "checkpoint"}}))
+    assert preflight(parse_args([*launch_argv(churn), "--swift-config", str(other)])) is None
+    bad = write_config(tmp_path, {"enabled": True, "strategy": "nope"})
+    assert "strategy" in (preflight(parse_args(launch_argv(bad))) or "")
+    # No config on the script's command line: nothing to check, unless --elastic depends on it.
+    plain = ["--nnodes", "2", "examples/pretrain_gpt.py"]
+    assert preflight(parse_args(plain)) is None
+    assert "--deepspeed_config" in (preflight(parse_args(["--elastic", *plain])) or "")

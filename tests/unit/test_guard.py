@@ -1,0 +1,156 @@
+"""The post-recovery guard's decisions (issue 30 item 7), without processes: a fake job store and a
+fake engine (the guard reads ``global_steps`` and ``skipped_steps`` only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.runtime.guard import (
+    FIRST_TRIP_KEY,
+    ROLLBACK_KEY,
+    GuardTripped,
+    LossGuard,
+    forced_strategy,
+    judge,
+    reference_of,
+)
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+        self.failures: dict[int, str] = {}
+
+    def get(self, key: str) -> str | None:
+        return self.kv.get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self.kv[key] = value
+
+    def add(self, key: str, amount: int) -> int:
+        self.kv[key] = str(int(self.kv.get(key, "0")) + amount)
+        return int(self.kv[key])
+
+    def publish(self, generation: int, topic: str, rank: int, value: str) -> None:
+        self.kv[f"gen{generation}/{topic}/{rank}"] = value
+
+    def gather(self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float) -> dict[int, str]:
+        got = {r: self.kv.get(f"gen{generation}/{topic}/{r}") for r in ranks}
+        if any(v is None for v in got.values()):
+            raise TimeoutError(f"generation {generation}: {topic} missing")
+        return {r: v for r, v in got.items() if v is not None}
+
+    def declare_failure(self, generation: int, reason: str) -> bool:
+        first = generation not in self.failures
+        self.failures.setdefault(generation, reason)
+        return first
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    reason: str = ""
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+
+
+@dataclass
+class Engine:
+    global_steps: int = 0
+    skipped_steps: int = 0
+
+
+def train(guard: LossGuard, engine: Engine, loss: float, generation: int = 0, skipped: bool = False) -> str | None:
+    engine.global_steps += 1
+    engine.skipped_steps += int(skipped)
+    return guard.after_iteration(engine, loss, generation)
+
+
+def test_judge_trips_on_non_finite_and_divergence_only() -> None:
+    assert judge(float("nan"), 3.0, 3.0, 2.0, skipped=False) == "the loss is nan"
+    assert judge(float("inf"), None, None, 2.0, skipped=False) == "the loss is inf"  # no history: still
+    assert judge(6.5, 3.0, 3.0, 2.0, skipped=False) is not None  # above 2 x 3
+    assert judge(5.9, 3.0, 3.0, 2.0, skipped=False) is None  # a spike, within the trend's bound
+    assert judge(100.0, None, None, 2.0, skipped=False) is None  # no reference: only non-finite trips
+    assert judge(float("nan"), 3.0, 3.0, 2.0, skipped=True) is None  # an fp16 overflow skip: the scaler's
+    assert judge(None, 3.0, 3.0, 2.0, skipped=False) is None
+    # Negative losses (not an LM's, but a loss): the bound is the max plus (factor - 1) x the magnitude.
+    assert judge(-0.5, -1.0, 2.0, 2.0, skipped=False) is None and judge(1.5, -1.0, 2.0, 2.0, skipped=False)
+    assert reference_of([3.0, float("nan"), 2.5]) == 3.0 and reference_of([]) is None
+
+
+def survivor_and_replacement(store: FakeStore) -> tuple[LossGuard, Engine, LossGuard, Engine]:
+    """Rank 0 trained iterations 0..5 (failure in 6); rank 1 is the replacement (no history)."""
+    a, b = LossGuard(4, 2.0, 0, store, lambda s: None), LossGuard(4, 2.0, 1, store, lambda s: None)
+    ea, eb = Engine(), Engine()
+    for loss in (3.0, 2.8, 2.6, 2.5, 2.4, 2.3):
+        assert train(a, ea, loss) is None  # no recovery yet: nothing judged
+    eb.global_steps = 6
+    recover(store, 1, 6, "buddy", (a, ea), (b, eb))
+    return a, ea, b, eb
+
+
+def recover(store: FakeStore, generation: int, resume: int, strategy: str, *ranks: tuple[LossGuard, Engine]
+            ) -> list[Outcome]:  # fmt: skip
+    """Every rank's after_recovery; the fake gather needs every value published first (the real one
+    waits): the last rank's (a replacement's: empty) is published ahead."""
+    store.publish(generation, "guard_ref", ranks[-1][0].rank, "")
+    outcomes = []
+    for guard, engine in ranks:
+        engine.global_steps = resume
+        outcomes.append(Outcome(Plan(strategy, 'the config forces strategy "checkpoint"')))
+        guard.after_recovery(engine, outcomes[-1], generation, len(ranks), 1.0)
+    return outcomes
+
+
+def test_every_rank_agrees_on_the_reference_and_trips_once() -> None:
+    store = FakeStore()
+    a, ea, b, eb = survivor_and_replacement(store)
+    assert a.window is not None and b.window is not None
+    assert (a.window.reference, b.window.reference) == (3.0, 3.0)  # the replacement's from the survivor's
+    for guard, engine in ((a, ea), (b, eb)):
+        assert train(guard, engine, 2.2, generation=1) is None
+        assert train(guard, engine, 4.0, generation=1, skipped=True) is None  # an overflow skip
+    whys = [train(guard, engine, math.nan, generation=1) for guard, engine in ((a, ea), (b, eb))]
+    assert all(w is not None and "iteration 8" in w and "the loss is nan" in w for w in whys), whys
+    assert store.failures[1] == whys[0] and store.get(ROLLBACK_KEY) == "1" and store.get(FIRST_TRIP_KEY) == "1"
+    assert forced_strategy(store, "auto") == "checkpoint"
+    # The step back to the checkpoint of 4 iterations (generation 2): served, the window opens again.
+    outcomes = recover(store, 2, 4, "checkpoint", (a, ea), (b, eb))
+    assert forced_strategy(store, "auto") == "auto"
+    assert all(o.plan.reason == f"{whys[0]} (the guard's step back)" for o in outcomes)  # in the timeline
+    assert a.window is not None and a.window.reference == 3.0
+    # A second trip, in a later generation: the job ends, with the launcher's abort key set once.
+    with pytest.raises(GuardTripped, match="already stepped back to the global checkpoint once"):
+        train(a, ea, 7.0, generation=2)
+    assert "diverges" in (store.get("launch/abort") or "")
+    assert store.failures.keys() == {1}  # no second step back
+
+
+def test_outside_the_window_and_off_nothing_is_judged() -> None:
+    store = FakeStore()
+    a, ea, _, _ = survivor_and_replacement(store)
+    for loss in (2.2, 2.1, 2.0, 1.9):  # the window: iterations 6..9
+        assert train(a, ea, loss, generation=1) is None
+    assert train(a, ea, math.nan, generation=1) is None  # iteration 10: after the window
+    off = LossGuard(0, 2.0, 0, store, lambda s: None)
+    e = Engine()
+    off.after_recovery(e, Outcome(Plan("buddy")), 1, 1, 1.0)
+    assert train(off, e, math.nan) is None and off.window is None
+
+
+def test_the_config_fields_are_checked() -> None:
+    verify = SwiftConfig.from_dict({}).verify
+    assert (verify.guard_iterations, verify.guard_loss_factor) == (20, 2.0)
+    with pytest.raises(ConfigError, match="verify.guard_iterations"):
+        SwiftConfig.from_dict({"verify": {"guard_iterations": -1}})
+    with pytest.raises(ConfigError, match="verify.guard_loss_factor"):
+        SwiftConfig.from_dict({"verify": {"guard_loss_factor": 1.0}})
