@@ -39,8 +39,13 @@ def _clear_s3fs_instances() -> None:
 
 
 @contextmanager
-def s3_server(bucket: str = "ds-swift-test") -> Iterator[S3Server]:
-    """Run moto's S3 server on 127.0.0.1 for the duration of the block (see the module docstring)."""
+def s3_server(bucket: str | None = None) -> Iterator[S3Server]:
+    """Run moto's S3 server on 127.0.0.1 for the duration of the block (see the module docstring).
+
+    The bucket is a fresh one unless named: moto keeps its buckets in process-wide state that
+    outlives a server, so a second server in the same test process would find a fixed name taken.
+    """
+    bucket = bucket or f"ds-swift-test-{uuid.uuid4().hex[:12]}"
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
