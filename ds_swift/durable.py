@@ -15,7 +15,7 @@ import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["TMP_SUFFIX", "fsync_dir", "fsync_file", "fsync_tree", "remove_durable", "temp_path", "write_atomic"]
 
@@ -71,9 +71,13 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes | Iterable[Any]
     on disk, name included, when this returns (see the module docstring)."""
     target = Path(path)
     tmp = temp_path(target)
+    buffers: Iterable[Any]
     if isinstance(data, str):
-        data = data.encode()
-    buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        buffers = [data.encode()]
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        buffers = [data]
+    else:
+        buffers = cast(Iterable[Any], data)
     with open(tmp, "wb") as f:
         for buf in buffers:
             f.write(memoryview(buf))
