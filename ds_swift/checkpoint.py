@@ -2,12 +2,12 @@
 
 Every ``checkpoint.interval`` iterations all ranks call ``engine.save_checkpoint(dir,
 tag="global_step<N>")`` (N = iterations done). A checkpoint counts only once every rank has
-written its files: after DeepSpeed's save (which ends in a barrier) each rank fsyncs the tag's
-files, and rank 0 writes a marker file ``swift_complete`` into the tag's directory (durably:
-:func:`ds_swift.durable.write_atomic`). A failure in the middle of a save leaves no marker, and
-recovery skips that tag, so nobody loads half a checkpoint (a tag saved again first loses its old
-marker). A marker counts only if it reads back whole and names its tag's iterations: a truncated
-one, or a ``swift_complete.tmp`` that a crash left before its rename, is ignored and said.
+written its files: after DeepSpeed's save (which ends in a barrier; each rank fsyncs the files it
+wrote) rank 0 writes a marker ``swift_complete`` in the tag's directory (durably: :mod:`ds_swift.durable`).
+A failure in the middle of a save leaves no marker, and recovery skips that tag, so nobody loads
+half a checkpoint (a tag saved again first loses its old marker). A marker counts only if it reads
+back whole and names its tag's iterations: a truncated one, or a ``swift_complete.tmp`` that a
+crash left before its rename, is ignored and said.
 
 DeepSpeed's own ``latest`` file decides nothing here: DeepSpeed writes it before every rank's files
 are confirmed. Only ds-swift's marker makes a checkpoint trusted, the job's origin included.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ds_swift.durable import fsync_tree, remove_durable, temp_path, write_atomic
+from ds_swift.durable import remove_durable, temp_path, write_atomic
 
 if TYPE_CHECKING:
     from ds_swift.checkfreq import CheckFreqTuner
@@ -246,6 +246,7 @@ class CheckpointManager:
     def _save(self, engine: Any) -> str:
         if self.writer is not None:
             return self._save_async(engine, self.writer)
+        from ds_swift.checkpoint_async import durable_saves  # imports DeepSpeed: only where it saves
         done = int(engine.global_steps)
         tag = tag_for(done)
         marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
@@ -256,9 +257,9 @@ class CheckpointManager:
         dist.barrier()
         written = True
         try:
-            engine.save_checkpoint(self.ckpt_dir, tag=tag)
             # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
-            fsync_tree(Path(self.ckpt_dir) / tag)
+            with durable_saves(engine, Path(self.ckpt_dir) / tag):
+                engine.save_checkpoint(self.ckpt_dir, tag=tag)
         except (OSError, RuntimeError) as exc:
             if not _write_error(exc):
                 raise

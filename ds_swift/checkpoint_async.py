@@ -31,7 +31,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ds_swift.durable import fsync_dir, fsync_file, write_atomic
+from ds_swift.durable import fsync_dir, fsync_file, fsync_tree, write_atomic
 
 __all__ = ["AsyncWriter", "SaveStats", "SnapshotCheckpointEngine", "failed_marker", "persisted_marker",
            "snapshot"]
@@ -292,6 +293,27 @@ class AsyncWriter:
         # DeepSpeed's own pointer, for tools that read it; ds-swift trusts the marker above only.
         write_atomic(Path(save.ckpt_dir) / "latest", save.stats.tag)
         save.stats.complete = True
+
+
+@contextmanager
+def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
+    """A synchronous DeepSpeed save whose files are on disk when the block ends: each fsynced by the
+    rank that wrote it, then the tag's directory and its parent (the new names). An engine whose
+    files cannot be followed (a decoupled checkpoint engine) has the tag's directory synced whole."""
+    from ds_swift.patches._base import PatchError
+    from ds_swift.patches.async_checkpoint import fsyncing_saves
+
+    try:
+        handle = fsyncing_saves(engine, fsync_file)
+    except PatchError:
+        handle = None
+    with handle if handle is not None else nullcontext():
+        yield
+    if handle is None:
+        fsync_tree(tag_dir)
+    else:
+        fsync_dir(tag_dir)
+    fsync_dir(tag_dir.parent)
 
 
 def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int) -> Any:

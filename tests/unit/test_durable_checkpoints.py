@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_swift.checkpoint import COMPLETE_MARKER, CheckpointManager, Origin, complete_checkpoints, origin_of
 from ds_swift.checkpoint_async import AsyncWriter
@@ -28,10 +29,11 @@ class FakeEngine:
     def __init__(self, global_steps: int, loaded_from: str | None = None) -> None:
         self.global_steps = global_steps
         self._curr_ckpt_path = loaded_from
+        self.checkpoint_engine = TorchCheckpointEngine()
 
     def save_checkpoint(self, save_dir: str, tag: str, **_: Any) -> None:
         (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
-        torch.save({"w": torch.ones(2)}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
+        self.checkpoint_engine.save({"w": torch.ones(2)}, str(Path(save_dir) / tag / "mp_rank_00_model_states.pt"))
 
 
 @pytest.fixture
@@ -97,7 +99,9 @@ def test_a_kill_between_the_markers_write_and_its_rename_is_never_trusted(
 def test_a_synchronous_save_fsyncs_its_files_then_the_marker_and_its_directory(
     tmp_path: Path, one_rank: None, fsynced: list[str]
 ) -> None:
-    CheckpointManager(str(tmp_path), interval=4, rank=0, job_id="job-mine").save(FakeEngine(4))
+    engine = FakeEngine(4)
+    CheckpointManager(str(tmp_path), interval=4, rank=0, job_id="job-mine").save(engine)
+    assert "save" not in vars(engine.checkpoint_engine)  # DeepSpeed's own save method again
     tag = tmp_path / "global_step4"
     assert json.loads((tag / COMPLETE_MARKER).read_text()) == {"iterations": 4, "job": "job-mine"}
     data, marker_tmp = str(tag / "mp_rank_00_model_states.pt"), str(tag / f"{COMPLETE_MARKER}.tmp")
