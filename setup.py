@@ -35,7 +35,9 @@ setup(
     # torch is installed first, on its own (`pip install torch==2.13.0`): listing an exact
     # version here would let pip pull a multi-GB CUDA build on machines without the CPU wheel.
     install_requires=[
-        "torch>=2.4",
+        # 2.6: torch.load(weights_only=True), which ds-swift uses on files and bytes other
+        # processes wrote, closes the known pickle bypass of earlier versions.
+        "torch>=2.6",
         "deepspeed>=0.19,<0.20",
         "megatron-core>=0.16.1",
         "fsspec>=2024.1",

@@ -2,10 +2,15 @@
 
 Every ``checkpoint.interval`` iterations all ranks call ``engine.save_checkpoint(dir,
 tag="global_step<N>")`` (N = iterations done). A checkpoint counts only once every rank has
-written its files: after DeepSpeed's save (which ends in a barrier) rank 0 writes a marker file
-``swift_complete`` into the tag's directory. A failure in the middle of a save leaves no marker,
-and recovery skips that tag, so nobody loads half a checkpoint (a tag saved again first loses
-its old marker).
+written its files: after DeepSpeed's save (which ends in a barrier; each rank fsyncs the files it
+wrote) rank 0 writes a marker ``swift_complete`` in the tag's directory (durably: :mod:`ds_swift.durable`).
+A failure in the middle of a save leaves no marker, and recovery skips that tag, so nobody loads
+half a checkpoint (a tag saved again first loses its old marker). A marker counts only if it reads
+back whole and names its tag's iterations: a truncated one, or a ``swift_complete.tmp`` that a
+crash left before its rename, is ignored and said.
+
+DeepSpeed's own ``latest`` file decides nothing here: DeepSpeed writes it before every rank's files
+are confirmed. Only ds-swift's marker makes a checkpoint trusted, the job's origin included.
 
 Checkpoints belong to a job. The marker names the job that wrote it (:func:`job_id_for`: a hash
 of the launcher's job token, never the token itself), and recovery only loads checkpoints of its
@@ -23,19 +28,22 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ds_swift.durable import remove_durable, temp_path, write_atomic
+
 if TYPE_CHECKING:
     from ds_swift.checkfreq import CheckFreqTuner
     from ds_swift.checkpoint_async import AsyncWriter
 
 __all__ = [
-    "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "job_id_for",
-    "latest_complete", "origin_of", "tag_for",
+    "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "is_complete",
+    "job_id_for", "latest_complete", "marker_problem", "origin_of", "tag_for", "trusted_origin",
 ]  # fmt: skip
 
 COMPLETE_MARKER = "swift_complete"
@@ -58,16 +66,54 @@ def tag_for(iterations_done: int) -> str:
     return f"global_step{iterations_done}"
 
 
-def complete_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
-    """``(iterations done, tag)`` of every complete checkpoint in ``ckpt_dir``, oldest first."""
+def marker_problem(tag_dir: str | os.PathLike[str], iterations: int) -> str | None:
+    """Why ``tag_dir`` (a tag of ``iterations`` iterations done) is not complete; None if it is.
+    A marker counts only if it reads back whole and names those iterations (a crash may leave an
+    empty or truncated file, or the temporary one before its rename)."""
+    marker = Path(tag_dir) / COMPLETE_MARKER
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        if temp_path(marker).exists():  # the writer died between the marker's write and its rename
+            return f"its save stopped before {temp_path(marker).name} was renamed into place: not trusted"
+        return f"no {COMPLETE_MARKER} marker"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"its {COMPLETE_MARKER} cannot be read ({type(exc).__name__}: {exc})"
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return f"its {COMPLETE_MARKER} is truncated or corrupt ({len(text)} bytes, not JSON): not trusted"
+    # ds-swift before job stamps wrote the bare iteration count.
+    said = doc.get("iterations") if isinstance(doc, dict) else doc
+    if isinstance(said, bool) or not isinstance(said, int) or said != iterations:
+        return f"its {COMPLETE_MARKER} does not name {iterations} iterations done ({text.strip()[:80]!r}): not trusted"
+    return None
+
+
+def is_complete(ckpt_dir: str | os.PathLike[str], tag: str) -> bool:
+    """Whether ``tag`` in ``ckpt_dir`` carries a whole ds-swift completion marker for its iterations."""
+    m = _TAG.match(tag)
+    return m is not None and marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) is None
+
+
+def complete_checkpoints(
+    ckpt_dir: str | os.PathLike[str], report: Callable[[str, str], None] | None = None
+) -> list[tuple[int, str]]:
+    """``(iterations done, tag)`` of every complete checkpoint in ``ckpt_dir``, oldest first.
+    ``report(tag, why)`` hears of each tag whose marker is there but not trusted (torn, truncated)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         m = _TAG.match(entry.name)
-        if m and entry.is_dir() and (entry / COMPLETE_MARKER).exists():
+        if not (m and entry.is_dir()):
+            continue
+        why = marker_problem(entry, int(m.group(1)))
+        if why is None:
             found.append((int(m.group(1)), entry.name))
+        elif report is not None and not why.startswith("no "):
+            report(entry.name, why)
     return sorted(found)
 
 
@@ -97,14 +143,33 @@ def checkpoint_job(ckpt_dir: str | os.PathLike[str], tag: str) -> str | None:
     return doc.get("job") if isinstance(doc, dict) and isinstance(doc.get("job"), str) else None
 
 
-def origin_of(engine: Any) -> Origin | None:
+def origin_of(engine: Any, rank: int | None = None) -> Origin | None:
     """The checkpoint a DeepSpeed pipeline engine was loaded from before ds-swift wrapped it (the
-    script's ``--load``), read from the path the engine keeps for its layer files; None if none."""
+    script's ``--load``), read from the path the engine keeps for its layer files; None if none, or
+    if that checkpoint is not complete by ds-swift's marker (:func:`trusted_origin`)."""
     path = getattr(engine, "_curr_ckpt_path", None)
     if not isinstance(path, str) or int(getattr(engine, "global_steps", 0)) <= 0:
         return None
     where = Path(path)
-    return Origin(str(where.parent), where.name, int(engine.global_steps))
+    return trusted_origin(where.parent, where.name, int(engine.global_steps), rank)
+
+
+def trusted_origin(
+    ckpt_dir: str | os.PathLike[str], tag: str, iterations: int, rank: int | None = None
+) -> Origin | None:
+    """The loaded checkpoint ``tag`` as the job's origin, if ds-swift's marker says it is complete.
+    DeepSpeed's ``latest`` may name a tag whose files not every rank wrote: such a checkpoint (or
+    one plain DeepSpeed saved) is never an origin, and this says so on stderr."""
+    if is_complete(ckpt_dir, tag):
+        return Origin(str(ckpt_dir), tag, iterations)
+    m = _TAG.match(tag)
+    why = marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) if m else "its tag is not global_step<N>"
+    who = f"rank {rank}: " if rank is not None else ""
+    print(f"[ds-swift] {who}checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
+          "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
+          "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return None
 
 
 @dataclass(frozen=True)
@@ -181,17 +246,20 @@ class CheckpointManager:
     def _save(self, engine: Any) -> str:
         if self.writer is not None:
             return self._save_async(engine, self.writer)
+        from ds_swift.checkpoint_async import durable_saves  # imports DeepSpeed: only where it saves
         done = int(engine.global_steps)
         tag = tag_for(done)
         marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
         if self.rank == 0:
             # A tag saved again (after a recovery, or by an earlier run in this directory) is not
-            # complete while its files are rewritten.
-            marker.unlink(missing_ok=True)
+            # complete while its files are rewritten, also after a crash.
+            remove_durable(marker)
         dist.barrier()
         written = True
         try:
-            engine.save_checkpoint(self.ckpt_dir, tag=tag)
+            # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
+            with durable_saves(engine, Path(self.ckpt_dir) / tag):
+                engine.save_checkpoint(self.ckpt_dir, tag=tag)
         except (OSError, RuntimeError) as exc:
             if not _write_error(exc):
                 raise
@@ -205,9 +273,7 @@ class CheckpointManager:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, written)
         if self.rank == 0 and all(everyone):
-            tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"iterations": done, "job": self.job_id}) + "\n")
-            os.replace(tmp, marker)
+            write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         elif self.rank == 0:
             bad = [r for r, ok in enumerate(everyone) if not ok]
             print(f"[ds-swift] checkpoint {tag} does not count: ranks {bad} could not write their files",
@@ -225,7 +291,7 @@ class CheckpointManager:
         tag = tag_for(done)
         stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         if self.rank == 0:
-            (Path(self.ckpt_dir) / tag / COMPLETE_MARKER).unlink(missing_ok=True)
+            remove_durable(Path(self.ckpt_dir) / tag / COMPLETE_MARKER)
         dist.barrier()  # nobody snapshots before the old marker is gone
         with saving_through(engine, SnapshotCheckpointEngine(writer)):
             engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
@@ -260,7 +326,7 @@ class CheckpointManager:
         if self.writer is None or self.pending is None:
             return False
         self.writer.report_errors()
-        if (Path(self.ckpt_dir) / self.pending / COMPLETE_MARKER).exists():
+        if is_complete(self.ckpt_dir, self.pending):
             self.pending = None
             return True
         return False
@@ -274,8 +340,11 @@ class CheckpointManager:
     def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
         """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
         job's own, or its origin, with at most ``at_most`` iterations done. Another job's
-        checkpoints in the directory are skipped, and said once each."""
-        own = [c for c in complete_checkpoints(self.ckpt_dir) if at_most is None or c[0] <= at_most]
+        checkpoints in the directory are skipped, and said once each, as are checkpoints whose
+        marker a crash left torn (never trusted)."""
+        own = [
+            c for c in complete_checkpoints(self.ckpt_dir, self._say_untrusted) if at_most is None or c[0] <= at_most
+        ]
         found: list[tuple[int, str, str]] = []
         for done, tag in own:
             job = checkpoint_job(self.ckpt_dir, tag)
@@ -290,8 +359,20 @@ class CheckpointManager:
                 )  # fmt: skip
         o = self.origin
         if o is not None and (at_most is None or o.iterations <= at_most):
-            found.append((o.iterations, o.ckpt_dir, o.tag))
+            # Set from the store or by hand, the origin is still only trusted with ds-swift's marker.
+            why = marker_problem(Path(o.ckpt_dir) / o.tag, o.iterations)
+            if why is None:
+                found.append((o.iterations, o.ckpt_dir, o.tag))
+            else:
+                self._say_untrusted(o.tag, f"{why} (the job's origin, in {o.ckpt_dir})")
         return max(found, key=lambda c: c[0]) if found else None
+
+    def _say_untrusted(self, tag: str, why: str) -> None:
+        if f"untrusted {tag}" in self._warned:
+            return
+        self._warned.add(f"untrusted {tag}")
+        print(f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
         o = self.origin

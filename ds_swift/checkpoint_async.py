@@ -5,13 +5,15 @@ DeepSpeed's ``save_checkpoint`` hands each file's state dict to its checkpoint e
 each rank's ZeRO partition). :class:`SnapshotCheckpointEngine` copies the tensors of that state
 dict to host memory there and then (the *snapshot*: the only part the training thread waits for)
 and queues the file; :class:`AsyncWriter`'s thread *persists* it (``torch.save`` to a temporary
-name, then a rename, so no file is ever torn).
+name, fsync, then a rename and an fsync of the directory, so no file is ever torn, nor lost in a
+crash after its marker says it is written).
 
 A checkpoint counts only once complete on storage (:mod:`ds_swift.checkpoint`'s
 ``swift_complete`` marker). Each rank, once its files are written, writes
 ``swift_persisted.<save>.rank<r>`` (``<save>``: the job and generation of this save, so that
 markers of an earlier save of the same tag never count); rank 0's writer waits until every rank's
-marker is there and only then writes ``swift_complete`` and DeepSpeed's ``latest``. A machine that
+marker is there and only then writes ``swift_complete`` and DeepSpeed's ``latest`` (every marker
+durably: :func:`ds_swift.durable.write_atomic`). A machine that
 dies mid-persist leaves the tag incomplete, and recovery loads the one before; a rank whose
 persist fails says so in ``swift_failed.<save>.rank<r>``, and rank 0 gives that tag up.
 
@@ -29,13 +31,16 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from ds_swift.durable import fsync_dir, fsync_file, fsync_tree, write_atomic
 
 __all__ = ["AsyncWriter", "SaveStats", "SnapshotCheckpointEngine", "failed_marker", "persisted_marker",
            "snapshot"]
@@ -110,6 +115,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.writer.add_file(state_dict, path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        # DeepSpeed's TorchCheckpointEngine contract: its files pickle non-tensor objects (enums,
+        # argparse namespaces, client state) that weights_only=True refuses. This engine is installed
+        # only while a save runs (saving_through), so nothing loads through it in practice.
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
@@ -233,15 +241,18 @@ class AsyncWriter:
     def _mark(self, save: _Save, name: str) -> None:
         tag_dir = Path(save.ckpt_dir) / save.stats.tag
         tag_dir.mkdir(parents=True, exist_ok=True)
-        (tag_dir / name).write_text("ok\n")
+        write_atomic(tag_dir / name, "ok\n")
 
     def _persist(self, save: _Save) -> None:
         t0 = time.perf_counter()
         for snap, path in save.files:
             tmp = f"{path}.swift-tmp"
             torch.save(snap, tmp)
+            fsync_file(tmp)  # the persisted marker below must not reach the disk before these bytes
             save.stats.bytes += os.path.getsize(tmp)
             os.replace(tmp, path)
+        for directory in {os.path.dirname(os.path.abspath(path)) for _, path in save.files}:
+            fsync_dir(directory)
         save.files.clear()
         self._mark(save, persisted_marker(save.save_id, self.rank))
         save.stats.persist_s = time.perf_counter() - t0
@@ -278,13 +289,31 @@ class AsyncWriter:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every rank persisted it within {self.complete_timeout_s:.0f} s")
             time.sleep(_POLL_S)
-        meta = tag_dir / f"{COMPLETE_MARKER}.json.tmp"
-        meta.write_text(save.marker_text)
-        os.replace(meta, tag_dir / COMPLETE_MARKER)
-        latest = Path(save.ckpt_dir) / "latest.swift-tmp"
-        latest.write_text(save.stats.tag)
-        os.replace(latest, Path(save.ckpt_dir) / "latest")
+        write_atomic(tag_dir / COMPLETE_MARKER, save.marker_text)
+        # DeepSpeed's own pointer, for tools that read it; ds-swift trusts the marker above only.
+        write_atomic(Path(save.ckpt_dir) / "latest", save.stats.tag)
         save.stats.complete = True
+
+
+@contextmanager
+def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
+    """A synchronous DeepSpeed save whose files are on disk when the block ends: each fsynced by the
+    rank that wrote it, then the tag's directory and its parent (the new names). An engine whose
+    files cannot be followed (a decoupled checkpoint engine) has the tag's directory synced whole."""
+    from ds_swift.patches._base import PatchError
+    from ds_swift.patches.async_checkpoint import fsyncing_saves
+
+    try:
+        handle = fsyncing_saves(engine, fsync_file)
+    except PatchError:
+        handle = None
+    with handle if handle is not None else nullcontext():
+        yield
+    if handle is None:
+        fsync_tree(tag_dir)
+    else:
+        fsync_dir(tag_dir)
+    fsync_dir(tag_dir.parent)
 
 
 def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int) -> Any:

@@ -35,8 +35,9 @@ last block may be shorter); a block is the unit of priority and of writing.
 - **Files** in ``directory``: one ``<run>-<seq>.bin`` per round (the chosen blocks' raw bytes back
   to back, key first), and ``manifest.json``: per tensor its dtype, shape and key, per block the
   iteration, file, offset, size and crc32c of its newest copy, and a crc32c of the manifest itself.
-  Both are written to a temporary name, fsynced and renamed, the manifest after the data: a crash
-  leaves the previous manifest and the files it names. Round files no block points to any more are
+  Both are written to a temporary name, fsynced and renamed, the directory fsynced
+  (:func:`ds_swift.durable.write_atomic`), the manifest after the data: a crash leaves the previous
+  manifest and the files it names. The manifest names the job that wrote it (:func:`running_checkpoint_job`). Round files no block points to any more are
   deleted after the manifest is replaced. No pickle: bytes plus dtype and shape in JSON.
 - **Threading and errors.** :meth:`save` picks the blocks, copies them to host memory and hands the
   write to a background thread (one round in flight: the next save waits for it, so memory stays
@@ -56,7 +57,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ import crc32c as _crc32c
 import numpy as np
 import torch
 
+from ds_swift.durable import write_atomic
+
 __all__ = [
     "MANIFEST",
     "CorruptCheckpointError",
@@ -73,6 +76,7 @@ __all__ = [
     "RunningCheckpointError",
     "TensorAge",
     "load_running_checkpoint",
+    "running_checkpoint_job",
 ]
 
 MANIFEST = "manifest.json"
@@ -126,19 +130,8 @@ def _crc(data: Any) -> int:
     return int(_crc32c.crc32c(memoryview(data)))
 
 
-def _write_atomic(path: Path, buffers: Iterable[Any]) -> None:
-    """Write ``buffers`` to ``path`` through a temporary file, fsync and rename: never a torn file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for buf in buffers:
-            f.write(memoryview(buf))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _encode_manifest(block_elements: int, meta: Mapping[str, Any], blocks: Mapping[str, Any]) -> bytes:
-    body = {"format": _FORMAT, "block_elements": block_elements, "tensors": meta, "blocks": blocks}
+def _encode_manifest(block_elements: int, meta: Mapping[str, Any], blocks: Mapping[str, Any], job: str | None) -> bytes:
+    body = {"format": _FORMAT, "block_elements": block_elements, "tensors": meta, "blocks": blocks, "job": job}
     crc = _crc(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
     return json.dumps({**body, "crc32c": crc}, separators=(",", ":")).encode()
 
@@ -159,6 +152,16 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
+def running_checkpoint_job(directory: str | os.PathLike[str]) -> str | None:
+    """The job id the running checkpoint in ``directory`` is stamped with (None: written without one).
+
+    Raises:
+        CorruptCheckpointError: no manifest there, or a corrupt one (names it).
+    """
+    job = _read_manifest(Path(directory)).get("job")
+    return job if isinstance(job, str) else None
+
+
 class RunningCheckpoint:
     """One rank's running checkpoint in ``directory`` (see the module docstring).
 
@@ -172,6 +175,8 @@ class RunningCheckpoint:
             are groups of their own.
         block_elements: elements per block (a tensor's last block may be shorter).
         background: write on a background thread (default); False writes inside :meth:`save`.
+        job: the job id stamped in every manifest (:func:`ds_swift.checkpoint.job_id_for`), which
+            :func:`running_checkpoint_job` reads back: a replacement loads only its own job's blocks.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class RunningCheckpoint:
         groups: Mapping[str, Sequence[str]] | None = None,
         block_elements: int = 65536,
         background: bool = True,
+        job: str | None = None,
     ) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"RunningCheckpoint fraction={fraction}: must be in (0, 1] (1 saves all every interval)")
@@ -192,7 +198,7 @@ class RunningCheckpoint:
             raise ValueError(f"RunningCheckpoint block_elements={block_elements}: must be >= 1")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.fraction, self.interval, self.block_elements = fraction, interval, block_elements
+        self.fraction, self.interval, self.block_elements, self.job = fraction, interval, block_elements, job
         self.every = max(1, round(fraction * interval))  # SCAR's rC
         self._groups_arg = _check_groups(groups or {})
         self._groups: list[_Group] = []  # fixed by the first save
@@ -426,11 +432,11 @@ class RunningCheckpoint:
             entries[tensor][b] = [job.iteration, name, offset, int(data.nbytes), _crc(data)]
             buffers.append(data)
             offset += int(data.nbytes)
-        _write_atomic(self.directory / name, buffers)
+        write_atomic(self.directory / name, buffers)
         self._bytes += offset
         meta = {t: {k: m[k] for k in ("dtype", "shape", "key")} for t, m in job.meta.items()}
-        manifest = _encode_manifest(self.block_elements, meta, entries)
-        _write_atomic(self.directory / MANIFEST, [manifest])
+        manifest = _encode_manifest(self.block_elements, meta, entries, self.job)
+        write_atomic(self.directory / MANIFEST, manifest)
         self._manifest_bytes += len(manifest)
         self._entries = entries
         self._collect(entries)

@@ -5,17 +5,19 @@ an asynchronous global checkpoint (:mod:`ds_swift.checkpoint_async`) needs DeepS
 layout with ds-swift's snapshot engine behind it, and only for ds-swift's periodic saves: a user's
 own ``save_checkpoint`` and every load keep DeepSpeed's engine. :func:`saving_through` swaps the
 attribute for the duration of a ``with`` block and puts the original back, also on an exception.
+:func:`fsyncing_saves` keeps DeepSpeed's engine and fsyncs each file it writes (synchronous saves).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import deepspeed
 
 from ds_swift.patches._base import PatchError, PatchHandle, check_version
 
-__all__ = ["saving_through"]
+__all__ = ["fsyncing_saves", "saving_through"]
 
 
 def saving_through(engine: Any, checkpoint_engine: Any) -> PatchHandle:
@@ -30,3 +32,37 @@ def saving_through(engine: Any, checkpoint_engine: Any) -> PatchHandle:
         engine.checkpoint_engine = original
 
     return PatchHandle("saving_through", restore)
+
+
+def fsyncing_saves(engine: Any, fsync: Callable[[str], None]) -> PatchHandle:
+    """Call ``fsync(path)`` after each file ``engine``'s checkpoint engine writes, until the handle
+    is removed: DeepSpeed closes its files without an fsync, and ds-swift's completion marker must
+    not reach the disk before them. Each rank thus syncs exactly the files it wrote.
+
+    Raises:
+        PatchError: no ``checkpoint_engine`` attribute, or a decoupled one (it writes in another
+            process: a file may not be there yet when ``save`` returns).
+    """
+    check_version("deepspeed", deepspeed.__version__, "0.16", "0.20")
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None:
+        raise PatchError("this DeepSpeed engine has no checkpoint_engine attribute: its files cannot be followed")
+    if ce.is_decoupled():
+        raise PatchError(f"{type(ce).__name__} writes in another process: its files cannot be fsynced as written")
+    had = "save" in vars(ce)
+    original = ce.save
+
+    def save(state_dict: Any, path: str) -> Any:
+        result = original(state_dict, path)
+        fsync(path)
+        return result
+
+    ce.save = save
+
+    def restore() -> None:
+        if had:
+            ce.save = original
+        else:
+            del ce.save  # the class's method again
+
+    return PatchHandle("fsyncing_saves", restore)

@@ -53,9 +53,11 @@ __all__ = ["ScarStrategy", "running_dir", "running_state"]
 BLOCK_ELEMENTS, MIN_BLOCKS = 65536, 64
 
 
-def running_dir(ckpt_dir: str | Path, rank: int) -> Path:
-    """Where ``rank`` keeps its running checkpoint."""
-    return Path(ckpt_dir) / "running" / f"rank{rank}"
+def running_dir(ckpt_dir: str | Path, rank: int, job: str | None) -> Path:
+    """Where ``rank`` of job ``job`` (:func:`ds_swift.checkpoint.job_id_for`) keeps its running
+    checkpoint: each job its own directory, so that runs sharing ``checkpoint.dir`` never touch
+    each other's (``running/rank<r>`` for a run without a job id, as before job stamps)."""
+    return Path(ckpt_dir) / "running" / (job or "") / f"rank{rank}"
 
 
 def running_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
@@ -152,13 +154,24 @@ class ScarStrategy(RecoveryStrategy):
     @staticmethod
     def _load_running(ctx: RankContext, step: int) -> None:
         """The blocks of this rank's running checkpoint newer than ``step``, over what it loaded."""
-        from ds_swift.running_checkpoint import MANIFEST, load_running_checkpoint
+        from ds_swift.running_checkpoint import (
+            MANIFEST,
+            RunningCheckpointError,
+            load_running_checkpoint,
+            running_checkpoint_job,
+        )
 
         if ctx.ckpt is None:
             return
-        where = running_dir(ctx.ckpt.ckpt_dir, ctx.rank)
+        where = running_dir(ctx.ckpt.ckpt_dir, ctx.rank, ctx.ckpt.job_id)
         if not (where / MANIFEST).exists():
             return
+        owner = running_checkpoint_job(where)
+        if owner != ctx.ckpt.job_id:  # a directory copied or moved here: never another run's blocks
+            raise RunningCheckpointError(
+                f"the running checkpoint in {where} belongs to {owner or 'an unknown job'}, "
+                f"not this job ({ctx.ckpt.job_id}): remove it, or recover from the global one"
+            )
         live, _ = running_state(ctx.engine.optimizer)
         loaded, ages = load_running_checkpoint(where, live, newer_than=max(step, 0))
         with torch.no_grad():

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import Origin, latest_complete, origin_of
+from ds_swift.checkpoint import Origin, latest_complete, origin_of, trusted_origin
 from ds_swift.checkpoint_async import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, DataIteratorError, micro_batches
@@ -141,11 +141,11 @@ class SwiftPipelineEngine:
         fraction, ckpt_dir = cfg.checkpoint.running_fraction, self._ckpt.ckpt_dir
         self._running = (
             RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, dist.get_rank(),
-                               ctx.env is None or not ctx.env.replacement, ctx.log)
+                               ctx.env is None or not ctx.env.replacement, ctx.log, job=self._ckpt.job_id)
             if fraction is not None and ckpt_dir is not None
             else None
         )  # fmt: skip
-        self._set_origin(origin_of(engine), publish=ctx.env is None or not ctx.env.replacement)
+        self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
         check_machines(cfg, ctx.env)
@@ -354,8 +354,10 @@ class SwiftPipelineEngine:
         checkpoint fallback may go back to although another launch wrote it."""
         load_path, client_state = self._engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         if load_path is not None:
-            loaded = tag if tag is not None else (Path(load_dir) / "latest").read_text().strip()
-            self._set_origin(Origin(str(load_dir), str(loaded), int(self._engine.global_steps)), publish=True)
+            # The tag DeepSpeed loaded (its file's directory), not DeepSpeed's 'latest' read again.
+            loaded = tag if tag is not None else Path(load_path).parent.name
+            origin = trusted_origin(load_dir, str(loaded), int(self._engine.global_steps), dist.get_rank())
+            self._set_origin(origin, publish=True)
         return load_path, client_state
 
     def _set_origin(self, origin: Origin | None, publish: bool) -> None:

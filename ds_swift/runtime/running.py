@@ -11,13 +11,48 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.scar import block_elements, running_dir, running_state
-from ds_swift.running_checkpoint import RunningCheckpoint, RunningCheckpointError
+from ds_swift.running_checkpoint import (
+    CorruptCheckpointError,
+    RunningCheckpoint,
+    RunningCheckpointError,
+    running_checkpoint_job,
+)
 
-__all__ = ["RunningCheckpoints"]
+__all__ = ["RunningCheckpoints", "claim_running_dir"]
+
+
+def claim_running_dir(directory: Path, job: str | None, log: Callable[[str], None]) -> None:
+    """A fresh start's running-checkpoint directory, emptied of this job's earlier launch.
+
+    The directory is this job's by its path (``running/<job>/rank<r>``) unless its manifest names
+    another job; then, or where this run has no job id and cannot tell, it is left alone and the
+    start refused (the first round would otherwise replace that run's manifest and collect its files).
+
+    Raises:
+        RunningCheckpointError: ``directory`` holds another run's running checkpoint (names it and the fix).
+    """
+    if not directory.exists() or not any(directory.iterdir()):
+        return
+    try:
+        owner: str | None = running_checkpoint_job(directory)
+        stamped = True
+    except CorruptCheckpointError:  # no manifest (a first round cut short) or a torn one: no owner named
+        owner, stamped = None, False
+    if job is not None and (owner == job or not stamped):
+        log(f"running checkpoint: removing this job's earlier one in {directory} (a fresh start)")
+        shutil.rmtree(directory)
+        return
+    who = owner if owner is not None else "a run without a job id"
+    raise RunningCheckpointError(
+        f"running checkpoint directory {directory} holds the running checkpoint of {who}, not of this run "
+        f"({job or 'no job id: launched without ds-swift-launch'}); it is left alone. Fix: remove {directory} "
+        "if no run needs it, or give this run another checkpoint.dir"
+    )
 
 
 class RunningCheckpoints:
@@ -26,18 +61,21 @@ class RunningCheckpoints:
     interval: the global checkpoint interval (SCAR's C).
     ckpt_dir: the global checkpoint directory (the running checkpoints go under it).
     rank: this rank.
-    fresh: this process starts the job (not a replacement): an earlier run's running checkpoint
-        of this rank is removed, so that a replacement never loads another run's blocks.
+    fresh: this process starts the job (not a replacement): this job's running checkpoint of this
+        rank left by an earlier launch is removed (a replacement must not load blocks of a launch
+        that went further); another run's is never touched (:func:`claim_running_dir`).
     log: one line to this rank's log.
+    job: the job id stamped in the running checkpoint (:func:`ds_swift.checkpoint.job_id_for`).
     """
 
     def __init__(
-        self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, log: Callable[[str], None]
-    ) -> None:
-        self.fraction, self.interval, self.rank, self._log = fraction, interval, rank, log
-        self.directory = running_dir(ckpt_dir, rank)
+        self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, log: Callable[[str], None],
+        job: str | None = None,
+    ) -> None:  # fmt: skip
+        self.fraction, self.interval, self.rank, self._log, self.job = fraction, interval, rank, log, job
+        self.directory = running_dir(ckpt_dir, rank, job)
         if fresh:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            claim_running_dir(self.directory, job, log)
         self._ckpt: RunningCheckpoint | None = None
 
     @property
@@ -52,7 +90,7 @@ class RunningCheckpoints:
         tensors, groups = running_state(engine.optimizer)
         if self._ckpt is None:
             self._ckpt = RunningCheckpoint(self.directory, fraction=self.fraction, interval=self.interval, groups=groups,
-                                           block_elements=block_elements(tensors))  # fmt: skip
+                                           block_elements=block_elements(tensors), job=self.job)  # fmt: skip
             self._log(f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
                       f"{self._ckpt.every} iteration(s) to {self.directory}")  # fmt: skip
         if not self._ckpt.due(done):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ds_swift.durable import write_atomic
 from ds_swift.membership import GenerationFailed
 
 if TYPE_CHECKING:
@@ -230,9 +231,7 @@ def summary_line(tl: Timeline) -> str:
 def write_timeline(run_dir: str | os.PathLike[str], tl: Timeline) -> Path:
     path = Path(run_dir) / f"timeline-gen{tl.failed_generation}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(tl.to_dict(), indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(tl.to_dict(), indent=2, sort_keys=True))
     return path
 
 

@@ -81,6 +81,8 @@ def checkpoint_tensors(tag_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint files (*.pt) in {tag_dir}")
     out: dict[str, Any] = {}
     for f in files:
+        # A test's own job wrote these DeepSpeed files (with pickled enums and namespaces that
+        # weights_only=True refuses); DeepSpeed's own load reads them the same way.
         out.update(tensors_of(torch.load(f, map_location="cpu", weights_only=False), f.name))
     return out
 

@@ -313,7 +313,7 @@ def failing_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(path: Path, buffers: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rc_mod, "_write_atomic", full)
+    monkeypatch.setattr(rc_mod, "write_atomic", full)
 
 
 def test_a_write_error_surfaces_at_wait_and_its_blocks_are_written_first_next(
