@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ds_swift import transport
+
 if TYPE_CHECKING:
     from ds_swift.checkfreq import CheckFreqTuner
     from ds_swift.checkpoint_async import AsyncWriter
@@ -188,7 +190,7 @@ class CheckpointManager:
             # A tag saved again (after a recovery, or by an earlier run in this directory) is not
             # complete while its files are rewritten.
             marker.unlink(missing_ok=True)
-        dist.barrier()
+        transport.barrier()
         written = True
         try:
             engine.save_checkpoint(self.ckpt_dir, tag=tag)
@@ -199,11 +201,12 @@ class CheckpointManager:
             print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "
                   f"{str(exc)[:200]}); it does not count: a recovery loads the last complete one; training goes on",
                   file=sys.stderr, flush=True)  # fmt: skip
-            dist.barrier()  # the one DeepSpeed's save ends with, which this rank did not reach
+            # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
+            # the other ranks wait in it), which this rank did not reach.
+            dist.barrier()  # transport: ok
         # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
         # rank's, and says whether every rank wrote them.
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, written)
+        everyone = transport.all_gather_json(written)
         if self.rank == 0 and all(everyone):
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps({"iterations": done, "job": self.job_id}) + "\n")
@@ -226,7 +229,7 @@ class CheckpointManager:
         stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         if self.rank == 0:
             (Path(self.ckpt_dir) / tag / COMPLETE_MARKER).unlink(missing_ok=True)
-        dist.barrier()  # nobody snapshots before the old marker is gone
+        transport.barrier()  # nobody snapshots before the old marker is gone
         with saving_through(engine, SnapshotCheckpointEngine(writer)):
             engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
         writer.end()
