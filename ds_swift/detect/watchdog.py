@@ -75,7 +75,7 @@ class Watchdog:
         hang_timeout_s: float | None = None,
         ranks_per_machine: int = 1,
         machines: Sequence[int] | None = None,
-        on_failure: Callable[[FailureSeen], None] | None = None,
+        on_failure: Callable[[FailureSeen], object] | None = None,
     ) -> None:
         self.on_failure = on_failure
         self.machines = tuple(machines) if machines is not None else None
