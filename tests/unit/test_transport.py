@@ -4,6 +4,7 @@ ending a generation on gloo and on NCCL (NCCL cannot run here: its branch is dri
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +107,36 @@ def test_a_malformed_value_names_its_rank(one_rank: Transport, monkeypatch: pyte
     monkeypatch.setattr(one_rank, "all_gather", garbled)
     with pytest.raises(transport.TransportError, match="rank 0 sent a malformed value"):
         one_rank.all_gather_json([1, 2, 3])
+
+
+RAN: list[str] = []
+
+
+def _run(what: str) -> None:
+    RAN.append(what)
+
+
+class _Planted:
+    """Unpickling this calls ``_run("code")``: what a peer could make ``all_gather_object`` do."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_run, ("code",))
+
+
+def test_a_peers_pickle_is_refused_never_run(one_rank: Transport, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = pickle.dumps(_Planted())
+    pickle.loads(payload)
+    assert RAN == ["code"]  # the payload does run code when unpickled...
+    RAN.clear()
+    monkeypatch.setattr(one_rank, "all_gather_ints", lambda values, channel=transport.HOST: [[len(payload)]])
+
+    def peer_sends_pickle(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, channel: str = "") -> None:
+        out[0].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    monkeypatch.setattr(one_rank, "all_gather", peer_sends_pickle)
+    with pytest.raises(transport.TransportError, match="rank 0 sent a malformed value"):
+        one_rank.all_gather_json({"written": True})
+    assert RAN == []  # ...but an agreement decodes JSON only
 
 
 def test_a_torn_down_generation_has_no_transport(one_rank: Transport) -> None:
