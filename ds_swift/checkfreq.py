@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
+from ds_swift import transport
 from ds_swift.checkpoint_async import AsyncWriter, SaveStats
 
 __all__ = ["CheckFreqTuner", "checkfreq_interval"]
@@ -73,9 +72,7 @@ class CheckFreqTuner:
         writer.wait_idle()
         iteration_s = statistics.median(self._times[1:] or self._times or [1.0])  # the first includes warm-up
         mine = checkfreq_interval(stats.snapshot_s, stats.persist_s, iteration_s, self.max_overhead)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        self.chosen = max(int(k) for k in everyone)
+        self.chosen = max(everyone for (everyone,) in transport.current().all_gather_ints([mine]))
         self.costs = {"snapshot_s": stats.snapshot_s, "persist_s": stats.persist_s, "iteration_s": iteration_s}
         if self.store is not None:  # every rank: a failure right now must not leave the key unwritten
             self.store.set(STORE_KEY, str(self.chosen))

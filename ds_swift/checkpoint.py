@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.durable import remove_durable, temp_path, write_atomic
 
 if TYPE_CHECKING:
@@ -254,7 +255,7 @@ class CheckpointManager:
             # A tag saved again (after a recovery, or by an earlier run in this directory) is not
             # complete while its files are rewritten, also after a crash.
             remove_durable(marker)
-        dist.barrier()
+        transport.barrier()
         written = True
         try:
             # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
@@ -267,11 +268,12 @@ class CheckpointManager:
             print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "
                   f"{str(exc)[:200]}); it does not count: a recovery loads the last complete one; training goes on",
                   file=sys.stderr, flush=True)  # fmt: skip
-            dist.barrier()  # the one DeepSpeed's save ends with, which this rank did not reach
+            # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
+            # the other ranks wait in it), which this rank did not reach.
+            dist.barrier()  # transport: ok
         # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
         # rank's, and says whether every rank wrote them.
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, written)
+        everyone = transport.all_gather_json(written)
         if self.rank == 0 and all(everyone):
             write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         elif self.rank == 0:
@@ -292,7 +294,7 @@ class CheckpointManager:
         stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         if self.rank == 0:
             remove_durable(Path(self.ckpt_dir) / tag / COMPLETE_MARKER)
-        dist.barrier()  # nobody snapshots before the old marker is gone
+        transport.barrier()  # nobody snapshots before the old marker is gone
         with saving_through(engine, SnapshotCheckpointEngine(writer)):
             engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
         writer.end()

@@ -14,7 +14,8 @@ Measured on DeepSpeed 0.19.8 + torch 2.13 (shared/NOTES-deepspeed-cpu.md):
   woken by poison raises instead of computing on a half-written buffer.
 - Gloo's ``abort()`` leaves the sockets open (peers blocked on us keep waiting until our process
   exits); ``destroy_process_group()`` with every reference dropped closes them, and peers raise
-  "Connection closed by peer" at once. So :func:`teardown_process_groups` destroys, never aborts.
+  "Connection closed by peer" at once. So :func:`teardown_process_groups` destroys gloo groups,
+  never aborts them (NCCL groups it aborts: ds_swift.transport.teardown).
 - "Every reference" includes the user's: a training script keeps its ``model`` (the
   ``PipelineModule``, whose ``world_group`` and ``_grid`` hold groups) and maybe the engine.
   Measured: a survivor whose pending op's peer kept its groups alive that way waited the full op
@@ -295,20 +296,23 @@ def release_megatron_groups() -> int:
 
 
 def teardown_process_groups() -> None:
-    """Destroy every process group of this generation so peers blocked on us fail fast.
+    """End every process group of this generation so peers blocked on us fail fast: destroyed on
+    gloo, aborted where they have NCCL (ds_swift.transport.teardown says why), then DeepSpeed's
+    references to them released (what ``deepspeed.comm.destroy_process_group`` does after torch's
+    destroy, which on NCCL could wait on a dead peer).
 
     The caller must have dropped its references to the engine (and to any exception traceback
     that holds its frames) first: a process group still referenced is not freed and keeps its
     sockets open, and peers blocked on it then wait for the op timeout.
     """
-    import deepspeed.comm as dscomm
+    from deepspeed.utils import groups
+
+    from ds_swift import transport
 
     _check_versions()
     release_megatron_groups()
     release_autograd_groups()
-    if dscomm.is_initialized():
-        dscomm.destroy_process_group()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    transport.teardown_world()
+    groups._release_process_group_references(group=None)
     reset_pipeline_globals()
     gc.collect()

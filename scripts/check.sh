@@ -7,6 +7,8 @@ ruff check . || exit 1
 mypy ds_swift launch patches || exit 1
 # Every change to DeepSpeed / torch behaviour must live in patches/ (see the script's docstring).
 python scripts/check_patch_seams.py || exit 1
+# ds-swift's own traffic between ranks goes through ds_swift/transport/ only (host tensors on gloo).
+python scripts/check_transport.py || exit 1
 # Tests marked slow (a variant another CI test covers) run with `bash scripts/check.sh -m slow`.
 marker=(-m "not slow")
 for a in "$@"; do [[ $a == -m ]] && marker=(); done

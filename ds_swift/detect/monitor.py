@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from ds_swift import transport
 from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
@@ -56,6 +57,7 @@ class FailureMonitor:
             hang_timeout_s=hang_timeout_s,
             ranks_per_machine=env.world_size // max(1, len(machines) if machines is not None else env.num_machines),
             machines=machines,
+            on_failure=lambda seen: transport.on_generation_failed(seen.generation),
         ).start()
 
     @property

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from ds_swift import transport
 
 __all__ = ["pipeline_neighbours", "poison_neighbours", "watched_peers"]
 
@@ -32,24 +30,8 @@ def watched_peers(engine: Any) -> list[int]:
     return sorted(set(peers) - {int(engine.global_rank)})
 
 
-def poison_neighbours(peers: list[int]) -> None:
-    """Wake ``peers`` blocked in a recv from us (they then see the flag and raise).
-
-    Gloo completes a send only once the peer receives, so we do not wait long: a neighbour
-    that is not receiving gets "connection closed" from the teardown that follows instead.
-    """
-    works = []
-    for peer in peers:
-        try:
-            work = dist.isend(torch.zeros(1), peer)
-            if work is not None:
-                works.append(work)
-        except Exception:  # noqa: BLE001, S110 - a dead peer cannot be woken and needs no waking
-            pass
-    deadline = time.monotonic() + 0.02
-    for w in works:
-        try:
-            while not w.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        except Exception:  # noqa: BLE001, S110
-            pass
+def poison_neighbours(peers: list[int]) -> str:
+    """Wake ``peers`` blocked in a receive from us (they then see the flag and raise): a poison
+    message on gloo, an abort of this rank's communicators on NCCL (ds_swift.transport.teardown).
+    Returns which it was."""
+    return transport.wake_neighbours(peers)

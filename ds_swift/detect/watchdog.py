@@ -3,16 +3,19 @@
 The thread has its own store connection: the main thread may sit in a store call of its own
 (a rendezvous wait) and the watchdog must not queue behind it.
 
-What the watchdog does *not* do is unblock the main thread. Nothing in gloo can interrupt a
-pending op from another thread (shared/NOTES-deepspeed-cpu.md); a worker blocked on a peer is
+What the watchdog does *not* do on gloo is unblock the main thread. Nothing in gloo can interrupt
+a pending op from another thread (shared/NOTES-deepspeed-cpu.md); a worker blocked on a peer is
 woken by that peer (poison message, or its process group being destroyed) or by the op
-timeout. The watchdog's job is to make the failure known: the ``failed`` event lets the main
+timeout. On NCCL it does: its ``on_failure`` hook aborts this rank's communicators
+(ds_swift.transport.teardown), which releases a main thread blocked behind a kernel that waits on
+a dead peer. The watchdog's job is to make the failure known: the ``failed`` event lets the main
 thread stop before its next iteration, and the recv check (patches/deepspeed_rebuild.py) reads
 it after every receive.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +59,8 @@ class Watchdog:
         hang_timeout_s: armed time without progress after which this rank declares itself hung.
         ranks_per_machine: to name the machine of a stale or hung rank (rank // ranks_per_machine).
         machines: the job's machines in rank order (after an elastic shrink, not all of them; None: 0, 1, ...).
+        on_failure: called on the watchdog's thread once per failed generation, right after
+            ``failed`` is set (ds-swift aborts its NCCL communicators there).
     """
 
     def __init__(
@@ -70,7 +75,9 @@ class Watchdog:
         hang_timeout_s: float | None = None,
         ranks_per_machine: int = 1,
         machines: Sequence[int] | None = None,
+        on_failure: Callable[[FailureSeen], object] | None = None,
     ) -> None:
+        self.on_failure = on_failure
         self.machines = tuple(machines) if machines is not None else None
         self._store_factory = store_factory
         self.progress = progress
@@ -151,6 +158,12 @@ class Watchdog:
                 return None  # the main thread moved on while we polled
             self._seen = seen
         self.failed.set()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(seen)
+            except Exception as exc:  # noqa: BLE001 - the failure is known either way; say why the hook failed
+                print(f"[ds-swift] rank {self.rank}: after the failure of generation {g}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:

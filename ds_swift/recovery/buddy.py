@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.digest import partition_state
@@ -205,7 +205,7 @@ class BuddyStrategy(RecoveryStrategy):
         sending: list[tuple[Any, torch.Tensor]] = []
 
         def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
-            sending.append((dist.isend(t, dst, group=group), t))
+            sending.append((transport.isend(t, dst, group=group), t))
 
         for owner in plan.recipients_of(ctx.rank):
             if holdings is None:

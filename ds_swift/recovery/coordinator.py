@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.checkpoint import CheckpointManager, Origin
 from ds_swift.membership import JobStore
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
@@ -163,7 +164,7 @@ def run_recovery(
     if verify:  # what is trained again is published again; a later replay must not meet the old digests
         forget_from(store, rank, outcome.resume_iteration)
     outcome.latest_checkpoint = step
-    dist.barrier()
+    transport.barrier()
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved
     return outcome

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.membership import JobStore
 from ds_swift.recovery.base import RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.buddy import BuddyTarget, buddy_target
@@ -299,7 +300,7 @@ def recover_resized(
     sending: list[tuple[Any, torch.Tensor]] = []
 
     def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
-        sending.append((dist.isend(t, dst, group=group), t))
+        sending.append((transport.isend(t, dst, group=group), t))
 
     moved = 0
     for dst, src in sorted(donors.items()):
@@ -348,7 +349,7 @@ def recover_resized(
         "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],
         "global_batch": resize.policy,
     }  # fmt: skip
-    dist.barrier()
+    transport.barrier()
     timeline.t_restored = time.time()
     timeline.bytes_moved = moved
     return outcome

@@ -12,7 +12,8 @@ replacement exactly what the lost rank had at the consensus iteration. Where the
 is partitioned over data-parallel ranks (ZeRO-1, BF16_Optimizer) a replica holds another slice:
 ds_swift.recovery.buddy restores those.
 
-Wire format, over torch.distributed point-to-point in the new generation, tensors only (no
+Wire format, over ds-swift's transport (ds_swift.transport: a gloo group of its own, host tensors)
+point-to-point in the new generation, tensors only (no
 pickle of a peer's bytes, so a peer can never make this rank run code): one int64 length, a
 UTF-8 JSON manifest (the state with every tensor replaced by ``{"__t__": index}``, plus each
 tensor's shape and dtype), then one flat buffer per dtype holding every tensor of that dtype.
@@ -26,8 +27,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.patches.deepspeed_optim_state import (
     capture_optimizer,
     load_optimizer,
@@ -159,10 +160,10 @@ def send_state(state: Any, dst: int, group: Any = None, send: Callable[..., Any]
     Args:
         state: nested dicts/lists/tuples of tensors and JSON scalars.
         dst: the receiving rank.
-        group: the process group (default: the world).
-        send: ``send(tensor, dst, group=...)``; torch.distributed's by default (tests pass a queue).
+        group: the process group (default: the one ds-swift's transport picks for host tensors).
+        send: ``send(tensor, dst, group=...)``; the transport's by default (tests pass a queue).
     """
-    send = send or dist.send
+    send = send or transport.send
     manifest, tensors = encode(state)
     blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
     send(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group)
@@ -177,7 +178,7 @@ def send_state(state: Any, dst: int, group: Any = None, send: Callable[..., Any]
 
 def recv_state(src: int, group: Any = None, recv: Callable[..., Any] | None = None) -> Any:
     """Receive a state sent by :func:`send_state` from rank ``src`` (tensors land on the CPU)."""
-    recv = recv or dist.recv
+    recv = recv or transport.recv
     length = torch.zeros(1, dtype=torch.int64)
     recv(length, src, group=group)
     blob = torch.empty(int(length.item()), dtype=torch.uint8)

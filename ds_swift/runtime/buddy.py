@@ -8,8 +8,8 @@ ds_swift.recovery.buddy.assign_buddies.
 
 Off the critical path: the step's hook only hands references to a background thread, which first
 stages the state into host memory of its own (the rank's *own copy*, the newest two kept) and then
-sends the staged tensors on a gloo group of ds-swift's own (``isend``/``irecv``: the transfer runs
-in gloo's threads) while the next iteration's forward and backward passes run. A buddy receives into
+sends the staged tensors on the copier channel of ds-swift's transport, a gloo group of its own
+(``isend``/``irecv``: the transfer runs in gloo's threads) while the next iteration's forward and backward passes run. A buddy receives into
 a spare buffer and keeps the newest two complete copies per owner, so a copy being overwritten is
 never reported as complete.
 
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.buddy import Member, assign_buddies
 from ds_swift.recovery.erasure import assign_holders, split_payload
@@ -182,7 +183,7 @@ class _Worker:
 
     def __init__(
         self,
-        group: Any,
+        channel: transport.Transport | None,
         buddies: tuple[int, ...],
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
@@ -190,7 +191,8 @@ class _Worker:
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
         landing: Callable[[int, Callable[[], bool]], bool] | None = None,
     ) -> None:
-        self.group = group
+        self.channel = channel
+        """The generation's transport (its copier channel); None once stopped."""
         self.landing = landing
         self.stopped = False
         self.split = split
@@ -227,7 +229,11 @@ class _Worker:
                 return
 
     def _round(self, version: int, manifest: bytes, live: list[torch.Tensor]) -> int:
-        group = self.group
+        t = self.channel
+        if t is None:
+            raise transport.TransportError("ds-swift buddy copier: stopped before its round began")
+        isend = functools.partial(t.isend, channel=transport.COPIER)
+        irecv = functools.partial(t.irecv, channel=transport.COPIER)
         tensors = stage_own(self.holdings, version, manifest, live)
         # One part per buddy: the same payload for each (buddy copies), or chunk j for the j-th
         # (pipechurn's erasure coding, done here on the copier thread).
@@ -237,19 +243,18 @@ class _Worker:
             header = torch.tensor([version, len(m)], dtype=torch.int64)
             blob = torch.frombuffer(bytearray(m), dtype=torch.uint8)
             alive += [header, blob]  # until the sends are done
-            sends += [dist.isend(header, buddy, group=group, tag=_HEADER)]
-            sends += [dist.isend(blob, buddy, group=group, tag=_MANIFEST)]
-            sends += [dist.isend(t, buddy, group=group, tag=_DATA + i) for i, t in enumerate(ts)]
-            sent += blob.numel() + sum(t.numel() * t.element_size() for t in ts)
+            sends += [isend(header, buddy, tag=_HEADER), isend(blob, buddy, tag=_MANIFEST)]
+            sends += [isend(x, buddy, tag=_DATA + i) for i, x in enumerate(ts)]
+            sent += blob.numel() + sum(x.numel() * x.element_size() for x in ts)
         headers = {o: torch.zeros(2, dtype=torch.int64) for o in self.owners}
-        _wait([dist.irecv(h, o, group=group, tag=_HEADER) for o, h in headers.items()])
+        _wait([irecv(h, o, tag=_HEADER) for o, h in headers.items()])
         blobs = {o: torch.empty(int(h[1]), dtype=torch.uint8) for o, h in headers.items()}
-        _wait([dist.irecv(b, o, group=group, tag=_MANIFEST) for o, b in blobs.items()])
+        _wait([irecv(b, o, tag=_MANIFEST) for o, b in blobs.items()])
         received, works = [], []
         for o, b in blobs.items():
             theirs = b.numpy().tobytes()
             flats = self.holdings.spare(o, theirs)
-            works += [dist.irecv(v, o, group=group, tag=_DATA + i) for i, v in enumerate(flat_views(theirs, flats))]
+            works += [irecv(v, o, tag=_DATA + i) for i, v in enumerate(flat_views(theirs, flats))]
             received.append((o, int(headers[o][0]), theirs, flats))
         _wait(sends)
         del alive
@@ -301,21 +306,21 @@ class BuddyCopier:
         return self._worker.rounds if self._worker is not None else 0
 
     def start(self, engine: Any, machine: int, landing: Callable[[int], StoreLanding] | None = None) -> bool:
-        """Collective on every rank of the generation: create the copier's gloo group, place the
-        buddies, send the current state. False (and nothing started) where the optimizer state is not
+        """Collective on every rank of the generation: place the buddies (an all-gather of every
+        rank's coordinates), send the current state on the transport's copier channel. False (and nothing started) where the optimizer state is not
         partitioned: a replica then holds it whole (erasure coding copies it whatever the layout).
 
         ``landing(world)``: the store round that says when every rank's copies are held (None: only
         this rank's own receives count, for runs without a job store)."""
         if self.erasure is None and not is_partitioned(engine.optimizer):
-            return False  # the same answer on every rank (one config): no group is created anywhere
+            return False  # the same answer on every rank (one config): no rank enters the all-gather
         grid = engine.grid
         tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
         me = torch.tensor([dist.get_rank(), machine, int(engine.stage_id), int(grid.get_data_parallel_id()), int(tp)],
                           dtype=torch.int64)  # fmt: skip
-        group = dist.new_group(backend="gloo")
+        channel = transport.current()
         table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
-        dist.all_gather(table, me, group=group)
+        channel.all_gather(table, me)
         members = [Member(*(int(x) for x in t)) for t in table]
         split = None
         if self.erasure is None:
@@ -326,7 +331,7 @@ class BuddyCopier:
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
-        self._worker = _Worker(group, placement[rank], owners, self.holdings, self._log, split, landed)
+        self._worker = _Worker(channel, placement[rank], owners, self.holdings, self._log, split, landed)
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
         self.after_step(engine)
@@ -374,7 +379,7 @@ class BuddyCopier:
         w.stopped = True
         w.queue.put(None)
         w.thread.join(timeout=finish_s)
-        w.group = None
+        w.channel = None
         return not w.thread.is_alive()
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.config import SwiftConfig, load_ds_config
 from ds_swift.membership import GenerationFailed, JobStore, WorkerEnv
 
@@ -98,11 +99,17 @@ def join_generation(
     join_timeout_s: float,
     backend: str = "gloo",
     log: Callable[[str], None] | None = None,
+    swift: bool = True,
 ) -> int:
     """Join ``generation`` (or a later one if it fails first) and initialise torch.distributed on it.
 
-    Returns the generation joined. DeepSpeed is attached afterwards by the caller.
+    With ``swift`` (ds-swift recovers this job), NCCL gets the settings that make aborting a failed
+    generation safe, and ds-swift's transport opens its gloo groups: right after the world, before
+    DeepSpeed creates any group, so every rank (survivor or replacement) creates them in the same
+    order. Returns the generation joined. DeepSpeed is attached afterwards by the caller.
     """
+    if swift and "nccl" in backend:
+        transport.nccl_environment()  # read by torch when the NCCL group is created
     while True:
         try:
             prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
@@ -118,6 +125,8 @@ def join_generation(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=op_timeout_s),
         )
+        if swift:
+            transport.open_generation(op_timeout_s, generation)
         return generation
 
 
@@ -134,7 +143,7 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
             # try to host: rendezvous through it as a member of generation 0, without recovery.
             env = WorkerEnv.from_env()
             join_generation(JobStore.from_env(env), env.generation, env.rank, env.world_size,
-                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend)
+                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend, swift=False)
         deepspeed.init_distributed(dist_backend=backend)
         return None
     if _CONTEXT is not None and dist.is_initialized():
@@ -153,6 +162,7 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
                 flush=True,
             )
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=op_timeout_s))
+        transport.open_generation(op_timeout_s)  # before the engine's groups (see join_generation)
         ctx.t_joined = time.time()
         _CONTEXT = ctx
         return ctx

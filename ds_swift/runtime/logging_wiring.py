@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_swift import transport
 from ds_swift.config import SwiftConfig
 from ds_swift.data import BatchFn
 from ds_swift.membership import JobStore
@@ -149,8 +150,7 @@ class EngineLogging:
             "seconds": seconds,
             "params": sum(p.numel() for p in engine.module.parameters()) if counts else 0,
         }
-        reports: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, report)
+        reports = transport.all_gather_json(report)  # JSON, never a pickle of a peer's bytes
         return MeasuredSizes.from_reports(reports, int(engine.gradient_accumulation_steps()))
 
     def _logged_bytes(self, iteration: int) -> list[list[int]]:

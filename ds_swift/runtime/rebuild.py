@@ -1,8 +1,9 @@
 """Rejoin and rebuild: a survivor's teardown, generation g+1, the DeepSpeed rebuild, the recovery.
 
-survivor: poison its pipeline neighbours -> flush its message log -> keep module/optimizer/
-scheduler references -> drop the engine and destroy every process group (peers blocked on us fail
-at once) -> leave if its own machine failed -> join generation g+1 -> ``model_fn()`` +
+survivor: wake its pipeline neighbours (poison on gloo, abort on NCCL: ds_swift.transport.teardown)
+-> flush its message log -> keep module/optimizer/scheduler references -> drop the engine and end
+every process group (peers blocked on us fail at once) -> leave if its own machine failed -> join
+generation g+1 (and open ds-swift's transport on it) -> ``model_fn()`` +
 ``deepspeed.initialize`` again (the same group-creation sequence a replacement runs) -> consensus,
 undo, load the kept state, send it to replacements (ds_swift.recovery.coordinator).
 

@@ -59,7 +59,8 @@ def run_ranks(
 
 @contextmanager
 def gloo_rank(timeout_s: float | None = None) -> Iterator[int]:
-    """Join the job's gloo group through DeepSpeed (so ``deepspeed.initialize`` works); yields the rank.
+    """Join the job's gloo group through DeepSpeed (so ``deepspeed.initialize`` works) and open
+    ds-swift's transport on it; yields the rank.
 
     On success every rank meets in a barrier before leaving, so none tears its side of the group
     down while a peer still talks to it; on failure it leaves at once (its peers are killed by
@@ -70,13 +71,17 @@ def gloo_rank(timeout_s: float | None = None) -> Iterator[int]:
     import deepspeed
     import torch.distributed as dist
 
+    from ds_swift import transport
+
     if timeout_s is None:
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        transport.open_generation(timeout_s)  # as ds_swift.init_distributed: before the engine's groups
         yield dist.get_rank()
-        dist.barrier()
+        transport.barrier()
     finally:
+        transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op, run_job
+
+# Strict transport mode in every process these tests start (they inherit the environment): a host
+# tensor that ds-swift sends on a group that would be NCCL on a GPU cluster fails here, on CPU.
+os.environ.setdefault("SWIFT_STRICT_TRANSPORT", "1")
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the configuration users run, on the tiny GPT: bf16 + ZeRO-1, pp 2 x dp 2 on 2 machines of 2 ranks

@@ -249,12 +249,11 @@ def _patch_logging_recovery(rank: int) -> None:
 
 
 def _patch_state_transfer(rank: int) -> None:
-    import torch.distributed as dist
-
     import ds_swift.recovery.buddy as buddy
+    from ds_swift import transport
 
     def dying(op: Any, what: str) -> Any:
-        """``op`` (dist.send or dist.recv) that SIGKILLs this process after the first two calls."""
+        """``op`` (the transport's send or recv) that SIGKILLs this process after the first two calls."""
         calls = [0]
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -270,12 +269,12 @@ def _patch_state_transfer(rank: int) -> None:
     if recv and recv["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") == "1":
         recv_state = buddy.recv_state
         buddy.recv_state = lambda src, group=None, recv=None: recv_state(  # type: ignore[assignment]
-            src, group, dying(recv or dist.recv, "receiving"))
+            src, group, dying(recv or transport.recv, "receiving"))
     send = _spec("SWIFT_TEST_KILL_IN_SEND_STATE")
     if send and send["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         send_state = buddy.send_state
         buddy.send_state = lambda state, dst, group=None, send=None: send_state(  # type: ignore[assignment]
-            state, dst, group, dying(send or dist.send, "sending"))
+            state, dst, group, dying(send or transport.send, "sending"))
 
 
 def _patch_log_write(rank: int) -> None:
