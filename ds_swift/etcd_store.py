@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +38,17 @@ __all__ = ["EtcdStore"]
 _POLL_S = (0.002, 0.05)  # first and largest wait between polls of a blocking get
 #: per-request HTTP timeout: a member that does not answer within it counts as down
 _REQUEST_TIMEOUT_S = 5.0
+#: a login token older than this is renewed (etcd's simple tokens live 300 s unused by default)
+_TOKEN_RENEW_S = 60.0
+
+
+def _why(exc: Exception) -> str:
+    """etcd's own error message (the gateway's JSON body), else the HTTP reason."""
+    detail = getattr(exc, "detail_text", None) or ""
+    try:
+        return str(json.loads(detail).get("error") or detail)[:300]
+    except (ValueError, AttributeError):
+        return (detail or str(exc))[:300]
 
 
 def _b64(data: str | bytes) -> str:
@@ -84,7 +96,10 @@ class EtcdStore(dist.Store):
                                 cert_cert=cred.cert or None, cert_key=cred.key or None)
             for h, p in self.endpoints
         ]
+        # Per request, not on the session: requests lets $REQUESTS_CA_BUNDLE override a session's CA.
+        self._tls_args: dict[str, Any] = {"verify": cred.ca} if cred.ca else {}
         self._token: str | None = None
+        self._token_at = 0.0
         self._current = 0
         self._lock = threading.Lock()  # one requests.Session per client: one request at a time
         self.set_timeout(timeout or datetime.timedelta(seconds=300))
@@ -102,13 +117,20 @@ class EtcdStore(dist.Store):
         from etcd3gw.exceptions import Etcd3Exception
 
         with self._lock:
+            if self._token is not None and time.monotonic() - self._token_at > _TOKEN_RENEW_S:
+                self._token = None  # log in again before etcd forgets it (its TTL, or a JWT's expiry)
             try:
+                try:
+                    return self._post_any(path, payload)
+                except RuntimeError:
+                    # etcd's gateway answers a token it no longer knows (a restarted member) by
+                    # timing out: with a user, log in again once before calling the cluster gone.
+                    if self._token is None:
+                        raise
+                self._token = None
                 return self._post_any(path, payload)
             except Etcd3Exception as exc:
-                if not self.credentials.user or "auth token" not in str(exc):
-                    raise RuntimeError(f"etcd refused {path}: {str(exc)[:300]}") from exc
-            self._token = None  # expired (or the member restarted): log in again, once
-            return self._post_any(path, payload)
+                raise RuntimeError(f"etcd refused {path}: {_why(exc)}") from exc
 
     def _post_any(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """One request, to the first member that answers (logging in first if a user is set)."""
@@ -120,8 +142,10 @@ class EtcdStore(dist.Store):
             try:
                 if self.credentials.user and self._token is None:
                     self._token = self._authenticate(client)
+                    self._token_at = time.monotonic()
                 headers = {"Authorization": self._token} if self._token else None
-                result: dict[str, Any] = client.post(client.get_url(path), json=payload, headers=headers)
+                result: dict[str, Any] = client.post(client.get_url(path), json=payload, headers=headers,
+                                                     **self._tls_args)
                 return result
             except (ConnectionFailedError, ConnectionTimeoutError) as exc:
                 host, port = self.endpoints[self._current]
@@ -134,12 +158,12 @@ class EtcdStore(dist.Store):
 
         body = {"name": self.credentials.user, "password": self.credentials.password}
         try:
-            result = client.post(client.get_url("/auth/authenticate"), json=body)
+            result = client.post(client.get_url("/auth/authenticate"), json=body, **self._tls_args)
         except (ConnectionFailedError, ConnectionTimeoutError):
             raise  # the next member may answer
         except Etcd3Exception as exc:
             raise RuntimeError(
-                f"etcd refused user {self.credentials.user!r}: {str(exc)[:200]} (check --store-user and the "
+                f"etcd refused user {self.credentials.user!r}: {_why(exc)} (check --store-user and the "
                 "password; etcd must have authentication enabled: etcdctl auth enable)"
             ) from exc
         return str(result["token"])

@@ -66,8 +66,9 @@ class SignedKV:
         self.token = token
         self.sealer = Sealer(secret, launch)
         self.root_sealer = Sealer(secret)  # the token record belongs to no launch
+        # PrefixStore puts a "/" between its prefix and a key: prefix and root_prefix end with it.
         self.root_prefix = f"swift/{self.sealer.namespace(token)}/"
-        self.root = dist.PrefixStore(self.root_prefix, store)
+        self.root = dist.PrefixStore(self.root_prefix[:-1], store)
         self._high: dict[str, float] = {}
         self._started = time.time()
         self.launch = ""
@@ -79,7 +80,7 @@ class SignedKV:
         self.launch = launch
         self.sealer.launch = launch
         self.prefix = self.root_prefix + (f"L.{launch}/" if launch else "")
-        self.kv = dist.PrefixStore(self.prefix, self.raw)
+        self.kv = dist.PrefixStore(self.prefix[:-1], self.raw)
 
     # ------------------------------------------------------------------ signed values
     def _put(self, key: str, value: str) -> None:
@@ -102,6 +103,12 @@ class SignedKV:
             del self._high[next(iter(self._high))]
         self._high[key] = value
         return value
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``. An etcd store's own method: torch's Python-store bridge has no deleteKey."""
+        if hasattr(self.raw, "delete_prefix"):
+            return bool(self.raw.delete_key(self.prefix + key))  # type: ignore[attr-defined]
+        return bool(self.kv.delete_key(key))
 
     # ------------------------------------------------------------------ signed counters
     def _count(self, key: str, raw: bytes | None) -> int:
@@ -170,7 +177,8 @@ class SignedKV:
         if keys is None or delete_prefix is None:
             return []
         now = time.time() if now is None else now
-        launches = {k[2:].partition("/")[0] for k in keys(self.root_prefix + "L.")}
+        start = self.root_prefix + "L."
+        launches = {k[len(start):].partition("/")[0] for k in keys(start)}
         out: list[tuple[str, str]] = []
         for launch in sorted(launches - {self.launch}):
             why = self._launch_over(launch, now)
@@ -200,4 +208,4 @@ class SignedKV:
             return
         delete_prefix(self.prefix)
         if self.launch and self.current_launch() == (self.token, self.launch):
-            self.root.delete_key("token")
+            self.raw.delete_key(self.root_prefix + "token")  # the Python method: torch cannot route it

