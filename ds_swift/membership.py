@@ -217,6 +217,8 @@ class JobStore(SignedKV):
     def generation(self) -> int:
         raw = self._raw_get("generation")
         value = None if raw is None else self.sealer.open("generation", raw)
+        if value is None and "generation" in self._high:
+            return int(self._high["generation"])  # deleted or forged: the last one this process read
         if value is None:
             raise MembershipError(
                 f"job-store key {self.prefix}generation is missing or not signed with this job's secret"

@@ -112,10 +112,8 @@ class SignedKV:
 
     # ------------------------------------------------------------------ signed counters
     def _count(self, key: str, raw: bytes | None) -> int:
-        if raw is None:
-            return 0
-        value = self.sealer.open(key, raw)
-        if value is None:  # forged: what this process last read (0 if nothing)
+        value = None if raw is None else self.sealer.open(key, raw)
+        if raw is None or value is None:  # absent, deleted or forged: what this process last read (0 if nothing)
             return int(self._high.get(key, 0))
         return int(self._not_lower(key, int(value.partition(":")[0]), len(raw)))
 

@@ -52,7 +52,10 @@ class JobControl:
         self.store.set(f"launch/done/{machine}", "1")
 
     def all_done(self, num_machines: int) -> bool:
-        return bool(self.store.kv.check([f"launch/done/{m}" for m in range(num_machines)]))
+        keys = [f"launch/done/{m}" for m in range(num_machines)]
+        # One existence check per tick; the signatures only once every key is there (a key created
+        # by someone without the job secret must not end the job).
+        return bool(self.store.kv.check(keys)) and all(self.store.get(k) is not None for k in keys)
 
     def ack_exit(self) -> None:
         self.store.add("launch/exited", 1)
