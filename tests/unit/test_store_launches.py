@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ds_swift.detect.watchdog import hung_machine_key
 from ds_swift.membership import JobStore, MembershipError, WorkerEnv
+from launch.control import JobControl
 
 SECRET = "launches-test-secret-" + "5" * 12
 TOKEN = "requeued-job"
@@ -116,3 +117,15 @@ def test_signed_counters_count_every_add_of_concurrent_clients() -> None:
     for t in threads:
         t.join(timeout=60)
     assert job.add("c", 0) == 60 and sorted(results) == list(range(1, 61))  # each value handed out once
+
+
+def test_done_keys_created_without_the_secret_do_not_end_the_job() -> None:
+    job = JobStore.host(TOKEN, secret=SECRET)
+    inside = job.kv  # the job's own keys, written without signing (as a client that found them could)
+    control = JobControl(job)
+    for machine in (0, 1):
+        inside.set(f"launch/done/{machine}", "1")
+    assert not control.all_done(2)
+    control.mark_machine_done(0)
+    control.mark_machine_done(1)
+    assert control.all_done(2)
