@@ -129,7 +129,7 @@ class SignedKV:
                 return current
             new = current + int(amount)
             desired = self.sealer.seal(key, f"{new}:{secrets.token_hex(6)}").encode()
-            if bytes(self.kv.compare_set(key, raw or b"", desired)) == desired:
+            if self._swap(key, raw, desired):
                 self._high[key] = new
                 return new
 
@@ -141,8 +141,14 @@ class SignedKV:
             text = None if raw is None else self.sealer.open(key, raw)
             if text is not None and int(text) >= value:
                 return
-            if bytes(self.kv.compare_set(key, raw or b"", desired)) == desired:
+            if self._swap(key, raw, desired):
                 return
+
+    def _swap(self, key: str, raw: bytes | None, desired: bytes) -> bool:
+        """compare_set from exactly ``raw`` (absent: None); True if ``desired`` is what the key holds now.
+        Bytes, not str: a forged value need not be UTF-8, and must match byte for byte to be replaced."""
+        expected = raw or b""
+        return bytes(self.kv.compare_set(key, expected, desired)) == desired  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ launches
     def current_launch(self) -> tuple[str, str] | None:
