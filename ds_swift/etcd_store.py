@@ -254,6 +254,11 @@ class EtcdStore(dist.Store):
                                           "count_only": True})
         return int(result.get("count", 0))
 
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or None: one request (``check`` then ``get`` would take three)."""
+        kv = self._range(key)
+        return None if kv is None else _unb64(kv.get("value"))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
