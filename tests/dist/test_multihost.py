@@ -147,10 +147,10 @@ def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, ex
     return env
 
 
-def store_client(url: str, token: str) -> object:
+def store_client(url: str, token: str, credentials: object = None) -> object:
     from ds_swift.membership import JobStore
 
-    return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET)
+    return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET, credentials=credentials)  # type: ignore[arg-type]
 
 
 def wait_for(predicate: object, what: str, procs: ProcessSet, timeout_s: float = WAIT_S) -> None:
@@ -264,20 +264,34 @@ def test_srun_agents_and_a_spare_taking_over_a_killed_machine(tmp_path: Path, st
     assert any(e.get("event") == "takeover" and e["node"] == 2 and e["machine"] == 1 for e in evs), output
 
 
-def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path, etcd: Etcd) -> None:
-    """Machine 0 dies whole (agent included). The store is etcd, so it survives; agent 1 or the spare sees
-    agent 0's liveness counter stop, fails machine 0 for it, and the spare takes machine 0 over."""
+@pytest.fixture
+def secure_etcd(tmp_path: Path) -> Iterator[Etcd]:
+    server = Etcd(tmp_path, tls=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path,
+                                                                 secure_etcd: Etcd) -> None:
+    """Machine 0 dies whole (agent included). The store is etcd (TLS, client certificates and users on:
+    srun hands every agent SWIFT_STORE_*, and agents hand their workers the same), so it survives;
+    agent 1 or the spare sees agent 0's liveness counter stop, fails machine 0 for it, and the spare
+    takes machine 0 over."""
+    etcd = secure_etcd
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     token = "etcd-test-token"
-    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]", {"SWIFT_JOB_TOKEN": token})
+    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
+                    {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")})
     argv = ["srun", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", "2",
             "--nproc-per-node", "1", "--store", etcd.url, "--agent-timeout", "2",
             *store_worker_args(run_dir, iters=12, iter_sleep=0.1)]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
-            store = store_client_when_ready(etcd.url, token, procs)
+            store = store_client_when_ready(etcd.url, token, procs, etcd.credentials)
             wait_for(lambda: store.add("gen0/test/it3", 0) >= 2, "iteration 3", procs)  # type: ignore[attr-defined]
             agent0 = int((standins / "127.0.0.2.pid").read_text())
             os.killpg(agent0, signal.SIGKILL)  # the agent's session; its workers follow by PDEATHSIG
@@ -300,14 +314,14 @@ def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, 
     ), output
 
 
-def store_client_when_ready(url: str, token: str, procs: ProcessSet) -> object:
+def store_client_when_ready(url: str, token: str, procs: ProcessSet, credentials: object = None) -> object:
     """The job's store, once the first agent has created its keys."""
     from ds_swift.membership import MembershipError
 
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            return store_client(url, token)
+            return store_client(url, token, credentials)
         except MembershipError:
             if time.monotonic() > deadline:
                 raise AssertionError(f"no agent created the job's keys\n{procs.logs_tail(60)}") from None
