@@ -12,12 +12,18 @@ counter relies on.
 
 Values live at ``<prefix><key>``; counters (``add``) are decimal strings, as in ``TCPStore``.
 Atomic updates are etcd transactions that compare the key's ``mod_revision``.
+
+Security (:class:`ds_swift.store_url.StoreCredentials`): ``https`` with a CA file checks the
+servers' certificates; a client certificate answers ``--client-cert-auth``; a user and password
+log in through ``/v3/auth/authenticate`` and every request carries the token, renewed when etcd
+says it expired (simple tokens live ``--auth-token-ttl``, 300 s by default).
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -25,11 +31,24 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_swift.store_url import StoreCredentials
+
 __all__ = ["EtcdStore"]
 
 _POLL_S = (0.002, 0.05)  # first and largest wait between polls of a blocking get
 #: per-request HTTP timeout: a member that does not answer within it counts as down
 _REQUEST_TIMEOUT_S = 5.0
+#: a login token older than this is renewed (etcd's simple tokens live 300 s unused by default)
+_TOKEN_RENEW_S = 60.0
+
+
+def _why(exc: Exception) -> str:
+    """etcd's own error message (the gateway's JSON body), else the HTTP reason."""
+    detail = getattr(exc, "detail_text", None) or ""
+    try:
+        return str(json.loads(detail).get("error") or detail)[:300]
+    except (ValueError, AttributeError):
+        return (detail or str(exc))[:300]
 
 
 def _b64(data: str | bytes) -> str:
@@ -55,22 +74,38 @@ class EtcdStore(dist.Store):
             any member, so the choice does not change what a client sees).
         prefix: every key of this store lives under it.
         timeout: how long ``get``/``wait`` block for a key that does not exist yet.
+        tls: talk ``https`` (``etcd+https://`` URLs).
+        credentials: CA, client certificate, user and password (see the module docstring).
     """
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout: datetime.timedelta | None = None) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout: datetime.timedelta | None = None,
+                 tls: bool = False, credentials: StoreCredentials | None = None) -> None:
         super().__init__()  # the pybind trampoline needs it
         import etcd3gw  # lazily: only jobs that use etcd need the client installed
 
         self.endpoints = list(endpoints)
         self.prefix = prefix.encode()
-        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/")
-                         for h, p in self.endpoints]
+        self.tls = tls
+        self.credentials = credentials or StoreCredentials()
+        cred = self.credentials
+        if (cred.ca or cred.cert) and not tls:
+            raise ValueError("a CA or client certificate needs an etcd+https:// store URL (TLS); got etcd://")
+        self._clients = [
+            etcd3gw.Etcd3Client(host=h, port=p, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/",
+                                protocol="https" if tls else "http", ca_cert=cred.ca or None,
+                                cert_cert=cred.cert or None, cert_key=cred.key or None)
+            for h, p in self.endpoints
+        ]
+        # Per request, not on the session: requests lets $REQUESTS_CA_BUNDLE override a session's CA.
+        self._tls_args: dict[str, Any] = {"verify": cred.ca} if cred.ca else {}
+        self._token: str | None = None
+        self._token_at = 0.0
         self._current = 0
         self._lock = threading.Lock()  # one requests.Session per client: one request at a time
         self.set_timeout(timeout or datetime.timedelta(seconds=300))
 
     def __reduce__(self) -> Any:  # workers get the URL, not the object; but multiprocessing may pickle it
-        return (EtcdStore, (self.endpoints, self.prefix.decode(), self._timeout()))
+        return (EtcdStore, (self.endpoints, self.prefix.decode(), self._timeout(), self.tls, self.credentials))
 
     def _timeout(self) -> datetime.timedelta:
         # Store.timeout is the C++ property that set_timeout (torch's own callers included) changes.
@@ -79,20 +114,59 @@ class EtcdStore(dist.Store):
 
     # ------------------------------------------------------------------ transport
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+        from etcd3gw.exceptions import Etcd3Exception
 
         with self._lock:
-            errors: list[str] = []
-            for _ in range(len(self._clients)):
-                client = self._clients[self._current]
+            if self._token is not None and time.monotonic() - self._token_at > _TOKEN_RENEW_S:
+                self._token = None  # log in again before etcd forgets it (its TTL, or a JWT's expiry)
+            try:
                 try:
-                    result: dict[str, Any] = client.post(client.get_url(path), json=payload)
-                    return result
-                except (ConnectionFailedError, ConnectionTimeoutError) as exc:
-                    host, port = self.endpoints[self._current]
-                    errors.append(f"{host}:{port}: {str(exc)[:200]}")
-                    self._current = (self._current + 1) % len(self._clients)
-            raise RuntimeError(f"no etcd member answers ({'; '.join(errors)})")
+                    return self._post_any(path, payload)
+                except RuntimeError:
+                    # etcd's gateway answers a token it no longer knows (a restarted member) by
+                    # timing out: with a user, log in again once before calling the cluster gone.
+                    if self._token is None:
+                        raise
+                self._token = None
+                return self._post_any(path, payload)
+            except Etcd3Exception as exc:
+                raise RuntimeError(f"etcd refused {path}: {_why(exc)}") from exc
+
+    def _post_any(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """One request, to the first member that answers (logging in first if a user is set)."""
+        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+
+        errors: list[str] = []
+        for _ in range(len(self._clients)):
+            client = self._clients[self._current]
+            try:
+                if self.credentials.user and self._token is None:
+                    self._token = self._authenticate(client)
+                    self._token_at = time.monotonic()
+                headers = {"Authorization": self._token} if self._token else None
+                result: dict[str, Any] = client.post(client.get_url(path), json=payload, headers=headers,
+                                                     **self._tls_args)
+                return result
+            except (ConnectionFailedError, ConnectionTimeoutError) as exc:
+                host, port = self.endpoints[self._current]
+                errors.append(f"{host}:{port}: {str(exc)[:200]}")
+                self._current = (self._current + 1) % len(self._clients)
+        raise RuntimeError(f"no etcd member answers ({'; '.join(errors)})")
+
+    def _authenticate(self, client: Any) -> str:
+        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+
+        body = {"name": self.credentials.user, "password": self.credentials.password}
+        try:
+            result = client.post(client.get_url("/auth/authenticate"), json=body, **self._tls_args)
+        except (ConnectionFailedError, ConnectionTimeoutError):
+            raise  # the next member may answer
+        except Etcd3Exception as exc:
+            raise RuntimeError(
+                f"etcd refused user {self.credentials.user!r}: {_why(exc)} (check --store-user and the "
+                "password; etcd must have authentication enabled: etcdctl auth enable)"
+            ) from exc
+        return str(result["token"])
 
     def _key(self, key: str | bytes) -> bytes:
         return self.prefix + (key.encode() if isinstance(key, str) else bytes(key))
@@ -180,6 +254,11 @@ class EtcdStore(dist.Store):
                                           "count_only": True})
         return int(result.get("count", 0))
 
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or None: one request (``check`` then ``get`` would take three)."""
+        kv = self._range(key)
+        return None if kv is None else _unb64(kv.get("value"))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
@@ -193,3 +272,9 @@ class EtcdStore(dist.Store):
         start = self._key(sub_prefix)
         result = self._post("/kv/deleterange", {"key": _b64(start), "range_end": _b64(_prefix_end(start))})
         return int(result.get("deleted", 0))
+
+    def keys(self, sub_prefix: str = "") -> list[str]:
+        """Every key under ``prefix + sub_prefix``, without the store's prefix (names only, no values)."""
+        start = self._key(sub_prefix)
+        result = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "keys_only": True})
+        return [_unb64(kv["key"])[len(self.prefix):].decode(errors="replace") for kv in result.get("kvs", [])]

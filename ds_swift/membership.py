@@ -4,9 +4,11 @@ One store serves the whole job: by default a ``TCPStore`` in the node agent of m
 in a worker: a store inside a worker dies with that worker and takes every client with it); with
 ``ds-swift-launch --store tcp://HOST:PORT`` a ``TCPStore`` served elsewhere (the launch host);
 with ``--store etcd://H1:P1,H2:P2`` an etcd cluster (:mod:`ds_swift.etcd_store`), which outlives
-every training machine, machine 0 included. Workers learn which from ``SWIFT_STORE_URL``. All keys
-sit under ``swift/<token>.<tag>/``, ``tag`` derived from the job secret, and every value is signed
-with it (:mod:`ds_swift.store_auth`): a worker of another job sees none of them and
+every training machine, machine 0 included (``etcd+https://`` with TLS and etcd authentication).
+Workers learn which from ``SWIFT_STORE_URL``. All keys sit under ``swift/<token>.<tag>/L.<launch>/``,
+``tag`` derived from the job secret, ``launch`` new for each launch (:mod:`ds_swift.signed_kv`),
+and every value, counters included, is signed with the secret and the launch id
+(:mod:`ds_swift.store_auth`): a worker of another job or of a dead launch sees none of them and
 :meth:`JobStore.connect` refuses it, and a write by anyone without the secret is rejected.
 
 Generations. Workers train in generation ``g``. When a machine fails, its agent calls
@@ -20,7 +22,7 @@ Keys (relative to the job prefix)::
 
     generation                 current generation (decimal)
     gen<g>/failed              reason string, set once when generation g failed
-    gen<g>/failed_n            counter making the first declarer unique
+    gen<g>/failed_n            counter making the first declarer unique (counters: signed, CAS)
     gen<g>/joined              number of ranks that joined g
     gen<g>/pg/...              torch.distributed's own rendezvous for g
     gen<g>/<topic>/<rank>      values published by ranks during recovery (see publish/gather)
@@ -32,13 +34,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from ds_swift.store_auth import SECRET_ENV, Sealer
-from ds_swift.store_url import StoreURL
+from ds_swift.signed_kv import SignedKV, new_launch_id
+from ds_swift.store_auth import SECRET_ENV
+from ds_swift.store_url import StoreCredentials, StoreURL
 from ds_swift.worker_env import MembershipError, WorkerEnv
 
 __all__ = [
@@ -70,35 +74,27 @@ class GenerationFailed(RuntimeError):
         self.reason = reason
 
 
-class JobStore:
+class JobStore(SignedKV):
     """Typed access to the job's keys. Thread-safe as far as torch's TCPStore client is.
 
     ``secret``: the job secret (:mod:`ds_swift.store_auth`): the keys' namespace depends on it and
     every value is signed with it; a value not signed with it reads as absent. None: no signing
-    (unit tests and offline tools only; the launcher always gives one)."""
+    (unit tests and offline tools only; the launcher always gives one). ``launch``: the launch
+    whose keys this client uses (:mod:`ds_swift.signed_kv`); the constructors below set it."""
 
-    def __init__(self, store: dist.Store, token: str, secret: str | None = None) -> None:
-        self.raw = store
-        self.token = token
-        self.sealer = Sealer(secret)
-        self.prefix = f"swift/{self.sealer.namespace(token)}/"
-        self.kv = dist.PrefixStore(self.prefix, store)
-
-    def _put(self, key: str, value: str) -> None:
-        self.kv.set(key, self.sealer.seal(key, value))
-
-    def _read(self, key: str) -> str | None:
-        if not self.kv.check([key]):
-            return None
-        return self.sealer.open(key, self.kv.get(key))
-
-    def _serves_token(self) -> bool:
-        return self._read("token") == self.token
+    collected: list[tuple[str, str]] = []
+    """Dead launches' namespaces that :meth:`open` deleted: (launch id, why)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def host(
-        cls, token: str, port: int = 0, addr: str = "127.0.0.1", timeout_s: float = 60.0, secret: str | None = None
+        cls,
+        token: str,
+        port: int = 0,
+        addr: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        secret: str | None = None,
+        launch: str | None = None,
     ) -> JobStore:
         """Serve the job's store in this process (the agent of machine 0). ``port=0`` picks a free port."""
         store = dist.TCPStore(
@@ -110,8 +106,7 @@ class JobStore:
             use_libuv=True,
         )
         js = cls(store, token, secret)
-        js._put("token", token)
-        js._put("generation", "0")
+        js.begin(launch or new_launch_id())
         return js
 
     @property
@@ -127,11 +122,13 @@ class JobStore:
         timeout_s: float = 60.0,
         wait_s: float = 0.0,
         secret: str | None = None,
+        launch: str | None = None,
     ) -> JobStore:
         """Connect as a client; refuse a store that does not serve this job's token and secret.
 
         ``wait_s``: how long the token may take to appear. An agent started beside the store's host
-        (srun starts them all at once) can connect between the host's listen and its first write."""
+        (srun starts them all at once) can connect between the host's listen and its first write.
+        ``launch``: refuse a store serving another launch of the job; None: join the one it serves."""
         try:
             store = dist.TCPStore(
                 addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True
@@ -139,29 +136,50 @@ class JobStore:
         except (RuntimeError, OSError) as exc:
             raise MembershipError(f"cannot reach the job store at {addr}:{port}: {exc}") from exc
         js = cls(store, token, secret)
-        if wait_s > 0 and not js.kv.check(["token"]):
+        js._join(f"{addr}:{port}", launch, wait_s)
+        return js
+
+    def _join(self, where: str, launch: str | None, wait_s: float) -> None:
+        """Use the launch the store serves (``launch``, if given, must be it)."""
+        if wait_s > 0 and not self.root.check(["token"]):
             try:
-                js.kv.wait(["token"], datetime.timedelta(seconds=wait_s))
+                self.root.wait(["token"], datetime.timedelta(seconds=wait_s))
             except (RuntimeError, OSError):
                 pass  # (DistStoreError on a timeout) refused just below, naming the token
-        if not js._serves_token():
-            raise MembershipError(f"the store at {addr}:{port} {_NOT_OURS.format(token[:8])}")
-        return js
+        current = self.current_launch()
+        if current is None or current[0] != self.token:
+            raise MembershipError(f"the store at {where} {_NOT_OURS.format(self.token[:8])}")
+        if launch is not None and current[1] != launch:
+            raise MembershipError(
+                f"the store at {where} serves launch {current[1] or '(none)'} of job token {self.token[:8]}..., "
+                f"not launch {launch}: this process belongs to an earlier launch of the job (it was relaunched)"
+            )
+        self._bind(current[1])
 
     @classmethod
     def open(
-        cls, url: str, token: str, timeout_s: float = 60.0, create: bool = False, secret: str | None = None
+        cls,
+        url: str,
+        token: str,
+        timeout_s: float = 60.0,
+        create: bool = False,
+        secret: str | None = None,
+        launch: str | None = None,
+        credentials: StoreCredentials | None = None,
+        wait_s: float = 0.0,
     ) -> JobStore:
         """Connect to the store at ``url`` (see :class:`StoreURL`), hosted by nobody in this job.
 
-        ``create``: an agent initialises the job's keys if no agent did yet (idempotent, so every
-        agent may); a worker (False) is refused when they are missing, as with :meth:`connect`.
+        ``create``: begin launch ``launch`` (a new one if None), idempotent, so every agent of the
+        launch may; then delete what dead launches of the job left (etcd). Otherwise join the launch
+        the store serves (``launch``, if given, must be it), refused when there is none, as with
+        :meth:`connect`. ``credentials``: for etcd with TLS/auth; default from ``SWIFT_STORE_*``.
         """
         where = StoreURL.parse(url)
         if where.scheme == "tcp":
             (addr, port), = where.endpoints
             if not create:
-                return cls.connect(addr, port, token, timeout_s, secret=secret)
+                return cls.connect(addr, port, token, timeout_s, wait_s=wait_s, secret=secret, launch=launch)
             try:
                 raw: dist.Store = dist.TCPStore(
                     addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True
@@ -169,21 +187,16 @@ class JobStore:
             except (RuntimeError, OSError) as exc:
                 raise MembershipError(f"cannot reach the job store at {where}: {exc}") from exc
         else:
-            from ds_swift.etcd_store import EtcdStore
-
-            raw = EtcdStore(where.endpoints, timeout=datetime.timedelta(seconds=timeout_s))
+            raw = _etcd(where, timeout_s, credentials)
         js = cls(raw, token, secret)
         try:
-            present = js._serves_token()
-            if create and not present:
-                js._put("token", token)
-                # compare_set from "absent": the first agent's "0", never a reset of a running job's generation.
-                js.kv.compare_set("generation", "", js.sealer.seal("generation", "0"))
-                present = True
+            if create:
+                js.begin(launch or new_launch_id())
+                js.collected = js.collect_leftovers()
+            else:
+                js._join(str(where), launch, wait_s)
         except (RuntimeError, OSError) as exc:
             raise MembershipError(f"cannot reach the job store at {where}: {exc}") from exc
-        if not present:
-            raise MembershipError(f"the store at {where} {_NOT_OURS.format(token[:8])}")
         return js
 
     @classmethod
@@ -193,18 +206,24 @@ class JobStore:
                 f"worker environment lacks {SECRET_ENV}: start the job with ds-swift-launch, which gives "
                 "every worker the job secret"
             )
+        launch = env.launch or None
         if env.store_url:
-            return cls.open(env.store_url, env.token, timeout_s, secret=env.secret)
-        return cls.connect(env.store_addr, env.store_port, env.token, timeout_s, secret=env.secret)
+            credentials = None if env.store_credentials.empty else env.store_credentials
+            return cls.open(env.store_url, env.token, timeout_s, secret=env.secret, launch=launch,
+                            credentials=credentials)
+        return cls.connect(env.store_addr, env.store_port, env.token, timeout_s, secret=env.secret, launch=launch)
 
     # ------------------------------------------------------------------ generations
     def generation(self) -> int:
-        value = self._read("generation")
+        raw = self._raw_get("generation")
+        value = None if raw is None else self.sealer.open("generation", raw)
+        if value is None and "generation" in self._high:
+            return int(self._high["generation"])  # deleted or forged: the last one this process read
         if value is None:
             raise MembershipError(
                 f"job-store key {self.prefix}generation is missing or not signed with this job's secret"
             )
-        return int(value)
+        return int(self._not_lower("generation", int(value), len(raw or b"")))
 
     def failure(self, generation: int) -> str | None:
         """The reason generation ``generation`` failed, or None while it is healthy (or only a
@@ -219,7 +238,7 @@ class JobStore:
         and replacements would start into the failed generation. Every later declarer completes
         whatever the first left undone.
         """
-        first = int(self.kv.add(f"gen{generation}/failed_n", 1)) == 1
+        first = self.add(f"gen{generation}/failed_n", 1) == 1
         if first or self.failure(generation) is None:
             self._put(f"gen{generation}/failed", reason)
         self.advance_generation(generation)
@@ -228,8 +247,7 @@ class JobStore:
     def advance_generation(self, generation: int) -> None:
         """Move the job's generation from ``generation`` to the next; never backwards (a late
         declarer of an older generation finds another value and changes nothing)."""
-        seal = self.sealer.seal
-        self.kv.compare_set("generation", seal("generation", str(generation)), seal("generation", str(generation + 1)))
+        self.advance("generation", generation + 1)
 
     def join(
         self,
@@ -243,16 +261,16 @@ class JobStore:
         Raises GenerationFailed if the generation fails before everyone arrived (the caller joins
         the next one) and TimeoutError after ``timeout_s``.
         """
-        self.kv.add(f"gen{generation}/joined", 1)
+        self.add(f"gen{generation}/joined", 1)
         deadline = time.monotonic() + timeout_s
         while True:
             reason = self.failure(generation) or (should_abort() if should_abort else None)
             if reason is not None:
                 raise GenerationFailed(generation, reason)
-            if int(self.kv.add(f"gen{generation}/joined", 0)) >= world_size:
+            if self.add(f"gen{generation}/joined", 0) >= world_size:
                 return dist.PrefixStore(f"gen{generation}/pg/", self.kv)
             if time.monotonic() > deadline:
-                arrived = int(self.kv.add(f"gen{generation}/joined", 0))
+                arrived = self.add(f"gen{generation}/joined", 0)
                 raise TimeoutError(
                     f"generation {generation}: {arrived}/{world_size} ranks arrived within {timeout_s:.0f} s"
                 )
@@ -299,7 +317,8 @@ class JobStore:
         if beat is None:
             return None
         when, _, note = beat.partition(" ")
-        return float(when), note
+        # An older heartbeat written again would make a live rank look stopped: never backwards.
+        return self._not_lower(f"hb/{rank}", float(when), len(beat)), note
 
     def mark_done(self, rank: int) -> None:
         self._put(f"done/{rank}", "1")
@@ -319,15 +338,6 @@ class JobStore:
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""
         return self._read(key)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self.kv.add(key, amount))
-
-    def clear(self) -> None:
-        """Delete the job's keys from a store that outlives the job (etcd); a no-op for a TCPStore."""
-        delete_prefix = getattr(self.raw, "delete_prefix", None)
-        if delete_prefix is not None:
-            delete_prefix(self.prefix)
 
 
 # ---------------------------------------------------------------------------- elastic layout
@@ -362,3 +372,15 @@ def resumed_key(generation: int) -> str:
 def grown_layout(layout: list[int], machine: int) -> list[int]:
     """``layout`` with ``machine`` back in it, last in rank order (survivors keep their ranks)."""
     return [*(m for m in layout if m != machine), machine]
+
+
+def _etcd(where: StoreURL, timeout_s: float, credentials: StoreCredentials | None) -> dist.Store:
+    """An etcd client for ``where``; credentials default to the ``SWIFT_STORE_*`` environment."""
+    from ds_swift.etcd_store import EtcdStore
+
+    try:
+        credentials = credentials or StoreCredentials.from_env(os.environ)
+        return EtcdStore(where.endpoints, timeout=datetime.timedelta(seconds=timeout_s), tls=where.tls,
+                         credentials=credentials)
+    except ValueError as exc:
+        raise MembershipError(f"job store {where}: {exc}") from exc

@@ -10,10 +10,11 @@ Two uses:
 - **The keys' namespace** ``swift/<token>.<tag>/``, ``tag`` an HMAC of the token: a client that
   knows the token (it is on remote agents' command lines) but not the secret cannot address the
   job's keys, counters and torch's rendezvous keys included, on a TCPStore (which cannot list).
-- **Signed values**: every value ds-swift writes is ``<mac>.<value>``, the MAC over key and value.
-  A value without a valid MAC (an etcd client that listed the namespace and wrote into it) is
-  rejected: readers treat it as absent and say so once per key on stderr. Counters (``add``) carry
-  no MAC; the namespace protects them.
+- **Signed values**: every value ds-swift writes is ``<mac>.<value>``, the MAC over the launch id,
+  the key and the value. A value without a valid MAC (an etcd client that listed the namespace and
+  wrote into it), or one signed for another key or by another launch of the same job (a replay),
+  is rejected: readers treat it as absent and say so once per key on stderr. Counters are signed
+  values too (:mod:`ds_swift.signed_kv` updates them by compare-and-swap).
 
 Signing is deterministic, so ``compare_set`` works on signed values.
 """
@@ -49,15 +50,23 @@ class SecretError(ValueError):
 class Sealer:
     """Signs and checks the job's store values; ``secret=None`` (unit tests, tools): no signing."""
 
-    def __init__(self, secret: str | None) -> None:
+    def __init__(self, secret: str | None, launch: str = "") -> None:
         if secret is not None and len(secret) < MIN_SECRET_CHARS:
             raise SecretError(
                 f"the job secret has {len(secret)} characters; it needs at least {MIN_SECRET_CHARS} "
                 "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
             )
         self._key = None if secret is None else secret.encode()
+        self.launch = launch
+        """Bound into every MAC: a value signed by another launch of the job reads as forged."""
         self.rejected: dict[str, int] = {}
         """Key -> how many unsigned or forged values were read from it."""
+
+    def for_launch(self, launch: str) -> Sealer:
+        """The same secret, for another launch's values (reading a dead launch's record)."""
+        other = Sealer(None, launch)
+        other._key = self._key
+        return other
 
     @property
     def signing(self) -> bool:
@@ -70,7 +79,7 @@ class Sealer:
 
     def _mac(self, key: str, value: str) -> str:
         assert self._key is not None
-        msg = key.encode() + b"\0" + value.encode()
+        msg = b"\0".join((self.launch.encode(), key.encode(), value.encode()))
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()[:_MAC_CHARS]
 
     def seal(self, key: str, value: str) -> str:
@@ -84,17 +93,21 @@ class Sealer:
         mac, dot, value = text.partition(".")
         if dot and len(mac) == _MAC_CHARS and hmac.compare_digest(mac, self._mac(key, value)):
             return value
+        self.reject(key, len(raw))
+        return None
+
+    def reject(self, key: str, size: int, why: str = "that is not signed with this job's secret") -> None:
+        """Count a rejected value at ``key``; the first one per key is said on stderr."""
         first = key not in self.rejected
         self.rejected[key] = self.rejected.get(key, 0) + 1
         if first:
             print(
-                f"ds-swift: rejected a write to job-store key {key!r} that is not signed with this job's "
-                f"secret ({len(raw)} bytes); ignoring it. Something outside the job can reach the store: "
-                "restrict access to its port (or etcd cluster).",
+                f"ds-swift: rejected a write to job-store key {key!r} {why} ({size} bytes); ignoring it. "
+                "Something outside the job can reach the store: restrict access to its port (or use etcd "
+                "with TLS and authentication).",
                 file=sys.stderr,
                 flush=True,
             )
-        return None
 
 
 def read_secret_file(path: str) -> str:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from ds_swift.store_auth import SECRET_ENV
+from ds_swift.store_url import CREDENTIAL_ENV, StoreCredentials
 
 __all__ = ["MembershipError", "WorkerEnv"]
 
@@ -34,6 +35,10 @@ class WorkerEnv:
     """``etcd://...`` when the job store is an etcd cluster; empty: the TCPStore at store_addr:store_port."""
     secret: str = field(default="", repr=False)
     """The job secret (:mod:`ds_swift.store_auth`); environment only, never argv or a log."""
+    launch: str = ""
+    """The launch this worker belongs to (:mod:`ds_swift.signed_kv`): its keys' namespace."""
+    store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
+    """CA, client certificate, user and password of an etcd store with TLS/auth (environment only)."""
 
     ENV_KEYS = (
         "RANK",
@@ -50,6 +55,8 @@ class WorkerEnv:
         "SWIFT_INJECT",
         "SWIFT_STORE_URL",
         SECRET_ENV,
+        "SWIFT_LAUNCH_ID",
+        *CREDENTIAL_ENV.values(),
     )
 
     @staticmethod
@@ -83,6 +90,8 @@ class WorkerEnv:
             inject=env.get("SWIFT_INJECT", ""),
             store_url=env.get("SWIFT_STORE_URL", ""),
             secret=env.get(SECRET_ENV, ""),
+            launch=env.get("SWIFT_LAUNCH_ID", ""),
+            store_credentials=StoreCredentials(**{k: env.get(v, "") for k, v in CREDENTIAL_ENV.items()}),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -101,4 +110,6 @@ class WorkerEnv:
             "SWIFT_INJECT": self.inject,
             "SWIFT_STORE_URL": self.store_url,
             SECRET_ENV: self.secret,
+            "SWIFT_LAUNCH_ID": self.launch,
+            **self.store_credentials.to_env(),
         }

@@ -30,6 +30,7 @@ from typing import Any
 
 from ds_swift.detect.watchdog import hung_machine_key
 from ds_swift.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
+from ds_swift.store_url import StoreCredentials
 from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
@@ -76,9 +77,13 @@ class JobSpec:
     secret: str = field(default="", repr=False)
     elastic: bool = False
     """With no spare left, the job goes on without a failed machine (``--elastic``)."""
+    launch: str = ""
+    """The launch id (:mod:`ds_swift.signed_kv`): workers use that launch's keys only."""
+    store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
 
     @classmethod
-    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "") -> JobSpec:
+    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "",
+                  launch: str = "") -> JobSpec:
         return cls(
             command=args.command,
             num_machines=args.nnodes,
@@ -96,6 +101,8 @@ class JobSpec:
             warm_spares=not args.cold_spares,
             secret=args.job_secret,
             elastic=args.elastic,
+            launch=launch,
+            store_credentials=args.store_credentials,
         )
 
     @property
@@ -258,6 +265,8 @@ class MachineAgent:
                 inject=inject,
                 store_url=self.job.store_url,
                 secret=self.job.secret,
+                launch=self.job.launch,
+                store_credentials=self.job.store_credentials,
             )
             for local_rank, rank in enumerate(ranks)
         ]

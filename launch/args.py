@@ -14,9 +14,11 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from ds_swift.signed_kv import LAUNCH_ENV, check_launch_id
 from ds_swift.store_auth import SECRET_ENV, SecretError, job_secret
-from ds_swift.store_url import StoreURL
+from ds_swift.store_url import CREDENTIAL_ENV, PASSWORD_FILE_ENV, StoreCredentials, StoreURL
 from ds_swift.testing.faults import FaultSpec, FaultSpecError
 
 from .hostfile import HostEntry, is_local
@@ -85,6 +87,12 @@ class LaunchArgs:
     job_secret: str = field(default="", repr=False)
     """Signs the job's store values (:mod:`ds_swift.store_auth`); environment only, never argv."""
     job_secret_file: str | None = None
+    launch_id: str | None = None
+    """This launch's id (:mod:`ds_swift.signed_kv`), the same for every agent of it and new for each
+    launch; None: a new one (one host, or agent 0's own store) or, for an agent that joins, the
+    one the store serves."""
+    store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
+    """CA, client certificate, user and password of an ``etcd+https://`` store."""
 
     @property
     def multi_host(self) -> bool:
@@ -179,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job store: etcd://H1:2379,H2:2379 (an etcd cluster: survives every training machine) "
                         "or tcp://HOST:PORT (a TCPStore served there; pdsh/ssh: by this launcher). Default: agent 0 "
                         "hosts it (one host: in-process)")
+    p.add_argument("--store-ca", dest="store_ca", default=None, metavar="FILE",
+                   help=f"etcd+https://: the CA that signed the etcd servers' certificates (or env {CREDENTIAL_ENV['ca']})")
+    p.add_argument("--store-cert", dest="store_cert", default=None, metavar="FILE",
+                   help=f"etcd+https://: client certificate (no Common Name; or env {CREDENTIAL_ENV['cert']})")
+    p.add_argument("--store-key", dest="store_key", default=None, metavar="FILE",
+                   help=f"etcd+https://: the client certificate's key (or env {CREDENTIAL_ENV['key']})")
+    p.add_argument("--store-user", dest="store_user", default=None, metavar="NAME",
+                   help=f"etcd+https://: etcd user (or env {CREDENTIAL_ENV['user']}); its password from "
+                        f"--store-password-file or env {CREDENTIAL_ENV['password']}, never the command line")
+    p.add_argument("--store-password-file", dest="store_password_file", default=None, metavar="PATH",
+                   help=f"a mode-0600 file holding the etcd user's password (or env {PASSWORD_FILE_ENV})")
+    p.add_argument("--launch-id", "--launch_id", dest="launch_id", default=None, metavar="ID",
+                   help="multi-host with --store: this launch's id, the same on every host and new for each "
+                        f"launch (or env {LAUNCH_ENV}; default under srun: the job, step and restart count)")
     p.add_argument("--agent-timeout", "--agent_timeout", dest="agent_timeout", type=_seconds,
                    default=DEFAULT_AGENT_TIMEOUT_S, metavar="SEC",
                    help="multi-host: an agent silent this long is dead with its machine (default %(default)s)")
@@ -231,6 +253,44 @@ def _store(ns: argparse.Namespace) -> str | None:
         return str(StoreURL.parse(ns.store))
     except ValueError as exc:
         raise LaunchUsageError(f"--store: {exc}") from None
+
+
+def _credentials(ns: argparse.Namespace, env: dict[str, str], store_url: str | None) -> StoreCredentials:
+    """Flags first, then the SWIFT_STORE_* environment; only for a store that can use them."""
+    merged = dict(env)
+    for name in ("ca", "cert", "key", "user"):
+        flag = getattr(ns, f"store_{name}")
+        if flag is not None:
+            merged[CREDENTIAL_ENV[name]] = os.path.abspath(flag) if name != "user" else flag
+    try:
+        cred = StoreCredentials.from_env(merged, password_file=ns.store_password_file)
+    except ValueError as exc:
+        raise LaunchUsageError(str(exc)) from None
+    where = StoreURL.parse(store_url) if store_url else None
+    if not cred.empty and (where is None or not where.tls):
+        raise LaunchUsageError(
+            f"store credentials (--store-ca/-cert/-key/-user or {', '.join(CREDENTIAL_ENV.values())}) are for an "
+            f"etcd+https:// store; --store is {store_url or 'not given'} (over etcd:// a password would travel in clear)"
+        )
+    return cred
+
+
+def _launch_id(ns: argparse.Namespace, env: dict[str, str], place: Any, store_url: str | None,
+               multi_host: bool) -> str | None:
+    """The launch id every agent of this launch derives alike, or None (see LaunchArgs.launch_id)."""
+    text = ns.launch_id or (env.get(LAUNCH_ENV) if multi_host else None)
+    if text is None and place.step is not None:
+        # A requeued SLURM job keeps its job and step ids; SLURM_RESTART_COUNT tells the launches apart.
+        text = f"slurm-{place.step.job_id}.{place.step.step_id}.r{env.get('SLURM_RESTART_COUNT') or 0}"
+    if text is None and store_url is not None and place.node_rank is not None and ns.node_host is None:
+        raise LaunchUsageError(
+            f"--node-rank with --store {store_url} needs --launch-id ID (or env {LAUNCH_ENV}), the same on every "
+            "host and new for each launch, so that a relaunch never reads a dead launch's keys"
+        )
+    try:
+        return None if text is None else check_launch_id(text)
+    except ValueError as exc:
+        raise LaunchUsageError(f"--launch-id: {exc}") from None
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> LaunchArgs:
@@ -317,6 +377,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         store_url=store_url,
         job_secret=secret,
         job_secret_file=os.path.abspath(ns.job_secret_file) if ns.job_secret_file else None,
+        launch_id=_launch_id(ns, env, place, store_url, multi_host=node_rank is not None or remote),
+        store_credentials=_credentials(ns, env, store_url),
         agent_timeout_s=ns.agent_timeout,
         agent_hosts=place.agent_hosts,
         agent_slots=place.agent_slots,

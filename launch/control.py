@@ -52,7 +52,10 @@ class JobControl:
         self.store.set(f"launch/done/{machine}", "1")
 
     def all_done(self, num_machines: int) -> bool:
-        return bool(self.store.kv.check([f"launch/done/{m}" for m in range(num_machines)]))
+        keys = [f"launch/done/{m}" for m in range(num_machines)]
+        # One existence check per tick; the signatures only once every key is there (a key created
+        # by someone without the job secret must not end the job).
+        return bool(self.store.kv.check(keys)) and all(self.store.get(k) is not None for k in keys)
 
     def ack_exit(self) -> None:
         self.store.add("launch/exited", 1)
@@ -102,7 +105,7 @@ class JobControl:
         """``machine`` rejoins the job after a shrink, last in rank order; returns the layout."""
         layout = grown_layout(read_layout(self.store, num_machines), machine)
         self.store.set(LAYOUT_KEY, json.dumps(layout))
-        self.store.kv.delete_key(f"launch/done/{machine}")
+        self.store.delete(f"launch/done/{machine}")
         return layout
 
     def claim(self, slot: int) -> bool:

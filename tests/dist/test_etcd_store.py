@@ -1,0 +1,111 @@
+"""The etcd job store against a real etcd: TLS and authentication keep outsiders out, and a new
+launch collects what dead launches of the job left."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from etcd_server import Etcd
+
+from ds_swift.etcd_store import EtcdStore
+from ds_swift.membership import JobStore, MembershipError
+from ds_swift.signed_kv import STALE_S
+from ds_swift.store_url import StoreCredentials
+
+SECRET = "etcd-store-test-secret-" + "3" * 10
+TOKEN = "etcd-tok"
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def secure_etcd(tmp_path: Path) -> Iterator[Etcd]:
+    server = Etcd(tmp_path, tls=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Etcd]:
+    server = Etcd(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _client(etcd: Etcd, tls: bool, credentials: StoreCredentials) -> EtcdStore:
+    return EtcdStore([("127.0.0.1", etcd.port)], timeout=datetime.timedelta(seconds=2), tls=tls, credentials=credentials)
+
+
+def test_tls_and_auth_keep_out_a_client_without_credentials(secure_etcd: Etcd) -> None:
+    job = JobStore.open(secure_etcd.url, TOKEN, timeout_s=10, create=True, secret=SECRET,
+                        credentials=secure_etcd.credentials)
+    job.declare_failure(0, "machine 1 died")
+    key = job.prefix + "gen0/failed"
+    full = secure_etcd.credentials
+    outsiders = {
+        "plain HTTP": _client(secure_etcd, False, StoreCredentials()),
+        "TLS, no CA (server not trusted)": _client(secure_etcd, True, StoreCredentials()),
+        "CA, no client certificate": _client(secure_etcd, True, StoreCredentials(ca=full.ca)),
+        "client certificate, no user": _client(secure_etcd, True, dataclasses.replace(full, user="", password="")),
+        "client certificate, wrong password": _client(secure_etcd, True, dataclasses.replace(full, password="guess")),
+        "user and password, no client certificate": _client(secure_etcd, True, dataclasses.replace(full, cert="", key="")),
+    }
+    for what, client in outsiders.items():
+        attempts = {"read": lambda c: c.check([key]), "write": lambda c: c.set(key, "forged"),
+                    "list": lambda c: c.keys("swift/"), "delete": lambda c: c.delete_prefix("swift/")}
+        for name, attempt in attempts.items():
+            with pytest.raises(RuntimeError):
+                attempt(client)
+                pytest.fail(f"{what}: {name} got through")
+    assert job.failure(0) == "machine 1 died" and job.generation() == 1
+    # The job's user may use swift/ only.
+    with pytest.raises(RuntimeError, match="permission denied"):
+        _client(secure_etcd, True, full).set("elsewhere", "x")
+    # A worker finds the credentials in its environment (SWIFT_STORE_*), as the launcher hands them on.
+    worker = JobStore.open(secure_etcd.url, TOKEN, timeout_s=10, secret=SECRET, launch=job.launch, credentials=full)
+    assert worker.failure(0) == "machine 1 died"
+    with pytest.raises(MembershipError, match="cannot reach the job store"):
+        JobStore.open(secure_etcd.url, TOKEN, timeout_s=10, secret=SECRET, credentials=StoreCredentials(ca=full.ca))
+
+
+def test_the_login_token_is_renewed(secure_etcd: Etcd) -> None:
+    client = _client(secure_etcd, True, secure_etcd.credentials)
+    client.set("swift/x", "1")
+    first = client._token
+    client._token_at -= 3600  # old: renewed before the next request
+    assert client.get("swift/x") == b"1" and client._token not in (None, first)
+    client._token = "forgotten.42"  # a token a restarted member no longer knows: its gateway times out
+    assert client.get("swift/x") == b"1" and client._token != "forgotten.42"
+
+
+def test_a_new_launch_collects_the_keys_dead_launches_left(etcd: Etcd) -> None:
+    def launch() -> JobStore:
+        return JobStore.open(etcd.url, TOKEN, timeout_s=10, create=True, secret=SECRET)
+
+    crashed, ended, running = launch(), launch(), launch()
+    for js in (crashed, ended, running):
+        js.declare_failure(0, "machine 1 died")
+    ended.write_record(ended=True)
+    raw = _client(etcd, False, StoreCredentials())
+    raw.set(f"{crashed.root_prefix}L.forged/gen0/failed", "x")  # a namespace without a signed record
+    fresh = launch()
+    assert sorted(launch_id for launch_id, _ in fresh.collected) == sorted([ended.launch, "forged"]), fresh.collected
+    assert {k.split("/")[2] for k in raw.keys(fresh.root_prefix + "L.")} == {
+        f"L.{crashed.launch}", f"L.{running.launch}", f"L.{fresh.launch}"}
+    # A launch whose record has not been refreshed for STALE_S is dead (a crash); a live one refreshes it.
+    running.write_record()
+    assert fresh.collect_leftovers(now=time.time() + STALE_S / 2) == []
+    gone = fresh.collect_leftovers(now=time.time() + STALE_S + 60)
+    assert sorted(launch_id for launch_id, _ in gone) == sorted([crashed.launch, running.launch])
+    assert fresh.failure(0) is None and fresh.generation() == 0
+    fresh.clear()  # a clean end: its keys and the token record go too
+    assert raw.keys(fresh.root_prefix) == []
