@@ -166,7 +166,7 @@ class StoreLanding:
         if self.store.add(key + "/n", 1) >= self.world:
             self.store.set(key + "/done", "1")
             for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
-                self.store.kv.delete_key(old)  # rounds are a step apart: two back is over everywhere
+                self.store.delete(old)  # rounds are a step apart: two back is over everywhere
             return True
         while not stopped():
             try:
