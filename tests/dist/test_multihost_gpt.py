@@ -1,9 +1,9 @@
 """The GPT example on 3 "hosts" under SLURM with an etcd store: machine 0 dies whole, agent included.
 
 The job (pp 2 x dp 2, 2 ranks per machine, the allocation's third node a spare) stores nothing
-in agent 0: ``--store etcd://``. (With TLS and authentication on, this test fails on a loaded 2-core
-machine: the replacement ranks miss the 15 s op timeout of generation 1's first new_group; the srun
-test of test_multihost.py runs the same launch path with TLS and authentication.) Machine 0's two ranks stall before the gradient all-reduce of
+in agent 0: ``--store etcd+https://``, an etcd with TLS, client certificates and authentication on
+(tests/dist/etcd_server.py), whose CA, certificate, user and password file every agent and worker
+finds in its environment (``SWIFT_STORE_*``, passed on by srun). Machine 0's two ranks stall before the gradient all-reduce of
 iteration STALL_AT (nobody steps it); the test then SIGKILLs agent 0's session, and the workers
 die with it (parent-death signal). The survivors' watchdogs see the broken connections, the
 other agents see agent 0's liveness counter stop, one of them fails machine 0 for it, the spare
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(800)]
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[Etcd]:
-    server = Etcd(tmp_path)
+    server = Etcd(tmp_path, tls=True)
     try:
         yield server
     finally:
@@ -86,7 +86,8 @@ def test_machine_0_killed_with_its_agent_recovers_bitwise(tmp_path: Path, standi
     run_dir = job / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
-                    {"SWIFT_JOB_TOKEN": "gpt-etcd", "SWIFT_TEST_STALL_RANKS": f"0,1:{STALL_AT}"})
+                    {"SWIFT_JOB_TOKEN": "gpt-etcd", "SWIFT_TEST_STALL_RANKS": f"0,1:{STALL_AT}",
+                     **etcd.env(tmp_path / "etcd.password")})
     argv = ["srun", "--ntasks-per-node=1", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir),
             "--nnodes", "2", "--nproc-per-node", "2", "--store", etcd.url, "--agent-timeout", "3",
             *script_args(job, WORKER)]
