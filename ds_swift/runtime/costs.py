@@ -79,7 +79,7 @@ def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
     )
     return (
         f"  state digests: every {digests.interval} iteration(s), {seconds * 1e3:.1f} ms each {where} (measured "
-        f"at start-up) = {seconds * 1e3 / digests.interval:.2f} ms per iteration; reads {_mb(total)} on the device "
+        f"at start-up) = {seconds * 1e3 / digests.interval:.2f} ms per iteration; reads {_mb(total)} where it lives "
         f"per digest, stores {16 * len(named_tensors(state))} bytes in the job store; {wait}"
     )
 
