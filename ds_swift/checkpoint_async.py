@@ -6,7 +6,10 @@ each rank's ZeRO partition). :class:`SnapshotCheckpointEngine` copies the tensor
 dict to host memory there and then (the *snapshot*: the only part the training thread waits for)
 and queues the file; :class:`AsyncWriter`'s thread *persists* it (``torch.save`` to a temporary
 name, fsync, then a rename and an fsync of the directory, so no file is ever torn, nor lost in a
-crash after its marker says it is written).
+crash after its marker says it is written). On a GPU the snapshot goes into pinned host buffers
+(kept from one save to the next: pinning is slow, the copy at PCIe speed is not), queued on a side
+stream after the training stream's work so far; the training thread waits for the copy once, at
+the end of the save.
 
 A checkpoint counts only once complete on storage (:mod:`ds_swift.checkpoint`'s
 ``swift_complete`` marker). Each rank, once its files are written, writes
@@ -42,27 +45,99 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ds_swift.durable import fsync_dir, fsync_file, fsync_tree, write_atomic
 
-__all__ = ["AsyncWriter", "SaveStats", "SnapshotCheckpointEngine", "failed_marker", "persisted_marker",
-           "snapshot"]
+__all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
+           "persisted_marker", "snapshot"]
 
 _POLL_S = 0.05
 
 
-def snapshot(obj: Any) -> Any:
-    """A deep copy of ``obj`` whose tensors are host copies that training cannot change any more."""
+def snapshot(obj: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """A deep copy of ``obj`` whose tensors are host copies that training cannot change any more
+    (``copy_tensor`` makes each one; default: a plain copy)."""
     if isinstance(obj, torch.Tensor):
+        if copy_tensor is not None:
+            return copy_tensor(obj.detach())
         t = obj.detach()
         return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps OrderedDict and other dict types
         for k, v in obj.items():
-            out[k] = snapshot(v)
+            out[k] = snapshot(v, copy_tensor)
         return out
     if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
+        return [snapshot(v, copy_tensor) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(snapshot(v) for v in obj)
+        return tuple(snapshot(v, copy_tensor) for v in obj)
     return copy.deepcopy(obj)
+
+
+class PinnedCopier:
+    """Device tensors into pinned host buffers, copied on a side stream.
+
+    The buffers of one save are reused by the next (same dtype and size; at most one snapshot is in
+    host memory at a time): pinning host memory costs far more than the copy. Host tensors are
+    cloned. :meth:`finish` waits for the copies of this save.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._pending: list[Any] = []
+        self.pinned_bytes = 0
+        """Pinned host memory held for snapshots (allocated on the first save)."""
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda" or t.numel() == 0:
+            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        with self._lock:
+            free = self._free.get((t.dtype, t.numel()))
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+            self.pinned_bytes += buf.numel() * buf.element_size()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)  # after what training queued so far
+            out = buf.view(t.shape)
+            out.copy_(t, non_blocking=True)
+            # DeepSpeed may free a tensor it built for this save before the copy ran.
+            t.record_stream(self._stream)
+        self._pending.append(out)
+        return out
+
+    def finish(self) -> None:
+        """Wait for this save's copies (the training thread's only wait)."""
+        if self._stream is not None and self._pending:
+            self._stream.synchronize()
+        self._pending.clear()
+
+    def give_back(self, snap: Any) -> None:
+        """A persisted snapshot's pinned buffers, for the next save."""
+        for t in _tensors(snap):
+            if t.is_pinned():
+                with self._lock:
+                    self._free.setdefault((t.dtype, t.numel()), []).append(t.view(-1))
+
+    def drop_unused(self) -> None:
+        """Free the buffers the last save did not need (the state's tensors changed)."""
+        with self._lock:
+            for bufs in self._free.values():
+                self.pinned_bytes -= sum(b.numel() * b.element_size() for b in bufs)
+            self._free.clear()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def persisted_marker(save_id: str, rank: int) -> str:
@@ -148,6 +223,7 @@ class AsyncWriter:
         self._pending: queue.Queue[_Save | None] = queue.Queue()
         self._completed = threading.Event()
         self._completed.set()
+        self.copier = PinnedCopier()
         self._threads = [threading.Thread(target=self._run, name="ds-swift-ckpt-writer", daemon=True)]
         if rank == 0:
             self._threads.append(threading.Thread(target=self._run_completer, name="ds-swift-ckpt-complete", daemon=True))
@@ -168,14 +244,18 @@ class AsyncWriter:
     def add_file(self, state_dict: Any, path: str) -> None:
         assert self._current is not None, "SnapshotCheckpointEngine.save outside AsyncWriter.begin/end"
         t0 = time.perf_counter()
-        snap = snapshot(state_dict)
+        snap = snapshot(state_dict, self.copier)
         self._current.stats.snapshot_s += time.perf_counter() - t0
         self._current.files.append((snap, path))
 
     def end(self) -> SaveStats:
-        """Hand the snapshot to the writer thread; returns at once."""
+        """Wait for the snapshot's copies to land, then hand it to the writer thread."""
         save, self._current = self._current, None
         assert save is not None
+        t0 = time.perf_counter()
+        self.copier.finish()
+        self.copier.drop_unused()
+        save.stats.snapshot_s += time.perf_counter() - t0
         self._idle.clear()
         self._abandon.clear()
         if self.rank == 0:
@@ -245,15 +325,19 @@ class AsyncWriter:
 
     def _persist(self, save: _Save) -> None:
         t0 = time.perf_counter()
-        for snap, path in save.files:
-            tmp = f"{path}.swift-tmp"
-            torch.save(snap, tmp)
-            fsync_file(tmp)  # the persisted marker below must not reach the disk before these bytes
-            save.stats.bytes += os.path.getsize(tmp)
-            os.replace(tmp, path)
-        for directory in {os.path.dirname(os.path.abspath(path)) for _, path in save.files}:
-            fsync_dir(directory)
-        save.files.clear()
+        try:
+            for snap, path in save.files:
+                tmp = f"{path}.swift-tmp"
+                torch.save(snap, tmp)
+                fsync_file(tmp)  # the persisted marker below must not reach the disk before these bytes
+                save.stats.bytes += os.path.getsize(tmp)
+                os.replace(tmp, path)
+            for directory in {os.path.dirname(os.path.abspath(path)) for _, path in save.files}:
+                fsync_dir(directory)
+        finally:
+            for snap, _ in save.files:
+                self.copier.give_back(snap)
+            save.files.clear()
         self._mark(save, persisted_marker(save.save_id, self.rank))
         save.stats.persist_s = time.perf_counter() - t0
 
@@ -316,9 +400,10 @@ def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
     fsync_dir(tag_dir.parent)
 
 
-def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int) -> Any:
+def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool = False) -> Any:
     """The engine's :class:`~ds_swift.checkpoint.CheckpointManager` for a ``swift`` config: with an
-    :class:`AsyncWriter` where checkpoints are asynchronous, and CheckFreq's tuner for ``checkfreq``."""
+    :class:`AsyncWriter` where checkpoints are asynchronous (``gpu``: the state is on GPUs, where
+    they are by default), and CheckFreq's tuner for ``checkfreq``."""
     from ds_swift.checkfreq import CheckFreqTuner
     from ds_swift.checkpoint import CheckpointManager, job_id_for
 
@@ -326,7 +411,7 @@ def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int) -> Any:
     manager = CheckpointManager(
         cfg.checkpoint.dir, cfg.checkpoint.interval, rank, job_id=job_id, save_timeout_s=cfg.checkpoint.save_timeout_s
     )
-    if cfg.async_checkpoints:
+    if cfg.async_checkpoints_for(gpu):
         manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s, ctx.log)
         manager.new_generation(ctx.generation)
     if cfg.strategy == "checkfreq":

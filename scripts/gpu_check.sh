@@ -2,11 +2,28 @@
 # The checks that need an NVIDIA GPU (CI has none): CUDA staging of logged tensors (PyTorch and the
 # native nvcc-built stager), a running checkpoint of a GPU state, the native writer, the GPU health
 # checks against the real NVML, and the FusedAdam undo rule against DeepSpeed's real kernel.
+# Also: the failure-free cost of the defaults (benchmarks/gpu_overhead.py, issue 29: <= 1.02) and,
+# where benchmarks/undo_speed.py exists, the undo figures. The whole script fits in 8 minutes.
 # Run from the repository root on a machine with a GPU, torch and pynvml (ds-swift installed, or
 # `pip install --no-deps --no-build-isolation -e .`):  bash scripts/gpu_check.sh [OUTDIR]
+#
+# A GPU machine without DeepSpeed, pydantic or network (shared/NOTES-gpu.md): carry, in .gpu-deps/
+# (git-ignored), DeepSpeed's installed package folder as .gpu-deps/deepspeed and cp312 manylinux
+# wheels in .gpu-deps/wheels (pydantic, pydantic-core, annotated-types, typing-inspection, hjson,
+# crc32c, zfec, megatron-core); this script installs them into .gpu-deps/site and puts it on the path.
 set -uo pipefail
 out=${1:-/tmp/gpu-check}
 mkdir -p "$out"
+# DeepSpeed 0.19.8's op builder cannot parse arch entries such as "9.0a" (FusedAdam's JIT build).
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+if [ -d .gpu-deps ] && ! python3 -c 'import deepspeed, pydantic' 2>/dev/null; then
+    site=$PWD/.gpu-deps/site
+    if [ ! -d "$site" ] && [ -d .gpu-deps/wheels ]; then
+        python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/wheels/*.whl
+    fi
+    export PYTHONPATH=$site:$PWD/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c 'import ds_swift.cuda_ext' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
 nvidia-smi -L | tee "$out/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' | tee -a "$out/gpu.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=/tmp/tx-gpu
@@ -17,4 +34,12 @@ python3 -c 'from ds_swift.cuda_ext import native_writer, native_writer_error as 
 python3 scripts/gpu_probe.py 2>&1 | tee "$out/probe.txt" || rc=1
 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu tests/unit/test_msglog_native.py tests/unit/test_gpu_health.py \
     "tests/unit/test_running_checkpoint.py::test_a_state_on_the_gpu_round_trips" 2>&1 | tee "$out/pytest.txt" || rc=1
+# The failure-free cost of ds-swift's defaults: 1 rank through ds-swift-launch, GPT 8 x 1024, seq 512,
+# global batch 32, bf16 + ZeRO-1 + FusedAdam, 40 iterations, on/off interleaved (about 3 minutes with
+# FusedAdam's first JIT build).
+timeout 270 python3 benchmarks/gpu_overhead.py --rounds 2 --dir "$out/overhead" 2>&1 | tee "$out/overhead.txt" || rc=1
+# ---- undo figures (issue 29 item 3): added by benchmarks/undo_speed.py where it exists ----
+if [ -f benchmarks/undo_speed.py ]; then
+    timeout 120 python3 benchmarks/undo_speed.py --device cuda 2>&1 | tee "$out/undo_speed.txt" || rc=1
+fi
 exit $rc

@@ -13,9 +13,12 @@ and shape into 8 bytes. A changed element changes ``S0`` by a nonzero word diffe
 elements leave ``S0`` and change ``S1`` by ``(w[j] - w[k]) * (k - j)``, also nonzero. The sums run
 on the tensor's device in int64, every partial result bounded below 2^62 so that no integer ever
 wraps: each lane in chunks of at most 2^20 words, laid out in rows of 1024 (row sums, and
-column-weighted sums), short chunks (biases, norms: most tensors of a state) packed together into
-batches of 1024 rows; one small transfer to the host ends the whole state's digest (no copy of the
-state leaves the device).
+column-weighted sums): the whole chunks of a large lane (weights, masters, moments: nearly all of a
+state's bytes) a few kernels per 8 chunks, short pieces (biases, norms: most tensors of a state)
+packed together into batches of 1024 rows; one small transfer to the host ends the whole state's
+digest (no copy of the state leaves the device). :func:`start_digest` queues that work on the
+current stream and returns before it is done (on a GPU, ds_swift.runtime.digest runs it on a side
+stream).
 
 Names are paths into the state: ``module/<state_dict key>``, ``optimizer/masters/<i>`` (the fp32
 masters of DeepSpeed's BF16_Optimizer / FP16_Optimizer / ZeRO-1, this rank's partition),
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -34,6 +37,7 @@ import torch
 
 __all__ = [
     "DIGEST_HEX",
+    "PendingDigests",
     "StateDigest",
     "Verdict",
     "digest_state",
@@ -41,6 +45,7 @@ __all__ = [
     "engine_state",
     "named_tensors",
     "partition_state",
+    "start_digest",
     "tensor_digest",
     "word_sums",
 ]
@@ -77,23 +82,64 @@ def _lanes(t: torch.Tensor) -> list[torch.Tensor]:
 Piece = tuple[int, int, torch.Tensor]
 """(lane index, chunk number, the chunk's words): a lane cut into chunks of at most 2^20 words."""
 
+#: whole chunks summed together in one pass over a large lane (bounds the int64 temporaries to
+#: 2 x 8 x 8 MB whatever the lane's size)
+_GROUP = 8
 
-def _batches(lanes: list[torch.Tensor]) -> list[list[Piece]]:
-    """Every lane's chunks, packed (per device, in whole rows of ``_COLS`` words) into batches of at
-    most ``_ROWS`` rows: a state holds hundreds of small tensors (biases, norms, step counters),
-    which then take a few kernels together instead of a few each."""
+
+def _split(lanes: list[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], list[Piece]]:
+    """Each contiguous lane's whole chunks (``(lane index, its first n * 2^20 words)``, summed
+    chunk by chunk in a few kernels: the masters, moments and weights that make up nearly all of a
+    state's bytes), and every other piece (short lanes, tails, strided lanes) for :func:`_batches`."""
+    whole: list[tuple[int, torch.Tensor]] = []
+    pieces: list[Piece] = []
+    for i, lane in enumerate(lanes):
+        first = 0
+        if lane.is_contiguous() and lane.numel() >= _CHUNK:
+            first = lane.numel() // _CHUNK
+            whole.append((i, lane[: first * _CHUNK]))
+        for k in range(first, -(-lane.numel() // _CHUNK)):
+            pieces.append((i, k, lane[k * _CHUNK : (k + 1) * _CHUNK]))
+    return whole, pieces
+
+
+def _batches(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces, packed (per device, in whole rows of ``_COLS`` words) into batches of at most
+    ``_ROWS`` rows: a state holds hundreds of small tensors (biases, norms, step counters), which
+    then take a few kernels together instead of a few each."""
     by_device: dict[torch.device, list[list[Piece]]] = {}
     filled: dict[torch.device, int] = {}  # rows in the device's last batch
-    for i, lane in enumerate(lanes):
-        for k in range(-(-lane.numel() // _CHUNK)):
-            piece = lane[k * _CHUNK : (k + 1) * _CHUNK]
-            batches, rows = by_device.setdefault(piece.device, [[]]), -(-piece.numel() // _COLS)
-            if filled.get(piece.device, 0) + rows > _ROWS:
-                batches.append([])
-                filled[piece.device] = 0
-            batches[-1].append((i, k, piece))
-            filled[piece.device] = filled.get(piece.device, 0) + rows
+    for i, k, piece in pieces:
+        batches, rows = by_device.setdefault(piece.device, [[]]), -(-piece.numel() // _COLS)
+        if filled.get(piece.device, 0) + rows > _ROWS:
+            batches.append([])
+            filled[piece.device] = 0
+        batches[-1].append((i, k, piece))
+        filled[piece.device] = filled.get(piece.device, 0) + rows
     return [b for batches in by_device.values() for b in batches if b]
+
+
+def _by_col(wide: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``sum(col * w)`` of each row of ``wide`` (int64, ``_COLS`` wide)."""
+    # An integer matrix-vector product is 5x faster on CPU; CUDA has none for int64.
+    return torch.mv(wide, cols) if wide.device.type == "cpu" else (wide * cols).sum(dim=1)
+
+
+def _chunk_sums(words: torch.Tensor) -> torch.Tensor:
+    """Per whole chunk of ``words`` (a contiguous lane's first ``n * 2^20`` words): the
+    ``[sum(w), sum(col * w), sum(row * w)]`` that :func:`_batch_sums` gives a piece, as an ``n x 3``
+    int64 tensor on the lane's device, a few kernels per ``_GROUP`` chunks."""
+    device = words.device
+    cols = torch.arange(_COLS, dtype=torch.int64, device=device)
+    rows = torch.arange(_ROWS, dtype=torch.int64, device=device)
+    out = []
+    for g in range(0, words.numel(), _GROUP * _CHUNK):
+        wide = words[g : g + _GROUP * _CHUNK].to(torch.int64).view(-1, _COLS)
+        row_sums = wide.sum(dim=1).view(-1, _ROWS)
+        by_col = _by_col(wide, cols).view(-1, _ROWS)
+        # The bounds of _batch_sums: every partial sum below 2^62.
+        out.append(torch.stack([row_sums.sum(dim=1), by_col.sum(dim=1), (row_sums * rows).sum(dim=1)], dim=1))
+    return torch.cat(out)
 
 
 def _batch_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -108,8 +154,7 @@ def _batch_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
     wide = torch.cat(padded).to(torch.int64).view(-1, _COLS)  # cat promotes the word types alike
     cols = torch.arange(_COLS, dtype=torch.int64, device=device)
     row_sums = wide.sum(dim=1)
-    # An integer matrix-vector product is 5x faster on CPU; CUDA has none for int64.
-    by_col = torch.mv(wide, cols) if device.type == "cpu" else (wide * cols).sum(dim=1)
+    by_col = _by_col(wide, cols)
     counts = torch.tensor(rows, dtype=torch.int64, device=device)
     piece = torch.repeat_interleave(torch.arange(len(pieces), device=device), counts)
     local_row = torch.arange(wide.shape[0], device=device) - (counts.cumsum(0) - counts)[piece]
@@ -119,30 +164,67 @@ def _batch_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros(len(pieces), 3, dtype=torch.int64, device=device).index_add_(0, piece, terms)
 
 
-def _to_host(parts: list[torch.Tensor]) -> list[list[int]]:
-    """``parts`` (small int64 tensors, any devices) as flat lists of ints: one transfer per device."""
-    out: list[list[int]] = [[] for _ in parts]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(parts):
-        by_device.setdefault(p.device, []).append(i)
-    for ix in by_device.values():
-        flat, k = torch.cat([parts[i].reshape(-1) for i in ix]).tolist(), 0
-        for i in ix:
-            out[i], k = flat[k : k + parts[i].numel()], k + parts[i].numel()
-    return out
+class PendingSums:
+    """Every lane's sums, under way: the kernels are queued on each lane's device (on the caller's
+    current stream) and their few bytes of results are on their way to pinned host memory;
+    :meth:`result` waits for them (ds_swift.runtime.digest queues them on a side stream and waits in
+    its own thread). No copy of the state itself leaves the device."""
+
+    def __init__(self, lanes: list[torch.Tensor]) -> None:
+        self._count = len(lanes)
+        whole, pieces = _split(lanes)
+        self._whole = [(i, words.numel() // _CHUNK) for i, words in whole]
+        self._batches = _batches(pieces)
+        parts = [_chunk_sums(w) for _, w in whole] + [_batch_sums([p for _, _, p in b]) for b in self._batches]
+        self._where: list[tuple[int, int, int]] = []  # (device slot, offset, size) of each part
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in parts:
+            flat = by_device.setdefault(p.device, [])
+            slot = list(by_device).index(p.device)
+            self._where.append((slot, sum(f.numel() for f in flat), p.numel()))
+            flat.append(p.reshape(-1))
+        self._host: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        for device, flat in by_device.items():
+            joined = torch.cat(flat)
+            if device.type == "cuda":
+                host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+                host.copy_(joined, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._host.append(host)
+                self._events.append(event)
+            else:
+                self._host.append(joined)
+
+    def result(self) -> list[tuple[int, int]]:
+        """The exact ``(S0, S1)`` of every lane (waits for the devices)."""
+        for event in self._events:
+            event.synchronize()
+        flat = [h.tolist() for h in self._host]
+        host = [flat[slot][at : at + size] for slot, at, size in self._where]
+        s0, s1 = [0] * self._count, [0] * self._count
+        parts = iter(host)
+
+        def add(i: int, k: int, sums: list[int]) -> None:
+            c0, by_col, by_row = sums
+            s0[i] += c0
+            s1[i] += k * _CHUNK * c0 + by_col + _COLS * by_row
+
+        for i, n in self._whole:
+            part = next(parts)
+            for k in range(n):
+                add(i, k, part[3 * k : 3 * k + 3])
+        for batch in self._batches:
+            part = next(parts)
+            for j, (i, k, _) in enumerate(batch):
+                add(i, k, part[3 * j : 3 * j + 3])
+        return list(zip(s0, s1, strict=True))
 
 
 def _lane_sums(lanes: list[torch.Tensor]) -> list[tuple[int, int]]:
     """The exact ``(S0, S1)`` of every lane."""
-    batches = _batches(lanes)
-    host = _to_host([_batch_sums([p for _, _, p in batch]) for batch in batches])
-    s0, s1 = [0] * len(lanes), [0] * len(lanes)
-    for batch, flat in zip(batches, host, strict=True):
-        for n, (i, k, _) in enumerate(batch):
-            c0, by_col, by_row = flat[3 * n : 3 * n + 3]
-            s0[i] += c0
-            s1[i] += k * _CHUNK * c0 + by_col + _COLS * by_row
-    return list(zip(s0, s1, strict=True))
+    return PendingSums(lanes).result()
 
 
 def _hash(t: torch.Tensor, sums: list[tuple[int, int]]) -> str:
@@ -162,9 +244,22 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def digest_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """The digest of every tensor in ``named``, with a single transfer to the host per device."""
-    lanes = {name: _lanes(t) for name, t in named.items()}
-    sums = iter(_lane_sums([lane for per in lanes.values() for lane in per]))
-    return {name: _hash(named[name], [next(sums) for _ in per]) for name, per in lanes.items()}
+    return PendingDigests(named).result()
+
+
+class PendingDigests:
+    """:func:`digest_tensors` in two halves: the constructor queues the device work on the current
+    stream (and returns at once on a GPU); :meth:`result` waits for it and hashes. The tensors must
+    not change in between (ds_swift.runtime.digest orders the streams)."""
+
+    def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
+        self._named = dict(named)
+        self._lanes = {name: _lanes(t) for name, t in self._named.items()}
+        self._sums = PendingSums([lane for per in self._lanes.values() for lane in per])
+
+    def result(self) -> dict[str, str]:
+        sums = iter(self._sums.result())
+        return {name: _hash(self._named[name], [next(sums) for _ in per]) for name, per in self._lanes.items()}
 
 
 # ----------------------------------------------------------------------------- which tensors
@@ -249,10 +344,21 @@ class StateDigest:
 
 def digest_state(state: Mapping[str, Any]) -> StateDigest:
     """The :class:`StateDigest` of a captured state (see :func:`named_tensors`)."""
+    return start_digest(state)()
+
+
+def start_digest(state: Mapping[str, Any]) -> Callable[[], StateDigest]:
+    """:func:`digest_state` in two halves: queues the device work now (on the current stream) and
+    returns the function that waits for it and gives the digest."""
     named = named_tensors(state)
-    digests = digest_tensors(named)
+    pending = PendingDigests(named)
     names = tuple(sorted(named))
-    return StateDigest(names, tuple(digests[n] for n in names))
+
+    def finish() -> StateDigest:
+        digests = pending.result()
+        return StateDigest(names, tuple(digests[n] for n in names))
+
+    return finish
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,15 @@ Off the critical path, as the buddy copier (ds_swift.runtime.buddy): the optimiz
 only takes references to the state's tensors (a copy of the module's buffers, which a forward pass
 may change) and hands them to a background thread, which computes the digest on the tensors'
 device (ds_swift.recovery.digest: integer sums, a few bytes per tensor come back) and stores it
-through a store connection of its own. The next step waits until the digest is done before it
-changes the tensors (normally long done by then). A digest that fails (the store unreachable for
-a moment) is reported once and skipped: verification is a safety net and must never stop training.
+through a store connection of its own. A digest that fails (the store unreachable for a moment) is
+reported once and skipped: verification is a safety net and must never stop training.
+
+Before the next step changes the tensors, the digest must have read them:
+- on a GPU the thread queues the digest's kernels on a side stream that first waits for the step
+  (a CUDA event recorded after it), and the next step's stream waits for the digest's kernels by
+  another event: the GPU orders the two, the training thread waits for neither (only, for the few
+  milliseconds after a step, until the kernels are queued);
+- on CPU the next step waits until the digest is done (normally long done by then).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 
 from ds_swift.membership import JobStore
-from ds_swift.recovery.digest import digest_state, engine_state
+from ds_swift.recovery.digest import engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
 
 __all__ = ["DigestPublisher"]
@@ -46,6 +52,12 @@ class DigestPublisher:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
+        self._queued = threading.Event()
+        """On a GPU: the last digest's kernels are queued (``_read`` then says when they are done)."""
+        self._queued.set()
+        self._read: Any = None
+        self._side: Any = None
+        self._on_gpu = False
         self._thread: threading.Thread | None = None
         self._warned = False
         self.published = 0
@@ -61,7 +73,7 @@ class DigestPublisher:
         from ds_swift.patches.instructions import schedule
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            self.wait()
+            self.before_step()
             out = call_next(**kw)
             self.after_step(eng)
             return out
@@ -79,12 +91,32 @@ class DigestPublisher:
         # Buffers may change in a forward pass (running statistics): digest a copy of them.
         state["module"] = {k: v.clone() if isinstance(v, torch.Tensor) and k not in params else v
                            for k, v in state["module"].items()}
+        stepped = None
+        device = _device_of(state)
+        self._on_gpu = device is not None
+        if device is not None:
+            stepped = torch.cuda.Event()
+            stepped.record(torch.cuda.current_stream(device))
+            self._queued.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"ds-swift-digest-{self.rank}", daemon=True)
             self._thread.start()
         self._idle.clear()
-        self._queue.put((iteration, state))
+        self._queue.put((iteration, state, device, stepped))
         self.handoff_s += time.perf_counter() - t0
+
+    def before_step(self) -> None:
+        """Before a step changes the tensors: on a GPU its stream waits (on the device) for the last
+        digest's kernels; on CPU this thread waits for the digest."""
+        t0 = time.perf_counter()
+        if not self._on_gpu:
+            self._idle.wait()
+        else:
+            self._queued.wait()  # the kernels are queued a few ms after the step
+            read = self._read
+            if read is not None:
+                torch.cuda.current_stream(read[0]).wait_event(read[1])
+        self.wait_s += time.perf_counter() - t0
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the last digest is done (before the tensors change: the next step, an undo). False
@@ -113,17 +145,42 @@ class DigestPublisher:
             item = self._queue.get()
             if item is None:
                 return
-            iteration, state = item
+            iteration, state, device, stepped = item
             t0 = time.perf_counter()
             try:
+                finish = self._start(state, device, stepped)
                 store = store or self._store_factory()
-                publish_digest(store, self.rank, iteration, self.interval, digest_state(state))
+                publish_digest(store, self.rank, iteration, self.interval, finish())
                 self.published += 1
             except Exception as exc:  # noqa: BLE001 - a missing digest only makes a later check fall back
                 if not self._warned:
                     self._warned = True
                     self._log(f"state digest of iteration {iteration} not published ({type(exc).__name__}: {exc})")
             finally:
+                self._queued.set()
                 self.digest_s += time.perf_counter() - t0
                 state = item = None
                 self._idle.set()
+
+    def _start(self, state: Any, device: Any, stepped: Any) -> Callable[[], Any]:
+        """Queue the digest's device work (on a GPU: on the side stream, after the step's event)."""
+        if device is None:
+            return start_digest(state)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(self._side):
+            self._side.wait_event(stepped)
+            finish = start_digest(state)
+            read = torch.cuda.Event()
+            read.record(self._side)
+        self._read = (device, read)
+        self._queued.set()
+        return finish
+
+
+def _device_of(state: Any) -> torch.device | None:
+    """The CUDA device of a state's tensors (None: on the host, where the digest runs on the thread)."""
+    for t in named_tensors(state).values():
+        if t.device.type == "cuda":
+            return t.device
+    return None

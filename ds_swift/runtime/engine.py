@@ -40,6 +40,7 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
+from ds_swift.runtime.costs import protection_costs
 from ds_swift.runtime.gradmask import GradScale, scaled_gradients
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -137,7 +138,8 @@ class SwiftPipelineEngine:
         logs = EngineLogging(
             cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
         )
-        self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size())
+        on_gpu = any(p.is_cuda for p in engine.module.parameters())
+        self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
         fraction, ckpt_dir = cfg.checkpoint.running_fraction, self._ckpt.ckpt_dir
         self._running = (
             RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, dist.get_rank(),
@@ -167,6 +169,10 @@ class SwiftPipelineEngine:
         # settings come back on close().
         self._determinism = ScopedDeterminism()
         self._hooks.install(engine)
+        for line in protection_costs(engine, cfg, digests=self._rebuild.digests, buddy=self._rebuild.buddy, logs=logs,
+                                     async_ckpt=self._ckpt.writer is not None,
+                                     machines=ctx.env.num_machines if ctx.env is not None else None):  # fmt: skip
+            ctx.log(line)
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(

@@ -208,7 +208,11 @@ class Rebuilder:
         return self.rejoin(g + 1, kept, tl)
 
     def _tear_down(self) -> KeptState:
-        from ds_swift.patches.deepspeed_rebuild import release_process_groups, teardown_process_groups
+        from ds_swift.patches.deepspeed_rebuild import (
+            release_failed_engine,
+            release_process_groups,
+            teardown_process_groups,
+        )
 
         steps: list[tuple[str, float]] = []  # a slow teardown says which step was slow
         clock = [time.perf_counter()]
@@ -234,7 +238,12 @@ class Rebuilder:
             self._old_grid = grid_of(engine)
         kept = KeptState.capture(engine, self._hooks.take_undo())
         kept.buddy = self.buddy.holdings if self.buddy is not None else None
-        # The user's script may still hold the old module (or engine): cut the groups out of them.
+        # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy of
+        # the state) alive beside the rebuilt one; the user's script may still hold the old module
+        # (or engine): cut the groups out of them.
+        trouble = release_failed_engine(engine)
+        if trouble is not None:
+            self._ctx.log(trouble + ": it may stay in memory")
         release_process_groups(engine, engine.module, engine.optimizer)
         self._holder.engine = None
         engine = None  # noqa: F841 - the last reference: the process groups must be freed now

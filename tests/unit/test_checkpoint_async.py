@@ -128,6 +128,10 @@ def test_config_fields() -> None:
     assert SwiftConfig.from_dict({"strategy": "global_checkpoint"}).async_checkpoints
     assert SwiftConfig.from_dict({"strategy": "checkfreq"}).recovery_strategy == "checkpoint"
     assert not SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints
+    # On GPUs every strategy's saves are asynchronous by default (a pinned copy at PCIe speed)...
+    assert SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints_for(gpu=True)
+    # ...unless the config says otherwise.
+    assert not SwiftConfig.from_dict({"checkpoint": {"async_save": False}}).async_checkpoints_for(gpu=True)
     assert SwiftConfig.from_dict({"checkpoint": {"async_save": True}}).async_checkpoints
     assert not SwiftConfig.from_dict({"strategy": "checkfreq", "checkpoint": {"async_save": False}}).async_checkpoints
     with pytest.raises(ConfigError, match=r"checkfreq.max_overhead=1.5 is invalid: a fraction in \(0, 1\)"):

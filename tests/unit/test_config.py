@@ -29,7 +29,7 @@ def test_defaults() -> None:
     assert cfg.logging.chunk_iterations == 5 and cfg.logging.bubble_only is True
     assert cfg.logging.groups is None and cfg.logging.storage_budget_gb is None
     assert cfg.checkpoint.interval == 1000 and cfg.parallel_recovery is False
-    assert cfg.verify.enabled is True and cfg.verify.digest_interval == 1
+    assert cfg.verify.enabled is True and cfg.verify.digest_interval == 10
 
 
 def test_the_design_doc_example_parses() -> None:

@@ -78,6 +78,24 @@ def test_sums_are_exact_across_chunks() -> None:
     assert (s1 - int((words * positions).sum())) % 2**64 == 0  # torch's reference wraps; ours is exact
 
 
+def test_sums_are_exact_over_many_whole_chunks() -> None:
+    """A lane of more whole chunks than one pass takes (the large-lane path), with a tail, against
+    per-chunk sums put together in Python integers (no rows, no columns)."""
+    n = 11 * CHUNK + 777
+    t = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 3e4).to(torch.bfloat16)
+    words = t.view(torch.int16).to(torch.int64)
+    within = torch.arange(CHUNK, dtype=torch.int64)
+    s0 = s1 = 0
+    for k in range(-(-n // CHUNK)):
+        part = words[k * CHUNK : (k + 1) * CHUNK]
+        c0 = int(part.sum())
+        s0 += c0
+        s1 += k * CHUNK * c0 + int((part * within[: part.numel()]).sum())  # below 2^51: no wrap
+    assert word_sums(t) == [(s0, s1)]
+    # A non-contiguous view of the same words: the same sums.
+    assert word_sums(torch.stack([t, t], dim=1)[:, 0]) == [(s0, s1)]
+
+
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(FLOATS), n=st.integers(1, 3000), data=st.data())
 def test_one_ulp_in_one_element_changes_the_digest(dtype: torch.dtype, n: int, data: st.DataObject) -> None:

@@ -1,0 +1,114 @@
+"""What each protection costs per iteration, said once at start-up (one line each).
+
+The budget is 2 % of a step with the defaults (shared/DESIGN.md). Each line says how the figure was
+obtained: the state digest is *measured* once here (one digest of the state, timed to completion
+on its device); the checkpoint, buddy-copy and message-log figures are *estimated* from the state's
+size and the plan, and the measured totals follow in each protection's end-of-job line and in
+``job.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ds_swift.recovery.digest import digest_state, engine_state, named_tensors, partition_state
+
+__all__ = ["protection_costs", "state_bytes"]
+
+#: pinned device-to-host copy rate assumed for estimates (measured 54.8 GB/s on an H100's PCIe 5;
+#: half of it leaves room for older hosts)
+PCIE_BYTES_PER_S = 25e9
+#: host memory copy rate assumed for a snapshot of a CPU state
+HOST_COPY_BYTES_PER_S = 5e9
+
+
+def state_bytes(state: Any) -> tuple[int, str]:
+    """Bytes of a captured state's tensors, and the device they are on."""
+    tensors = list(named_tensors(state).values())
+    device = next((str(t.device) for t in tensors if t.device.type != "cpu"), "cpu")
+    return sum(t.numel() * t.element_size() for t in tensors), device
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def protection_costs(
+    engine: Any, cfg: Any, *, digests: Any, buddy: Any, logs: Any, async_ckpt: bool, machines: int | None
+) -> list[str]:
+    """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
+    the job's machine count (None: unknown)."""
+    state = engine_state(engine)
+    total, device = state_bytes(state)
+    lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
+    lines.append(_digest_line(state, total, device, digests))
+    lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
+    if buddy is not None and machines == 1:
+        lines.append("  buddy copies: none (one machine: no other machine to hold them): 0")
+    elif buddy is not None:
+        part, _ = state_bytes(partition_state(engine))
+        per = part * buddy.factor
+        lines.append(f"  buddy copies: {_mb(per)} per iteration sent to {buddy.factor} buddy rank(s) on other machines after every step "
+                     "in a background thread (estimated from the optimizer partition; the training thread waits "
+                     "only if the previous round is still sending; measured totals at the end)")  # fmt: skip
+    else:
+        lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
+    logged = logs.possible(engine) if logs is not None else False
+    lines.append(
+        "  message logging: "
+        + ("on: the activations and gradients this rank sends across machines, copied off the device in the "
+           "pipeline's bubbles and written by a background thread (bytes per iteration measured in the logs' "
+           "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
+           "that the plan logs): 0")
+    )  # fmt: skip
+    return lines
+
+
+def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
+    if digests is None:
+        return "  state digests: off (verify.enabled false, or no recovery here checks against them): 0"
+    seconds = _timed(lambda: digest_state(state), device)
+    where, wait = (
+        ("in kernels on a side CUDA stream", "the training thread does not wait for them")
+        if device != "cpu"
+        else ("in a background thread", "the next step waits only for one still running")
+    )
+    return (
+        f"  state digests: every {digests.interval} iteration(s), {seconds * 1e3:.1f} ms each {where} (measured "
+        f"at start-up) = {seconds * 1e3 / digests.interval:.2f} ms per iteration; reads {_mb(total)} where it lives "
+        f"per digest, stores {16 * len(named_tensors(state))} bytes in the job store; {wait}"
+    )
+
+
+def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
+    every = cfg.checkpoint.interval
+    if cfg.strategy == "checkfreq":
+        return (f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
+                f"of training time), {_mb(total)} per save, asynchronous")  # fmt: skip
+    if async_ckpt:
+        rate, how = (PCIE_BYTES_PER_S, "a pinned copy at PCIe speed") if device != "cpu" else (
+            HOST_COPY_BYTES_PER_S, "a host memory copy")  # fmt: skip
+        stall = total / rate
+        return (f"  global checkpoints: every {every} iterations, asynchronous: the training thread waits for "
+                f"{how}, ~{stall * 1e3:.0f} ms per save (estimated at {rate / 1e9:.0f} GB/s) = "
+                f"{stall * 1e3 / every:.2f} ms per iteration; {_mb(total / every)} per iteration written in the "
+                "background")  # fmt: skip
+    return (f"  global checkpoints: every {every} iterations, synchronous (training waits while DeepSpeed writes "
+            f"{_mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
+            f"host copy only) = {_mb(total / every)} per iteration")  # fmt: skip
+
+
+def _timed(fn: Callable[[], Any], device: str) -> float:
+    """Seconds ``fn`` takes once warm (its first run allocates and, on a GPU, loads kernels)."""
+    fn()
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
