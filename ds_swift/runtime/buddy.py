@@ -168,12 +168,17 @@ class StoreLanding:
             for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
                 self.store.delete(old)  # rounds are a step apart: two back is over everywhere
             return True
+        done = key + "/done"
         while not stopped():
             try:
-                self.store.kv.wait([key + "/done"], datetime.timedelta(seconds=0.5))
-                return True
+                self.store.kv.wait([done], datetime.timedelta(seconds=0.5))
             except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
                 continue
+            if self.store.get(done) is not None:
+                return True
+            # The key exists but is not signed with the job secret (an outsider created it on an
+            # etcd anyone can write): wait for the last rank's signed one, which overwrites it.
+            time.sleep(0.05)
         return False
 
 

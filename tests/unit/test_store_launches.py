@@ -129,3 +129,29 @@ def test_done_keys_created_without_the_secret_do_not_end_the_job() -> None:
     control.mark_machine_done(0)
     control.mark_machine_done(1)
     assert control.all_done(2)
+
+
+
+def test_a_buddy_round_done_key_created_without_the_secret_does_not_end_the_wait() -> None:
+    from ds_swift.runtime.buddy import StoreLanding
+
+    job = JobStore.host(TOKEN, secret=SECRET)
+    job.kv.set("buddy/0/3/done", "1")  # an outsider's key: what a plain etcd lets anyone write
+    polled, results = threading.Event(), []
+    polls: list[int] = []
+
+    def stopped() -> bool:  # the first rank still waits after many looks at the forged key
+        polls.append(1)
+        if len(polls) >= 5:
+            polled.set()
+        return len(polls) > 1000
+
+    first = threading.Thread(target=lambda: results.append(StoreLanding(job, 0, 2)(3, stopped)))
+    first.start()
+    try:
+        assert polled.wait(60) and not results  # counted in (1 of 2), not ended by the forged key
+        other = JobStore.connect("127.0.0.1", job.port, TOKEN, timeout_s=10, secret=SECRET)
+        assert StoreLanding(other, 0, 2)(3, lambda: False) is True  # the second rank completes the round
+    finally:
+        first.join(60)
+    assert results == [True]  # ended by the last rank's signed key
