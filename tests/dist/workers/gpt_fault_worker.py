@@ -17,7 +17,7 @@ first rebuild, rank 0 waits at iteration I's first forward pass until the genera
 returning machine's ranks have started and its agent ended it), so that the grow lands mid-job
 however long their start takes.
 
-``SWIFT_TEST_NAN_LOSS="rank=R,iteration=I"`` (the post-recovery guard, tests/dist/test_guard.py):
+``SWIFT_TEST_NAN_LOSS="rank=R,iteration=I"`` (the post-recovery guard, tests/dist/test_guard_after_restore.py):
 rank R, a last-stage rank, on an engine built after a recovery, makes iteration I's reported loss
 NaN (once per process): every rank then sees NaN (DeepSpeed averages it over the replicas and
 broadcasts it down the pipeline).

@@ -1,4 +1,4 @@
-"""One rank of tests/dist/test_transport.py: ds-swift's transport between real processes on gloo.
+"""One rank of tests/dist/test_transport_strict.py: ds-swift's transport between real processes on gloo.
 
 Writes ``rank<N>.json`` into the folder given as its argument: what it received on the
 transport's group, what strict mode said about the same host tensors sent over the world group
