@@ -447,7 +447,7 @@ class SwiftPipelineEngine:
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
-                                   self._ctx.join_timeout_s)  # fmt: skip
+                                   self._ctx.join_timeout_s, rank=dist.get_rank())  # fmt: skip
         self._grad_scale = done.outcome.grad_scale
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)

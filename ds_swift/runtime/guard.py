@@ -167,9 +167,15 @@ class LossGuard:
         self.store.declare_failure(generation, why)
         return why
 
-    def after_recovery(self, engine: Any, outcome: Any, generation: int, world: int, timeout_s: float) -> None:
+    def after_recovery(
+        self, engine: Any, outcome: Any, generation: int, world: int, timeout_s: float, rank: int | None = None
+    ) -> None:
         """Every rank of ``generation``, after its recovery (``outcome``): agree on the reference,
-        open the window; a step back the guard asked for says so in its plan (and timeline)."""
+        open the window; a step back the guard asked for says so in its plan (and timeline).
+        ``rank``: this rank in the new generation, which an elastic resize renumbers (its peers
+        gather ``range(world)``: a rank publishing under its old number would never be found)."""
+        if rank is not None:
+            self.rank = rank
         resume_iteration = int(engine.global_steps)
         self._skipped = int(getattr(engine, "skipped_steps", 0) or 0)
         self._judged = resume_iteration - 1

@@ -154,3 +154,16 @@ def test_the_config_fields_are_checked() -> None:
         SwiftConfig.from_dict({"verify": {"guard_iterations": -1}})
     with pytest.raises(ConfigError, match="verify.guard_loss_factor"):
         SwiftConfig.from_dict({"verify": {"guard_loss_factor": 1.0}})
+
+
+def test_an_elastic_resize_renumbers_the_rank_the_guard_publishes_under() -> None:
+    """A shrink from dp 2 to 1 makes old rank 2 the new rank 0: its peers gather ranks 0..world-1, so
+    it must publish under its new number (under the old one, every rank waited out the join timeout)."""
+    store = FakeStore()
+    guard = LossGuard(4, 2.0, 2, store, lambda s: None)  # built as rank 2 of the first generation
+    engine = Engine()
+    for loss in (3.0, 2.9, 2.8):
+        train(guard, engine, loss)
+    guard.after_recovery(engine, Outcome(Plan("lossy_forward")), 1, 1, 1.0, rank=0)  # world 1 after the shrink
+    assert store.get("gen1/guard_ref/0") == "3.0,2.9,2.8" and guard.rank == 0
+    assert guard.window is not None and guard.window.reference is not None
