@@ -160,6 +160,8 @@ def test_the_budget_config_is_the_readmes_swift_section() -> None:
         ("checkpoint", "interval"),
     ):
         ours[section].pop(key), theirs[section].pop(key)
+    # and the tests' digests at every iteration (the default, 10, would leave some recoveries unverified)
+    assert ours.pop("verify") == {"digest_interval": 1}
     assert ours == theirs
 
 

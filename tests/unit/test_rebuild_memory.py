@@ -63,6 +63,9 @@ def world() -> Iterator[None]:
         from deepspeed.utils import groups
 
         groups._WORLD_GROUP = None  # DeepSpeed's cached clone of the world group
+        # and the pipeline engine's grid as DeepSpeed's mpu: a later module's engine (no pipeline)
+        # would take its destroyed data-parallel group
+        groups.mpu = None
         if saved is None:
             del os.environ["LOCAL_RANK"]
         else:
