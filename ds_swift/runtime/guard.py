@@ -36,6 +36,8 @@ __all__ = ["FIRST_TRIP_KEY", "GuardTripped", "LossGuard", "ROLLBACK_KEY", "force
 
 #: pre-failure losses the divergence reference is taken over
 WINDOW = 10
+#: losses kept between recoveries, non-finite ones included until a recovery reads them
+_KEPT = 4 * WINDOW
 #: job-store key: the generation whose recovery must load the global checkpoint (the guard tripped)
 ROLLBACK_KEY = "guard/rollback"
 #: job-store key: the generation whose recovery served that request
@@ -120,7 +122,9 @@ class LossGuard:
 
     def __init__(self, iterations: int, factor: float, rank: int, store: Any, log: Callable[[str], None]) -> None:
         self.iterations, self.factor, self.rank, self.store, self.log = iterations, factor, rank, store, log
-        self.history: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        # Losses as the engine returned them (device tensors on a GPU), read at a recovery: a float()
+        # per step would make the host wait for every iteration. Room for non-finite ones, dropped then.
+        self.history: deque[tuple[int, Any]] = deque(maxlen=_KEPT)
         self.window: _Window | None = None
         self._judged = -1
         self._skipped = 0
@@ -134,12 +138,12 @@ class LossGuard:
         if iteration <= self._judged or self.iterations <= 0 or self.store is None:
             return None
         self._judged = iteration
-        value = float(loss) if loss is not None else None
         win = self.window
         if win is None or not win.covers(iteration):
-            if value is not None and math.isfinite(value) and not skipped:
-                self.history.append((iteration, value))
+            if loss is not None and not skipped:
+                self.history.append((iteration, loss.detach() if hasattr(loss, "detach") else loss))
             return None
+        value = float(loss) if loss is not None else None  # in the window only: judged now
         why = judge(value, win.reference, win.magnitude, self.factor, skipped)
         if why is None:
             self.history.append((iteration, value))  # type: ignore[arg-type]  # judged finite
@@ -190,8 +194,10 @@ class LossGuard:
             outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
             if self.rank == 0:  # after the recovery's last barrier: every rank read the request
                 self.store.set(SERVED_KEY, f"{wanted}:{generation}")
-        mine = [x for i, x in self.history if i < resume_iteration]
-        self.history = deque(((i, x) for i, x in self.history if i < resume_iteration), maxlen=WINDOW)
+        read = [(i, float(x)) for i, x in self.history if i < resume_iteration]
+        kept = [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
+        mine = [x for _, x in kept]
+        self.history = deque(kept, maxlen=_KEPT)
         self.store.publish(generation, "guard_ref", self.rank, ",".join(repr(x) for x in mine))
         try:
             said = self.store.gather(generation, "guard_ref", range(world), timeout_s)

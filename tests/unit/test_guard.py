@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.runtime.guard import (
@@ -162,8 +163,8 @@ def test_an_elastic_resize_renumbers_the_rank_the_guard_publishes_under() -> Non
     store = FakeStore()
     guard = LossGuard(4, 2.0, 2, store, lambda s: None)  # built as rank 2 of the first generation
     engine = Engine()
-    for loss in (3.0, 2.9, 2.8):
-        train(guard, engine, loss)
+    for loss in (3.0, 2.5, 2.75):  # as the engine returns them: tensors, read only at the recovery
+        train(guard, engine, torch.tensor(loss))  # type: ignore[arg-type]
     guard.after_recovery(engine, Outcome(Plan("lossy_forward")), 1, 1, 1.0, rank=0)  # world 1 after the shrink
-    assert store.get("gen1/guard_ref/0") == "3.0,2.9,2.8" and guard.rank == 0
+    assert store.get("gen1/guard_ref/0") == "3.0,2.5,2.75" and guard.rank == 0
     assert guard.window is not None and guard.window.reference is not None
