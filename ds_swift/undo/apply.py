@@ -25,6 +25,10 @@ bytes are 28): for 256M elements about 1,400 launches (16 slices) and, at an H10
 about 90 ms, some 11x the 8.4 ms foreach step measured there. So the issue's goal (undo <= 3x a
 step, <= 10x the 2.5 ms bound) needs one fused kernel doing inverse and replays in registers; this
 path is what such a kernel must agree with, and what runs where none is built.
+
+* ``"fused"`` (``"auto"``: fused for CUDA tensors when Triton imports, else fast): the fast path's
+  packing, with torch Adam/AdamW undone by one Triton kernel per rule call (ds_swift.undo.fused,
+  ds_swift.undo.triton_adam); what the kernel does not model falls back to the fast path's rule.
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ from ds_swift.undo.numerics import CHUNK_ELEMENTS, REFINE, RefineMode, chunk_sli
 from ds_swift.undo.records import GroupRecord, ParamRecord
 from ds_swift.undo.rules import UndoContext, UndoRule
 
-__all__ = ["FAST_CHUNK_CPU", "FAST_CHUNK_CUDA", "FAST_REFINE", "UndoPath", "undo_group"]
+__all__ = ["FAST_CHUNK_CPU", "FAST_CHUNK_CUDA", "FAST_REFINE", "UNDO_PATHS", "UndoPath", "undo_group"]
 
-UndoPath = Literal["fast", "reference"]
+UndoPath = Literal["fast", "reference", "fused", "auto"]
+UNDO_PATHS = ("fast", "reference", "fused", "auto")
 FAST_CHUNK_CUDA = 1 << 24
 FAST_CHUNK_CPU = 1 << 18
+FUSED_PACK = 1 << 18
+"""The fused path packs tensors under a quarter of this many elements into runs of about this many."""
 FAST_REFINE: RefineMode | None = None
 """The fast path's refinement; None: dense on a GPU, gathering on a CPU (tests force each)."""
 
@@ -167,7 +174,8 @@ def _undo_packed(rule: UndoRule, items: list[_Item], grec: GroupRecord, exact: b
 
 
 def _packs(items: list[_Item], chunk: int) -> Iterator[list[_Item]]:
-    """Runs of small items with the same pack key, each up to about ``chunk`` elements."""
+    """Runs of small items (under a quarter of ``chunk`` elements) with the same pack key, each up to
+    about ``chunk`` elements."""
     open_packs: dict[Hashable, tuple[list[_Item], int]] = {}
     for it in items:
         key = _pack_key(it)
@@ -190,14 +198,22 @@ def undo_group(rule: UndoRule, opt: Any, grec: GroupRecord, *, exact: bool, path
     """Restore every tensor ``grec`` recorded, its state, counters and created state entries."""
     items = [_item(opt, pr) for pr in grec.params]
     token = REFINE.set("gather" if path == "reference" else _fast_refine(items))
+    chunk: int | None = None
+    if path in ("fused", "auto"):
+        from ds_swift.undo import fused
+
+        if fused.use_fused(rule, path, {it.pr.param.device.type for it in items}):
+            rule, chunk = fused.fused_rule(rule), fused.FUSED_CHUNK
     try:
         if path == "reference":
             for it in items:
                 _undo_sliced(rule, it, grec, exact, CHUNK_ELEMENTS)
         else:
-            for pack in _packs(items, chunk=_fast_chunk(items)):
+            # The fused path packs only tiny tensors (their launch costs more than copying them) and
+            # slices only above FUSED_CHUNK: a large tensor is one launch, never copied.
+            for pack in _packs(items, chunk=FUSED_PACK if chunk else _fast_chunk(items)):
                 if len(pack) == 1:
-                    _undo_sliced(rule, pack[0], grec, exact, _fast_chunk(pack))
+                    _undo_sliced(rule, pack[0], grec, exact, chunk or _fast_chunk(pack))
                 else:
                     _undo_packed(rule, pack, grec, exact)
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ds_swift.undo.apply import UndoPath, undo_group
+from ds_swift.undo.apply import UNDO_PATHS, UndoPath, undo_group
 from ds_swift.undo.records import GroupRecord, NotInvertibleError, ParamRecord, StepRecord, UndoError
 from ds_swift.undo.rules import UndoRule, rule_for
 
@@ -66,7 +66,9 @@ class InvertibleOptimizer:
         undo_path: "fast" (the default: large slices and packed small tensors, refinement
             without host syncs) or "reference" (per-tensor 2^18-element slices, refinement that
             gathers the misses: the float64 path the fast one is tested against); see
-            ds_swift.undo.apply.
+            ds_swift.undo.apply. "fused": torch Adam/AdamW undone by one Triton kernel per tensor
+            (ds_swift.undo.fused; the fast path for what it does not model, and where Triton is
+            missing, said once in the log); "auto": fused for CUDA tensors when Triton imports.
         last_stepped_iteration: the iteration of the last step taken before wrapping (not
             undoable, but reported until the first recorded step).
     """
@@ -92,10 +94,14 @@ class InvertibleOptimizer:
         self.lr_scheduler = lr_scheduler
         self.retain_grads = retain_grads
         self.refine = refine
-        if undo_path not in ("fast", "reference"):
-            raise ValueError(f"undo_path must be 'fast' or 'reference', not {undo_path!r}")
+        if undo_path not in UNDO_PATHS:
+            raise ValueError(f"undo_path must be one of {', '.join(map(repr, UNDO_PATHS))}, not {undo_path!r}")
         self.undo_path: UndoPath = undo_path
         self.rule: UndoRule = rule_for(optimizer)
+        if undo_path in ("fused", "auto"):
+            from ds_swift.undo.fused import announce
+
+            announce(self.rule, undo_path, optimizer)
         self._record: StepRecord | None = None
         self._txn: StepRecord | None = None
         self._released = False

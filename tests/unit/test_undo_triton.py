@@ -1,0 +1,246 @@
+"""The fused undo path (one Triton kernel for torch Adam/AdamW, ds_swift.undo.triton_adam) on a CPU,
+through Triton's interpreter: element for element the fast path's answer (dense refinement, the
+GPU's), within 2 ulp, its forward replay torch's CPU step bit for bit, and its CUDA flavours
+self-consistent (their replay against torch's CUDA kernels is tests/gpu/test_undo_triton_gpu.py).
+Skipped where Triton is not installed (``pip install 'ds-swift[triton]'``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_undo_helpers import Case, tolerance
+
+pytest.importorskip("triton")
+
+from ds_swift.undo import InvertibleOptimizer, apply, triton_adam  # noqa: E402
+from ds_swift.undo import fused as fused_mod  # noqa: E402
+from ds_swift.undo.numerics import ulp_error  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not triton_adam.interpreted(), reason="CPU tensors need Triton's interpreter (a GPU machine runs tests/gpu)"
+)
+
+SIZES = [5000, 3001, 37, 40, 3, 1, 129]
+
+CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
+    "adamw_foreach_maximize": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True, "maximize": True}),
+    "adamw_no_wd": (torch.optim.AdamW, {"lr": 3e-4, "weight_decay": 0.0, "eps": 1e-6}),
+    "adam_l2": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 1e-2}),
+    "adam_l2_maximize": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 1e-2, "maximize": True}),
+    "adam_small_beta1": (torch.optim.Adam, {"lr": 1e-3, "betas": (0.3, 0.9)}),  # lerp weight >= 0.5
+    "adamw_negative_decay": (torch.optim.AdamW, {"lr": 20.0, "weight_decay": 0.1}),  # x's replay not monotone
+}
+
+
+def _run(path: str, cls: type, kwargs: dict[str, Any], steps: int = 3, dtype: torch.dtype = torch.float32,
+         scale: float = 0.02) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Step ``steps`` times, undo the last; per tensor (before, post, restored)."""
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype)) for n in SIZES]
+    opt = InvertibleOptimizer(cls(params, **kwargs), undo_path=path)  # type: ignore[arg-type]
+    before: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2 * (1 + i)).to(dtype)
+        if step == steps - 1:
+            before = _snapshot(opt, params)
+        opt.step()
+    post = _snapshot(opt, params)
+    opt.undo()
+    restored = _snapshot(opt, params)
+    assert restored.keys() == before.keys()
+    return {k: (before[k], post[k], restored[k]) for k in before}
+
+
+def _snapshot(opt: InvertibleOptimizer, params: list[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out[f"{k}{i}"] = copy.deepcopy(v)
+    return out
+
+
+@pytest.fixture
+def dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path refined as on a GPU (the kernel's refinement is the dense one)."""
+    monkeypatch.setattr(apply, "FAST_REFINE", "dense")
+
+
+@pytest.mark.usefixtures("dense")
+@pytest.mark.parametrize("steps", [1, 3], ids=["first_step", "third_step"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_path_equals_the_fast_path_element_for_element(name: str, steps: int) -> None:
+    cls, kwargs = CONFIGS[name]
+    fast = _run("fast", cls, kwargs, steps)
+    fused = _run("fused", cls, kwargs, steps)
+    for key, (before, post, restored) in fused.items():
+        assert torch.equal(restored, fast[key][2]), f"{name} {key}: {int((restored != fast[key][2]).sum())} differ"
+        family = "adamw" if cls is torch.optim.AdamW else "adam"
+        bound = tolerance(Case(family=family, kwargs=kwargs, dtype=torch.float32, steps=steps, seed=0),
+                          key.rstrip("0123456789"))  # fmt: skip
+        assert ulp_error(restored, before, post) <= bound, f"{name} {key}: {ulp_error(restored, before, post)} ulp"
+
+
+def test_the_kernel_runs_and_restores_most_elements_bit_for_bit(dense: None) -> None:
+    """Guards against the fused path silently being the fast one: the kernel is called, once per packed
+    run or large tensor, and gives the fast path's answer."""
+    calls: list[int] = []
+    real = triton_adam.adam_undo
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        calls.append(x.numel())
+        real(x, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(triton_adam, "adam_undo", spy)
+    try:
+        out = _run("fused", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    finally:
+        mp.undo()
+    assert sum(calls) == sum(SIZES) and len(calls) < len(SIZES)  # small tensors packed into one launch
+    fast = _run("fast", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    assert all(torch.equal(out[k][2], fast[k][2]) for k in out)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lr=st.floats(1e-5, 3e-2),
+    wd=st.sampled_from([0.0, 1e-2, 0.1]),
+    beta1=st.floats(0.3, 0.99),
+    beta2=st.floats(0.5, 0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3]),
+    decoupled=st.booleans(),
+    maximize=st.booleans(),
+    scale=st.sampled_from([1e-4, 0.02, 3.0]),
+)
+def test_fused_equals_fast_for_any_hyper_parameters(dense: None, lr: float, wd: float, beta1: float, beta2: float,
+                                                     eps: float, decoupled: bool, maximize: bool, scale: float) -> None:  # fmt: skip
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    kwargs = {"lr": lr, "weight_decay": wd, "betas": (beta1, beta2), "eps": eps, "maximize": maximize}
+    fast = _run("fast", cls, kwargs, 2, scale=scale)
+    fused = _run("fused", cls, kwargs, 2, scale=scale)
+    case = Case(family="adamw" if decoupled else "adam", kwargs=kwargs, dtype=torch.float32, steps=2, seed=0)
+    for key, (before, post, restored) in fused.items():
+        assert torch.equal(restored, fast[key][2]), f"{key}: {int((restored != fast[key][2]).sum())} differ"
+        assert ulp_error(restored, before, post) <= tolerance(case, key.rstrip("0123456789")), key
+
+
+def _hyper(**kw: Any) -> dict[str, Any]:
+    h = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.1, "betas": (0.9, 0.95), "decoupled_weight_decay": True,
+         "maximize": False}  # fmt: skip
+    return h | kw
+
+
+def _tensors(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.02
+    grad = torch.randn(n, generator=g) * 1e-3
+    m = torch.randn(n, generator=g) * 1e-3
+    v = torch.rand(n, generator=g) * 1e-6
+    return x, grad, m, v
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_the_cpu_replay_is_torchs_cpu_step_bit_for_bit(decoupled: bool) -> None:
+    """What tests/gpu checks on CUDA for its flavours: the kernel's forward is the step that ran."""
+    n, t = 4096 + 13, 5.0
+    h = _hyper(decoupled_weight_decay=decoupled, maximize=not decoupled)
+    x, grad, m, v = _tensors(n, 3)
+    p = torch.nn.Parameter(x.clone())
+    p.grad = grad.clone()
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p], lr=h["lr"], weight_decay=h["weight_decay"],
+                                                               betas=h["betas"], maximize=h["maximize"])  # fmt: skip
+    opt.state[p] = {"step": torch.tensor(t - 1), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    opt.step()
+    xs, ms, vs = x.clone(), m.clone(), v.clone()
+    triton_adam.adam_forward(xs, grad, ms, vs, h, t, flavour=triton_adam.CPU)
+    assert torch.equal(ms, opt.state[p]["exp_avg"])
+    assert torch.equal(vs, opt.state[p]["exp_avg_sq"])
+    assert torch.equal(xs, p.detach())
+
+
+@pytest.mark.parametrize("flavour", [triton_adam.CUDA_FOREACH, triton_adam.CUDA_SINGLE])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_cuda_flavours_undo_their_own_forward(flavour: int, decoupled: bool) -> None:
+    """The CUDA flavours' inverse against their own replay (run here in the interpreter): within 2 ulp,
+    and stepping the restored state again gives the stepped state back for almost every element (the
+    rest: pre-images the float64 inverse missed by more than the search radius)."""
+    n, t = 20_000, 3.0
+    h = _hyper(decoupled_weight_decay=decoupled)
+    x0, grad, m0, v0 = _tensors(n, 5)
+    x, m, v = x0.clone(), m0.clone(), v0.clone()
+    triton_adam.adam_forward(x, grad, m, v, h, t, flavour=flavour)
+    post = (x.clone(), m.clone(), v.clone())
+    triton_adam.adam_undo(x, grad, m, v, h, t, flavour=flavour, moments=True)
+    for name, restored, before, after in zip("xmv", (x, m, v), (x0, m0, v0), post, strict=True):
+        assert ulp_error(restored, before, after) <= 2.0, name
+    triton_adam.adam_forward(x, grad, m, v, h, t, flavour=flavour)
+    for name, again, after in zip("xmv", (x, m, v), post, strict=True):
+        assert float((again == after).double().mean()) > 0.99, name
+
+
+def test_the_flavours_differ_where_torchs_kernels_do() -> None:
+    """CPU and CUDA round addcdiv/addcmul differently, and CUDA's single-tensor path divides by a host
+    scalar through its reciprocal: the three replays must not all coincide (else a flavour is a no-op)."""
+    n, t = 20_000, 3.0
+    outs = []
+    for flavour in (triton_adam.CPU, triton_adam.CUDA_FOREACH, triton_adam.CUDA_SINGLE):
+        x, grad, m, v = _tensors(n, 9)
+        triton_adam.adam_forward(x, grad, m, v, _hyper(), t, flavour=flavour)
+        outs.append((x, v))
+    assert not torch.equal(outs[0][1], outs[1][1])  # addcmul: fma(fl(s*g), g, v) vs fma(s, fl(g*g), v)
+    assert not torch.equal(outs[1][0], outs[2][0])  # sqrt(v)/b vs sqrt(v)*fl(1/b)
+
+
+def test_what_the_kernel_does_not_model_falls_back_to_the_fast_path(
+    dense: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    fused_mod._once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="ds_swift.undo.fused"):
+        out = _run("fused", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}, dtype=torch.bfloat16)
+    fast = _run("fast", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}, dtype=torch.bfloat16)
+    assert all(torch.equal(out[k][2], fast[k][2]) for k in out)
+    assert sum("float32 parameters, gradients and moments only" in r.message for r in caplog.records) == 1
+
+
+def test_without_triton_the_fused_path_says_so_once_and_runs_the_fast_one(
+    dense: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fused_mod._once.cache_clear()
+    monkeypatch.setattr(fused_mod, "triton_error", lambda: "ModuleNotFoundError: No module named 'triton'")
+    with caplog.at_level(logging.WARNING, logger="ds_swift.undo.fused"):
+        out = _run("fused", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+        _run("fused", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    fast = _run("fast", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    assert all(torch.equal(out[k][2], fast[k][2]) for k in out)
+    said = [r.message for r in caplog.records if "unavailable" in r.message]
+    assert len(said) == 1 and "pip install 'ds-swift[triton]'" in said[0]
+
+
+def test_auto_takes_the_fast_path_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[int] = []
+    monkeypatch.setattr(triton_adam, "adam_undo", lambda *a, **k: called.append(1))
+    out = _run("auto", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    assert not called
+    assert all(ulp_error(r, b, p) <= 2.0 for b, p, r in out.values())
+
+
+def test_next_is_torchs_nextafter() -> None:
+    """The kernel's nextafter (bit arithmetic) on zeros, subnormals, extremes and infinities."""
+    special = [0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38, math.inf,
+               -math.inf, 1.1754943508222875e-38]  # fmt: skip
+    x = torch.tensor(special + torch.randn(100).tolist(), dtype=torch.float32)
+    up = triton_adam.nextafter(x, up=True)
+    down = triton_adam.nextafter(x, up=False)
+    assert torch.equal(up, torch.nextafter(x, torch.tensor(math.inf)))
+    assert torch.equal(down, torch.nextafter(x, torch.tensor(-math.inf)))
+    assert torch.equal(up.signbit(), torch.nextafter(x, torch.tensor(math.inf)).signbit())
