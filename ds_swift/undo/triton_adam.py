@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ds_swift.undo.numerics import f32 as _f32
+
 if not torch.cuda.is_available():
     # No device to compile for: run the kernel on CPU tensors with Triton's interpreter (tests,
     # and the fused path's check on a CPU). Must be set before triton reads it.
@@ -287,10 +289,6 @@ def nextafter(x: torch.Tensor, *, up: bool) -> torch.Tensor:
     out = torch.empty_like(x)
     _next_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, x.numel(), UP=up, BLOCK=BLOCK)
     return out
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32).item())
 
 
 def constants(h: dict[str, Any], step: float, device: torch.device) -> torch.Tensor:
