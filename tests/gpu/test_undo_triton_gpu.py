@@ -31,6 +31,12 @@ def _state(seed: int, t: float) -> tuple[torch.Tensor, ...]:
     grad = torch.randn(N, device="cuda", generator=g) * 1e-3
     m = torch.randn(N, device="cuda", generator=g) * 1e-4
     v = torch.rand(N, device="cuda", generator=g) * 1e-7 * (1 - 0.95 ** (t - 1))
+    # Subnormals (the moments of a gradient that stayed zero for many steps): torch's kernels
+    # keep them; a replay that flushed them to zero (ftz) would differ here.
+    v[::16] *= 1e-33
+    m[::16] *= 1e-20
+    grad[::16] = 0.0
+    x[::32] *= 1e-37
     return x, grad, m, v
 
 

@@ -146,6 +146,12 @@ def _tensors(n: int, seed: int) -> tuple[torch.Tensor, ...]:
     grad = torch.randn(n, generator=g) * 1e-3
     m = torch.randn(n, generator=g) * 1e-3
     v = torch.rand(n, generator=g) * 1e-6
+    # Subnormals, as the moments of a gradient that stayed zero for many steps become (the
+    # kernel must not flush them to zero where torch's kernels do not).
+    v[::16] *= 1e-33
+    m[::16] *= 1e-20
+    grad[::16] = 0.0
+    x[::32] *= 1e-37
     return x, grad, m, v
 
 
