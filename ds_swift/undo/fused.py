@@ -1,10 +1,12 @@
-"""The fused undo path: torch's Adam/AdamW undone by one Triton kernel (ds_swift.undo.triton_adam).
+"""The fused undo path: Adam undone by one Triton kernel per tensor (or packed run of small ones).
 
+Kernels: torch's Adam/AdamW (ds_swift.undo.triton_adam: inverse and refinement, replaying the step)
+and DeepSpeed's FusedAdam (ds_swift.undo.triton_ds_adam: its rule's float64 inverse).
 ``InvertibleOptimizer(undo_path="fused")`` (or ``"auto"``: fused for CUDA tensors when Triton can be
 imported, the fast path otherwise). The driver (:mod:`ds_swift.undo.apply`) packs and slices as on the
-fast path; each rule call goes to the kernel when it can model it (a torch Adam/AdamW step on float32
-tensors, replayable: plain-number hyper-parameters, not ``fused``/``capturable``, refinement on) and
-to the fast path's rule otherwise, said once per reason in the log. Where Triton is missing, or its
+fast path; each rule call goes to the kernel when it can model it (float32 tensors; for torch's Adam a
+replayable step: plain-number hyper-parameters, not ``fused``/``capturable``, refinement on) and to
+the fast path's rule otherwise, said once per reason in the log. Where Triton is missing, or its
 kernel fails to compile, the whole path falls back to the fast one, said once at start-up (or at the
 failure) as a warning: never silently.
 """
@@ -19,7 +21,15 @@ import torch
 
 from ds_swift.undo.rules import UndoContext, UndoRule, is_plain_number
 
-__all__ = ["FUSED_CHUNK", "TritonAdamRule", "announce", "fused_rule", "triton_error"]
+__all__ = [
+    "FUSED_CHUNK",
+    "TritonAdamRule",
+    "TritonDeepSpeedAdamRule",
+    "announce",
+    "fused_rule",
+    "triton_error",
+    "use_fused",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,37 +53,40 @@ def triton_error() -> str | None:
     return None
 
 
-def _is_adam(rule: UndoRule) -> bool:
+def _kernel_for(rule: UndoRule) -> type[_TritonRule] | None:
+    from ds_swift.undo.rules_deepspeed import DeepSpeedFusedAdamRule
     from ds_swift.undo.rules_torch import AdamRule
 
-    return isinstance(rule, AdamRule)
+    if isinstance(rule, AdamRule):
+        return TritonAdamRule
+    if isinstance(rule, DeepSpeedFusedAdamRule):
+        return TritonDeepSpeedAdamRule
+    return None
 
 
 def announce(rule: UndoRule, path: str, optimizer: Any) -> None:
     """Say once at start-up which path will undo ``optimizer`` when the fused one was asked for."""
     devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
-    if path == "auto" and "cuda" not in devices:
+    if path not in ("fused", "auto") or (path == "auto" and "cuda" not in devices):
         return
-    if path not in ("fused", "auto"):
-        return
-    if not _is_adam(rule):
+    if _kernel_for(rule) is None:
         if path == "fused":
-            _once(logging.WARNING, f"update-undo: undo_path='fused' has a kernel for torch Adam/AdamW only; "
-                                   f"{rule.name} is undone by the fast path")  # fmt: skip
+            _once(logging.WARNING, f"update-undo: undo_path='fused' has kernels for torch Adam/AdamW and DeepSpeed's "
+                                   f"FusedAdam only; {rule.name} is undone by the fast path")  # fmt: skip
         return
     err = triton_error()
     if err is not None:
-        _once(logging.WARNING, f"update-undo: the fused Triton undo kernel is unavailable ({err}); Adam/AdamW is "
+        _once(logging.WARNING, f"update-undo: the fused Triton undo kernel is unavailable ({err}); {rule.name} is "
                                "undone by the fast path (about 10x slower on a GPU). Install Triton "
                                "(pip install 'ds-swift[triton]') to use it")  # fmt: skip
         return
-    _once(logging.INFO, "update-undo: Adam/AdamW on " + ", ".join(sorted(devices)) + " is undone by the fused "
-                        "Triton kernel (ds_swift.undo.triton_adam)")  # fmt: skip
+    _once(logging.INFO, f"update-undo: {rule.name} on " + ", ".join(sorted(devices)) + " is undone by the fused "
+                        "Triton kernel (ds_swift.undo.fused)")  # fmt: skip
 
 
 def use_fused(rule: UndoRule, path: str, devices: set[str]) -> bool:
     """Whether ``path`` ("fused" or "auto") takes the fused path for tensors on ``devices``."""
-    if not _is_adam(rule) or triton_error() is not None:
+    if _kernel_for(rule) is None or triton_error() is not None:
         return False
     if path == "auto":
         return "cuda" in devices
@@ -81,12 +94,14 @@ def use_fused(rule: UndoRule, path: str, devices: set[str]) -> bool:
 
 
 def fused_rule(rule: UndoRule) -> UndoRule:
-    return TritonAdamRule(rule)
+    """``rule`` with its undo_param done by a Triton kernel where one models the step."""
+    cls = _kernel_for(rule)
+    assert cls is not None  # checked by use_fused
+    return cls(rule)
 
 
-class TritonAdamRule(UndoRule):
-    """``rule`` (a rules_torch.AdamRule) with its undo_param done by the Triton kernel where it models
-    the step, and by ``rule`` elsewhere."""
+class _TritonRule(UndoRule):
+    """``rule`` with its undo_param done by a kernel (``run``) where it can, and by ``rule`` elsewhere."""
 
     def __init__(self, rule: UndoRule) -> None:
         self.base = rule
@@ -97,15 +112,8 @@ class TritonAdamRule(UndoRule):
         """Why the kernel cannot undo ``ctx`` (None: it can)."""
         from ds_swift.undo import triton_adam
 
-        h = ctx.hyper
         if self.broken:
             return "the kernel failed earlier in this process"
-        if not ctx.exact:
-            return "refinement is off (refine=False)"
-        if h.get("fused") or h.get("capturable") or h.get("differentiable") or h.get("amsgrad"):
-            return "fused/capturable/differentiable/amsgrad steps are not modelled"
-        if not is_plain_number(h["lr"], h["eps"], h["weight_decay"], *h["betas"]):
-            return "tensor hyper-parameters are not modelled"
         tensors = [ctx.param, ctx.grad, ctx.state.get("exp_avg"), ctx.state.get("exp_avg_sq")]
         if any(t is None or t.dtype != torch.float32 for t in tensors):
             return "the kernel handles float32 parameters, gradients and moments only"
@@ -120,6 +128,49 @@ class TritonAdamRule(UndoRule):
             return "the step wrote into the gradient"
         return None
 
+    def run(self, ctx: UndoContext) -> None:
+        raise NotImplementedError
+
+    def undo_param(self, ctx: UndoContext) -> None:
+        reason = self.why_not(ctx)
+        if reason is not None:
+            _once(
+                logging.WARNING,
+                f"update-undo: {self.name} step undone by the fast path, not the fused kernel: {reason}",
+            )
+            self.base.undo_param(ctx)
+            return
+        try:
+            self.run(ctx)
+        except Exception as exc:  # Triton's compile or launch failure, raised before the kernel stores anything
+            self.broken = True
+            log.error("update-undo: the fused Triton undo kernel failed (%s: %s); this and later undos use the "
+                      "fast path", type(exc).__name__, exc)  # fmt: skip
+            self.base.undo_param(ctx)
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        self.base.check_group(group)
+
+    def post_step(self, optimizer: Any, groups: list[Any], call_kwargs: dict[str, Any]) -> None:
+        self.base.post_step(optimizer, groups, call_kwargs)
+
+    def undo_counters(self, state: dict[str, Any], pr: Any) -> None:
+        self.base.undo_counters(state, pr)
+
+
+class TritonAdamRule(_TritonRule):
+    """rules_torch.AdamRule by ds_swift.undo.triton_adam: the same answer, element for element."""
+
+    def why_not(self, ctx: UndoContext) -> str | None:
+        h = ctx.hyper
+        if not ctx.exact:
+            return "refinement is off (refine=False)"
+        if h.get("fused") or h.get("capturable") or h.get("differentiable") or h.get("amsgrad"):
+            return "fused/capturable/differentiable/amsgrad steps are not modelled"
+        if not is_plain_number(h["lr"], h["eps"], h["weight_decay"], *h["betas"]):
+            return "tensor hyper-parameters are not modelled"
+        return super().why_not(ctx)
+
     def flavour(self, ctx: UndoContext) -> int:
         """Which of torch's implementations ran the step (see triton_adam's docstring)."""
         from ds_swift.undo import triton_adam
@@ -132,31 +183,25 @@ class TritonAdamRule(UndoRule):
             foreach = not ctx.hyper.get("differentiable", False)
         return triton_adam.CUDA_FOREACH if foreach else triton_adam.CUDA_SINGLE
 
-    def undo_param(self, ctx: UndoContext) -> None:
-        reason = self.why_not(ctx)
-        if reason is not None:
-            _once(
-                logging.WARNING,
-                f"update-undo: {self.name} step undone by the fast path, not the fused kernel: {reason}",
-            )
-            self.base.undo_param(ctx)
-            return
+    def run(self, ctx: UndoContext) -> None:
         from ds_swift.undo import triton_adam
 
         assert ctx.step is not None
-        try:
-            triton_adam.adam_undo(
-                ctx.param, ctx.grad, ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.hyper, ctx.step,
-                flavour=self.flavour(ctx), moments="exp_avg" not in ctx.new_keys,
-            )  # fmt: skip
-        except Exception as exc:  # Triton's compile or launch failure, raised before the kernel stores anything
-            self.broken = True
-            log.error("update-undo: the fused Triton undo kernel failed (%s: %s); this and later undos use the "
-                      "fast path", type(exc).__name__, exc)  # fmt: skip
-            self.base.undo_param(ctx)
+        triton_adam.adam_undo(
+            ctx.param, ctx.grad, ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.hyper, ctx.step,
+            flavour=self.flavour(ctx), moments="exp_avg" not in ctx.new_keys,
+        )  # fmt: skip
 
-    def check_group(self, group: dict[str, Any]) -> None:
-        self.base.check_group(group)
 
-    def undo_counters(self, state: dict[str, Any], pr: Any) -> None:
-        self.base.undo_counters(state, pr)
+class TritonDeepSpeedAdamRule(_TritonRule):
+    """rules_deepspeed.DeepSpeedFusedAdamRule by ds_swift.undo.triton_ds_adam (its float64 inverse)."""
+
+    def run(self, ctx: UndoContext) -> None:
+        from ds_swift.undo import triton_ds_adam
+        from ds_swift.undo.rules_deepspeed import DeepSpeedFusedAdamRule
+
+        triton_ds_adam.ds_adam_undo(
+            ctx.param, ctx.grad, ctx.state["exp_avg"], ctx.state["exp_avg_sq"],
+            DeepSpeedFusedAdamRule.kernel_scalars(ctx), decoupled=ctx.extra["adam_w_mode"] == 1,
+            moments="exp_avg" not in ctx.new_keys,
+        )  # fmt: skip

@@ -250,3 +250,32 @@ def test_next_is_torchs_nextafter() -> None:
     assert torch.equal(up, torch.nextafter(x, torch.tensor(math.inf)))
     assert torch.equal(down, torch.nextafter(x, torch.tensor(-math.inf)))
     assert torch.equal(up.signbit(), torch.nextafter(x, torch.tensor(math.inf)).signbit())
+
+
+@pytest.mark.parametrize("steps", [1, 3], ids=["first_step", "third_step"])
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+def test_deepspeed_fused_adam_kernel_equals_its_rule(
+    monkeypatch: pytest.MonkeyPatch, adam_w_mode: bool, steps: int
+) -> None:
+    """DeepSpeed's FusedAdam (a torch stand-in of its CUDA kernel, as in test_undo_fused_adam): the
+    fused path's kernel evaluates the rule's float64 inverse, so it gives the rule's answer."""
+    import sys
+    import types
+
+    from test_undo_fused_adam import _FakeFusedAdam
+
+    mod = types.ModuleType("deepspeed.ops.adam.fused_adam")
+    mod.FusedAdam = _FakeFusedAdam  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam.fused_adam", mod)
+    calls: list[int] = []
+    from ds_swift.undo import triton_ds_adam
+
+    real = triton_ds_adam.ds_adam_undo
+    monkeypatch.setattr(triton_ds_adam, "ds_adam_undo", lambda x, *a, **k: (calls.append(x.numel()), real(x, *a, **k)))
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01, "adam_w_mode": adam_w_mode}
+    fast = _run("fast", _FakeFusedAdam, kwargs, steps)
+    fused = _run("fused", _FakeFusedAdam, kwargs, steps)
+    assert sum(calls) == sum(SIZES)
+    for key, (before, post, restored) in fused.items():
+        assert torch.equal(restored, fast[key][2]), f"{key}: {int((restored != fast[key][2]).sum())} differ"
+        assert ulp_error(restored, before, post) <= 2.0, key
