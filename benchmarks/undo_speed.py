@@ -1,7 +1,7 @@
 """Update-undo speed: undoing torch AdamW's step on N fp32 elements in 16 tensors, against the step.
 
 Per undo path (``InvertibleOptimizer(undo_path=...)``: "fused", one Triton kernel per tensor
-(ds_swift.undo.triton_adam; on a GPU only, unless asked for); "fast", the default, refined densely on
+(ds_swift.undo.fused; on a GPU only, unless asked for; the default there); "fast", refined densely on
 a GPU and by gathering on a CPU; "fast-dense", the fast path refined as on a GPU; and "reference",
 the float64 path it is tested against) it prints the step time, the undo time, their ratio, the undo
 against a memory-bound estimate (the bytes undo must move: read p, g, m, v and write p, m, v, at the

@@ -7,7 +7,7 @@ replay is deterministic (tests/unit/test_undo_fast_path.py):
   by ``numerics.refine``, which gathers the elements whose candidate misses (a host sync and a dozen
   small launches per slice). On a GPU, 256M AdamW elements took 3.5 s this way: 12,928 launches
   and 296 ms of CPU per 16M elements for 29 ms of GPU work.
-* ``"fast"`` (the default): slices of 2^24 elements on a GPU (each float64 temporary 128 MB: few
+* ``"fast"`` (the default off CUDA): slices of 2^24 elements on a GPU (each float64 temporary 128 MB: few
   launches per element), 2^18 on a CPU (2 MB: the slice's temporaries stay in cache, measured
   faster there than 2^22); both multiples of any vector width, so a slice's elements meet the
   vectorised or scalar code of a CPU kernel as in the step. On a GPU
@@ -26,9 +26,10 @@ about 90 ms, some 11x the 8.4 ms foreach step measured there. So the issue's goa
 step, <= 10x the 2.5 ms bound) needs one fused kernel doing inverse and replays in registers; this
 path is what such a kernel must agree with, and what runs where none is built.
 
-* ``"fused"`` (``"auto"``: fused for CUDA tensors when Triton imports, else fast): the fast path's
-  packing, with torch Adam/AdamW undone by one Triton kernel per rule call (ds_swift.undo.fused,
-  ds_swift.undo.triton_adam); what the kernel does not model falls back to the fast path's rule.
+* ``"fused"`` (``"auto"``, the default: fused for CUDA tensors when Triton imports, else fast): the
+  fast path's packing of tiny tensors, with torch's Adam/AdamW and DeepSpeed's FusedAdam undone by
+  one Triton kernel per rule call (ds_swift.undo.fused); what a kernel does not model falls back to
+  the fast path's rule.
 """
 
 from __future__ import annotations

@@ -86,11 +86,9 @@ def announce(rule: UndoRule, path: str, optimizer: Any) -> None:
 
 def use_fused(rule: UndoRule, path: str, devices: set[str]) -> bool:
     """Whether ``path`` ("fused" or "auto") takes the fused path for tensors on ``devices``."""
-    if _kernel_for(rule) is None or triton_error() is not None:
-        return False
-    if path == "auto":
-        return "cuda" in devices
-    return True
+    if path == "auto" and "cuda" not in devices:
+        return False  # (without importing Triton: a CPU job never needs it)
+    return _kernel_for(rule) is not None and triton_error() is None
 
 
 def fused_rule(rule: UndoRule) -> UndoRule:

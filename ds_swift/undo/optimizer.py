@@ -63,12 +63,13 @@ class InvertibleOptimizer:
             in ``.grad`` at undo time, checked through weak references and version counters.
         refine: check the float64 inverse against a replay of the forward (exact for most
             elements); off only to measure what refinement buys.
-        undo_path: "fast" (the default: large slices and packed small tensors, refinement
-            without host syncs) or "reference" (per-tensor 2^18-element slices, refinement that
-            gathers the misses: the float64 path the fast one is tested against); see
-            ds_swift.undo.apply. "fused": torch Adam/AdamW undone by one Triton kernel per tensor
-            (ds_swift.undo.fused; the fast path for what it does not model, and where Triton is
-            missing, said once in the log); "auto": fused for CUDA tensors when Triton imports.
+        undo_path: "auto" (the default): "fused" for CUDA tensors when Triton imports, "fast"
+            otherwise. "fused": torch's Adam/AdamW and DeepSpeed's FusedAdam undone by one Triton
+            kernel per tensor (ds_swift.undo.fused; the fast path for what it does not model, and
+            where Triton is missing, said once in the log). "fast": large slices and packed small
+            tensors, refinement without host syncs. "reference": per-tensor 2^18-element slices,
+            refinement that gathers the misses: the float64 path the others are tested against.
+            See ds_swift.undo.apply.
         last_stepped_iteration: the iteration of the last step taken before wrapping (not
             undoable, but reported until the first recorded step).
     """
@@ -85,7 +86,7 @@ class InvertibleOptimizer:
         *,
         retain_grads: bool = False,
         refine: bool = True,
-        undo_path: UndoPath = "fast",
+        undo_path: UndoPath = "auto",
         last_stepped_iteration: int | None = None,
     ) -> None:
         if isinstance(optimizer, InvertibleOptimizer):

@@ -279,3 +279,62 @@ def test_deepspeed_fused_adam_kernel_equals_its_rule(
     for key, (before, post, restored) in fused.items():
         assert torch.equal(restored, fast[key][2]), f"{key}: {int((restored != fast[key][2]).sum())} differ"
         assert ulp_error(restored, before, post) <= 2.0, key
+
+
+_COMPILE = r"""
+import json, os, re
+os.environ["TRITON_INTERPRET"] = "0"  # compile, as on a GPU machine (no GPU needed to make PTX)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds_swift.undo import triton_adam as ta, triton_ds_adam as tds
+
+ptr = {"x_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32"}
+flags = dict(DECAY=True, L2=False, MAXIMIZE=False, SMALL_WT=True, BLOCK=1024)
+cases = []
+for flavour, l2 in ((ta.CUDA_FOREACH, False), (ta.CUDA_SINGLE, True)):
+    f = flags | {"FLAVOUR": flavour, "DECAY": not l2, "L2": l2}
+    cases.append((ta._adam_undo_kernel, ptr | {"d_ptr": "*fp32", "c_ptr": "*fp64", "n": "i32"},
+                  f | {"MOMENTS": True, "X_MONOTONE": True, "V_MONOTONE": True}))
+    cases.append((ta._adam_forward_kernel, ptr | {"d_ptr": "*fp32", "c_ptr": "*fp64", "n": "i32"},
+                  f | {"MOMENTS": True, "X": True}))
+cases.append((tds._ds_adam_undo_kernel, ptr | {"c_ptr": "*fp64", "n": "i32"},
+               {"DECOUPLED": True, "L2": False, "MOMENTS": True, "BLOCK": 1024}))
+out = []
+for fn, sig, constexprs in cases:
+    sig = sig | {k: "constexpr" for k in constexprs}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                       options={"enable_fp_fusion": False})
+    ptx = k.asm["ptx"]
+    out.append({"kernel": fn.__name__, "ops": sorted(set(re.findall(r"\b(?:fma|mul|add|sub|div|sqrt|rcp|cvt)\.[a-z0-9.]+", ptx))),
+                "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx))})
+print(json.dumps(out))
+"""
+
+
+def test_the_kernels_compile_for_an_h100_with_ieee_rounding_and_only_the_written_fmas() -> None:
+    """The GPU-only risk, checked as far as a CPU can: compiled for sm_90 (Triton makes PTX without a
+    GPU), every float32/float64 add, sub, mul, division and square root rounds to nearest (``.rn``:
+    ptxas fuses no ``.rn`` pair into an fma), nothing flushes subnormals (``.ftz``) or approximates,
+    and the only fmas are float32 ones, the ones the replay writes (``tl.fma``)."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(kernels) == 5
+    for k in kernels:
+        ops = k["ops"]
+        float_ops = [
+            o for o in ops if re.match(r"(fma|mul|add|sub|div|sqrt|rcp)\.", o) and re.search(r"\.f(32|64)$", o)
+        ]
+        assert all(".rn." in o for o in float_ops), (k["kernel"], float_ops)
+        assert not [o for o in ops if "ftz" in o or "approx" in o or "full" in o], (k["kernel"], ops)
+        assert "fma.rn.f64" not in ops, k["kernel"]  # the float64 inverse is evaluated as the fast path's torch ops
+        if k["kernel"] != "_ds_adam_undo_kernel":
+            assert k["fma_f32"] > 0, k["kernel"]
