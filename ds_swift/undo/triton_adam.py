@@ -341,9 +341,10 @@ def _cpu_denominator(v: torch.Tensor, h: dict[str, Any], step: float) -> torch.T
     return (v.sqrt() / (1 - beta2**step) ** 0.5).add_(float(h["eps"]))
 
 
-def _launch_kwargs() -> dict[str, Any]:
+def launch_kwargs() -> dict[str, Any]:
     # No contraction of a*b+c into an fma unless the replay says tl.fma (see the module docstring).
-    return {} if interpreted() else {"enable_fp_fusion": False}
+    # 8 warps: 4 elements of a 1024 block per thread, for the float64 temporaries' registers.
+    return {} if interpreted() else {"enable_fp_fusion": False, "num_warps": 8}
 
 
 def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any], step: float,
@@ -358,7 +359,7 @@ def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     d = _cpu_denominator(v, h, step) if flavour == CPU else v  # (v: an unread placeholder)
     grid = (triton.cdiv(n, BLOCK),)
     _adam_undo_kernel[grid](x, g, m, v, d, c, n, MOMENTS=moments, X_MONOTONE=xm, V_MONOTONE=vm, BLOCK=BLOCK,
-                            **flags, **_launch_kwargs())  # fmt: skip
+                            **flags, **launch_kwargs())  # fmt: skip
 
 
 def adam_forward(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any],
@@ -377,4 +378,4 @@ def adam_forward(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
         d = _cpu_denominator(v, h, step)
         _adam_forward_kernel[grid](x, g, m, v, d, c, n, MOMENTS=False, X=True, BLOCK=BLOCK, **flags)
         return
-    _adam_forward_kernel[grid](x, g, m, v, v, c, n, MOMENTS=True, X=True, BLOCK=BLOCK, **flags, **_launch_kwargs())
+    _adam_forward_kernel[grid](x, g, m, v, v, c, n, MOMENTS=True, X=True, BLOCK=BLOCK, **flags, **launch_kwargs())

@@ -11,8 +11,6 @@ moves the float32 result only in about 2^-29 of cases).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ds_swift.undo import triton_adam
@@ -70,9 +68,8 @@ def ds_adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     values = [lr, s["eps"], wd, s["bc1"], s["bc2"], 1 - lr * wd, 1 - s["beta1"], s["beta1"], 1 - s["beta2"], s["beta2"]]
     c = _on(values, x.device)
     grid = (triton.cdiv(n, BLOCK),)
-    kwargs: dict[str, Any] = {} if triton_adam.interpreted() else {"enable_fp_fusion": False}
     _ds_adam_undo_kernel[grid](x, g, m, v, c, n, DECOUPLED=decoupled, L2=(not decoupled) and wd != 0,
-                               MOMENTS=moments, BLOCK=BLOCK, **kwargs)  # fmt: skip
+                               MOMENTS=moments, BLOCK=BLOCK, **triton_adam.launch_kwargs())  # fmt: skip
 
 
 def _on(values: list[float], device: torch.device) -> torch.Tensor:

@@ -304,7 +304,7 @@ out = []
 for fn, sig, constexprs in cases:
     sig = sig | {k: "constexpr" for k in constexprs}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                       options={"enable_fp_fusion": False})
+                       options=ta.launch_kwargs())
     ptx = k.asm["ptx"]
     out.append({"kernel": fn.__name__, "ops": sorted(set(re.findall(r"\b(?:fma|mul|add|sub|div|sqrt|rcp|cvt)\.[a-z0-9.]+", ptx))),
                 "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx))})
