@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_undo_helpers import Case, tolerance
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from ds_swift.undo import InvertibleOptimizer, apply, triton_adam  # noqa: E402
 from ds_swift.undo import fused as fused_mod  # noqa: E402
@@ -312,6 +312,10 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9),
+    reason="written against triton 3.9's compiler API (ASTSource signatures with constexprs)",
+)
 def test_the_kernels_compile_for_an_h100_with_ieee_rounding_and_only_the_written_fmas() -> None:
     """The GPU-only risk, checked as far as a CPU can: compiled for sm_90 (Triton makes PTX without a
     GPU), every float32/float64 add, sub, mul, division and square root rounds to nearest (``.rn``:
