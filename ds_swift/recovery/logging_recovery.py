@@ -269,7 +269,7 @@ def run_logging_recovery(
             if rank == min(world):
                 log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
         elif why_not is not None:
-            layout = f"it cannot help here: {why_not}"
+            layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
     if isinstance(layout, str):
         if rank == min(world):
             log(f"parallel recovery not used ({layout}): sequential replay")

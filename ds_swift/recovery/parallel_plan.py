@@ -69,6 +69,5 @@ def parallel_helps(layout: ParallelReplayLayout, compute: Mapping[int, Mapping[s
         if want > cores:
             return (f"replacements {sorted(set(on) & set(layout.replacements))} and helpers "
                     f"{sorted(set(on) & set(layout.helpers))} would compute on host {host}'s {cores} CPU core(s) "
-                    f"with {want} thread(s): the copies would share the cores, not add any; set "
-                    "parallel_recovery_force=true to use it anyway")  # fmt: skip
+                    f"with {want} thread(s): the copies would share the cores, not add any")  # fmt: skip
     return None
