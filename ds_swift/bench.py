@@ -16,7 +16,12 @@ reference every row is compared with. Per strategy the table gives:
 - ``bytes/it``: bytes written per iteration in the failure-free run (global checkpoints, and the
   message log from each rank's ``usage/rank<r>.json``), ``rss/rank``: the largest resident memory
   a rank reached (sampled from /proc every 0.2 s, the same for every job), and the buddy copies
-  held in host memory.
+  held in host memory;
+- ``recomputed``: the work a logging replay recomputed, in micro-batch passes (one forward and one
+  backward of one stage): all replayers / the busiest one (the replay's critical path). The
+  variants ``logging_sequential`` and ``logging_parallel`` run logging-based recovery without and
+  with parallel recovery (forced, ``parallel_recovery_force``: also where the plan finds that the
+  helpers would only share the replacements' CPU cores), so one run measures the two side by side.
 
 It writes ``bench.json`` and ``loss_vs_time.png`` (the loss of each strategy's failure run
 against wall-clock time: where the time lost to the failure shows). ``bench.json`` is a bench
@@ -61,8 +66,16 @@ __all__ = [
 REFERENCE = "none"
 #: lossy forward with no spare: the job goes on without the failed machine (an elastic shrink)
 ELASTIC = "lossy_forward_elastic"
-#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), and ELASTIC
-STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC)
+#: logging-based recovery with the replay spread over survivors (SWIFT 5.2), used even where the plan
+#: finds it cannot help (``parallel_recovery_force``), and without it: the two measured in one run
+PARALLEL, SEQUENTIAL = "logging_parallel", "logging_sequential"
+VARIANTS: dict[str, dict[str, Any]] = {
+    PARALLEL: {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True},
+    SEQUENTIAL: {"strategy": "logging", "parallel_recovery": False},
+}
+#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), ELASTIC
+#: and the VARIANTS
+STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC, *VARIANTS)
 
 
 def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
@@ -73,6 +86,8 @@ def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
         raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     if name == ELASTIC:
         return {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": interval}}
+    if name in VARIANTS:
+        return {**VARIANTS[name], "checkpoint": {"interval": interval}}
     return {"strategy": name, "checkpoint": {"interval": interval}}
 
 
@@ -128,6 +143,12 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
             "initialization_s": sum(tl["initialization_s"] for tl in timelines) if timelines else None,
             "recovery_s": sum(tl["recovery_s"] for tl in timelines) if timelines else None,
             "iterations_lost": iterations_lost(read_loss_log(failed.loss_log)),
+            # The work recomputed: micro-batch forward/backward passes the replay ran (all replayers;
+            # the busiest one's, the critical path), None where the recovery replayed nothing.
+            "recomputed_passes": _replay_sum(timelines, "micro_batch_passes"),
+            "recomputed_passes_busiest": _replay_sum(timelines, "micro_batch_passes_busiest"),
+            "replay_s": _replay_sum(timelines, "replay_s"),
+            "parallel_replay": [(tl.get("replay") or {}).get("parallel") for tl in timelines],
             "shrunk_throughput": shrunk_throughput(failed, timelines),
             "final_loss_delta": loss - ref_loss if loss is not None and ref_loss is not None else None,
             "bitwise": diff.bitwise_equal,
@@ -147,6 +168,11 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
     return rows
 
 
+def _replay_sum(timelines: list[dict[str, Any]], key: str) -> float | None:
+    values = [(tl.get("replay") or {}).get(key) for tl in timelines]
+    return sum(v for v in values if v is not None) if any(v is not None for v in values) else None
+
+
 def _f(value: float | None, fmt: str, none: str = "-") -> str:
     return none if value is None else format(value, fmt)
 
@@ -157,7 +183,7 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
     how_w = max([14, *(len(h) for h in how.values())])
     head = (f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
             f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
-            f"{'buddy':>7s}")  # fmt: skip
+            f"{'buddy':>7s} {'recomputed':>10s}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         exact = "bitwise" if r["bitwise"] else (
@@ -167,9 +193,15 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_f(r['throughput_ratio'], '.3f'):>10s} {_f(r['total_s'], '.2f'):>6s}s "
             f"{_f(r['initialization_s'], '.2f'):>5s}s {_f(r['recovery_s'], '.2f'):>5s}s {r['iterations_lost']:4d} "
             f"{_f(r['final_loss_delta'], '+.2e'):>10s} {exact:>10s} {_mb(r['bytes_per_iteration']):>9s} "
-            f"{_mb(r['max_rss_bytes']):>9s} {_mb(r['buddy_host_bytes']):>7s}"
+            f"{_mb(r['max_rss_bytes']):>9s} {_mb(r['buddy_host_bytes']):>7s} {_passes(r):>10s}"
         )
     return lines
+
+
+def _passes(r: dict[str, Any]) -> str:
+    """micro-batch passes recomputed: all replayers / the busiest one's (the critical path)."""
+    total, busiest = r.get("recomputed_passes"), r.get("recomputed_passes_busiest")
+    return "-" if total is None else f"{total:.0f}/{busiest:.0f}"
 
 
 def _mb(n: float | None) -> str:

@@ -504,6 +504,11 @@ class SwiftConfig:
     """``exact`` combines micro-batch gradients in the original order (bitwise equal to
     sequential replay); ``fast`` uses a plain all-reduce."""
 
+    parallel_recovery_force: bool = False
+    """Use parallel recovery even where the recovery plan finds it cannot help (the replayers would
+    share one host's CPU cores: a CPU job with fewer cores than replaying ranks on a host). Off: the
+    plan says why and replays sequentially."""
+
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Global checkpoints."""
 
@@ -541,6 +546,10 @@ class SwiftConfig:
         _check_type("parallel_recovery", self.parallel_recovery, bool, "true or false")
         if self.parallel_recovery_mode not in get_args(ParallelRecoveryMode):
             raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
+        _check_type("parallel_recovery_force", self.parallel_recovery_force, bool, "true or false")
+        if self.parallel_recovery_force and not self.parallel_recovery:
+            raise ConfigError("swift config: parallel_recovery_force=true forces parallel recovery, which is off "
+                              "(parallel_recovery=false): set \"parallel_recovery\": true, or drop parallel_recovery_force")
         _check_type("run_dir", self.run_dir, str, "a directory path")
         if self.checkpoint.running_fraction is not None and self.strategy != "scar":
             raise ConfigError(

@@ -55,12 +55,16 @@ from ds_swift.recovery.parallel import (
     parallel_replay,
     transfer_state,
 )
+from ds_swift.recovery.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
 from ds_swift.recovery.replay import replay
 from ds_swift.recovery.replay_log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
 from ds_swift.recovery.replay_plan import plan_of, replay_summary, replay_totals, unsupported_reasons
 from ds_swift.runtime.timeline import RankTimeline
 
-__all__ = ["ReplayRuntime", "failed_replay_key", "load_start", "parallel_layout", "run_logging_recovery"]
+__all__ = [
+    "ReplayRuntime", "compute_of_this_rank", "failed_replay_key", "load_start", "parallel_helps", "parallel_layout",
+    "run_logging_recovery",
+]  # fmt: skip
 
 Records = dict[tuple[int, int], CollectiveRecord]
 
@@ -78,7 +82,8 @@ class ReplayRuntime:
         seed: the runtime's RNG seed (keyed per iteration, micro-batch and stage).
         storage: the message log's store URL (``logging.storage``).
         ds_config: the DeepSpeed config dict (parallel recovery builds copy engines from it).
-        parallel: parallel recovery is on; ``mode`` is "exact" or "fast".
+        parallel: parallel recovery is on; ``mode`` is "exact" or "fast"; ``force_parallel``: used
+            even where :func:`parallel_helps` says it cannot help.
         recorder: this rank's recorder of optimizer-step collectives (survivors publish its records).
         log_error: survivors: why their message log could not be flushed and uploaded, or None.
         host: the runtime's switches (reseeding, the receive check, neighbour wake-up, logging).
@@ -93,6 +98,7 @@ class ReplayRuntime:
     ds_config: Mapping[str, Any]
     parallel: bool = False
     mode: Mode = "exact"
+    force_parallel: bool = False
     recorder: CollectiveRecorder | None = None
     log_error: str | None = None
     host: RecoveryHost = field(default_factory=NullHost)
@@ -104,29 +110,6 @@ class ReplayRuntime:
 def failed_replay_key(checkpoint_step: int) -> str:
     """The job-store key saying why replaying from ``checkpoint_step`` failed (read by the next plan)."""
     return f"replay_failed/{checkpoint_step}"
-
-
-# ----------------------------------------------------------------------------- parallel layout (pure)
-def parallel_layout(plan: RecoveryPlan, reports: list[RankReport], micro_batches: int) -> ParallelReplayLayout | str:
-    """Who replays what with parallel recovery, or why it cannot be used for this plan.
-
-    The replacements host the failed stages (sub-pipeline 0); as many survivors outside the
-    replayed group, lowest ranks first, host a copy each (sub-pipeline 1).
-    """
-    by_rank = {r.rank: r for r in reports}
-    group = list(plan.replay_ranks)
-    if micro_batches < 2:
-        return "parallel recovery needs at least two micro-batches per iteration"
-    if len({(by_rank[r].dp, by_rank[r].tp) for r in group}) != 1:
-        return "the replayed group spans several data- or tensor-parallel ranks (two sub-pipelines of one replica only)"
-    ordered = sorted(group, key=lambda r: by_rank[r].stage)
-    stages = [by_rank[r].stage for r in ordered]
-    if stages != list(range(stages[0], stages[0] + len(stages))):
-        return f"the replayed stages {stages} are not contiguous"
-    helpers = [r for r in plan.survivors if r not in group][: len(group)]
-    if len(helpers) < len(group):
-        return f"{len(helpers)} survivors outside the replayed group cannot host copies of {len(group)} stages"
-    return ParallelReplayLayout(tuple(stages), tuple(ordered), tuple(helpers), micro_batches)
 
 
 # ----------------------------------------------------------------------------- the protocol
@@ -217,7 +200,7 @@ def _check_answer(
 ) -> dict[str, Any]:
     """This rank's answer in the check round: why the replay cannot run (empty: it can), and a
     survivor's step-collective records for the replayers."""
-    answer: dict[str, Any] = {"why": []}
+    answer: dict[str, Any] = {"why": [], "compute": compute_of_this_rank() if rt.parallel else {}}
     if in_group:
         answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
         return answer
@@ -280,6 +263,13 @@ def run_logging_recovery(
         reason = "logging-based recovery impossible: " + "; ".join(problems)
         _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")
         return reason, {}
+    if isinstance(layout, ParallelReplayLayout):
+        why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
+        if why_not is not None and rt.force_parallel:
+            if rank == min(world):
+                log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
+        elif why_not is not None:
+            layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
     if isinstance(layout, str):
         if rank == min(world):
             log(f"parallel recovery not used ({layout}): sequential replay")

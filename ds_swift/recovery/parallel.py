@@ -22,23 +22,32 @@ topology in which helpers and replacements swap their pipeline coordinates; a he
 then an ordinary stage engine (same instruction handlers, same loss scaling, same optimizer). The
 helpers' own engines and their state are not touched: nothing to save and restore afterwards.
 
-Supported: ZeRO-0 fp32 pipelines without tied weights across the failed stages (the optimizer
-state must be whole on each rank to be copied), two sub-pipelines.
+The gradients are combined where the optimizer wrapper accumulates them
+(:mod:`ds_swift.recovery.parallel_combine`): ``param.grad`` for fp32, fp16 (loss scaling: both copies
+carry the same scaler state, and the step's overflow check sees the combined gradient) and ZeRO-1
+stage 1; BF16_Optimizer's fp32 buffers for bf16 (ZeRO-0 or ZeRO-1). The copy receives the
+replacement's whole state (masters, optimizer moments, loss scaler): the replayed group is one
+data-parallel rank, so a ZeRO-1 partition is the whole of its stage's optimizer state.
+
+Supported: pipelines without tied weights across the failed stages, two sub-pipelines, the
+wrappers ds_swift.patches.deepspeed_optim_state reads (not ZeRO-2/3 or CPU offload).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from ds_swift.data import BatchFn
+from ds_swift.patches.deepspeed_grad_accum import accumulator, hp_grads, set_hp_grads
+from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper
 from ds_swift.patches.pipeline_copy import copy_pipeline_module, pipeline_globals, swapped_topology
 from ds_swift.recovery.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.parallel_combine import GradCapture, combine_exact, combine_exact_hp, combine_fast
 from ds_swift.recovery.replay import replay
 from ds_swift.recovery.replay_log import ProgressFn
 from ds_swift.recovery.replay_plan import ReplayStats, unwrap_engine
@@ -50,8 +59,6 @@ __all__ = [
 ]  # fmt: skip
 
 Mode = Literal["exact", "fast"]
-#: per parameter, the gradients the backward calls of one micro-batch added, in call order
-Contribution = list[list[torch.Tensor]]
 
 
 def assign_micro_batches(micro_batches: int, workers: int) -> tuple[tuple[int, ...], ...]:
@@ -122,41 +129,6 @@ class ParallelStats:
     per_iteration_exchange_s: list[float] = field(default_factory=list)
 
 
-# ----------------------------------------------------------------------------- combination (pure)
-def combine_exact(contributions: Mapping[int, Contribution], num_params: int) -> list[torch.Tensor | None]:
-    """Sum every micro-batch's per-call gradients in micro-batch then call order, as AccumulateGrad did.
-
-    ``contributions[m][i]`` lists what the backward calls of micro-batch ``m`` added to parameter
-    ``i``. The first one becomes the gradient, each later one is added to it in place: the same
-    floating-point additions, in the same order, as sequential accumulation.
-    """
-    grads: list[torch.Tensor | None] = [None] * num_params
-    for m in sorted(contributions):
-        per_param = contributions[m]
-        if len(per_param) != num_params:
-            raise ValueError(f"micro-batch {m} has contributions for {len(per_param)} parameters, not {num_params}")
-        for i, calls in enumerate(per_param):
-            for c in calls:
-                g = grads[i]
-                if g is None:
-                    grads[i] = c.clone()
-                else:
-                    g.add_(c)
-    return grads
-
-
-def combine_fast(partials: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
-    """Sum the sub-pipelines' accumulated gradients in sub-pipeline order (what an all-reduce of them gives)."""
-    out: list[torch.Tensor | None] = []
-    for per_param in zip(*partials):
-        acc: torch.Tensor | None = None
-        for g in per_param:
-            if g is not None:
-                acc = g.clone() if acc is None else acc + g
-        out.append(acc)
-    return out
-
-
 # ----------------------------------------------------------------------------- the copy engine
 def helper_topology(topo: Any, layout: ParallelReplayLayout) -> Any:
     """The engine's topology with helpers and replacements trading coordinates."""
@@ -174,8 +146,13 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
 
     engine = unwrap_engine(engine)
     reasons = []
-    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        reasons.append("parallel recovery copies whole optimizer states: ZeRO-0 fp32 only")
+    try:
+        accumulator(engine.optimizer)
+    except UnsupportedWrapper as exc:
+        reasons.append(f"parallel recovery cannot copy this optimizer's state ({exc})")
+    if int(engine.zero_optimization_stage()) > 1:
+        reasons.append(f"ZeRO stage {engine.zero_optimization_stage()} partitions gradients: parallel recovery "
+                       "combines whole ones (ZeRO stage 0 or 1)")  # fmt: skip
     if any(isinstance(s, TiedLayerSpec) for s in engine.module._layer_specs):
         reasons.append("tied layers are not supported by parallel recovery")
     if getattr(engine.module, "seed_layers", False):
@@ -235,47 +212,6 @@ def transfer_state(engine: Any, copy: Any | None, layout: ParallelReplayLayout, 
 
 
 # ----------------------------------------------------------------------------- the replay
-class GradCapture:
-    """Records what every backward call adds to every parameter's gradient, per micro-batch.
-
-    A tensor hook on a leaf sees the gradient AccumulateGrad is about to add (after any hook
-    registered before it), once per backward call: exactly the addends of sequential accumulation.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.current: int | None = None
-        self.contribs: dict[int, Contribution] = {}
-        self.handles = [p.register_hook(self._hook(i)) for i, p in enumerate(params)]
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if self.current is None:
-                raise RuntimeError("a parameter gradient outside a captured micro-batch")
-            # Cloned: AccumulateGrad may adopt this very tensor as .grad and add to it in place later.
-            self.contribs[self.current][i].append(grad.detach().clone())
-
-        return hook
-
-    @contextmanager
-    def micro_batch(self, m: int) -> Iterator[None]:
-        """Attribute the backward calls made inside the block to micro-batch ``m``."""
-        self.current = m
-        self.contribs.setdefault(m, [[] for _ in self.params])
-        try:
-            yield
-        finally:
-            self.current = None
-
-    def take(self) -> dict[int, Contribution]:
-        out, self.contribs = self.contribs, {}
-        return out
-
-    def remove(self) -> None:
-        while self.handles:
-            self.handles.pop().remove()
-
-
 class _Combiner:
     """Instruction hooks that tag backward passes with their micro-batch and combine before the step."""
 
@@ -285,6 +221,7 @@ class _Combiner:
         self.peer = layout.peer(rank)
         self.backwards = 0
         self.capture = GradCapture(self.params) if mode == "exact" else None
+        self.acc = accumulator(engine.optimizer)
         self.exchange_bytes = 0
         self.exchange_s: list[float] = []
 
@@ -305,24 +242,35 @@ class _Combiner:
         self.exchange_bytes += send_state(mine, self.peer)
         return theirs
 
-    def _reduce(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        if self.capture is not None:
-            mine_c = self.capture.take()
-            theirs = {int(m): c for m, c in self._swap(mine_c).items()}
-            every = {**mine_c, **theirs}
-            if sorted(every) != list(range(self.layout.micro_batches)):
-                raise RuntimeError(
-                    f"exact combination got micro-batches {sorted(every)} of {self.layout.micro_batches}"
-                )
-            grads = combine_exact(every, len(self.params))
+    def _combined_exact(self) -> list[torch.Tensor | None]:
+        mine = self.capture.take() if self.capture is not None else {}
+        every = {**mine, **{int(m): c for m, c in self._swap(mine).items()}}
+        if sorted(every) != list(range(self.layout.micro_batches)):
+            raise RuntimeError(f"exact combination got micro-batches {sorted(every)} of {self.layout.micro_batches}")
+        if self.acc.where == "hp":
+            return combine_exact_hp(every, len(self.params), self.acc.per == "call", self.acc.dtype)
+        return combine_exact(every, len(self.params))
+
+    def _combined_fast(self, opt: Any) -> list[torch.Tensor | None]:
+        if self.acc.where == "hp":
+            held = hp_grads(opt)
+            mine: list[torch.Tensor | None] = [held.get(id(p)) for p in self.params]
         else:
             mine = [p.grad for p in self.params]
-            theirs = self._swap(mine)
-            r = (self.layout.role(self.rank) or (0, 0))[0]
-            grads = combine_fast([mine, theirs] if r == 0 else [theirs, mine])
-        for p, g in zip(self.params, grads):
-            p.grad = None if g is None else g.to(p.device)
+        theirs = self._swap(mine)
+        r = (self.layout.role(self.rank) or (0, 0))[0]
+        return combine_fast([mine, theirs] if r == 0 else [theirs, mine])
+
+    def _reduce(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        grads = self._combined_exact() if self.capture is not None else self._combined_fast(eng.optimizer)
+        if self.acc.where == "hp":
+            # BF16_Optimizer: the step reads its fp32 buffers; param.grad (the last micro-batch's) is
+            # zeroed before the next iteration's first backward.
+            set_hp_grads(eng.optimizer, {id(p): g.to(p.device) for p, g in zip(self.params, grads) if g is not None})
+        else:
+            for p, g in zip(self.params, grads):
+                p.grad = None if g is None else g.to(p.device)
         self.backwards = 0
         self.exchange_s.append(time.perf_counter() - t0)
         return call_next(**kw)

@@ -200,6 +200,7 @@ def _replay_iteration(
     replayer.begin(it, feeder.take(it) if feeder is not None else {})
     _run_iteration(engine, batch_fn, plan, it)
     replayer.end()
+    stats.micro_batch_passes += len(plan.mine)  # this rank's share (parallel recovery) or every micro-batch
     _count_iteration(engine, stats, it, time.perf_counter() - t_it)
 
 

@@ -178,6 +178,7 @@ class ReplayStats:
     sends_live: int = 0
     recvs_live: int = 0
     collectives_substituted: int = 0  # optimizer-step collectives taken from a survivor's records
+    micro_batch_passes: int = 0  # the work recomputed: micro-batch forward (and backward) passes run
     losses: dict[int, float] = field(default_factory=dict)  # last stage: mean micro-batch loss per iteration
 
 
@@ -196,6 +197,7 @@ def replay_summary(stats: Any) -> dict[str, Any]:
         "log_wait_s": rep.log_wait_s,
         "sends_dropped": rep.sends_dropped,
         "collectives_substituted": rep.collectives_substituted,
+        "micro_batch_passes": rep.micro_batch_passes,
     }
     if rep is not stats:
         out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
@@ -204,9 +206,14 @@ def replay_summary(stats: Any) -> dict[str, Any]:
 
 
 def replay_totals(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The replay's figures over every replayer: the slowest one's wall time, the bytes read."""
+    """The replay's figures over every replayer: the slowest one's wall time, the bytes read, the work
+    recomputed (micro-batch forward/backward passes, each one forward and one backward of one stage:
+    in all, and on the busiest replayer, the replay's critical path)."""
+    passes = [int(s.get("micro_batch_passes", 0)) for s in per_rank.values()]
     return {
         "replay_s": max((s.get("wall_s", 0.0) for s in per_rank.values()), default=0.0),
+        "micro_batch_passes": sum(passes),
+        "micro_batch_passes_busiest": max(passes, default=0),
         "log_bytes_read": sum(s.get("log_bytes_read", 0) for s in per_rank.values()),
         "per_rank": {str(r): s for r, s in per_rank.items()},
     }

@@ -315,6 +315,7 @@ class EngineLogging:
             ds_config=self.ds_config,
             parallel=self.cfg.parallel_recovery,
             mode=self.cfg.parallel_recovery_mode,
+            force_parallel=self.cfg.parallel_recovery_force,
             recorder=self.recorder,
             log_error=self.log_error if survivor else None,
             host=host,

@@ -142,6 +142,15 @@ class LoggingSpec:
     """Replay speed-up of parallel recovery; ``None``: ``floor(machines / group size)``, the
     paper's ideal (section 5.3)."""
 
+    parallel_setup_s: float = 0.0
+    """Per failure, with parallel recovery: the helpers' copy engines built and the replacements'
+    state sent to them before the replay starts (bench: the parallel row's recovery minus its
+    replay and the sequential row's restore)."""
+
+    parallel_exchange_s_per_iteration: float = 0.0
+    """With parallel recovery: per replayed iteration, the two copies of a stage swap their
+    micro-batches' gradients before the step (exact mode), on the replay's critical path."""
+
     upload_s: float = 0.0
     """Per failure: survivors flush and upload the log chunks the replacement needs."""
 
@@ -166,6 +175,8 @@ class LoggingSpec:
         if self.parallel_speedup is not None and self.parallel_speedup < 1:
             raise _err("logging.parallel_speedup", self.parallel_speedup, "a number >= 1")
         _check_number("logging.upload_s", self.upload_s)
+        _check_number("logging.parallel_setup_s", self.parallel_setup_s)
+        _check_number("logging.parallel_exchange_s_per_iteration", self.parallel_exchange_s_per_iteration)
         _check_number("logging.download_s_per_iteration", self.download_s_per_iteration)
 
 
@@ -276,6 +287,8 @@ class StrategySpec:
                 total += getattr(self, name)
         if self.logging is not None:
             total += self.logging.upload_s
+            if self.logging.parallel_recovery:
+                total += self.logging.parallel_setup_s
         return total
 
 
@@ -331,10 +344,12 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
     spec = strategy.logging
     assert spec is not None  # __post_init__ fills it for kind logging
     m, p, machines = workload.micro_batches, workload.pipeline_stages, workload.machines
+    # Parallel recovery adds the copies' gradient swap to every replayed iteration.
+    exchange = spec.parallel_exchange_s_per_iteration if spec.parallel_recovery else 0.0
     if spec.replay_fraction is not None:
         speed = (spec.parallel_speedup or 1.0) if spec.parallel_recovery else 1.0
         # A measured fraction describes the configured group; the group sizes do not matter.
-        return (RecoveryPath(1.0, max(t * spec.replay_fraction / speed, spec.download_s_per_iteration)),)
+        return (RecoveryPath(1.0, max(t * spec.replay_fraction / speed + exchange, spec.download_s_per_iteration)),)
     sizes = spec.groups if spec.groups is not None else (1,) * machines
     if sum(sizes) != machines:
         raise _err("logging.groups", list(sizes), f"group sizes must add up to the workload's {machines} machines")
@@ -346,7 +361,7 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
         speed = 1.0
         if spec.parallel_recovery:
             speed = spec.parallel_speedup if spec.parallel_speedup is not None else float(max(1, machines // size))
-        paths.append(RecoveryPath(size / machines, max(t * fraction / speed, spec.download_s_per_iteration)))
+        paths.append(RecoveryPath(size / machines, max(t * fraction / speed + exchange, spec.download_s_per_iteration)))
     return tuple(paths)
 
 

@@ -37,7 +37,8 @@ logging), ``snapshot_interval`` and ``snapshot_cost_s`` (snapshot), ``undo_s`` (
 logging, elastic), ``broadcast_s`` (replication, snapshot, elastic), ``repair_s``, ``grow_s`` and
 ``shrunk_throughput`` (elastic), ``logging`` (logging: ``groups`` as a count
 of balanced groups or a list of machines per group, ``replay_fraction``,
-``parallel_recovery``, ``parallel_speedup``, ``upload_s``, ``download_s_per_iteration``).
+``parallel_recovery``, ``parallel_speedup``, ``parallel_setup_s``,
+``parallel_exchange_s_per_iteration``, ``upload_s``, ``download_s_per_iteration``).
 A field in ``defaults`` that a kind does not read is skipped for that strategy; the same field
 written in the strategy itself is an error (it would silently do nothing).
 """
@@ -68,7 +69,8 @@ __all__ = ["SimConfig", "SweepSpec", "WorkloadConfig", "load_sim_config", "parse
 
 _ALL_STRATEGY_FIELDS = COMMON_FIELDS.union(*KIND_FIELDS.values())
 _LOGGING_FIELDS = frozenset(
-    {"groups", "replay_fraction", "parallel_recovery", "parallel_speedup", "upload_s", "download_s_per_iteration"}
+    {"groups", "replay_fraction", "parallel_recovery", "parallel_speedup", "parallel_setup_s",
+     "parallel_exchange_s_per_iteration", "upload_s", "download_s_per_iteration"}
 )
 _FAILURE_FIELDS = frozenset({"model", "count", "mtbf_hours", "median_hours", "shape"})
 

@@ -53,7 +53,10 @@ def launch(
     nnodes: int = 2,
     nproc: int = 2,
 ) -> JobRun:
-    spec = JobSpec(FAULT_WORKER, BUDGET, iterations, launcher_args, MODEL_ARGS, swift=swift or {},
+    # Forced: on a CI host with fewer cores than replaying ranks the recovery plan would rightly
+    # replay sequentially (parallel recovery cannot help there), and these jobs check the parallel path.
+    swift = {"parallel_recovery_force": True, **(swift or {})}
+    spec = JobSpec(FAULT_WORKER, BUDGET, iterations, launcher_args, MODEL_ARGS, swift=swift,
                    nnodes=nnodes, nproc_per_node=nproc)  # fmt: skip
     return run_job(tmp, spec, JOB_DEADLINE_S)
 

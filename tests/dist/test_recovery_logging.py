@@ -152,7 +152,7 @@ def parallel(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
         tmp_path_factory.mktemp("parallel"),
         ["--spares", "4", "--max-failures", "4", "--inject",
          "machine=1,iteration=12,phase=backward;machine=0,iteration=18,phase=step"],
-        swift={"parallel_recovery": True, "parallel_recovery_mode": "exact"},
+        swift={"parallel_recovery": True, "parallel_recovery_mode": "exact", "parallel_recovery_force": True},
         env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=0,iteration=17", "SWIFT_TEST_KILL_IN_SAVE": "rank=3,iteration=16"},
     )  # fmt: skip
 

@@ -8,11 +8,18 @@ replacement loads its stages' partitions (fp32 masters and optimizer state) from
 replays iterations 8..11 from the message log; the survivors keep their state (none loads a
 checkpoint); the end is bitwise equal to the failure-free run, optimizer state included. The same
 in fp16 with dynamic loss scaling, with a skipped (overflowed) step among the replayed iterations.
+
+Parallel recovery (issue 34, item 3): the config asks for it; on a host with fewer CPU cores than
+replaying ranks the recovery plan says it cannot help and replays sequentially; forced
+(``parallel_recovery_force``), the survivors of machine 0 host copies of stages 2 and 3 and replay
+half the micro-batches, combining BF16_Optimizer's fp32 gradient buffers in the original order:
+bitwise equal too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -84,6 +91,22 @@ def test_bf16_zero1_kill_at_backward_replays_from_the_log_bitwise(
 ) -> None:
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"])
     assert_replayed_bitwise(job, reference)
+    (tl,) = job.timelines()
+    if len(os.sched_getaffinity(0)) < 4:  # 2 replacements + 2 helpers, one thread each
+        assert "parallel recovery not used (it cannot help here: replacements [2, 3] and helpers [0, 1]" in job.output
+        assert tl["replay"]["parallel"] is None
+    else:
+        assert tl["replay"]["parallel"] == "exact"
+
+
+def test_bf16_zero1_parallel_recovery_forced_is_bitwise(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
+                 swift={"parallel_recovery_force": True})  # fmt: skip
+    assert_replayed_bitwise(job, reference)
+    (tl,) = job.timelines()
+    assert tl["replay"]["parallel"] == "exact" and tl["replay"]["ranks"] == [0, 1, 2, 3], tl["replay"]
+    shares = {r: s.get("share") for r, s in tl["replay"]["per_rank"].items()}
+    assert shares == {"0": [1, 3], "1": [1, 3], "2": [0, 2], "3": [0, 2]}, shares
 
 
 def test_fp16_zero1_with_a_skipped_step_in_the_replay_is_bitwise(tmp_path: Path, warm_deepspeed: None) -> None:

@@ -93,6 +93,28 @@ def test_a_logging_row_counts_the_replayed_iterations(tmp_path: Path) -> None:
     assert prow.restore_s == pytest.approx(0.5)
 
 
+def test_parallel_and_sequential_replay_rows_count_the_work_recomputed(tmp_path: Path) -> None:
+    """The variants run logging-based recovery with and without parallel recovery; each row counts
+    the micro-batch passes its replay ran (all replayers / the busiest one), and the table shows them."""
+    assert strategy_overrides("logging_parallel", 8) == {
+        "strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True, "checkpoint": {"interval": 8}}
+    assert strategy_overrides("logging_sequential", 8) == {
+        "strategy": "logging", "parallel_recovery": False, "checkpoint": {"interval": 8}}  # fmt: skip
+    ref = fake_job(tmp_path, "none", STEADY, W)
+    runs = {}
+    for name, passes, busiest, mode in (("logging_sequential", 32, 16, None), ("logging_parallel", 32, 8, "exact")):
+        tl = {"strategy": "logging", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 2.0,
+              "checkpoint_step": 8, "pre_failure_iteration": 11,
+              "replay": {"replay_s": 1.5, "parallel": mode, "micro_batch_passes": passes,
+                         "micro_batch_passes_busiest": busiest}}  # fmt: skip
+        runs[name] = (fake_job(tmp_path, f"{name}-c", STEADY, W), fake_job(tmp_path, f"{name}-f", STEADY, W, [tl]))
+    rows = bench_rows(ref, runs)
+    assert [(r["recomputed_passes"], r["recomputed_passes_busiest"], r["parallel_replay"]) for r in rows] == [
+        (32, 16, [None]), (32, 8, ["exact"])]  # fmt: skip
+    table = format_table(rows)
+    assert "recomputed" in table[0] and table[2].endswith("32/16") and table[3].endswith("32/8")
+
+
 def test_an_elastic_row_measures_the_shrunk_speed(tmp_path: Path) -> None:
     """No spare: the job shrank at iteration 4 (consensus 3) and went on at half speed; the profile
     row is kind elastic with that speed, which the simulator's elastic model reads."""

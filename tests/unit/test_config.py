@@ -89,6 +89,8 @@ def test_missing_file(tmp_path: Path) -> None:
         ({"strategy": "fast"}, "strategy='fast'"),
         ({"parallel_recovery": "true"}, "parallel_recovery='true'"),
         ({"parallel_recovery_mode": "slow"}, "parallel_recovery_mode='slow'"),
+        ({"parallel_recovery_force": "yes"}, "parallel_recovery_force='yes'"),
+        ({"parallel_recovery_force": True}, "parallel_recovery_force=true forces parallel recovery, which is off"),
         ({"run_dir": 3}, "run_dir=3"),
         ({"machines": {"gpus_per_node": 0}}, "machines.gpus_per_node=0"),
         ({"machines": {"gpus_per_node": 8.0}}, "machines.gpus_per_node=8.0"),

@@ -17,6 +17,7 @@ from ds_swift.recovery.parallel import (
     combine_fast,
     helper_topology,
 )
+from ds_swift.recovery.parallel_combine import combine_exact_hp
 
 
 @given(st.integers(1, 64), st.integers(1, 8))
@@ -75,8 +76,9 @@ class TupleStage(nn.Module):
 
 def run_micro_batch(model: TupleStage, m: int, seed: int, h: int) -> None:
     g = torch.Generator().manual_seed(seed * 100 + m)
-    outs = model(torch.randn(3, h, generator=g))
-    grads = [torch.randn(o.shape, generator=g) * 1e-3 for o in outs]
+    dtype = model.a.weight.dtype
+    outs = model(torch.randn(3, h, generator=g).to(dtype))
+    grads = [(torch.randn(o.shape, generator=g) * 1e-3).to(dtype) for o in outs]
     for i, (o, gr) in enumerate(zip(outs, grads)):
         o.backward(gr, retain_graph=i < len(outs) - 1)
 
@@ -128,3 +130,69 @@ def test_capture_refuses_gradients_outside_a_micro_batch() -> None:
         lin(torch.ones(1, 2)).sum().backward()
     capture.remove()
     lin(torch.ones(1, 2)).sum().backward()  # removed: no longer watched
+
+
+def bf16_optimizer_run(model: TupleStage, share: list[int], seed: int, h: int, per_call: bool) -> list[torch.Tensor]:
+    """What BF16_Optimizer's fp32 gradient buffers hold after ``share`` (DeepSpeed 0.19.8's pipeline
+    path): per micro-batch, ``clear_lp_grads`` zeroes the bf16 ``.grad``, the backward calls add
+    to it, ``update_hp_grads`` adds it cast to fp32; with ``immediate_grad_update`` a
+    post-accumulate hook adds each call's gradient and drops ``.grad``."""
+    params = list(model.parameters())
+    hp = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+    handles = []
+    if per_call:
+        def adder(i: int):  # noqa: ANN202 - a hook factory
+            def hook(p: torch.Tensor) -> None:
+                hp[i].add_(p.grad.to(torch.float32))
+                p.grad = None
+            return hook
+        handles = [p.register_post_accumulate_grad_hook(adder(i)) for i, p in enumerate(params)]
+    for mb in share:
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        run_micro_batch(model, mb, seed, h)
+        if not per_call:
+            for i, p in enumerate(params):
+                hp[i].add_(p.grad.to(torch.float32))
+    for handle in handles:
+        handle.remove()
+    return hp
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 7), st.integers(2, 10), st.integers(0, 10**6), st.booleans())
+def test_exact_hp_combination_is_bitwise_bf16_optimizer_accumulation(m: int, h: int, seed: int, per_call: bool) -> None:
+    """bf16 + ZeRO-1 (BF16_Optimizer): two copies, each a share of the micro-batches, combine into
+    the fp32 buffers of the sequential run, bit for bit (per micro-batch, and immediate_grad_update)."""
+    torch.manual_seed(seed)
+    ref = TupleStage(h).to(torch.bfloat16)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    expected = bf16_optimizer_run(ref, list(range(m)), seed, h, per_call)
+    contributions = {}
+    for share in assign_micro_batches(m, 2):
+        copy = TupleStage(h).to(torch.bfloat16)
+        copy.load_state_dict(state)
+        capture = GradCapture(list(copy.parameters()))
+        for mb in share:
+            with capture.micro_batch(mb):
+                run_micro_batch(copy, mb, seed, h)
+        contributions.update(capture.take())
+        capture.remove()
+    got = combine_exact_hp(contributions, len(expected), per_call)
+    for e, g in zip(expected, got):
+        assert g is not None and g.dtype == torch.float32
+        assert torch.equal(e.view(torch.int32), g.view(torch.int32))  # bit for bit
+
+
+def test_parallel_helps_only_with_compute_of_its_own() -> None:
+    from ds_swift.recovery.parallel_plan import parallel_helps
+
+    lay = ParallelReplayLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=4)
+    one_host = {r: {"host": "h", "cores": 2, "threads": 1, "accelerator": False} for r in range(4)}
+    why = parallel_helps(lay, one_host)
+    assert why is not None and "host h's 2 CPU core(s) with 4 thread(s)" in why
+    assert parallel_helps(lay, {r: {**c, "cores": 4} for r, c in one_host.items()}) is None
+    assert parallel_helps(lay, {r: {**c, "accelerator": True} for r, c in one_host.items()}) is None
+    two_hosts = {r: {**c, "host": f"h{r // 2}"} for r, c in one_host.items()}  # 2 replayers per 2-core host
+    assert parallel_helps(lay, two_hosts) is None
