@@ -1,5 +1,6 @@
-"""The update logger (strategy ``tranlogs``): after every optimizer step, this rank's update record
-goes to the log store (ds_swift.recovery.update_log has the record and how it is re-applied).
+"""The update logger (strategy ``tranlogs``, and the stages that log their updates under
+``logging.kinds``): after every optimizer step, this rank's update record goes to the log store
+(ds_swift.recovery.update_log has the record and how it is re-applied).
 
 The training thread copies the step's gradient to host memory (what the next backward would
 overwrite) and hands the record over; a background thread serialises it and puts it into
@@ -38,10 +39,22 @@ class UpdateLogger:
         storage: the log store's URL (``logging.storage``).
         undo: returns the update-undo handle of the engine in force (the record comes from it).
         log: prints one line tagged with the rank.
+        enabled: whether this rank logs the step just taken (None: always); under ``logging.kinds``
+            only the ranks of stages the plan has log their updates.
     """
 
-    def __init__(self, rank: int, storage: str, undo: Callable[[], Any], log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        storage: str,
+        undo: Callable[[], Any],
+        log: Callable[[str], None],
+        enabled: Callable[[], bool] | None = None,
+    ) -> None:
         self.rank = rank
+        self._enabled = enabled
+        self.iteration_bytes: dict[int, int] = {}
+        """Bytes stored per iteration, of the last few (the first iteration's size the plan)."""
         self.storage = storage
         self._undo = undo
         self._log = log
@@ -70,7 +83,7 @@ class UpdateLogger:
 
     def after_step(self, engine: Any) -> None:
         """Record the step just taken and queue it for the store."""
-        if self.lost is not None:
+        if self.lost is not None or (self._enabled is not None and not self._enabled()):
             return
         t0 = time.perf_counter()
         undo = self._undo()
@@ -148,8 +161,12 @@ class UpdateLogger:
         name = record_name(self.rank, arg.iteration)
         path = os.path.join(tmp, name)
         try:
-            self.bytes += save_record(arg, path)
+            nbytes = save_record(arg, path)
             self._store.put_file(path, name)
+            self.bytes += nbytes
+            self.iteration_bytes[arg.iteration] = nbytes
+            for old in sorted(self.iteration_bytes)[:-8]:
+                del self.iteration_bytes[old]
         finally:
             if os.path.exists(path):
                 os.unlink(path)
