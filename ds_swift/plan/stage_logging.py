@@ -58,12 +58,12 @@ class StageDecision:
         return f"stage {self.stages[0]}" if len(self.stages) == 1 else f"stages {', '.join(map(str, self.stages))}"
 
 
-def first_kinds(kinds: str | Sequence[str], plan: Plan) -> dict[int, set[Kind]]:
+def first_kinds(kinds: str | Sequence[str], plan: Plan) -> dict[int, set[str]]:
     """What each stage recovered by logging logs before anything is measured: ``auto`` logs both
     kinds (the first iteration's records serve a recovery whichever is chosen), a per-stage list
     its own, ``messages`` messages only."""
     _check_kinds(kinds, plan.layout.pp)
-    out: dict[int, set[Kind]] = {}
+    out: dict[int, set[str]] = {}
     for s, how in plan.stage_strategy.items():
         if how != "logging":
             continue

@@ -105,7 +105,7 @@ class EngineLogging:
 
                 self._plan = conservative_plan(self._layout, self.cfg)
                 self._decided = not needs_measuring(self.cfg, self._plan)
-                self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)  # type: ignore[assignment]
+                self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
                 self._log(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
                 self._plan = False

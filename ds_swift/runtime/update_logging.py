@@ -4,7 +4,9 @@
 
 The training thread copies the step's gradient to host memory (what the next backward would
 overwrite) and hands the record over; a background thread serialises it and puts it into
-``logging.storage`` with its checksum, off the critical path. At most ``MAX_QUEUED`` records wait:
+``logging.storage`` with its checksum, off the critical path; the next optimizer step waits until
+it is stored (the writer had that whole iteration), so a rank that dies loses at most the record of
+the iteration in flight, which no survivor stepped either. At most ``MAX_QUEUED`` records wait:
 a store slower than the steps makes the training thread wait rather than hold ever more host
 memory. A write that fails (full disk, unreachable store) stops update logging on this rank for
 the rest of the job, loudly, and training goes on: a later failure of this rank then finds its
@@ -29,6 +31,8 @@ from ds_swift.storage import open_store
 __all__ = ["UpdateLogger"]
 
 MAX_QUEUED = 4
+#: how long a step waits for the previous step's record to be stored
+STORED_BEFORE_STEP_S = 60.0
 
 
 class UpdateLogger:
@@ -75,6 +79,11 @@ class UpdateLogger:
         from ds_swift.patches.instructions import schedule
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            # The previous step's record is stored before this step runs: a rank lost from here on
+            # has every record up to the consensus (no survivor steps past this iteration without
+            # it). The writer had the whole iteration for it, so this rarely waits.
+            if self._thread is not None and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
+                self._log(f"update log: the previous record was not stored within {STORED_BEFORE_STEP_S:g} s")
             out = call_next(**kw)
             self.after_step(eng)
             return out
