@@ -73,13 +73,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     PARALLEL: {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True},
     SEQUENTIAL: {"strategy": "logging", "parallel_recovery": False},
 }
-#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), ELASTIC
-#: and the VARIANTS
-STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC, *VARIANTS)
+#: TranLogs' per-stage mix: the first half of the stages log their inbound messages, the others their
+#: updates (``logging.kinds``), against ``logging`` (messages everywhere): the bytes each logs
+MIX = "logging_mix"
+#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), ELASTIC,
+#: the VARIANTS and MIX
+STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC, *VARIANTS, MIX)
 
 
-def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
-    """The ``swift`` section overrides one strategy's jobs run with."""
+def strategy_overrides(name: str, interval: int, pp: int = 2) -> dict[str, Any]:
+    """The ``swift`` section overrides one strategy's jobs run with (``pp``: the job's pipeline stages)."""
     if name == REFERENCE:
         return {"enabled": False}
     if name not in STRATEGIES:
@@ -88,6 +91,11 @@ def strategy_overrides(name: str, interval: int) -> dict[str, Any]:
         return {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": interval}}
     if name in VARIANTS:
         return {**VARIANTS[name], "checkpoint": {"interval": interval}}
+    if name == MIX:
+        # Halves, not the planner's pick (logging.kinds auto): on the tiny GPT every stage's messages
+        # are smaller than its updates, and machines hold consecutive stages (a group, one kind).
+        kinds = ["messages"] * ((pp + 1) // 2) + ["updates"] * (pp // 2)
+        return {"strategy": "logging", "logging": {"kinds": kinds}, "checkpoint": {"interval": interval}}
     return {"strategy": name, "checkpoint": {"interval": interval}}
 
 
@@ -110,7 +118,8 @@ class BenchSetup:
             inject = f"machine={self.machine},iteration={self.kill_iteration},phase={self.phase}"
             launcher = [*(["--elastic"] if strategy == ELASTIC else ["--spares", "1"]), "--inject", inject]
         # The swift section's machines are the launcher's (PipeChurn's chunks go to other machines).
-        swift = {**strategy_overrides(strategy, self.interval), "machines": {"gpus_per_node": self.nproc}}
+        pp = int(json.loads(self.config.read_text()).get("pipeline", {}).get("stages", 1))
+        swift = {**strategy_overrides(strategy, self.interval, pp), "machines": {"gpus_per_node": self.nproc}}
         return JobSpec(
             self.example, self.config, self.iterations, launcher, self.script_args,
             swift=swift, nnodes=self.nnodes, nproc_per_node=self.nproc,

@@ -61,6 +61,10 @@ ParallelRecoveryMode = Literal["exact", "fast"]
 STORAGE_SCHEMES = ("", "file", "hdfs", "webhdfs", "s3", "memory")
 
 
+#: What a stage recovered by logging may log (``logging.kinds``).
+LOG_KINDS = ("messages", "updates")
+
+
 class ConfigError(ValueError):
     """A ``swift`` config value is invalid. The message names the field and the fix."""
 
@@ -154,6 +158,14 @@ class LoggingConfig:
     """Where chunks are written before upload. ``None`` writes straight into ``storage``
     when that is a ``file://`` URL, else into a temporary directory."""
 
+    kinds: str | tuple[str, ...] = "messages"
+    """What each stage recovered by logging logs (TranLogs' per-stage mix): ``messages`` (its
+    inbound activations and gradients, SWIFT's log: every stage, the default); ``auto`` (per stage
+    the fewer bytes per iteration, its inbound messages or its own updates, as measured in the
+    first iteration, where both kinds are logged: ds_swift.plan.stage_logging); or one of
+    ``messages``/``updates`` per pipeline stage (a list of pp entries; stages not recovered by
+    logging ignore theirs). Read under strategy ``auto`` and ``logging``."""
+
     def __post_init__(self) -> None:
         _check_type("logging.storage", self.storage, str, "a URL such as file:///lustre/logs")
         scheme = urlparse(self.storage).scheme
@@ -180,6 +192,13 @@ class LoggingConfig:
         _check_type("logging.bubble_only", self.bubble_only, bool, "true or false")
         if self.local_dir is not None:
             _check_type("logging.local_dir", self.local_dir, str, "a directory path or null")
+        kinds = self.kinds
+        if isinstance(kinds, list | tuple):
+            if not kinds or any(k not in LOG_KINDS for k in kinds):
+                raise _fail("logging.kinds", kinds, "a list of messages/updates, one per pipeline stage")
+            object.__setattr__(self, "kinds", tuple(kinds))  # frozen config: hashable
+        elif kinds not in ("messages", "auto"):
+            raise _fail("logging.kinds", kinds, "messages, auto, or a list of messages/updates per pipeline stage")
 
 
 @dataclass(frozen=True)

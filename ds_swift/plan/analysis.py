@@ -74,6 +74,9 @@ class Plan:
     min_budget_gb: float | None = None
     """Set when ``storage_budget_gb`` cannot be met (no grouping that logs fits it): the
     smallest budget that logs something, in GB."""
+    stage_log_kind: dict[int, str] = field(default_factory=dict)
+    """What each stage recovered by logging logs, once a running engine has decided
+    (ds_swift.plan.stage_logging): ``messages`` or ``updates``; empty: messages everywhere."""
     _logged_pairs: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
     _group_of: dict[int, int] = field(init=False, repr=False, compare=False)
 
@@ -98,6 +101,16 @@ class Plan:
     def is_logged(self, src_rank: int, dst_rank: int) -> bool:
         """Whether the pipeline send ``src_rank -> dst_rank`` crosses a group boundary and is logged."""
         return (src_rank, dst_rank) in self._logged_pairs
+
+    @property
+    def update_stages(self) -> frozenset[int]:
+        """The stages recovered by logging that log their updates (TranLogs), not their inbound messages."""
+        return frozenset(s for s, k in self.stage_log_kind.items() if k == "updates")
+
+    @property
+    def replay_stages(self) -> frozenset[int]:
+        """The stages recovered by logging that replay their inbound messages."""
+        return frozenset(s for s, v in self.stage_strategy.items() if v == "logging") - self.update_stages
 
     @property
     def log_bytes_per_iteration(self) -> int:
@@ -171,6 +184,7 @@ class Plan:
             },
             "notes": list(self.notes),
             "min_budget_gb": self.min_budget_gb,
+            "stage_log_kind": {str(k): v for k, v in sorted(self.stage_log_kind.items())},
         }
 
 

@@ -1,4 +1,4 @@
-"""The storage budget at runtime: the logging plan an engine starts with, and the one it switches to.
+"""The logging plan at runtime: the one an engine starts with, and the one it switches to once measured.
 
 A DeepSpeed config says nothing of the hidden size or the sequence length, so under a
 ``logging.storage_budget_gb`` a running engine cannot size its pipeline messages before it has
@@ -8,8 +8,10 @@ its first iteration what each logged send wrote and how long the iteration took
 (:class:`~ds_swift.plan.sizes.MeasuredSizes`), and then every rank computes the same
 :func:`budget_plan` from the same figures and logs by it from the next iteration on.
 
-Grouping only removes cuts, so whatever the budgeted plan logs the conservative one logged too:
-the first iteration's log serves a recovery under either plan. A budget that no grouping that
+Every plan that logs is measured so (also without a budget): from the same figures each stage's
+log kind and whether logging pays there are decided (ds_swift.plan.stage_logging), and the plan
+logs accordingly. Grouping and those decisions only remove cuts, so whatever the measured plan logs
+the conservative one logged too: the first iteration's log serves a recovery under either plan. A budget that no grouping that
 logs can meet is an error naming the field and the smallest budget that works (:func:`budget_error`),
 never a plan that silently logs nothing. Pure functions: no process group.
 """
@@ -20,8 +22,9 @@ from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.plan.analysis import Plan, analyze, analyze_config
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import GB, MeasuredSizes
+from ds_swift.plan.stage_logging import StageDecision, apply_decisions, decide_stages, describe_stages
 
-__all__ = ["budget_error", "budget_plan", "conservative_plan", "describe", "needs_measuring"]
+__all__ = ["budget_error", "budget_plan", "conservative_plan", "decide", "describe", "needs_measuring"]
 
 
 def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig) -> Plan:
@@ -35,26 +38,37 @@ def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig) -> Plan:
         checkpoint_interval=cfg.checkpoint.interval,
         parallel_recovery=cfg.parallel_recovery,
     )
-    if budget is None or not plan.logged_edges:
+    if not plan.logged_edges:
         return plan
-    note = (
-        f"logging.storage_budget_gb={budget:g} is applied once the first iteration's messages are measured; "
-        "until then every machine boundary is logged"
-    )
+    checks = "the per-stage log kinds and worth-logging checks"
+    when = "once the first iteration's messages are measured"
+    if budget is not None:
+        note = f"logging.storage_budget_gb={budget:g} is applied {when}, as are {checks}"
+    else:
+        note = f"{checks} are applied {when}"
+    note += "; until then every machine boundary is logged"
     return _with_note(plan, note)
 
 
 def needs_measuring(cfg: SwiftConfig, plan: Plan) -> bool:
-    """The engine must measure its messages before it can plan: a budget, and a plan that logs."""
-    return cfg.logging.storage_budget_gb is not None and bool(plan.logged_edges)
+    """The engine must measure its first iteration before it settles its plan: wherever the plan
+    logs (the storage budget, the log kind of each stage and whether logging pays need the figures)."""
+    return bool(plan.logged_edges)
 
 
-def budget_plan(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> Plan:
-    """The config's plan sized by ``measured``; raises :func:`budget_error` if the budget cannot be met."""
+def decide(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> tuple[Plan, list[StageDecision]]:
+    """The config's plan sized by ``measured``, with each logging stage's kind and worth-logging
+    decision applied, and those decisions; raises :func:`budget_error` if the budget cannot be met."""
     plan = analyze_config(layout, cfg, measured=measured, iteration_time_s=measured.iteration_time_s)
     if plan.min_budget_gb is not None:
         raise budget_error(cfg, plan)
-    return plan
+    decisions = decide_stages(plan, cfg.logging.kinds, measured)
+    return apply_decisions(plan, decisions), decisions
+
+
+def budget_plan(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> Plan:
+    """The plan of :func:`decide`."""
+    return decide(layout, cfg, measured)[0]
 
 
 def budget_error(cfg: SwiftConfig, plan: Plan) -> ConfigError:
@@ -70,21 +84,28 @@ def budget_error(cfg: SwiftConfig, plan: Plan) -> ConfigError:
     )
 
 
-def describe(plan: Plan, cfg: SwiftConfig) -> list[str]:
-    """The plan, in the few lines the engine prints once when it has measured its messages."""
+def describe(plan: Plan, cfg: SwiftConfig, decisions: list[StageDecision] | None = None) -> list[str]:
+    """The plan, in the few lines the engine prints once when it has measured its first iteration
+    (with ``decisions``: one more, each logging stage's kind or why it is not logged)."""
     m = plan.measured
     budget, interval = cfg.logging.storage_budget_gb, cfg.checkpoint.interval
     per_iteration = plan.log_bytes_per_iteration
     timed = f", iteration time {m.iteration_time_s:.3g} s" if m is not None and m.iteration_time_s else ""
     where = f"measured in iteration {m.iteration}{timed}" if m is not None else "from the model shape"
     held = per_iteration * interval / GB
+    updates = sum(m.stage_update_bytes(s) or 0 for s in plan.update_stages) if m is not None else 0
+    also = f" of messages and {updates} bytes of updates (stages {sorted(plan.update_stages)})" if plan.update_stages else ""
+    title = f"logging.storage_budget_gb={budget:g}" if budget is not None else "no storage budget"
     lines = [
-        f"logging plan for logging.storage_budget_gb={budget:g} ({where}): {len(plan.groups)} group(s) of "
-        f"machines {plan.groups} ({plan.grouping_method}); {per_iteration} bytes logged per iteration, "
-        f"{held:.3g} GB per checkpoint interval of {interval} iterations",
+        f"logging plan for {title} ({where}): {len(plan.groups)} group(s) of "
+        f"machines {plan.groups} ({plan.grouping_method}); {per_iteration} bytes{also} logged per "
+        f"iteration, {(per_iteration + updates) * interval / GB if updates else held:.3g} GB per checkpoint interval "
+        f"of {interval} iterations",
         f"recovery per pipeline stage: {plan.stage_strategy}",
         f"worth logging: {'yes' if plan.worth_logging[0] else 'no'}: {plan.worth_logging[1]}",
     ]
+    if decisions is not None and m is not None:
+        lines.append(describe_stages(decisions, m))
     return lines + [f"note: {n}" for n in plan.notes]
 
 

@@ -108,9 +108,18 @@ class MeasuredSizes:
     """Parameters of the whole model (one data-parallel replica, every stage and TP shard)."""
     state_bytes_per_param: float = 16.0
     """Model-state bytes per parameter (as :attr:`ModelShape.state_bytes_per_param`)."""
+    stage_params: tuple[int, ...] = ()
+    """Parameters of each pipeline stage (one data-parallel replica); empty: not measured."""
+    update_bytes: tuple[int, ...] = ()
+    """Update-log bytes each stage wrote in the measured iteration (every rank of it), where it
+    logged its updates (ds_swift.runtime.update_logging); empty or 0: not measured."""
+    copy_gbps: float | None = None
+    """Device-to-host copy bandwidth in GB/s measured at start-up (the slowest rank's); None on
+    CPU, where a logged tensor is never copied off a device."""
 
     def __post_init__(self) -> None:
         positive_int("micro_batches", self.micro_batches)
+        positive_float("copy_gbps", self.copy_gbps)
         positive_float("iteration_time_s", self.iteration_time_s)
         if self.num_params is not None:
             positive_int("num_params", self.num_params)
@@ -134,7 +143,8 @@ class MeasuredSizes:
     def from_reports(cls, reports: Iterable[Mapping[str, Any]], micro_batches: int) -> MeasuredSizes:
         """Merge one report per rank: ``{"rank", "iteration", "sends": [[dst, bytes], ...],
         "seconds", "params"}`` (``params``: its parameters where it counts toward the model,
-        i.e. on data-parallel rank 0, else 0)."""
+        i.e. on data-parallel rank 0, else 0), optionally ``"stage"`` (its pipeline stage: the
+        parameters and ``"update_bytes"`` add up per stage) and ``"copy_gbps"``."""
         reports = list(reports)
         iterations = {int(r["iteration"]) for r in reports}
         if len(iterations) != 1:
@@ -142,7 +152,30 @@ class MeasuredSizes:
         edges = sorted((int(r["rank"]), int(dst), int(b)) for r in reports for dst, b in r["sends"])
         seconds = [float(r["seconds"]) for r in reports if r.get("seconds")]
         params = sum(int(r.get("params") or 0) for r in reports)
-        return cls(tuple(edges), micro_batches, iterations.pop(), max(seconds, default=None), params or None)
+        staged = [r for r in reports if r.get("stage") is not None]
+        pp = max((int(r["stage"]) for r in staged), default=-1) + 1
+        stage_params, update_bytes = [0] * pp, [0] * pp
+        for r in staged:
+            stage_params[int(r["stage"])] += int(r.get("params") or 0)
+            update_bytes[int(r["stage"])] += int(r.get("update_bytes") or 0)
+        copies = [float(r["copy_gbps"]) for r in reports if r.get("copy_gbps")]
+        return cls(
+            tuple(edges), micro_batches, iterations.pop(), max(seconds, default=None), params or None,
+            stage_params=tuple(stage_params), update_bytes=tuple(update_bytes) if any(update_bytes) else (),
+            copy_gbps=min(copies, default=None),
+        )  # fmt: skip
+
+    def stage_state_bytes(self, stage: int) -> int | None:
+        """Model-state bytes of ``stage`` (what a checkpoint of it writes), if its parameters were measured."""
+        if stage >= len(self.stage_params) or not self.stage_params[stage]:
+            return None
+        return int(self.stage_params[stage] * self.state_bytes_per_param)
+
+    def stage_update_bytes(self, stage: int) -> int | None:
+        """Update-log bytes per iteration of ``stage``, if it logged its updates when measured."""
+        if stage >= len(self.update_bytes) or not self.update_bytes[stage]:
+            return None
+        return self.update_bytes[stage]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,6 +185,9 @@ class MeasuredSizes:
             "iteration_time_s": self.iteration_time_s,
             "num_params": self.num_params,
             "state_bytes_per_param": self.state_bytes_per_param,
+            "stage_params": list(self.stage_params),
+            "update_bytes": list(self.update_bytes),
+            "copy_gbps": self.copy_gbps,
         }
 
     @classmethod
@@ -160,6 +196,8 @@ class MeasuredSizes:
         return cls(
             edges, int(js["micro_batches"]), int(js["iteration"]), js.get("iteration_time_s"),
             js.get("num_params"), float(js.get("state_bytes_per_param", 16.0)),
+            stage_params=tuple(int(x) for x in js.get("stage_params", ())),
+            update_bytes=tuple(int(x) for x in js.get("update_bytes", ())), copy_gbps=js.get("copy_gbps"),
         )  # fmt: skip
 
 

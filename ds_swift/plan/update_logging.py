@@ -18,9 +18,10 @@ first. Example from the issue: a machine of 8 BERT-large layers (~100 M paramete
 ~400 MB of fp32 updates per iteration against 537 MB of inbound boundary messages in SWIFT's
 BERT-128 setting, so update logging is the cheaper one there.
 
-The runtime logs one kind for the whole job: update logs under ``"strategy": "tranlogs"``
-(ds_swift.runtime.update_logging), pipeline messages under ``logging``/``auto``. ``ds-swift plan``
-shows the per-stage choice and says that a per-stage mix is not a runtime option yet.
+At runtime the same choice is made per stage with ``logging.kinds: auto`` (or forced per stage
+with a list), from the bytes the first iteration measured rather than from a model shape
+(ds_swift.plan.stage_logging): the stages it assigns to update logging log their updates, the
+others their inbound messages, in one job. ``"strategy": "tranlogs"`` logs updates everywhere.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def print_choices(rows: Sequence[StageLogChoice]) -> None:
         console.print(f"stage {r.stage}: {r.choice} logging: {r.reason}")
     if any(r.choice == "update" for r in rows):
         console.print(
-            'note: the runtime logs one kind for the whole job: update logs with "strategy": "tranlogs", messages '
-            "(activations) with logging or auto; a per-stage mix is not a runtime option yet"
+            'note: to log this mix at runtime set "logging": {"kinds": "auto"} (the runtime chooses from the bytes '
+            "its first iteration measures, which may differ from these estimates) or a list of messages/updates "
+            "per stage"
         )

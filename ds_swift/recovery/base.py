@@ -149,6 +149,12 @@ class RecoveryStrategy(ABC):
     auto: ClassVar[bool] = True
     """Whether ``"strategy": "auto"`` may choose it (False: it needs set-up only its own name turns on)."""
 
+    def offered(self, inputs: RecoveryInputs) -> bool:
+        """Whether to ask this strategy although the config does not name it: under ``auto`` where
+        :attr:`auto` allows (a strategy may also serve another one's set-up, as TranLogs serves the
+        stages that log their updates under ``logging``)."""
+        return self.auto and inputs.forced == "auto"
+
     @abstractmethod
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         """Why this strategy cannot restore the lost ranks (None: it can). Pure: no process group,
@@ -224,12 +230,11 @@ class Registry:
         """The strategies to ask, cheapest first (ties: in registration order), the fallback excluded."""
         if inputs.forced == self.fallback.name:
             return []
-        if inputs.forced == "auto":
-            return sorted((s for s in self._strategies if s.auto), key=lambda s: s.expected_cost(inputs))
         chosen = [s for s in self._strategies if s.name == inputs.forced]
-        if not chosen:
+        if inputs.forced != "auto" and not chosen:
             raise ValueError(f"unknown recovery strategy {inputs.forced!r}: one of auto, {', '.join(self.names())}")
-        return chosen
+        also = [s for s in self._strategies if s not in chosen and s.offered(inputs)]
+        return chosen + sorted(also, key=lambda s: s.expected_cost(inputs))
 
     def choose(self, inputs: RecoveryInputs) -> tuple[RecoveryPlan, RecoveryStrategy]:
         """The plan of the cheapest strategy that can restore the lost ranks, else the fallback's.

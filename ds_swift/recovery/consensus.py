@@ -113,12 +113,15 @@ class LoggingSetup:
             -1: none yet, the replay starts from the initial state).
         unavailable: why logging-based recovery from that checkpoint is known not to work (a replay
             of an earlier attempt found a missing or corrupt log record), or None.
+        update_stages: the stages recovered by logging that log their updates (TranLogs' per-stage
+            mix, ``logging.kinds``): a lost rank of theirs re-applies its own logged updates.
     """
 
     replayable_stages: frozenset[int]
     machine_groups: tuple[tuple[int, ...], ...] = ()
     checkpoint_step: int = -1
     unavailable: str | None = None
+    update_stages: frozenset[int] = frozenset()
 
     def group_machines(self, machines: Collection[int]) -> set[int]:
         """Every machine sharing a logging group with one of ``machines``."""

@@ -54,11 +54,13 @@ class LogPlan:
         replayable_stages: stages whose inbound cross-group sends are logged (strategy "logging").
         machine_groups: the selective-logging groups of machines.
         runtime: what the runtime lends the replay (data, seed, hooks, this rank's records).
+        update_stages: stages recovered by logging that log their updates instead (``logging.kinds``).
     """
 
     replayable_stages: Collection[int]
     machine_groups: Sequence[Sequence[int]]
     runtime: ReplayRuntime
+    update_stages: Collection[int] = ()
 
 
 def rank_report(engine: Any, kept: KeptState | None, machine: int) -> RankReport:
@@ -139,6 +141,7 @@ def run_recovery(
             tuple(tuple(g) for g in logging.machine_groups),
             step,
             store.get(failed_replay_key(max(0, step))),
+            frozenset(logging.update_stages),
         )
     inputs = RecoveryInputs.agree(
         reports, checkpoint_step=step, logging=setup, forced=strategy, zero_stage=zero_stage,

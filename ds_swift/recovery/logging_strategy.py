@@ -51,6 +51,8 @@ class LoggingStrategy(RecoveryStrategy):
         if not [r for r in inputs.survivors if r not in group]:
             return f"no rank outside the failed logging group (machines {sorted(machines)}) survived"
         uncovered = sorted({inputs.by_rank[r].stage for r in group} - setup.replayable_stages)
+        if uncovered and set(uncovered) <= setup.update_stages:
+            return f"stage(s) {uncovered} of the failed logging group log their updates, not their inbound messages"
         if uncovered:
             return (
                 f"stage(s) {uncovered} of the failed logging group are not recovered by logging in the plan "

@@ -1,6 +1,8 @@
 """TranLogs' recovery as a strategy (``"strategy": "tranlogs"``): checkpoint + re-applied updates.
 
-Every rank logs its update after each optimizer step (ds_swift.runtime.update_logging). After a
+Every rank logs its update after each optimizer step (ds_swift.runtime.update_logging); under
+``auto``/``logging`` with ``logging.kinds``, only the ranks of the stages the plan has log their
+updates, and a failure whose lost ranks are all of such stages is restored here. After a
 failure the survivors keep their state (undoing to the consensus where they are ahead, as for
 every strategy that keeps it); each lost rank's replacement loads the last global checkpoint and
 re-applies its rank's logged updates from there to the consensus (ds_swift.recovery.update_log):
@@ -35,10 +37,24 @@ class TranLogsStrategy(RecoveryStrategy):
     """Reload the checkpoint on the lost ranks only and re-apply their logged updates; exact."""
 
     name = "tranlogs"
-    auto = False  # update logs are written only when the config names this strategy
+    auto = False  # every rank logs its updates only when the config names this strategy
+
+    def offered(self, inputs: RecoveryInputs) -> bool:
+        # Under auto or logging, the stages logging their updates (logging.kinds) are restored so.
+        setup = inputs.logging
+        return inputs.forced in ("auto", "logging") and setup is not None and bool(setup.update_stages)
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        return inputs.reload_blocker()
+        why = inputs.reload_blocker()
+        if why is not None or inputs.forced == self.name or not inputs.replacements:
+            return why
+        setup = inputs.logging
+        stages = sorted({inputs.by_rank[r].stage for r in inputs.replacements})
+        logging = sorted(setup.update_stages) if setup is not None else []
+        if not set(stages) <= set(logging):
+            return f"stage(s) {[s for s in stages if s not in logging]} of the lost ranks do not log their updates " \
+                f"(stages logging updates: {logging})"
+        return None
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         # Loading the checkpoint, then an optimizer step (no forward, no backward) per iteration.

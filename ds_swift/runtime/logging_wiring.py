@@ -12,12 +12,13 @@ Wherever the topology plan logs pipeline sends across machines, :class:`EngineLo
   (replacements read it); a failure to do so is remembered and said in the recovery's check round;
 - hands the recovery what it needs (:meth:`log_plan`).
 
-Under a ``logging.storage_budget_gb`` the message sizes are not known before the engine runs (the
-DeepSpeed config has no hidden size or sequence length). The first iteration is then logged by the
-conservative plan (every machine boundary, as without a budget); after it every rank measures what
-its logger wrote per send, the figures are all-gathered, and every rank computes the same budgeted
-plan from them (ds_swift.plan.budget), prints it once (rank 0) and logs by it from the next
-iteration on; a budget that cannot be met stops the job there, naming the field. The figures are
+The message sizes are not known before the engine runs (the DeepSpeed config has no hidden size or
+sequence length). Wherever the plan logs, the first iteration is logged by the conservative plan
+(every machine boundary; under ``logging.kinds: auto`` the stages recovered by logging also log
+their updates); after it every rank measures what its loggers wrote, the figures are all-gathered,
+and every rank computes the same plan from them (ds_swift.plan.budget: the storage budget, each
+stage's log kind, whether logging pays there), prints it once (rank 0) and logs by it from the
+next iteration on; a budget that cannot be met stops the job there, naming the field. The figures are
 also published in the job store: a replacement, and a survivor whose all-gather a failure cut
 short, adopt the same plan from them when they install their hooks, so every rank of a recovery
 sees the same machine groups. Grouping only removes logged sends, so the conservative log of the
@@ -86,8 +87,10 @@ class EngineLogging:
         self.coverage_lost: str | None = None  # why this rank's sends stopped being logged
         self._plan: Any = None  # the topology plan; False when it could not be made
         self._layout: Any = None  # the ParallelLayout the plan is of
-        self._decided = True  # False while the storage budget waits for measured message sizes
+        self._decided = True  # False while the plan waits for the first iteration's measured sizes
         self._t_begin: float | None = None  # when the iteration in progress started
+        self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
+        self.updates: Any = None  # the UpdateLogger (ds_swift.runtime.rebuild), where stages may log updates
 
     # ------------------------------------------------------------------ the static plan
     def static_plan(self, engine: Any) -> Any:
@@ -98,8 +101,11 @@ class EngineLogging:
                 from ds_swift.plan.budget import conservative_plan, needs_measuring
 
                 self._layout = layout_from_deepspeed_topology(engine.grid._topo, self.cfg.machines.gpus_per_node)
+                from ds_swift.plan.stage_logging import first_kinds
+
                 self._plan = conservative_plan(self._layout, self.cfg)
                 self._decided = not needs_measuring(self.cfg, self._plan)
+                self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
                 self._log(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
                 self._plan = False
@@ -125,15 +131,15 @@ class EngineLogging:
         t0, self._t_begin = self._t_begin, None
         if t0 is None or not self.possible(engine) or self._decided:
             return
-        from ds_swift.plan.budget import budget_plan, describe
+        from ds_swift.plan.budget import decide, describe
 
         measured = self._measure(engine, time.perf_counter() - t0)
         if self.store is not None:
             # Before anything can fail: replacements and cut-short survivors adopt the same plan.
             self.store.set(SIZES_KEY, json.dumps(measured.to_json()))
-        plan = budget_plan(self._layout, self.cfg, measured)
+        plan, decisions = decide(self._layout, self.cfg, measured)
         if dist.get_rank() == 0:
-            for line in describe(plan, self.cfg):
+            for line in describe(plan, self.cfg, decisions):
                 self._log(line)
         self._switch(plan, suspend)
 
@@ -149,9 +155,30 @@ class EngineLogging:
             "sends": self._logged_bytes(iteration),
             "seconds": seconds,
             "params": sum(p.numel() for p in engine.module.parameters()) if counts else 0,
+            "stage": int(engine.stage_id),
+            "update_bytes": self._update_bytes(iteration),
+            "copy_gbps": copy_gbps(engine),
         }
         reports = transport.all_gather_json(report)  # JSON, never a pickle of a peer's bytes
         return MeasuredSizes.from_reports(reports, int(engine.gradient_accumulation_steps()))
+
+    def _update_bytes(self, iteration: int) -> int:
+        """What this rank's update logger stored for ``iteration`` (0: it logs no updates)."""
+        updates = self.updates
+        if updates is None or not updates.flush(max(60.0, self.cfg.watchdog.op_timeout_s)):
+            return 0
+        return int(updates.iteration_bytes.get(iteration, 0))
+
+    def logs_updates(self, engine: Any) -> bool:
+        """Whether this rank logs its updates now: its stage logs them in the plan in force (before
+        the first iteration is measured: wherever ``logging.kinds`` may choose them)."""
+        plan = self.static_plan(engine)
+        if plan is None:
+            return False
+        stage = int(engine.stage_id)
+        if not self._decided:
+            return "updates" in self._first_kinds.get(stage, ())
+        return stage in plan.update_stages
 
     def _logged_bytes(self, iteration: int) -> list[list[int]]:
         """``[receiver, bytes]`` per send this rank logged in ``iteration``: its records and their
@@ -202,7 +229,7 @@ class EngineLogging:
     def possible(self, engine: Any) -> bool:
         """The plan logs some pipeline send: logging-based recovery can be used."""
         plan = self.static_plan(engine)
-        return plan is not None and bool(plan.logged_edges)
+        return plan is not None and bool(plan.logged_edges or plan.update_stages)
 
     # ------------------------------------------------------------------ per engine
     def attach_recorder(self, engine: Any, handles: list[Any]) -> None:
@@ -321,8 +348,25 @@ class EngineLogging:
             host=host,
             cache_dir=self.cache_dir,
         )
-        stages = [s for s, how in plan.stage_strategy.items() if how == "logging"]
-        return LogPlan(stages, plan.groups, runtime)
+        return LogPlan(sorted(plan.replay_stages), plan.groups, runtime, sorted(plan.update_stages))
+
+
+def copy_gbps(engine: Any) -> float | None:
+    """Device-to-host bandwidth in GB/s, timed once on a 64 MB copy into pinned memory (where the
+    logs' bubble-time copies go); None on CPU, where nothing is copied off a device."""
+    import torch
+
+    device = next((p.device for p in engine.module.parameters() if p.is_cuda), None)
+    if device is None:
+        return None
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return src.numel() / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
 def cache_dir_for(run_dir: str, rank: int) -> str:

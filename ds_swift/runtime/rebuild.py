@@ -132,13 +132,20 @@ class Rebuilder:
             if cfg.verify.enabled and replays and env is not None and ctx.store is not None
             else None
         )
-        # TranLogs: every rank's update after each step, to the log store.
+        # TranLogs: every rank's update after each step, to the log store; under a per-stage mix
+        # (logging.kinds) only the ranks of the stages the logging plan has log their updates.
+        mixed = cfg.recovery_strategy in ("auto", "logging") and cfg.logging.kinds != "messages"
         self.updates = (
             UpdateLogger(env.rank if env is not None else dist.get_rank(), cfg.logging.storage, lambda: hooks.undo,
-                         ctx.log)
-            if cfg.recovery_strategy == "tranlogs"
+                         ctx.log, enabled=self._logs_updates if mixed else None)
+            if cfg.recovery_strategy == "tranlogs" or mixed
             else None
         )  # fmt: skip
+        hooks.logs.updates = self.updates
+
+    def _logs_updates(self) -> bool:
+        engine = self._holder.engine
+        return engine is not None and self._hooks.logs.logs_updates(engine)
 
     def start_generation(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each

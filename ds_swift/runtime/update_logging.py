@@ -1,9 +1,12 @@
-"""The update logger (strategy ``tranlogs``): after every optimizer step, this rank's update record
-goes to the log store (ds_swift.recovery.update_log has the record and how it is re-applied).
+"""The update logger (strategy ``tranlogs``, and the stages that log their updates under
+``logging.kinds``): after every optimizer step, this rank's update record goes to the log store
+(ds_swift.recovery.update_log has the record and how it is re-applied).
 
 The training thread copies the step's gradient to host memory (what the next backward would
 overwrite) and hands the record over; a background thread serialises it and puts it into
-``logging.storage`` with its checksum, off the critical path. At most ``MAX_QUEUED`` records wait:
+``logging.storage`` with its checksum, off the critical path; the next optimizer step waits until
+it is stored (the writer had that whole iteration), so a rank that dies loses at most the record of
+the iteration in flight, which no survivor stepped either. At most ``MAX_QUEUED`` records wait:
 a store slower than the steps makes the training thread wait rather than hold ever more host
 memory. A write that fails (full disk, unreachable store) stops update logging on this rank for
 the rest of the job, loudly, and training goes on: a later failure of this rank then finds its
@@ -28,6 +31,8 @@ from ds_swift.storage import open_store
 __all__ = ["UpdateLogger"]
 
 MAX_QUEUED = 4
+#: how long a step waits for the previous step's record to be stored
+STORED_BEFORE_STEP_S = 60.0
 
 
 class UpdateLogger:
@@ -38,10 +43,22 @@ class UpdateLogger:
         storage: the log store's URL (``logging.storage``).
         undo: returns the update-undo handle of the engine in force (the record comes from it).
         log: prints one line tagged with the rank.
+        enabled: whether this rank logs the step just taken (None: always); under ``logging.kinds``
+            only the ranks of stages the plan has log their updates.
     """
 
-    def __init__(self, rank: int, storage: str, undo: Callable[[], Any], log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        storage: str,
+        undo: Callable[[], Any],
+        log: Callable[[str], None],
+        enabled: Callable[[], bool] | None = None,
+    ) -> None:
         self.rank = rank
+        self._enabled = enabled
+        self.iteration_bytes: dict[int, int] = {}
+        """Bytes stored per iteration, of the last few (the first iteration's size the plan)."""
         self.storage = storage
         self._undo = undo
         self._log = log
@@ -62,6 +79,11 @@ class UpdateLogger:
         from ds_swift.patches.instructions import schedule
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            # The previous step's record is stored before this step runs: a rank lost from here on
+            # has every record up to the consensus (no survivor steps past this iteration without
+            # it). The writer had the whole iteration for it, so this rarely waits.
+            if self._thread is not None and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
+                self._log(f"update log: the previous record was not stored within {STORED_BEFORE_STEP_S:g} s")
             out = call_next(**kw)
             self.after_step(eng)
             return out
@@ -70,7 +92,7 @@ class UpdateLogger:
 
     def after_step(self, engine: Any) -> None:
         """Record the step just taken and queue it for the store."""
-        if self.lost is not None:
+        if self.lost is not None or (self._enabled is not None and not self._enabled()):
             return
         t0 = time.perf_counter()
         undo = self._undo()
@@ -148,8 +170,12 @@ class UpdateLogger:
         name = record_name(self.rank, arg.iteration)
         path = os.path.join(tmp, name)
         try:
-            self.bytes += save_record(arg, path)
+            nbytes = save_record(arg, path)
             self._store.put_file(path, name)
+            self.bytes += nbytes
+            self.iteration_bytes[arg.iteration] = nbytes
+            for old in sorted(self.iteration_bytes)[:-8]:
+                del self.iteration_bytes[old]
         finally:
             if os.path.exists(path):
                 os.unlink(path)

@@ -14,7 +14,8 @@ the failure costs:
   for ``replication`` (a replica holds them), and the failed machine group's share for
   ``logging`` (a failure replays its whole selective-logging group, optionally spread over
   the survivors by parallel recovery; log download overlaps the replay, so the slower of the
-  two sets the pace).
+  two sets the pace; a group logging its updates re-applies them instead, and a group where
+  logging did not pay rolls everyone back: ``LoggingSpec.kinds``).
 
 ``elastic`` (lossy forward with an elastic shrink: no spare, the job goes on without the failed
 machine until it comes back) replays nothing, but runs at ``f`` = ``shrunk_throughput`` of its
@@ -157,7 +158,24 @@ class LoggingSpec:
     download_s_per_iteration: float = 0.0
     """Time to fetch one iteration of the group's inbound logs; overlaps the replay."""
 
+    kinds: tuple[str, ...] | None = None
+    """What each group logs (TranLogs' per-stage mix and the worth-logging check, as the runtime
+    decides them: ds_swift.plan.stage_logging): ``messages`` (replayed at the pace above),
+    ``updates`` (its logged updates re-applied: ``apply_fraction`` of an iteration each, no
+    recompute, no parallel speed-up) or ``none`` (logging did not pay there: a failure of it rolls
+    everyone back to the checkpoint). One per group; ``None``: ``messages`` everywhere."""
+
+    apply_fraction: float = 0.1
+    """Time to re-apply one logged update (an optimizer step and reading the record), as a fraction
+    of the iteration time (the figure the TranLogs strategy orders itself by; measure when you can)."""
+
     def __post_init__(self) -> None:
+        if self.kinds is not None:
+            if not isinstance(self.kinds, tuple) or any(k not in ("messages", "updates", "none") for k in self.kinds):
+                raise _err("logging.kinds", self.kinds, "a list of messages, updates or none, one per group")
+            if self.replay_fraction is not None:
+                raise ConfigError("logging.kinds needs the groups (one kind per group), not a measured replay_fraction")
+        _check_number("logging.apply_fraction", self.apply_fraction, positive=True)
         if self.groups is not None:
             if not isinstance(self.groups, tuple) or not self.groups:
                 raise _err("logging.groups", self.groups, "a positive integer or a list of group sizes")
@@ -353,8 +371,17 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
     sizes = spec.groups if spec.groups is not None else (1,) * machines
     if sum(sizes) != machines:
         raise _err("logging.groups", list(sizes), f"group sizes must add up to the workload's {machines} machines")
+    kinds = spec.kinds if spec.kinds is not None else ("messages",) * len(sizes)
+    if len(kinds) != len(sizes):
+        raise _err("logging.kinds", list(kinds), f"one kind per group: {len(sizes)} group(s)")
     paths = []
-    for size in sizes:
+    for size, kind in zip(sizes, kinds, strict=True):
+        if kind == "updates":  # the lost ranks re-apply their logged updates: no recompute
+            paths.append(RecoveryPath(size / machines, max(t * spec.apply_fraction, spec.download_s_per_iteration)))
+            continue
+        if kind == "none":  # logging did not pay there: everyone rolls back to the checkpoint
+            paths.append(RecoveryPath(size / machines, t))
+            continue
         # Stages sit evenly on machines; a group of `size` machines holds this many of them.
         k = max(1.0, p * size / machines)
         fraction = (m + k - 1.0) / (m + p - 1.0)

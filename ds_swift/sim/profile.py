@@ -84,6 +84,8 @@ DEFAULT_KINDS: dict[str, RecoveryKind] = {
     "logging": "logging",
     # Only the failed stage re-applies logged updates, at a fraction of an iteration each.
     "tranlogs": "logging",
+    # TranLogs' per-stage mix (ds-swift bench's logging_mix): each lost stage replays or re-applies.
+    "logging_mix": "logging",
 }
 
 

@@ -70,7 +70,7 @@ __all__ = ["SimConfig", "SweepSpec", "WorkloadConfig", "load_sim_config", "parse
 _ALL_STRATEGY_FIELDS = COMMON_FIELDS.union(*KIND_FIELDS.values())
 _LOGGING_FIELDS = frozenset(
     {"groups", "replay_fraction", "parallel_recovery", "parallel_speedup", "parallel_setup_s",
-     "parallel_exchange_s_per_iteration", "upload_s", "download_s_per_iteration"}
+     "parallel_exchange_s_per_iteration", "upload_s", "download_s_per_iteration", "kinds", "apply_fraction"}
 )
 _FAILURE_FIELDS = frozenset({"model", "count", "mtbf_hours", "median_hours", "shape"})
 
@@ -301,6 +301,8 @@ def _logging(ctx: _Ctx, raw: Any, path: str, workload: Workload) -> LoggingSpec:
             section["groups"] = tuple(groups)
         else:
             raise ctx.error(f"{path}.groups", f"{groups!r} is invalid: a number of groups or a list of group sizes")
+    if isinstance(section.get("kinds"), list):
+        section["kinds"] = tuple(section["kinds"])
     try:
         return LoggingSpec(**section)
     except ConfigError as exc:

@@ -64,7 +64,8 @@ def test_before_measuring_every_machine_boundary_is_logged() -> None:
     assert plan.groups == [[0], [1], [2], [3]] and len(plan.logged_edges) == 6 and not plan.sized
     assert "storage_budget_gb=500 is applied once the first iteration's messages are measured" in plan.notes[-1]
     assert needs_measuring(config(), plan)
-    assert not needs_measuring(config(budget=None), conservative_plan(PP4_ON_4, config(budget=None)))
+    # without a budget too: each stage's log kind and whether logging pays there are measured (issue 34)
+    assert needs_measuring(config(budget=None), conservative_plan(PP4_ON_4, config(budget=None)))
     forced = config(strategy="checkpoint")
     assert not needs_measuring(forced, conservative_plan(PP4_ON_4, forced))
 
