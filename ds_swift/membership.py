@@ -26,8 +26,8 @@ Keys (relative to the job prefix)::
     gen<g>/joined              number of ranks that joined g
     gen<g>/pg/...              torch.distributed's own rendezvous for g
     gen<g>/<topic>/<rank>      values published by ranks during recovery (see publish/gather)
-    hb/<rank>                  a rank's heartbeat: its beat counter, then what its training thread does
-    hb_n/<rank>                the beat counter (a replacement rank counts on from its predecessor)
+    hb/<rank>                  a rank's heartbeat: its beat count, then what its training thread does
+                               (a replacement rank counts on from its predecessor's count)
     done/<rank>                a rank finished training
 """
 
@@ -85,6 +85,10 @@ class JobStore(SignedKV):
 
     collected: list[tuple[str, str]] = []
     """Dead launches' namespaces that :meth:`open` deleted: (launch id, why)."""
+
+    def __init__(self, store: dist.Store, token: str, secret: str | None = None, launch: str = "") -> None:
+        super().__init__(store, token, secret, launch)
+        self._beats: dict[int, int] = {}  # rank -> the last beat count this client wrote (heartbeat)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -308,7 +312,11 @@ class JobStore(SignedKV):
         """Bump ``rank``'s beat counter; ``hb/<rank>``: the count, then what the rank's training
         thread is doing (``note``). A counter, not a time: observers judge it on their own
         monotonic clock (:mod:`ds_swift.detect.beats`), never against another host's clock."""
-        count = self.add(f"hb_n/{rank}", 1)
+        count = self._beats.get(rank)
+        if count is None:  # a replacement rank counts on from its predecessor: one read, at its first beat
+            beat = self.heartbeat_of(rank)
+            count = beat[0] if beat is not None else 0
+        self._beats[rank] = count = count + 1
         self._put(f"hb/{rank}", f"{count} {note}".rstrip())
 
     def last_heartbeat(self, rank: int) -> int | None:
