@@ -165,3 +165,46 @@ def test_one_observer_suspects_and_the_second_kills(store: JobStore, monkeypatch
         seen = job.dogs["a"].poll_once(job.stores["a"])
     assert seen is not None and "1 other observer(s) agree" in seen.reason
     assert (store.get(hung_machine_key(1)) or "").startswith("0 rank 1: no heartbeat")
+
+
+def test_the_suspected_machines_own_agent_decides_on_its_own_clock(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """One observer suspects machine 1. Its agent reads its rank's beat counter on its own clock:
+    while the rank beats, nothing is killed; once it stops for the timeout, the agent kills it."""
+    import signal
+
+    from ds_swift.detect.watchdog import suspect_key
+    from ds_swift.launch.agent import JobSpec, MachineAgent
+    from ds_swift.launch.args import Command
+    from ds_swift.launch.control import EventLog
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+
+    class Worker:
+        pid, rank, generation, code = 1001, 1, 0, None
+
+        def poll(self) -> int | None:
+            return self.code
+
+        def signal_group(self, sig: int) -> None:
+            if sig == signal.SIGKILL:
+                self.code = -signal.SIGKILL
+
+    worker = Worker()
+    job = JobSpec(Command("t.py"), 2, 1, 1, 3, None, "127.0.0.1", store.port, TOKEN, str(tmp_path))
+    agent = MachineAgent(1, job, store, EventLog(str(tmp_path)), spawn=lambda *a: worker)
+    agent.start()
+    store.set(suspect_key(0, 1), f"{TIMEOUT_S!r} rank 1: no heartbeat for 10.2 s (seen by rank 0)")
+    for _ in range(60):  # 15 s: rank 1 beats on (the observer was wrong)
+        now[0] += 0.25
+        store.heartbeat(1)
+        agent.tick()
+    assert worker.code is None and store.failure(0) is None
+    for _ in range(60):  # 15 s: rank 1 stopped
+        now[0] += 0.25
+        agent.tick()
+    assert worker.code == -signal.SIGKILL
+    assert "machine 1: hung (rank 1: no heartbeat for 10." in (store.failure(0) or ""), store.failure(0)
+    assert "on its agent's clock" in (store.failure(0) or "")
