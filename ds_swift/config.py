@@ -384,11 +384,12 @@ class VerifyConfig:
 
     digest_interval: int = 10
     """Iterations between the state digests each rank publishes (a few bytes per tensor to the job
-    store; only where a recovery may check against them: strategies ``auto``, ``logging``,
-    ``tranlogs``, ``pipechurn``). A replay is checked at the newest published iteration it reaches
+    store; only where a recovery may check against them: strategies ``auto``, ``replication``,
+    ``logging``, ``tranlogs``, ``pipechurn``, ``lossy_forward``). A replay is checked at the newest published iteration it reaches
     (the iterations it replays after that one, fewer than ``digest_interval``, are not); a state
     rebuilt to an iteration without a digest (re-applied updates, decoded chunks, a survivor's own
-    copy) is unverified, and said so. Set 1 to check every recovery at its exact iteration.
+    copy, a replicated or buddy copy, an elastic reshard: only the transport is checked then) is
+    unverified, and said so. Set 1 to check every recovery at its exact iteration.
 
     Why 10: a digest reads the whole state once and moves ~34 bytes per 4-byte word through int64
     temporaries (ds_swift.recovery.digest), on a GPU in kernels on a side stream that the training

@@ -26,7 +26,8 @@ Keys (relative to the job prefix)::
     gen<g>/joined              number of ranks that joined g
     gen<g>/pg/...              torch.distributed's own rendezvous for g
     gen<g>/<topic>/<rank>      values published by ranks during recovery (see publish/gather)
-    hb/<rank>                  last heartbeat of a rank (time.time(), decimal)
+    hb/<rank>                  a rank's heartbeat: its beat count, then what its training thread does
+                               (a replacement rank counts on from its predecessor's count)
     done/<rank>                a rank finished training
 """
 
@@ -84,6 +85,10 @@ class JobStore(SignedKV):
 
     collected: list[tuple[str, str]] = []
     """Dead launches' namespaces that :meth:`open` deleted: (launch id, why)."""
+
+    def __init__(self, store: dist.Store, token: str, secret: str | None = None, launch: str = "") -> None:
+        super().__init__(store, token, secret, launch)
+        self._beats: dict[int, int] = {}  # rank -> the last beat count this client wrote (heartbeat)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -304,21 +309,33 @@ class JobStore(SignedKV):
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, rank: int, note: str = "") -> None:
-        """``hb/<rank>``: the time, then what the rank's training thread is doing (``note``)."""
-        self._put(f"hb/{rank}", f"{time.time()!r} {note}".rstrip())
+        """Bump ``rank``'s beat counter; ``hb/<rank>``: the count, then what the rank's training
+        thread is doing (``note``). A counter, not a time: observers judge it on their own
+        monotonic clock (:mod:`ds_swift.detect.beats`), never against another host's clock."""
+        count = self._beats.get(rank)
+        if count is None:  # a replacement rank counts on from its predecessor: one read, at its first beat
+            beat = self.heartbeat_of(rank)
+            count = beat[0] if beat is not None else 0
+        self._beats[rank] = count = count + 1
+        self._put(f"hb/{rank}", f"{count} {note}".rstrip())
 
-    def last_heartbeat(self, rank: int) -> float | None:
+    def last_heartbeat(self, rank: int) -> int | None:
+        """``rank``'s beat count (None before its first beat)."""
         beat = self.heartbeat_of(rank)
         return beat[0] if beat is not None else None
 
-    def heartbeat_of(self, rank: int) -> tuple[float, str] | None:
-        """(time, note) of ``rank``'s last heartbeat, or None before its first."""
+    def heartbeat_of(self, rank: int) -> tuple[int, str] | None:
+        """(beat count, note) of ``rank``'s last heartbeat, or None before its first."""
         beat = self._read(f"hb/{rank}")
         if beat is None:
             return None
-        when, _, note = beat.partition(" ")
+        count, _, note = beat.partition(" ")
+        try:
+            value = int(count)
+        except ValueError:
+            return None  # not a count (a heartbeat of an older ds-swift): no evidence either way
         # An older heartbeat written again would make a live rank look stopped: never backwards.
-        return self._not_lower(f"hb/{rank}", float(when), len(beat)), note
+        return int(self._not_lower(f"hb/{rank}", value, len(beat))), note
 
     def mark_done(self, rank: int) -> None:
         self._put(f"done/{rank}", "1")

@@ -28,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_swift.detect.watchdog import hung_machine_key
+from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.watchdog import hung_machine_key, suspect_key
 from ds_swift.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.store_url import StoreCredentials
 from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
 from .control import EventLog, JobControl
+from .inject_group import GroupKill, PendingFailure
 from .spawn import Worker, describe_exit, spawn_warm, spawn_worker, supports_warm
 from .warm import WarmPool
 
@@ -151,6 +153,9 @@ class MachineAgent:
         self._gpu = gpu_monitor
         self._gpu_next = 0.0
         self._hung_next = 0.0
+        self._suspicion: tuple[int, CounterClock[int], str] | None = None  # (generation, own clock, by whom)
+        self._groups = GroupKill(store, job.inject)  # --inject machine=1+2: machines killed at one instant
+        self._pending: PendingFailure | None = None  # killed with a group, declared once the group is down
         self._spawn_generation = 0  # the generation the machine's workers were started in
         self._spawned_replacements = False
         self._pool: WarmPool | None = None
@@ -184,7 +189,11 @@ class MachineAgent:
     def tick(self) -> None:
         """Look at the local ranks (waitpid, no store traffic unless something happened)."""
         self._dying = [w for w in self._dying if w.poll() is None]
-        if self.state is AgentState.RUNNING:
+        if self.state is AgentState.RUNNING and self._pending is not None:
+            if self._groups.all_down(self._pending):
+                p, self._pending = self._pending, None
+                self._fail_machine(p.rank, p.returncode, p.t_detected, p.why, generation=p.generation)
+        elif self.state is AgentState.RUNNING:
             self._check_workers()
             if self._grow_pending is not None and self.state is AgentState.RUNNING:
                 self._grow_when_joined()
@@ -359,16 +368,48 @@ class MachineAgent:
         return None if health.healthy else f"failing GPU ({'; '.join(health.problems)})"
 
     def _hung_problem(self) -> str | None:
-        """A watchdog found a rank of this machine hung or stopped (ds_swift.detect.watchdog): a
-        process that is alive but makes no progress is as good as dead, and is killed as such."""
+        """A watchdog found a rank of this machine hung, or two observers found it stopped
+        (ds_swift.detect.watchdog), or one did and this agent finds its ranks' heartbeats silent
+        too: a process that is alive but makes no progress is as good as dead, and is killed as such."""
         if self.machine is None or time.monotonic() < self._hung_next:
             return None
         self._hung_next = time.monotonic() + HUNG_POLL_S
+        fired = self._groups.fired_for(self.machine, self._spawn_generation) if self._groups.groups else None
+        if fired is not None:
+            return self._groups.describe(fired[0])
         value = self.store.get(hung_machine_key(self.machine))
-        if not value:
+        if value:
+            generation, _, reason = value.partition(" ")
+            if int(generation) >= self._spawn_generation:
+                return f"hung ({reason})"
+        return self._suspected_problem()
+
+    def _suspected_problem(self) -> str | None:
+        """One observer suspects this machine (no verdict alone: its clock, its store view, its
+        link may be what is wrong): this agent reads its own ranks' beat counters on its own clock
+        and fails the machine only if one of them is silent for the observer's timeout here too."""
+        assert self.machine is not None
+        g = self.store.generation()
+        raw = self.store.get(suspect_key(g, self.machine))
+        if not raw or g < self._spawn_generation:
+            self._suspicion = None
             return None
-        generation, _, reason = value.partition(" ")
-        return f"hung ({reason})" if int(generation) >= self._spawn_generation else None
+        if self._suspicion is None or self._suspicion[0] != g:
+            timeout_s, _, why = raw.partition(" ")
+            self._suspicion = (g, CounterClock(float(timeout_s)), why)
+            self.events(f"machine {self.machine}: suspected in generation {g} ({why}); {self.name} checks its "
+                        "ranks' heartbeats on its own clock", event="suspected", node=self.node,
+                        machine=self.machine, generation=g)  # fmt: skip
+        _, beats, why = self._suspicion
+        now = beats.begin_round()
+        for w in self.workers:
+            beat = self.store.heartbeat_of(w.rank)
+            silent = beats.stale(w.rank, beat[0], now) if beat is not None else None
+            if beat is not None and silent is not None:
+                where = f", last in {beat[1]}" if beat[1] else ""
+                return f"hung (rank {w.rank}: no heartbeat for {silent:.1f} s{where}, on its agent's clock; suspected: {why})"
+        beats.end_round()
+        return None
 
     def _check_workers(self) -> None:
         if not self.workers:
@@ -430,8 +471,11 @@ class MachineAgent:
         self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
         return True
 
-    def _declare(self, reason: str) -> tuple[int, bool]:
-        """Declare the generation in force failed; returns (the generation this failure ends, first declarer)."""
+    def _declare(self, reason: str, generation: int | None = None) -> tuple[int, bool]:
+        """Declare the generation in force (or ``generation``: the one a group of machines was killed
+        in) failed; returns (the generation this failure ends, first declarer)."""
+        if generation is not None:
+            return generation, self.store.declare_failure(generation, reason)
         g = self.store.generation()
         if g >= 1 and self.store.add(f"gen{g}/joined", 0) == 0 and self.store.failure(g - 1) is not None:
             # Nobody joined g yet, so this machine's dead ranks are not in it: g-1's failure covers
@@ -442,11 +486,30 @@ class MachineAgent:
         return g, self.store.declare_failure(g, reason)
 
     def _machine_failed(self, worker: Worker, returncode: int, t_detected: float, why: str | None = None) -> None:
+        assert self.machine is not None
+        fired = self._groups.fired_for(self.machine, self._spawn_generation) if self._groups.groups else None
+        if fired is None:
+            self._fail_machine(worker.rank, returncode, t_detected, why)
+            return
+        # Killed with a group (--inject machine=1+2): declared once every machine of it is down.
+        index, generation = fired
+        what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
+        group = self._groups.describe(index)
+        self._pending = self._groups.pending(index, generation, worker.rank, returncode, t_detected,
+                                             what if what == group else f"{what} ({group})")
+        self._groups.down(self._pending)
+        self.events(f"machine {self.machine}: down with {self._groups.describe(index)}; its failure is declared "
+                    "once the whole group is down", event="group_down", node=self.node, machine=self.machine,
+                    index=index, generation=generation)  # fmt: skip
+
+    def _fail_machine(self, rank: int, returncode: int, t_detected: float, why: str | None = None,
+                      generation: int | None = None) -> None:
         machine = self.machine
         assert machine is not None
-        what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
+        what = why if why is not None else f"rank {rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
-        outcome = self._handle_failure(machine, reason, t_detected, own=True, rank=worker.rank, returncode=returncode)
+        outcome = self._handle_failure(machine, reason, t_detected, own=True, rank=rank, returncode=returncode,
+                                       generation=generation)
         if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
             self._grow_back = outcome == "shrink"
             self.state = AgentState.RESTARTING
@@ -472,9 +535,10 @@ class MachineAgent:
                     event="agent_lost", node=self.node, lost_node=node, machine=machine)
         self._handle_failure(machine, reason, t_detected, own=False, lost_node=node)
 
-    def _handle_failure(self, machine: int, reason: str, t_detected: float, own: bool, **fields: object) -> str:
+    def _handle_failure(self, machine: int, reason: str, t_detected: float, own: bool, generation: int | None = None,
+                        **fields: object) -> str:
         """Declare ``machine``'s failure, then request a spare; returns "spare", "restart" or "abort"."""
-        failed_generation, declared = self._declare(reason)
+        failed_generation, declared = self._declare(reason, generation)
         t_declared = time.time()
         self.control.record_failure_timeline(failed_generation, machine, t_detected, t_declared)
         t_fire = self._injected_kill_time(machine, t_detected)
@@ -529,7 +593,7 @@ class MachineAgent:
         """When an injected fault killed a rank of ``machine`` just before (for the latency line)."""
         times = []
         for i, spec in enumerate(self.job.inject):
-            if spec.machine == machine:
+            if machine in spec.machines:
                 value = self.store.get(f"inject/{i}/t_fire")
                 if value is not None and 0 <= t_detected - float(value) < 60:
                     times.append(float(value))

@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for recovery timelines and launcher events (default ./swift-run)")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="machine=M,iteration=I[,phase=forward|backward|step|send|recv]: kill machine M there, once "
-                        "(repeatable, or several separated by ';')")
+                        "(repeatable, or several separated by ';'); machine=1+2 kills machines 1 and 2 at one "
+                        "instant, when the first rank of either reaches the point (separate specs at one point "
+                        "fire as each machine reaches it: under load, in two generations)")
     p.add_argument("--op-timeout", "--op_timeout", dest="op_timeout", type=_seconds, default=None, metavar="SEC",
                    help="per-communication-op timeout for the workers (SWIFT_OP_TIMEOUT_S)")
     p.add_argument("--no_local_rank", "--no-local-rank", dest="no_local_rank", action="store_true",
@@ -238,11 +240,12 @@ def _parse_inject(values: Sequence[str], nnodes: int) -> tuple[FaultSpec, ...]:
         except FaultSpecError as exc:
             raise LaunchUsageError(f"--inject {value!r}: {exc}") from None
     for spec in specs:
-        if spec.machine >= nnodes:
-            raise LaunchUsageError(
-                f"--inject {spec}: machine={spec.machine} does not exist: the job has machines 0..{nnodes - 1} "
-                "(spares take over a failed machine's id)"
-            )
+        for machine in spec.machines:
+            if machine >= nnodes:
+                raise LaunchUsageError(
+                    f"--inject {spec}: machine={machine} does not exist: the job has machines 0..{nnodes - 1} "
+                    "(spares take over a failed machine's id)"
+                )
     return tuple(specs)
 
 

@@ -4,9 +4,12 @@ A machine that dies whole (power, kernel panic, a SIGKILLed agent) takes its age
 nobody is left to see its ranks die and request a spare. Every agent therefore bumps a counter
 ``launch/alive/<node>`` each beat, and every other agent watches the counters it can see: one
 that has not moved for ``timeout_s`` of the watcher's own monotonic clock (no cross-host clock
-comparison) is dead, and the first watcher to claim ``launch/lost/<node>`` handles its machine's
+comparison, :class:`ds_swift.detect.beats.CounterClock`, shared with the workers' watchdogs) is
+dead, and the first watcher to claim ``launch/lost/<node>`` handles its machine's
 failure as that agent would have. This only helps where the store is not inside the dead agent:
-``--store etcd://...`` (or a TCPStore on the launch host).
+``--store etcd://...`` (or a TCPStore on the launch host). A watcher cut off from the store itself
+(an error, or a stall longer than a few beats) starts every silence afresh: a stalled store stalls
+every agent's beat, and is no agent's death.
 
 Keys (besides :mod:`.control`'s)::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ds_swift.detect.beats import CounterClock
 from ds_swift.membership import JobStore
 
 from .control import JobControl
@@ -50,16 +54,29 @@ class AgentLiveness:
         self.timeout_s = timeout_s
         self.beat_s = max(0.05, timeout_s / 5)
         self._next_beat = 0.0
+        # A gap of more than 3 beats between two looks: this watcher's own store stalled.
+        self._beats: CounterClock[int] = CounterClock(timeout_s, clock=clock, max_gap_s=3 * self.beat_s,
+                                                      first_grace_s=FIRST_BEAT_GRACE_S)
         now = clock()
-        self._seen: dict[int, tuple[int, float]] = {n: (0, now) for n in self.others}
+        for node in self.others:
+            self._beats.observe(node, 0, now)
         self._dead: set[int] = set()
 
     def step(self) -> list[int]:
         """Beat if due; return the agents newly found dead (checked once per beat)."""
-        now = self.clock()
-        if now < self._next_beat:
+        if self.clock() < self._next_beat:
             return []
+        now = self._beats.begin_round()
         self._next_beat = now + self.beat_s
+        try:
+            found = self._look(now)
+        except Exception:
+            self._beats.store_error()
+            raise
+        self._beats.end_round()
+        return found
+
+    def _look(self, now: float) -> list[int]:
         for node in self.own:
             self.store.add(f"launch/alive/{node}", 1)
         found = []
@@ -67,18 +84,13 @@ class AgentLiveness:
             if node in self._dead:
                 continue
             count = self.store.add(f"launch/alive/{node}", 0)
-            last, since = self._seen[node]
-            if count != last:
-                self._seen[node] = (count, now)
-                continue
-            limit = self.timeout_s if count > 0 else max(self.timeout_s, FIRST_BEAT_GRACE_S)
-            if now - since > limit and self.store.get(f"launch/gone/{node}") is None:
+            if self._beats.stale(node, count, now) is not None and self.store.get(f"launch/gone/{node}") is None:
                 self._dead.add(node)
                 found.append(node)
         return found
 
     def silent_for(self, node: int) -> float:
-        return self.clock() - self._seen[node][1]
+        return self._beats.silent_for(node)
 
     def claim(self, node: int) -> bool:
         """True for the one watcher that handles agent ``node``'s death."""

@@ -6,8 +6,9 @@ An error is a failure of the generation when the job says so, not when its text 
    heartbeat stop), or the error is :class:`PeerFailure` (a receive after the flag was set);
 2. else an error that *may* come from a dead peer (a ``torch.distributed`` error type, or a
    ``RuntimeError``/``OSError`` whose text is one gloo/NCCL use for a closed connection or a
-   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat is older than
-   the heartbeat timeout, which it declares. A timed-out op may also come from a hung peer (alive,
+   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat counter does
+   not move for the heartbeat timeout on this rank's own clock (:mod:`.beats`: no other host's
+   clock enters it), which it declares. A timed-out op may also come from a hung peer (alive,
    heartbeating, not progressing), whose own watchdog sets the flag after the hang timeout: only
    such an error waits that long; a closed connection or any other comm-looking error waits the
    heartbeat timeout. With no evidence within that time, every rank is alive: the error is raised
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.watchdog import declare_failure
 from ds_swift.membership import JobStore
 
@@ -96,15 +98,21 @@ def hang_patience(exc: BaseException, liveness: Liveness) -> float:
     return liveness.hang_timeout_s
 
 
-def stale_ranks(store: JobStore, liveness: Liveness, now: float | None = None) -> list[tuple[int, float]]:
-    """``(rank, seconds since its heartbeat)`` of every rank whose heartbeat is older than the
-    timeout (a rank without one yet is starting, not dead)."""
-    now = time.time() if now is None else now
-    out = []
-    for rank in liveness.ranks:
-        beat = store.last_heartbeat(rank)
-        if beat is not None and now - beat > liveness.heartbeat_timeout_s:
-            out.append((rank, now - beat))
+def stale_ranks(store: JobStore, liveness: Liveness, beats: CounterClock[int]) -> list[tuple[int, float]]:
+    """One round of reads: ``(rank, seconds its beat counter has not moved on this rank's clock)``
+    of every rank silent past the timeout (a rank without a beat yet is starting, not dead)."""
+    now = beats.begin_round()
+    try:
+        out = []
+        for rank in liveness.ranks:
+            count = store.last_heartbeat(rank)
+            silent = beats.stale(rank, count, now) if count is not None else None
+            if silent is not None:
+                out.append((rank, silent))
+    except Exception:
+        beats.store_error()
+        raise
+    beats.end_round()
     return out
 
 
@@ -133,10 +141,11 @@ def classify_failure(
         else 5 * poll_interval_s
     )
     deadline = time.monotonic() + max(0.5, patience)
+    beats: CounterClock[int] | None = CounterClock(liveness.heartbeat_timeout_s) if liveness is not None else None
     while True:
         if store.failure(generation) is not None:
             return f"comm error, failure declared: {str(exc)[:120]}"
-        dead = stale_ranks(store, liveness) if liveness is not None else []
+        dead = stale_ranks(store, liveness, beats) if liveness is not None and beats is not None else []
         if dead and liveness is not None:
             said = ", ".join(f"rank {r} (no heartbeat for {age:.1f} s)" for r, age in dead)
             first = declare_failure(store, generation, f"rank {liveness.rank}: {type(exc).__name__} and {said}")

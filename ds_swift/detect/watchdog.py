@@ -11,6 +11,12 @@ timeout. On NCCL it does: its ``on_failure`` hook aborts this rank's communicato
 a dead peer. The watchdog's job is to make the failure known: the ``failed`` event lets the main
 thread stop before its next iteration, and the recv check (patches/deepspeed_rebuild.py) reads
 it after every receive.
+
+Heartbeats are counters judged on this rank's own monotonic clock (:mod:`.beats`), and one
+watchdog's view of a silent peer is a suspicion, not a verdict: it writes ``suspect/<g>/<m>``
+(:func:`suspect_key`) and the machine is failed only when a second observer agrees, or when the
+machine's own agent, reading its ranks' counters on its clock, finds them silent too
+(launch/agent.py). A store stall seen by this watchdog itself starts every silence afresh.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.progress import Progress
 from ds_swift.membership import JobStore
 
 __all__ = [
-    "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key", "wait_failed_machine",
+    "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key", "suspect_key",
+    "wait_failed_machine",
 ]  # fmt: skip
 
 
@@ -34,6 +42,13 @@ def hung_machine_key(machine: int) -> str:
     hung (no progress) or stopped (no heartbeat): the machine's agent then kills it, and its
     failure is handled as any machine's (launch/agent.py)."""
     return f"hung/machine/{machine}"
+
+
+def suspect_key(generation: int, machine: int) -> str:
+    """Job-store key of the first suspicion that ``machine`` stopped in ``generation``:
+    ``"<heartbeat timeout> <reason>"``; ``<key>/n`` counts the observers that agree (one each,
+    ``<key>/by/<rank>``). Two observers, or the machine's own agent, make it a verdict."""
+    return f"suspect/{generation}/{machine}"
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,9 @@ class Watchdog:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._lock = threading.Lock()
         self._generation = generation
-        self._gen_started = time.time()
+        self._beats: CounterClock[int] = CounterClock(heartbeat_timeout_s, max_gap_s=max(heartbeat_timeout_s / 2,
+                                                                                          3 * poll_interval_s))
+        self._suspected: set[tuple[int, int]] = set()
         self._watch = list(watch_ranks)
         self._seen: FailureSeen | None = None
         self.failed = threading.Event()
@@ -112,7 +129,7 @@ class Watchdog:
         """Watch ``generation`` from now on (after a rebuild); clears the failed event."""
         with self._lock:
             self._generation = generation
-            self._gen_started = time.time()
+            self._beats.reset()  # the peers rebuilt: every silence starts at the next read
             self._watch = list(watch_ranks)
             self._seen = None
             self.failed.clear()
@@ -138,17 +155,27 @@ class Watchdog:
 
     def poll_once(self, store: JobStore) -> FailureSeen | None:
         """One poll (public so tests can drive it without a thread)."""
-        now = time.time()
+        beats = self._beats
+        now = beats.begin_round()
+        try:
+            seen = self._poll(store, now)
+        except Exception:
+            beats.store_error()  # what this rank reads next says nothing of its peers' past
+            raise
+        beats.end_round()
+        return seen
+
+    def _poll(self, store: JobStore, now: float) -> FailureSeen | None:
         progress = self.progress
         store.heartbeat(self.rank, progress.note() if progress is not None else "")
         with self._lock:
-            g, started, watch = self._generation, self._gen_started, list(self._watch)
+            g, watch = self._generation, list(self._watch)
             if self._seen is not None:
                 return self._seen
         reason = store.failure(g)
         if reason is None:
             reason = self._hung(store, g)
-        if reason is None and now - started > self.heartbeat_timeout_s:
+        if reason is None:
             reason = self._stale_peer(store, now, watch, g)
         if reason is None:
             return None
@@ -167,13 +194,41 @@ class Watchdog:
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:
+        """A watched peer whose beat counter has not moved for the timeout on this rank's clock is
+        suspected; a verdict once another observer agrees (or its agent finds it silent too)."""
         for peer in watch:
             beat = store.heartbeat_of(peer)
-            if beat is not None and now - beat[0] > self.heartbeat_timeout_s:
-                where = f", last in {beat[1]}" if beat[1] else ""
-                reason = f"rank {peer}: no heartbeat for {now - beat[0]:.1f} s{where} (seen by rank {self.rank})"
-                return self._fail_machine(store, g, peer, reason)
+            if beat is None:
+                continue  # not started yet: nothing to judge
+            silent = self._beats.stale(peer, beat[0], now)
+            if silent is None:
+                continue
+            where = f", last in {beat[1]}" if beat[1] else ""
+            reason = f"rank {peer}: no heartbeat for {silent:.1f} s{where} (seen by rank {self.rank})"
+            verdict = self._suspect(store, g, peer, reason)
+            if verdict is not None:
+                return verdict
         return None
+
+    def _machine_of(self, rank: int) -> int:
+        index = rank // self.ranks_per_machine
+        return self.machines[index] if self.machines is not None else index
+
+    def _suspect(self, store: JobStore, g: int, peer: int, reason: str) -> str | None:
+        """Record this rank's suspicion of ``peer``'s machine; the verdict once two observers agree."""
+        machine = self._machine_of(peer)
+        key = suspect_key(g, machine)
+        if (g, machine) not in self._suspected:
+            self._suspected.add((g, machine))
+            if store.add(f"{key}/by/{self.rank}", 1) == 1:
+                if store.add(f"{key}/n", 1) == 1:
+                    store.set(key, f"{self.heartbeat_timeout_s!r} {reason}")
+                print(f"[ds-swift] rank {self.rank}: suspects machine {machine}: {reason}; a verdict needs a "
+                      "second observer or the machine's own agent", file=sys.stderr, flush=True)  # fmt: skip
+        observers = store.add(f"{key}/n", 0)
+        if observers < 2:
+            return None
+        return self._fail_machine(store, g, peer, f"{reason}, and {observers - 1} other observer(s) agree")
 
     def _hung(self, store: JobStore, g: int) -> str | None:
         """This rank's training thread made no progress for ``hang_timeout_s`` mid-iteration."""
@@ -191,8 +246,7 @@ class Watchdog:
 
     def _fail_machine(self, store: JobStore, g: int, rank: int, reason: str) -> str:
         """Declare ``g`` failed for ``reason`` and have ``rank``'s agent kill its machine."""
-        index = rank // self.ranks_per_machine
-        store.set(hung_machine_key(self.machines[index] if self.machines is not None else index), f"{g} {reason}")
+        store.set(hung_machine_key(self._machine_of(rank)), f"{g} {reason}")
         declare_failure(store, g, reason)
         return store.failure(g) or reason
 

@@ -34,7 +34,7 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrateg
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.digest import partition_state
 from ds_swift.recovery.replication import finish_restore, load_received, recv_state, send_state
-from ds_swift.recovery.verify import check_received, publish_reference
+from ds_swift.recovery.verify import check_copy, check_received, publish_reference
 
 __all__ = ["BuddyError", "BuddyStrategy", "BuddyTarget", "Member", "assign_buddies", "buddy_target", "copy_holders"]
 
@@ -225,5 +225,6 @@ class BuddyStrategy(RecoveryStrategy):
             work.wait()
         finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
         if holder is not None and ctx.verify:
-            outcome.verdict = check_received(ctx, holder, partition_state(ctx.engine), "my optimizer partition")
+            transported = check_received(ctx, holder, partition_state(ctx.engine), "my optimizer partition")
+            outcome.verdict = check_copy(ctx, transported, plan.consensus, "my state rebuilt from the buddy copy")
         return outcome

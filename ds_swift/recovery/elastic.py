@@ -48,6 +48,7 @@ from ds_swift.recovery.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
@@ -221,6 +222,25 @@ def _agree(resize: Resize, reports: list[RankReport], zero_stage: int,
     return inputs, target, why or None
 
 
+def _verify_resize(store: JobStore, generation: int, engine: Any, parts: Mapping[int, Any], iteration: int,
+                   timeline: RankTimeline, timeout_s: float) -> None:
+    """Every rank's resharded state against the old ranks' digests of ``iteration``, agreed; a
+    mismatch stops the job (no checkpoint of the old data-parallel size fits the new one)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    verdict = check_resharded(store, engine, parts, iteration)
+    timeline.extra["verify"] = {"status": verdict.status, "detail": verdict.detail}
+    line = f"resharded state {verdict.status}: {verdict.detail}"
+    if verdict.status == "verified":
+        print(f"[ds-swift] rank {rank}: {line}", flush=True)
+    else:
+        loud(rank, line)
+    reason = mismatch_reason(agree(store, generation, rank, world, verdict, timeout_s))
+    if reason is not None:
+        loud(rank, f"ELASTIC RESIZE FAILED VERIFICATION: {reason}; the job stops (restart it from the last global "
+                   "checkpoint on the original number of machines)")  # fmt: skip
+        raise ResizeRefused(reason)
+
+
 def recover_resized(
     *,
     store: JobStore,
@@ -232,9 +252,11 @@ def recover_resized(
     gather_timeout_s: float,
     log: Callable[[str], None],
     zero_stage: int,
+    verify: bool = True,
 ) -> RecoveryOutcome:
     """Every rank of the resized generation (joined, rebuilt): survivors with what they kept and
-    the ``resize`` they planned, a returning machine's new ranks with neither (both from rank 0)."""
+    the ``resize`` they planned, a returning machine's new ranks with neither (both from rank 0).
+    ``verify``: check the resharded state against the old ranks' digests (``verify.enabled``)."""
     from ds_swift.patches.deepspeed_optim_state import GeometryError, load_optimizer, reshard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -321,14 +343,18 @@ def recover_resized(
         counters = kept.counters or {}
     engine.skipped_steps = int(counters.get("skipped_steps", 0))
     parts: dict[int, dict[str, Any]] = {}
+    owners: dict[int, Any] = {}  # old rank -> its part joined here (None: its whole state, unpartitioned)
     for owner, src, dst in transfers:
         if dst == rank:
             parts[resize.old_coords[owner][1]] = payload_of(owner)["optimizer"] if src == rank else recv_state(src)["optimizer"]
+            owners[owner] = parts[resize.old_coords[owner][1]]
     for work, _ in sending:
         work.wait()
     if engine.optimizer is not None and parts:
         load_optimizer(engine.optimizer, reshard_optimizer([parts[q] for q in sorted(parts)], engine.optimizer))
     finish_restore(engine)
+    if verify:
+        _verify_resize(store, generation, engine, owners or {first[rank]: None}, iteration, timeline, gather_timeout_s)
 
     reason = resize.describe() + f"; iteration {iteration} is the consensus"
     if target is not None:

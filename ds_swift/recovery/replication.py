@@ -37,7 +37,7 @@ from ds_swift.patches.deepspeed_optim_state import (
 )
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.verify import check_received, publish_reference
+from ds_swift.recovery.verify import check_copy, check_received, publish_reference
 
 __all__ = [
     "ReplicationStrategy",
@@ -332,5 +332,6 @@ class ReplicationStrategy(RecoveryStrategy):
             ctx.log(f"received state of iteration {plan.consensus} from donor rank {donor}")
         finish_restore(ctx.engine)
         if donor is not None and ctx.verify:
-            outcome.verdict = check_received(ctx, donor, capture_state(ctx.engine), "the state")
+            transported = check_received(ctx, donor, capture_state(ctx.engine), "the state")
+            outcome.verdict = check_copy(ctx, transported, plan.consensus, "the state received")
         return outcome

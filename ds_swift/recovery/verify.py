@@ -5,13 +5,22 @@ The references, by strategy:
 
 - replication and buddy copies: the donor publishes the digest of what it sends
   (:func:`publish_reference`, store topic ``digest_sent``, keyed by the recipient); the recipient
-  checks what it loaded, once every rank rebuilt its low-precision parameters (:func:`check_received`);
+  checks what it loaded, once every rank rebuilt its low-precision parameters (:func:`check_received`).
+  That proves the transport, not the copy: a replica that drifted, or a buddy copy staged from the
+  wrong buffers, arrives intact and wrong. So the restored state is then checked against the lost
+  rank's *own* digest of the iteration restored, published while it trained (:func:`check_copy`).
+  Digests are published every ``verify.digest_interval`` iterations: a restore to an iteration
+  between two of them has no such reference, and its verdict is ``unverified`` (transport checked,
+  copy not), said aloud by every restored rank and recorded in the timeline;
 - logging-based replay: each rank publishes its own digest while it trains
   (ds_swift.runtime.digest: every ``verify.digest_interval`` iterations, in a ring of
   :data:`SLOTS` job-store keys per rank, so that a dead rank's digests outlive it); a replaying
   rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`);
 - re-applied update logs (tranlogs) and states decoded from erasure-coded chunks (pipechurn): the
-  same published digests, at the iteration the state was rebuilt to (:func:`check_published`).
+  same published digests, at the iteration the state was rebuilt to (:func:`check_published`);
+- elastic resizes (ds_swift.recovery.elastic): every old partition a rank joins into its new one
+  (its own, its peers', a lost rank's buddy copy), with the module it now holds, against the digest
+  its old owner published of the consensus iteration before the failure (:func:`check_resharded`).
 
 The coordinator then gathers every rank's :class:`~ds_swift.recovery.digest.Verdict`
 (:func:`agree`): one mismatch anywhere makes every rank fall back to the global checkpoint, loudly,
@@ -37,8 +46,10 @@ __all__ = [
     "SLOTS",
     "ReplayCheck",
     "agree",
+    "check_copy",
     "check_published",
     "check_received",
+    "check_resharded",
     "digest_key",
     "forget_from",
     "mismatch_reason",
@@ -103,6 +114,25 @@ def check_received(ctx: RankContext, donor: int, state: Mapping[str, Any], what:
     return Verdict("verified", f"{what} bitwise equal to donor rank {donor}'s ({len(mine.names)} tensors)")
 
 
+def check_copy(ctx: RankContext, transported: Verdict, iteration: int, what: str) -> Verdict:
+    """A restored copy (replication, buddy): ``transported`` (against the donor's digest of what it
+    sent), then the whole restored state against the digest this rank's predecessor published of
+    ``iteration`` while alive. Verified only if both hold; ``unverified`` when the lost rank
+    published no digest of that iteration (between two ``verify.digest_interval`` points)."""
+    if transported.status != "verified":
+        return transported
+    own = check_published(ctx.store, ctx.rank, ctx.engine, iteration, what)
+    if own.status == "mismatch":
+        return Verdict("mismatch", f"{own.detail} (though it arrived as the donor sent it: {transported.detail})")
+    if own.status == "verified":
+        return Verdict("verified", f"{transported.detail}; and {own.detail}")
+    return Verdict(
+        "unverified",
+        f"{transported.detail}, but rank {ctx.rank} published no digest of iteration {iteration} (digests every "
+        "verify.digest_interval iterations): the copy itself is unchecked against the lost rank's own state",
+    )
+
+
 def check_published(store: JobStore, rank: int, engine: Any, iteration: int, what: str) -> Verdict:
     """``rank``'s rebuilt state (``what``) against the digest it published of ``iteration`` while alive."""
     published = published_digests(store, rank).get(iteration)
@@ -114,6 +144,33 @@ def check_published(store: JobStore, rank: int, engine: Any, iteration: int, wha
         return Verdict("mismatch", f"{what} (iteration {iteration}) differs from the digest rank {rank} published then: {diff}")
     return Verdict("verified", f"{what} (iteration {iteration}) bitwise equal to the digest rank {rank} published "
                                f"({len(mine.names)} tensors)")  # fmt: skip
+
+
+def check_resharded(store: JobStore, engine: Any, parts: Mapping[int, Any], iteration: int) -> Verdict:
+    """An elastic resize: ``parts`` (old rank -> the optimizer partition of it joined here; None: that
+    old rank's whole state, which this rank took over unpartitioned) with this rank's module, against
+    the digest each old rank published of ``iteration`` before the failure. A mismatch anywhere wins;
+    an old rank without a digest of ``iteration`` (between two digests) leaves its part unverified."""
+    module = engine.module.state_dict()
+    checked, missing = [], []
+    for owner, part in sorted(parts.items()):
+        published = published_digests(store, owner).get(iteration)
+        if published is None:
+            missing.append(owner)
+            continue
+        state = engine_state(engine) if part is None else {"module": module, "optimizer": part}
+        diff = digest_state(state).first_difference(published)
+        if diff is not None:
+            what = "state" if part is None else "optimizer partition"
+            return Verdict("mismatch", f"old rank {owner}'s {what} of iteration {iteration}, resharded here, differs "
+                                       f"from the digest it published then: {diff}")  # fmt: skip
+        checked.append(owner)
+    if missing:
+        return Verdict("unverified", f"old ranks {missing} published no digest of iteration {iteration} (digests "
+                                     f"every verify.digest_interval iterations): their parts are unchecked"
+                                     + (f"; old ranks {checked} verified" if checked else ""))  # fmt: skip
+    return Verdict("verified", f"the parts of old ranks {checked} joined here bitwise equal to the digests they "
+                               f"published of iteration {iteration}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- replays

@@ -125,8 +125,10 @@ class Rebuilder:
         if cfg.buddy.enabled and unused and self.buddy is None and (ctx.env is None or ctx.env.rank == 0):
             ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
         # Published digests check what is rebuilt without a donor (a replay, re-applied updates, a
-        # state decoded from chunks); donors digest what they send at recovery time.
-        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "logging", "tranlogs", "pipechurn")
+        # state decoded from chunks), and what a donor sends (replication, buddy copies: the donor's
+        # digest proves the transport, the lost rank's own the copy) or an elastic resize reshards.
+        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "replication", "logging", "tranlogs", "pipechurn",
+                                                          "lossy_forward")
         self.digests = (
             DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env), ctx.log)
             if cfg.verify.enabled and replays and env is not None and ctx.store is not None
@@ -397,7 +399,7 @@ class Rebuilder:
             outcome = recover_resized(
                 store=store, generation=generation, engine=engine, kept=kept, resize=self.resize, timeline=tl,
                 gather_timeout_s=self._ctx.join_timeout_s, log=self._ctx.log,
-                zero_stage=int(engine.zero_optimization_stage()),
+                zero_stage=int(engine.zero_optimization_stage()), verify=self._cfg.verify.enabled,
             )  # fmt: skip
             self.resize = None
             if self.buddy is not None:  # copies keyed by the old ranks: the new generation copies afresh

@@ -1,10 +1,18 @@
-"""Failure injection: kill every worker of a machine at a chosen iteration and phase, once.
+"""Failure injection: kill every worker of a machine (or of several at one instant) at a chosen
+iteration and phase, once.
 
 ``ds-swift-launch --inject machine=1,iteration=7,phase=backward`` validates the spec, and every
 worker receives the normalised list in ``SWIFT_INJECT``. The worker side builds an
 :class:`Injector` and calls :meth:`Injector.maybe_fire` from its engine hooks. The first rank of
 machine 1 to reach iteration 7's backward pass SIGKILLs itself; its node agent sees the death
 and kills the rest of the machine, exactly as it handles a real crash.
+
+``machine=1+2,iteration=7,phase=backward`` kills machines 1 and 2 at one instant: the first rank
+of either to reach the point fires for both. It writes ``inject/<i>/kill`` (the job's generation)
+and SIGKILLs itself; the agents of the group's machines kill them on that key, and none declares
+the failure until every machine of the group is down (``inject/<i>/down``), so that all of them
+fail together, in one generation. Two separate specs at the same point instead fire as each
+machine's own rank reaches it: under load, in two generations.
 
 Each spec fires once per job: the decision is ``store.add('inject/<i>/fired', 1) == 1`` in the
 job store, so neither a sibling rank of the same machine nor a replacement worker that later
@@ -16,6 +24,8 @@ Keys (relative to the job prefix, ``i`` = the spec's index in ``SWIFT_INJECT``):
     inject/<i>/fired      counter; the rank that moved it to 1 fired
     inject/<i>/t_fire     time.time() just before the SIGKILL
     inject/<i>/rank       the rank that fired
+    inject/<i>/kill       a group spec fired: the generation it fired in (the agents kill the group)
+    inject/<i>/down       counter: machines of the group that are down (their agents add 1 each)
 """
 
 from __future__ import annotations
@@ -31,12 +41,22 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from ds_swift.membership import WorkerEnv
 
-__all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs"]
+__all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", "group_down_key", "group_kill_key"]
 
 #: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
 PHASES = ("forward", "backward", "step", "send", "recv")
 _FIELDS = ("machine", "iteration", "phase")
 _EXAMPLE = "machine=1,iteration=7,phase=backward"
+
+
+def group_kill_key(index: int) -> str:
+    """Set (to the generation) when group spec ``index`` fired: every machine of it is to be killed now."""
+    return f"inject/{index}/kill"
+
+
+def group_down_key(index: int) -> str:
+    """Counter of group spec ``index``'s machines whose agents killed them."""
+    return f"inject/{index}/down"
 
 
 class FaultSpecError(ValueError):
@@ -50,10 +70,13 @@ class _Counter(Protocol):
 
     def set(self, key: str, value: str) -> None: ...
 
+    def generation(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """Kill every worker of ``machine`` when one of them reaches ``phase`` of ``iteration``."""
+    """Kill every worker of ``machine`` (and of ``machines``, at the same instant) when one of them
+    reaches ``phase`` of ``iteration``."""
 
     machine: int
     """Machine id (``0 .. nnodes-1``); a replacement of that machine carries the same id."""
@@ -64,16 +87,32 @@ class FaultSpec:
     phase: str = "forward"
     """One of :data:`PHASES`."""
 
+    machines: tuple[int, ...] = ()
+    """Every machine killed together (``machine`` first; empty: ``machine`` alone). Written
+    ``machine=1+2`` in a spec."""
+
     def __post_init__(self) -> None:
-        if isinstance(self.machine, bool) or not isinstance(self.machine, int) or self.machine < 0:
-            raise FaultSpecError(f"fault spec: machine={self.machine!r} is invalid: a machine id >= 0")
+        if not self.machines:
+            object.__setattr__(self, "machines", (self.machine,))
+        for m in self.machines:
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise FaultSpecError(f"fault spec: machine={m!r} is invalid: a machine id >= 0")
+        if self.machines[0] != self.machine:
+            raise FaultSpecError(f"fault spec: machines={self.machines} must start with machine={self.machine}")
+        if len(set(self.machines)) != len(self.machines):
+            raise FaultSpecError(f"fault spec: machine={'+'.join(map(str, self.machines))} names a machine twice")
         if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
             raise FaultSpecError(f"fault spec: iteration={self.iteration!r} is invalid: an iteration >= 0")
         if self.phase not in PHASES:
             raise FaultSpecError(f"fault spec: phase={self.phase!r} is invalid: one of {'|'.join(PHASES)}")
 
+    @property
+    def group(self) -> bool:
+        """Several machines, killed at one instant."""
+        return len(self.machines) > 1
+
     def __str__(self) -> str:
-        return f"machine={self.machine},iteration={self.iteration},phase={self.phase}"
+        return f"machine={'+'.join(map(str, self.machines))},iteration={self.iteration},phase={self.phase}"
 
     @classmethod
     def parse(cls, text: str) -> list[FaultSpec]:
@@ -98,17 +137,22 @@ class FaultSpec:
         for key in ("machine", "iteration"):
             if key not in fields:
                 raise FaultSpecError(f"fault spec {text!r} lacks {key}= (e.g. {_EXAMPLE})")
-        numbers: dict[str, int] = {}
-        for key in ("machine", "iteration"):
-            try:
-                numbers[key] = int(fields[key])
-            except ValueError:
-                raise FaultSpecError(
-                    f"fault spec {text!r}: {key}={fields[key]!r} is invalid: a non-negative integer"
-                ) from None
+        try:
+            iteration = int(fields["iteration"])
+        except ValueError:
+            raise FaultSpecError(
+                f"fault spec {text!r}: iteration={fields['iteration']!r} is invalid: a non-negative integer"
+            ) from None
+        try:
+            machines = tuple(int(m) for m in fields["machine"].split("+"))
+        except ValueError:
+            raise FaultSpecError(
+                f"fault spec {text!r}: machine={fields['machine']!r} is invalid: a non-negative integer, or several "
+                "joined by + (machine=1+2: machines 1 and 2 at one instant)"
+            ) from None
         phase = fields.get("phase", "forward").lower()
         try:
-            return cls(machine=numbers["machine"], iteration=numbers["iteration"], phase=phase)
+            return cls(machine=machines[0], iteration=iteration, phase=phase, machines=machines)
         except FaultSpecError as exc:
             raise FaultSpecError(f"fault spec {text!r}: {str(exc).removeprefix('fault spec: ')}") from None
 
@@ -147,7 +191,7 @@ class Injector:
         self.rank = rank
         self._kill = kill or _sigkill_self
         # Only this machine's specs are looked at per call: maybe_fire runs in every hook.
-        self._mine = [(i, s) for i, s in enumerate(self.specs) if s.machine == machine]
+        self._mine = [(i, s) for i, s in enumerate(self.specs) if machine in s.machines]
         # Specs already decided in this process: the store is asked once per spec, not per call.
         self._decided: set[int] = set()
         self.fired_specs: list[FaultSpec] = []
@@ -184,7 +228,10 @@ class Injector:
             self.store.set(f"inject/{i}/t_fire", repr(time.time()))
             if self.rank is not None:
                 self.store.set(f"inject/{i}/rank", str(self.rank))
+            if spec.group:  # the agents of every machine of the group kill theirs on this key
+                self.store.set(group_kill_key(i), str(self.store.generation()))
             self.fired_specs.append(spec)
             who = f"rank {self.rank}" if self.rank is not None else f"pid {os.getpid()}"
-            print(f"[ds-swift inject] {who}: firing #{i} ({spec}): SIGKILL", file=sys.stderr, flush=True)
+            together = f", machines {'+'.join(map(str, spec.machines))} at once" if spec.group else ""
+            print(f"[ds-swift inject] {who}: firing #{i} ({spec}{together}): SIGKILL", file=sys.stderr, flush=True)
             self._kill()

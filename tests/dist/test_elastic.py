@@ -15,6 +15,7 @@ stages after 12 iterations), bf16 losses within one unit in the last place. A pa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,10 @@ def test_no_spare_lossy_forward_shrinks_to_dp1_and_finishes(tmp_path: Path, refe
     assert "elastic shrink: machine 0 left" in tl["reason"] and tl["checkpoint_step"] is None, tl["reason"]
     assert "checkpoint fallback" not in job.output
     assert "APPROXIMATE RECOVERY (strategy lossy_forward): elastic shrink" in job.output
+    # every old partition joined by the shrunk ranks matched the digest its owner published of iteration 4
+    verified = re.findall(r"rank (\d+): resharded state verified: the parts of old ranks \[([\d, ]+)\]", job.output)
+    assert sorted(int(r) for r, _ in verified) == [0, 1], job.output[-6000:]
+    assert tl["verification"] == {"0": "verified", "1": "verified"}, tl["verification"]
     # what the shrunk job resumed from: bitwise the failure-free state after 5 iterations
     resumed, want = fp32_masters(tmp_path / "dumps" / "recovered_gen1"), fp32_masters(reference.ckpt_dir / "global_step5")
     assert all(torch.equal(resumed[s], want[s]) for s in want), "the resharded state is not the consensus state"

@@ -167,8 +167,7 @@ def four_machines(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     return launch(
         tmp_path_factory.mktemp("four_machines"),
         ["--spares", "5", "--max-failures", "5", "--inject",
-         "machine=1,iteration=10,phase=step;machine=2,iteration=10,phase=step;"
-         "machine=1,iteration=14,phase=step;machine=3,iteration=14,phase=step;"
+         "machine=1+2,iteration=10,phase=step;machine=1+3,iteration=14,phase=step;"
          "machine=2,iteration=18,phase=forward"],
         swift={"machines": {"gpus_per_node": 1}}, nnodes=4, nproc=1,
         env={"SWIFT_TEST_CORRUPT_LOG": "rank=2,iteration=17,micro_batch=1,src=1"},

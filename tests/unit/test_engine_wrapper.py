@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe import p2p
 from ds_swift.data import global_micro_batch, rng_seed
 from ds_swift.detect.classify import PeerFailure, is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
-from ds_swift.detect.watchdog import Watchdog, declare_failure
+from ds_swift.detect.watchdog import Watchdog, declare_failure, suspect_key
 from ds_swift.membership import JobStore
 from ds_swift.patches._base import PatchError
 from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv_check, reset_pipeline_globals
@@ -90,13 +90,18 @@ def test_watchdog_sees_the_failure_flag(store: JobStore) -> None:
     assert not wd.failed.is_set() and wd.poll_once(client) is None
 
 
-def test_watchdog_declares_a_stale_peer(store: JobStore) -> None:
+def test_watchdog_declares_a_stale_peer_two_observers_agree_on(store: JobStore) -> None:
     client = JobStore.connect("127.0.0.1", store.port, "unit-watchdog")
-    client.kv.set("hb/2", repr(time.time() - 60.0))
+    client.heartbeat(2)  # rank 2 beat once, then stopped
+    store.add(f"{suspect_key(0, 2)}/n", 1)  # another observer suspects its machine already
     wd = Watchdog(lambda: client, rank=1, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=0.05,
                   watch_ranks=[2])
-    time.sleep(0.06)  # the generation must be older than the timeout before peers are judged
-    seen = wd.poll_once(client)
+    assert wd.poll_once(client) is None  # the first read of rank 2's counter
+    for _ in range(500):  # then it stands still past the timeout on this watchdog's clock
+        time.sleep(0.01)
+        seen = wd.poll_once(client)
+        if seen is not None:
+            break
     assert seen is not None and "rank 2: no heartbeat" in seen.reason
     assert store.failure(0) is not None and store.generation() == 1
 

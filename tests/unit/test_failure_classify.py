@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
+from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure, hang_patience, stale_ranks
 from ds_swift.membership import JobStore
 
@@ -21,19 +22,18 @@ def store() -> JobStore:
     return JobStore.host(TOKEN)
 
 
-def beat(store: JobStore, ranks: range, age_s: float = 0.0) -> None:
+def beat(store: JobStore, ranks: range) -> None:
     for r in ranks:
-        store.kv.set(f"hb/{r}", repr(time.time() - age_s))
+        store.heartbeat(r)
 
 
-@pytest.fixture
-def heartbeats(store: JobStore) -> Iterator[None]:
-    """Every rank of 4 alive: their watchdogs heartbeat every 20 ms."""
+def beating(store: JobStore, ranks: range) -> Iterator[None]:
+    """``ranks`` alive: their watchdogs heartbeat every 20 ms."""
     stop = threading.Event()
 
     def run() -> None:
         while not stop.is_set():
-            beat(store, range(4))
+            beat(store, ranks)
             stop.wait(0.02)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -41,6 +41,18 @@ def heartbeats(store: JobStore) -> Iterator[None]:
     yield
     stop.set()
     thread.join()
+
+
+@pytest.fixture
+def heartbeats(store: JobStore) -> Iterator[None]:
+    """Every rank of 4 alive."""
+    yield from beating(store, range(4))
+
+
+@pytest.fixture
+def heartbeats3(store: JobStore) -> Iterator[None]:
+    """Ranks 0..2 of 4 alive."""
+    yield from beating(store, range(3))
 
 
 def test_a_bug_with_gloo_in_its_text_and_every_rank_alive_is_raised(store: JobStore, heartbeats: None) -> None:
@@ -82,11 +94,22 @@ def test_an_ordinary_error_is_raised_at_once(store: JobStore) -> None:
     assert store.failure(0) is None
 
 
-def test_a_comm_error_with_a_stale_rank_declares_the_failure(store: JobStore) -> None:
-    beat(store, range(3))
-    beat(store, range(3, 4), age_s=5.0)
+def test_a_stale_rank_is_one_whose_counter_stops_on_the_observers_clock(store: JobStore) -> None:
     live = Liveness(range(4), heartbeat_timeout_s=1.0, rank=0)
-    assert [r for r, _ in stale_ranks(store, live)] == [3]
+    now = [0.0]
+    beats: CounterClock[int] = CounterClock(1.0, clock=lambda: now[0])
+    beat(store, range(4))
+    assert stale_ranks(store, live, beats) == []
+    for t in (0.5, 1.0, 1.5):  # ranks 0..2 beat on; rank 3 stopped after its first beat
+        now[0] = t
+        beat(store, range(3))
+        found = stale_ranks(store, live, beats)
+    assert found == [(3, 1.5)]
+
+
+def test_a_comm_error_with_a_stale_rank_declares_the_failure(store: JobStore, heartbeats3: None) -> None:
+    beat(store, range(3, 4))  # rank 3 beat once, then stopped; ranks 0..2 beat on
+    live = Liveness(range(4), heartbeat_timeout_s=0.3, rank=0)
     how = classify_failure(RuntimeError("Connection closed by peer"), store, 0, 0.01, live)
     assert "rank 3 (no heartbeat" in how
     assert "rank 0: RuntimeError and rank 3" in (store.failure(0) or "")

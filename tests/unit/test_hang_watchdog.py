@@ -3,13 +3,11 @@ that makes a hung or stopped machine's agent kill it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.detect.progress import Progress
-from ds_swift.detect.watchdog import Watchdog, hung_machine_key
+from ds_swift.detect.watchdog import Watchdog, hung_machine_key, suspect_key
 from ds_swift.membership import JobStore
 
 TOKEN = "unit-hang"
@@ -51,12 +49,24 @@ def test_time_outside_an_iteration_does_not_count(store: JobStore) -> None:
 
 
 def test_a_stopped_peer_is_named_with_its_last_instruction(store: JobStore) -> None:
-    store.kv.set("hb/2", f"{time.time() - 30.0!r} RecvGrad of iteration 5")
-    wd = watchdog(store, rank=0, watch=[2])
-    wd._gen_started -= 10.0  # the generation is older than the heartbeat timeout
-    seen = wd.poll_once(wd._store_factory())
+    """One observer's silence is a suspicion; the second observer's makes it the verdict."""
+    store.heartbeat(2, "RecvGrad of iteration 5")
+    now = [0.0]
+    first, second = watchdog(store, rank=0, watch=[2]), watchdog(store, rank=1, watch=[2])
+    for wd in (first, second):
+        wd._beats.clock = lambda: now[0]
+    assert first.poll_once(first._store_factory()) is None and second.poll_once(second._store_factory()) is None
+    for t in range(1, 7):  # rank 2's counter stands still for 6 s of the observers' clocks (timeout 5 s)
+        now[0] = float(t)
+        seen = first.poll_once(first._store_factory())
+    assert seen is None and store.failure(0) is None and store.get(hung_machine_key(1)) is None
+    assert (store.get(suspect_key(0, 1)) or "").startswith("5.0 rank 2: no heartbeat for 6.0 s, last in RecvGrad")
+    for t in range(1, 7):
+        now[0] = float(t) + 0.5
+        seen = second.poll_once(second._store_factory())
     assert seen is not None
-    assert "rank 2: no heartbeat for 30." in seen.reason and "last in RecvGrad of iteration 5" in seen.reason
+    assert "rank 2: no heartbeat for 5.5 s" in seen.reason and "last in RecvGrad of iteration 5" in seen.reason
+    assert "1 other observer(s) agree" in seen.reason
     assert (store.get(hung_machine_key(1)) or "").startswith("0 rank 2: no heartbeat")
 
 
@@ -66,7 +76,7 @@ def test_heartbeats_carry_the_progress_note(store: JobStore) -> None:
     wd = watchdog(store, rank=1, progress=progress)
     wd.poll_once(wd._store_factory())
     beat = store.heartbeat_of(1)
-    assert beat is not None and beat[1] == "ForwardPass of iteration 4" and store.last_heartbeat(1) == beat[0]
+    assert beat is not None and beat[1] == "ForwardPass of iteration 4" and store.last_heartbeat(1) == beat[0] == 1
 
 
 def test_the_hang_timeout_must_exceed_the_op_timeout() -> None:
