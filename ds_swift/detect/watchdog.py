@@ -23,10 +23,18 @@ from dataclasses import dataclass
 
 from ds_swift.detect.progress import Progress
 from ds_swift.membership import JobStore
+from ds_swift.threadname import name_os_thread
 
 __all__ = [
-    "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key", "wait_failed_machine",
+    "BEATS_PER_TIMEOUT", "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key",
+    "wait_failed_machine",
 ]  # fmt: skip
+
+#: Heartbeats a worker writes (and reads of its watched peers' heartbeats) per heartbeat timeout. A
+#: stopped peer is then declared at most a tenth of the timeout late; writing them at every poll of
+#: the failure flag instead (10 per second by default) cost each job-store round trips that were
+#: most of the watchdog's CPU time and of the store server's on a CPU job (gpu_overhead.py --breakdown).
+BEATS_PER_TIMEOUT = 10
 
 
 def hung_machine_key(machine: int) -> str:
@@ -46,7 +54,8 @@ class FailureSeen:
 
 
 class Watchdog:
-    """Polls ``gen<g>/failed`` every ``poll_interval_s`` and writes this rank's heartbeat.
+    """Polls ``gen<g>/failed`` every ``poll_interval_s``; writes this rank's heartbeat, and checks its
+    watched peers', every :attr:`beat_every_s` (a tenth of the heartbeat timeout, at least a poll).
 
     Args:
         store_factory: opens a new connection to the job store (one per thread).
@@ -86,6 +95,9 @@ class Watchdog:
         self.rank = rank
         self.poll_interval_s = poll_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.beat_every_s = max(poll_interval_s, heartbeat_timeout_s / BEATS_PER_TIMEOUT)
+        """Seconds between this rank's heartbeats (and between checks of its peers')."""
+        self._next_beat = 0.0  # time.monotonic() of the next heartbeat: the first poll beats
         self._lock = threading.Lock()
         self._generation = generation
         self._gen_started = time.time()
@@ -128,6 +140,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         store = self._store_factory()
         while not self._stop.is_set():
             try:
@@ -140,7 +153,10 @@ class Watchdog:
         """One poll (public so tests can drive it without a thread)."""
         now = time.time()
         progress = self.progress
-        store.heartbeat(self.rank, progress.note() if progress is not None else "")
+        beat = time.monotonic() >= self._next_beat
+        if beat:
+            self._next_beat = time.monotonic() + self.beat_every_s
+            store.heartbeat(self.rank, progress.note() if progress is not None else "")
         with self._lock:
             g, started, watch = self._generation, self._gen_started, list(self._watch)
             if self._seen is not None:
@@ -148,7 +164,7 @@ class Watchdog:
         reason = store.failure(g)
         if reason is None:
             reason = self._hung(store, g)
-        if reason is None and now - started > self.heartbeat_timeout_s:
+        if reason is None and beat and now - started > self.heartbeat_timeout_s:
             reason = self._stale_peer(store, now, watch, g)
         if reason is None:
             return None
