@@ -88,6 +88,8 @@ class EngineLogging:
         self._layout: Any = None  # the ParallelLayout the plan is of
         self._decided = True  # False while the storage budget waits for measured message sizes
         self._t_begin: float | None = None  # when the iteration in progress started
+        #: False only where a benchmark switched message logging off (ds_swift.runtime.bench_switch)
+        self.enabled = True
 
     # ------------------------------------------------------------------ the static plan
     def static_plan(self, engine: Any) -> Any:
@@ -201,7 +203,7 @@ class EngineLogging:
 
     def possible(self, engine: Any) -> bool:
         """The plan logs some pipeline send: logging-based recovery can be used."""
-        plan = self.static_plan(engine)
+        plan = self.static_plan(engine) if self.enabled else None
         return plan is not None and bool(plan.logged_edges)
 
     # ------------------------------------------------------------------ per engine
