@@ -17,7 +17,20 @@ and 5 % on the tiny CPU GPT.
     python benchmarks/gpu_overhead.py --tiny --rounds 1 --iterations 6 --warmup 2
 
 Each rank prints its protections' costs at start-up (``protection costs``); the last "on" job's
-lines are shown here.
+lines are shown here. Every job's process tree is also sampled for CPU time (ds_swift.testing.
+cpu_sampler): CPU seconds per iteration per thread, summed over the ranks; on a loaded machine the
+wall clock is noisy, CPU time says where the cost is.
+
+``--breakdown`` runs, interleaved, "off", the defaults, and the defaults with one protection
+switched off at a time (through its config field where it has one, else through
+``SWIFT_BENCH_WITHOUT``: ds_swift.runtime.bench_switch), plus the defaults with a checkpoint every
+10 iterations (the default interval, 1000, saves none in a short job; its cost is shown per save and
+at the default interval). Each row: the step time (median and mean: a cost that comes every 10th
+iteration, a digest or a save, moves the mean, not the median), the ratio to "off", CPU ms per
+iteration, and what switching the protection off saved against the defaults (its cost)::
+
+    python benchmarks/gpu_overhead.py --tiny --nproc 4 --pp 2 --rounds 1 --iterations 30 --warmup 5 --breakdown
+    python benchmarks/gpu_overhead.py --tiny --nproc 4 --pp 2 --breakdown off,defaults,-buddy   # some rows
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -33,12 +47,31 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ds_swift.config import SwiftConfig  # noqa: E402
+from ds_swift.runtime.bench_switch import ENV as WITHOUT_ENV  # noqa: E402
 from ds_swift.testing.jobs import JobSpec  # noqa: E402
-from ds_swift.testing.overhead import alternate, bench_main  # noqa: E402
+from ds_swift.testing.overhead import Interleaved, bench_main, interleave  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 GPU_SHAPE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512"]
 TINY_SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+
+
+#: --breakdown's variants: name -> (swift overrides, protections switched off by SWIFT_BENCH_WITHOUT)
+VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
+    "off": ({"enabled": False}, ""),
+    "defaults": ({"enabled": True}, ""),
+    "-digests": ({"enabled": True, "verify": {"enabled": False}}, ""),
+    "-buddy": ({"enabled": True, "buddy": {"enabled": False}}, ""),
+    "-logging": ({"enabled": True}, "logging"),
+    "-watchdog": ({"enabled": True}, "watchdog"),
+    "-undo": ({"enabled": True}, "undo"),
+    "-determinism": ({"enabled": True}, "determinism"),
+    "-rng": ({"enabled": True}, "rng"),
+    "ckpt@10": ({"enabled": True, "checkpoint": {"interval": 10}}, ""),
+}
+#: the interval of the ckpt@10 variant
+CKPT_EVERY = 10
 
 
 def ds_config(tiny: bool, nproc: int, pp: int) -> dict[str, Any]:
@@ -75,23 +108,70 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         build_deepspeed_shm_op(work / "warm")
 
-    def spec(on: bool) -> JobSpec:
-        return JobSpec(EXAMPLE, config, args.iterations, script_args=script_args, swift={"enabled": on},
-                       nnodes=nnodes, nproc_per_node=args.nproc // nnodes, save=False, loss_log=True)  # fmt: skip
+    def spec(name: str) -> JobSpec:
+        swift, without = VARIANTS[name]
+        return JobSpec(EXAMPLE, config, args.iterations, script_args=script_args, swift=swift,
+                       env={WITHOUT_ENV: without} if without else {}, nnodes=nnodes,
+                       nproc_per_node=args.nproc // nnodes, save=False, loss_log=True)  # fmt: skip
 
-    runs = alternate(work, spec, args.rounds, args.warmup)
+    names = _variants(args.breakdown)
+    runs = interleave(work, {n: spec(n) for n in names}, args.rounds, args.warmup)
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     return {
         "command": command,
         "device": "cpu" if args.tiny else "cuda",
         "ranks": args.nproc,
-        "step_s_on": runs.median(True),
-        "step_s_off": runs.median(False),
-        "ratio": runs.ratio,
-        "steps_timed": {"on": len(runs.steps[True]), "off": len(runs.steps[False])},
-        "startup_costs": _cost_lines(runs.last[True]),
+        "step_s_on": runs.median("defaults"),
+        "step_s_off": runs.median("off"),
+        "ratio": runs.ratio("defaults", "off"),
+        "steps_timed": {"on": len(runs.steps["defaults"]), "off": len(runs.steps["off"])},
+        "cpu_ms_per_iteration": {n: _cpu_ms(runs, n) for n in names},
+        "breakdown": [_row(runs, n) for n in names] if args.breakdown else [],
+        "startup_costs": _cost_lines(runs.last["defaults"]),
         "dir": str(work),
     }
+
+
+def _variants(breakdown: str | None) -> list[str]:
+    """The variants to run: on and off, or --breakdown's (all of them, or the ones it names)."""
+    if breakdown is None:
+        return ["defaults", "off"]
+    names = list(VARIANTS) if breakdown == "all" else [n.strip() for n in breakdown.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--breakdown: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    return names + [n for n in ("defaults", "off") if n not in names]
+
+
+def _cpu_ms(runs: Interleaved, name: str) -> dict[str, float]:
+    """CPU ms per iteration by thread ("ranks main", "ranks sw-buddy", "launcher other", ...) and in all."""
+    out = {f"{role} {thread}": 1e3 * v for (role, thread), v in runs.cpu_per_iteration(name).items()}
+    total = runs.cpu_total(name)
+    if total is not None:
+        out["total"] = 1e3 * total
+    return out
+
+
+def _row(runs: Interleaved, name: str) -> dict[str, Any]:
+    """One --breakdown row: step times, ratio to off, CPU, and the saving against the defaults."""
+    steps = runs.steps[name]
+    cpu, base = runs.cpu_total(name), runs.cpu_total("defaults")
+    row: dict[str, Any] = {
+        "variant": name,
+        "switched_off": VARIANTS[name][1] or None,
+        "median_s": runs.median(name),
+        "mean_s": statistics.fmean(steps),
+        "ratio_median": runs.ratio(name, "off"),
+        "ratio_mean": statistics.fmean(steps) / statistics.fmean(runs.steps["off"]),
+        "cpu_ms": None if cpu is None else 1e3 * cpu,
+        # What this protection costs with every other one on: the defaults' CPU minus this variant's.
+        "cost_cpu_ms": None if cpu is None or base is None or name in ("defaults", "off") else 1e3 * (base - cpu),
+    }
+    if name == "ckpt@10" and row["cost_cpu_ms"] is not None:
+        per_save = -row["cost_cpu_ms"] * CKPT_EVERY
+        row["per_save_cpu_ms"] = per_save
+        row["at_default_interval_cpu_ms"] = per_save / SwiftConfig().checkpoint.interval
+    return row
 
 
 def _cost_lines(job: Any) -> list[str]:
@@ -118,6 +198,20 @@ def table(out: dict[str, Any]) -> None:
     print(f"swift on (defaults): {out['step_s_on']:.4f} s/iteration (median of {out['steps_timed']['on']})")
     print(f"swift off          : {out['step_s_off']:.4f} s/iteration (median of {out['steps_timed']['off']})")
     print(f"ratio on/off       : {out['ratio']:.3f} ({out['ranks']} rank(s) on {out['device']})")
+    cpu = out["cpu_ms_per_iteration"]
+    if cpu.get("defaults") and cpu.get("off"):
+        print("CPU ms per iteration (all ranks, and the launcher with its job store), defaults / off:")
+        for key in sorted(set(cpu["defaults"]) | set(cpu["off"]), key=lambda k: (k == "total", k)):
+            print(f"  {key:24s} {cpu['defaults'].get(key, 0.0):8.1f} {cpu['off'].get(key, 0.0):8.1f}")
+    if out["breakdown"]:
+        print("variant       median s  mean s  ratio(median/mean)  CPU ms/it  cost (CPU ms/it saved when off)")
+        for r in out["breakdown"]:
+            cost = "" if r["cost_cpu_ms"] is None else f"{r['cost_cpu_ms']:8.1f}"
+            print(f"{r['variant']:13s} {r['median_s']:8.4f} {r['mean_s']:7.4f}  {r['ratio_median']:6.3f} / "
+                  f"{r['ratio_mean']:6.3f}    {r['cpu_ms'] or float('nan'):8.1f}  {cost}")  # fmt: skip
+            if "per_save_cpu_ms" in r:
+                print(f"{'':13s} a save: {r['per_save_cpu_ms']:.0f} CPU ms = {r['at_default_interval_cpu_ms']:.2f} "
+                      "ms per iteration at the default checkpoint.interval")  # fmt: skip
     for line in out["startup_costs"]:
         print(line)
 
@@ -127,6 +221,8 @@ def more_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1; more are split over 2 machines)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--global-batch", type=int, default=32, help="global batch (default 32)")
+    p.add_argument("--breakdown", nargs="?", const="all", default=None, metavar="VARIANTS",
+                   help=f"one protection off at a time (all variants, or a comma list of {', '.join(VARIANTS)})")
     p.set_defaults(warmup=10)  # s/iteration over iterations 10-40, as the H100 figures of issue 29
 
 

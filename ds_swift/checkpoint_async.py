@@ -9,7 +9,7 @@ name, fsync, then a rename and an fsync of the directory, so no file is ever tor
 crash after its marker says it is written). On a GPU the snapshot goes into pinned host buffers
 (kept from one save to the next: pinning is slow, the copy at PCIe speed is not), queued on a side
 stream after the training stream's work so far; the training thread waits for the copy once, at
-the end of the save.
+the end of the save (ds_swift.checkpoint_snapshot).
 
 A checkpoint counts only once complete on storage (:mod:`ds_swift.checkpoint`'s
 ``swift_complete`` marker). Each rank, once its files are written, writes
@@ -28,7 +28,6 @@ counts; training goes on.
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import sys
@@ -43,101 +42,14 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from ds_swift.checkpoint_snapshot import PinnedCopier, snapshot
 from ds_swift.durable import fsync_dir, fsync_file, fsync_tree, write_atomic
+from ds_swift.threadname import name_os_thread
 
 __all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
            "persisted_marker", "snapshot"]
 
 _POLL_S = 0.05
-
-
-def snapshot(obj: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
-    """A deep copy of ``obj`` whose tensors are host copies that training cannot change any more
-    (``copy_tensor`` makes each one; default: a plain copy)."""
-    if isinstance(obj, torch.Tensor):
-        if copy_tensor is not None:
-            return copy_tensor(obj.detach())
-        t = obj.detach()
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps OrderedDict and other dict types
-        for k, v in obj.items():
-            out[k] = snapshot(v, copy_tensor)
-        return out
-    if isinstance(obj, list):
-        return [snapshot(v, copy_tensor) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot(v, copy_tensor) for v in obj)
-    return copy.deepcopy(obj)
-
-
-class PinnedCopier:
-    """Device tensors into pinned host buffers, copied on a side stream.
-
-    The buffers of one save are reused by the next (same dtype and size; at most one snapshot is in
-    host memory at a time): pinning host memory costs far more than the copy. Host tensors are
-    cloned. :meth:`finish` waits for the copies of this save.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self._stream: Any = None
-        self._pending: list[Any] = []
-        self.pinned_bytes = 0
-        """Pinned host memory held for snapshots (allocated on the first save)."""
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cuda" or t.numel() == 0:
-            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(t.device)
-        with self._lock:
-            free = self._free.get((t.dtype, t.numel()))
-            buf = free.pop() if free else None
-        if buf is None:
-            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-            self.pinned_bytes += buf.numel() * buf.element_size()
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)  # after what training queued so far
-            out = buf.view(t.shape)
-            out.copy_(t, non_blocking=True)
-            # DeepSpeed may free a tensor it built for this save before the copy ran.
-            t.record_stream(self._stream)
-        self._pending.append(out)
-        return out
-
-    def finish(self) -> None:
-        """Wait for this save's copies (the training thread's only wait)."""
-        if self._stream is not None and self._pending:
-            self._stream.synchronize()
-        self._pending.clear()
-
-    def give_back(self, snap: Any) -> None:
-        """A persisted snapshot's pinned buffers, for the next save."""
-        for t in _tensors(snap):
-            if t.is_pinned():
-                with self._lock:
-                    self._free.setdefault((t.dtype, t.numel()), []).append(t.view(-1))
-
-    def drop_unused(self) -> None:
-        """Free the buffers the last save did not need (the state's tensors changed)."""
-        with self._lock:
-            for bufs in self._free.values():
-                self.pinned_bytes -= sum(b.numel() * b.element_size() for b in bufs)
-            self._free.clear()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def persisted_marker(save_id: str, rank: int) -> str:
@@ -296,6 +208,7 @@ class AsyncWriter:
 
     # ------------------------------------------------------------------ writer threads
     def _run(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         while True:
             save = self._queue.get()
             if save is None:
@@ -342,6 +255,7 @@ class AsyncWriter:
         save.stats.persist_s = time.perf_counter() - t0
 
     def _run_completer(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         while True:
             save = self._pending.get()
             if save is None:

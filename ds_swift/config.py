@@ -452,7 +452,9 @@ class WatchdogConfig:
     """How often the watchdog thread reads the job's failure flag."""
 
     heartbeat_timeout_s: float = 10.0
-    """A worker whose heartbeat is older than this is declared failed."""
+    """A worker whose heartbeat is older than this is declared failed. Each worker writes its
+    heartbeat, and reads its watched peers', every tenth of this (at least every
+    ``poll_interval_s``): at 10 s, once a second."""
 
     op_timeout_s: float = 30.0
     """Timeout of every collective and point-to-point op: the longest a survivor blocked on

@@ -7,6 +7,7 @@ block) restores exactly what was there.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import TracebackType
 
@@ -19,6 +20,7 @@ class PatchError(RuntimeError):
     """A patch cannot be applied (unsupported version, applied twice, removed out of order)."""
 
 
+@functools.cache  # a mismatch raises (never cached); a match is checked per send and per step
 def check_version(package: str, installed: str, minimum: str, below: str) -> None:
     """Raise PatchError unless ``minimum <= installed < below``.
 

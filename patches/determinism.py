@@ -22,14 +22,16 @@ __all__ = ["ScopedDeterminism"]
 class ScopedDeterminism:
     """Turn deterministic algorithms on (warn-only, no NaN fill) unless the user did; restore once."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: bool = True) -> None:
+        """``on`` False changes nothing (a benchmark measuring what the setting costs)."""
         self.user = (
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
             bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
         )
         self._restored = False
-        if not self.user[0]:
+        self._changed = on and not self.user[0]
+        if self._changed:
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
@@ -38,6 +40,6 @@ class ScopedDeterminism:
         if self._restored:
             return
         self._restored = True
-        if not self.user[0]:
+        if self._changed:
             torch.use_deterministic_algorithms(False, warn_only=self.user[1])
             torch.utils.deterministic.fill_uninitialized_memory = self.user[2]  # type: ignore[attr-defined]

@@ -55,6 +55,14 @@ def call_ranks(sig: inspect.Signature, args: tuple[Any, ...], kw: dict[str, Any]
     return bound, tuple(sorted(dist.get_process_group_ranks(group)))
 
 
+@functools.lru_cache(maxsize=128)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    # The recorder wraps the collectives at every optimizer step: inspect.signature of the same 14
+    # functions each time cost more than the rest of the wrapping (bounded: a replay's wrappers
+    # are new functions, and the cache must not keep each one alive).
+    return inspect.signature(fn)
+
+
 def _tags(fn: Any) -> set[str]:
     tags: set[str] = set()
     seen: set[int] = set()
@@ -80,7 +88,7 @@ def wrap_collectives(tag: str, make: Wrapper) -> PatchHandle:
         raise PatchError(f"torch.distributed collectives are already wrapped by ds-swift ({tag!r})")
     wrappers: dict[str, Callable[..., Any]] = {}
     for name, fn in originals.items():
-        wrapper = functools.wraps(fn)(make(name, fn, inspect.signature(fn)))
+        wrapper = functools.wraps(fn)(make(name, fn, _signature(fn)))
         # After functools.wraps, which copies the inner wrapper's __dict__ (and its tag) over.
         setattr(wrapper, _MARK, tag)
         wrappers[name] = wrapper

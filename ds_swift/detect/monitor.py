@@ -25,8 +25,11 @@ class FailureMonitor:
             for the node agent's declaration).
     """
 
-    def __init__(self, store: JobStore | None, generation: int, poll_interval_s: float) -> None:
+    def __init__(self, store: JobStore | None, generation: int, poll_interval_s: float, watch: bool = True) -> None:
         self.store = store
+        #: False only where a benchmark switched failure detection off (ds_swift.runtime.bench_switch):
+        #: no watchdog thread, and no failure-flag reads after receives and before iterations
+        self.watch = watch
         self._generation = generation
         self._poll_interval_s = poll_interval_s
         self._watchdog: Watchdog | None = None
@@ -45,6 +48,8 @@ class FailureMonitor:
     ) -> None:
         """Start polling the failure flag (and heartbeating, and watching for a hang) on a store
         connection of its own. ``machines``: the job's machines in rank order (None: all of them)."""
+        if not self.watch:
+            return
         self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank, hang_timeout_s)
         self._watchdog = Watchdog(
             lambda: JobStore.from_env(env),
@@ -80,7 +85,7 @@ class FailureMonitor:
     # ------------------------------------------------------------------ checks
     def check_after_receive(self) -> None:
         """After every pipeline receive: raise if the generation failed (the buffer may be poison)."""
-        if not self._armed:
+        if not self._armed or not self.watch:
             return
         wd, store = self._watchdog, self.store
         if wd is not None and wd.failed.is_set():
@@ -92,7 +97,7 @@ class FailureMonitor:
 
     def failure_seen(self) -> str | None:
         """Why the generation in force failed, if it did (None without a job store)."""
-        if self.store is None:
+        if self.store is None or not self.watch:
             return None
         wd = self._watchdog
         if wd is not None and wd.failed.is_set():

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta
+from ds_swift.threadname import name_os_thread
 
 __all__ = ["HostStaged", "Staged", "WriteItem", "WriterStats", "WriterThread"]
 
@@ -200,6 +201,7 @@ class WriterThread:
 
     # ------------------------------------------------------------ consumer side
     def _run(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         if self.nice is not None and hasattr(os, "setpriority"):
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)

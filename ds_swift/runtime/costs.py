@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
 from ds_swift.recovery.digest import digest_state, engine_state, named_tensors, partition_state
+from ds_swift.runtime.bench_switch import ENV, SWITCHES
 
 __all__ = ["protection_costs", "state_bytes"]
 
@@ -38,13 +40,18 @@ def _mb(n: float) -> str:
 
 
 def protection_costs(
-    engine: Any, cfg: Any, *, digests: Any, buddy: Any, logs: Any, async_ckpt: bool, machines: int | None
+    engine: Any, cfg: Any, *, digests: Any, buddy: Any, logs: Any, async_ckpt: bool, machines: int | None,
+    without: frozenset[str] = frozenset(),
 ) -> list[str]:
     """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
-    the job's machine count (None: unknown)."""
+    the job's machine count (None: unknown); ``without``: what a benchmark switched off
+    (ds_swift.runtime.bench_switch), said first."""
     state = engine_state(engine)
     total, device = state_bytes(state)
     lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
+    if without:
+        lines.append(f"  SWITCHED OFF for a benchmark by {ENV}: "
+                     + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without)))  # fmt: skip
     lines.append(_digest_line(state, total, device, digests))
     lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
     if buddy is not None and machines == 1:
@@ -65,7 +72,29 @@ def protection_costs(
            "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
            "that the plan logs): 0")
     )  # fmt: skip
+    lines += _runtime_lines(cfg, without)
     return lines
+
+
+def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
+    """What the runtime itself adds to every iteration: failure detection, the step record, determinism."""
+    wd = cfg.watchdog
+    beat = max(wd.poll_interval_s, wd.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
+    hang = f", hang detection after {wd.hang_timeout_s:g} s" if wd.hang_timeout_s is not None else ""
+    off = f"OFF (benchmark: {ENV})"
+    rng = "off" if "rng" in without else (
+        "on: the RNG reseeded before every forward pass (the CPU generator, and the GPUs' once CUDA is initialised)")
+    return [
+        "  failure detection: " + (off if "watchdog" in without else
+            f"a watchdog thread reads the failure flag every {wd.poll_interval_s:g} s (one job-store round trip) and "
+            f"writes its heartbeat, and reads its pipeline neighbours', every {beat:g} s{hang}; the training thread "
+            "reads the flag after every pipeline receive and before every iteration (one round trip each)"),
+        "  update-undo: " + (off if "undo" in without else
+            "a step record per optimizer step, on the training thread (the step's hyper-parameters and per-parameter "
+            "bookkeeping: ds_swift.undo)"),
+        "  determinism: " + (f"deterministic algorithms {off}" if "determinism" in without else
+            "torch's deterministic algorithms on (warn only; no NaN fill of new memory)") + f"; RNG keying {rng}",
+    ]  # fmt: skip
 
 
 def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:

@@ -29,6 +29,7 @@ import torch
 from ds_swift.membership import JobStore
 from ds_swift.recovery.digest import engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
+from ds_swift.threadname import name_os_thread
 
 __all__ = ["DigestPublisher"]
 
@@ -140,6 +141,7 @@ class DigestPublisher:
             )
 
     def _run(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         store: JobStore | None = None
         while True:
             item = self._queue.get()

@@ -39,6 +39,7 @@ from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
+from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.costs import protection_costs
 from ds_swift.runtime.gradmask import GradScale, scaled_gradients
@@ -138,6 +139,8 @@ class SwiftPipelineEngine:
         logs = EngineLogging(
             cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
         )
+        without = switched_off()  # empty but in benchmarks/gpu_overhead.py --breakdown
+        logs.enabled = "logging" not in without
         on_gpu = any(p.is_cuda for p in engine.module.parameters())
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
         fraction, ckpt_dir = cfg.checkpoint.running_fraction, self._ckpt.ckpt_dir
@@ -148,8 +151,8 @@ class SwiftPipelineEngine:
             else None
         )  # fmt: skip
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
-        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log)
-        self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s)
+        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without)
+        self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
         check_machines(cfg, ctx.env)
         hang = cfg.watchdog.hang_timeout_s
         if hang is not None and hang <= ctx.op_timeout_s:
@@ -157,7 +160,7 @@ class SwiftPipelineEngine:
                 f"swift config: watchdog.hang_timeout_s={hang:g} must be more than the op timeout "
                 f"({ctx.op_timeout_s:g} s, from ds-swift-launch --op-timeout): raise it, or set it to null (off)"
             )
-        if ctx.store is not None and hang is not None:
+        if ctx.store is not None and hang is not None and self._monitor.watch:
             self._hooks.progress = self._monitor.progress
         self._timeline = PendingTimeline(ctx)
         self._rebuild = Rebuilder(
@@ -167,10 +170,10 @@ class SwiftPipelineEngine:
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retried iterations must compute what the first run computed; the user's
         # settings come back on close().
-        self._determinism = ScopedDeterminism()
+        self._determinism = ScopedDeterminism(on="determinism" not in without)
         self._hooks.install(engine)
         for line in protection_costs(engine, cfg, digests=self._rebuild.digests, buddy=self._rebuild.buddy, logs=logs,
-                                     async_ckpt=self._ckpt.writer is not None,
+                                     async_ckpt=self._ckpt.writer is not None, without=without,
                                      machines=ctx.env.num_machines if ctx.env is not None else None):  # fmt: skip
             ctx.log(line)
         if ctx.store is not None:

@@ -23,14 +23,29 @@ if TYPE_CHECKING:
     from ds_swift.detect.progress import Progress
     from ds_swift.runtime.logging_wiring import EngineLogging
 
-__all__ = ["EngineHooks", "attach_undo", "key_forward_rng", "make_injector"]
+__all__ = ["EngineHooks", "attach_undo", "key_forward_rng", "make_injector", "seed_generators"]
 
 
 def key_forward_rng(engine: Any, seed: int, local_index: int) -> None:
     """Reseed torch for the forward pass of this replica's ``local_index``-th micro-batch of
     iteration ``engine.global_steps``: dropout & co. depend on the position, never on what ran before."""
     mb = global_micro_batch(engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), local_index)
-    torch.manual_seed(rng_seed(seed, int(engine.global_steps), mb, int(engine.stage_id)))
+    seed_generators(rng_seed(seed, int(engine.global_steps), mb, int(engine.stage_id)))
+
+
+def seed_generators(seed: int) -> None:
+    """What ``torch.manual_seed(seed)`` does to the generators a forward pass can draw from: the
+    CPU's and, where CUDA is initialised, every GPU's.
+
+    Not ``torch.manual_seed`` itself: for each accelerator that is not initialised (on a CPU job:
+    CUDA, XPU and MTIA) it queues the seed with a formatted traceback of the caller's stack, and
+    from inside DeepSpeed's pipeline engine that was the largest single cost ds-swift added to the
+    training thread on CPU (a cProfile of the tiny GPT's rank 0 in thread CPU time: 14 of the 41 ms
+    per iteration ds-swift added), for generators the job never uses.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 def make_injector(ctx: SwiftContext) -> Any:
@@ -87,8 +102,11 @@ class EngineHooks:
         log: prints one line (the runtime's logger).
     """
 
-    def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None]) -> None:
+    def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None],
+                 without: frozenset[str] = frozenset()) -> None:  # fmt: skip
         self.seed = seed
+        #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
+        self.without = without
         self.injector = injector
         self.logs = logs
         self._undo: Any = None  # the update-undo handle of the engine in force (None: no undo)
@@ -120,7 +138,7 @@ class EngineHooks:
             return hook
 
         def forward(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            if self._reseed:
+            if self._reseed and "rng" not in self.without:
                 key_forward_rng(eng, self.seed, self._micro)
             self._micro += 1
             if self.injector is not None:
@@ -140,7 +158,7 @@ class EngineHooks:
             hooks = with_progress(self.progress, engine, hooks)
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
-        self._undo = attach_undo(engine, self._log)
+        self._undo = attach_undo(engine, self._log) if "undo" not in self.without else None
         self.logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
         self.logs.attach_log(engine, self._handles)

@@ -91,6 +91,8 @@ class EngineLogging:
         self._t_begin: float | None = None  # when the iteration in progress started
         self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
         self.updates: Any = None  # the UpdateLogger (ds_swift.runtime.rebuild), where stages may log updates
+        #: False only where a benchmark switched message logging off (ds_swift.runtime.bench_switch)
+        self.enabled = True
 
     # ------------------------------------------------------------------ the static plan
     def static_plan(self, engine: Any) -> Any:
@@ -228,7 +230,7 @@ class EngineLogging:
 
     def possible(self, engine: Any) -> bool:
         """The plan logs some pipeline send: logging-based recovery can be used."""
-        plan = self.static_plan(engine)
+        plan = self.static_plan(engine) if self.enabled else None
         return plan is not None and bool(plan.logged_edges or plan.update_stages)
 
     # ------------------------------------------------------------------ per engine

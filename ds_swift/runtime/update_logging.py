@@ -27,6 +27,7 @@ from typing import Any
 
 from ds_swift.recovery.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
 from ds_swift.storage import open_store
+from ds_swift.threadname import name_os_thread
 
 __all__ = ["UpdateLogger"]
 
@@ -139,6 +140,7 @@ class UpdateLogger:
 
     # ------------------------------------------------------------------ the background thread
     def _run(self) -> None:
+        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         tmp = tempfile.mkdtemp(prefix=f"ds-swift-updlog-{self.rank}-")
         try:
             while True:

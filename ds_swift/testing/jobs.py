@@ -62,6 +62,8 @@ class JobRun:
     """The launcher's output (its workers' lines included)."""
     seconds: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
+    pid: int | None = None
+    """The launcher's process id (the root of the job's process tree), once started."""
 
     @property
     def run_dir(self) -> Path:
@@ -158,6 +160,7 @@ def run_job(
     start = time.monotonic()
     with ProcessSet(job.proc_logs) as procs:
         proc = procs.spawn("launcher", launcher_argv(spec, job, config_path), env=worker_env(spec.env), cwd=job.dir)
+        job.pid = proc.pid
         while proc.poll() is None:
             if time.monotonic() - start > timeout_s:
                 job.output = procs.logs_tail(60)

@@ -1,8 +1,13 @@
-"""Failure-free overhead of a feature: the same job with it on and off, side by side.
+"""Failure-free overhead of a feature: the same job in two or more variants, side by side.
 
-Both variants run from one process, alternately (``rounds`` pairs, the order rotated each round,
-so that drift of a shared noisy machine hits both alike); the step time of a run is the interval
-between consecutive iterations' loss lines (``--loss-log``), after ``warmup`` iterations.
+All variants run from one process, interleaved (``rounds`` rounds, the order rotated each round,
+so that drift of a shared noisy machine hits every variant alike); the step time of a run is the
+interval between consecutive iterations' loss lines (``--loss-log``), after ``warmup`` iterations.
+
+Each job's process tree is also sampled for CPU time (ds_swift.testing.cpu_sampler) once its loss
+log passes ``warmup`` and again a few iterations before its end: CPU seconds per iteration per
+thread name, summed over the ranks. On a loaded machine the wall clock is noisy; CPU time says
+where the cost is.
 """
 
 from __future__ import annotations
@@ -10,14 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_swift.testing.cpu_sampler import CpuSample, per_iteration, sample_tree
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
-__all__ = ["OnOff", "add_arguments", "alternate", "bench_main", "step_times"]
+__all__ = ["Interleaved", "OnOff", "add_arguments", "alternate", "bench_main", "interleave", "step_times"]
+
+#: iterations before a job's last at which its second CPU sample is taken (before its teardown)
+_END_MARGIN = 2
 
 
 def step_times(job: JobRun, warmup: int) -> list[float]:
@@ -27,12 +37,104 @@ def step_times(job: JobRun, warmup: int) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+def _last_iteration(job: JobRun) -> int:
+    """The newest iteration in the job's loss log (-1: none yet)."""
+    try:
+        text = job.loss_log.read_text()
+    except OSError:
+        return -1
+    last = -1
+    for line in text.splitlines():
+        try:
+            last = max(last, int(json.loads(line)["iteration"]))
+        except (ValueError, KeyError):
+            continue  # a line being written
+    return last
+
+
+class _CpuWindow:
+    """Samples a running job's CPU time at iteration ``warmup`` and near its end (its on_poll)."""
+
+    def __init__(self, warmup: int, iterations: int) -> None:
+        self.start_at, self.end_at = warmup, max(warmup + 1, iterations - 1 - _END_MARGIN)
+        self.a: tuple[int, CpuSample] | None = None
+        self.b: tuple[int, CpuSample] | None = None
+
+    def __call__(self, job: JobRun) -> None:
+        if self.b is not None or job.pid is None:
+            return
+        it = _last_iteration(job)
+        if self.a is None and it >= self.start_at:
+            self.a = (it, sample_tree(job.pid))
+        elif self.a is not None and it >= self.end_at:
+            self.b = (it, sample_tree(job.pid))
+
+    def result(self) -> dict[tuple[str, str], float] | None:
+        """CPU seconds per iteration by (role, thread), or None where the window was not seen."""
+        if self.a is None or self.b is None or self.b[0] <= self.a[0]:
+            return None
+        return per_iteration(self.a[1], self.b[1], self.b[0] - self.a[0])
+
+
+@dataclass
+class Interleaved:
+    """Step times and CPU time per iteration of each variant, and the last job of each."""
+
+    steps: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    cpu: dict[str, list[dict[tuple[str, str], float]]] = field(default_factory=lambda: defaultdict(list))
+    """Per job of the variant: CPU seconds per iteration by (role, thread name)."""
+    last: dict[str, JobRun] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.steps[name])
+
+    def ratio(self, name: str, base: str) -> float:
+        """Median step time of ``name`` / that of ``base`` (1.0: no overhead)."""
+        return self.median(name) / self.median(base)
+
+    def cpu_per_iteration(self, name: str) -> dict[tuple[str, str], float]:
+        """CPU seconds per iteration by (role, thread name), the median over the variant's jobs."""
+        jobs = self.cpu.get(name, [])
+        keys = {k for j in jobs for k in j}
+        return {k: statistics.median(j.get(k, 0.0) for j in jobs) for k in sorted(keys)} if jobs else {}
+
+    def cpu_total(self, name: str, role: str | None = None) -> float | None:
+        """CPU seconds per iteration of the whole tree (or of ``role``), median over the jobs."""
+        jobs = self.cpu.get(name, [])
+        if not jobs:
+            return None
+        return statistics.median(sum(v for (r, _), v in j.items() if role is None or r == role) for j in jobs)
+
+
+def interleave(work: Path, specs: Mapping[str, JobSpec], rounds: int, warmup: int,
+               timeout_s: float = 600.0) -> Interleaved:  # fmt: skip
+    """Run every spec ``rounds`` times, interleaved: round ``r`` starts at the ``r``-th variant."""
+    out = Interleaved()
+    names = list(specs)
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            spec = specs[name]
+            window = _CpuWindow(warmup, spec.iterations)
+            job = run_job(work / f"round{r}-{name}", spec, timeout_s=timeout_s, on_poll=window)
+            if job.code != 0:
+                raise SystemExit(f"job {name} failed ({job.code}):\n{job.output[-3000:]}")
+            out.steps[name] += step_times(job, warmup)
+            cpu = window.result()
+            if cpu is not None:
+                out.cpu[name].append(cpu)
+            out.last[name] = job
+    return out
+
+
 @dataclass
 class OnOff:
     """Step times of both variants, and the last job of each."""
 
     steps: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     last: dict[bool, JobRun] = field(default_factory=dict)
+    runs: Interleaved | None = None
+    """The same runs by variant name (``on``/``off``), with their CPU time."""
 
     def median(self, on: bool) -> float:
         return statistics.median(self.steps[on])
@@ -45,14 +147,11 @@ class OnOff:
 
 def alternate(work: Path, spec_for: Callable[[bool], JobSpec], rounds: int, warmup: int) -> OnOff:
     """Run ``spec_for(True)`` and ``spec_for(False)`` ``rounds`` times each, alternately."""
-    out = OnOff()
-    for r in range(rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            job = run_job(work / f"round{r}-{'on' if on else 'off'}", spec_for(on), timeout_s=600)
-            if job.code != 0:
-                raise SystemExit(f"job failed ({job.code}):\n{job.output[-3000:]}")
-            out.steps[on] += step_times(job, warmup)
-            out.last[on] = job
+    runs = interleave(work, {"on": spec_for(True), "off": spec_for(False)}, rounds, warmup)
+    out = OnOff(runs=runs)
+    for on, name in ((True, "on"), (False, "off")):
+        out.steps[on] = list(runs.steps[name])
+        out.last[on] = runs.last[name]
     return out
 
 

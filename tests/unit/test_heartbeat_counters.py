@@ -150,7 +150,7 @@ def test_a_store_stall_longer_than_the_heartbeat_timeout_kills_no_machine(
 def test_one_observer_suspects_and_the_second_kills(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 stops beating: host A's watchdog only suspects machine 1 (its view alone is no
     verdict); a second observer's agreement makes it one."""
-    from ds_swift.detect.watchdog import suspect_key
+    from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT, suspect_key
 
     job = Job(store, Hosts({"a": 0.0, "b": 0.0}), monkeypatch)
     job.run(2.0)
@@ -161,6 +161,7 @@ def test_one_observer_suspects_and_the_second_kills(store: JobStore, monkeypatch
     assert (store.get(suspect_key(0, 1)) or "").startswith(f"{TIMEOUT_S!r} rank 1: no heartbeat for 10.")
     assert store.failure(0) is None and store.get(hung_machine_key(1)) is None
     store.add(f"{suspect_key(0, 1)}/n", 1)  # a second observer (another rank's watchdog) agrees
+    job.hosts.t += TIMEOUT_S / BEATS_PER_TIMEOUT  # A's next round of peer checks
     with job.hosts.on("a"):
         seen = job.dogs["a"].poll_once(job.stores["a"])
     assert seen is not None and "1 other observer(s) agree" in seen.reason

@@ -1,0 +1,144 @@
+"""What a buddy copier keeps and when a round counts (ds_swift.runtime.buddy).
+
+:class:`BuddyHoldings`: the complete copies of other ranks' partitions this rank holds (the newest
+two per owner), and this rank's own copies of its last two steps, kept across generations.
+:class:`StoreLanding`: a round has landed once every rank counted itself in, in the job store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_swift.recovery.replication import decode, flat_sizes
+
+__all__ = ["BuddyHoldings", "StoreLanding"]
+
+
+@dataclass
+class _Copy:
+    version: int
+    manifest: bytes
+    flats: dict[torch.dtype, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flats.values())
+
+
+class BuddyHoldings:
+    """The complete copies of other ranks' partitions this rank holds (the newest two per owner).
+    Kept across generations: the copies of a lost rank are what its replacement needs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copies: dict[int, list[_Copy]] = {}
+        self._own: list[_Copy] = []
+        """This rank's own state after its last two steps (see the module's docstring)."""
+
+    def spare(self, owner: int | None, manifest: bytes) -> dict[torch.dtype, torch.Tensor]:
+        """Buffers to receive ``owner``'s next copy into (None: this rank's own next copy): the oldest
+        copy's, dropped from the complete ones first (so it is never reported while being
+        overwritten), or new ones."""
+        sizes = flat_sizes(manifest)
+        with self._lock:
+            held = self._held(owner)
+            if len(held) >= 2:
+                old = held.pop(0)
+                if {d: t.numel() for d, t in old.flats.items()} == sizes:
+                    return old.flats
+        return {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
+
+    def put(self, owner: int | None, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
+        """A complete copy of ``owner``'s state after iteration ``version`` (None: this rank's own)."""
+        with self._lock:
+            held = self._held(owner)
+            kept = [c for c in held if c.version != version] + [_Copy(version, manifest, flats)]
+            held[:] = sorted(kept, key=lambda c: c.version)[-2:]
+
+    def _held(self, owner: int | None) -> list[_Copy]:
+        """The complete copies of ``owner`` (None: this rank's own); call with the lock held."""
+        return self._own if owner is None else self._copies.setdefault(owner, [])
+
+    def own_state(self, version: int) -> dict[str, Any] | None:
+        """This rank's own state after iteration ``version``, decoded into fresh tensors (a load must
+        not alias buffers the next round overwrites), or None where no complete own copy of it is held."""
+        with self._lock:
+            found = next((c for c in self._own if c.version == version), None)
+            if found is None:
+                return None
+            flats = {d: t.clone() for d, t in found.flats.items()}
+        return decode(found.manifest, flats)
+
+    def own_versions(self) -> tuple[int, ...]:
+        """The iterations of the complete own copies held."""
+        with self._lock:
+            return tuple(c.version for c in self._own)
+
+    def copies(self) -> tuple[tuple[int, int], ...]:
+        """(owner, iteration) of every complete copy held."""
+        with self._lock:
+            return tuple((o, c.version) for o, held in sorted(self._copies.items()) for c in held)
+
+    def chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """(owner, iteration, chunk index) of every complete erasure-coded chunk held (pipechurn)."""
+        with self._lock:
+            held = [(o, c.version, decode(c.manifest, c.flats)) for o, cs in sorted(self._copies.items()) for c in cs]
+        return tuple((o, v, int(rec["ec"]["index"])) for o, v, rec in held if isinstance(rec, dict) and "ec" in rec)
+
+    def state_of(self, owner: int, version: int) -> dict[str, Any]:
+        """The copy of ``owner`` after iteration ``version``, decoded (tensors are views)."""
+        with self._lock:
+            for c in self._copies.get(owner, []):
+                if c.version == version:
+                    return decode(c.manifest, c.flats)
+        raise KeyError(f"no complete buddy copy of rank {owner} at iteration {version}")
+
+    def nbytes(self) -> int:
+        """Host memory of every copy held: other ranks' and this rank's own."""
+        with self._lock:
+            return sum(c.nbytes for held in (*self._copies.values(), self._own) for c in held)
+
+
+class StoreLanding:
+    """Every rank's copies of a round are held: a counter per round in the job store.
+
+    Args:
+        store: a job-store connection of the copier thread's own.
+        generation: the generation (rounds of an earlier one never count).
+        world: ranks taking part.
+    """
+
+    def __init__(self, store: Any, generation: int, world: int) -> None:
+        self.store, self.generation, self.world = store, generation, world
+
+    def _key(self, version: int) -> str:
+        return f"buddy/{self.generation}/{version}"
+
+    def __call__(self, version: int, stopped: Callable[[], bool]) -> bool:
+        """Count this rank in for round ``version`` and wait until every rank is in (True), or until
+        ``stopped()`` (False)."""
+        key = self._key(version)
+        if self.store.add(key + "/n", 1) >= self.world:
+            self.store.set(key + "/done", "1")
+            for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
+                self.store.delete(old)  # rounds are a step apart: two back is over everywhere
+            return True
+        done = key + "/done"
+        while not stopped():
+            try:
+                self.store.kv.wait([done], datetime.timedelta(seconds=0.5))
+            except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
+                continue
+            if self.store.get(done) is not None:
+                return True
+            # The key exists but is not signed with the job secret (an outsider created it on an
+            # etcd anyone can write): wait for the last rank's signed one, which overwrites it.
+            time.sleep(0.05)
+        return False
