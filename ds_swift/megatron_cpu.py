@@ -61,6 +61,10 @@ class CpuRun:
     """``--train-iters``: the final checkpoint compared is ``global_step<iters>``."""
     save_interval: int = 4
     """``--save-interval``: also ds-swift's global checkpoint interval (a replay starts there)."""
+    untie_embeddings: bool = False
+    """Megatron's ``--untie-embeddings-and-output-weights``. Tied (the default), the first and the
+    last stage all-reduce the embedding's gradient, which a message-log replay cannot redo when
+    only one of them is lost: ds-swift then falls back to the global checkpoint, loudly."""
     initial_scale_power: int = 16
     """fp16 only: DeepSpeed's first loss scale is 2**this; a large one overflows (skipped steps)."""
 
@@ -135,6 +139,8 @@ def megatron_args(run: CpuRun) -> list[str]:
     ).split()
     if run.precision != "fp32":
         argv.append(f"--{run.precision}")
+    if run.untie_embeddings:
+        argv.append("--untie-embeddings-and-output-weights")
     return argv
 
 
@@ -186,7 +192,8 @@ def describe(run: CpuRun) -> str:
     """One line: the shape, the precision and the failure."""
     return (
         f"tp {run.tp} x pp {run.pp} x dp {run.dp} over {run.machines} machines of {run.ranks_per_machine} "
-        f"rank(s) (+{run.spares} spare), {run.precision}, ZeRO-{run.zero}, strategy {run.strategy}; "
+        f"rank(s) (+{run.spares} spare), {run.precision}, ZeRO-{run.zero}, strategy {run.strategy}"
+        f"{', untied embeddings' if run.untie_embeddings else ''}; "
         f"machine {run.kill_machine} killed in the {run.kill_phase} phase of iteration {run.kill_iteration}"
     )
 
@@ -212,6 +219,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=default.iters, help="training iterations (default %(default)s)")
     parser.add_argument("--save-interval", type=int, default=default.save_interval,
                         help="Megatron's --save-interval, ds-swift's global checkpoints (default %(default)s)")  # fmt: skip
+    parser.add_argument("--untie-embeddings", action="store_true",
+                        help="Megatron's --untie-embeddings-and-output-weights (tied embeddings rule out a "
+                             "message-log replay of a first or last stage alone)")  # fmt: skip
     parser.add_argument("--initial-scale-power", type=int, default=default.initial_scale_power,
                         help="fp16: the first loss scale is 2**N; above ~20 the first steps overflow and are "
                              "skipped (default %(default)s)")  # fmt: skip

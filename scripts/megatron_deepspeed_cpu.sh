@@ -10,6 +10,7 @@
 #     --strategy auto|replication|logging|...           ds-swift's strategy
 #     --kill-machine M --kill-iteration I --kill-phase forward|backward|step|send|recv
 #     --iters N --save-interval N                       length, global checkpoint interval
+#     --untie-embeddings                                Megatron's --untie-embeddings-and-output-weights
 #     --initial-scale-power N                           fp16: first loss scale 2**N (large: skipped steps)
 #     --dry-run                                         print both launch commands, run nothing
 # (python -m ds_swift.megatron_cpu prepare --help lists them with their defaults.)
@@ -58,4 +59,4 @@ run() {  # run NAME COMMAND: one launch from the checkout; prints its iterations
 echo "== $DESCRIBE"
 echo "== failure-free"; run ref "$REF_CMD"
 echo "== with the kill"; run kill "$KILL_CMD"
-"$PY" -m ds_swift.megatron_cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"
+"$PY" -W ignore -m ds_swift.megatron_cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"

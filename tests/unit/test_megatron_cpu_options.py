@@ -59,6 +59,9 @@ def test_fp16_loss_scale_and_pipeline_layers(tmp_path: Path) -> None:
                               "--initial-scale-power", "30"])  # fmt: skip
     argv = launch_command(tmp_path / "mds", tmp_path / "w", run)
     assert "--fp16" in argv and option(argv, "--num-layers") == "4"  # one layer per stage
+    assert "--untie-embeddings-and-output-weights" not in argv
+    _, _, untied, _ = parse_run([str(tmp_path), "--untie-embeddings"])
+    assert "--untie-embeddings-and-output-weights" in launch_command(tmp_path / "mds", tmp_path / "w", untied)
     fp16 = ds_config(run, tmp_path / "w" / "ref")["fp16"]
     assert fp16["enabled"] and fp16["initial_scale_power"] == 30 and fp16["loss_scale"] == 0
 
