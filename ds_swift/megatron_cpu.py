@@ -159,6 +159,9 @@ def ds_config(run: CpuRun, run_dir: Path) -> dict[str, Any]:
             # Each run its own log: a relative default would land in the checkout (the runs' cwd).
             "logging": {"storage": f"file://{run_dir / 'logs'}"},
             "watchdog": {"poll_interval_s": 0.1, "heartbeat_timeout_s": 10.0, "op_timeout_s": 60.0},
+            # A digest every iteration (a few ms on the tiny GPT): every recovery is verified at
+            # the exact iteration it reaches, a replay too.
+            "verify": {"digest_interval": 1},
         },
     }
     if run.precision == "bf16":
@@ -182,6 +185,8 @@ def launch_command(checkout: Path, work: Path, run: CpuRun | None = None, *, kil
     argv += ["--spares", str(run.spares), "--run-dir", str(run_dir / "run")]
     if kill:
         argv += ["--inject", run.inject]
+    if run.precision == "fp16":  # DeepSpeed refuses fp16 on a CPU without fp16 kernels: allowed, for this run
+        argv += ["-m", "ds_swift.testing.cpu_fp16_script"]
     argv += [str(checkout / "pretrain_gpt.py"), *megatron_args(run)]
     argv += ["--data-path", str(work / "data" / "stdlib_text_document"), "--save", str(run_dir / "ckpt")]
     argv += ["--deepspeed", "--deepspeed_config", str(run_dir / "ds_config.json"), "--swift"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ds_swift.megatron_cpu import CpuRun, ds_config, launch_command, parse_run, summary_lines
+from ds_swift.testing.cpu_fp16_script import script_argv
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "megatron_deepspeed_cpu.sh"
 
@@ -62,6 +63,14 @@ def test_fp16_loss_scale_and_pipeline_layers(tmp_path: Path) -> None:
     assert "--untie-embeddings-and-output-weights" not in argv
     _, _, untied, _ = parse_run([str(tmp_path), "--untie-embeddings"])
     assert "--untie-embeddings-and-output-weights" in launch_command(tmp_path / "mds", tmp_path / "w", untied)
+    # started through the module that allows fp16 on DeepSpeed's CPU accelerator
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == [
+        "ds_swift.testing.cpu_fp16_script", str(tmp_path / "mds" / "pretrain_gpt.py")
+    ]
+    assert script_argv(["--local_rank=1", "/m/pretrain_gpt.py", "--fp16"]) == ["/m/pretrain_gpt.py", "--local_rank=1",
+                                                                                "--fp16"]  # fmt: skip
+    assert script_argv(["/m/pretrain_gpt.py"]) == ["/m/pretrain_gpt.py"]
+    assert "-m" not in launch_command(tmp_path / "mds", tmp_path / "w", CpuRun(precision="bf16"))
     fp16 = ds_config(run, tmp_path / "w" / "ref")["fp16"]
     assert fp16["enabled"] and fp16["initial_scale_power"] == 30 and fp16["loss_scale"] == 0
 
