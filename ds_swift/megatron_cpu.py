@@ -228,8 +228,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="Megatron's --untie-embeddings-and-output-weights (tied embeddings rule out a "
                              "message-log replay of a first or last stage alone)")  # fmt: skip
     parser.add_argument("--initial-scale-power", type=int, default=default.initial_scale_power,
-                        help="fp16: the first loss scale is 2**N; above ~20 the first steps overflow and are "
-                             "skipped (default %(default)s)")  # fmt: skip
+                        help="fp16: the first loss scale is 2**N; too large, the first steps overflow and are "
+                             "skipped (20: iterations 1-3 of the tiny GPT; default %(default)s)")  # fmt: skip
 
 
 def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
