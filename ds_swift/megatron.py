@@ -22,12 +22,20 @@ training samples by position (ds_swift.megatron_data).
 from __future__ import annotations
 
 import argparse
+import types
 from collections.abc import Callable
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 
-__all__ = ["MegatronDeepSpeed", "add_arguments", "init_distributed", "initialize", "swift_section"]
+__all__ = [
+    "MegatronDeepSpeed",
+    "add_arguments",
+    "init_distributed",
+    "initialize",
+    "scheduler_loads_by_setting",
+    "swift_section",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -144,6 +152,7 @@ class MegatronDeepSpeed:
         """What a Megatron-DeepSpeed engine needs under ds-swift (at start-up and after every
         rebuild): Megatron's RNG tracker keyed by position, and its state in ds-swift's saves."""
         engine.module.register_forward_pre_hook(key_megatron_rng_tracker)
+        scheduler_loads_by_setting(getattr(engine, "lr_scheduler", None))
         return self.save_megatron_state(engine, args)
 
     def save_megatron_state(self, engine: Any, args: argparse.Namespace) -> Any:
@@ -181,6 +190,29 @@ class MegatronDeepSpeed:
 
         engine.save_checkpoint = save_checkpoint
         return engine
+
+
+def scheduler_loads_by_setting(scheduler: Any) -> None:
+    """Make a Megatron ``OptimizerParamScheduler``'s ``load_state_dict`` set its step count.
+
+    Megatron's loads *add* the saved ``num_steps`` to the scheduler's own (``self.step(increment=
+    num_steps)``): right for the fresh scheduler of a ``--load``, wrong wherever ds-swift loads a
+    state into a scheduler that has stepped (a global checkpoint reloaded under survivors, an undo,
+    the kept state): the count went on past the schedule and the second step after a checkpoint
+    fallback took the wrong learning rate (a pp 4 run ended with 70 of 96 tensors different).
+    Other schedulers (DeepSpeed's, torch's) already set, and are left alone.
+    """
+    if scheduler is None or type(scheduler).__name__ != "OptimizerParamScheduler" or not hasattr(scheduler, "num_steps"):
+        return
+    if getattr(scheduler.load_state_dict, "__func__", None) is _load_by_setting:
+        return  # prepared already (the kept scheduler of a survivor)
+    # A bound method, not a closure: a deep copy of the scheduler rebinds it to the copy.
+    scheduler.load_state_dict = types.MethodType(_load_by_setting, scheduler)
+
+
+def _load_by_setting(self: Any, state_dict: dict[str, Any]) -> None:
+    self.num_steps = 0
+    type(self).load_state_dict(self, state_dict)
 
 
 def key_megatron_rng_tracker(module: Any, inputs: Any) -> None:

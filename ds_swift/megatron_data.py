@@ -106,6 +106,9 @@ class MegatronSamples:
         # A replacement resumes at the engine's iteration: its counters follow from the position.
         args.iteration = iteration
         args.consumed_train_samples = consumed + (iteration - start_iteration) * pos.global_batch_size
+        if getattr(args, "seq_length", None):
+            # Megatron logs (and may decay the LR by) tokens: a replacement started them at 0.
+            args.consumed_train_tokens = args.consumed_train_samples * int(args.seq_length)
         self.position = pos
 
     def consumed(self, iteration: int) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .megatron_cpu import launch_command
 from .megatron_patch_state import EXIT_CODES, MegatronPatchError, SeriesState, git, series_state, touched_files
 
 __all__ = [
@@ -188,32 +189,6 @@ def check_report(checkout: Path, series: list[PatchFile] | None = None) -> tuple
     return state.exit_code, lines
 
 
-#: the tiny GPT of the README's Megatron-DeepSpeed section (CPU, gloo, 4 machines x 1 rank: pp 2 x dp 2)
-TINY_GPT_ARGS = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-    "--micro-batch-size 1 --global-batch-size 4 --train-iters 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-    "--lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --split 100,0,0 "
-    "--tokenizer-type NullTokenizer --vocab-size 256 --data-impl mmap --num-workers 0 --eval-iters 0 "
-    "--eval-interval 1000 --log-interval 1 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
-    "--distributed-backend gloo --attention-dropout 0.1 --hidden-dropout 0.1 --no-masked-softmax-fusion "
-    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion --save-interval 4"
-).split()
-
-
-def launch_command(checkout: Path, work: Path, *, kill: bool = True) -> list[str]:
-    """``ds-swift-launch`` for the tiny GPT (data and config under ``work``), killing machine 3
-    in the backward pass of iteration 5 when ``kill``."""
-    argv = ["ds-swift-launch", "--nnodes", "4", "--nproc-per-node", "1", "--spares", "1"]
-    argv += ["--run-dir", str(work / ("kill" if kill else "ref") / "run")]
-    if kill:
-        argv += ["--inject", "machine=3,iteration=5,phase=backward"]
-    argv += [str(checkout / "pretrain_gpt.py"), *TINY_GPT_ARGS]
-    argv += ["--data-path", str(work / "data" / "stdlib_text_document")]
-    argv += ["--save", str(work / ("kill" if kill else "ref") / "ckpt")]
-    argv += ["--deepspeed", "--deepspeed_config", str(work / "ds_config.json"), "--swift"]
-    return argv
-
-
 def _run(args: argparse.Namespace) -> int:
     checkout = Path(args.checkout).resolve()
     if args.check:
@@ -233,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     script = "scripts/megatron_deepspeed_cpu.sh"  # in the ds-swift repository
     print("\nA tiny GPT on CPU (gloo), a machine killed mid-backward and recovered, bitwise against the")
     print(f"failure-free run (data, config, both runs, the comparison):\n  bash {script} {checkout} {work}")
+    print(f"(options: bash {script} --help: the shape, precision, ZeRO stage, strategy and the kill)")
     print("\nor by hand, once the data and config are in place (run from the checkout, LOCAL_SIZE=1):")
     print("  cd " + shlex.quote(str(checkout)) + " && LOCAL_SIZE=1 " + shlex.join(launch_command(checkout, work)))
     return 0

@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# ds-swift in the real deepspeedai/Megatron-DeepSpeed, on CPU (gloo): a tiny GPT (pp 2 x dp 2, one
-# rank per simulated machine, one spare) trained twice under ds-swift-launch, failure-free and with
-# machine 3 SIGKILLed in the backward pass of iteration 5; the final checkpoints must be bitwise equal.
+# ds-swift in the real deepspeedai/Megatron-DeepSpeed, on CPU (gloo): a tiny GPT trained twice under
+# ds-swift-launch, failure-free and with one machine SIGKILLed; the final checkpoints must be bitwise
+# equal. Default: pp 2 x dp 2, fp32, ZeRO-0, one rank per simulated machine and one spare, machine 3
+# killed in the backward pass of iteration 5, eight iterations.
 #
-#   bash scripts/megatron_deepspeed_cpu.sh PATH_TO_CHECKOUT [WORK_DIR]
+#   bash scripts/megatron_deepspeed_cpu.sh PATH_TO_CHECKOUT [WORK_DIR] [options]
+#     --tp N --pp N --dp N --machines N --spares N     shape (ranks per machine: tp*pp*dp/machines)
+#     --precision fp32|bf16|fp16 --zero 0|1             precision, ZeRO stage
+#     --strategy auto|replication|logging|...           ds-swift's strategy
+#     --kill-machine M --kill-iteration I --kill-phase forward|backward|step|send|recv
+#     --iters N --save-interval N                       length, global checkpoint interval
+#     --untie-embeddings                                Megatron's --untie-embeddings-and-output-weights
+#     --initial-scale-power N                           fp16: first loss scale 2**N (large: skipped steps)
+#     --dry-run                                         print both launch commands, run nothing
+# (python -m ds_swift.megatron_cpu prepare --help lists them with their defaults.)
 #
 # The checkout must be at the series' commit (ds-swift megatron-patch checks it and applies the
 # series). Needs Megatron-DeepSpeed's own Python deps: pip install regex nltk pybind11.
 set -euo pipefail
-CHECKOUT=$(cd "${1:?usage: $0 PATH_TO_CHECKOUT [WORK_DIR]}" && pwd)
-mkdir -p "${2:-megatron-swift-run}"
-WORK=$(cd "${2:-megatron-swift-run}" && pwd)
 PY=${PYTHON:-python}
-export OMP_NUM_THREADS=1 LOCAL_SIZE=1  # LOCAL_SIZE: DeepSpeed's CPU accelerator's device count per machine
+case " $* " in *" -h "* | *" --help "*) exec "$PY" -m ds_swift.megatron_cpu prepare --help ;; esac
+# Parses and checks the options, writes WORK/ref and WORK/kill's DeepSpeed configs, and sets CHECKOUT,
+# WORK, LOCAL_SIZE, REF_CMD, KILL_CMD, FINAL_TAG, DESCRIBE and DRY_RUN (shell-quoted by the helper).
+assignments=$("$PY" -m ds_swift.megatron_cpu prepare "$@")
+eval "$assignments"
+# LOCAL_SIZE: DeepSpeed's CPU accelerator's device count per machine (Megatron: local_rank = rank % it)
+export OMP_NUM_THREADS=1 LOCAL_SIZE
+if [ -n "$DRY_RUN" ]; then
+    printf '%s\n(cd %s && LOCAL_SIZE=%s)\nfailure-free: %s\nkill: %s\n' "$DESCRIBE" "$CHECKOUT" "$LOCAL_SIZE" "$REF_CMD" "$KILL_CMD"
+    exit 0
+fi
 
 ds-swift megatron-patch "$CHECKOUT" --work "$WORK" >/dev/null
 "$PY" -c "import regex, nltk, pybind11" 2>/dev/null || { echo "pip install regex nltk pybind11 (Megatron-DeepSpeed's deps)" >&2; exit 2; }
@@ -33,28 +50,13 @@ EOF
     (cd "$CHECKOUT" && "$PY" tools/preprocess_data.py --input "$WORK/corpus.jsonl" --tokenizer-type NullTokenizer \
         --vocab-size 256 --append-eod --output-prefix "$WORK/data/stdlib" --workers 1 >/dev/null)
 fi
-cat >"$WORK/ds_config.json" <<'EOF'
-{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000000,
- "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0,
- "swift": {"enabled": true, "machines": {"gpus_per_node": 1, "rank_order": "tp-dp-pp"}, "strategy": "auto",
-           "watchdog": {"poll_interval_s": 0.1, "heartbeat_timeout_s": 10.0, "op_timeout_s": 60.0}}}
-EOF
 
-run() {  # run NAME [--kill]: the launch command ds-swift megatron-patch prints
-    rm -rf "${WORK:?}/$1"; mkdir -p "$WORK/$1"
-    local argv
-    argv=$("$PY" -c "import shlex, sys; from pathlib import Path; from ds_swift.megatron_patch import launch_command
-print(shlex.join(launch_command(Path(sys.argv[1]), Path(sys.argv[2]), kill=sys.argv[3] == 'kill')))" \
-        "$CHECKOUT" "$WORK" "$1")
-    (cd "$CHECKOUT" && eval "$argv") >"$WORK/$1/log" 2>&1 || { tail -30 "$WORK/$1/log"; exit 1; }
-    grep -E "lm loss|\[ds-swift\] recovery of|job finished" "$WORK/$1/log" | sed -E 's/ \| consumed tokens.*lm loss:/ | lm loss:/; s/ \| num zeros.*//'
+run() {  # run NAME COMMAND: one launch from the checkout; prints its iterations and recovery lines
+    rm -rf "${WORK:?}/$1/run" "$WORK/$1/ckpt" "$WORK/$1/logs"
+    (cd "$CHECKOUT" && eval "$2") >"$WORK/$1/log" 2>&1 || { tail -30 "$WORK/$1/log"; exit 1; }
+    "$PY" -m ds_swift.megatron_cpu summary "$WORK/$1/log"
 }
-echo "== failure-free"; run ref
-echo "== machine 3 killed in the backward pass of iteration 5"; run kill
-"$PY" - "$WORK" <<'EOF'
-import sys
-from ds_swift.testing.checkpoints import compare_checkpoints
-diff = compare_checkpoints(f"{sys.argv[1]}/ref/ckpt/global_step8", f"{sys.argv[1]}/kill/ckpt/global_step8")
-print(f"global_step8: {diff.tensors} tensors compared, {len(diff.differing)} differ, {len(diff.only_in_one)} in one only")
-sys.exit(0 if not diff.differing and not diff.only_in_one else 1)
-EOF
+echo "== $DESCRIBE"
+echo "== failure-free"; run ref "$REF_CMD"
+echo "== with the kill"; run kill "$KILL_CMD"
+"$PY" -W ignore -m ds_swift.megatron_cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"

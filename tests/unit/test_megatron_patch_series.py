@@ -147,6 +147,9 @@ def test_samples_follow_the_engine_and_refuse_the_cyclic_loader() -> None:
     samples = MegatronSamples()
     samples.configure(args, 2, 2, iteration=5)  # a replacement recovered to iteration 5
     assert (args.iteration, args.consumed_train_samples, samples.consumed(8)) == (5, 20, 32)
+    args.seq_length = 32
+    samples.configure(args, 2, 2, iteration=5)
+    assert args.consumed_train_tokens == 20 * 32  # Megatron's count, which a replacement started at 0
     with pytest.raises(Exception, match="dataloader-type"):
         samples.configure(argparse.Namespace(**{**vars(args), "dataloader_type": "cyclic"}), 2, 2, 0)
 
