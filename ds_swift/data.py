@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BatchFn", "DataIteratorError", "ResumableIterator", "global_micro_batch", "micro_batches", "rng_seed"]
+import torch
+
+__all__ = ["BatchFn", "DataIteratorError", "ResumableIterator", "global_micro_batch", "key_forward_rng", "micro_batches", "rng_seed"]
 
 #: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``
 BatchFn = Callable[[int, int], Any]
@@ -44,6 +46,13 @@ def rng_seed(seed: int, iteration: int, micro_batch: int, stage: int) -> int:
 def global_micro_batch(dp_rank: int, gas: int, local_index: int) -> int:
     """Global index of a replica's ``local_index``-th micro-batch of an iteration."""
     return dp_rank * gas + local_index
+
+
+def key_forward_rng(engine: Any, seed: int, local_index: int) -> None:
+    """Reseed torch for the forward pass of this replica's ``local_index``-th micro-batch of
+    iteration ``engine.global_steps``: dropout & co. depend on the position, never on what ran before."""
+    mb = global_micro_batch(engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), local_index)
+    torch.manual_seed(rng_seed(seed, int(engine.global_steps), mb, int(engine.stage_id)))
 
 
 def micro_batches(batch_fn: BatchFn, iteration: int, dp_rank: int, gas: int) -> Iterator[Any]:
