@@ -18,11 +18,18 @@ import re
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .megatron_patch_state import EXIT_CODES, MegatronPatchError, SeriesState, git, series_state, touched_files
+from ds_swift.megatron_patch_state import (
+    EXIT_CODES,
+    MegatronPatchError,
+    PatchFile,
+    SeriesState,
+    git,
+    series_state,
+    touched_files,
+)
 
 __all__ = [
     "MegatronPatchError",
@@ -48,18 +55,6 @@ REPOSITORY = "deepspeedai/Megatron-DeepSpeed"
 _COMMIT_HEADER = re.compile(r"^Megatron-DeepSpeed-Commit: ([0-9a-f]{40})$", re.MULTILINE)
 _FAILED_AT = re.compile(r"patch failed: (\S+):(\d+)")
 _HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@.*$")
-
-
-@dataclass(frozen=True)
-class PatchFile:
-    """One patch of the series and the commit its header names."""
-
-    path: Path
-    commit: str
-
-    @property
-    def name(self) -> str:
-        return self.path.name
 
 
 def load_series(series_dir: Path = SERIES_DIR) -> list[PatchFile]:
