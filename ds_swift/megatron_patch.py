@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import ds_swift
 from ds_swift.megatron_patch_state import (
     EXIT_CODES,
     MegatronPatchError,
@@ -46,7 +47,7 @@ def _series_dir() -> Path:
     # ds_swift.patches is the repository's patches/ (setup.py package_dir); found without importing it.
     spec = importlib.util.find_spec("ds_swift.patches")
     origin = spec.origin if spec is not None else None
-    base = Path(origin).parent if origin else Path(__file__).resolve().parent.parent / "patches"
+    base = Path(origin).parent if origin else Path(ds_swift.__file__).resolve().parents[1] / "patches"
     return base / "megatron_deepspeed"
 
 
