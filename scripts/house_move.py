@@ -84,6 +84,8 @@ MOVES: dict[str, str] = {
     "ds_swift.recovery.digest": "ds_swift.recovery.state.digest",
     "ds_swift.recovery.erasure": "ds_swift.recovery.state.erasure",
     "ds_swift.recovery.update_log": "ds_swift.recovery.state.update_log",
+    "ds_swift.recovery.state_transfer": "ds_swift.recovery.state.transfer",
+    "ds_swift.recovery.buddies": "ds_swift.recovery.state.buddies",
     # down from runtime/ into recovery/, so recovery/ never imports runtime/
     "ds_swift.runtime.timeline": "ds_swift.recovery.timeline",
     "ds_swift.runtime.gradmask": "ds_swift.recovery.gradmask",
@@ -103,7 +105,8 @@ PACKAGE_DOCS: dict[str, str] = {
     "ds_swift.recovery.strategies": "One module per recovery strategy; the registered list is ds_swift.recovery.registry.",
     "ds_swift.recovery.replay": "The replay from the message log that the logging strategies share: its plan, the\n"
     "re-execution, the log reader's side, the served receives, parallel recovery and the runner.",
-    "ds_swift.recovery.state": "State mechanics the strategies share: digests, erasure-coded chunks, the update log.",
+    "ds_swift.recovery.state": "State mechanics the strategies share: state transfer, buddy assignment, digests,\n"
+    "erasure-coded chunks, the update log.",
 }
 
 #: prose the module mapping cannot rewrite: (file, old text, new text), applied where the old text is
