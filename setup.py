@@ -1,28 +1,16 @@
 """ds-swift: fast failure recovery for DeepSpeed + Megatron 3D-parallel training."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="ds-swift",
     version="0.1.0",
     description="Expedited failure recovery (update-undo, replication, message logging) for DeepSpeed pipelines",
     python_requires=">=3.10",
-    packages=[
-        "ds_swift",
-        "ds_swift.undo",
-        "ds_swift.msglog",
-        "ds_swift.plan",
-        "ds_swift.detect",
-        "ds_swift.recovery",
-        "ds_swift.runtime",
-        "ds_swift.sim",
-        "ds_swift.storage",
-        "ds_swift.models",
-        "ds_swift.testing",
-        "ds_swift.launch",
-        "ds_swift.patches",
-        "ds_swift.cuda_ext",
-    ],
+    # Every ds_swift sub-package, found (a hand-kept list missed ds_swift.transport), plus the
+    # top-level folders installed as sub-packages (package_dir below).
+    packages=find_packages(include=["ds_swift", "ds_swift.*"])
+    + ["ds_swift.launch", "ds_swift.patches", "ds_swift.cuda_ext"],
     # launch/, patches/ and cuda_ext/ sit at the top level (see shared/DESIGN.md) but install
     # as sub-packages, so `import ds_swift.launch` works from a wheel and an editable install.
     package_dir={
@@ -60,7 +48,9 @@ setup(
                 # an S3-compatible server (moto's server mode) for the s3:// store's tests, and the client
                 "moto[server]>=5.0", "s3fs>=2024.1",
                 # the fused undo kernel's tests run it in Triton's interpreter (tests/unit/test_undo_triton.py)
-                "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'"],
+                "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'",
+                # the import-graph contracts in pyproject.toml (`lint-imports`, scripts/check.sh)
+                "import-linter>=2.1"],
         "s3": ["s3fs>=2024.1"],
         # The fused update-undo kernel (ds_swift.undo.triton_adam); CUDA builds of torch bring it already.
         "triton": ["triton>=3.2"],

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ds_swift.testing.jobs import JobRun, JobSpec, job_config
-
-if TYPE_CHECKING:
-    from ds_swift.bench import BenchSetup
 
 __all__ = ["BenchError", "Runner", "failed_rows", "infeasible_strategies", "run_strategies"]
 
 
 class BenchError(RuntimeError):
     """A job of the bench failed; the message names it and its log directory."""
+
+
+class JobSetup(Protocol):
+    """What the bench's jobs are built from (:class:`ds_swift.bench.BenchSetup`; a protocol, so that
+    this module does not import the bench back)."""
+
+    def spec(self, strategy: str, failure: bool) -> JobSpec: ...
 
 
 class Runner(Protocol):
@@ -30,7 +34,7 @@ class Runner(Protocol):
     ) -> JobRun: ...
 
 
-def infeasible_strategies(setup: BenchSetup, names: Iterable[str]) -> dict[str, str]:
+def infeasible_strategies(setup: JobSetup, names: Iterable[str]) -> dict[str, str]:
     """strategy -> why the bench's machines cannot serve it (the flag to change named), for those
     that cannot; each checked with its failure run's config and launcher flags, as ds-swift-launch
     would check it (:mod:`ds_swift.launch.preflight`)."""

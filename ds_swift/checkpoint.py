@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.durable import remove_durable, temp_path, write_atomic
+from ds_swift.durable import COMPLETE_MARKER, remove_durable, temp_path, write_atomic
 
 if TYPE_CHECKING:
     from ds_swift.checkfreq import CheckFreqTuner
@@ -47,7 +47,6 @@ __all__ = [
     "job_id_for", "latest_complete", "marker_problem", "origin_of", "tag_for", "trusted_origin",
 ]  # fmt: skip
 
-COMPLETE_MARKER = "swift_complete"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 

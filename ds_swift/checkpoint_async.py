@@ -43,7 +43,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ds_swift.checkpoint_snapshot import PinnedCopier, snapshot
-from ds_swift.durable import fsync_dir, fsync_file, fsync_tree, write_atomic
+from ds_swift.durable import COMPLETE_MARKER, fsync_dir, fsync_file, fsync_tree, write_atomic
 from ds_swift.threadname import name_os_thread
 
 __all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
@@ -269,8 +269,6 @@ class AsyncWriter:
                     self._completed.set()
 
     def _complete(self, save: _Save) -> None:
-        from ds_swift.checkpoint import COMPLETE_MARKER
-
         tag_dir = Path(save.ckpt_dir) / save.stats.tag
         wanted = {persisted_marker(save.save_id, r) for r in range(self.world_size)}
         failed = {r: failed_marker(save.save_id, r) for r in range(self.world_size)}
@@ -312,22 +310,3 @@ def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
     else:
         fsync_dir(tag_dir)
     fsync_dir(tag_dir.parent)
-
-
-def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool = False) -> Any:
-    """The engine's :class:`~ds_swift.checkpoint.CheckpointManager` for a ``swift`` config: with an
-    :class:`AsyncWriter` where checkpoints are asynchronous (``gpu``: the state is on GPUs, where
-    they are by default), and CheckFreq's tuner for ``checkfreq``."""
-    from ds_swift.checkfreq import CheckFreqTuner
-    from ds_swift.checkpoint import CheckpointManager, job_id_for
-
-    job_id = job_id_for(ctx.env.token if ctx.env is not None else None)
-    manager = CheckpointManager(
-        cfg.checkpoint.dir, cfg.checkpoint.interval, rank, job_id=job_id, save_timeout_s=cfg.checkpoint.save_timeout_s
-    )
-    if cfg.async_checkpoints_for(gpu):
-        manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s, ctx.log)
-        manager.new_generation(ctx.generation)
-    if cfg.strategy == "checkfreq":
-        manager.tuner = CheckFreqTuner(cfg.checkfreq.max_overhead, cfg.checkfreq.profile_at, rank, store=ctx.store)
-    return manager

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import ds_swift
 from ds_swift.demo_report import format_timeline, iterations_lost, losses_by_iteration, plot_losses, read_loss_log
 from ds_swift.testing.checkpoints import compare_checkpoints
 from ds_swift.testing.jobs import (
@@ -73,7 +74,8 @@ def _candidates() -> list[Path]:
     env = os.environ.get("DS_SWIFT_ROOT")
     if env:
         out.append(Path(env))
-    out.append(Path(__file__).resolve().parents[1])  # an editable install: the checkout itself
+    # an editable install: the checkout itself (found from the package, wherever this module sits in it)
+    out.append(Path(ds_swift.__file__).resolve().parents[1])
     cwd = Path.cwd().resolve()
     out += [cwd, *cwd.parents]
     return out

@@ -18,12 +18,20 @@ import re
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .megatron_cpu import launch_command
-from .megatron_patch_state import EXIT_CODES, MegatronPatchError, SeriesState, git, series_state, touched_files
+import ds_swift
+from ds_swift.megatron_cpu import launch_command
+from ds_swift.megatron_patch_state import (
+    EXIT_CODES,
+    MegatronPatchError,
+    PatchFile,
+    SeriesState,
+    git,
+    series_state,
+    touched_files,
+)
 
 __all__ = [
     "MegatronPatchError",
@@ -40,7 +48,7 @@ def _series_dir() -> Path:
     # ds_swift.patches is the repository's patches/ (setup.py package_dir); found without importing it.
     spec = importlib.util.find_spec("ds_swift.patches")
     origin = spec.origin if spec is not None else None
-    base = Path(origin).parent if origin else Path(__file__).resolve().parent.parent / "patches"
+    base = Path(origin).parent if origin else Path(ds_swift.__file__).resolve().parents[1] / "patches"
     return base / "megatron_deepspeed"
 
 
@@ -49,18 +57,6 @@ REPOSITORY = "deepspeedai/Megatron-DeepSpeed"
 _COMMIT_HEADER = re.compile(r"^Megatron-DeepSpeed-Commit: ([0-9a-f]{40})$", re.MULTILINE)
 _FAILED_AT = re.compile(r"patch failed: (\S+):(\d+)")
 _HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@.*$")
-
-
-@dataclass(frozen=True)
-class PatchFile:
-    """One patch of the series and the commit its header names."""
-
-    path: Path
-    commit: str
-
-    @property
-    def name(self) -> str:
-        return self.path.name
 
 
 def load_series(series_dir: Path = SERIES_DIR) -> list[PatchFile]:

@@ -19,15 +19,12 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .megatron_patch import PatchFile
 
 __all__ = [
     "EXIT_CODES",
     "HunkState",
     "MegatronPatchError",
+    "PatchFile",
     "SeriesState",
     "git",
     "series_state",
@@ -40,6 +37,18 @@ _HUNK_HEADER = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
 #: ``ds-swift megatron-patch --check``'s exit code per state (2: could not tell, e.g. not a folder)
 EXIT_CODES = {"applied": 0, "applies": 1, "half applied": 3, "does not apply": 4}
+
+
+@dataclass(frozen=True)
+class PatchFile:
+    """One patch of the series and the commit its header names."""
+
+    path: Path
+    commit: str
+
+    @property
+    def name(self) -> str:
+        return self.path.name
 
 
 class MegatronPatchError(RuntimeError):

@@ -285,7 +285,7 @@ def named_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def engine_state(engine: Any) -> dict[str, Any]:
     """The training state of a DeepSpeed engine by reference: module state and the optimizer
-    wrapper's (masters, inner optimizer), as :func:`~ds_swift.recovery.replication.capture_state`
+    wrapper's (masters, inner optimizer), as :func:`~ds_swift.recovery.state_transfer.capture_state`
     takes it for a donor."""
     from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
 

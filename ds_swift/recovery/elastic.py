@@ -47,7 +47,7 @@ from ds_swift.recovery.base import RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.replication import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.state_transfer import finish_restore, load_state, recv_state, send_state
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 from ds_swift.runtime.timeline import RankTimeline
 

@@ -9,7 +9,7 @@ machines may fail at once (a lost rank's own machine held none of its chunks, so
 it r at most); each holder keeps 1/k of it (host memory (k + r)/k of the state in all, against
 r + 1 for r full buddy copies).
 
-A held chunk is itself a payload (ds_swift.recovery.replication.encode): ``{"ec": {"index": j,
+A held chunk is itself a payload (ds_swift.recovery.state_transfer.encode): ``{"ec": {"index": j,
 "k": k, "r": r, "length": L}, "manifest": the state's manifest, "chunk": uint8 tensor}``, so it
 travels and is held exactly as a buddy copy is. :func:`erasure_target` (pure, from every rank's
 report of the chunks it holds) decides which iteration the recovery lands on and where each lost
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ds_swift.recovery.buddy import BuddyError, Member, assign_buddies
+from ds_swift.recovery.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.consensus import RecoveryInputs
-from ds_swift.recovery.replication import decode, decode_dtype
+from ds_swift.recovery.state_transfer import decode, decode_dtype
 
 __all__ = ["ErasureError", "assign_holders", "erasure_target", "join_chunks", "split_payload"]
 
@@ -44,7 +44,7 @@ def _zfec() -> Any:
 
 
 def split_payload(manifest: bytes, tensors: Sequence[torch.Tensor], k: int, r: int) -> list[dict[str, Any]]:
-    """The k + r chunk records of the payload ``(manifest, tensors)`` (ds_swift.recovery.replication.encode)."""
+    """The k + r chunk records of the payload ``(manifest, tensors)`` (ds_swift.recovery.state_transfer.encode)."""
     flat = (
         torch.cat([t.detach().reshape(-1).cpu().view(torch.uint8) for t in tensors])
         if tensors

@@ -19,7 +19,7 @@ from typing import Any
 from ds_swift.checkpoint import tag_for
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replication import set_counters
+from ds_swift.recovery.state_transfer import set_counters
 
 __all__ = ["GlobalCheckpointStrategy"]
 

@@ -179,7 +179,7 @@ def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
     initial state); LogUnavailable where it cannot be loaded."""
     from ds_swift.patches.step_collectives import wrap_collectives
     from ds_swift.recovery.collectives import CollectiveGuard
-    from ds_swift.recovery.replication import set_counters
+    from ds_swift.recovery.state_transfer import set_counters
 
     if checkpoint_step < 0 or ckpt is None:
         set_counters(engine, 0)  # the rebuilt engine is the initial state (model_fn seeds it)

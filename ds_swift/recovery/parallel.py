@@ -51,7 +51,7 @@ from ds_swift.recovery.parallel_combine import GradCapture, combine_exact, combi
 from ds_swift.recovery.replay import replay
 from ds_swift.recovery.replay_log import ProgressFn
 from ds_swift.recovery.replay_plan import ReplayStats, unwrap_engine
-from ds_swift.recovery.replication import capture_state, load_state, recv_state, send_state
+from ds_swift.recovery.state_transfer import capture_state, load_state, recv_state, send_state
 
 __all__ = [
     "GradCapture", "Mode", "ParallelReplayLayout", "ParallelStats", "assign_micro_batches", "build_copy_engine",

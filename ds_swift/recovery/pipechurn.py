@@ -18,7 +18,7 @@ from __future__ import annotations
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.erasure import erasure_target, join_chunks
-from ds_swift.recovery.replication import finish_restore, load_received, recv_state, send_state
+from ds_swift.recovery.state_transfer import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.verify import check_published
 
 __all__ = ["PipeChurnStrategy"]

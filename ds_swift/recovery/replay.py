@@ -35,14 +35,13 @@ from typing import Any
 
 import torch
 
-from ds_swift.data import BatchFn, global_micro_batch, micro_batches
+from ds_swift.data import BatchFn, global_micro_batch, key_forward_rng, micro_batches
 from ds_swift.patches.instructions import hook_instructions, schedule
 from ds_swift.patches.step_collectives import wrap_collectives
 from ds_swift.recovery.collectives import CollectiveGuard, CollectiveRecord, CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.replay_log import LogFeeder, ProgressFn, ReplayProgress
 from ds_swift.recovery.replay_plan import ReplayPlan, ReplayStats, plan_of, unsupported_reasons, unwrap_engine
 from ds_swift.recovery.replay_serve import Replayer
-from ds_swift.runtime.hooks import key_forward_rng
 
 __all__ = ["keyed_rng", "replay"]
 
@@ -52,7 +51,7 @@ def keyed_rng(engine: Any, seed: int, share: Sequence[int] | None = None) -> Any
     """Reseed torch before every forward pass from (seed, iteration, micro-batch, stage). Returns the handle.
 
     The same keying as the Swift runtime's forward hook (both call
-    ds_swift.runtime.hooks.key_forward_rng), counted per iteration from ``engine.global_steps``, so
+    ds_swift.data.key_forward_rng), counted per iteration from ``engine.global_steps``, so
     a replayed forward draws the same dropout masks.
     ``share``: the micro-batches the engine runs, in order (parallel recovery); default all.
     """

@@ -22,21 +22,22 @@ A few large sends instead of hundreds of small ones.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
-
-from ds_swift import transport
-from ds_swift.patches.deepspeed_optim_state import (
-    capture_optimizer,
-    load_optimizer,
-    optimizer_payload,
-    refresh_lp_params,
-)
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.state_transfer import (  # re-exported: older imports name this module
+    capture_state,
+    decode,
+    decode_dtype,
+    encode,
+    finish_restore,
+    flat_sizes,
+    flatten,
+    load_received,
+    load_state,
+    recv_state,
+    send_state,
+    unflatten,
+)
 from ds_swift.recovery.verify import check_copy, check_received, publish_reference
 
 __all__ = [
@@ -55,213 +56,6 @@ __all__ = [
     "send_state",
     "unflatten",
 ]
-
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
-
-
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``obj`` (nested dicts/lists/tuples of tensors and JSON scalars) into a JSON-able
-    skeleton and its tensors. Dicts with non-string keys and tuples are tagged so that they come
-    back as they were (optimizer state is keyed by int, Adam's betas are a tuple)."""
-    tensors: list[torch.Tensor] = []
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return {"__t__": len(tensors) - 1}
-        if isinstance(x, dict):
-            # OrderedDicts (state dicts) become plain dicts: load_state_dict accepts either.
-            if all(isinstance(k, str) and not k.startswith("__") for k in x):
-                return {k: walk(v) for k, v in x.items()}
-            return {"__items__": [[walk(k), walk(v)] for k, v in x.items()]}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return {"__tuple__": [walk(v) for v in x]}
-        if isinstance(x, torch.dtype):
-            return {"__dtype__": str(x)}
-        if x is None or isinstance(x, bool | int | float | str):
-            return x
-        raise TypeError(f"state transfer sends tensors and JSON scalars only, not {type(x).__name__}")
-
-    return walk(obj), tensors
-
-
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(x: Any) -> Any:
-        if isinstance(x, dict):
-            if "__t__" in x:
-                return tensors[int(x["__t__"])]
-            if "__items__" in x:
-                return {walk(k): walk(v) for k, v in x["__items__"]}
-            if "__tuple__" in x:
-                return tuple(walk(v) for v in x["__tuple__"])
-            if "__dtype__" in x:
-                return _DTYPES[x["__dtype__"]]
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        return x
-
-    return walk(skeleton)
-
-
-def _dtype_order(tensors: Iterable[torch.Tensor]) -> list[torch.dtype]:
-    seen: list[torch.dtype] = []
-    for t in tensors:
-        if t.dtype not in seen:
-            seen.append(t.dtype)
-    return seen
-
-
-def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """``state`` as a JSON manifest (skeleton + each tensor's shape and dtype) and its tensors."""
-    skeleton, tensors = flatten(state)
-    metas = [[list(t.shape), str(t.dtype)] for t in tensors]
-    return json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), tensors
-
-
-def flat_views(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor of ``manifest``, in order, as a 1-D view of its dtype's flat buffer in ``flats``."""
-    offsets = dict.fromkeys(flats, 0)
-    views = []
-    for shape, name in json.loads(manifest.decode())["tensors"]:
-        dtype, n = _DTYPES[name], int(torch.Size(shape).numel())
-        views.append(flats[dtype][offsets[dtype] : offsets[dtype] + n])
-        offsets[dtype] += n
-    return views
-
-
-def decode(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> Any:
-    """The state :func:`encode` described, its tensors cut out of one flat buffer per dtype (views)."""
-    doc = json.loads(manifest.decode())
-    views = flat_views(manifest, flats)
-    return unflatten(doc["skeleton"], [v.view(shape) for v, (shape, _) in zip(views, doc["tensors"], strict=True)])
-
-
-def decode_dtype(name: str) -> torch.dtype:
-    """The dtype a manifest names (``"torch.float32"``)."""
-    return _DTYPES[name]
-
-
-def flat_sizes(manifest: bytes) -> dict[torch.dtype, int]:
-    """Elements per dtype of the flat buffers that go with ``manifest`` (in sending order)."""
-    sizes: dict[torch.dtype, int] = {}
-    for shape, dtype in json.loads(manifest.decode())["tensors"]:
-        d = _DTYPES[dtype]
-        sizes[d] = sizes.get(d, 0) + int(torch.Size(shape).numel())
-    return sizes
-
-
-def send_state(state: Any, dst: int, group: Any = None, send: Callable[..., Any] | None = None) -> int:
-    """Send ``state`` to rank ``dst``; returns the payload bytes sent.
-
-    Args:
-        state: nested dicts/lists/tuples of tensors and JSON scalars.
-        dst: the receiving rank.
-        group: the process group (default: the one ds-swift's transport picks for host tensors).
-        send: ``send(tensor, dst, group=...)``; the transport's by default (tests pass a queue).
-    """
-    send = send or transport.send
-    manifest, tensors = encode(state)
-    blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-    send(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group)
-    send(blob, dst, group=group)
-    sent = blob.numel()
-    for dtype in _dtype_order(tensors):
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors if t.dtype == dtype])
-        send(flat, dst, group=group)
-        sent += flat.numel() * flat.element_size()
-    return sent
-
-
-def recv_state(src: int, group: Any = None, recv: Callable[..., Any] | None = None) -> Any:
-    """Receive a state sent by :func:`send_state` from rank ``src`` (tensors land on the CPU)."""
-    recv = recv or transport.recv
-    length = torch.zeros(1, dtype=torch.int64)
-    recv(length, src, group=group)
-    blob = torch.empty(int(length.item()), dtype=torch.uint8)
-    recv(blob, src, group=group)
-    manifest = blob.numpy().tobytes()
-    flats = {}
-    for dtype, n in flat_sizes(manifest).items():
-        flats[dtype] = torch.empty(n, dtype=dtype)
-        recv(flats[dtype], src, group=group)
-    return decode(manifest, flats)
-
-
-def capture_state(engine: Any, optimizer: bool = True) -> dict[str, Any]:
-    """A rank's whole training state, by reference (no copies): what a donor sends. The optimizer
-    entry is everything the rank's optimizer wrapper holds (fp32 masters, the inner optimizer's
-    state, loss scaler, flags: see ds_swift.patches.deepspeed_optim_state)."""
-    opt = engine.optimizer if optimizer else None
-    state: dict[str, Any] = {
-        "module": engine.module.state_dict(),
-        "optimizer": optimizer_payload(capture_optimizer(opt)) if opt is not None else None,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
-        "counters": counters_of(engine),
-        "rng": {"torch": torch.get_rng_state()},
-    }
-    if torch.cuda.is_available():
-        state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def counters_of(engine: Any) -> dict[str, int]:
-    return {
-        "global_steps": int(engine.global_steps),
-        "global_samples": int(engine.global_samples),
-        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-        "micro_steps": int(getattr(engine, "micro_steps", 0)),
-    }
-
-
-def set_counters(engine: Any, iteration: int) -> None:
-    """Make ``engine`` stand at the start of ``iteration`` (after ``iteration`` steps)."""
-    engine.global_steps = iteration
-    engine.global_samples = iteration * engine.train_batch_size()
-    engine.micro_steps = iteration * engine.gradient_accumulation_steps()
-
-
-def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
-    """Load a captured state into a (rebuilt or fresh) engine that resumes at ``iteration``.
-
-    The low-precision parameters of a partitioned wrapper are rebuilt from the masters by
-    :func:`finish_restore`, a collective every rank calls once all have loaded.
-    """
-    if state.get("module") is not None:
-        engine.module.load_state_dict(state["module"], strict=True)
-    if state.get("optimizer") is not None and engine.optimizer is not None:
-        load_optimizer(engine.optimizer, state["optimizer"])
-    if state.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    counters = state.get("counters") or {}
-    set_counters(engine, iteration)
-    engine.skipped_steps = int(counters.get("skipped_steps", 0))
-    rng = state.get("rng") or {}
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def load_received(engine: Any, state: dict[str, Any], iteration: int) -> None:
-    """:func:`load_state` of a state received from a peer: a replica's whole state, or a partition
-    copy (a buddy copy, decoded chunks), which has no module parameters (the low-precision ones come
-    from the masters in :func:`finish_restore`) but carries the module's buffers under ``buffers``."""
-    buffers = state.pop("buffers", None) or {}
-    load_state(engine, state, iteration)
-    if buffers:
-        engine.module.load_state_dict(buffers, strict=False)
-
-
-def finish_restore(engine: Any) -> None:
-    """Every rank, after every rank loaded its state: the low-precision parameters from the fp32
-    masters (an all-gather over data-parallel groups for ZeRO-1/bf16; the same call the step ends
-    with, so bitwise what the failure-free run has)."""
-    refresh_lp_params(engine.optimizer)
-
 
 # ----------------------------------------------------------------------------- the strategy
 def donors_for(inputs: RecoveryInputs) -> tuple[dict[int, int], list[int]]:

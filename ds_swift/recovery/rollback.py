@@ -28,14 +28,8 @@ from typing import Any
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
 from ds_swift.recovery.buddy import copy_holders
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replication import (
-    capture_state,
-    donors_for,
-    finish_restore,
-    load_received,
-    recv_state,
-    send_state,
-)
+from ds_swift.recovery.replication import donors_for
+from ds_swift.recovery.state_transfer import capture_state, finish_restore, load_received, recv_state, send_state
 
 __all__ = ["ImmediateRollbackStrategy", "rollback_sources"]
 

@@ -44,7 +44,7 @@ from ds_swift.recovery.base import (
     loud,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replication import finish_restore, set_counters
+from ds_swift.recovery.state_transfer import finish_restore, set_counters
 
 __all__ = ["ScarStrategy", "running_dir", "running_state"]
 

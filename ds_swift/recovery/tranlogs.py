@@ -26,7 +26,7 @@ import time
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replication import finish_restore
+from ds_swift.recovery.state_transfer import finish_restore
 from ds_swift.recovery.update_log import load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
 

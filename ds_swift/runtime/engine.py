@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_swift.checkpoint import Origin, latest_complete, origin_of, trusted_origin
-from ds_swift.checkpoint_async import checkpoint_manager
+from ds_swift.checkpoint_setup import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.data import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor

@@ -1,7 +1,7 @@
 """The per-instruction hooks the runtime installs on every DeepSpeed engine it builds.
 
 - RNG keying: torch is reseeded before every forward pass from (seed, iteration, micro-batch,
-  stage) by :func:`key_forward_rng`, the one function training and the replay
+  stage) by :func:`ds_swift.data.key_forward_rng`, the one function training and the replay
   (ds_swift.recovery.replay) both call, so a replayed forward draws the same dropout masks;
 - fault injection (``ds-swift-launch --inject``): the injector fires at the phase it names;
 - the update-undo step record, the step-collective recorder and the message logger
@@ -13,39 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ds_swift.data import global_micro_batch, rng_seed
+from ds_swift.data import key_forward_rng
 from ds_swift.runtime.context import SwiftContext
 
 if TYPE_CHECKING:
-    # Not at run time: the replay imports key_forward_rng, and the logging wiring imports the replay.
+    # Not at run time: the logging wiring imports the replay.
     from ds_swift.detect.progress import Progress
     from ds_swift.runtime.logging_wiring import EngineLogging
 
-__all__ = ["EngineHooks", "attach_undo", "key_forward_rng", "make_injector", "seed_generators"]
-
-
-def key_forward_rng(engine: Any, seed: int, local_index: int) -> None:
-    """Reseed torch for the forward pass of this replica's ``local_index``-th micro-batch of
-    iteration ``engine.global_steps``: dropout & co. depend on the position, never on what ran before."""
-    mb = global_micro_batch(engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), local_index)
-    seed_generators(rng_seed(seed, int(engine.global_steps), mb, int(engine.stage_id)))
-
-
-def seed_generators(seed: int) -> None:
-    """What ``torch.manual_seed(seed)`` does to the generators a forward pass can draw from: the
-    CPU's and, where CUDA is initialised, every GPU's.
-
-    Not ``torch.manual_seed`` itself: for each accelerator that is not initialised (on a CPU job:
-    CUDA, XPU and MTIA) it queues the seed with a formatted traceback of the caller's stack, and
-    from inside DeepSpeed's pipeline engine that was the largest single cost ds-swift added to the
-    training thread on CPU (a cProfile of the tiny GPT's rank 0 in thread CPU time: 14 of the 41 ms
-    per iteration ds-swift added), for generators the job never uses.
-    """
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(seed)
+__all__ = ["EngineHooks", "attach_undo", "make_injector"]  # key_forward_rng, seed_generators: ds_swift.data
 
 
 def make_injector(ctx: SwiftContext) -> Any:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_swift.config import ConfigError, SimulateConfig
-from ds_swift.recovery.replication import capture_state, finish_restore, flatten, load_state, set_counters, unflatten
+from ds_swift.recovery.state_transfer import capture_state, finish_restore, flatten, load_state, set_counters, unflatten
 from ds_swift.runtime.gradmask import GradScale, lossy_factor
 
 __all__ = ["FailureSimulation"]

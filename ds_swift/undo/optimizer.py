@@ -20,7 +20,8 @@ import torch
 
 from ds_swift.undo.apply import UNDO_PATHS, UndoPath, undo_group
 from ds_swift.undo.records import GroupRecord, NotInvertibleError, ParamRecord, StepRecord, UndoError
-from ds_swift.undo.rules import UndoRule, rule_for
+from ds_swift.undo.rule_registry import rule_for
+from ds_swift.undo.rules import UndoRule
 
 __all__ = ["InvertibleOptimizer"]
 

@@ -6,7 +6,7 @@ pre-step parameter determines) and r = m1/denom(v1) known after the step,
     x1 = x0 - c*(r + wd*x0)   =>   x0 = (x1 + c*r) / (1 - c*wd)
     m0 = (m1 - (1-b1)*g) / b1,   v0 = (v1 - (1-b2)*g^2) / b2,   g = grad / combined_scale.
 
-apex's FusedLAMB is refused (see rules.rule_for): its kernel overwrites .grad with the update.
+apex's FusedLAMB is refused (see rule_registry.rule_for): its kernel overwrites .grad with the update.
 """
 
 from __future__ import annotations

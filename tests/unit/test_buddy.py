@@ -7,10 +7,11 @@ import threading
 import pytest
 import torch
 
-from ds_swift.recovery.buddy import BuddyError, Member, assign_buddies, buddy_target
+from ds_swift.recovery.buddies import BuddyError, Member, assign_buddies
+from ds_swift.recovery.buddy import buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
 from ds_swift.recovery.registry import plan_recovery
-from ds_swift.recovery.replication import encode, flat_views
+from ds_swift.recovery.state_transfer import encode, flat_views
 from ds_swift.runtime.buddy import BuddyHoldings
 
 

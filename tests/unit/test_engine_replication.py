@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.replication import flatten, recv_state, send_state, unflatten
+from ds_swift.recovery.state_transfer import flatten, recv_state, send_state, unflatten
 
 
 class Wire:
