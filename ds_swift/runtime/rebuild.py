@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager
 from ds_swift.config import SwiftConfig
-from ds_swift.detect.classify import is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
@@ -344,6 +343,7 @@ class Rebuilder:
                         ctx.join_timeout_s,
                         ctx.backend,
                         log=ctx.log,
+                        timeout=ctx.user_timeout,
                     )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
@@ -358,10 +358,14 @@ class Rebuilder:
                 outcome = self._recover(generation, kept, tl)
                 break
             except (GenerationFailed, RuntimeError, TimeoutError) as exc:
-                if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed) and not is_comm_error(exc):
-                    raise
-                ctx.log(f"generation {generation} failed during recovery ({exc}); joining {generation + 1}")
-                declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
+                if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed):
+                    # Declared only on evidence (the flag, a stale heartbeat, an agreed stall), never
+                    # for "gloo" or "timed out" in a message; the job's own error is raised.
+                    how = self._monitor.classify(exc, generation)
+                else:  # the generation failed, or a rank did not arrive within the join timeout
+                    how = f"{type(exc).__name__}: {exc}"
+                    declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
+                ctx.log(f"generation {generation} failed during recovery ({how}); joining {generation + 1}")
                 self._hooks.uninstall()
                 self._holder.engine = None
                 self._hooks.take_undo()  # the rebuilt engine's, dropped with it
