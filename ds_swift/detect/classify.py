@@ -45,6 +45,7 @@ __all__ = [
     "is_transport_error",
     "job_error",
     "job_error_key",
+    "rank_error_key",
     "stale_ranks",
 ]
 
@@ -81,6 +82,12 @@ def job_error_key(generation: int) -> str:
     """Job-store key a rank sets to ``"rank <r>: <error>"`` before raising the job's own error in
     ``generation``: its peers, failing on the connection it closes, raise rather than recover."""
     return f"gen{generation}/job_error"
+
+
+def rank_error_key(rank: int) -> str:
+    """Job-store key of the job's own error ``rank`` raised (any generation): its node agent reads it
+    when the rank exits, and ends the job rather than replacing a sound machine (launch/agent.py)."""
+    return f"job_error/rank{rank}"
 
 
 def job_error(store: JobStore, generation: int) -> str | None:
@@ -178,6 +185,7 @@ def classify_failure(
         own = job_error(store, generation)
         if own is not None:  # a peer's own error closed the connection: the job ends with it
             exc.add_note(f"ds-swift: {own}: the job's own error, which ended generation {generation}")
+            _record_job_error(store, generation, rank, exc)
             raise exc
         dead = stale_ranks(store, liveness) if liveness is not None else []
         if dead and liveness is not None:
@@ -206,7 +214,11 @@ def classify_failure(
 def _record_job_error(store: JobStore, generation: int, rank: int | None, exc: BaseException) -> None:
     """Say in the store that ``exc`` is the job's own error (see :func:`job_error_key`)."""
     who = f"rank {rank}" if rank is not None else "a rank"
+    what = f"{who} raised {type(exc).__name__}: {str(exc)[:200]}"
     try:
-        store.set(job_error_key(generation), f"{who} raised {type(exc).__name__}: {str(exc)[:200]}")
+        if store.get(job_error_key(generation)) is None:  # the first one says what ended the generation
+            store.set(job_error_key(generation), what)
+        if rank is not None:
+            store.set(rank_error_key(rank), what)
     except Exception:  # noqa: BLE001 - the error itself is what the job must see, not the store's
         pass

@@ -15,6 +15,7 @@ from ds_swift.detect.classify import (
     classify_failure,
     is_transport_error,
     job_error,
+    rank_error_key,
 )
 from ds_swift.membership import JobStore
 
@@ -72,9 +73,11 @@ def test_a_peers_own_error_is_raised_not_recovered(store: JobStore, alive: None)
     with pytest.raises(ValueError):
         classify_failure(bug, store, 0, 0.01, Liveness(range(4), heartbeat_timeout_s=30.0, rank=3))
     assert (job_error(store, 0) or "").startswith("rank 3 raised ValueError")
+    assert (store.get(rank_error_key(3)) or "").startswith("rank 3 raised")  # its agent ends the job, no spare
     # The peer blocked on rank 3 fails on the closed connection: the job's own error, not a stall.
     closed = RuntimeError(GLOO_CLOSED)
     with pytest.raises(RuntimeError) as raised:
         classify_failure(closed, store, 0, 0.01, Liveness(range(4), heartbeat_timeout_s=30.0, rank=0))
     assert any("rank 3 raised ValueError" in n for n in raised.value.__notes__)
     assert store.failure(0) is None  # nothing declared: nobody recovers, the job ends with the error
+    assert (job_error(store, 0) or "").startswith("rank 3 raised ValueError")  # the first error stays the verdict
