@@ -17,7 +17,7 @@ from ds_swift.membership import JobStore
 from ds_swift.recovery import coordinator
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
-from ds_swift.runtime.buddy import BuddyCopier
+from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
 from ds_swift.runtime.timeline import RankTimeline
 
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
@@ -29,7 +29,8 @@ def test_a_copier_error_stops_copying_loudly_and_training_goes_on(capsys: pytest
     copier = BuddyCopier(1, (), lambda line: None)
     landed = threading.Event()
     landed.set()  # the round ended: with an error on the copier's thread
-    worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object())
+    worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object(),
+                             landing=None)
     copier._worker = worker  # type: ignore[assignment]
     checked: list[bool] = []
     copier.before_step(lambda: checked.append(True))  # the training thread's next step: no raise
@@ -46,13 +47,21 @@ def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
     landed = threading.Event()
     landed.set()
     copier._worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False,  # type: ignore[assignment]
-                                     channel=object())  # fmt: skip
+                                     channel=object(), landing=None)  # fmt: skip
 
     def failed() -> None:
         raise RuntimeError("generation 0 failed: machine 1 lost")
 
     with pytest.raises(RuntimeError, match="machine 1 lost"):
         copier.before_step(failed)
+
+
+def test_a_rank_turning_copies_off_ends_every_ranks_wait_for_its_rounds() -> None:
+    store = JobStore.host("unit-buddy-off")
+    waiting = StoreLanding(store, 0, 2)  # rank 0's copier, waiting for rank 1's count in round 5
+    StoreLanding(store, 0, 2).turn_off("rank 1: RuntimeError: timed out")
+    with pytest.raises(RuntimeError, match="turned off on another rank"):
+        waiting(5, lambda: False)
 
 
 # ------------------------------------------------------------------ strategy error
