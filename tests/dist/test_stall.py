@@ -38,6 +38,7 @@ def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(tmp
     # One verdict, a stall, declared once and acted on by every rank; nobody raised it as its own error.
     assert len(re.findall(r"\(stall \(declared\)", out)) <= 1, out[-6000:]
     assert "recovery of generation 0 (a stall: no rank died, none replaced)" in out, out[-6000:]
+    assert "after a stall: the op timeout goes from 4 s to 8 s" in out  # the slow op gets a longer bound
     survivors = set(re.findall(r"rank (\d): generation 0 failed \(", out))
     assert survivors == {"0", "1", "2", "3"}, out[-6000:]
     assert "not a machine failure" not in out and "the job's own error" not in out
