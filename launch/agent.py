@@ -380,8 +380,11 @@ class MachineAgent:
             for w in self.workers:
                 w.signal_group(signal.SIGKILL)
             self._dying.extend(self.workers)
-            victim, self.workers = self.workers[0], []
-            self._machine_failed(victim, -signal.SIGKILL, t_detected, why=problem)
+            victims, self.workers = self.workers, []
+            # A rank that raised the job's own error stops heartbeating as it exits: a peer's
+            # watchdog may call that a hang first. It is still the job's error, not the machine's.
+            if not any(self._own_error(w, 1) for w in victims):
+                self._machine_failed(victims[0], -signal.SIGKILL, t_detected, why=problem)
             return
         codes = [(w, w.poll()) for w in self.workers]
         failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]
