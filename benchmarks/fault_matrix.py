@@ -29,7 +29,9 @@ and a retried recovery; the survivor sending it dies: both machines lost, the ch
 missing file of one rank: every rank must step back to the one before it). ``full_ckpt_disk`` (the
 checkpoint directory on a 2 MB tmpfs: training goes on, a later failure reloads an older complete
 checkpoint, or restarts) for replication (synchronous saves) and global_checkpoint (asynchronous).
-And one bad value per config section.
+``stall`` (replication): rank 0 stops (SIGSTOP) past the op timeout and resumes: a stall, not a
+death; every rank agrees on it, the same ranks re-form the next generation with their state, and
+the job ends bitwise with no machine replaced. And one bad value per config section.
 
     python benchmarks/fault_matrix.py                         # everything (~45 min on 2 cores)
     python benchmarks/fault_matrix.py --configs logging --points backward,replay,corrupt_log
@@ -64,6 +66,9 @@ FP32 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"  # fp32, ZeRO-0
 PP4_BUDGET = ROOT / "configs" / "gpt_tiny_pp4_bf16_zero1_budget.json"
 ITERS = 12
 KILL_AT = 7  # after the checkpoint at 4 (interval 4), before the one at 8
+#: the stall case's watchdog: its 8 s stop outlasts the op timeout, not the heartbeat or hang timeouts
+#: (a stop past those is, rightly, a dead or hung machine)
+STALL_WATCHDOG = {"op_timeout_s": 4.0, "heartbeat_timeout_s": 20.0, "hang_timeout_s": 25.0}
 
 #: config -> (DeepSpeed JSON, swift overrides)
 CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
@@ -181,6 +186,11 @@ def cases() -> list[Case]:
     for point, env in (("corrupt_ckpt", "SWIFT_TEST_CORRUPT_CKPT"), ("missing_ckpt", "SWIFT_TEST_MISSING_CKPT")):
         out.append(Case("replication", point, 1, inject="machine=1,iteration=10,phase=backward",
                         env={env: "rank=0,iteration=8"}, swift={"strategy": "checkpoint"}))
+    # A stall, not a death (issue 30): rank 0 stops (SIGSTOP) past the op timeout, then resumes; its
+    # peers' ops time out with every rank alive: one agreed verdict (a stall), the same ranks re-form
+    # the next generation with their state, and the job ends bitwise, no machine replaced.
+    out.append(Case("replication", "stall", 0, env={"SWIFT_TEST_PAUSE": f"rank=0,iteration={KILL_AT},seconds=8"},
+                    swift={"watchdog": STALL_WATCHDOG}, must_say=("resumed (SIGCONT)", "(a stall: no rank died, none replaced)")))
     for swift, name in BAD_VALUES:
         out.append(Case("replication", f"bad {name}", None, swift=swift, bad_field=name))
     return out

@@ -23,6 +23,7 @@ own checkpoints trusted, load one at start (the origin) or launch with the same 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -50,16 +51,43 @@ __all__ = [
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
-def _write_error(exc: BaseException) -> bool:
-    """A checkpoint file that could not be written (full disk, storage gone), not a dead peer."""
-    if isinstance(exc, OSError):
-        return not isinstance(exc, (ConnectionError, TimeoutError))
-    text = str(exc)
-    # torch.save on a full disk (measured, torch 2.13): "basic_ios::clear: iostream error", then
-    # "[enforce fail at inline_container.cc:...] . unexpected pos ..." from its zip writer.
-    marks = ("PytorchStreamWriter failed", "file write failed", "No space left on device", "iostream error",
-             "inline_container.cc")
-    return any(m in text for m in marks)
+#: errnos of a write the storage refused: full disk or quota, storage gone or failing, read-only or
+#: forbidden, file too large. Not a dead peer's (ECONNRESET, ETIMEDOUT, ...): those are failures.
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "EFBIG", "ENXIO",
+                                      "ESTALE", "ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG")
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def _write_error(exc: BaseException, directory: str | os.PathLike[str] | None = None) -> bool:
+    """A checkpoint file that could not be written (full disk, storage gone), not a dead peer: by the
+    ``errno`` of the OSError in ``exc``'s chain. torch.save's zip writer raises a RuntimeError without
+    one (on a full disk: "iostream error", then "unexpected pos"): then ``directory`` is probed with a
+    small write of the same kind, whose OSError says what the storage refuses (nothing: not a write error)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in _WRITE_ERRNOS
+        e = e.__cause__ or e.__context__
+    if directory is None or not isinstance(exc, RuntimeError):
+        return False
+    probe = Path(directory) / f".swift_write_probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:  # what DeepSpeed's save does: a file under the checkpoint directory
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return probe_error.errno in _WRITE_ERRNOS
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return False
 
 
 def tag_for(iterations_done: int) -> str:
@@ -261,7 +289,7 @@ class CheckpointManager:
             with durable_saves(engine, Path(self.ckpt_dir) / tag):
                 engine.save_checkpoint(self.ckpt_dir, tag=tag)
         except (OSError, RuntimeError) as exc:
-            if not _write_error(exc):
+            if not _write_error(exc, self.ckpt_dir):
                 raise
             written = False
             print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "

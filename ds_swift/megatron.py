@@ -22,6 +22,7 @@ training samples by position (ds_swift.megatron_data).
 from __future__ import annotations
 
 import argparse
+import datetime
 import types
 from collections.abc import Callable
 from typing import Any
@@ -100,7 +101,9 @@ def init_distributed(args: argparse.Namespace) -> Any:
 
     path = getattr(args, "deepspeed_config_dict", None) or getattr(args, "deepspeed_config", None)
     ds_config = load_ds_config(path) if path else {}
-    return ds_swift.init_distributed(dict(ds_config, swift=swift_section(args, ds_config)))
+    minutes = getattr(args, "distributed_timeout_minutes", None)  # the job's own, kept outside ds-swift's calls
+    timeout = datetime.timedelta(minutes=float(minutes)) if minutes else None
+    return ds_swift.init_distributed(dict(ds_config, swift=swift_section(args, ds_config)), timeout=timeout)
 
 
 class MegatronDeepSpeed:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.classify import rank_error_key
 from ds_swift.detect.watchdog import hung_machine_key, suspect_key
 from ds_swift.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.store_url import StoreCredentials
@@ -420,8 +421,11 @@ class MachineAgent:
             for w in self.workers:
                 w.signal_group(signal.SIGKILL)
             self._dying.extend(self.workers)
-            victim, self.workers = self.workers[0], []
-            self._machine_failed(victim, -signal.SIGKILL, t_detected, why=problem)
+            victims, self.workers = self.workers, []
+            # A rank that raised the job's own error stops heartbeating as it exits: a peer's
+            # watchdog may call that a hang first. It is still the job's error, not the machine's.
+            if not any(self._own_error(w, 1) for w in victims):
+                self._machine_failed(victims[0], -signal.SIGKILL, t_detected, why=problem)
             return
         codes = [(w, w.poll()) for w in self.workers]
         failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]
@@ -433,7 +437,7 @@ class MachineAgent:
                 w.signal_group(signal.SIGKILL)
             self._dying.extend(self.workers)
             self.workers = []
-            if not self._left_behind(*failed[0]):
+            if not self._own_error(*failed[0]) and not self._left_behind(*failed[0]):
                 self._machine_failed(*failed[0], t_detected)
         elif all(rc == 0 for _, rc in codes):
             assert self.machine is not None
@@ -442,6 +446,20 @@ class MachineAgent:
             self.control.mark_machine_done(self.machine)
             self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
                         node=self.node, machine=self.machine)
+
+    def _own_error(self, worker: Worker, returncode: int) -> bool:
+        """The rank exited on the job's own error (it said so in the store before raising: a bug, not
+        a dead machine; ds_swift.detect.classify): the job ends with it, as it would without
+        ds-swift; replacing the machine would only run into the same error again."""
+        if returncode <= 0:
+            return False
+        said = self.store.get(rank_error_key(worker.rank))
+        if said is None:
+            return False
+        self.control.abort(f"machine {self.machine}: {said} (the job's own error, not a machine failure)")
+        self.state = AgentState.RETIRED
+        self._publish_machine()
+        return True
 
     def _left_behind(self, worker: Worker, returncode: int) -> bool:
         """Replacement ranks whose generation failed before they joined it (the survivors gave up

@@ -1,26 +1,29 @@
-"""Failure classification: is an exception raised in training a dead peer, or a bug?
+"""Failure classification: is an exception raised in training a dead peer, a stall, or a bug?
 
-An error is a failure of the generation when the job says so, not when its text looks like one:
+Every rank of a generation acts on one agreed verdict, kept in the job store:
 
-1. the failure flag of the generation is set (a node agent saw a worker die, a watchdog saw a
-   heartbeat stop), or the error is :class:`PeerFailure` (a receive after the flag was set);
-2. else an error that *may* come from a dead peer (a ``torch.distributed`` error type, or a
-   ``RuntimeError``/``OSError`` whose text is one gloo/NCCL use for a closed connection or a
-   timed-out op) waits for evidence: the flag, or a rank of the job whose heartbeat counter does
-   not move for the heartbeat timeout on this rank's own clock (:mod:`.beats`: no other host's
-   clock enters it), which it declares. A timed-out op may also come from a hung peer (alive,
-   heartbeating, not progressing), whose own watchdog sets the flag after the hang timeout: only
-   such an error waits that long; a closed connection or any other comm-looking error waits the
-   heartbeat timeout. With no evidence within that time, every rank is alive: the error is raised
-   as the job's own, with a note saying so;
-3. anything else is the job's own error and is raised at once, as DeepSpeed alone would.
+1. **failure**: the failure flag of the generation is set with evidence (a node agent saw a worker
+   die, a watchdog saw a heartbeat stop), or the error is :class:`PeerFailure` (a receive after the
+   flag was set). The generation is recovered; the dead machine's ranks are replaced;
+2. **the job's own error**: a rank raised an error that is not a comm error: it records it
+   (:func:`job_error_key`) before raising, and a peer whose op then fails on the closed connection
+   raises it too, naming that rank, instead of declaring anything;
+3. **stall**: a comm error proper (torch.distributed's error types, gloo's own transport errors:
+   :func:`is_transport_error`) with no death in evidence: every rank's heartbeat counter moving for the
+   heartbeat timeout, judged on this rank's own clock (:mod:`.beats`: no other host's clock enters it) (a timed-out op also the hang timeout: a hung peer's own watchdog names it first). A
+   slow op is not a dead machine: the rank declares the generation failed with a ``stall:`` reason
+   (:data:`STALL`), nobody is killed, and every rank re-forms the next generation in-process with
+   the state it holds (a recovery with no rank lost: nothing is lost, nothing is rolled back).
 
-So a bug that raises ``RuntimeError("... timed out")`` surfaces as that bug, not as up to five
-recoveries.
+An error whose *text* merely looks like a comm error (``RuntimeError("... timed out")`` from user
+code) is none of these by its text alone: it waits for evidence of a death like any comm error,
+and without one is raised as the job's own error, so such a bug surfaces as that bug, not as up to
+five recoveries.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,12 +36,17 @@ from ds_swift.membership import JobStore
 
 __all__ = [
     "COMM_ERROR_MARKERS",
+    "STALL",
     "TIMEOUT_MARKERS",
     "Liveness",
     "PeerFailure",
     "classify_failure",
     "hang_patience",
     "is_comm_error",
+    "is_transport_error",
+    "job_error",
+    "job_error_key",
+    "rank_error_key",
     "stale_ranks",
 ]
 
@@ -61,6 +69,33 @@ COMM_ERROR_MARKERS = (
 TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
+#: gloo's own transport errors. gloo raises plain RuntimeErrors; its own name the source line they
+#: come from ("[.../gloo/transport/tcp/pair.cc:534] Connection closed by peer ...", "[...
+#: unbound_buffer.cc:78] Timed out waiting 1000ms for recv operation to complete"), or, for an op on a
+#: pair an earlier timeout closed, "Application timeout caused pair closure" (measured, torch 2.13).
+_GLOO_OWN = re.compile(r"gloo/transport/[\w/]+\.cc:\d+\]|Application timeout caused pair closure")
+
+#: How a stall's failure reason starts (``gen<g>/failed``): a comm error with every rank alive.
+STALL = "stall: "
+
+
+def job_error_key(generation: int) -> str:
+    """Job-store key a rank sets to ``"rank <r>: <error>"`` before raising the job's own error in
+    ``generation``: its peers, failing on the connection it closes, raise rather than recover."""
+    return f"gen{generation}/job_error"
+
+
+def rank_error_key(rank: int) -> str:
+    """Job-store key of the job's own error ``rank`` raised (any generation): its node agent reads it
+    when the rank exits, and ends the job rather than replacing a sound machine (launch/agent.py)."""
+    return f"job_error/rank{rank}"
+
+
+def job_error(store: JobStore, generation: int) -> str | None:
+    """The job's own error a rank of ``generation`` raised (see :func:`job_error_key`), or None."""
+    return store.get(job_error_key(generation))
+
+
 class PeerFailure(RuntimeError):
     """Raised after a receive when the generation has failed (the data may be a poison message)."""
 
@@ -75,6 +110,14 @@ def is_comm_error(exc: BaseException) -> bool:
         return False
     text = str(exc)
     return any(m in text for m in COMM_ERROR_MARKERS)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """True for a comm library's own error, not a lookalike text: :class:`PeerFailure`,
+    torch.distributed's error types, and gloo's own errors (:data:`_GLOO_OWN`)."""
+    if isinstance(exc, PeerFailure | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and _GLOO_OWN.search(str(exc)) is not None
 
 
 @dataclass(frozen=True)
@@ -130,7 +173,9 @@ def classify_failure(
         return f"{type(exc).__name__} after the failure flag"
     if isinstance(exc, PeerFailure):
         return f"{type(exc).__name__}: {str(exc)[:120]}"
+    rank = liveness.rank if liveness is not None else None
     if not is_comm_error(exc):
+        _record_job_error(store, generation, rank, exc)
         raise exc
     # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
     # else a dead rank's heartbeat goes stale within the heartbeat timeout. Only a timed-out op can
@@ -145,6 +190,11 @@ def classify_failure(
     while True:
         if store.failure(generation) is not None:
             return f"comm error, failure declared: {str(exc)[:120]}"
+        own = job_error(store, generation)
+        if own is not None:  # a peer's own error closed the connection: the job ends with it
+            exc.add_note(f"ds-swift: {own}: the job's own error, which ended generation {generation}")
+            _record_job_error(store, generation, rank, exc)
+            raise exc
         dead = stale_ranks(store, liveness, beats) if liveness is not None and beats is not None else []
         if dead and liveness is not None:
             said = ", ".join(f"rank {r} (no heartbeat for {age:.1f} s)" for r, age in dead)
@@ -153,8 +203,30 @@ def classify_failure(
         if time.monotonic() >= deadline:
             break
         time.sleep(max(0.01, poll_interval_s / 2))
+    if is_transport_error(exc) and liveness is not None:
+        # A slow op, not a dead machine: every rank is alive. Declared as a stall so that every rank
+        # of the generation acts on the same verdict, re-forming the next one with its state.
+        said = (f"{STALL}rank {liveness.rank}: {type(exc).__name__} ({str(exc)[:160]}) with no rank dead "
+                f"(every rank heartbeating for {patience:.1f} s): the next generation is formed by the same "
+                "ranks with the state they hold, nothing lost")  # fmt: skip
+        first = declare_failure(store, generation, said)
+        return f"stall ({'declared' if first else 'already declared'}): {str(exc)[:120]}"
     exc.add_note(
         f"ds-swift: not a machine failure (no failure declared and every rank heartbeating for "
         f"{patience:.1f} s): raised as the job's own error"
     )
+    _record_job_error(store, generation, rank, exc)
     raise exc
+
+
+def _record_job_error(store: JobStore, generation: int, rank: int | None, exc: BaseException) -> None:
+    """Say in the store that ``exc`` is the job's own error (see :func:`job_error_key`)."""
+    who = f"rank {rank}" if rank is not None else "a rank"
+    what = f"{who} raised {type(exc).__name__}: {str(exc)[:200]}"
+    try:
+        if store.get(job_error_key(generation)) is None:  # the first one says what ended the generation
+            store.set(job_error_key(generation), what)
+        if rank is not None:
+            store.set(rank_error_key(rank), what)
+    except Exception:  # noqa: BLE001 - the error itself is what the job must see, not the store's
+        pass

@@ -106,9 +106,11 @@ class FailureMonitor:
             return "failure flag"
         return None
 
-    def classify(self, exc: BaseException) -> str:
-        """How ``exc`` ended the generation in force; re-raises it when it is not a failure."""
-        return classify_failure(exc, self.store, self._generation, self._poll_interval_s, self._liveness)
+    def classify(self, exc: BaseException, generation: int | None = None) -> str:
+        """How ``exc`` ended ``generation`` (default: the one in force); re-raises it when it is not
+        a failure (see :func:`~ds_swift.detect.classify.classify_failure`)."""
+        g = self._generation if generation is None else generation
+        return classify_failure(exc, self.store, g, self._poll_interval_s, self._liveness)
 
     def begin_recovery(self) -> float:
         """A survivor starts recovering: the recv check is off and the job's generation moved on.

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.checkpoint import CheckpointManager, Origin
-from ds_swift.membership import JobStore
+from ds_swift.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.digest import Verdict
@@ -155,13 +155,22 @@ def run_recovery(
         store, generation, rank, engine, kept, ckpt, timeline, gather_timeout_s, log,
         logging.runtime if logging is not None else None, verify, updates,
     )  # fmt: skip
+    error: str | None = None
     try:
         outcome = chosen.restore(plan, inputs, ctx)
         if verify:
             outcome.verdict = outcome.verdict or _own_copy_verdict(ctx, inputs, plan)
             _verified(ctx, world_size, outcome)
     except RestoreFailed as failed:
-        plan, chosen = STRATEGIES.fall_back(inputs, failed.reason)
+        error = failed.reason
+    except Exception as exc:  # noqa: BLE001 - any strategy error is agreed on below, then the safety net
+        if isinstance(exc, GenerationFailed) or store.failure(generation) is not None:
+            raise  # the generation failed meanwhile (a cascading failure): the next one recovers
+        error = f"rank {rank}: strategy {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:200]}"
+        loud(rank, error)
+    reason = _agree_on_errors(store, generation, rank, world_size, error, gather_timeout_s)
+    if reason is not None:
+        plan, chosen = STRATEGIES.fall_back(inputs, reason)
         outcome = chosen.restore(plan, inputs, ctx)
     _say_inexact_undo(ctx, inputs, plan, outcome)
     if verify:  # what is trained again is published again; a later replay must not meet the old digests
@@ -171,6 +180,23 @@ def run_recovery(
     timeline.t_restored = time.time()
     timeline.bytes_moved = outcome.bytes_moved
     return outcome
+
+
+def _agree_on_errors(
+    store: JobStore, generation: int, rank: int, world_size: int, error: str | None, timeout_s: float
+) -> str | None:
+    """The error round after every rank's restore: each says in the store whether its restore raised
+    (a strategy's bug, an op its peer abandoned), and any error makes every rank fall back to the
+    global checkpoint together, loudly, naming it (a rank falling back alone would leave its peers
+    waiting in the strategy's collectives). Returns the reason, or None when every restore worked."""
+    store.publish(generation, "restore_error", rank, error or "")
+    errors = store.gather(generation, "restore_error", range(world_size), timeout_s)
+    said = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
+    if not said:
+        return None
+    reason = "; ".join(said)
+    loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+    return reason
 
 
 def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
+from ds_swift.recovery.base import loud
 from ds_swift.recovery.buddies import Member, assign_buddies
 from ds_swift.recovery.erasure import assign_holders, split_payload
 from ds_swift.recovery.state_transfer import counters_of, encode, flat_sizes, flat_views
@@ -175,6 +176,8 @@ class BuddyCopier:
         self.holdings = BuddyHoldings()
         self._log = log
         self._worker: _Worker | None = None
+        self.off: str | None = None
+        """Why copying stopped in this generation (a copier error), or None while it protects."""
         self.wait_s = 0.0
         """Time the training thread waited for a round's sends before a step (the overhead)."""
 
@@ -218,6 +221,7 @@ class BuddyCopier:
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
         self._worker = _Worker(channel, placement[rank], owners, self.holdings, self._log, split, landed)
+        self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
         self.after_step(engine)
@@ -242,7 +246,26 @@ class BuddyCopier:
                 check()
         self.wait_s += time.perf_counter() - t0
         if w.error is not None:
-            raise w.error
+            if check is not None:
+                check()  # the generation failed: that, not the copier, is what the job must act on
+            self._turn_off(w, w.error)
+
+    def _turn_off(self, w: _Worker, error: BaseException) -> None:
+        """A copier error (a slow round past its group's op timeout, say) is not the job's: copying
+        stops for this generation and the job trains on without it, said loudly (the next recovery
+        starts copying again). Raised on the training thread, it would end a healthy job."""
+        self._worker = None
+        w.stopped, w.channel = True, None
+        self.off = f"{type(error).__name__}: {str(error)[:200]}"
+        if isinstance(w.landing, StoreLanding):
+            try:
+                w.landing.turn_off(f"rank {dist.get_rank() if dist.is_initialized() else -1}: {self.off}")
+            except Exception:  # noqa: BLE001 - the peers' copiers then stop on their own op timeout
+                pass
+        loud(dist.get_rank() if dist.is_initialized() else -1,
+             f"BUDDY COPIES OFF: the copier failed ({self.off}); training goes on WITHOUT buddy copies of this "
+             "rank's optimizer partition until the next recovery (a failure meanwhile recovers from older copies "
+             "or the global checkpoint)")  # fmt: skip
 
     def after_step(self, engine: Any) -> None:
         """Hand this rank's state after the step just taken (iteration ``global_steps - 1``) to the

@@ -121,6 +121,11 @@ class StoreLanding:
     def _key(self, version: int) -> str:
         return f"buddy/{self.generation}/{version}"
 
+    def turn_off(self, reason: str) -> None:
+        """This rank stopped copying (a copier error): every rank's copier stops too, rather than
+        wait for its count in every later round."""
+        self.store.set(f"buddy/{self.generation}/off", reason)
+
     def __call__(self, version: int, stopped: Callable[[], bool]) -> bool:
         """Count this rank in for round ``version`` and wait until every rank is in (True), or until
         ``stopped()`` (False)."""
@@ -130,11 +135,14 @@ class StoreLanding:
             for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
                 self.store.delete(old)  # rounds are a step apart: two back is over everywhere
             return True
-        done = key + "/done"
+        done, off = key + "/done", f"buddy/{self.generation}/off"
         while not stopped():
             try:
                 self.store.kv.wait([done], datetime.timedelta(seconds=0.5))
             except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
+                why = self.store.get(off)
+                if why is not None:
+                    raise RuntimeError(f"buddy copies turned off on another rank ({why})") from None
                 continue
             if self.store.get(done) is not None:
                 return True

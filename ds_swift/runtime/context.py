@@ -54,6 +54,10 @@ class SwiftContext:
     t_joined: float = 0.0
     backend: str = "gloo"
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    user_timeout: datetime.timedelta | None = None
+    """The job's own op timeout (``init_distributed(timeout=...)``: Megatron's
+    ``--distributed-timeout-minutes``; None: torch's default). It holds outside ds-swift's calls; the
+    op timeout only inside them (ds_swift.patches.op_timeout)."""
     patches: list[Any] = field(default_factory=list)
 
     @property
@@ -100,6 +104,7 @@ def join_generation(
     backend: str = "gloo",
     log: Callable[[str], None] | None = None,
     swift: bool = True,
+    timeout: datetime.timedelta | None = None,
 ) -> int:
     """Join ``generation`` (or a later one if it fails first) and initialise torch.distributed on it.
 
@@ -107,6 +112,10 @@ def join_generation(
     generation safe, and ds-swift's transport opens its gloo groups: right after the world, before
     DeepSpeed creates any group, so every rank (survivor or replacement) creates them in the same
     order. Returns the generation joined. DeepSpeed is attached afterwards by the caller.
+
+    The world gets the job's ``timeout`` (None: torch's default), not the op timeout: ds-swift
+    applies that only around its own calls (ds_swift.patches.op_timeout); its transport's groups,
+    only ever used by ds-swift, keep ``op_timeout_s``.
     """
     if swift and "nccl" in backend:
         transport.nccl_environment()  # read by torch when the NCCL group is created
@@ -123,15 +132,21 @@ def join_generation(
             store=prefix,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=op_timeout_s),
+            timeout=timeout,
         )
         if swift:
             transport.open_generation(op_timeout_s, generation)
         return generation
 
 
-def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SwiftContext | None:
-    """Use instead of ``deepspeed.init_distributed()``. Returns the context (None when swift is off)."""
+def init_distributed(
+    ds_config: Mapping[str, Any] | str | os.PathLike[str] | None = None, timeout: datetime.timedelta | None = None
+) -> SwiftContext | None:
+    """Use instead of ``deepspeed.init_distributed()``. Returns the context (None when swift is off).
+
+    ``timeout``: the job's own op timeout for its process groups (what it would pass to
+    ``init_process_group``; Megatron's ``--distributed-timeout-minutes``); None: torch's default.
+    ds-swift's shorter op timeout applies only inside its own calls."""
     global _CONTEXT
     import deepspeed
 
@@ -143,16 +158,14 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
             # try to host: rendezvous through it as a member of generation 0, without recovery.
             env = WorkerEnv.from_env()
             join_generation(JobStore.from_env(env), env.generation, env.rank, env.world_size,
-                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend, swift=False)
-        deepspeed.init_distributed(dist_backend=backend)
+                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend, swift=False, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         return None
     if _CONTEXT is not None and dist.is_initialized():
         return _CONTEXT
-    from ds_swift.patches.deepspeed_rebuild import patch_default_timeout
-
     op_timeout_s = op_timeout_from(cfg)
-    ctx = SwiftContext(cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time())
-    ctx.patches.append(patch_default_timeout(op_timeout_s))
+    ctx = SwiftContext(cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time(),
+                       user_timeout=timeout)  # fmt: skip
     if not WorkerEnv.present():
         if os.environ.get("RANK", "0") == "0":
             print(
@@ -161,7 +174,7 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
                 file=sys.stderr,
                 flush=True,
             )
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=op_timeout_s))
+        deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         transport.open_generation(op_timeout_s)  # before the engine's groups (see join_generation)
         ctx.t_joined = time.time()
         _CONTEXT = ctx
@@ -170,7 +183,7 @@ def init_distributed(ds_config: Mapping[str, Any] | str | os.PathLike[str] | Non
     ctx.env = env
     ctx.store = JobStore.from_env(env)
     ctx.generation = join_generation(
-        ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend
+        ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend, timeout=timeout
     )
     ctx.t_joined = time.time()
     # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.

@@ -182,10 +182,11 @@ class SwiftPipelineEngine:
                 ctx.env, cfg.watchdog.heartbeat_timeout_s, watched_peers(engine), cfg.watchdog.hang_timeout_s,
                 self._rebuild.machines,
             )
-            if ctx.env.replacement:
-                self._resume(self._rebuild.as_replacement())
-            else:
-                self._rebuild.start_generation()  # a replacement starts it in its recovery, with the others
+            with self._op_timeouts():
+                if ctx.env.replacement:
+                    self._resume(self._rebuild.as_replacement())
+                else:
+                    self._rebuild.start_generation()  # a replacement starts it in its recovery, with the others
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ attribute passthrough
@@ -215,9 +216,20 @@ class SwiftPipelineEngine:
     def generation(self) -> int:
         return self._monitor.generation
 
+    def _op_timeouts(self) -> AbstractContextManager[Any]:
+        """ds-swift's op timeout on every process group for one of its calls, the job's own after it
+        (a long evaluation or index build between calls is not a failure: ds_swift.patches.op_timeout)."""
+        from ds_swift.patches.op_timeout import op_timeout_scope
+
+        return op_timeout_scope(self._ctx.op_timeout_s, self._ctx.user_timeout, lambda: self._monitor.generation)
+
     # ------------------------------------------------------------------ training
     def train_batch(self, data_iter: Any = None) -> Any:
         """Train iteration ``global_steps``; recovers from failures before returning."""
+        with self._op_timeouts():
+            return self._train_batch(data_iter)
+
+    def _train_batch(self, data_iter: Any) -> Any:
         attempts = 0
         target = int(self._engine.global_steps)
         loss = None
@@ -262,7 +274,8 @@ class SwiftPipelineEngine:
                     engine = None
             attempts += 1
             if attempts > MAX_ATTEMPTS:
-                raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration")
+                raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration "
+                               f"(the last: {how})")  # fmt: skip
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
@@ -340,6 +353,12 @@ class SwiftPipelineEngine:
     ) -> Any:
         """DeepSpeed's ``save_checkpoint``, protected: a failure during the save is recovered from,
         the iterations lost to it are trained again, and the save is retried."""
+        with self._op_timeouts():
+            return self._save_checkpoint_protected(save_dir, tag, client_state, save_latest, **kwargs)
+
+    def _save_checkpoint_protected(
+        self, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool, **kwargs: Any
+    ) -> Any:
         from ds_swift.patches.deepspeed_rebuild import long_op_timeout
 
         target = int(self._engine.global_steps)
@@ -355,7 +374,7 @@ class SwiftPipelineEngine:
                     how = self._monitor.classify(exc)
             self._recover_as_survivor(how)
             while int(self._engine.global_steps) < target:
-                self.train_batch()
+                self._train_batch(None)
         raise RuntimeError(f"ds-swift: save_checkpoint failed {MAX_ATTEMPTS} times in a row")
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
@@ -428,6 +447,7 @@ class SwiftPipelineEngine:
                 "log_bytes": self._hooks.logs.bytes_logged() + (updates.bytes if updates is not None else 0),
                 "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
                 "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
+                "buddy_off": buddy.off if buddy is not None else None,  # a copier error stopped the copies
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             }
             out = Path(self._ctx.run_dir) / "usage"

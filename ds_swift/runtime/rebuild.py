@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint import CheckpointManager
 from ds_swift.config import SwiftConfig
-from ds_swift.detect.classify import is_comm_error
+from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
@@ -104,6 +104,7 @@ class Rebuilder:
         self._hooks = hooks
         self._monitor = monitor
         self._ckpt = ckpt
+        self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
         #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
         self.resize: Resize | None = None
         #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
@@ -213,6 +214,10 @@ class Rebuilder:
         tl = RankTimeline(rank=env.rank, role="survivor", failed_generation=g, t_detect=t_detect, detect_how=how)
         kept = self._tear_down()
         tl.t_torn_down = time.time()
+        store = self._ctx.store
+        assert store is not None
+        if (store.failure(g) or "").startswith(STALL):
+            self._lengthen_op_timeout()
         self._leave_if_my_machine_failed(g)
         return self.rejoin(g + 1, kept, tl)
 
@@ -262,6 +267,18 @@ class Rebuilder:
         if sum(s for _, s in steps) > 5.0:
             self._ctx.log("slow teardown: " + ", ".join(f"{name} {s:.2f} s" for name, s in steps))
         return kept
+
+    def _lengthen_op_timeout(self) -> None:
+        """After a stall (an op timed out with every rank alive) the next generation's ops get twice
+        the time, up to 4 x the configured op timeout, and below the hang timeout (a rank waiting on
+        a hung peer must time out before it looks hung itself): a slow op is retried with a longer
+        bound rather than timing out again. Every rank sees the same stall, so every rank does it."""
+        ctx, hang = self._ctx, self._cfg.watchdog.hang_timeout_s
+        limit = 4 * self._op_timeout_s0 if hang is None else min(4 * self._op_timeout_s0, 0.9 * hang)
+        longer = min(2 * ctx.op_timeout_s, limit)
+        if longer > ctx.op_timeout_s:
+            ctx.log(f"after a stall: the op timeout goes from {ctx.op_timeout_s:g} s to {longer:g} s")
+            ctx.op_timeout_s = longer
 
     def _leave_if_my_machine_failed(self, g: int) -> None:
         """A rank of the failed machine that lives on for a moment (its agent kills it within
@@ -353,6 +370,7 @@ class Rebuilder:
                         ctx.join_timeout_s,
                         ctx.backend,
                         log=ctx.log,
+                        timeout=ctx.user_timeout,
                     )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
@@ -367,10 +385,14 @@ class Rebuilder:
                 outcome = self._recover(generation, kept, tl)
                 break
             except (GenerationFailed, RuntimeError, TimeoutError) as exc:
-                if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed) and not is_comm_error(exc):
-                    raise
-                ctx.log(f"generation {generation} failed during recovery ({exc}); joining {generation + 1}")
-                declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
+                if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed):
+                    # Declared only on evidence (the flag, a stale heartbeat, an agreed stall), never
+                    # for "gloo" or "timed out" in a message; the job's own error is raised.
+                    how = self._monitor.classify(exc, generation)
+                else:  # the generation failed, or a rank did not arrive within the join timeout
+                    how = f"{type(exc).__name__}: {exc}"
+                    declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
+                ctx.log(f"generation {generation} failed during recovery ({how}); joining {generation + 1}")
                 self._hooks.uninstall()
                 self._holder.engine = None
                 self._hooks.take_undo()  # the rebuilt engine's, dropped with it

@@ -6,6 +6,9 @@ In generation 0 only (replacements never fault):
   ReduceGrads (before its gradient all-reduce) until its agent kills it;
 - ``SWIFT_TEST_KILL_AFTER_STEP="rank=R,iteration=I"``: rank R SIGKILLs itself right after its
   optimizer step of iteration I;
+- ``SWIFT_TEST_PAUSE="rank=R,iteration=I,seconds=S"``: rank R stops (SIGSTOP: every thread, its
+  watchdog's heartbeats too) at iteration I's first forward pass, and a child of its own sends it
+  SIGCONT S seconds later: a slow machine, not a dead one (a stall; issue 30);
 - ``SWIFT_TEST_DEAF_RECV="rank=R"``: rank R never raises at the failure flag after a pipeline receive
   (as a rank whose receive returned just before the flag was set): it goes on into the next forward
   pass while its tensor-parallel peer leaves (tests/dist/test_recovery_tp.py).
@@ -69,6 +72,7 @@ from __future__ import annotations
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -298,6 +302,23 @@ def _patch_log_write(rank: int) -> None:
     writer.ChunkWriter.append = append_or_die  # type: ignore[method-assign]
 
 
+def _pause_hook(rank: int, iteration: int, seconds: int) -> Any:
+    paused = [False]
+
+    def pause_hook(eng: Any, call_next: Any, **kw: Any) -> Any:
+        if int(eng.global_steps) == iteration and not paused[0]:
+            paused[0] = True
+            print(f"[test] rank {rank}: stopped (SIGSTOP) for {seconds} s at iteration {iteration}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            # The waker is a separate process: a stopped process runs nothing of its own.
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"[test] rank {rank}: resumed (SIGCONT)", file=sys.stderr, flush=True)
+        return call_next(**kw)
+
+    return pause_hook
+
+
 def _hold_hook(iteration: int) -> Any:
     held = [False]  # once: the forward passes after it run into the generation's end
 
@@ -353,6 +374,7 @@ def _corrupt_on_load(rank: int, iteration: int, delete: bool) -> None:
 
 def main() -> None:
     stall, kill = _spec("SWIFT_TEST_STALL"), _spec("SWIFT_TEST_KILL_AFTER_STEP")
+    pause = _spec("SWIFT_TEST_PAUSE")
     rank = int(os.environ["RANK"])
     for name, delete in (("SWIFT_TEST_CORRUPT_CKPT", False), ("SWIFT_TEST_MISSING_CKPT", True)):
         spec = _spec(name)
@@ -393,6 +415,8 @@ def main() -> None:
                 return call_next(**kw)
 
             hooks[schedule.ReduceGrads] = stall_hook
+        if pause and pause["rank"] == rank:
+            hooks[schedule.ForwardPass] = _pause_hook(rank, pause["iteration"], pause["seconds"])
         if kill and kill["rank"] == rank:
 
             def kill_hook(eng: Any, call_next: Any, **kw: Any) -> Any:

@@ -1,0 +1,140 @@
+"""The safety net must not end a healthy job (issue 30 item 4): a buddy copier error stops copying,
+loudly, and training goes on; any strategy error falls back to the global checkpoint after an agreed
+error round; checkpoint write errors are told by errno, not by text."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ds_swift import checkpoint
+from ds_swift.membership import JobStore
+from ds_swift.recovery import coordinator
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, Registry
+from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
+from ds_swift.runtime.timeline import RankTimeline
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 30000ms for send operation to complete")  # fmt: skip
+
+
+# ------------------------------------------------------------------ buddy copier
+def test_a_copier_error_stops_copying_loudly_and_training_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
+    copier = BuddyCopier(1, (), lambda line: None)
+    landed = threading.Event()
+    landed.set()  # the round ended: with an error on the copier's thread
+    worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object(),
+                             landing=None)
+    copier._worker = worker  # type: ignore[assignment]
+    checked: list[bool] = []
+    copier.before_step(lambda: checked.append(True))  # the training thread's next step: no raise
+    assert checked, "the generation's failure flag is looked at first (a dead peer is a failure)"
+    assert copier.off is not None and "Timed out" in copier.off
+    assert worker.stopped and worker.channel is None
+    copier.after_step(object())  # copying is off: nothing is handed to a copier
+    copier.before_step()
+    assert "BUDDY COPIES OFF" in capsys.readouterr().err
+
+
+def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
+    copier = BuddyCopier(1, (), lambda line: None)
+    landed = threading.Event()
+    landed.set()
+    copier._worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False,  # type: ignore[assignment]
+                                     channel=object(), landing=None)  # fmt: skip
+
+    def failed() -> None:
+        raise RuntimeError("generation 0 failed: machine 1 lost")
+
+    with pytest.raises(RuntimeError, match="machine 1 lost"):
+        copier.before_step(failed)
+
+
+def test_a_rank_turning_copies_off_ends_every_ranks_wait_for_its_rounds() -> None:
+    store = JobStore.host("unit-buddy-off")
+    waiting = StoreLanding(store, 0, 2)  # rank 0's copier, waiting for rank 1's count in round 5
+    StoreLanding(store, 0, 2).turn_off("rank 1: RuntimeError: timed out")
+    with pytest.raises(RuntimeError, match="turned off on another rank"):
+        waiting(5, lambda: False)
+
+
+# ------------------------------------------------------------------ strategy error
+class _Broken(RecoveryStrategy):
+    name = "broken"
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        return None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 0.0
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        raise KeyError("owner 3's manifest")  # a strategy's bug: not RestoreFailed
+
+
+class _Checkpoint(RecoveryStrategy):
+    name = "checkpoint"
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        return None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 1.0
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        self.reasons.append(plan.reason)
+        return RecoveryOutcome(plan, 0)
+
+
+def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    fallback = _Checkpoint()
+    monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Broken()], fallback=fallback))
+    monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
+    store = JobStore.host("unit-safety-net")
+    report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
+    outcome = coordinator.run_recovery(
+        store=store, generation=1, rank=0, world_size=1, engine=None, report=report, kept=None, strategy="auto",
+        zero_stage=1, optimizer_wrapper=None, ckpt=None, timeline=RankTimeline(rank=0, role="survivor",
+        failed_generation=0), gather_timeout_s=10.0, log=lambda line: None,
+    )  # fmt: skip
+    assert outcome.plan.strategy == "checkpoint"
+    assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
+    assert store.get("gen1/restore_error/0") is not None  # the agreed error round took place
+
+
+# ------------------------------------------------------------------ checkpoint write errors
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS])
+def test_write_errors_are_told_by_errno(code: int) -> None:
+    assert checkpoint._write_error(OSError(code, "whatever the text"))
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64")
+    wrapped.__cause__ = OSError(code, "")
+    assert checkpoint._write_error(wrapped)
+
+
+def test_a_write_error_text_without_errno_is_not_a_write_error(tmp_path: Path) -> None:
+    # The storage takes a probe write: the text alone ("No space left on device") says nothing.
+    assert not checkpoint._write_error(RuntimeError("No space left on device"), tmp_path)
+    assert not checkpoint._write_error(OSError(errno.ECONNRESET, "No space left on device"))
+
+
+def test_torchs_zip_writer_error_is_a_write_error_where_the_storage_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = open
+
+    def full(path: Any, *args: Any, **kw: Any) -> Any:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr("builtins.open", full)
+    assert checkpoint._write_error(RuntimeError("basic_ios::clear: iostream error"), tmp_path)
