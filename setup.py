@@ -38,7 +38,7 @@ setup(
         "ninja>=1.11",
         # etcd v3 client (pure HTTP) for `ds-swift-launch --store etcd://...`, a store outliving machine 0.
         "etcd3gw>=2.4",
-        # Reed-Solomon erasure coding for strategy pipechurn (ds_swift.recovery.erasure).
+        # Reed-Solomon erasure coding for strategy pipechurn (ds_swift.recovery.state.erasure).
         "zfec>=1.5",
     ],
     extras_require={

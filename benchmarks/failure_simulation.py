@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ds_swift.demo_report import losses_by_iteration, read_loss_log
+from ds_swift.bench.demo_report import losses_by_iteration, read_loss_log
 from ds_swift.testing.checkpoints import checkpoint_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op, run_job
 

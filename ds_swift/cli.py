@@ -19,9 +19,9 @@ SUBCOMMANDS = (
     "ds_swift.plan.cli",  # ds-swift plan
     "ds_swift.sim.cli",  # ds-swift simulate
     "ds_swift.msglog.cli",  # ds-swift logs
-    "ds_swift.demo",  # ds-swift demo
-    "ds_swift.bench",  # ds-swift bench
-    "ds_swift.megatron_patch",  # ds-swift megatron-patch
+    "ds_swift.bench.demo",  # ds-swift demo
+    "ds_swift.bench.run",  # ds-swift bench
+    "ds_swift.megatron.patch",  # ds-swift megatron-patch
 )
 
 

@@ -225,7 +225,7 @@ class CheckpointConfig:
 
     async_save: bool | None = None
     """Training waits for a host snapshot only; the files are written in the background and the
-    checkpoint counts once every rank's are on storage (ds_swift.checkpoint_async). ``null``: on
+    checkpoint counts once every rank's are on storage (ds_swift.checkpoint.background). ``null``: on
     for strategies ``global_checkpoint`` and ``checkfreq``, and for every strategy where the state
     is on GPUs (the snapshot is a copy into pinned host memory at PCIe speed, ~30 ms for a 1.6 GB
     state, where a synchronous save of it stalled training 2.4 s on an H100); off for the other
@@ -236,7 +236,7 @@ class CheckpointConfig:
     interval`` iterations each rank saves the ``running_fraction`` of its optimizer state (fp32
     masters with their Adam moments, in blocks) that changed most since it was last saved, into a
     running checkpoint under ``dir``/running (as many bytes per ``interval`` as a full checkpoint);
-    a lost rank's replacement loads it over the last global checkpoint (ds_swift.running_checkpoint)."""
+    a lost rank's replacement loads it over the last global checkpoint (ds_swift.checkpoint.running)."""
 
     def __post_init__(self) -> None:
         if self.running_fraction is not None:
@@ -259,7 +259,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class BuddyConfig:
     """Buddy copies of each rank's optimizer partition (ZeRO-1, BF16_Optimizer), for recovery
-    without the checkpoint when a partition's machine fails (ds_swift.recovery.buddy)."""
+    without the checkpoint when a partition's machine fails (ds_swift.recovery.strategies.buddy)."""
 
     enabled: bool = True
     """Copy each rank's partition to its buddies after every step (asynchronously, in host
@@ -283,7 +283,7 @@ class PipeChurnConfig:
     each rank's state is cut into ``data_chunks`` chunks plus ``parity_chunks`` Reed-Solomon parity
     chunks, held in host memory of as many other machines; any ``parity_chunks`` + 1 machine losses
     at once are recovered from the surviving chunks (a rank's own machine holds none of its chunks:
-    ds_swift.recovery.erasure)."""
+    ds_swift.recovery.state.erasure)."""
 
     data_chunks: int = 2
     """k: each holder keeps 1/k of the state (host memory per rank: (k + r)/k of its state, spread)."""
@@ -392,7 +392,7 @@ class VerifyConfig:
     unverified, and said so. Set 1 to check every recovery at its exact iteration.
 
     Why 10: a digest reads the whole state once and moves ~34 bytes per 4-byte word through int64
-    temporaries (ds_swift.recovery.digest), on a GPU in kernels on a side stream that the training
+    temporaries (ds_swift.recovery.state.digest), on a GPU in kernels on a side stream that the training
     thread never waits for: an estimated ~5 ms of HBM time for a 1.6 GB state (100M parameters, bf16 + fp32
     masters + Adam moments, at ~3 TB/s), i.e. 0.5 ms per iteration of a ~100 ms step at 10, a
     quarter of the 2 % budget for all protection (an H100 took 373-456 ms per digest with the old
@@ -427,7 +427,7 @@ class VerifyConfig:
 @dataclass(frozen=True)
 class CheckFreqConfig:
     """Strategy ``checkfreq``: asynchronous checkpoints at an interval chosen from measured costs
-    (ds_swift.checkfreq); ``checkpoint.interval`` is then not used."""
+    (ds_swift.checkpoint.checkfreq); ``checkpoint.interval`` is then not used."""
 
     max_overhead: float = 0.05
     """The share of training time the checkpoint snapshots may take (CheckFreq's p)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import ds_swift
 import ds_swift.megatron
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.data import ResumableIterator, micro_batches
+from ds_swift.data.keyed import ResumableIterator, micro_batches
 from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, gpt_batch_fn, gpt_pipeline
 from ds_swift.models.training_plan import PlanError, resolve_training_plan
 from ds_swift.plan import layout_from_deepspeed_topology, layout_from_parallel_state

@@ -31,8 +31,8 @@ from typing import Any
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.classify import rank_error_key
 from ds_swift.detect.watchdog import hung_machine_key, suspect_key
-from ds_swift.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
-from ds_swift.store_url import StoreCredentials
+from ds_swift.jobstore.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
+from ds_swift.jobstore.url import StoreCredentials
 from ds_swift.testing.faults import FaultSpec, format_specs
 
 from .args import Command, LaunchArgs
@@ -81,7 +81,7 @@ class JobSpec:
     elastic: bool = False
     """With no spare left, the job goes on without a failed machine (``--elastic``)."""
     launch: str = ""
-    """The launch id (:mod:`ds_swift.signed_kv`): workers use that launch's keys only."""
+    """The launch id (:mod:`ds_swift.jobstore.signed_kv`): workers use that launch's keys only."""
     store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
 
     @classmethod
@@ -322,7 +322,7 @@ class MachineAgent:
     def _grow_when_joined(self) -> None:
         """The returning machine's ranks all wait in generation g+1: publish the grown layout, name the
         machine in ``launch/grow/<g>`` and end generation g (not a failure: nothing is lost), so that
-        the survivors rebuild with it (ds_swift.recovery.elastic). Training paused only from here."""
+        the survivors rebuild with it (ds_swift.recovery.strategies.elastic). Training paused only from here."""
         g = self._grow_pending
         assert g is not None and self.machine is not None
         if self.store.failure(g) is not None:

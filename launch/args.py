@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_swift.signed_kv import LAUNCH_ENV, check_launch_id
-from ds_swift.store_auth import SECRET_ENV, SecretError, job_secret
-from ds_swift.store_url import CREDENTIAL_ENV, PASSWORD_FILE_ENV, StoreCredentials, StoreURL
+from ds_swift.jobstore.auth import SECRET_ENV, SecretError, job_secret
+from ds_swift.jobstore.signed_kv import LAUNCH_ENV, check_launch_id
+from ds_swift.jobstore.url import CREDENTIAL_ENV, PASSWORD_FILE_ENV, StoreCredentials, StoreURL
 from ds_swift.testing.faults import FaultSpec, FaultSpecError
 
 from .hostfile import HostEntry, is_local
@@ -85,10 +85,10 @@ class LaunchArgs:
     job_id: str | None = None
     """SLURM_JOB_ID under srun (shown in the events)."""
     job_secret: str = field(default="", repr=False)
-    """Signs the job's store values (:mod:`ds_swift.store_auth`); environment only, never argv."""
+    """Signs the job's store values (:mod:`ds_swift.jobstore.auth`); environment only, never argv."""
     job_secret_file: str | None = None
     launch_id: str | None = None
-    """This launch's id (:mod:`ds_swift.signed_kv`), the same for every agent of it and new for each
+    """This launch's id (:mod:`ds_swift.jobstore.signed_kv`), the same for every agent of it and new for each
     launch; None: a new one (one host, or agent 0's own store) or, for an agent that joins, the
     one the store serves."""
     store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)

@@ -2,7 +2,7 @@
 
 Agents never talk to each other directly: on one host they are simulated side by side, across
 hosts they are separate processes, and the same keys serve both. All keys sit under the job
-prefix next to :mod:`ds_swift.membership`'s (``launch/`` for the agents' own protocol, and the
+prefix next to :mod:`ds_swift.jobstore.membership`'s (``launch/`` for the agents' own protocol, and the
 ``gen<g>/...`` timeline keys the workers' recovery timeline reads)::
 
     launch/abort                 why the job gives up (first writer wins); every agent kills its workers
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from ds_swift.membership import LAYOUT_KEY, JobStore, fate_key, grown_layout, read_layout
+from ds_swift.jobstore.membership import LAYOUT_KEY, JobStore, fate_key, grown_layout, read_layout
 
 __all__ = ["EventLog", "JobControl"]
 

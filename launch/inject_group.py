@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.testing.faults import FaultSpec, group_down_key, group_kill_key
 
 __all__ = ["GROUP_WAIT_S", "GroupKill", "PendingFailure"]

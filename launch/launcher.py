@@ -24,9 +24,9 @@ import time
 import traceback
 from types import FrameType
 
-from ds_swift.membership import JobStore, MembershipError
-from ds_swift.signed_kv import BEAT_S
-from ds_swift.store_url import StoreURL
+from ds_swift.jobstore.membership import JobStore, MembershipError
+from ds_swift.jobstore.signed_kv import BEAT_S
+from ds_swift.jobstore.url import StoreURL
 
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs

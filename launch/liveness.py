@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ds_swift.detect.beats import CounterClock
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 
 from .control import JobControl
 

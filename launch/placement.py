@@ -8,7 +8,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_swift.store_auth import SECRET_ENV
+from ds_swift.jobstore.auth import SECRET_ENV
 
 from .hostfile import HostEntry, HostfileError, check_host, filter_resources, read_hostfile
 from .slurm import SlurmStep

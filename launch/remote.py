@@ -98,7 +98,7 @@ def deepspeed_env(environ: Mapping[str, str], cwd: str | None = None) -> dict[st
 
 def write_env_file(path: str, exports: Mapping[str, str]) -> None:
     """``export KEY='value'`` lines that each host's shell sources (mode 0600, like the job secret)."""
-    from ds_swift.store_auth import write_secret_file
+    from ds_swift.jobstore.auth import write_secret_file
 
     for key in exports:
         if not _ENV_NAME.match(key):  # deepspeed_env checked them already; a caller's own mapping too
@@ -192,8 +192,8 @@ def run_remote(args: LaunchArgs) -> int:
     import signal
     import time
 
-    from ds_swift.membership import JobStore
-    from ds_swift.store_auth import write_secret_file
+    from ds_swift.jobstore.auth import write_secret_file
+    from ds_swift.jobstore.membership import JobStore
 
     from .control import EventLog, JobControl
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ds_swift.membership import WorkerEnv
+from ds_swift.jobstore.membership import WorkerEnv
 
 from .args import Command
 

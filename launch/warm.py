@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ds_swift.membership import WorkerEnv
+from ds_swift.jobstore.membership import WorkerEnv
 
 from .spawn import Worker, assign_warm, describe_exit, signal_group
 

@@ -1,7 +1,7 @@
 """A DeepSpeed engine saves through another checkpoint engine for one ``save_checkpoint`` call.
 
 DeepSpeed 0.19 builds its checkpoint engine once, from the config (``engine.checkpoint_engine``);
-an asynchronous global checkpoint (:mod:`ds_swift.checkpoint_async`) needs DeepSpeed's own file
+an asynchronous global checkpoint (:mod:`ds_swift.checkpoint.background`) needs DeepSpeed's own file
 layout with ds-swift's snapshot engine behind it, and only for ds-swift's periodic saves: a user's
 own ``save_checkpoint`` and every load keep DeepSpeed's engine. :func:`saving_through` swaps the
 attribute for the duration of a ``with`` block and puts the original back, also on an exception.

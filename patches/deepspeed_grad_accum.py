@@ -1,6 +1,6 @@
 """Where a DeepSpeed optimizer wrapper accumulates a parameter's gradient over the micro-batches.
 
-Parallel recovery (ds_swift.recovery.parallel) replays a share of an iteration's micro-batches on
+Parallel recovery (ds_swift.recovery.replay.parallel) replays a share of an iteration's micro-batches on
 each of two copies of a stage and must then give both copies the accumulated gradient the
 sequential run had, bit for bit. Where that sum lives depends on the wrapper (DeepSpeed 0.19.8):
 

@@ -46,6 +46,7 @@ MOVES: dict[str, str] = {
     "ds_swift.running_checkpoint": "ds_swift.checkpoint.running",
     "ds_swift.durable": "ds_swift.checkpoint.durable",
     "ds_swift.checkpoint_setup": "ds_swift.checkpoint.setup",
+    "ds_swift.checkpoint_snapshot": "ds_swift.checkpoint.snapshot",
     # data/: data and randomness keyed by position, the example's corpus
     "ds_swift.data": "ds_swift.data.keyed",
     "ds_swift.corpus": "ds_swift.data.corpus",
@@ -55,6 +56,7 @@ MOVES: dict[str, str] = {
     "ds_swift.megatron_data": "ds_swift.megatron.data",
     "ds_swift.megatron_patch": "ds_swift.megatron.patch",
     "ds_swift.megatron_patch_state": "ds_swift.megatron.patch_state",
+    "ds_swift.megatron_cpu": "ds_swift.megatron.cpu",
     # bench/: `ds-swift bench` and `ds-swift demo`
     "ds_swift.bench": "ds_swift.bench.run",
     "ds_swift.bench_jobs": "ds_swift.bench.jobs",
@@ -81,6 +83,8 @@ MOVES: dict[str, str] = {
     "ds_swift.recovery.parallel": "ds_swift.recovery.replay.parallel",
     "ds_swift.recovery.collectives": "ds_swift.recovery.replay.collectives",
     "ds_swift.recovery.logging_recovery": "ds_swift.recovery.replay.runner",
+    "ds_swift.recovery.parallel_plan": "ds_swift.recovery.replay.parallel_plan",
+    "ds_swift.recovery.parallel_combine": "ds_swift.recovery.replay.parallel_combine",
     # recovery/state/: state mechanics the strategies and their set-up halves share
     "ds_swift.recovery.digest": "ds_swift.recovery.state.digest",
     "ds_swift.recovery.erasure": "ds_swift.recovery.state.erasure",

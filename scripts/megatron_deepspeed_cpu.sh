@@ -13,16 +13,16 @@
 #     --untie-embeddings                                Megatron's --untie-embeddings-and-output-weights
 #     --initial-scale-power N                           fp16: first loss scale 2**N (large: skipped steps)
 #     --dry-run                                         print both launch commands, run nothing
-# (python -m ds_swift.megatron_cpu prepare --help lists them with their defaults.)
+# (python -m ds_swift.megatron.cpu prepare --help lists them with their defaults.)
 #
 # The checkout must be at the series' commit (ds-swift megatron-patch checks it and applies the
 # series). Needs Megatron-DeepSpeed's own Python deps: pip install regex nltk pybind11.
 set -euo pipefail
 PY=${PYTHON:-python}
-case " $* " in *" -h "* | *" --help "*) exec "$PY" -m ds_swift.megatron_cpu prepare --help ;; esac
+case " $* " in *" -h "* | *" --help "*) exec "$PY" -m ds_swift.megatron.cpu prepare --help ;; esac
 # Parses and checks the options, writes WORK/ref and WORK/kill's DeepSpeed configs, and sets CHECKOUT,
 # WORK, LOCAL_SIZE, REF_CMD, KILL_CMD, FINAL_TAG, DESCRIBE and DRY_RUN (shell-quoted by the helper).
-assignments=$("$PY" -m ds_swift.megatron_cpu prepare "$@")
+assignments=$("$PY" -m ds_swift.megatron.cpu prepare "$@")
 eval "$assignments"
 # LOCAL_SIZE: DeepSpeed's CPU accelerator's device count per machine (Megatron: local_rank = rank % it)
 export OMP_NUM_THREADS=1 LOCAL_SIZE
@@ -35,13 +35,13 @@ ds-swift megatron-patch "$CHECKOUT" --work "$WORK" >/dev/null
 "$PY" -c "import regex, nltk, pybind11" 2>/dev/null || { echo "pip install regex nltk pybind11 (Megatron-DeepSpeed's deps)" >&2; exit 2; }
 make -s -C "$CHECKOUT/megatron/data" >/dev/null  # the dataset index helpers (C++), as Megatron does at start-up
 
-# Data: the standard library's docstrings (ds_swift.corpus) as bytes, in Megatron's indexed format
+# Data: the standard library's docstrings (ds_swift.data.corpus) as bytes, in Megatron's indexed format
 # through its own tools/preprocess_data.py with the NullTokenizer (space-separated token ids).
 if [ ! -f "$WORK/data/stdlib_text_document.bin" ]; then
     mkdir -p "$WORK/data"
     "$PY" - "$WORK/corpus.jsonl" <<'EOF'
 import json, sys
-from ds_swift.corpus import load_corpus
+from ds_swift.data.corpus import load_corpus
 data = bytes(load_corpus(max_bytes=400_000).tokens.tolist())
 with open(sys.argv[1], "w") as f:
     for doc in filter(None, data.split(b"\n\n")):
@@ -54,9 +54,9 @@ fi
 run() {  # run NAME COMMAND: one launch from the checkout; prints its iterations and recovery lines
     rm -rf "${WORK:?}/$1/run" "$WORK/$1/ckpt" "$WORK/$1/logs"
     (cd "$CHECKOUT" && eval "$2") >"$WORK/$1/log" 2>&1 || { tail -30 "$WORK/$1/log"; exit 1; }
-    "$PY" -m ds_swift.megatron_cpu summary "$WORK/$1/log"
+    "$PY" -m ds_swift.megatron.cpu summary "$WORK/$1/log"
 }
 echo "== $DESCRIBE"
 echo "== failure-free"; run ref "$REF_CMD"
 echo "== with the kill"; run kill "$KILL_CMD"
-"$PY" -W ignore -m ds_swift.megatron_cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"
+"$PY" -W ignore -m ds_swift.megatron.cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.watchdog import declare_failure
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 
 __all__ = [
     "COMM_ERROR_MARKERS",

@@ -9,7 +9,7 @@ from ds_swift import transport
 from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
-from ds_swift.membership import JobStore, WorkerEnv
+from ds_swift.jobstore.membership import JobStore, WorkerEnv
 
 __all__ = ["FailureMonitor"]
 

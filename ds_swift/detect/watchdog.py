@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.progress import Progress
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.threadname import name_os_thread
 
 __all__ = [

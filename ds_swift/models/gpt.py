@@ -8,7 +8,7 @@ model-parallel group (``parallel_state.initialize_model_parallel`` must have run
 the CPU from one master weight, so every TP degree starts from the same full matrices.
 
 Data is keyed by position, ``batch_fn(iteration, micro_batch)``: a recovered rank recomputes
-exactly the samples it would have read (see :mod:`ds_swift.data`).
+exactly the samples it would have read (see :mod:`ds_swift.data.keyed`).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def gpt_batch_fn(
 
         return synthetic
     if data == "corpus":
-        from ds_swift.corpus import ByteTokenizer, load_corpus
+        from ds_swift.data.corpus import ByteTokenizer, load_corpus
 
         if cfg.vocab_size < ByteTokenizer.vocab_size:
             raise ValueError(

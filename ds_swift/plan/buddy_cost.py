@@ -1,4 +1,4 @@
-"""What buddy copies of optimizer partitions cost (ds_swift.recovery.buddy), before the job starts.
+"""What buddy copies of optimizer partitions cost (ds_swift.recovery.strategies.buddy), before the job starts.
 
 Pure arithmetic on the DeepSpeed config and the layout. Each rank's partition payload is its share
 of the fp32 master weights plus the optimizer state of that share::

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 
 if TYPE_CHECKING:
-    from ds_swift.checkpoint import CheckpointManager
-    from ds_swift.membership import JobStore
-    from ds_swift.recovery.digest import Verdict
+    from ds_swift.checkpoint.periodic import CheckpointManager
+    from ds_swift.jobstore.membership import JobStore
+    from ds_swift.recovery.gradmask import GradScale
     from ds_swift.recovery.kept import KeptState
-    from ds_swift.recovery.logging_recovery import ReplayRuntime
-    from ds_swift.runtime.gradmask import GradScale
-    from ds_swift.runtime.timeline import RankTimeline
+    from ds_swift.recovery.replay.runner import ReplayRuntime
+    from ds_swift.recovery.state.digest import Verdict
+    from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "announce_deviation",
            "check_round", "checkpoint_source", "loud"]

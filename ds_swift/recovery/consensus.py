@@ -42,7 +42,7 @@ class RankReport:
     rank holds (ds_swift.runtime.buddy): the owner's state after that iteration's step."""
     ec_chunks: tuple[tuple[int, int, int], ...] = ()
     """(owner rank, iteration, chunk index) of every erasure-coded chunk of another rank's state this
-    rank holds (strategy pipechurn, ds_swift.recovery.erasure)."""
+    rank holds (strategy pipechurn, ds_swift.recovery.state.erasure)."""
     ec_k: int = 0
     """The chunks that rebuild a state (``pipechurn.data_chunks``; 0: no erasure coding)."""
     log_lost: str | None = None
@@ -260,7 +260,7 @@ class RecoveryInputs:
         """Why the state a replica holds is not a whole rank's state (None: it is).
 
         Under ZeRO stage > 0 (and BF16_Optimizer) a lost rank's optimizer partition exists only on
-        that rank, and on its buddies (ds_swift.recovery.buddy).
+        that rank, and on its buddies (ds_swift.recovery.strategies.buddy).
         """
         why = self.wrapper_blocker()
         if why is not None:

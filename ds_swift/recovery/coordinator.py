@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.checkpoint import CheckpointManager, Origin
-from ds_swift.membership import GenerationFailed, JobStore
+from ds_swift.checkpoint.periodic import CheckpointManager, Origin
+from ds_swift.jobstore.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.digest import Verdict
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.logging_recovery import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.replay.runner import ReplayRuntime, failed_replay_key
+from ds_swift.recovery.state.digest import Verdict
+from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import (
     OWN_COPY,
     agree,
@@ -41,7 +42,6 @@ from ds_swift.recovery.verify import (
     forget_from,
     mismatch_reason,
 )
-from ds_swift.runtime.timeline import RankTimeline
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
 
@@ -243,7 +243,7 @@ def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> No
 
 
 ORIGIN_KEY = "ckpt_origin"
-"""Job-store key of the checkpoint the job started from (:class:`~ds_swift.checkpoint.Origin`)."""
+"""Job-store key of the checkpoint the job started from (:class:`~ds_swift.checkpoint.periodic.Origin`)."""
 
 
 def checkpoint_bound(reports: list[RankReport]) -> int | None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.recovery.buddies import BuddyError, Member, assign_buddies
-from ds_swift.recovery.erasure import assign_holders
+from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
+from ds_swift.recovery.state.erasure import assign_holders
 
 __all__ = ["JobShape", "REQUIREMENTS", "check_feasible", "infeasible"]
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
-from ds_swift.recovery.state_transfer import load_state
+from ds_swift.recovery.state.transfer import load_state
 
 if TYPE_CHECKING:
-    from ds_swift.runtime.timeline import RankTimeline
+    from ds_swift.recovery.timeline import RankTimeline
     from ds_swift.undo.engine import EngineUndoHandle
 
 __all__ = ["KeptState"]
@@ -189,7 +189,7 @@ class KeptState:
             self.counters["skipped_steps"] = int(saved["engine"]["skipped_steps"])
 
     def state(self) -> dict[str, Any]:
-        """The kept state in the form :func:`~ds_swift.recovery.state_transfer.load_state` takes (read
+        """The kept state in the form :func:`~ds_swift.recovery.state.transfer.load_state` takes (read
         after any undo). After an undo from the own copy, the module's buffers are the copy's and its
         parameters the kept ones of the undone step: the strategies rebuild them from the masters
         (``finish_restore``)."""

@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ds_swift.recovery.base import Registry
-from ds_swift.recovery.buddy import BuddyStrategy
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.global_checkpoint import GlobalCheckpointStrategy
-from ds_swift.recovery.logging_strategy import LoggingStrategy
-from ds_swift.recovery.lossy import LossyForwardStrategy
-from ds_swift.recovery.pipechurn import PipeChurnStrategy
-from ds_swift.recovery.replication import ReplicationStrategy
-from ds_swift.recovery.rollback import ImmediateRollbackStrategy
-from ds_swift.recovery.scar import ScarStrategy
-from ds_swift.recovery.tranlogs import TranLogsStrategy
+from ds_swift.recovery.strategies.buddy import BuddyStrategy
+from ds_swift.recovery.strategies.global_checkpoint import GlobalCheckpointStrategy
+from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
+from ds_swift.recovery.strategies.message_logging import LoggingStrategy
+from ds_swift.recovery.strategies.pipechurn import PipeChurnStrategy
+from ds_swift.recovery.strategies.replication import ReplicationStrategy
+from ds_swift.recovery.strategies.rollback import ImmediateRollbackStrategy
+from ds_swift.recovery.strategies.scar import ScarStrategy
+from ds_swift.recovery.strategies.tranlogs import TranLogsStrategy
 
 __all__ = ["STRATEGIES", "plan_recovery"]
 

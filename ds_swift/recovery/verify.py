@@ -18,11 +18,11 @@ The references, by strategy:
   rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`);
 - re-applied update logs (tranlogs) and states decoded from erasure-coded chunks (pipechurn): the
   same published digests, at the iteration the state was rebuilt to (:func:`check_published`);
-- elastic resizes (ds_swift.recovery.elastic): every old partition a rank joins into its new one
+- elastic resizes (ds_swift.recovery.strategies.elastic): every old partition a rank joins into its new one
   (its own, its peers', a lost rank's buddy copy), with the module it now holds, against the digest
   its old owner published of the consensus iteration before the failure (:func:`check_resharded`).
 
-The coordinator then gathers every rank's :class:`~ds_swift.recovery.digest.Verdict`
+The coordinator then gathers every rank's :class:`~ds_swift.recovery.state.digest.Verdict`
 (:func:`agree`): one mismatch anywhere makes every rank fall back to the global checkpoint, loudly,
 naming the tensor. After each recovery, every rank forgets its own digests of the iterations it
 trains again (:func:`forget_from`), which a later replay would otherwise be checked against.
@@ -34,10 +34,10 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ds_swift.recovery.digest import StateDigest, Verdict, digest_state, engine_state
+from ds_swift.recovery.state.digest import StateDigest, Verdict, digest_state, engine_state
 
 if TYPE_CHECKING:
-    from ds_swift.membership import JobStore
+    from ds_swift.jobstore.membership import JobStore
     from ds_swift.recovery.base import RankContext
     from ds_swift.recovery.consensus import RecoveryPlan
 

@@ -7,7 +7,7 @@
 - :mod:`~ds_swift.runtime.hooks`: per-instruction hooks (RNG keying, fault injection, undo);
 - :mod:`~ds_swift.runtime.logging_wiring`: the message log and step-collective records;
 - :mod:`~ds_swift.runtime.digest`: this rank's state digest, published for verified replays;
-- :mod:`~ds_swift.runtime.timeline`: the recovery timeline.
+- :mod:`~ds_swift.recovery.timeline`: the recovery timeline.
 
 Nothing is imported here: ds_swift.recovery uses the timeline and the RNG keying, and the engine
 wrapper uses ds_swift.recovery.

@@ -3,8 +3,8 @@
 What is copied: everything the rank's optimizer wrapper holds of its partition (fp32 masters, the
 inner optimizer's state, loss scaler, flags: ds_swift.patches.deepspeed_optim_state), the LR
 scheduler, the engine's counters and the module's non-parameter buffers, as a tensor-only payload
-(JSON manifest + tensors, ds_swift.recovery.state_transfer.encode). Who holds whose copy:
-ds_swift.recovery.buddies.assign_buddies.
+(JSON manifest + tensors, ds_swift.recovery.state.transfer.encode). Who holds whose copy:
+ds_swift.recovery.state.buddies.assign_buddies.
 
 Off the critical path: the step's hook only hands references to a background thread, which first
 stages the state into host memory of its own (the rank's *own copy*, the newest two kept) and then
@@ -49,9 +49,9 @@ import torch.distributed as dist
 from ds_swift import transport
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.base import loud
-from ds_swift.recovery.buddies import Member, assign_buddies
-from ds_swift.recovery.erasure import assign_holders, split_payload
-from ds_swift.recovery.state_transfer import counters_of, encode, flat_sizes, flat_views
+from ds_swift.recovery.state.buddies import Member, assign_buddies
+from ds_swift.recovery.state.erasure import assign_holders, split_payload
+from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
 from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding
 from ds_swift.threadname import name_os_thread
 

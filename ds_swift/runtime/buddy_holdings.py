@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ds_swift.recovery.replication import decode, flat_sizes
+from ds_swift.recovery.strategies.replication import decode, flat_sizes
 
 __all__ = ["BuddyHoldings", "StoreLanding"]
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.config import SwiftConfig, load_ds_config
-from ds_swift.membership import GenerationFailed, JobStore, WorkerEnv
+from ds_swift.jobstore.membership import GenerationFailed, JobStore, WorkerEnv
 
 __all__ = [
     "SwiftContext",

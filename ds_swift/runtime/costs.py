@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
-from ds_swift.recovery.digest import digest_state, engine_state, named_tensors, partition_state
+from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors, partition_state
 from ds_swift.runtime.bench_switch import ENV, SWITCHES
 
 __all__ = ["protection_costs", "state_bytes"]

@@ -4,7 +4,7 @@ the job store, where it outlives the rank (ds_swift.recovery.verify reads it to 
 Off the critical path, as the buddy copier (ds_swift.runtime.buddy): the optimizer step's hook
 only takes references to the state's tensors (a copy of the module's buffers, which a forward pass
 may change) and hands them to a background thread, which computes the digest on the tensors'
-device (ds_swift.recovery.digest: integer sums, a few bytes per tensor come back) and stores it
+device (ds_swift.recovery.state.digest: integer sums, a few bytes per tensor come back) and stores it
 through a store connection of its own. A digest that fails (the store unreachable for a moment) is
 reported once and skipped: verification is a safety net and must never stop training.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ds_swift.membership import JobStore
-from ds_swift.recovery.digest import engine_state, named_tensors, start_digest
+from ds_swift.jobstore.membership import JobStore
+from ds_swift.recovery.state.digest import engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
 from ds_swift.threadname import name_os_thread
 

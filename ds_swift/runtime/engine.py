@@ -16,7 +16,7 @@ and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1`
 recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
 
 The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
-ds_swift.runtime.hooks; the recovery timeline in ds_swift.runtime.timeline.
+ds_swift.runtime.hooks; the recovery timeline in ds_swift.recovery.timeline.
 """
 
 from __future__ import annotations
@@ -31,25 +31,25 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import Origin, latest_complete, origin_of, trusted_origin
-from ds_swift.checkpoint_setup import checkpoint_manager
+from ds_swift.checkpoint.periodic import Origin, latest_complete, origin_of, trusted_origin
+from ds_swift.checkpoint.setup import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.data import BatchFn, DataIteratorError, micro_batches
+from ds_swift.data.keyed import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
+from ds_swift.recovery.gradmask import GradScale, scaled_gradients
+from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.costs import protection_costs
-from ds_swift.runtime.gradmask import GradScale, scaled_gradients
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
 from ds_swift.runtime.running import RunningCheckpoints
 from ds_swift.runtime.simulate import FailureSimulation
-from ds_swift.runtime.timeline import PendingTimeline
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
 
@@ -69,7 +69,7 @@ def initialize(
         engine: what ``deepspeed.initialize`` returned first.
         ds_config: the DeepSpeed config (dict or JSON path) with its ``swift`` section.
         model_fn: builds the model again (the same ``PipelineModule``) for the rebuild.
-        batch_fn: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``; see ds_swift.data.
+        batch_fn: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``; see ds_swift.data.keyed.
         seed: keys the per-forward RNG reseeding (seed, iteration, micro-batch, stage).
         engine_fn: builds the whole DeepSpeed engine again instead of ``model_fn`` +
             ``deepspeed.initialize(model, config=ds_config)`` (for custom optimizers or schedulers).
@@ -292,7 +292,7 @@ class SwiftPipelineEngine:
 
     def _position(self, data_iter: Any, attempts: int) -> Any:
         """The user's iterator, at the iteration about to be trained, or an error (never the wrong
-        samples): a :class:`~ds_swift.data.ResumableIterator` is rewound there; a plain one only
+        samples): a :class:`~ds_swift.data.keyed.ResumableIterator` is rewound there; a plain one only
         serves iterations that follow on from what it gave, not a retry after a recovery or a
         replacement's first iteration."""
         e = self._engine
@@ -309,7 +309,7 @@ class SwiftPipelineEngine:
             raise DataIteratorError(
                 f"ds-swift: train_batch(data_iter=...) after a recovery: iteration {iteration} would be trained on "
                 "whatever the iterator holds next, not its own samples. Pass batch_fn to ds_swift.initialize() "
-                "(samples by position), or wrap the iterator: ds_swift.data.ResumableIterator(factory, micro_batches), "
+                "(samples by position), or wrap the iterator: ds_swift.data.keyed.ResumableIterator(factory, micro_batches), "
                 "where factory(iteration) builds it at that iteration (e.g. a DataLoader over "
                 "MegatronPretrainingSampler(consumed_samples=...))"
             )

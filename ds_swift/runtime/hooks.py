@@ -1,8 +1,8 @@
 """The per-instruction hooks the runtime installs on every DeepSpeed engine it builds.
 
 - RNG keying: torch is reseeded before every forward pass from (seed, iteration, micro-batch,
-  stage) by :func:`ds_swift.data.key_forward_rng`, the one function training and the replay
-  (ds_swift.recovery.replay) both call, so a replayed forward draws the same dropout masks;
+  stage) by :func:`ds_swift.data.keyed.key_forward_rng`, the one function training and the replay
+  (ds_swift.recovery.replay.engine) both call, so a replayed forward draws the same dropout masks;
 - fault injection (``ds-swift-launch --inject``): the injector fires at the phase it names;
 - the update-undo step record, the step-collective recorder and the message logger
   (ds_swift.runtime.logging_wiring), in the order their patches need.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ds_swift.data import key_forward_rng
+from ds_swift.data.keyed import key_forward_rng
 from ds_swift.runtime.context import SwiftContext
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ds_swift.detect.progress import Progress
     from ds_swift.runtime.logging_wiring import EngineLogging
 
-__all__ = ["EngineHooks", "attach_undo", "make_injector"]  # key_forward_rng, seed_generators: ds_swift.data
+__all__ = ["EngineHooks", "attach_undo", "make_injector"]  # key_forward_rng, seed_generators: ds_swift.data.keyed
 
 
 def make_injector(ctx: SwiftContext) -> Any:

@@ -3,7 +3,7 @@
 Wherever the topology plan logs pipeline sends across machines, :class:`EngineLogging`:
 
 - installs, on every engine the runtime builds, the message logger (ds_swift.msglog) and a
-  :class:`~ds_swift.recovery.collectives.CollectiveRecorder` (one recorder object for the worker's
+  :class:`~ds_swift.recovery.replay.collectives.CollectiveRecorder` (one recorder object for the worker's
   life: a survivor must still hold the records of the iterations since the last checkpoint after
   its rebuild);
 - when a global checkpoint completes, forgets the records before it and garbage-collects the log
@@ -38,11 +38,11 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.config import SwiftConfig
-from ds_swift.data import BatchFn
-from ds_swift.membership import JobStore
+from ds_swift.data.keyed import BatchFn
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.coordinator import LogPlan
 from ds_swift.recovery.host import RecoveryHost
-from ds_swift.recovery.logging_recovery import ReplayRuntime
+from ds_swift.recovery.replay.runner import ReplayRuntime
 
 __all__ = ["SIZES_KEY", "EngineLogging"]
 
@@ -239,7 +239,7 @@ class EngineLogging:
         # gradient clipping all-reduces the norm over every stage); a survivor's records serve it.
         if not self.possible(engine):
             return
-        from ds_swift.recovery.collectives import CollectiveRecorder
+        from ds_swift.recovery.replay.collectives import CollectiveRecorder
 
         if self.recorder is None:
             self.recorder = CollectiveRecorder()

@@ -24,25 +24,25 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint import CheckpointManager
+from ds_swift.checkpoint.periodic import CheckpointManager
 from ds_swift.config import SwiftConfig
 from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
-from ds_swift.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout, resumed_key
+from ds_swift.jobstore.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.base import RecoveryOutcome, loud
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
-from ds_swift.recovery.elastic import Resize, ResizeRefused, recover_resized, resized_ds_config
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.strategies.elastic import Resize, ResizeRefused, recover_resized, resized_ds_config
+from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.runtime.timeline import RankTimeline
 from ds_swift.runtime.update_logging import UpdateLogger
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
@@ -109,7 +109,7 @@ class Rebuilder:
         self.resize: Resize | None = None
         #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
         self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
-        #: the job's machines in rank order (ds_swift.recovery.elastic)
+        #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
         self._machines: list[int] | None = None
         if ctx.env is not None and ctx.store is not None and cfg.elastic.enabled:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
@@ -462,7 +462,7 @@ class Rebuilder:
 
     def _growing(self, generation: int) -> bool:
         """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
-        survivors, resharded (ds_swift.recovery.elastic)."""
+        survivors, resharded (ds_swift.recovery.strategies.elastic)."""
         env, store = self._ctx.env, self._ctx.store
         return (self._cfg.elastic.enabled and env is not None and env.replacement and store is not None
                 and store.get(grow_key(generation - 1)) is not None)  # fmt: skip

@@ -2,7 +2,7 @@
 
 After every step that a round is due (every ``running_fraction x checkpoint.interval``
 iterations), the most-changed blocks of the rank's optimizer state go to its running checkpoint
-(ds_swift.running_checkpoint, written on a background thread); ds_swift.recovery.scar loads it for a
+(ds_swift.checkpoint.running, written on a background thread); ds_swift.recovery.strategies.scar loads it for a
 replacement. A write error does not stop training: it is said loudly, each time, and the blocks it
 lost are written first by the next rounds (a replacement meanwhile loads older ones).
 """
@@ -14,14 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds_swift.recovery.base import loud
-from ds_swift.recovery.scar import block_elements, running_dir, running_state
-from ds_swift.running_checkpoint import (
+from ds_swift.checkpoint.running import (
     CorruptCheckpointError,
     RunningCheckpoint,
     RunningCheckpointError,
     running_checkpoint_job,
 )
+from ds_swift.recovery.base import loud
+from ds_swift.recovery.strategies.scar import block_elements, running_dir, running_state
 
 __all__ = ["RunningCheckpoints", "claim_running_dir"]
 
@@ -65,7 +65,7 @@ class RunningCheckpoints:
         rank left by an earlier launch is removed (a replacement must not load blocks of a launch
         that went further); another run's is never touched (:func:`claim_running_dir`).
     log: one line to this rank's log.
-    job: the job id stamped in the running checkpoint (:func:`ds_swift.checkpoint.job_id_for`).
+    job: the job id stamped in the running checkpoint (:func:`ds_swift.checkpoint.periodic.job_id_for`).
     """
 
     def __init__(

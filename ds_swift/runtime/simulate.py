@@ -5,7 +5,7 @@ model, a failure is simulated without killing anything, and the run goes on to t
 compared with the failure-free run (``benchmarks/failure_simulation.py``):
 
 - ``lossy_forward``: the failed iteration averages only the surviving replicas' gradients; the
-  casualties' count as zero from ``upto_layer`` down (ds_swift.runtime.gradmask), every layer by
+  casualties' count as zero from ``upto_layer`` down (ds_swift.recovery.gradmask), every layer by
   default. What the ``lossy_forward`` strategy does after a real failure, bit for bit.
 - ``immediate_rollback``: the ranks of ``stepped_stages`` had stepped when the failure hit, the
   others had not; then everyone trains the failed mini-batch again. Here the iteration is trained
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_swift.config import ConfigError, SimulateConfig
-from ds_swift.recovery.state_transfer import capture_state, finish_restore, flatten, load_state, set_counters, unflatten
-from ds_swift.runtime.gradmask import GradScale, lossy_factor
+from ds_swift.recovery.gradmask import GradScale, lossy_factor
+from ds_swift.recovery.state.transfer import capture_state, finish_restore, flatten, load_state, set_counters, unflatten
 
 __all__ = ["FailureSimulation"]
 

@@ -1,6 +1,6 @@
 """The update logger (strategy ``tranlogs``, and the stages that log their updates under
 ``logging.kinds``): after every optimizer step, this rank's update record goes to the log store
-(ds_swift.recovery.update_log has the record and how it is re-applied).
+(ds_swift.recovery.state.update_log has the record and how it is re-applied).
 
 The training thread copies the step's gradient to host memory (what the next backward would
 overwrite) and hands the record over; a background thread serialises it and puts it into
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ds_swift.recovery.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
+from ds_swift.recovery.state.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
 from ds_swift.storage import open_store
 from ds_swift.threadname import name_os_thread
 

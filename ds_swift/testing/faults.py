@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ds_swift.membership import WorkerEnv
+    from ds_swift.jobstore.membership import WorkerEnv
 
 __all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", "group_down_key", "group_kill_key"]
 
@@ -171,7 +171,7 @@ class Injector:
 
     Args:
         specs: every spec of the job, in ``SWIFT_INJECT`` order (the index keys the store).
-        store: the job store (:class:`ds_swift.membership.JobStore`).
+        store: the job store (:class:`ds_swift.jobstore.membership.JobStore`).
         machine: this worker's machine id (``SWIFT_MACHINE``).
         rank: this worker's rank, recorded with the firing (for the timeline and messages).
         kill: what firing does; SIGKILL of this process by default. Tests pass a recorder.
@@ -199,7 +199,7 @@ class Injector:
     @classmethod
     def from_env(cls, store: _Counter, env: WorkerEnv | None = None) -> Injector:
         """The injector for a worker started by ``ds-swift-launch`` (reads SWIFT_INJECT)."""
-        from ds_swift.membership import WorkerEnv
+        from ds_swift.jobstore.membership import WorkerEnv
 
         env = env or WorkerEnv.from_env()
         return cls(FaultSpec.parse(env.inject), store, machine=env.machine, rank=env.rank)

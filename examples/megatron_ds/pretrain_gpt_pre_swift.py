@@ -33,7 +33,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state as mpu
 
-from ds_swift.corpus import load_corpus
+from ds_swift.data.corpus import load_corpus
 from ds_swift.models.gpt import GPTConfig, gpt_layer_specs, gpt_loss_fn
 
 _GLOBAL_ARGS: argparse.Namespace | None = None  # megatron.get_args()

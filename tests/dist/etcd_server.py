@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ds_swift.store_url import StoreCredentials
+from ds_swift.jobstore.url import StoreCredentials
 from ds_swift.testing.procs import free_port
 
 USER, PASSWORD = "swift", "swift-store-password-for-tests"

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from ds_swift.checkpoint import COMPLETE_MARKER, complete_checkpoints
-from ds_swift.demo_report import read_loss_log
+from ds_swift.bench.demo_report import read_loss_log
+from ds_swift.checkpoint.periodic import COMPLETE_MARKER, complete_checkpoints
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 

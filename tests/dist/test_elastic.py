@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_swift.demo_report import read_loss_log
+from ds_swift.bench.demo_report import read_loss_log
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from etcd_server import Etcd
 
-from ds_swift.etcd_store import EtcdStore
-from ds_swift.membership import JobStore, MembershipError
-from ds_swift.signed_kv import STALE_S
-from ds_swift.store_url import StoreCredentials
+from ds_swift.jobstore.etcd import EtcdStore
+from ds_swift.jobstore.membership import JobStore, MembershipError
+from ds_swift.jobstore.signed_kv import STALE_S
+from ds_swift.jobstore.url import StoreCredentials
 
 SECRET = "etcd-store-test-secret-" + "3" * 10
 TOKEN = "etcd-tok"

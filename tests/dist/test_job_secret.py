@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_swift.membership import JobStore, MembershipError
-from ds_swift.store_auth import write_secret_file
+from ds_swift.jobstore.auth import write_secret_file
+from ds_swift.jobstore.membership import JobStore, MembershipError
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 from ds_swift.testing.procs import free_port
 

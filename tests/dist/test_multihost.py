@@ -162,7 +162,7 @@ def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, ex
 
 
 def store_client(url: str, token: str, credentials: object = None) -> object:
-    from ds_swift.membership import JobStore
+    from ds_swift.jobstore.membership import JobStore
 
     return JobStore.open(url, token, timeout_s=10, secret=JOB_SECRET, credentials=credentials)  # type: ignore[arg-type]
 
@@ -217,8 +217,8 @@ def store_worker_args(run_dir: Path, iters: int, iter_sleep: float = 0.0) -> lis
 def test_etcd_store_serves_the_job_store_api(tmp_path: Path, etcd: Etcd) -> None:
     import torch.distributed as dist
 
-    from ds_swift.etcd_store import EtcdStore
-    from ds_swift.membership import JobStore, MembershipError
+    from ds_swift.jobstore.etcd import EtcdStore
+    from ds_swift.jobstore.membership import JobStore, MembershipError
 
     # A dead member first: the client moves on to the next endpoint.
     raw = EtcdStore([("127.0.0.1", free_port()), ("127.0.0.1", etcd.port)], timeout=datetime.timedelta(seconds=1))
@@ -330,7 +330,7 @@ def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, 
 
 def store_client_when_ready(url: str, token: str, procs: ProcessSet, credentials: object = None) -> object:
     """The job's store, once the first agent has created its keys."""
-    from ds_swift.membership import MembershipError
+    from ds_swift.jobstore.membership import MembershipError
 
     deadline = time.monotonic() + WAIT_S
     while True:

@@ -97,7 +97,7 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
 
 
 def test_a_resumable_data_iterator_is_rewound_and_recovers_bitwise(tmp_path: Path, bf16_baseline: JobRun) -> None:
-    """The script feeds train_batch(data_iter=...) from a ds_swift.data.ResumableIterator, as a
+    """The script feeds train_batch(data_iter=...) from a ds_swift.data.keyed.ResumableIterator, as a
     Megatron script feeds its sampler's iterator: the retried iteration reads its own samples."""
     inject = ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"]
     job = launch(tmp_path, BF16, inject, script_args=("--data-iter",))

@@ -274,8 +274,8 @@ def _reports(lost: set[int], stages: int = 4, per_machine: int = 2, last: int = 
 
 def test_plan_replays_the_lost_machines_logging_group_from_the_checkpoint() -> None:
     from ds_swift.recovery.consensus import LoggingSetup
-    from ds_swift.recovery.logging_recovery import parallel_layout
     from ds_swift.recovery.registry import plan_recovery
+    from ds_swift.recovery.replay.runner import parallel_layout
 
     setup = LoggingSetup(frozenset(range(4)), ((0,), (1,)), checkpoint_step=8)
     plan = plan_recovery(_reports({1}), logging=setup)

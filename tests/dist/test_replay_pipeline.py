@@ -78,10 +78,10 @@ def train(out: Path, rank: int) -> None:
     import torch
 
     from ds_swift.config import SwiftConfig
-    from ds_swift.data import micro_batches
+    from ds_swift.data.keyed import micro_batches
     from ds_swift.msglog import MachineBoundaryPlan, install_message_logging
-    from ds_swift.recovery.collectives import CollectiveRecorder
-    from ds_swift.recovery.replay import keyed_rng
+    from ds_swift.recovery.replay.collectives import CollectiveRecorder
+    from ds_swift.recovery.replay.engine import keyed_rng
 
     engine = build_engine()
     rng = keyed_rng(engine, SEED)
@@ -117,9 +117,9 @@ def replay_phase(out: Path, rank: int) -> None:
     from ds_swift.msglog import LogReader, MachineBoundaryPlan, install_message_logging
     from ds_swift.patches.deepspeed_rebuild import patch_recv_check
     from ds_swift.patches.step_collectives import wrap_collectives
-    from ds_swift.recovery.collectives import CollectiveGuard, CollectiveRecorder
-    from ds_swift.recovery.replay import replay
-    from ds_swift.recovery.replay_log import LogUnavailable
+    from ds_swift.recovery.replay.collectives import CollectiveGuard, CollectiveRecorder
+    from ds_swift.recovery.replay.engine import replay
+    from ds_swift.recovery.replay.log import LogUnavailable
 
     engine = build_engine()
     store = dist.distributed_c10d._get_default_store()
@@ -196,8 +196,13 @@ def parallel_phase(out: Path, rank: int) -> None:
     import torch.distributed as dist
 
     from ds_swift.msglog import LogReader
-    from ds_swift.recovery.collectives import CollectiveRecorder
-    from ds_swift.recovery.parallel import ParallelReplayLayout, build_copy_engine, parallel_replay, transfer_state
+    from ds_swift.recovery.replay.collectives import CollectiveRecorder
+    from ds_swift.recovery.replay.parallel import (
+        ParallelReplayLayout,
+        build_copy_engine,
+        parallel_replay,
+        transfer_state,
+    )
 
     engine = build_engine()
     layout = ParallelReplayLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=GAS)
@@ -322,7 +327,7 @@ def test_only_cross_group_messages_come_from_the_log(runs: tuple[Path, Any]) -> 
 def test_step_collectives_leaving_the_group_come_from_a_survivors_records(runs: tuple[Path, Any]) -> None:
     import torch
 
-    from ds_swift.recovery.collectives import CollectiveRecorder
+    from ds_swift.recovery.replay.collectives import CollectiveRecorder
 
     out, _ = runs
     recs = [CollectiveRecorder.from_bytes((out / f"collectives_rank{r}.pt").read_bytes()).records for r in range(4)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.demo_report import read_loss_log
+from ds_swift.bench.demo_report import read_loss_log
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints' snapshot on the GPU (ds_swift.checkpoint_snapshot.PinnedCopier): copies
+"""Asynchronous checkpoints' snapshot on the GPU (ds_swift.checkpoint.snapshot.PinnedCopier): copies
 into pinned host buffers on a side stream, equal to the device tensors as they were when the save
 began, buffers reused by the next save. Skipped without CUDA."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_swift.checkpoint_snapshot import PinnedCopier, snapshot
+from ds_swift.checkpoint.snapshot import PinnedCopier, snapshot
 
 pytestmark = [
     pytest.mark.gpu,

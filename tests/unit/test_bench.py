@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_swift.bench import (
+from ds_swift.bench.profile import checkpoint_stall_s
+from ds_swift.bench.run import (
     BenchError,
     bench_profile,
     bench_rows,
@@ -18,7 +19,6 @@ from ds_swift.bench import (
     strategy_overrides,
     usage,
 )
-from ds_swift.bench_profile import checkpoint_stall_s
 from ds_swift.cli import main
 from ds_swift.sim.profile import parse_profile
 from ds_swift.testing.checkpoints import compare_tensors, ulp_distance
@@ -133,7 +133,7 @@ def test_an_elastic_row_measures_the_shrunk_speed(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_stall_is_the_excess_of_the_save_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ds_swift.bench_profile as bench
+    import ds_swift.bench.profile as bench
 
     times = [0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # iteration 3 ends a checkpoint interval of 4: +2 s
     monkeypatch.setattr(bench, "loss_series", lambda _job: [(t, i, 1.0) for i, t in enumerate(times)])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ds_swift.bench as bench
+import ds_swift.bench.run as bench
 from ds_swift.testing.jobs import JobRun, JobSpec
 
 

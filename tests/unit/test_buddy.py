@@ -1,4 +1,4 @@
-"""Buddy placement and the buddy strategy's decision (ds_swift.recovery.buddy), without processes."""
+"""Buddy placement and the buddy strategy's decision (ds_swift.recovery.strategies.buddy), without processes."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from ds_swift.recovery.buddies import BuddyError, Member, assign_buddies
-from ds_swift.recovery.buddy import buddy_target
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
 from ds_swift.recovery.registry import plan_recovery
-from ds_swift.recovery.state_transfer import encode, flat_views
+from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
+from ds_swift.recovery.state.transfer import encode, flat_views
+from ds_swift.recovery.strategies.buddy import buddy_target
 from ds_swift.runtime.buddy import BuddyHoldings
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_swift.checkfreq import CheckFreqTuner, checkfreq_interval
-from ds_swift.checkpoint import COMPLETE_MARKER, CheckpointManager, complete_checkpoints
-from ds_swift.checkpoint_async import AsyncWriter, persisted_marker, snapshot
+from ds_swift.checkpoint.background import AsyncWriter, persisted_marker, snapshot
+from ds_swift.checkpoint.checkfreq import CheckFreqTuner, checkfreq_interval
+from ds_swift.checkpoint.periodic import COMPLETE_MARKER, CheckpointManager, complete_checkpoints
 from ds_swift.config import ConfigError, SwiftConfig
 
 

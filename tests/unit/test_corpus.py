@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_swift.corpus import ByteTokenizer, load_corpus
+from ds_swift.data.corpus import ByteTokenizer, load_corpus
 
 
 def test_corpus_is_text_and_sampling_is_keyed_by_position(tmp_path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ds_swift.data import DataIteratorError, ResumableIterator
+from ds_swift.data.keyed import DataIteratorError, ResumableIterator
 from ds_swift.runtime.engine import SwiftPipelineEngine
 
 GAS = 3

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.cli import main as cli_main
-from ds_swift.demo import DemoError, find_repo
-from ds_swift.demo_report import (
+from ds_swift.bench.demo import DemoError, find_repo
+from ds_swift.bench.demo_report import (
     LossPoint,
     format_timeline,
     iterations_lost,
@@ -22,6 +21,7 @@ from ds_swift.demo_report import (
     plot_losses,
     read_loss_log,
 )
+from ds_swift.cli import main as cli_main
 from ds_swift.models.gpt import Block, GPTConfig
 from ds_swift.models.training_plan import PlanError, TrainingPlan, resolve_training_plan
 from ds_swift.testing.checkpoints import CheckpointError, compare_checkpoints

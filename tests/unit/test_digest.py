@@ -1,4 +1,4 @@
-"""State digests (ds_swift.recovery.digest) and the checks built on them (ds_swift.recovery.verify,
+"""State digests (ds_swift.recovery.state.digest) and the checks built on them (ds_swift.recovery.verify,
 ds_swift.runtime.digest): exact over the raw bits, position-dependent, published where they outlive
 the rank, and a replay checked against them."""
 
@@ -14,9 +14,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.consensus import RecoveryPlan
-from ds_swift.recovery.digest import (
+from ds_swift.recovery.state.digest import (
     StateDigest,
     Verdict,
     digest_state,

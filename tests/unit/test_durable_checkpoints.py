@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from ds_swift.checkpoint import COMPLETE_MARKER, CheckpointManager, Origin, complete_checkpoints, origin_of
-from ds_swift.checkpoint_async import AsyncWriter
+from ds_swift.checkpoint.background import AsyncWriter
+from ds_swift.checkpoint.periodic import COMPLETE_MARKER, CheckpointManager, Origin, complete_checkpoints, origin_of
 
 
 class _Killed(BaseException):

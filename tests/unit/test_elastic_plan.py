@@ -1,4 +1,4 @@
-"""The elastic shrink / grow plan (ds_swift.recovery.elastic) and its config: ranks in the new
+"""The elastic shrink / grow plan (ds_swift.recovery.strategies.elastic) and its config: ranks in the new
 layout, the accumulation that keeps the global batch, and the refusals that name their fix."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.recovery.elastic import Resize, ResizeRefused, resized_ds_config
+from ds_swift.recovery.strategies.elastic import Resize, ResizeRefused, resized_ds_config
 
 # pp 2 x dp 2, rank order tp-pp-dp: rank = stage + 2 dp; machines of 2 ranks hold whole replicas
 COORDS = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]

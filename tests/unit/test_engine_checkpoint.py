@@ -1,4 +1,4 @@
-"""Global checkpoints (ds_swift.checkpoint): which tags count, when saves are due."""
+"""Global checkpoints (ds_swift.checkpoint.periodic): which tags count, when saves are due."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.checkpoint import (
+from ds_swift.checkpoint.periodic import (
     COMPLETE_MARKER,
     CheckpointManager,
     Origin,

@@ -140,7 +140,7 @@ def test_an_optimizer_wrapper_forces_the_checkpoint() -> None:
 
 
 def test_a_later_declarer_completes_a_declaration_whose_writer_died() -> None:
-    from ds_swift.membership import JobStore
+    from ds_swift.jobstore.membership import JobStore
 
     store = JobStore.host("tok-repair")
     # the first declarer got its counter in, then died before writing the flag and the bump

@@ -1,4 +1,4 @@
-"""Position-keyed data and RNG (ds_swift.data) and the pipeline rank layout (ds_swift.runtime.context)."""
+"""Position-keyed data and RNG (ds_swift.data.keyed) and the pipeline rank layout (ds_swift.runtime.context)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ds_swift.config import SwiftConfig
-from ds_swift.data import global_micro_batch, micro_batches, rng_seed
+from ds_swift.data.keyed import global_micro_batch, micro_batches, rng_seed
 from ds_swift.runtime.context import op_timeout_from, pipeline_topology
 
 keys = st.tuples(st.integers(0, 2**31), st.integers(0, 10**6), st.integers(0, 4096), st.integers(0, 64))

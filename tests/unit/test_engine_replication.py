@@ -1,4 +1,4 @@
-"""State transfer (ds_swift.recovery.replication) and what a survivor keeps (ds_swift.recovery.kept)."""
+"""State transfer (ds_swift.recovery.strategies.replication) and what a survivor keeps (ds_swift.recovery.kept)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.state_transfer import flatten, recv_state, send_state, unflatten
+from ds_swift.recovery.state.transfer import flatten, recv_state, send_state, unflatten
 
 
 class Wire:

@@ -1,4 +1,4 @@
-"""Recovery timelines (ds_swift.runtime.timeline): the paper's three durations and the phases."""
+"""Recovery timelines (ds_swift.recovery.timeline): the paper's three durations and the phases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.runtime.timeline import RankTimeline, build_timeline, summary_line, write_timeline
+from ds_swift.recovery.timeline import RankTimeline, build_timeline, summary_line, write_timeline
 
 
 def ranks() -> list[RankTimeline]:

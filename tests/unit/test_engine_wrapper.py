@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p
 
-from ds_swift.data import global_micro_batch, rng_seed
+from ds_swift.data.keyed import global_micro_batch, rng_seed
 from ds_swift.detect.classify import PeerFailure, is_comm_error
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.watchdog import Watchdog, declare_failure, suspect_key
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches._base import PatchError
 from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv_check, reset_pipeline_globals
 from ds_swift.runtime.engine import SwiftPipelineEngine, initialize

@@ -1,4 +1,4 @@
-"""PipeChurn's erasure coding (ds_swift.recovery.erasure) and its strategy's choice, without processes."""
+"""PipeChurn's erasure coding (ds_swift.recovery.state.erasure) and its strategy's choice, without processes."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from ds_swift.recovery.buddies import BuddyError, Member
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
-from ds_swift.recovery.erasure import ErasureError, assign_holders, erasure_target, join_chunks, split_payload
 from ds_swift.recovery.registry import STRATEGIES, plan_recovery
-from ds_swift.recovery.state_transfer import decode, encode
+from ds_swift.recovery.state.buddies import BuddyError, Member
+from ds_swift.recovery.state.erasure import ErasureError, assign_holders, erasure_target, join_chunks, split_payload
+from ds_swift.recovery.state.transfer import decode, encode
 
 
 def payload() -> dict[str, object]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure, hang_patience, stale_ranks
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 
 TOKEN = "unit-classify"
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ds_swift.membership import WorkerEnv
+from ds_swift.jobstore.membership import WorkerEnv
 from ds_swift.testing.faults import PHASES, FaultSpec, FaultSpecError, Injector, format_specs
 
 

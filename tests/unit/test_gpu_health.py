@@ -174,10 +174,10 @@ def test_xid_counts_only_on_this_agents_gpus() -> None:
 def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
     """The node agent polls its GPU monitor; an unhealthy GPU kills the machine's ranks and
     declares the failure with the GPU's problem as the reason."""
+    from ds_swift.jobstore.membership import JobStore
     from ds_swift.launch import agent as agent_mod
     from ds_swift.launch.agent import MachineAgent
     from ds_swift.launch.gpu_health import GpuHealth
-    from ds_swift.membership import JobStore
 
     class SickGpu:
         def poll(self) -> GpuHealth:

@@ -1,4 +1,4 @@
-"""Lossy forward's gradient scaling (ds_swift.runtime.gradmask), the strategy's decision, and the
+"""Lossy forward's gradient scaling (ds_swift.recovery.gradmask), the strategy's decision, and the
 failure-simulation config, without processes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.recovery.consensus import RankReport
+from ds_swift.recovery.gradmask import lossy_factor, scaled_gradients
 from ds_swift.recovery.registry import plan_recovery
-from ds_swift.runtime.gradmask import lossy_factor, scaled_gradients
 
 
 class Stage(torch.nn.Module):

@@ -8,7 +8,7 @@ import pytest
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, hung_machine_key, suspect_key
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 
 TOKEN = "unit-hang"
 

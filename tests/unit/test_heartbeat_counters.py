@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from ds_swift.detect.watchdog import Watchdog, hung_machine_key
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.launch.liveness import AgentLiveness
-from ds_swift.membership import JobStore
 
 TOKEN = "unit-heartbeat-counters"
 TIMEOUT_S = 10.0

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from ds_swift.jobstore.membership import JobStore, fate_key
 from ds_swift.launch.agent import JobSpec, MachineAgent
 from ds_swift.launch.args import Command, LaunchUsageError, parse_args
 from ds_swift.launch.control import EventLog, JobControl
-from ds_swift.membership import JobStore, fate_key
 from ds_swift.testing.faults import FaultSpec, FaultSpecError, Injector
 
 

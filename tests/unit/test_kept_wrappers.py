@@ -24,7 +24,7 @@ from ds_swift.patches.deepspeed_optim_state import (
     reshard_optimizer,
 )
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.state_transfer import decode, encode, flat_sizes, recv_state, send_state
+from ds_swift.recovery.state.transfer import decode, encode, flat_sizes, recv_state, send_state
 
 CONFIGS = {
     "torch": {},

@@ -160,7 +160,7 @@ def test_worker_argv_like_the_deepspeed_launcher() -> None:
 
 
 def _wenv(**kw: object):  # noqa: ANN202
-    from ds_swift.membership import WorkerEnv
+    from ds_swift.jobstore.membership import WorkerEnv
 
     base = dict(rank=5, local_rank=1, world_size=8, machine=2, num_machines=4, generation=3, replacement=True,
                 store_addr="10.0.0.1", store_port=4242, token="tok", run_dir="/r", inject="machine=2,iteration=1,phase=forward")
@@ -218,9 +218,9 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, machines: int = 2, nproc: int = 2, spares: int = 0,
                  restart_delay: float | None = None, max_failures: int = 3) -> None:
+        from ds_swift.jobstore.membership import JobStore
         from ds_swift.launch.agent import JobSpec, MachineAgent
         from ds_swift.launch.control import EventLog, JobControl
-        from ds_swift.membership import JobStore
 
         self.store = JobStore.host("tok", port=0)
         self.control = JobControl(self.store)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_swift.jobstore.url import StoreURL, parse_endpoints
 from ds_swift.launch.args import Command, LaunchUsageError, parse_args
 from ds_swift.launch.hostfile import HostEntry, filter_resources
 from ds_swift.launch.remote import (
@@ -17,7 +18,6 @@ from ds_swift.launch.remote import (
     write_env_file,
 )
 from ds_swift.launch.slurm import SlurmStep, expand_nodelist, in_slurm_step
-from ds_swift.store_url import StoreURL, parse_endpoints
 
 
 # ---------------------------------------------------------------------- node lists
@@ -147,10 +147,10 @@ def test_deepspeed_env_file_and_exported_prefixes(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- a dead agent's machine
 def test_a_dead_agents_machine_goes_to_the_spare(tmp_path: Path) -> None:
+    from ds_swift.jobstore.membership import JobStore
     from ds_swift.launch.agent import JobSpec, MachineAgent
     from ds_swift.launch.control import EventLog, JobControl
     from ds_swift.launch.liveness import AgentLiveness
-    from ds_swift.membership import JobStore
 
     store = JobStore.host("tok", port=0)
     job = JobSpec(Command("t.py"), 2, 1, 1, 3, None, "127.0.0.1", store.port, "tok", str(tmp_path))

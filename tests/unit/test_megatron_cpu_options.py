@@ -1,4 +1,4 @@
-"""scripts/megatron_deepspeed_cpu.sh's options (ds_swift.megatron_cpu): shape, precision, ZeRO, strategy
+"""scripts/megatron_deepspeed_cpu.sh's options (ds_swift.megatron.cpu): shape, precision, ZeRO, strategy
 and the kill become the DeepSpeed config and the two launch commands; bad options are refused by name.
 
 No Megatron-DeepSpeed run here: the script's --dry-run prints the commands it would run.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.megatron_cpu import CpuRun, ds_config, launch_command, parse_run, summary_lines
+from ds_swift.megatron.cpu import CpuRun, ds_config, launch_command, parse_run, summary_lines
 from ds_swift.testing.cpu_fp16_script import script_argv
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "megatron_deepspeed_cpu.sh"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ds_swift.megatron import swift_section
-from ds_swift.megatron_data import MegatronSamples, SamplerPosition, sample_indices
-from ds_swift.megatron_patch import (
+from ds_swift.megatron.data import MegatronSamples, SamplerPosition, sample_indices
+from ds_swift.megatron.patch import (
     REPOSITORY,
     SERIES_DIR,
     MegatronPatchError,

@@ -22,7 +22,7 @@ import torch
 from ds_swift.msglog import LogReader, gc_before
 from ds_swift.msglog.chunk_format import ChunkName
 from ds_swift.msglog.edge import LogEdge
-from ds_swift.recovery.replay_log import LogFeeder, LogUnavailable
+from ds_swift.recovery.replay.log import LogFeeder, LogUnavailable
 from ds_swift.storage import open_store
 from ds_swift.testing.procs import ProcessSet, worker_env
 from ds_swift.testing.s3 import S3Server, s3_server

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ds_swift.config import SwiftConfig
-from ds_swift.data import global_micro_batch, key_forward_rng, rng_seed, seed_generators
+from ds_swift.data.keyed import global_micro_batch, key_forward_rng, rng_seed, seed_generators
 from ds_swift.detect.watchdog import Watchdog
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.runtime.bench_switch import ENV, switched_off
 from ds_swift.runtime.costs import _runtime_lines

@@ -82,7 +82,7 @@ def build() -> Any:
 
 def data(engine: Any) -> Any:
     batch_fn = gpt_batch_fn("synthetic", 1, 2, SHAPE)
-    from ds_swift.data import micro_batches
+    from ds_swift.data.keyed import micro_batches
 
     return micro_batches(batch_fn, int(engine.global_steps), 0, engine.gradient_accumulation_steps())
 

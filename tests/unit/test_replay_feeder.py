@@ -15,7 +15,7 @@ from ds_swift.msglog.chunk_format import ChunkName
 from ds_swift.msglog.chunk_index import load_chunk
 from ds_swift.msglog.edge import LogEdge
 from ds_swift.msglog.writer import LogWriter, MessageMeta, PythonAppender
-from ds_swift.recovery.replay_log import LogFeeder, LogUnavailable
+from ds_swift.recovery.replay.log import LogFeeder, LogUnavailable
 from ds_swift.testing.s3 import S3Server, s3_server
 
 GAS = 3
@@ -175,7 +175,7 @@ def test_close_stops_a_feeder_blocked_on_a_full_queue(tmp_path: Path) -> None:
 def test_progress_helpers_show_iterations_and_log_bytes() -> None:
     import io
 
-    from ds_swift.recovery.replay_log import ReplayProgress, rich_progress, text_progress
+    from ds_swift.recovery.replay.log import ReplayProgress, rich_progress, text_progress
 
     steps = [ReplayProgress(2, done, 4, 8 + done, done * 2_500_000, done, 4, 0.5 * done) for done in range(5)]
     assert steps[0].eta_s is None and steps[2].eta_s == pytest.approx(1.0)

@@ -18,10 +18,15 @@ from hypothesis import strategies as st
 from ds_swift.msglog.edge import LogEdge
 from ds_swift.patches.pipe_p2p import drop_sends
 from ds_swift.patches.step_collectives import wrap_collectives
-from ds_swift.recovery.collectives import CollectiveGuard, CollectiveRecord, CollectiveRecorder, ReplayUnsupported
-from ds_swift.recovery.replay_log import LogUnavailable
-from ds_swift.recovery.replay_plan import plan_replay
-from ds_swift.recovery.replay_serve import meta_message, recv_from_log
+from ds_swift.recovery.replay.collectives import (
+    CollectiveGuard,
+    CollectiveRecord,
+    CollectiveRecorder,
+    ReplayUnsupported,
+)
+from ds_swift.recovery.replay.log import LogUnavailable
+from ds_swift.recovery.replay.plan import plan_replay
+from ds_swift.recovery.replay.serve import meta_message, recv_from_log
 
 
 # --------------------------------------------------------------------------- plan

@@ -9,7 +9,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_swift.recovery.parallel import (
+from ds_swift.recovery.replay.parallel import (
     GradCapture,
     ParallelReplayLayout,
     assign_micro_batches,
@@ -17,7 +17,7 @@ from ds_swift.recovery.parallel import (
     combine_fast,
     helper_topology,
 )
-from ds_swift.recovery.parallel_combine import combine_exact_hp
+from ds_swift.recovery.replay.parallel_combine import combine_exact_hp
 
 
 @given(st.integers(1, 64), st.integers(1, 8))
@@ -186,7 +186,7 @@ def test_exact_hp_combination_is_bitwise_bf16_optimizer_accumulation(m: int, h: 
 
 
 def test_parallel_helps_only_with_compute_of_its_own() -> None:
-    from ds_swift.recovery.parallel_plan import parallel_helps
+    from ds_swift.recovery.replay.parallel_plan import parallel_helps
 
     lay = ParallelReplayLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=4)
     one_host = {r: {"host": "h", "cores": 2, "threads": 1, "accelerator": False} for r in range(4)}

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from ds_swift.membership import JobStore
-from ds_swift.recovery import buddy as buddy_mod
-from ds_swift.recovery import replication as repl_mod
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.base import RankContext
 from ds_swift.recovery.consensus import RecoveryPlan
-from ds_swift.recovery.digest import Verdict, digest_state, engine_state
+from ds_swift.recovery.state.digest import Verdict, digest_state, engine_state
+from ds_swift.recovery.strategies import buddy as buddy_mod
+from ds_swift.recovery.strategies import replication as repl_mod
+from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import publish_digest
-from ds_swift.runtime.timeline import RankTimeline
 
 LOST = 2
 CONSENSUS = 7

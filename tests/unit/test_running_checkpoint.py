@@ -1,4 +1,4 @@
-"""SCAR's prioritized running checkpoint (ds_swift.running_checkpoint), without processes."""
+"""SCAR's prioritized running checkpoint (ds_swift.checkpoint.running), without processes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ds_swift.running_checkpoint as rc_mod
-from ds_swift.running_checkpoint import (
+import ds_swift.checkpoint.running as rc_mod
+from ds_swift.checkpoint.running import (
     MANIFEST,
     CorruptCheckpointError,
     RunningCheckpoint,

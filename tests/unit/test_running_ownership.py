@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_swift.running_checkpoint import MANIFEST, RunningCheckpoint, RunningCheckpointError
+from ds_swift.checkpoint.running import MANIFEST, RunningCheckpoint, RunningCheckpointError
 from ds_swift.runtime.running import RunningCheckpoints
 
 
@@ -38,7 +38,7 @@ def test_a_fresh_scar_start_leaves_another_runs_running_checkpoint_alone(tmp_pat
 
 
 def test_a_fresh_start_removes_only_its_own_jobs_earlier_running_checkpoint(tmp_path: Path) -> None:
-    from ds_swift.running_checkpoint import running_checkpoint_job
+    from ds_swift.checkpoint.running import running_checkpoint_job
 
     said: list[str] = []
     own = tmp_path / "running" / "job-mine" / "rank0"

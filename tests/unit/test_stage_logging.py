@@ -145,7 +145,7 @@ def test_recovery_restores_each_lost_stage_from_its_kind(forced: str) -> None:
 
 
 def test_the_simulator_prices_each_groups_kind_and_the_bench_runs_the_mix() -> None:
-    from ds_swift.bench import strategy_overrides
+    from ds_swift.bench.run import strategy_overrides
     from ds_swift.sim.model import LoggingSpec, StrategySpec, Workload, recovery_paths
 
     job = Workload("pp4", 1000, 2.0, machines=4, pipeline_stages=4, micro_batches=4)

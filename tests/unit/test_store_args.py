@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.store_url import StoreCredentials, StoreURL
-from ds_swift.worker_env import WorkerEnv
+from ds_swift.jobstore.url import StoreCredentials, StoreURL
+from ds_swift.jobstore.worker_env import WorkerEnv
 from launch.args import LaunchUsageError, parse_args
 
 SECRET_ENV = {"SWIFT_JOB_SECRET": "s" * 32, "SWIFT_JOB_TOKEN": "tok"}

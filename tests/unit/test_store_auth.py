@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_swift.membership import JobStore, MembershipError
-from ds_swift.store_auth import Sealer, SecretError, job_secret, read_secret_file, write_secret_file
+from ds_swift.jobstore.auth import Sealer, SecretError, job_secret, read_secret_file, write_secret_file
+from ds_swift.jobstore.membership import JobStore, MembershipError
 
 SECRET = "0123456789abcdef" * 2
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from ds_swift.membership import JobStore, MembershipError
+from ds_swift.jobstore.membership import JobStore, MembershipError
 
 
 @pytest.fixture

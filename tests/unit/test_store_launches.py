@@ -1,4 +1,4 @@
-"""Launches of one job in one store, replays and counter bumps (ds_swift.signed_kv).
+"""Launches of one job in one store, replays and counter bumps (ds_swift.jobstore.signed_kv).
 
 A store that outlives a launch (etcd; here a TCPStore the test serves, as ``--store tcp://`` does)
 must not hand a relaunch with the same token and secret the dead launch's keys; a signed value
@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from ds_swift.detect.watchdog import hung_machine_key
-from ds_swift.membership import JobStore, MembershipError, WorkerEnv
+from ds_swift.jobstore.membership import JobStore, MembershipError, WorkerEnv
 from launch.control import JobControl
 
 SECRET = "launches-test-secret-" + "5" * 12

@@ -1,4 +1,4 @@
-"""TranLogs' update records (ds_swift.recovery.update_log): recorded after each step of a real
+"""TranLogs' update records (ds_swift.recovery.state.update_log): recorded after each step of a real
 DeepSpeed engine under every optimizer wrapper, stored with their checksums, and re-applied on a
 fresh engine loaded with the earlier state: bitwise the trained engine's state. A one-rank gloo world."""
 
@@ -18,7 +18,7 @@ from ds_swift.patches.deepspeed_optim_state import (
     optimizer_payload,
     refresh_lp_params,
 )
-from ds_swift.recovery.update_log import (
+from ds_swift.recovery.state.update_log import (
     UpdateLogError,
     capture_update,
     load_record,

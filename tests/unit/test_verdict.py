@@ -17,7 +17,7 @@ from ds_swift.detect.classify import (
     job_error,
     rank_error_key,
 )
-from ds_swift.membership import JobStore
+from ds_swift.jobstore.membership import JobStore
 
 # gloo's own errors, as torch 2.13 raises them (plain RuntimeErrors).
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "

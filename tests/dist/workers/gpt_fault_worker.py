@@ -78,8 +78,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ds_swift.recovery.logging_recovery as logging_recovery
-import ds_swift.recovery.replay as replay_module
+import ds_swift.recovery.replay.engine as replay_module
+import ds_swift.recovery.replay.runner as logging_recovery
 from ds_swift.patches.instructions import hook_instructions, schedule
 from ds_swift.runtime.context import current_context
 from ds_swift.runtime.engine import SwiftPipelineEngine
@@ -238,7 +238,7 @@ def _patch_logging_recovery(rank: int) -> None:
         replay_module._run_iteration = run_or_die  # type: ignore[assignment]
     in_save = _spec("SWIFT_TEST_KILL_IN_SAVE")
     if in_save and in_save["rank"] == rank:
-        from ds_swift.checkpoint import CheckpointManager
+        from ds_swift.checkpoint.periodic import CheckpointManager
 
         save = CheckpointManager.save
 
@@ -253,7 +253,7 @@ def _patch_logging_recovery(rank: int) -> None:
 
 
 def _patch_state_transfer(rank: int) -> None:
-    import ds_swift.recovery.buddy as buddy
+    import ds_swift.recovery.strategies.buddy as buddy
     from ds_swift import transport
 
     def dying(op: Any, what: str) -> Any:

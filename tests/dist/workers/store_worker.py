@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_swift.membership import GenerationFailed, JobStore, WorkerEnv
+from ds_swift.jobstore.membership import GenerationFailed, JobStore, WorkerEnv
 from ds_swift.testing.faults import Injector
 
 PHASES = ("forward", "backward", "step")

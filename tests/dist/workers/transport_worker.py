@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.recovery.state_transfer import send_state
+from ds_swift.recovery.state.transfer import send_state
 from ds_swift.testing.ranks import gloo_rank
 
 

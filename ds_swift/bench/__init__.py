@@ -1,0 +1,1 @@
+"""``ds-swift bench`` (every strategy on one job, one table) and ``ds-swift demo``."""

@@ -1,0 +1,429 @@
+"""Periodic global checkpoints in DeepSpeed's own format: the safety net of every strategy.
+
+Every ``checkpoint.interval`` iterations all ranks call ``engine.save_checkpoint(dir,
+tag="global_step<N>")`` (N = iterations done). A checkpoint counts only once every rank has
+written its files: after DeepSpeed's save (which ends in a barrier; each rank fsyncs the files it
+wrote) rank 0 writes a marker ``swift_complete`` in the tag's directory (durably: :mod:`ds_swift.checkpoint.durable`).
+A failure in the middle of a save leaves no marker, and recovery skips that tag, so nobody loads
+half a checkpoint (a tag saved again first loses its old marker). A marker counts only if it reads
+back whole and names its tag's iterations: a truncated one, or a ``swift_complete.tmp`` that a
+crash left before its rename, is ignored and said.
+
+DeepSpeed's own ``latest`` file decides nothing here: DeepSpeed writes it before every rank's files
+are confirmed. Only ds-swift's marker makes a checkpoint trusted, the job's origin included.
+
+Checkpoints belong to a job. The marker names the job that wrote it (:func:`job_id_for`: a hash
+of the launcher's job token, never the token itself), and recovery only loads checkpoints of its
+own job, never one newer than the iteration the survivors agreed on: a directory that still holds
+another run's ``global_step10`` cannot send a job back (or forward) to it. The one foreign
+checkpoint trusted is the one the job itself started from (``engine.load_checkpoint`` through the
+ds-swift engine records it as the job's *origin*). To resume a job in a later launch and keep its
+own checkpoints trusted, load one at start (the origin) or launch with the same ``--job-token``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from ds_swift import transport
+from ds_swift.checkpoint.durable import COMPLETE_MARKER, remove_durable, temp_path, write_atomic
+
+if TYPE_CHECKING:
+    from ds_swift.checkpoint.background import AsyncWriter
+    from ds_swift.checkpoint.checkfreq import CheckFreqTuner
+
+__all__ = [
+    "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "is_complete",
+    "job_id_for", "latest_complete", "marker_problem", "origin_of", "tag_for", "trusted_origin",
+]  # fmt: skip
+
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+#: errnos of a write the storage refused: full disk or quota, storage gone or failing, read-only or
+#: forbidden, file too large. Not a dead peer's (ECONNRESET, ETIMEDOUT, ...): those are failures.
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "EFBIG", "ENXIO",
+                                      "ESTALE", "ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG")
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def _write_error(exc: BaseException, directory: str | os.PathLike[str] | None = None) -> bool:
+    """A checkpoint file that could not be written (full disk, storage gone), not a dead peer: by the
+    ``errno`` of the OSError in ``exc``'s chain. torch.save's zip writer raises a RuntimeError without
+    one (on a full disk: "iostream error", then "unexpected pos"): then ``directory`` is probed with a
+    small write of the same kind, whose OSError says what the storage refuses (nothing: not a write error)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in _WRITE_ERRNOS
+        e = e.__cause__ or e.__context__
+    if directory is None or not isinstance(exc, RuntimeError):
+        return False
+    probe = Path(directory) / f".swift_write_probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:  # what DeepSpeed's save does: a file under the checkpoint directory
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return probe_error.errno in _WRITE_ERRNOS
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return False
+
+
+def tag_for(iterations_done: int) -> str:
+    return f"global_step{iterations_done}"
+
+
+def marker_problem(tag_dir: str | os.PathLike[str], iterations: int) -> str | None:
+    """Why ``tag_dir`` (a tag of ``iterations`` iterations done) is not complete; None if it is.
+    A marker counts only if it reads back whole and names those iterations (a crash may leave an
+    empty or truncated file, or the temporary one before its rename)."""
+    marker = Path(tag_dir) / COMPLETE_MARKER
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        if temp_path(marker).exists():  # the writer died between the marker's write and its rename
+            return f"its save stopped before {temp_path(marker).name} was renamed into place: not trusted"
+        return f"no {COMPLETE_MARKER} marker"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"its {COMPLETE_MARKER} cannot be read ({type(exc).__name__}: {exc})"
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return f"its {COMPLETE_MARKER} is truncated or corrupt ({len(text)} bytes, not JSON): not trusted"
+    # ds-swift before job stamps wrote the bare iteration count.
+    said = doc.get("iterations") if isinstance(doc, dict) else doc
+    if isinstance(said, bool) or not isinstance(said, int) or said != iterations:
+        return f"its {COMPLETE_MARKER} does not name {iterations} iterations done ({text.strip()[:80]!r}): not trusted"
+    return None
+
+
+def is_complete(ckpt_dir: str | os.PathLike[str], tag: str) -> bool:
+    """Whether ``tag`` in ``ckpt_dir`` carries a whole ds-swift completion marker for its iterations."""
+    m = _TAG.match(tag)
+    return m is not None and marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) is None
+
+
+def complete_checkpoints(
+    ckpt_dir: str | os.PathLike[str], report: Callable[[str, str], None] | None = None
+) -> list[tuple[int, str]]:
+    """``(iterations done, tag)`` of every complete checkpoint in ``ckpt_dir``, oldest first.
+    ``report(tag, why)`` hears of each tag whose marker is there but not trusted (torn, truncated)."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _TAG.match(entry.name)
+        if not (m and entry.is_dir()):
+            continue
+        why = marker_problem(entry, int(m.group(1)))
+        if why is None:
+            found.append((int(m.group(1)), entry.name))
+        elif report is not None and not why.startswith("no "):
+            report(entry.name, why)
+    return sorted(found)
+
+
+def latest_complete(
+    ckpt_dir: str | os.PathLike[str], at_most: int | None = None, job: str | None = None
+) -> tuple[int, str] | None:
+    """The newest complete checkpoint (with at most ``at_most`` iterations done, and written by
+    job ``job``, where given)."""
+    found = [
+        c for c in complete_checkpoints(ckpt_dir)
+        if (at_most is None or c[0] <= at_most) and (job is None or checkpoint_job(ckpt_dir, c[1]) == job)
+    ]  # fmt: skip
+    return found[-1] if found else None
+
+
+def job_id_for(token: str | None) -> str | None:
+    """The job id stamped in checkpoints: a hash of the job token (the token may be a secret)."""
+    return None if token is None else "job-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def checkpoint_job(ckpt_dir: str | os.PathLike[str], tag: str) -> str | None:
+    """The job id a complete checkpoint's marker names (None: written without one, or unreadable)."""
+    try:
+        doc = json.loads((Path(ckpt_dir) / tag / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("job") if isinstance(doc, dict) and isinstance(doc.get("job"), str) else None
+
+
+def origin_of(engine: Any, rank: int | None = None) -> Origin | None:
+    """The checkpoint a DeepSpeed pipeline engine was loaded from before ds-swift wrapped it (the
+    script's ``--load``), read from the path the engine keeps for its layer files; None if none, or
+    if that checkpoint is not complete by ds-swift's marker (:func:`trusted_origin`)."""
+    path = getattr(engine, "_curr_ckpt_path", None)
+    if not isinstance(path, str) or int(getattr(engine, "global_steps", 0)) <= 0:
+        return None
+    where = Path(path)
+    return trusted_origin(where.parent, where.name, int(engine.global_steps), rank)
+
+
+def trusted_origin(
+    ckpt_dir: str | os.PathLike[str], tag: str, iterations: int, rank: int | None = None
+) -> Origin | None:
+    """The loaded checkpoint ``tag`` as the job's origin, if ds-swift's marker says it is complete.
+    DeepSpeed's ``latest`` may name a tag whose files not every rank wrote: such a checkpoint (or
+    one plain DeepSpeed saved) is never an origin, and this says so on stderr."""
+    if is_complete(ckpt_dir, tag):
+        return Origin(str(ckpt_dir), tag, iterations)
+    m = _TAG.match(tag)
+    why = marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) if m else "its tag is not global_step<N>"
+    who = f"rank {rank}: " if rank is not None else ""
+    print(f"[ds-swift] {who}checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
+          "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
+          "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The checkpoint a job started from (loaded by the training script before its first iteration)."""
+
+    ckpt_dir: str
+    tag: str
+    iterations: int
+
+    def to_json(self) -> str:
+        return json.dumps({"dir": self.ckpt_dir, "tag": self.tag, "iterations": self.iterations})
+
+    @classmethod
+    def from_json(cls, text: str) -> Origin:
+        doc = json.loads(text)
+        return cls(str(doc["dir"]), str(doc["tag"]), int(doc["iterations"]))
+
+
+@dataclass
+class CheckpointManager:
+    """Saves every ``interval`` iterations and loads the newest complete checkpoint.
+
+    Args:
+        ckpt_dir: the directory (shared by every machine).
+        interval: iterations between checkpoints.
+        rank: this worker's global rank (rank 0 writes the completion marker).
+    """
+
+    ckpt_dir: str
+    interval: int
+    rank: int
+    last_saved: int = -1
+    job_id: str | None = None
+    """Stamped in every marker; recovery loads only this job's checkpoints (and :attr:`origin`)."""
+    origin: Origin | None = None
+    """The checkpoint the job started from, if it loaded one."""
+    save_timeout_s: float | None = None
+    """Op timeout of every process group while saving (None: leave them as they are)."""
+    writer: AsyncWriter | None = None
+    """Asynchronous saves (:mod:`ds_swift.checkpoint.background`); None: DeepSpeed writes while training waits."""
+    save_id: str = "0"
+    """Names this job's saves in this generation (markers of an earlier save of a tag never count)."""
+    pending: str | None = None
+    """The asynchronous checkpoint in flight, until its completion marker is on storage."""
+    tuner: CheckFreqTuner | None = None
+    """CheckFreq: the interval is chosen from the first checkpoint's measured costs."""
+    _warned: set[str] = field(default_factory=set, repr=False)
+
+    def due(self, iterations_done: int) -> bool:
+        if iterations_done <= 0 or iterations_done == self.last_saved:
+            return False
+        if self.tuner is not None:
+            if self.tuner.chosen is None:
+                return iterations_done == self.tuner.profile_at
+            return iterations_done % self.tuner.chosen == 0
+        return iterations_done % self.interval == 0
+
+    def maybe_save(self, engine: Any) -> str | None:
+        """Save if the engine just finished an iteration that is a multiple of the interval."""
+        done = int(engine.global_steps)
+        if not self.due(done):
+            return None
+        return self.save(engine)
+
+    def save(self, engine: Any) -> str:
+        if self.save_timeout_s is None:
+            return self._save(engine)
+        from ds_swift.patches.deepspeed_rebuild import long_op_timeout
+
+        with long_op_timeout(self.save_timeout_s):
+            return self._save(engine)
+
+    def _save(self, engine: Any) -> str:
+        if self.writer is not None:
+            return self._save_async(engine, self.writer)
+        from ds_swift.checkpoint.background import durable_saves  # imports DeepSpeed: only where it saves
+        done = int(engine.global_steps)
+        tag = tag_for(done)
+        marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
+        if self.rank == 0:
+            # A tag saved again (after a recovery, or by an earlier run in this directory) is not
+            # complete while its files are rewritten, also after a crash.
+            remove_durable(marker)
+        transport.barrier()
+        written = True
+        try:
+            # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
+            with durable_saves(engine, Path(self.ckpt_dir) / tag):
+                engine.save_checkpoint(self.ckpt_dir, tag=tag)
+        except (OSError, RuntimeError) as exc:
+            if not _write_error(exc, self.ckpt_dir):
+                raise
+            written = False
+            print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "
+                  f"{str(exc)[:200]}); it does not count: a recovery loads the last complete one; training goes on",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
+            # the other ranks wait in it), which this rank did not reach.
+            dist.barrier()  # transport: ok
+        # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
+        # rank's, and says whether every rank wrote them.
+        everyone = transport.all_gather_json(written)
+        if self.rank == 0 and all(everyone):
+            write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
+        elif self.rank == 0:
+            bad = [r for r, ok in enumerate(everyone) if not ok]
+            print(f"[ds-swift] checkpoint {tag} does not count: ranks {bad} could not write their files",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.last_saved = done
+        return tag
+
+    def _save_async(self, engine: Any, writer: AsyncWriter) -> str:
+        """Snapshot now, persist in the background; complete once every rank persisted (see
+        :mod:`ds_swift.checkpoint.background`). Waits for the previous checkpoint's persist first."""
+        from ds_swift.checkpoint.background import SnapshotCheckpointEngine
+        from ds_swift.patches.async_checkpoint import saving_through
+
+        done = int(engine.global_steps)
+        tag = tag_for(done)
+        stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
+        if self.rank == 0:
+            remove_durable(Path(self.ckpt_dir) / tag / COMPLETE_MARKER)
+        transport.barrier()  # nobody snapshots before the old marker is gone
+        with saving_through(engine, SnapshotCheckpointEngine(writer)):
+            engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
+        writer.end()
+        self.last_saved = done
+        self.pending = tag
+        if self.tuner is not None and self.tuner.chosen is None:
+            self.tuner.choose(stats, writer)
+        return tag
+
+    def new_generation(self, generation: int) -> None:
+        """Saves from now on belong to ``generation`` (their persisted markers say so)."""
+        self.save_id = f"{self.job_id or 'job'}.g{generation}"
+        if self.tuner is not None:
+            self.tuner.refresh()
+
+    def after_iteration(self) -> bool:
+        """Called after each optimizer step: CheckFreq measures; True when the asynchronous
+        checkpoint in flight has just completed (the logs it makes unneeded may go)."""
+        if self.tuner is not None:
+            self.tuner.tick()
+        return self.poll()
+
+    def on_failure(self) -> None:
+        """A failure: the checkpoint in flight may never complete; rank 0 stops waiting for it."""
+        if self.writer is not None:
+            self.writer.abandon()
+
+    def poll(self) -> bool:
+        """True once the asynchronous checkpoint in flight is complete on storage (say each failed
+        persist, once); always False for synchronous saves."""
+        if self.writer is None or self.pending is None:
+            return False
+        self.writer.report_errors()
+        if is_complete(self.ckpt_dir, self.pending):
+            self.pending = None
+            return True
+        return False
+
+    def close(self) -> None:
+        """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
+        if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
+            print(f"[ds-swift] rank {self.rank}: checkpoint {self.pending} was still being written at exit: "
+                  "it does not count", file=sys.stderr, flush=True)  # fmt: skip
+
+    def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
+        """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
+        job's own, or its origin, with at most ``at_most`` iterations done. Another job's
+        checkpoints in the directory are skipped, and said once each, as are checkpoints whose
+        marker a crash left torn (never trusted)."""
+        own = [
+            c for c in complete_checkpoints(self.ckpt_dir, self._say_untrusted) if at_most is None or c[0] <= at_most
+        ]
+        found: list[tuple[int, str, str]] = []
+        for done, tag in own:
+            job = checkpoint_job(self.ckpt_dir, tag)
+            if job == self.job_id or self._is_origin(self.ckpt_dir, tag):
+                found.append((done, self.ckpt_dir, tag))
+            elif tag not in self._warned:
+                self._warned.add(tag)
+                print(
+                    f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} belongs to "
+                    f"{job or 'an unknown job (no job id in its marker)'}, not this job ({self.job_id}): not loaded",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+        o = self.origin
+        if o is not None and (at_most is None or o.iterations <= at_most):
+            # Set from the store or by hand, the origin is still only trusted with ds-swift's marker.
+            why = marker_problem(Path(o.ckpt_dir) / o.tag, o.iterations)
+            if why is None:
+                found.append((o.iterations, o.ckpt_dir, o.tag))
+            else:
+                self._say_untrusted(o.tag, f"{why} (the job's origin, in {o.ckpt_dir})")
+        return max(found, key=lambda c: c[0]) if found else None
+
+    def _say_untrusted(self, tag: str, why: str) -> None:
+        if f"untrusted {tag}" in self._warned:
+            return
+        self._warned.add(f"untrusted {tag}")
+        print(f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
+        o = self.origin
+        return o is not None and o.tag == tag and Path(o.ckpt_dir).resolve() == Path(ckpt_dir).resolve()
+
+    def load_latest(self, engine: Any, at_most: int | None = None) -> int | None:
+        """Load the newest checkpoint :meth:`latest` allows into ``engine``; returns its iterations
+        done, or None."""
+        found = self.latest(at_most)
+        return None if found is None else self.load(engine, found)
+
+    def load(self, engine: Any, found: tuple[int, str, str]) -> int:
+        """Load the checkpoint :meth:`latest` found into ``engine``; returns its iterations done."""
+        done, where, tag = found
+        load_path, _ = engine.load_checkpoint(where, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {where}")
+        if int(engine.global_steps) != done:
+            print(
+                f"[ds-swift] checkpoint {tag} says global_steps={engine.global_steps}; using {done}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.last_saved = done
+        return done

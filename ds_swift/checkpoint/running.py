@@ -1,0 +1,547 @@
+"""SCAR's prioritized ("running") checkpoint of one rank's state: save a little, often, most changed first.
+
+SCAR (shared/papers/scar-*.txt, section 4.2) replaces "all of the state every C iterations" with
+"a fraction r of it every rC iterations", written into a *running checkpoint* that each partial save
+updates in place, choosing what changed the most since it was last saved. Per C iterations it
+writes as many bytes as a full checkpoint, but a failure finds most of the state fresher than the
+last full checkpoint, and what is stale is what moved least: the perturbation ||delta|| that SCAR's
+iteration-cost bound grows with is smaller (its Fig. 8: the smaller r, the less rework). With
+partial recovery a replacement rank loads its running checkpoint over the last global one.
+
+The state is one rank's ``Mapping[str, Tensor]`` (a ZeRO-1 partition's fp32 masters and Adam
+moments, ...), each tensor flattened and cut into blocks of ``block_elements`` elements (a tensor's
+last block may be shorter); a block is the unit of priority and of writing.
+
+- **Groups.** A *key* tensor's block decides; the same element range of its *companions* (same
+  number of elements) is saved with it: a master block goes with its ``exp_avg`` and
+  ``exp_avg_sq``, so Adam resumes on moments as old as the weights. A tensor no group names is a
+  group of its own. Blocks are numbered in the state's order, group by group.
+- **Priority** = the L2 norm of (key block now - key block as last saved), SCAR's "changed the
+  most" in the norm its bound is stated in (its section 3). Squared L2 norms add up over blocks, so
+  saving the k largest minimizes the ||delta||^2 a failure right after the round would leave; a
+  max-abs measure would rank one outlier element above a block that drifted everywhere. NaN counts
+  as infinite. Blocks never saved are infinitely urgent; ties go to the block saved longest ago,
+  then to the lower block number: the first rounds write the state in order.
+- **Rounding.** A round is due every ``every = max(1, round(r * C))`` iterations (:meth:`due`).
+  With B blocks, round n writes ``floor(n*B*every/C) - floor((n-1)*B*every/C)`` blocks
+  (``ceil(r*B)`` or one fewer when r*C is whole): after n rounds exactly floor(n*B*every/C) blocks,
+  i.e. one full checkpoint's worth per C iterations to within one block, even when ``every`` had to
+  be rounded or r*B is tiny (a round may write nothing). ``save(..., full=True)`` writes all B
+  blocks (right after a global checkpoint: a fresh baseline) and leaves that count alone.
+- **Memory** (host): one copy of every key tensor as last saved (for ZeRO-1 with the masters as key,
+  4 bytes per partition element, a third of the fp32 optimizer state); during a round a host copy
+  of any key tensor not on the CPU, a float32 difference of at most 4M elements, and the chosen
+  blocks' copies (r of the state's bytes), kept until written.
+- **Files** in ``directory``: one ``<run>-<seq>.bin`` per round (the chosen blocks' raw bytes back
+  to back, key first), and ``manifest.json``: per tensor its dtype, shape and key, per block the
+  iteration, file, offset, size and crc32c of its newest copy, and a crc32c of the manifest itself.
+  Both are written to a temporary name, fsynced and renamed, the directory fsynced
+  (:func:`ds_swift.checkpoint.durable.write_atomic`), the manifest after the data: a crash leaves the previous
+  manifest and the files it names. The manifest names the job that wrote it (:func:`running_checkpoint_job`). Round files no block points to any more are
+  deleted after the manifest is replaced. No pickle: bytes plus dtype and shape in JSON.
+- **Threading and errors.** :meth:`save` picks the blocks, copies them to host memory and hands the
+  write to a background thread (one round in flight: the next save waits for it, so memory stays
+  bounded). A failed write (disk full, storage gone) is raised, once, by the next :meth:`save`,
+  :meth:`wait` or :meth:`close` as :class:`RunningCheckpointError` naming the directory and the
+  blocks lost; those blocks keep their older copies on disk, and the next rounds write them first.
+
+:func:`load_running_checkpoint` reads it back into tensors shaped like a template (the state from
+the last global checkpoint): every saved block filled in, the others left as the template has them,
+with each tensor's oldest and newest block iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+import torch
+
+from ds_swift.checkpoint.durable import write_atomic
+
+__all__ = [
+    "MANIFEST",
+    "CorruptCheckpointError",
+    "RunningCheckpoint",
+    "RunningCheckpointError",
+    "TensorAge",
+    "load_running_checkpoint",
+    "running_checkpoint_job",
+]
+
+MANIFEST = "manifest.json"
+_FORMAT = "ds-swift-running-checkpoint/1"
+_SCRATCH_ELEMENTS = 1 << 22  # the float32 difference is computed this many elements at a time
+_ROUND_FILE = re.compile(r"[0-9a-f]{12}-\d+\.bin(\.tmp)?")
+
+
+class RunningCheckpointError(RuntimeError):
+    """A running checkpoint could not be written, or does not fit the state or template given."""
+
+
+class CorruptCheckpointError(RunningCheckpointError):
+    """A running checkpoint's manifest or block file is missing, truncated or fails its crc32c."""
+
+
+@dataclass(frozen=True)
+class TensorAge:
+    """How stale one loaded tensor is."""
+
+    oldest: int | None
+    """Iteration of its least recently saved block; None when no block was ever saved."""
+    newest: int | None
+    """Iteration of its most recently saved block; None when no block was ever saved."""
+    saved_blocks: int
+    """Blocks filled from the running checkpoint (the others are the template's)."""
+    blocks: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    key: str
+    names: tuple[str, ...]  # the key first, then its companions
+    numel: int
+    first: int  # its first block's number among all of the state's blocks
+
+
+@dataclass
+class _Round:
+    seq: int
+    iteration: int
+    pieces: list[tuple[str, int, torch.Tensor]]  # (tensor, block, contiguous 1-D host copy)
+    meta: dict[str, dict[str, Any]]
+
+
+def _nblocks(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def _crc(data: Any) -> int:
+    return int(_crc32c.crc32c(memoryview(data)))
+
+
+def _encode_manifest(block_elements: int, meta: Mapping[str, Any], blocks: Mapping[str, Any], job: str | None) -> bytes:
+    body = {"format": _FORMAT, "block_elements": block_elements, "tensors": meta, "blocks": blocks, "job": job}
+    crc = _crc(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps({**body, "crc32c": crc}, separators=(",", ":")).encode()
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing: {directory} holds no running checkpoint") from None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path} is corrupt or truncated (not JSON: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise CorruptCheckpointError(f"{path} is not a running-checkpoint manifest ({_FORMAT})")
+    crc = doc.pop("crc32c", None)
+    if crc != _crc(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()):
+        raise CorruptCheckpointError(f"{path} is corrupt: its crc32c does not match its content")
+    return doc
+
+
+def running_checkpoint_job(directory: str | os.PathLike[str]) -> str | None:
+    """The job id the running checkpoint in ``directory`` is stamped with (None: written without one).
+
+    Raises:
+        CorruptCheckpointError: no manifest there, or a corrupt one (names it).
+    """
+    job = _read_manifest(Path(directory)).get("job")
+    return job if isinstance(job, str) else None
+
+
+class RunningCheckpoint:
+    """One rank's running checkpoint in ``directory`` (see the module docstring).
+
+    Args:
+        directory: where its files go (created if missing). It belongs to this object: files of an
+            earlier running checkpoint there go once this one's first manifest has replaced theirs.
+        fraction: SCAR's r, in (0, 1]: the share of the state a round saves.
+        interval: SCAR's C, the full (global) checkpoint interval in iterations.
+        groups: key tensor name -> its companions' names (as many elements as the key): the key's
+            block decides, the companions' same range is saved with it. Tensors that no group names
+            are groups of their own.
+        block_elements: elements per block (a tensor's last block may be shorter).
+        background: write on a background thread (default); False writes inside :meth:`save`.
+        job: the job id stamped in every manifest (:func:`ds_swift.checkpoint.periodic.job_id_for`), which
+            :func:`running_checkpoint_job` reads back: a replacement loads only its own job's blocks.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        fraction: float,
+        interval: int,
+        groups: Mapping[str, Sequence[str]] | None = None,
+        block_elements: int = 65536,
+        background: bool = True,
+        job: str | None = None,
+    ) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"RunningCheckpoint fraction={fraction}: must be in (0, 1] (1 saves all every interval)")
+        if interval < 1:
+            raise ValueError(f"RunningCheckpoint interval={interval}: the full-checkpoint interval must be >= 1")
+        if block_elements < 1:
+            raise ValueError(f"RunningCheckpoint block_elements={block_elements}: must be >= 1")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fraction, self.interval, self.block_elements, self.job = fraction, interval, block_elements, job
+        self.every = max(1, round(fraction * interval))  # SCAR's rC
+        self._groups_arg = _check_groups(groups or {})
+        self._groups: list[_Group] = []  # fixed by the first save
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._nblocks_total = 0
+        self._base: dict[str, torch.Tensor] = {}  # key -> flat host copy as last saved
+        self._last = torch.empty(0, dtype=torch.int64)  # block -> iteration last saved, -1 never
+        self._rounds = 0  # prioritized rounds so far (full ones not counted)
+        self._seq = 0
+        self._run = uuid.uuid4().hex[:12]
+        # Writer side: touched by the writer (background thread) only.
+        self._entries: dict[str, list[list[Any] | None]] = {}
+        self._bytes = 0
+        self._manifest_bytes = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds-swift-running-ckpt") if background else None
+        self._pending: tuple[Future[None], _Round] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RunningCheckpoint({str(self.directory)!r}, fraction={self.fraction}, interval={self.interval})"
+
+    @property
+    def bytes_written(self) -> int:
+        """Tensor bytes written to block files so far (manifests not included, see ``manifest_bytes_written``)."""
+        return self._bytes
+
+    @property
+    def manifest_bytes_written(self) -> int:
+        """Bytes of manifest written so far."""
+        return self._manifest_bytes
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the whole state, what a full checkpoint of it writes (0 before the first save)."""
+        return sum(int(m["numel"]) * int(m["itemsize"]) for m in self._meta.values())
+
+    def due(self, iteration: int) -> bool:
+        """Whether a round is due after ``iteration`` (every ``every`` iterations)."""
+        return iteration % self.every == 0
+
+    def save(
+        self, iteration: int, state: Mapping[str, torch.Tensor], *, full: bool = False
+    ) -> dict[str, tuple[int, ...]]:
+        """Save this round's blocks of ``state`` after ``iteration`` (all of them when ``full``).
+
+        Returns once they are copied to host memory (the write goes on in the background); returns
+        group key -> the block numbers (within the key tensor) saved. The state's layout (names,
+        shapes, dtypes) is fixed by the first call.
+
+        Raises:
+            RunningCheckpointError: the previous round's write failed (nothing of this round was
+                done; call again), or ``state`` does not fit the layout.
+        """
+        self._finish_pending()
+        if self._closed:
+            raise RunningCheckpointError(f"{self!r} is closed")
+        if not self._groups:
+            self._layout(state)
+        self._check(state)
+        if full:
+            count = self._nblocks_total
+        else:
+            self._rounds += 1
+            n, total = self._rounds, self._nblocks_total
+            count = (n * total * self.every) // self.interval - ((n - 1) * total * self.every) // self.interval
+        chosen, pieces = self._snapshot(iteration, state, count)
+        if pieces:
+            self._seq += 1
+            job = _Round(self._seq, iteration, pieces, self._meta)
+            if self._pool is None:
+                self._run_job(job)
+            else:
+                self._pending = (self._pool.submit(self._persist, job), job)
+        return chosen
+
+    def wait(self) -> None:
+        """Wait for the round in flight; raise its write error, if any."""
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Finish the round in flight (raising its write error) and stop the writer thread."""
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> RunningCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ training thread
+    def _layout(self, state: Mapping[str, torch.Tensor]) -> None:
+        companion_of = {c: k for k, cs in self._groups_arg.items() for c in cs}
+        for name in [*self._groups_arg, *companion_of]:
+            if name not in state:
+                raise RunningCheckpointError(f"RunningCheckpoint groups name {name!r}, which the state lacks")
+        first, groups = 0, []
+        for name in state:
+            if name in companion_of:
+                continue
+            names = (name, *self._groups_arg.get(name, ()))
+            numel = state[name].numel()
+            for c in names[1:]:
+                if state[c].numel() != numel:
+                    raise RunningCheckpointError(
+                        f"companion {c!r} has {state[c].numel()} elements, its key {name!r} {numel}: a group's "
+                        "tensors must have as many elements (fix RunningCheckpoint groups)"
+                    )
+            groups.append(_Group(name, names, numel, first))
+            first += _nblocks(numel, self.block_elements)
+        self._groups, self._nblocks_total = groups, first  # only once it all checked out: a retry lays out again
+        self._last = torch.full((first,), -1, dtype=torch.int64)
+        for g in self._groups:
+            self._base[g.key] = torch.zeros(g.numel, dtype=state[g.key].dtype)
+            for n in g.names:
+                t = state[n]
+                self._meta[n] = {"dtype": str(t.dtype), "shape": list(t.shape), "key": g.key,
+                                 "numel": t.numel(), "itemsize": t.element_size()}  # fmt: skip
+
+    def _check(self, state: Mapping[str, torch.Tensor]) -> None:
+        if set(state) != set(self._meta):
+            raise RunningCheckpointError(
+                f"the state's tensors {sorted(state)} differ from the first save's {sorted(self._meta)}; the layout "
+                "is fixed by the first save: use a new RunningCheckpoint (after a full save) for a new one"
+            )
+        for name, t in state.items():
+            m = self._meta[name]
+            if list(t.shape) != m["shape"] or str(t.dtype) != m["dtype"]:
+                raise RunningCheckpointError(
+                    f"tensor {name!r} is {str(t.dtype)}{list(t.shape)}, the first save's was {m['dtype']}{m['shape']}; "
+                    "the layout is fixed by the first save: use a new RunningCheckpoint for a new one"
+                )
+
+    def _priorities(self, hosts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Squared L2 norm of each block's change since it was last saved (float64, one per block)."""
+        block = self.block_elements
+        out = torch.empty(self._nblocks_total, dtype=torch.float64)
+        step = max(1, _SCRATCH_ELEMENTS // block) * block
+        for g in self._groups:
+            cur, base = hosts[g.key], self._base[g.key]
+            for s in range(0, g.numel, step):
+                e = min(g.numel, s + step)
+                d = (cur[s:e].float() - base[s:e].float()).square_()
+                full = (e - s) // block
+                b = g.first + s // block
+                out[b : b + full] = d[: full * block].view(full, block).sum(1, dtype=torch.float64)
+                if full * block < e - s:  # the tensor's shorter last block
+                    out[b + full] = d[full * block :].sum(dtype=torch.float64)
+        return out
+
+    def _select(self, priorities: torch.Tensor, count: int) -> np.ndarray:
+        prio = priorities.numpy().copy()
+        last = self._last.numpy()
+        prio[np.isnan(prio) | (last < 0)] = np.inf
+        order = np.lexsort((np.arange(prio.size), last, -prio))  # most changed, then saved longest ago
+        return np.sort(order[:count])
+
+    def _snapshot(
+        self, iteration: int, state: Mapping[str, torch.Tensor], count: int
+    ) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, int, torch.Tensor]]]:
+        """Choose ``count`` blocks, copy them (and their companions) to host memory, move the baseline."""
+        if count <= 0:
+            return {g.key: () for g in self._groups}, []
+        # Keys on an accelerator come over once, whole: their priorities need every element anyway.
+        hosts = {g.key: state[g.key].detach().reshape(-1).to("cpu") for g in self._groups}
+        if count >= self._nblocks_total:
+            chosen = np.arange(self._nblocks_total)
+        else:
+            chosen = self._select(self._priorities(hosts), count)
+        block = self.block_elements
+        picked: dict[str, tuple[int, ...]] = {}
+        pieces: list[tuple[str, int, torch.Tensor]] = []
+        for g in self._groups:
+            nb = _nblocks(g.numel, block)
+            local = [int(b) - g.first for b in chosen[(chosen >= g.first) & (chosen < g.first + nb)]]
+            picked[g.key] = tuple(local)
+            if not local:
+                continue
+            ranges = [(b * block, min(g.numel, (b + 1) * block)) for b in local]
+            for name in g.names:
+                src = hosts[name] if name == g.key else state[name].detach().reshape(-1)
+                # One gather (on the tensor's device), one copy to the host: a copy training cannot touch.
+                copy = torch.cat([src[s:e] for s, e in ranges]).to("cpu")
+                parts = copy.split([e - s for s, e in ranges])
+                pieces.extend((name, b, p) for b, p in zip(local, parts))
+                if name == g.key:
+                    for (s, e), p in zip(ranges, parts):
+                        self._base[name][s:e].copy_(p)
+            self._last[[g.first + b for b in local]] = iteration
+        return picked, pieces
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, job = self._pending
+        self._pending = None
+        exc = future.exception()
+        if exc is not None:
+            self._failed(job, exc)
+
+    def _run_job(self, job: _Round) -> None:
+        try:
+            self._persist(job)
+        except Exception as exc:
+            self._failed(job, exc)
+
+    def _failed(self, job: _Round, exc: BaseException) -> None:
+        """Forget that ``job``'s blocks were saved (the next rounds write them first) and say so."""
+        keys = {self._meta[name]["key"] for name, _, _ in job.pieces}
+        lost = {(self._meta[name]["key"], b) for name, b, _ in job.pieces}
+        first = {g.key: g.first for g in self._groups}
+        self._last[[first[k] + b for k, b in lost]] = -1
+        raise RunningCheckpointError(
+            f"running checkpoint {self.directory}: writing the round of iteration {job.iteration} failed "
+            f"({type(exc).__name__}: {exc}); its {len(lost)} block(s) of {sorted(keys)} are not saved: on disk they "
+            f"are older than iteration {job.iteration}, or absent; the next rounds write them first"
+        ) from exc
+
+    # ------------------------------------------------------------------ writer (background thread)
+    def _persist(self, job: _Round) -> None:
+        name = f"{self._run}-{job.seq:06d}.bin"
+        entries = {t: list(self._entries.get(t) or [None] * _nblocks(int(m["numel"]), self.block_elements))
+                   for t, m in job.meta.items()}  # fmt: skip
+        buffers, offset = [], 0
+        for tensor, b, piece in job.pieces:
+            data = piece.view(torch.uint8).numpy()
+            entries[tensor][b] = [job.iteration, name, offset, int(data.nbytes), _crc(data)]
+            buffers.append(data)
+            offset += int(data.nbytes)
+        write_atomic(self.directory / name, buffers)
+        self._bytes += offset
+        meta = {t: {k: m[k] for k in ("dtype", "shape", "key")} for t, m in job.meta.items()}
+        manifest = _encode_manifest(self.block_elements, meta, entries, self.job)
+        write_atomic(self.directory / MANIFEST, manifest)
+        self._manifest_bytes += len(manifest)
+        self._entries = entries
+        self._collect(entries)
+
+    def _collect(self, entries: Mapping[str, list[list[Any] | None]]) -> None:
+        """Delete round files (and torn temporaries) the manifest no longer names."""
+        live = {e[1] for es in entries.values() for e in es if e is not None}
+        for path in self.directory.iterdir():
+            if _ROUND_FILE.fullmatch(path.name) and path.name not in live:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:  # only space is lost, and the next round tries again
+                    pass
+
+
+def _check_groups(groups: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    seen: dict[str, str] = {}
+    for key, companions in groups.items():
+        if isinstance(companions, str):
+            raise ValueError(f"RunningCheckpoint groups[{key!r}] = {companions!r}: give a list of companion names")
+        for name in (key, *companions):
+            if name in seen:
+                raise ValueError(
+                    f"RunningCheckpoint groups name tensor {name!r} twice (under {seen[name]!r} and {key!r}); "
+                    "a tensor belongs to one group"
+                )
+            seen[name] = key
+    return {k: tuple(cs) for k, cs in groups.items()}
+
+
+def load_running_checkpoint(
+    directory: str | os.PathLike[str], template: Mapping[str, torch.Tensor], newer_than: int = -1
+) -> tuple[dict[str, torch.Tensor], dict[str, TensorAge]]:
+    """The template's tensors with every block the running checkpoint in ``directory`` holds filled in.
+
+    Blocks never saved keep the template's values (load the last global checkpoint into it first),
+    and so do blocks saved at an iteration ``newer_than`` or older (the global checkpoint loaded into
+    the template is as new as they are, or newer).
+    Tensors of the checkpoint that the template lacks are not read. Returns new tensors (on the
+    template's devices) and each one's :class:`TensorAge`.
+
+    Raises:
+        CorruptCheckpointError: the manifest or a block file is missing, truncated or corrupt (names it).
+        RunningCheckpointError: a template tensor is absent from the checkpoint or of another size/dtype.
+    """
+    directory = Path(directory)
+    doc = _read_manifest(directory)
+    block = int(doc["block_elements"])
+    flats: dict[str, torch.Tensor] = {}
+    ages: dict[str, TensorAge] = {}
+    reads: dict[str, list[tuple[int, int, int, str, int]]] = {}  # file -> (offset, size, crc, tensor, block)
+    for name, t in template.items():
+        meta = doc["tensors"].get(name)
+        if meta is None:
+            raise RunningCheckpointError(
+                f"template tensor {name!r} is not in the running checkpoint {directory / MANIFEST} "
+                f"(it holds {sorted(doc['tensors'])})"
+            )
+        numel = math.prod(meta["shape"])
+        if t.numel() != numel or str(t.dtype) != meta["dtype"]:
+            raise RunningCheckpointError(
+                f"template tensor {name!r} is {str(t.dtype)} with {t.numel()} elements; the running checkpoint "
+                f"{directory / MANIFEST} saved it as {meta['dtype']} with {numel}: load the matching state first"
+            )
+        flats[name] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format).view(-1)
+        entries = doc["blocks"][name]
+        if len(entries) != _nblocks(numel, block):
+            raise CorruptCheckpointError(
+                f"{directory / MANIFEST} is corrupt: {len(entries)} block entries for {name!r}"
+            )
+        saved = [(b, e) for b, e in enumerate(entries) if e is not None and e[0] > newer_than]
+        for b, (_, file, offset, size, crc) in saved:
+            if Path(file).name != file or size != (min(numel, (b + 1) * block) - b * block) * t.element_size():
+                raise CorruptCheckpointError(f"{directory / MANIFEST} is corrupt: {name!r} block {b} entry {file!r}")
+            reads.setdefault(file, []).append((offset, size, crc, name, b))
+        its = [e[0] for _, e in saved]
+        ages[name] = TensorAge(min(its, default=None), max(its, default=None), len(saved), _nblocks(numel, block))
+    for file, items in reads.items():
+        _read_blocks(directory / file, sorted(items), flats, block)
+    out = {name: flats[name].view(t.shape).to(t.device) for name, t in template.items()}
+    return out, ages
+
+
+def _read_blocks(
+    path: Path, items: Sequence[tuple[int, int, int, str, int]], flats: Mapping[str, torch.Tensor], block: int
+) -> None:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        _, _, _, name, b = items[0]
+        raise CorruptCheckpointError(
+            f"{path} is missing; the manifest names it for {len(items)} block(s) ({name!r} block {b}, ...)"
+        ) from None
+    with f:
+        for offset, size, crc, name, b in items:
+            f.seek(offset)
+            data = bytearray(f.read(size))
+            if len(data) != size:
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: {name!r} block {b} needs bytes [{offset}, {offset + size}), "
+                    f"the file has {path.stat().st_size}"
+                )
+            if _crc(data) != crc:
+                raise CorruptCheckpointError(f"{path} is corrupt: {name!r} block {b} fails its crc32c")
+            flat = flats[name]
+            start = b * block
+            dest = flat[start : start + size // flat.element_size()]
+            dest.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))

@@ -1,0 +1,219 @@
+"""The job's keys: one namespace per launch, signed values, signed counters, dead launches collected.
+
+Layout (``root`` is ``swift/<token>.<tag>/``, ``tag`` an HMAC of the token, :mod:`.store_auth`)::
+
+    <root>token                    "<token> <launch id>": the job's current launch (signed)
+    <root>L.<launch id>/...        every key of that launch: membership, the agents' protocol, and
+                                   torch's own rendezvous (``gen<g>/pg/...``)
+    <root>L.<launch id>/launch/record   {"started", "beat", "ended"} of that launch (signed)
+
+Why per launch: a relaunch with the same token and secret (a requeued SLURM job, a user running
+the same script again) must never read a dead launch's ``gen0/joined``, ``gen0/failed`` or
+``hung/machine/<m>``: the agents would kill machines at once or join stale generations. Each
+launch has its own id (:func:`new_launch_id`, or one every agent derives alike, e.g. from SLURM's
+job, step and restart count); its keys live under it, and the launch id is bound into every MAC,
+so a value copied from another launch's namespace reads as forged. A new launch on an etcd store
+deletes the namespaces of earlier launches whose record says ended, is missing, or has not been
+refreshed for :data:`STALE_S` (the launcher refreshes it every :data:`BEAT_S`); a TCPStore
+cannot list its keys, and lives only as long as the launch that serves it.
+
+Counters are signed values ``<n>:<nonce>`` updated by compare-and-swap: an unsigned bump (``add``
+by a client without the secret) reads as forged. Counters, the generation and heartbeats never go
+backwards: a value lower than one this process read before (an old signed value written again)
+is rejected the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from ds_swift.jobstore.auth import Sealer
+
+__all__ = ["BEAT_S", "LAUNCH_ENV", "STALE_S", "SignedKV", "check_launch_id", "new_launch_id"]
+
+LAUNCH_ENV = "SWIFT_LAUNCH_ID"
+RECORD_KEY = "launch/record"
+#: how often a running launch refreshes its record; a record older than STALE_S is a dead launch's
+BEAT_S = 60.0
+STALE_S = 600.0
+_HIGH_KEYS = 4096  # high-water marks kept per process (oldest dropped first): bounded memory
+_LAUNCH_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def new_launch_id() -> str:
+    return secrets.token_hex(8)
+
+
+def check_launch_id(text: str) -> str:
+    if not _LAUNCH_ID.fullmatch(text):
+        raise ValueError(f"launch id {text!r}: use 1 to 64 of A-Z a-z 0-9 . _ -")
+    return text
+
+
+class SignedKV:
+    """Signed reads and writes, signed counters and the launch namespace of one job.
+
+    ``launch`` "" (unit tests, tools): the keys live at the root, as a single launch would."""
+
+    def __init__(self, store: dist.Store, token: str, secret: str | None = None, launch: str = "") -> None:
+        self.raw = store
+        self.token = token
+        self.sealer = Sealer(secret, launch)
+        self.root_sealer = Sealer(secret)  # the token record belongs to no launch
+        # PrefixStore puts a "/" between its prefix and a key: prefix and root_prefix end with it.
+        self.root_prefix = f"swift/{self.sealer.namespace(token)}/"
+        self.root = dist.PrefixStore(self.root_prefix[:-1], store)
+        self._high: dict[str, float] = {}
+        self._started = time.time()
+        self.launch = ""
+        self.prefix = self.root_prefix
+        self.kv = self.root
+        self._bind(launch)
+
+    def _bind(self, launch: str) -> None:
+        self.launch = launch
+        self.sealer.launch = launch
+        self.prefix = self.root_prefix + (f"L.{launch}/" if launch else "")
+        self.kv = dist.PrefixStore(self.prefix[:-1], self.raw)
+
+    # ------------------------------------------------------------------ signed values
+    def _put(self, key: str, value: str) -> None:
+        self.kv.set(key, self.sealer.seal(key, value))
+
+    def _raw_get(self, key: str) -> bytes | None:
+        try_get = getattr(self.raw, "try_get", None)  # etcd: one request instead of three
+        if try_get is not None:
+            value: bytes | None = try_get(self.prefix + key)
+            return value
+        return bytes(self.kv.get(key)) if self.kv.check([key]) else None
+
+    def _read(self, key: str) -> str | None:
+        raw = self._raw_get(key)
+        return None if raw is None else self.sealer.open(key, raw)
+
+    def _not_lower(self, key: str, value: float, size: int) -> float:
+        """``value``, or the highest value of ``key`` read before if ``value`` is lower (a replay)."""
+        high = self._high.get(key)
+        if high is not None and value < high:
+            self.sealer.reject(key, size, why=f"that goes back ({value:g} after {high:g}: an old signed value replayed)")
+            return high
+        if high is None and len(self._high) >= _HIGH_KEYS:
+            del self._high[next(iter(self._high))]
+        self._high[key] = value
+        return value
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``. An etcd store's own method: torch's Python-store bridge has no deleteKey."""
+        if hasattr(self.raw, "delete_prefix"):
+            return bool(self.raw.delete_key(self.prefix + key))  # type: ignore[attr-defined]
+        return bool(self.kv.delete_key(key))
+
+    # ------------------------------------------------------------------ signed counters
+    def _count(self, key: str, raw: bytes | None) -> int:
+        value = None if raw is None else self.sealer.open(key, raw)
+        if raw is None or value is None:  # absent, deleted or forged: what this process last read (0 if nothing)
+            return int(self._high.get(key, 0))
+        return int(self._not_lower(key, int(value.partition(":")[0]), len(raw)))
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the signed counter at ``key`` (absent: 0); returns the new value.
+
+        Compare-and-swap on the whole signed value: the nonce makes each write unique, so the value
+        compare_set returns is ours only if our write won. A forged value is overwritten."""
+        while True:
+            raw = self._raw_get(key)
+            current = self._count(key, raw)
+            if amount == 0:
+                return current
+            new = current + int(amount)
+            desired = self.sealer.seal(key, f"{new}:{secrets.token_hex(6)}").encode()
+            if self._swap(key, raw, desired):
+                self._high[key] = new
+                return new
+
+    def advance(self, key: str, value: int) -> None:
+        """Set the signed decimal at ``key`` to ``value`` unless it holds as much already (never backwards)."""
+        desired = self.sealer.seal(key, str(value)).encode()
+        while True:
+            raw = self._raw_get(key)
+            text = None if raw is None else self.sealer.open(key, raw)
+            if text is not None and int(text) >= value:
+                return
+            if self._swap(key, raw, desired):
+                return
+
+    def _swap(self, key: str, raw: bytes | None, desired: bytes) -> bool:
+        """compare_set from exactly ``raw`` (absent: None); True if ``desired`` is what the key holds now.
+        Bytes, not str: a forged value need not be UTF-8, and must match byte for byte to be replaced."""
+        expected = raw or b""
+        return bytes(self.kv.compare_set(key, expected, desired)) == desired  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ launches
+    def current_launch(self) -> tuple[str, str] | None:
+        """(token, launch id) the store's token record names, or None if absent or not signed by us."""
+        if not self.root.check(["token"]):
+            return None
+        text = self.root_sealer.open("token", bytes(self.root.get("token")))
+        if text is None:
+            return None
+        token, _, launch = text.partition(" ")
+        return token, launch
+
+    def begin(self, launch: str) -> None:
+        """Make ``launch`` the job's current launch (idempotent: every agent of it may call it)."""
+        self._bind(launch)
+        self.write_record()
+        self.kv.compare_set("generation", "", self.sealer.seal("generation", "0"))
+        # Last: a client that finds the token record finds the launch's keys in place.
+        self.root.set("token", self.root_sealer.seal("token", f"{self.token} {launch}".rstrip()))
+
+    def write_record(self, ended: bool = False) -> None:
+        record = {"started": self._started, "beat": time.time(), "ended": ended}
+        self._put(RECORD_KEY, json.dumps(record))
+
+    def collect_leftovers(self, now: float | None = None) -> list[tuple[str, str]]:
+        """Delete other launches' namespaces that are over (see the module docstring); returns
+        (launch id, why) for each. A no-op on a store that cannot list its keys (TCPStore)."""
+        keys = getattr(self.raw, "keys", None)
+        delete_prefix = getattr(self.raw, "delete_prefix", None)
+        if keys is None or delete_prefix is None:
+            return []
+        now = time.time() if now is None else now
+        start = self.root_prefix + "L."
+        launches = {k[len(start):].partition("/")[0] for k in keys(start)}
+        out: list[tuple[str, str]] = []
+        for launch in sorted(launches - {self.launch}):
+            why = self._launch_over(launch, now)
+            if why is not None:
+                delete_prefix(f"{self.root_prefix}L.{launch}/")
+                out.append((launch, why))
+        return out
+
+    def _launch_over(self, launch: str, now: float) -> str | None:
+        other = self.sealer.for_launch(launch)
+        key = f"{self.root_prefix}L.{launch}/{RECORD_KEY}"
+        raw = bytes(self.raw.get(key)) if self.raw.check([key]) else None
+        text = None if raw is None else other.open(RECORD_KEY, raw)
+        if text is None:
+            return "no launch record signed with the job secret"
+        record: dict[str, Any] = json.loads(text)
+        if record.get("ended"):
+            return "ended"
+        idle = now - float(record.get("beat", 0.0))
+        return f"its record was last refreshed {idle:.0f} s ago" if idle > STALE_S else None
+
+    def clear(self) -> None:
+        """The launch ended: delete its keys from a store that outlives it (etcd), and the token
+        record if it still names this launch. A no-op for a TCPStore (it ends with the launch)."""
+        delete_prefix = getattr(self.raw, "delete_prefix", None)
+        if delete_prefix is None:
+            return
+        delete_prefix(self.prefix)
+        if self.launch and self.current_launch() == (self.token, self.launch):
+            self.raw.delete_key(self.root_prefix + "token")  # the Python method: torch cannot route it

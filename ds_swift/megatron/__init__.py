@@ -1,0 +1,236 @@
+"""Integration for existing Megatron-DeepSpeed training scripts.
+
+Two edits turn ds-swift on in a Megatron-DeepSpeed style ``pretrain_gpt.py`` (the unified diff in
+``patches/megatron_deepspeed_pretrain_gpt.diff`` makes exactly these)::
+
+    parser = ds_swift.megatron.add_arguments(parser)          # --swift, --swift-config
+    ...
+    engine, *_ = deepspeed.initialize(...)
+    engine = ds_swift.megatron.initialize(engine, args, model_fn=model_provider, batch_fn=get_batch)
+
+``--swift`` turns ds-swift on with the ``swift`` section of ``--deepspeed_config`` (or defaults);
+``--swift-config FILE`` takes the section from another JSON file (a whole DeepSpeed config, or
+just ``{"swift": {...}}``), so a job can try ds-swift without editing its DeepSpeed config.
+Without a ``checkpoint.dir`` there, ds-swift's periodic checkpoints go to Megatron's ``--save``
+every ``--save-interval`` iterations: one directory, DeepSpeed's ``global_step<N>`` tags.
+
+The real deepspeedai/Megatron-DeepSpeed (``patches/megatron_deepspeed/``, applied by
+``ds-swift megatron-patch``) goes through :class:`MegatronDeepSpeed`, which also keeps its
+training samples by position (ds_swift.megatron.data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+
+__all__ = [
+    "MegatronDeepSpeed",
+    "add_arguments",
+    "init_distributed",
+    "initialize",
+    "scheduler_loads_by_setting",
+    "swift_section",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ds-swift's flags to a Megatron argument parser; returns the parser."""
+    group = parser.add_argument_group("ds-swift", "failure recovery (update-undo, replication, logging)")
+    group.add_argument("--swift", action="store_true", help="enable ds-swift failure recovery")
+    group.add_argument(
+        "--swift-config",
+        default=None,
+        metavar="FILE",
+        help="JSON file holding the swift section (a DeepSpeed config or {'swift': {...}}); "
+        "default: the swift section of --deepspeed_config",
+    )
+    return parser
+
+
+def swift_section(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The swift section in force for these arguments, validated (raises ConfigError)."""
+    section: dict[str, Any] = dict((ds_config or {}).get("swift") or {})
+    path = getattr(args, "swift_config", None)
+    if path:
+        other = load_ds_config(path)
+        if "swift" not in other:
+            raise ConfigError(f"--swift-config {path!r} has no 'swift' key: write {{\"swift\": {{...}}}}")
+        section = dict(other["swift"])
+    if getattr(args, "swift", False):
+        section["enabled"] = True
+    save = getattr(args, "save", None)
+    if save and "dir" not in section.get("checkpoint", {}):
+        # Megatron's --save directory holds ds-swift's checkpoints too (same DeepSpeed tags).
+        checkpoint = dict(section.get("checkpoint") or {}, dir=save)
+        if getattr(args, "save_interval", None):
+            checkpoint.setdefault("interval", int(args.save_interval))
+        section["checkpoint"] = checkpoint
+    SwiftConfig.from_dict(section)  # fail before training starts, naming the field
+    return section
+
+
+def initialize(
+    engine: Any,
+    args: argparse.Namespace,
+    ds_config: dict[str, Any] | None = None,
+    model_fn: Callable[[], Any] | None = None,
+    batch_fn: Callable[[int, int], Any] | None = None,
+    engine_fn: Callable[[], Any] | None = None,
+) -> Any:
+    """``ds_swift.initialize`` driven by Megatron arguments (``--deepspeed_config``, ``--swift``...)."""
+    import ds_swift
+
+    if ds_config is None:
+        path = getattr(args, "deepspeed_config", None)
+        ds_config = load_ds_config(path) if path else {}
+    config = dict(ds_config)
+    config["swift"] = swift_section(args, ds_config)
+    return ds_swift.initialize(engine, config, model_fn=model_fn, batch_fn=batch_fn, engine_fn=engine_fn)
+
+
+def init_distributed(args: argparse.Namespace) -> Any:
+    """``ds_swift.init_distributed`` for Megatron's ``_initialize_distributed`` (before
+    ``pretrain`` reads ``--deepspeed_config`` into ``args.deepspeed_config_dict``)."""
+    import ds_swift
+
+    path = getattr(args, "deepspeed_config_dict", None) or getattr(args, "deepspeed_config", None)
+    ds_config = load_ds_config(path) if path else {}
+    minutes = getattr(args, "distributed_timeout_minutes", None)  # the job's own, kept outside ds-swift's calls
+    timeout = datetime.timedelta(minutes=float(minutes)) if minutes else None
+    return ds_swift.init_distributed(dict(ds_config, swift=swift_section(args, ds_config)), timeout=timeout)
+
+
+class MegatronDeepSpeed:
+    """ds-swift inside Megatron-DeepSpeed's ``pretrain`` (what ``patches/megatron_deepspeed/`` calls).
+
+    Args:
+        dataset_provider: ``pretrain``'s ``train_valid_test_dataset_provider``; use
+            :attr:`dataset_provider` in its place, so the training dataset is kept.
+        args: Megatron's arguments. A replacement worker drops ``--load``: its state comes from
+            the recovery, and the survivors' rebuild loads nothing either (the collectives of
+            the two sides must match).
+    """
+
+    def __init__(self, dataset_provider: Callable[[Any], Any], args: argparse.Namespace) -> None:
+        from ds_swift.jobstore.membership import WorkerEnv
+        from ds_swift.megatron.data import MegatronSamples
+
+        if WorkerEnv.present() and WorkerEnv.from_env().replacement:
+            args.load = None
+        self.samples = MegatronSamples()
+        self.dataset_provider = self.samples.keep(dataset_provider)
+        self.rebuild: Callable[[], Any] | None = None
+        """Builds the engine again after a failure (set by the patched ``pretrain``)."""
+
+    def wrap(self, engine: Any, args: argparse.Namespace) -> Any:
+        """The wrapped engine; ``args.iteration`` and ``args.consumed_train_samples`` follow it.
+
+        Call it after every collective of Megatron's start-up: a replacement recovers inside it,
+        and the survivors' :attr:`rebuild` must have run the same collectives by then.
+        """
+        rebuild = self.rebuild
+        if rebuild is None:
+            raise RuntimeError("MegatronDeepSpeed.rebuild is not set: the patch sets it in pretrain()")
+        dp = int(engine.grid.get_data_parallel_world_size())
+        self.samples.configure(args, dp, int(engine.gradient_accumulation_steps()), int(args.iteration))
+        self.prepare(engine, args)
+        wrapped = initialize(
+            engine,
+            args,
+            args.deepspeed_config_dict,
+            batch_fn=self.samples.batch_fn,
+            engine_fn=lambda: self.prepare(rebuild(), args),
+        )
+        # A replacement resumed at the recovered iteration: Megatron's counters follow it.
+        self.samples.configure(args, dp, int(engine.gradient_accumulation_steps()), int(wrapped.global_steps))
+        return wrapped
+
+    def prepare(self, engine: Any, args: argparse.Namespace) -> Any:
+        """What a Megatron-DeepSpeed engine needs under ds-swift (at start-up and after every
+        rebuild): Megatron's RNG tracker keyed by position, and its state in ds-swift's saves."""
+        engine.module.register_forward_pre_hook(key_megatron_rng_tracker)
+        scheduler_loads_by_setting(getattr(engine, "lr_scheduler", None))
+        return self.save_megatron_state(engine, args)
+
+    def save_megatron_state(self, engine: Any, args: argparse.Namespace) -> Any:
+        """Make ds-swift's periodic saves (``save_checkpoint`` without a client state) carry what
+        Megatron's own save adds, so that ``--load`` resumes from them too; returns ``engine``.
+
+        Without it DeepSpeed pickles ``GPTModelPipe.universal_checkpoint_info`` (a bound method:
+        Megatron's save overrides that key) and the save fails; and Megatron's ``--load`` needs
+        ``iteration`` and ``args`` in the state. RNG states are left out: gathering them is a
+        collective, and ds-swift keys the RNG by position anyway.
+        """
+        import copy
+
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+        from megatron.checkpointing import _universal_checkpoint_info  # the pinned commit's own
+
+        save = engine.save_checkpoint  # the class's, bound
+
+        def save_checkpoint(save_dir: str, tag: str | None = None, client_state: Any = None, **kwargs: Any) -> Any:
+            if not client_state:
+                done = int(engine.global_steps)
+                # Saved inside train_batch, before Megatron's loop counts the iteration's samples.
+                saved = copy.copy(args)
+                saved.iteration = done
+                saved.consumed_train_samples = self.samples.consumed(done)
+                saved.consumed_train_tokens = saved.consumed_train_samples * int(args.seq_length)
+                client_state = {
+                    "args": saved,
+                    "checkpoint_version": 3.0,
+                    "iteration": done,
+                    "tokens": saved.consumed_train_tokens,
+                    UNIVERSAL_CHECKPOINT_INFO: _universal_checkpoint_info([engine]),
+                }
+            return save(save_dir, tag=tag, client_state=client_state, **kwargs)
+
+        engine.save_checkpoint = save_checkpoint
+        return engine
+
+
+def scheduler_loads_by_setting(scheduler: Any) -> None:
+    """Make a Megatron ``OptimizerParamScheduler``'s ``load_state_dict`` set its step count.
+
+    Megatron's loads *add* the saved ``num_steps`` to the scheduler's own (``self.step(increment=
+    num_steps)``): right for the fresh scheduler of a ``--load``, wrong wherever ds-swift loads a
+    state into a scheduler that has stepped (a global checkpoint reloaded under survivors, an undo,
+    the kept state): the count went on past the schedule and the second step after a checkpoint
+    fallback took the wrong learning rate (a pp 4 run ended with 70 of 96 tensors different).
+    Other schedulers (DeepSpeed's, torch's) already set, and are left alone.
+    """
+    if scheduler is None or type(scheduler).__name__ != "OptimizerParamScheduler" or not hasattr(scheduler, "num_steps"):
+        return
+    if getattr(scheduler.load_state_dict, "__func__", None) is _load_by_setting:
+        return  # prepared already (the kept scheduler of a survivor)
+    # A bound method, not a closure: a deep copy of the scheduler rebinds it to the copy.
+    scheduler.load_state_dict = types.MethodType(_load_by_setting, scheduler)
+
+
+def _load_by_setting(self: Any, state_dict: dict[str, Any]) -> None:
+    self.num_steps = 0
+    type(self).load_state_dict(self, state_dict)
+
+
+def key_megatron_rng_tracker(module: Any, inputs: Any) -> None:
+    """Forward pre-hook: reseed Megatron's model-parallel RNG tracker from the seed ds-swift just
+    gave this forward pass (a function of its position).
+
+    Megatron draws attention dropout from that tracker (``get_cuda_rng_tracker().fork()``), whose
+    state otherwise runs on from whatever ran before: a replacement starts it afresh and survivors
+    advanced it in the failed iteration, so a recovered run would drop other elements.
+    """
+    import torch
+    from megatron.core import mpu, tensor_parallel
+
+    # megatron.core.tensor_parallel.random's names: 'model-parallel-rng', seed + 2718 + tp rank.
+    seed = (torch.initial_seed() + 2718 + mpu.get_tensor_model_parallel_rank()) % (1 << 63)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("model-parallel-rng", seed)  # leaves the default generator as it was

@@ -1,0 +1,364 @@
+"""Logging-based recovery in the runtime (SWIFT 5.1-5.3): one rank's part once the plan says "logging".
+
+Every rank of the new generation calls :func:`run_logging_recovery` with the same plan, after the
+coordinator restored the survivors' kept state (undo included). The *replayed group* is the failed
+machines' logging groups (``plan.replay_ranks``): replacements, and survivors that share a logging
+group with a failed machine (they roll back).
+
+1. **Check round** (store topic ``replay_check``): survivors outside the group say whether their
+   message log reached the store (flushed and uploaded before their teardown) and publish the
+   optimizer-step collective results they recorded (:class:`CollectiveRecorder`); the group's ranks
+   say whether they can replay (:func:`unsupported_reasons`) and whether the log holds a chunk for
+   every inbound edge and iteration to replay (by name, nothing downloaded). Everyone reads every
+   answer, so a "no" anywhere makes every rank return the same reason, and the coordinator reloads
+   the global checkpoint everywhere (loudly) in this same generation.
+2. **Replay**: the group's ranks load the global checkpoint (never a survivor outside the group) and
+   re-execute its iterations up to the consensus from the log (:func:`replay`). With parallel
+   recovery, survivors (helpers) replay a copy of each failed stage on half of the micro-batches
+   (:mod:`ds_swift.recovery.replay.parallel`; every rank builds the copy engines, collectively).
+3. **Wait on the store** (topic ``replayed``), never in a gloo collective: a replay may outlast the
+   op timeout.
+
+A replay that meets a missing or corrupt record (:class:`LogUnavailable`) or a collective it
+cannot serve (:class:`ReplayUnsupported`) leaves its engine mid-iteration and its in-group peers
+blocked in live receives. That rank records ``replay_failed/<checkpoint>`` in the job store (the
+next plan reads it and reloads the checkpoint everywhere), says so loudly, declares the generation
+failed, wakes its pipeline neighbours (poison + their receive check) and raises GenerationFailed.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from ds_swift.data.keyed import BatchFn
+from ds_swift.jobstore.membership import GenerationFailed, JobStore
+from ds_swift.recovery.base import checkpoint_source
+from ds_swift.recovery.base import loud as _loud
+from ds_swift.recovery.consensus import RankReport, RecoveryPlan
+from ds_swift.recovery.host import NullHost, RecoveryHost, replaying
+from ds_swift.recovery.replay.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.replay.engine import replay
+from ds_swift.recovery.replay.log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
+from ds_swift.recovery.replay.parallel import (
+    Mode,
+    ParallelReplayLayout,
+    build_copy_engine,
+    copy_unsupported_reasons,
+    parallel_replay,
+    transfer_state,
+)
+from ds_swift.recovery.replay.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
+from ds_swift.recovery.replay.plan import plan_of, replay_summary, replay_totals, unsupported_reasons
+from ds_swift.recovery.timeline import RankTimeline
+
+__all__ = [
+    "ReplayRuntime", "compute_of_this_rank", "failed_replay_key", "load_start", "parallel_helps", "parallel_layout",
+    "run_logging_recovery",
+]  # fmt: skip
+
+Records = dict[tuple[int, int], CollectiveRecord]
+
+
+def _noop(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class ReplayRuntime:
+    """What the runtime lends the logging-based recovery of one rank.
+
+    Args:
+        batch_fn: ``batch_fn(iteration, micro_batch)``, as in training.
+        seed: the runtime's RNG seed (keyed per iteration, micro-batch and stage).
+        storage: the message log's store URL (``logging.storage``).
+        ds_config: the DeepSpeed config dict (parallel recovery builds copy engines from it).
+        parallel: parallel recovery is on; ``mode`` is "exact" or "fast"; ``force_parallel``: used
+            even where :func:`parallel_helps` says it cannot help.
+        recorder: this rank's recorder of optimizer-step collectives (survivors publish its records).
+        log_error: survivors: why their message log could not be flushed and uploaded, or None.
+        host: the runtime's switches (reseeding, the receive check, neighbour wake-up, logging).
+        cache_dir: where a remote store's log chunks are downloaded (default: a temporary directory).
+        wait_timeout_s: the longest anyone waits for the replay to finish (a dead replayer is seen
+            sooner, through the generation's failure flag).
+    """
+
+    batch_fn: BatchFn
+    seed: int
+    storage: str
+    ds_config: Mapping[str, Any]
+    parallel: bool = False
+    mode: Mode = "exact"
+    force_parallel: bool = False
+    recorder: CollectiveRecorder | None = None
+    log_error: str | None = None
+    host: RecoveryHost = field(default_factory=NullHost)
+    cache_dir: str | None = None
+    wait_timeout_s: float = 7 * 24 * 3600.0
+    progress: ProgressFn | None = field(default=None, repr=False)
+
+
+def failed_replay_key(checkpoint_step: int) -> str:
+    """The job-store key saying why replaying from ``checkpoint_step`` failed (read by the next plan)."""
+    return f"replay_failed/{checkpoint_step}"
+
+
+# ----------------------------------------------------------------------------- the protocol
+def _records_for(dp: int, answers: dict[int, dict[str, Any]], by_rank: dict[int, RankReport]) -> Records | None:
+    """The step-collective records of the lowest surviving rank of replica ``dp`` that published some."""
+    for r in sorted(answers):
+        blob = answers[r].get("records")
+        if blob and by_rank[r].dp == dp:
+            return CollectiveRecorder.from_bytes(base64.b64decode(blob)).records
+    return None
+
+
+def _check(engine: Any, plan: RecoveryPlan, rank: int, recorded: bool, reader: Any, reader_error: str | None) -> list[str]:
+    """A replaying rank's answer in the check round: why it cannot replay (empty: it can)."""
+    group = frozenset(plan.replay_ranks)
+    reasons = unsupported_reasons(engine, group, step_collectives_recorded=recorded)
+    edges = plan_of(engine, group).from_log
+    if reasons or not edges:
+        return reasons
+    if reader is None:
+        return [f"rank {rank}: {reader_error}"]
+    try:
+        chunks_needed(reader, edges, plan.replay_from, plan.consensus)
+    except LogUnavailable as exc:
+        return [f"rank {rank}: {exc}"]
+    return []
+
+
+def _open_reader(rt: ReplayRuntime) -> tuple[Any, str | None]:
+    from ds_swift.msglog import LogReader
+
+    try:
+        cache = rt.cache_dir or tempfile.mkdtemp(prefix="ds-swift-replay-")
+        return LogReader(rt.storage, cache_dir=cache), None
+    except Exception as exc:  # noqa: BLE001 - any failure to open the log is a reason to fall back
+        return None, f"message log {rt.storage} cannot be opened: {type(exc).__name__}: {exc}"
+
+
+@contextmanager
+def _progress(rt: ReplayRuntime, total: int) -> Iterator[ProgressFn]:
+    if rt.progress is not None:
+        yield rt.progress
+    elif sys.stderr.isatty():
+        with rich_progress("ds-swift replay") as show:
+            yield show
+    else:
+        yield text_progress(every=max(1, total // 10))
+
+
+def _fail(
+    store: JobStore, generation: int, rank: int, start: int, source: str, exc: BaseException, rt: ReplayRuntime
+) -> NoReturn:
+    what = f"{type(exc).__name__}: {exc}"
+    store.set(failed_replay_key(start), f"rank {rank}: {what}"[:2000])
+    _loud(
+        rank,
+        f"LOGGING-BASED RECOVERY FAILED: {what}. Generation {generation} is abandoned; in the next one ALL "
+        f"RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source}) and train the lost iterations again.",
+    )
+    store.declare_failure(generation, f"rank {rank}: logging-based recovery failed: {what[:200]}")
+    rt.host.poison_neighbours()
+    raise GenerationFailed(generation, f"logging-based recovery failed on rank {rank}") from exc
+
+
+def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
+    """The replaying ranks (``plan.replay_ranks``) load ``checkpoint_step`` (-1: the rebuilt engine's
+    initial state); LogUnavailable where it cannot be loaded."""
+    from ds_swift.patches.step_collectives import wrap_collectives
+    from ds_swift.recovery.replay.collectives import CollectiveGuard
+    from ds_swift.recovery.state.transfer import set_counters
+
+    if checkpoint_step < 0 or ckpt is None:
+        set_counters(engine, 0)  # the rebuilt engine is the initial state (model_fn seeds it)
+        log("replay starts from the initial state (no global checkpoint yet)")
+        return
+    # Loading must not need the survivors: a collective leaving the group raises instead of hanging.
+    with wrap_collectives("ds_swift.replay.load", CollectiveGuard(frozenset(plan.replay_ranks), None).make):
+        loaded = ckpt.load_latest(engine, at_most=checkpoint_step)
+    if loaded != checkpoint_step:
+        raise LogUnavailable(f"global checkpoint global_step{checkpoint_step} could not be loaded (got {loaded})")
+    set_counters(engine, checkpoint_step)
+    log(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay")
+
+
+def _check_answer(
+    engine: Any, plan: RecoveryPlan, rank: int, in_group: bool, recorded: bool, reader: Any, reader_error: Any,
+    rt: ReplayRuntime,
+) -> dict[str, Any]:
+    """This rank's answer in the check round: why the replay cannot run (empty: it can), and a
+    survivor's step-collective records for the replayers."""
+    answer: dict[str, Any] = {"why": [], "compute": compute_of_this_rank() if rt.parallel else {}}
+    if in_group:
+        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
+        return answer
+    if rt.log_error is not None:
+        answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
+    if rt.recorder is not None:
+        answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
+    return answer
+
+
+def run_logging_recovery(
+    *,
+    store: JobStore,
+    generation: int,
+    rank: int,
+    engine: Any,
+    plan: RecoveryPlan,
+    reports: list[RankReport],
+    checkpoint_step: int,
+    ckpt: Any,
+    rt: ReplayRuntime,
+    timeline: RankTimeline,
+    gather_timeout_s: float,
+    log: Callable[[str], None],
+    before_iteration: Callable[[int], None] | None = None,
+) -> tuple[str | None, dict[str, Any]]:
+    """Steps 1-3 above for this rank. Returns ``(None, summary)`` once every replayer is done, or
+    ``(reason, {})`` when every rank must reload the global checkpoint instead (same on every rank).
+
+    Args:
+        engine: this rank's rebuilt DeepSpeed engine (survivors outside the group: with their kept state).
+        plan: the logging plan (identical on every rank).
+        reports: every rank's report (coordinates, survivor or not).
+        checkpoint_step: the global checkpoint replayed from (-1: the initial state).
+        ckpt: the CheckpointManager (replaying ranks load from it).
+        before_iteration: a replaying rank: called before each iteration it replays (the digest check).
+    """
+    by_rank = {r.rank: r for r in reports}
+    group = frozenset(plan.replay_ranks)
+    world = sorted(by_rank)
+    source = checkpoint_source(checkpoint_step)
+    start, end = plan.replay_from, plan.consensus
+    me = by_rank[rank]
+    outside = [r for r in plan.survivors if r not in group]
+    recorded = any(by_rank[s].dp == me.dp for s in outside)
+
+    # 1. the check round
+    reader, reader_error = _open_reader(rt) if rank in group else (None, None)
+    answer = _check_answer(engine, plan, rank, rank in group, recorded, reader, reader_error, rt)
+    total = end - start + 1
+    layout: ParallelReplayLayout | str | None = None
+    if rt.parallel and total > 0:
+        blockers = copy_unsupported_reasons(engine)
+        gas = int(engine.gradient_accumulation_steps())
+        layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
+    store.publish(generation, "replay_check", rank, json.dumps(answer))
+    answers = {r: json.loads(v) for r, v in store.gather(generation, "replay_check", world, gather_timeout_s).items()}
+    problems = [w for r in world for w in answers[r]["why"]]
+    if problems:
+        reason = "logging-based recovery impossible: " + "; ".join(problems)
+        _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")
+        return reason, {}
+    if isinstance(layout, ParallelReplayLayout):
+        why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
+        if why_not is not None and rt.force_parallel:
+            if rank == min(world):
+                log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
+        elif why_not is not None:
+            layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
+    if isinstance(layout, str):
+        if rank == min(world):
+            log(f"parallel recovery not used ({layout}): sequential replay")
+        layout = None
+
+    # 2. the replay
+    role = layout.role(rank) if layout is not None else None
+    replayer = rank in group or role is not None
+    summary: dict[str, Any] = {}
+    if rank in group:
+        try:
+            load_start(engine, ckpt, plan, checkpoint_step, log)
+        except (LogUnavailable, ReplayUnsupported) as exc:
+            _fail(store, generation, rank, start, source, exc, rt)
+        timeline.t_loaded = time.time()
+        timeline.extra["checkpoint_loaded"] = checkpoint_step
+    stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else me.dp
+    records = _records_for(stage_dp, answers, by_rank) if replayer else None
+    if replayer and reader is None:
+        reader, reader_error = _open_reader(rt)
+        if reader is None:
+            _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
+    if layout is not None:
+        fail = functools.partial(_fail, store, generation, rank, start, source, rt=rt)
+        summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail,
+                                before_iteration)  # fmt: skip
+    elif rank in group:
+        try:
+            with replaying(rt.host), _progress(rt, total) as progress:
+                stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
+                               collectives=records, before_iteration=before_iteration)  # fmt: skip
+        except (LogUnavailable, ReplayUnsupported) as exc:
+            _fail(store, generation, rank, start, source, exc, rt)
+        summary = replay_summary(stats)
+    if replayer:
+        timeline.t_replayed = time.time()
+        timeline.extra["replay"] = summary
+        store.publish(generation, "replayed", rank, json.dumps(summary))
+
+    # 3. wait on the store, not in a collective
+    replayers = sorted(group | (set(layout.helpers) if layout is not None else set()))
+    done = store.gather(generation, "replayed", replayers, rt.wait_timeout_s)
+    per_rank = {r: json.loads(v) for r, v in done.items()}
+    return None, {
+        "machines": sorted({by_rank[r].machine for r in group}),
+        "from": start,
+        "to": end,
+        "source": source,
+        "ranks": replayers,
+        "parallel": rt.mode if layout is not None else None,
+        "iterations": total,
+        **replay_totals(per_rank),
+    }
+
+
+def _run_parallel(
+    engine: Any,
+    layout: ParallelReplayLayout,
+    reader: Any,
+    start: int,
+    end: int,
+    rt: ReplayRuntime,
+    records: Any,
+    replayer: bool,
+    in_group: bool,
+    fail: Callable[..., Any],
+    before_iteration: Callable[[int], None] | None,
+) -> dict[str, Any]:
+    """Parallel recovery on this rank: every rank builds the copy engines collectively, the state
+    moves to the helpers, and the replayers replay their share. Returns this rank's summary."""
+    summary: dict[str, Any] = {}
+    resume = rt.host.suspend_logging() if in_group else _noop
+    copy = build_copy_engine(engine, layout, rt.ds_config)  # every rank, collectively
+    try:
+        transfer_state(engine, copy, layout, start)
+        if replayer:
+            pstats = None
+            try:
+                with replaying(rt.host), _progress(rt, end - start + 1) as progress:
+                    pstats = parallel_replay(
+                        engine, copy, layout, reader, start, end, rt.batch_fn, progress,
+                        mode=rt.mode, seed=rt.seed, collectives=records, before_iteration=before_iteration,
+                    )  # fmt: skip
+            except (LogUnavailable, ReplayUnsupported) as exc:
+                fail(exc)
+            if pstats is not None:
+                summary = replay_summary(pstats)
+    finally:
+        copy = None  # a helper's copy of the failed stage goes now
+        gc.collect()
+        resume()
+    return summary

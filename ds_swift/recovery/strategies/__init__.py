@@ -1,0 +1,1 @@
+"""One module per recovery strategy; the registered list is ds_swift.recovery.registry."""

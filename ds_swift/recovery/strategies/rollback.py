@@ -1,0 +1,141 @@
+"""Nicolae et al.'s immediate mini-batch rollback as a strategy (``"strategy": "immediate_rollback"``).
+
+shared/papers/nicolae-*.txt, section III-B: no consensus on a consistent state and no undo. The
+survivors' state, as the failure left it (possibly partly updated), is what the job goes on from:
+
+1. every survivor keeps its state as it is; one that already applied the failed iteration's step
+   keeps that update too (no undo), and only its LR schedule and step counters go back, so that the
+   replayed iteration runs at its own learning rate;
+2. each lost rank takes the state of a survivor as it is: a surviving data-parallel replica's whole
+   state, or, where the optimizer state is partitioned (ZeRO-1, BF16_Optimizer), the newest buddy
+   copy of its partition, whatever iteration that is;
+3. every rank replays the failed mini-batch (the iteration after the survivors' lowest step).
+
+Approximate, and said so: where a rank had stepped the failed iteration, that iteration's update is
+applied twice there; where a lost rank's copy is older or newer than its replica peers, the stage's
+data-parallel ranks start from a mix. In a DeepSpeed pipeline every rank steps after the whole
+backward pass, so a failure in a forward or backward pass leaves nothing partly updated and the
+replay is exact in all but name; the deviation appears when a failure hits between the first and
+the last rank's step. The outcome's ``deviation`` says which ranks apply an iteration twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.state.transfer import capture_state, finish_restore, load_received, recv_state, send_state
+from ds_swift.recovery.strategies.buddy import copy_holders
+from ds_swift.recovery.strategies.replication import donors_for
+
+__all__ = ["ImmediateRollbackStrategy", "rollback_sources"]
+
+
+def rollback_sources(inputs: RecoveryInputs) -> tuple[dict[int, tuple[int, int]], str]:
+    """Each lost rank's source ``(survivor rank, iteration of the state it sends)``, or ({}, why not).
+
+    Partitioned optimizer state: the newest buddy copy on a machine that did not fail (the least
+    loaded holder of it). Otherwise: a surviving data-parallel replica, as it is."""
+    by_rank = inputs.by_rank
+    if not (inputs.partitioned or inputs.zero_stage > 0):
+        donors, missing = donors_for(inputs)
+        if missing:
+            stages = sorted({by_rank[r].stage for r in missing})
+            return {}, f"no surviving data-parallel replica of stage(s) {stages} (ranks {missing}) to take state from"
+        return {lost: (d, by_rank[d].last_stepped) for lost, d in donors.items()}, ""
+    held = copy_holders(inputs, inputs.replacements)
+    missing = sorted(r for r, v in held.items() if not v)
+    if missing:
+        return {}, f"no buddy copy of the optimizer partition of rank(s) {missing} survived to take state from"
+    load: Counter[int] = Counter()
+    out: dict[int, tuple[int, int]] = {}
+    for owner in sorted(held):
+        version = max(held[owner])
+        pick = min(held[owner][version], key=lambda h: (load[h], h))
+        load[pick] += 1
+        out[owner] = (pick, version)
+    return out, ""
+
+
+class ImmediateRollbackStrategy(RecoveryStrategy):
+    """No consensus state, no undo: the survivors' state as it is goes to the replacements, and the
+    failed mini-batch is replayed on every rank. Approximate."""
+
+    name = "immediate_rollback"
+    exact = False
+    auto = False  # approximate: only when the config names it
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        if not inputs.survivors:
+            return "no rank survived with its state"
+        why = inputs.wrapper_blocker()
+        if why is not None or not inputs.replacements:
+            return why
+        return rollback_sources(inputs)[1] or None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 1.0  # one state copy per lost rank, then the failed mini-batch again
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        sources, _ = rollback_sources(inputs)
+        ahead = self.ahead(inputs)
+        pairs = ", ".join(f"{s}->{r} (iteration {v})" for r, (s, v) in sorted(sources.items()))
+        reason = f"replay iteration {inputs.consensus + 1} from the survivors' state as it is" + (
+            f"; replacements take it from {pairs}" if pairs else ""
+        )
+        if ahead:
+            reason += f"; ranks {ahead} stepped it already and step it again (no undo: approximate)"
+        plan = inputs.plan(self.name, reason, donors={r: s for r, (s, _) in sources.items()})
+        return dataclasses.replace(plan, undo=())  # nobody undoes
+
+    @staticmethod
+    def ahead(inputs: RecoveryInputs) -> list[int]:
+        """The survivors that already applied the iteration to be replayed."""
+        return [r.rank for r in inputs.reports if r.survivor and r.last_stepped > inputs.consensus]
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        ahead = self.ahead(inputs)
+        rewound = True
+        if ctx.kept is not None and ctx.rank in ahead:
+            rewound = ctx.kept.rewind_schedule(plan.consensus)
+            ctx.log(f"immediate rollback: keeping the update of iteration {ctx.kept.last_stepped} (no undo); "
+                    f"{'LR schedule and counters back to iteration ' + str(plan.consensus) if rewound else 'LR schedule stays one step ahead (no record of it)'}")  # fmt: skip
+        ctx.keep_state(plan)
+        sources, _ = rollback_sources(inputs)
+        partitioned = inputs.partitioned or inputs.zero_stage > 0
+        for lost in plan.recipients_of(ctx.rank):
+            state = self._source_state(ctx, lost, sources[lost][1], partitioned)
+            sent = send_state(state, lost)
+            outcome.bytes_moved += sent
+            ctx.log(f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)")
+        donor = plan.donor_of(ctx.rank)
+        if donor is not None:
+            state = recv_state(donor)
+            load_received(ctx.engine, state, plan.consensus + 1)
+            ctx.log(f"immediate rollback: took rank {donor}'s state of iteration {sources[ctx.rank][1]}")
+        finish_restore(ctx.engine)
+        lagging = {r: v for r, (_, v) in sources.items() if v != plan.consensus}
+        parts = [f"replayed iteration {plan.consensus + 1} without undo"]
+        if ahead:
+            parts.append(f"ranks {ahead} apply it a second time")
+        if lagging:
+            parts.append("lost ranks took states of other iterations: "
+                         + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items())))  # fmt: skip
+        if not rewound:
+            parts.append(f"rank {ctx.rank}'s LR schedule runs one step ahead")
+        if ahead or lagging or not rewound:
+            announce_deviation(ctx, inputs, self.name, outcome, "; ".join(parts))
+        return outcome
+
+    @staticmethod
+    def _source_state(ctx: RankContext, lost: int, version: int, partitioned: bool) -> Any:
+        if not partitioned:
+            return capture_state(ctx.engine)
+        holdings = ctx.kept.buddy if ctx.kept is not None else None
+        if holdings is None:
+            raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
+        return holdings.state_of(lost, version)

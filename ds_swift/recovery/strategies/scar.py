@@ -1,0 +1,199 @@
+"""SCAR's partial recovery as a strategy (``"strategy": "scar"``): only the lost ranks reload.
+
+SCAR (shared/papers/scar-*.txt, section 4.1) restores from the last checkpoint only the part of
+the model that the failure lost, and keeps the rest: the perturbation to the parameters is the
+lost part's staleness alone, and training self-corrects from it. Here the lost part is the lost
+ranks' state (their pipeline stages' parameters, fp32 masters and optimizer state, or their ZeRO-1
+partitions):
+
+1. the survivors keep their state (undoing to the consensus where they are ahead, as for every
+   strategy that keeps it);
+2. each replacement loads the last global checkpoint (the initial state where none is complete
+   yet), then takes the job's counters and LR schedule at the consensus from a survivor, so it
+   trains on at the same iteration, on the same data and learning rate, from stale weights;
+3. a check round on the store: a replacement that could not load makes every rank fall back to the
+   global checkpoint, loudly;
+4. every rank rebuilds its low-precision parameters from the fp32 masters.
+
+With SCAR's prioritized checkpoints (``checkpoint.running_fraction``), each rank also keeps a running
+checkpoint of its optimizer state (ds_swift.checkpoint.running: the most-changed blocks, a few every
+iterations), and a replacement loads the blocks of it newer than the global checkpoint over it, so
+the lost part is staler only where it moved least.
+
+Approximate, and said so: no replay, no verification against a digest (the state differs from the
+failure-free run's by design). The outcome's ``deviation`` (and the timeline's) says which ranks
+went back how many iterations; ``ds-swift bench`` reports the final-loss delta and the parameters'
+distance to the failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_swift.recovery.base import (
+    RankContext,
+    RecoveryOutcome,
+    RecoveryStrategy,
+    announce_deviation,
+    check_round,
+    checkpoint_source,
+    loud,
+)
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.state.transfer import finish_restore, set_counters
+
+__all__ = ["ScarStrategy", "running_dir", "running_state"]
+
+#: A running checkpoint's blocks: at most this many elements, and at least 64 blocks per rank where
+#: the state is big enough (SCAR's priorities need blocks to choose among).
+BLOCK_ELEMENTS, MIN_BLOCKS = 65536, 64
+
+
+def running_dir(ckpt_dir: str | Path, rank: int, job: str | None) -> Path:
+    """Where ``rank`` of job ``job`` (:func:`ds_swift.checkpoint.periodic.job_id_for`) keeps its running
+    checkpoint: each job its own directory, so that runs sharing ``checkpoint.dir`` never touch
+    each other's (``running/rank<r>`` for a run without a job id, as before job stamps)."""
+    return Path(ckpt_dir) / "running" / (job or "") / f"rank{rank}"
+
+
+def running_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """The live tensors of a rank's optimizer state a running checkpoint keeps (fp32 masters, and the
+    inner optimizer's per-parameter state tensors of the same size), and the groups: each master
+    with its moments, saved block for block together."""
+    from ds_swift.patches.deepspeed_optim_state import capture_optimizer, optimizer_payload
+
+    payload = optimizer_payload(capture_optimizer(optimizer))
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, list[str]] = {}
+    inner = payload["inner"]["state"]
+    for i, master in enumerate(payload["masters"]):
+        key = f"masters.{i}"
+        tensors[key] = master
+        for name, t in sorted((inner.get(i) or {}).items()):
+            if isinstance(t, torch.Tensor) and t.numel() == master.numel() and t.is_floating_point():
+                tensors[f"state.{i}.{name}"] = t
+                groups.setdefault(key, []).append(f"state.{i}.{name}")
+    return tensors, groups
+
+
+def block_elements(tensors: dict[str, torch.Tensor]) -> int:
+    total = sum(t.numel() for t in tensors.values())
+    return max(1, min(BLOCK_ELEMENTS, total // MIN_BLOCKS))
+
+
+def _schedule(engine: Any) -> dict[str, Any] | None:
+    """A survivor's LR scheduler state, where it is plain JSON (DeepSpeed's and torch's are)."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None:
+        return None
+    try:
+        state = sched.state_dict()
+        json.dumps(state)
+    except (TypeError, ValueError):
+        return None
+    return {"state": state}
+
+
+class ScarStrategy(RecoveryStrategy):
+    """Reload the checkpoint on the lost ranks only, keep the survivors' state; approximate."""
+
+    name = "scar"
+    exact = False
+    auto = False  # approximate: only when the config names it
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        return inputs.reload_blocker()
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 1.0  # the lost ranks load the checkpoint; nothing is trained again
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        if not inputs.replacements:
+            return inputs.plan(self.name, "no rank lost its state")
+        reason = (
+            f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and train on from iteration "
+            f"{inputs.consensus + 1} with the survivors' state (partial recovery: approximate)"
+        )
+        # replay_ranks: the ranks that load (the checkpoint load is guarded to them); nothing is replayed.
+        return inputs.plan(self.name, reason, replay_ranks=inputs.replacements, replay_from=inputs.consensus + 1)
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        from ds_swift.recovery.replay.runner import load_start
+
+        ctx.keep_state(plan)
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        if not plan.replay_ranks:
+            return outcome
+        step, lost = inputs.checkpoint_step, list(plan.replay_ranks)
+        why: str | None = None
+        mine: dict[str, object] = {}
+        if ctx.rank in lost:
+            try:
+                load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+                self._load_running(ctx, step)
+            except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
+                why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
+        else:
+            mine = {"skipped_steps": int(getattr(ctx.engine, "skipped_steps", 0)), "schedule": _schedule(ctx.engine)}
+        answers = check_round(ctx, inputs, "scar", why, mine, "partial recovery impossible")
+        if ctx.rank in lost:
+            self._catch_up(ctx, plan, answers)
+        finish_restore(ctx.engine)
+        behind = plan.consensus + 1 - max(0, step)
+        outcome.checkpoint_step = step if step >= 0 else None
+        announce_deviation(ctx, inputs, self.name, outcome, (
+            f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
+            f"(partial recovery: the job goes on from a state the failure-free run never had)"
+        ))  # fmt: skip
+        return outcome
+
+    @staticmethod
+    def _load_running(ctx: RankContext, step: int) -> None:
+        """The blocks of this rank's running checkpoint newer than ``step``, over what it loaded."""
+        from ds_swift.checkpoint.running import (
+            MANIFEST,
+            RunningCheckpointError,
+            load_running_checkpoint,
+            running_checkpoint_job,
+        )
+
+        if ctx.ckpt is None:
+            return
+        where = running_dir(ctx.ckpt.ckpt_dir, ctx.rank, ctx.ckpt.job_id)
+        if not (where / MANIFEST).exists():
+            return
+        owner = running_checkpoint_job(where)
+        if owner != ctx.ckpt.job_id:  # a directory copied or moved here: never another run's blocks
+            raise RunningCheckpointError(
+                f"the running checkpoint in {where} belongs to {owner or 'an unknown job'}, "
+                f"not this job ({ctx.ckpt.job_id}): remove it, or recover from the global one"
+            )
+        live, _ = running_state(ctx.engine.optimizer)
+        loaded, ages = load_running_checkpoint(where, live, newer_than=max(step, 0))
+        with torch.no_grad():
+            for name, t in live.items():
+                t.copy_(loaded[name])
+        saved = sum(a.saved_blocks for a in ages.values())
+        total = sum(a.blocks for a in ages.values())
+        newest = max((a.newest for a in ages.values() if a.newest is not None), default=None)
+        ctx.log(f"running checkpoint: {saved} of {total} blocks newer than {checkpoint_source(step)} loaded over it"
+                + (f" (newest of iteration {newest})" if newest is not None else ""))  # fmt: skip
+
+    @staticmethod
+    def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:
+        """A replacement stands at the consensus's counters and LR schedule (the lowest survivor's)."""
+        engine = ctx.engine
+        survivor = answers[min(r for r, a in answers.items() if "schedule" in a)]
+        set_counters(engine, plan.consensus + 1)
+        engine.skipped_steps = int(survivor["skipped_steps"])
+        sched = getattr(engine, "lr_scheduler", None)
+        if sched is not None and survivor["schedule"] is not None:
+            sched.load_state_dict(survivor["schedule"]["state"])
+        elif sched is not None:
+            loud(ctx.rank, "the survivors' LR scheduler state is not plain JSON: this rank's schedule resumes "
+                           "from the checkpoint's, behind the job's")  # fmt: skip
+        ctx.log(f"partial recovery: at iteration {plan.consensus + 1} with the checkpoint's weights")
