@@ -11,20 +11,19 @@ sizes are shrunk so that both paths cut the large tensors into several slices, a
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import pytest
 import torch
-from test_undo_helpers import Case, tolerance
+from test_undo_helpers import PATH_SIZES, Case, step_and_undo, tolerance
 
 from ds_swift.undo import InvertibleOptimizer, Lamb, apply, numerics
 from ds_swift.undo.numerics import ulp_error
 from ds_swift.undo.records import NotInvertibleError
 
 # Two tensors spanning several slices, small ones that are packed, one of another dtype.
-SIZES = [5000, 3001, 37, 40, 3, 1, 129]
+SIZES = PATH_SIZES
 
 CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.1}),
@@ -42,30 +41,7 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 
 def _run(path: str, cls: type, kwargs: dict[str, Any], dtype: torch.dtype, steps: int = 3) -> dict[str, tuple]:
     """Step ``steps`` times, undo the last step; per tensor (before, post, restored)."""
-    g = torch.Generator().manual_seed(11)
-    params = [torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(dtype)) for n in SIZES]
-    opt = InvertibleOptimizer(cls(params, **kwargs), undo_path=path)  # type: ignore[arg-type]
-    before: dict[str, torch.Tensor] = {}
-    for step in range(steps):
-        for i, p in enumerate(params):
-            p.grad = (torch.randn(p.shape, generator=g) * 1e-2 * (1 + i)).to(dtype)
-        if step == steps - 1:
-            before = _snapshot(opt, params)
-        opt.step()
-    post = _snapshot(opt, params)
-    opt.undo()
-    restored = _snapshot(opt, params)
-    assert restored.keys() == before.keys()
-    return {k: (before[k], post[k], restored[k]) for k in before}
-
-
-def _snapshot(opt: InvertibleOptimizer, params: list[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
-    for i, p in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                out[f"{k}{i}"] = copy.deepcopy(v)
-    return out
+    return step_and_undo(path, cls, kwargs, seed=11, steps=steps, dtype=dtype)
 
 
 @pytest.fixture

@@ -190,3 +190,39 @@ def run_case(case: Case, refine: bool = True, check_bitwise: bool = True) -> Out
             )
         assert set(after_s.get(i, {})) == set(before_s.get(i, {}))
     return Outcome(rows)
+
+
+#: tensor sizes of the undo-path tests: larger and smaller than a slice, odd, and single elements
+PATH_SIZES = [5000, 3001, 37, 40, 3, 1, 129]
+
+
+def step_and_undo(
+    path: str, cls: type, kwargs: dict[str, Any], *, seed: int, steps: int = 3, dtype: torch.dtype = torch.float32,
+    scale: float = 0.02,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Step ``cls`` over PATH_SIZES ``steps`` times through ``InvertibleOptimizer(undo_path=path)``,
+    undo the last step; per tensor (before the last step, after it, after its undo)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype)) for n in PATH_SIZES]
+    opt = InvertibleOptimizer(cls(params, **kwargs), undo_path=path)  # type: ignore[arg-type]
+    before: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2 * (1 + i)).to(dtype)
+        if step == steps - 1:
+            before = _path_snapshot(opt, params)
+        opt.step()
+    post = _path_snapshot(opt, params)
+    opt.undo()
+    restored = _path_snapshot(opt, params)
+    assert restored.keys() == before.keys()
+    return {k: (before[k], post[k], restored[k]) for k in before}
+
+
+def _path_snapshot(opt: InvertibleOptimizer, params: list[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out[f"{k}{i}"] = copy.deepcopy(v)
+    return out

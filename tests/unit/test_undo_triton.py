@@ -6,7 +6,6 @@ Skipped where Triton is not installed (``pip install 'ds-swift[triton]'``)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Any
@@ -15,11 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_undo_helpers import Case, tolerance
+from test_undo_helpers import PATH_SIZES, Case, step_and_undo, tolerance
 
 triton = pytest.importorskip("triton")
 
-from ds_swift.undo import InvertibleOptimizer, apply, triton_adam  # noqa: E402
+from ds_swift.undo import apply, triton_adam  # noqa: E402
 from ds_swift.undo import fused as fused_mod  # noqa: E402
 from ds_swift.undo.numerics import ulp_error  # noqa: E402
 
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     not triton_adam.interpreted(), reason="CPU tensors need Triton's interpreter (a GPU machine runs tests/gpu)"
 )
 
-SIZES = [5000, 3001, 37, 40, 3, 1, 129]
+SIZES = PATH_SIZES
 
 CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
@@ -43,30 +42,7 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 def _run(path: str, cls: type, kwargs: dict[str, Any], steps: int = 3, dtype: torch.dtype = torch.float32,
          scale: float = 0.02) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Step ``steps`` times, undo the last; per tensor (before, post, restored)."""
-    g = torch.Generator().manual_seed(7)
-    params = [torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype)) for n in SIZES]
-    opt = InvertibleOptimizer(cls(params, **kwargs), undo_path=path)  # type: ignore[arg-type]
-    before: dict[str, torch.Tensor] = {}
-    for step in range(steps):
-        for i, p in enumerate(params):
-            p.grad = (torch.randn(p.shape, generator=g) * 1e-2 * (1 + i)).to(dtype)
-        if step == steps - 1:
-            before = _snapshot(opt, params)
-        opt.step()
-    post = _snapshot(opt, params)
-    opt.undo()
-    restored = _snapshot(opt, params)
-    assert restored.keys() == before.keys()
-    return {k: (before[k], post[k], restored[k]) for k in before}
-
-
-def _snapshot(opt: InvertibleOptimizer, params: list[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
-    for i, p in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                out[f"{k}{i}"] = copy.deepcopy(v)
-    return out
+    return step_and_undo(path, cls, kwargs, seed=7, steps=steps, dtype=dtype, scale=scale)
 
 
 @pytest.fixture
