@@ -149,8 +149,9 @@ def long_op_timeout(timeout_s: float) -> PatchHandle:
     return PatchHandle("long_op_timeout", restore)
 
 
-def patch_recv_check(check: Callable[[], None]) -> PatchHandle:
-    """Call ``check()`` after every ``deepspeed.runtime.pipe.p2p.recv`` returns.
+def patch_recv_check(check: Callable[[torch.Tensor | None], None]) -> PatchHandle:
+    """Call ``check(buffer)`` after every ``deepspeed.runtime.pipe.p2p.recv`` returns (``check(None)``
+    after an asynchronous one: its buffer is not filled yet, so only the failure flag can tell).
 
     ``check`` raises when the generation failed: the buffer may then hold a poison message.
     The pipeline engine calls ``p2p.recv`` through the module attribute, so replacing it there
@@ -163,7 +164,7 @@ def patch_recv_check(check: Callable[[], None]) -> PatchHandle:
 
     def recv(tensor: torch.Tensor, src_stage: int, async_op: bool = False) -> Any:
         result = original(tensor, src_stage, async_op=async_op)
-        check()
+        check(None if async_op else tensor)
         return result
 
     recv._ds_swift_recv_check = True  # type: ignore[attr-defined]

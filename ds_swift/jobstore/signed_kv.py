@@ -97,6 +97,15 @@ class SignedKV:
         raw = self._raw_get(key)
         return None if raw is None else self.sealer.open(key, raw)
 
+    def read_present(self, keys: list[str]) -> list[str | None]:
+        """The signed values at ``keys``, which must all exist (after a wait for them): one request
+        on a TCPStore; None where a value is not signed with the job secret."""
+        if hasattr(self.raw, "try_get"):  # etcd: no batch read through torch's PrefixStore bridge
+            raws = [self._raw_get(k) for k in keys]
+        else:
+            raws = [bytes(v) for v in self.kv.multi_get(keys)]
+        return [None if raw is None else self.sealer.open(k, raw) for k, raw in zip(keys, raws, strict=True)]
+
     def _not_lower(self, key: str, value: float, size: int) -> float:
         """``value``, or the highest value of ``key`` read before if ``value`` is lower (a replay)."""
         high = self._high.get(key)

@@ -13,9 +13,9 @@ sends the staged tensors on the copier channel of ds-swift's transport, a gloo g
 a spare buffer and keeps the newest two complete copies per owner, so a copy being overwritten is
 never reported as complete.
 
-When a round has landed: after its receives, each rank adds itself to the round's counter in the
-job store (its own connection: a blocking wait must not hold up the heartbeats); the last one marks
-the round done and the others wait for that key, so ``landed`` says that every rank's copy of the
+When a round has landed: after its receives, each rank writes its key for the round in the job store
+(its own connection: a blocking wait must not hold up the heartbeats); the leader waits for every
+rank's key and marks the round done, the others wait for that key (StoreLanding), so ``landed`` says that every rank's copy of the
 step is held (not only that this rank's copy has left). Not a collective on the copier's group: a
 rank tearing down after a failure must be able to destroy that group at once, and a gloo barrier in
 flight held its destruction up for the op timeout. The next optimizer step waits for it (normally
@@ -112,13 +112,13 @@ class _Worker:
                 self.landed.set()
                 return
 
-    def _round(self, version: int, manifest: bytes, live: list[torch.Tensor]) -> int:
+    def _round(self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None) -> int:
         t = self.channel
         if t is None:
             raise transport.TransportError("ds-swift buddy copier: stopped before its round began")
         isend = functools.partial(t.isend, channel=transport.COPIER)
         irecv = functools.partial(t.irecv, channel=transport.COPIER)
-        tensors, flats = _stage(self.holdings, version, manifest, live)
+        tensors, flats = _stage(self.holdings, version, manifest, live, ready)
         # One part per buddy: the same payload for each (buddy copies: its flat buffers, one message
         # per dtype instead of one per tensor), or chunk j for the j-th (pipechurn's erasure coding,
         # done here on the copier thread).
@@ -274,8 +274,12 @@ class BuddyCopier:
         if w is None:
             return
         manifest, tensors = state_payload(engine)
+        ready = None
+        if any(t.is_cuda for t in tensors):  # the copier's side stream starts after the step's kernels
+            ready = torch.cuda.Event()
+            ready.record()
         w.landed.clear()
-        w.queue.put((int(engine.global_steps) - 1, manifest, tensors))
+        w.queue.put((int(engine.global_steps) - 1, manifest, tensors, ready))
 
     def stop(self, finish_s: float = 0.2) -> bool:
         """Let go of the generation's thread and group, after at most ``finish_s`` for the round in
@@ -316,16 +320,42 @@ def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list
 
 
 def _stage(
-    holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor]
+    holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None
 ) -> tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
-    """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from."""
-    flats = holdings.spare(None, manifest)
+    """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from.
+
+    Device tensors are copied into pinned host buffers on a side stream that first waits for
+    ``ready`` (the step's event): on the training thread's stream, or into pageable memory, the
+    copy of the partition would hold up the next iteration's kernels for its whole PCIe time
+    (hundreds of MB per step on a large model). Only this, the copier thread, waits for it."""
+    device = next((t.device for t in live if t.is_cuda), None)
+    flats = holdings.spare(None, manifest, pin=device is not None)
     staged = flat_views(manifest, flats)
     with torch.no_grad():
-        for view, t in zip(staged, live, strict=True):
-            view.copy_(t)
+        if device is None:
+            for view, t in zip(staged, live, strict=True):
+                view.copy_(t)
+        else:
+            side = _side_stream(device)
+            if ready is None:  # called on the thread that queued the step (stage_own)
+                ready = torch.cuda.current_stream(device).record_event()
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                for view, t in zip(staged, live, strict=True):
+                    view.copy_(t, non_blocking=True)
+            side.synchronize()
     holdings.put(None, version, manifest, flats)
     return staged, flats
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The copier's CUDA stream on ``device`` (one per process: streams are cheap but not free)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 :class:`BuddyHoldings`: the complete copies of other ranks' partitions this rank holds (the newest
 two per owner), and this rank's own copies of its last two steps, kept across generations.
-:class:`StoreLanding`: a round has landed once every rank counted itself in, in the job store.
+:class:`StoreLanding`: a round has landed once every rank wrote its key for it in the job store.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class BuddyHoldings:
         self._own: list[_Copy] = []
         """This rank's own state after its last two steps (see the module's docstring)."""
 
-    def spare(self, owner: int | None, manifest: bytes) -> dict[torch.dtype, torch.Tensor]:
+    def spare(self, owner: int | None, manifest: bytes, pin: bool = False) -> dict[torch.dtype, torch.Tensor]:
         """Buffers to receive ``owner``'s next copy into (None: this rank's own next copy): the oldest
         copy's, dropped from the complete ones first (so it is never reported while being
-        overwritten), or new ones."""
+        overwritten), or new ones (``pin``: in pinned memory, for copies from a GPU)."""
         sizes = flat_sizes(manifest)
         with self._lock:
             held = self._held(owner)
@@ -53,7 +53,7 @@ class BuddyHoldings:
                 old = held.pop(0)
                 if {d: t.numel() for d, t in old.flats.items()} == sizes:
                     return old.flats
-        return {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
+        return {d: torch.empty(n, dtype=d, pin_memory=pin) for d, n in sizes.items()}
 
     def put(self, owner: int | None, version: int, manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> None:
         """A complete copy of ``owner``'s state after iteration ``version`` (None: this rank's own)."""
@@ -107,16 +107,31 @@ class BuddyHoldings:
 
 
 class StoreLanding:
-    """Every rank's copies of a round are held: a counter per round in the job store.
+    """Every rank's copies of a round are held: one key per rank, and a ``done`` key, in the job store.
+
+    Each rank writes its own key for the round (one request); the round's leader (rank 0) waits
+    for all of them and writes ``done``; the others wait for ``done``. A shared counter did the same
+    with a compare-and-swap per rank per round, which retried whenever ranks finished together:
+    quadratic in the ranks at every step (a thousand ranks, ~500k store requests per step), where
+    this is two to three requests per rank and one batch read of ``world`` values for the leader.
 
     Args:
         store: a job-store connection of the copier thread's own.
         generation: the generation (rounds of an earlier one never count).
         world: ranks taking part.
+        rank: this rank (default: torch.distributed's).
     """
 
-    def __init__(self, store: Any, generation: int, world: int) -> None:
+    #: the rank that declares each round done
+    LEADER = 0
+
+    def __init__(self, store: Any, generation: int, world: int, rank: int | None = None) -> None:
         self.store, self.generation, self.world = store, generation, world
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()
+        self.rank = rank
 
     def _key(self, version: int) -> str:
         return f"buddy/{self.generation}/{version}"
@@ -130,23 +145,33 @@ class StoreLanding:
         """Count this rank in for round ``version`` and wait until every rank is in (True), or until
         ``stopped()`` (False)."""
         key = self._key(version)
-        if self.store.add(key + "/n", 1) >= self.world:
-            self.store.set(key + "/done", "1")
-            for old in (self._key(version - 2) + "/n", self._key(version - 2) + "/done"):
-                self.store.delete(old)  # rounds are a step apart: two back is over everywhere
-            return True
-        done, off = key + "/done", f"buddy/{self.generation}/off"
+        self.store.set(f"{key}/{self.rank}", "1")
+        # Rounds are a step apart (a step waits for the previous round): two back is over everywhere.
+        self.store.delete(f"{self._key(version - 2)}/{self.rank}")
+        if self.rank != self.LEADER:
+            return self._wait([key + "/done"], stopped)
+        ranks = [f"{key}/{r}" for r in range(self.world)]
+        if not self._wait(ranks, stopped):
+            return False
+        self.store.set(key + "/done", "1")
+        self.store.delete(self._key(version - 2) + "/done")
+        return True
+
+    def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> bool:
+        """Until every key in ``keys`` holds a value signed with the job secret (True), or until
+        ``stopped()`` (False); raises once another rank turned copying off."""
+        off = f"buddy/{self.generation}/off"
         while not stopped():
             try:
-                self.store.kv.wait([done], datetime.timedelta(seconds=0.5))
+                self.store.kv.wait(keys, datetime.timedelta(seconds=0.5))
             except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
                 why = self.store.get(off)
                 if why is not None:
                     raise RuntimeError(f"buddy copies turned off on another rank ({why})") from None
                 continue
-            if self.store.get(done) is not None:
+            if all(v is not None for v in self.store.read_present(keys)):
                 return True
-            # The key exists but is not signed with the job secret (an outsider created it on an
-            # etcd anyone can write): wait for the last rank's signed one, which overwrites it.
+            # A key exists but is not signed with the job secret (an outsider created it on an
+            # etcd anyone can write): wait for the rank's signed one, which overwrites it.
             time.sleep(0.05)
         return False

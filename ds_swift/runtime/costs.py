@@ -88,7 +88,8 @@ def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
         "  failure detection: " + (off if "watchdog" in without else
             f"a watchdog thread reads the failure flag every {wd.poll_interval_s:g} s (one job-store round trip) and "
             f"writes its heartbeat, and reads its pipeline neighbours', every {beat:g} s{hang}; the training thread "
-            "reads the flag after every pipeline receive and before every iteration (one round trip each)"),
+            "reads the flag before every iteration (one round trip), and after a pipeline receive only when the "
+            "buffer carries the poison mark (a look at its first 4 bytes)"),
         "  update-undo: " + (off if "undo" in without else
             "a step record per optimizer step, on the training thread (the step's hyper-parameters and per-parameter "
             "bookkeeping: ds_swift.undo)"),

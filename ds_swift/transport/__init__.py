@@ -39,6 +39,7 @@ from ds_swift.transport.core import (
 from ds_swift.transport.teardown import (
     abort_device_communicators,
     backends_of,
+    carries_poison,
     current_plan,
     execute,
     nccl_environment,
@@ -56,6 +57,7 @@ __all__ = [
     "TransportError",
     "all_gather_json",
     "barrier",
+    "carries_poison",
     "close",
     "current",
     "irecv",

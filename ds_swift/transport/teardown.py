@@ -46,9 +46,11 @@ import torch.distributed as dist
 
 __all__ = [
     "ASYNC_ERROR_HANDLING",
+    "POISON_MARK",
     "TeardownPlan",
     "abort_device_communicators",
     "backends_of",
+    "carries_poison",
     "check_nccl_environment",
     "nccl_environment",
     "parse_backends",
@@ -156,14 +158,36 @@ def abort_device_communicators() -> int:
     return len(backends)
 
 
+#: The 4 bytes a poison message carries. Gloo lets a receive of N bytes complete with fewer, so a
+#: poison lands in the first 4 bytes of whatever buffer the neighbour was receiving into; read as
+#: any dtype a pipeline sends, the mark is no value a healthy job produces: a NaN with a payload in
+#: float32, two such NaNs in bfloat16 and float16 (arithmetic yields the canonical NaN, 0x7FC0 /
+#: 0x7E00), and 2,141,552,549 in the int32/int64 tensor-meta handshake (ranks and shape sizes). So
+#: a receive needs no job-store read to know it was not woken (:func:`carries_poison`).
+POISON_MARK = 0x7FA57FA5
+
+
+def carries_poison(tensor: torch.Tensor) -> bool:
+    """Whether a host buffer just received into starts with :data:`POISON_MARK` (a device buffer
+    never does: NCCL worlds are woken by an abort, not a poison message)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    flat = tensor.detach().reshape(-1)
+    size = flat.element_size()
+    if flat.numel() * size < 4:
+        return False
+    head = flat[: max(1, 4 // size)].view(torch.int32)
+    return int(head[0]) == POISON_MARK
+
+
 def poison(peers: Iterable[int]) -> list[Any]:
-    """The gloo branch of :func:`wake_action`: a 1-element send to each of ``peers`` on the world
-    group, where DeepSpeed's pipeline receives wait. Returns the works (not waited for: gloo
-    completes a send only once the peer receives). Only reached where the world is gloo."""
+    """The gloo branch of :func:`wake_action`: a send of :data:`POISON_MARK` to each of ``peers`` on
+    the world group, where DeepSpeed's pipeline receives wait. Returns the works (not waited for:
+    gloo completes a send only once the peer receives). Only reached where the world is gloo."""
     works = []
     for peer in peers:
         try:
-            work = dist.isend(torch.zeros(1), peer)
+            work = dist.isend(torch.tensor([POISON_MARK], dtype=torch.int32), peer)
             if work is not None:
                 works.append(work)
         except Exception:  # noqa: BLE001, S112 - a dead peer cannot be woken and needs no waking

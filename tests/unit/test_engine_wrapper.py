@@ -21,6 +21,7 @@ from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv
 from ds_swift.runtime.engine import SwiftPipelineEngine, initialize
 from ds_swift.runtime.hooks import key_forward_rng
 from ds_swift.testing.procs import free_port
+from ds_swift.transport.teardown import POISON_MARK, carries_poison
 
 
 class Engine:
@@ -131,8 +132,11 @@ def test_recv_check_runs_after_every_recv(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(p2p, "recv", lambda tensor, src_stage, async_op=False: calls.append("recv"))
     original = p2p.recv
 
-    def check() -> None:
+    buffer, seen = torch.zeros(3), []
+
+    def check(received: torch.Tensor | None) -> None:
         calls.append("check")
+        seen.append(received)
         raise PeerFailure("poisoned")
 
     handle = patch_recv_check(check)
@@ -140,8 +144,11 @@ def test_recv_check_runs_after_every_recv(monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(PatchError):
             patch_recv_check(check)
         with pytest.raises(PeerFailure):
-            p2p.recv(None, 0)
-        assert calls == ["recv", "check"]
+            p2p.recv(buffer, 0)
+        with pytest.raises(PeerFailure):
+            p2p.recv(buffer, 0, async_op=True)  # not filled yet: the check gets no buffer to read
+        assert calls == ["recv", "check", "recv", "check"]
+        assert seen[0] is buffer and seen[1] is None
     finally:
         handle.remove()
     assert p2p.recv is original
@@ -222,6 +229,39 @@ def test_the_rebuild_replaces_the_engine_in_force() -> None:
     assert w.engine is new and w.global_steps == 3
 
 
+def poisoned(dtype: torch.dtype, n: int = 6) -> torch.Tensor:
+    """A receive buffer of ``dtype`` after gloo delivered a poison message into it (fewer bytes)."""
+    buffer = torch.ones(n, dtype=dtype)
+    buffer.view(-1).view(torch.uint8)[:4] = torch.tensor([POISON_MARK], dtype=torch.int32).view(torch.uint8)
+    return buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32])
+def test_the_poison_mark_is_seen_in_every_dtype_a_pipeline_receives(dtype: torch.dtype) -> None:
+    assert carries_poison(poisoned(dtype))
+    assert not carries_poison(torch.ones(6, dtype=dtype))
+    # What arithmetic can make of a diverged activation is the canonical NaN, never the mark.
+    if dtype.is_floating_point:
+        assert not carries_poison(torch.full((6,), float("nan"), dtype=dtype))
+        assert not carries_poison(torch.full((6,), float("inf"), dtype=dtype))
+    assert not carries_poison(torch.ones(1, dtype=torch.bfloat16))  # smaller than the mark
+
+
+def test_a_receive_reads_the_store_only_when_it_carries_the_poison_mark(store: JobStore) -> None:
+    monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
+    reads: list[int] = []
+    original = store.failure
+    store.failure = lambda g: reads.append(g) or original(g)  # type: ignore[method-assign]
+    for _ in range(5):
+        monitor.check_after_receive(torch.ones(8))
+    assert reads == []
+    with pytest.raises(PeerFailure, match="poison message from a pipeline neighbour"):
+        monitor.check_after_receive(poisoned(torch.float32))  # the mark, and no flag within the wait
+    assert reads == [0]
+    monitor.check_after_receive()  # before a step: the store is read
+    assert reads == [0, 0]
+
+
 def test_failure_monitor_checks_the_generation_in_force(store: JobStore) -> None:
     monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
     assert monitor.failure_seen() is None
@@ -233,6 +273,9 @@ def test_failure_monitor_checks_the_generation_in_force(store: JobStore) -> None
     with pytest.raises(PeerFailure, match="rank 3 killed"):
         monitor.check_after_receive()
     assert monitor.classify(ValueError("late")) == "ValueError after the failure flag"
+    with pytest.raises(PeerFailure, match="rank 3 killed"):
+        monitor.check_after_receive(poisoned(torch.bfloat16))
+    monitor.check_after_receive(torch.ones(4))  # a real message: no store read (the watchdog tells)
     monitor.set_armed(False)
     monitor.check_after_receive()  # disarmed during a recovery
     monitor.set_generation(1)

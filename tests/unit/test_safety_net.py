@@ -56,10 +56,36 @@ def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
         copier.before_step(failed)
 
 
+def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
+    store = JobStore.host("unit-buddy-landing")
+    world, results = 3, {}
+    ranks = [StoreLanding(store, 0, world, rank=r) for r in range(world)]
+    threads = {r: threading.Thread(target=lambda r=r: results.setdefault(r, ranks[r](7, lambda: False)))
+               for r in (0, 1)}  # fmt: skip
+    for t in threads.values():
+        t.start()
+    # Ranks 0 (the leader) and 1 wait for rank 2: their keys are in, done is not.
+    assert store.wait_value("buddy/0/7/1", 30) is not None and store.wait_value("buddy/0/7/0", 30) is not None
+    assert store.get("buddy/0/7/done") is None and results == {}
+    assert ranks[2](7, lambda: False) is True
+    for t in threads.values():
+        t.join(30)
+    assert results == {0: True, 1: True}
+    # The next rounds clean up two back: the store holds a bounded number of landing keys.
+    for version in (8, 9):
+        done = [threading.Thread(target=lambda r=r, v=version: ranks[r](v, lambda: False)) for r in range(world)]
+        for t in done:
+            t.start()
+        for t in done:
+            t.join(30)
+    assert all(store.get(f"buddy/0/7/{r}") is None for r in range(world)) and store.get("buddy/0/7/done") is None
+    assert store.get("buddy/0/9/done") is not None
+
+
 def test_a_rank_turning_copies_off_ends_every_ranks_wait_for_its_rounds() -> None:
     store = JobStore.host("unit-buddy-off")
-    waiting = StoreLanding(store, 0, 2)  # rank 0's copier, waiting for rank 1's count in round 5
-    StoreLanding(store, 0, 2).turn_off("rank 1: RuntimeError: timed out")
+    waiting = StoreLanding(store, 0, 2, rank=0)  # rank 0's copier, waiting for rank 1's key in round 5
+    StoreLanding(store, 0, 2, rank=1).turn_off("rank 1: RuntimeError: timed out")
     with pytest.raises(RuntimeError, match="turned off on another rank"):
         waiting(5, lambda: False)
 

@@ -146,12 +146,12 @@ def test_a_buddy_round_done_key_created_without_the_secret_does_not_end_the_wait
             polled.set()
         return len(polls) > 1000
 
-    first = threading.Thread(target=lambda: results.append(StoreLanding(job, 0, 2)(3, stopped)))
+    first = threading.Thread(target=lambda: results.append(StoreLanding(job, 0, 2, rank=1)(3, stopped)))
     first.start()
     try:
-        assert polled.wait(60) and not results  # counted in (1 of 2), not ended by the forged key
+        assert polled.wait(60) and not results  # its key written, not ended by the forged done key
         other = JobStore.connect("127.0.0.1", job.port, TOKEN, timeout_s=10, secret=SECRET)
-        assert StoreLanding(other, 0, 2)(3, lambda: False) is True  # the second rank completes the round
+        assert StoreLanding(other, 0, 2, rank=0)(3, lambda: False) is True  # the leader completes the round
     finally:
         first.join(60)
     assert results == [True]  # ended by the last rank's signed key

@@ -1,0 +1,57 @@
+"""Importing megatron-core on a machine without CUDA, without building ``torch.compile`` wrappers.
+
+megatron-core wraps its fused kernels in ``torch.compile`` when its modules are imported
+(``megatron/core/jit.py``: ``jit_fuser``; ``fusions/fused_bias_geglu.py`` and others decorate with
+it). Building one such wrapper imports ``torch._inductor`` and ``torch._dynamo``: 40 % of the CPU
+that ``from megatron.core import parallel_state`` costs after torch and DeepSpeed are loaded
+(measured on the CPU machine: 6.8 CPU-s for the whole import, 4.3 with this patch, per process).
+A CPU job starts every rank, and every replacement, through that import, on a machine where the
+compiled kernels could not run anyway (inductor would generate and compile C++ at the first call).
+
+:func:`eager_jit_fuser` lets ``torch.compile`` hand the function back unchanged while megatron-core
+is imported, so its fused kernels run eagerly (the same arithmetic, unfused), then restores it.
+Where CUDA is present, or megatron-core is loaded already, it changes nothing: a GPU run keeps
+megatron's fused kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["eager_jit_fuser", "import_megatron_core"]
+
+
+def _eager(model: Callable[..., Any] | None = None, **_: Any) -> Any:
+    """``torch.compile``'s signature, compiling nothing: the function itself (or, called with options
+    only, a decorator that returns it)."""
+    if model is None:
+        return lambda fn: fn
+    return model
+
+
+@contextmanager
+def eager_jit_fuser() -> Iterator[bool]:
+    """While the block runs, ``torch.compile`` returns what it is given (on a machine without CUDA,
+    where megatron-core is not loaded yet). Yields whether it did."""
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        yield False
+        return
+    original = torch.compile
+    torch.compile = _eager  # type: ignore[assignment]
+    try:
+        yield True
+    finally:
+        torch.compile = original
+
+
+def import_megatron_core() -> Any:
+    """``megatron.core``, imported under :func:`eager_jit_fuser`."""
+    with eager_jit_fuser():
+        import megatron.core
+
+    return megatron.core

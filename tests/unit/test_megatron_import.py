@@ -1,0 +1,54 @@
+"""patches/megatron_import.py: megatron-core imported on CPU without building torch.compile wrappers
+(which import torch._inductor: a third of every rank's start-up CPU), and torch.compile given back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ds_swift.patches.megatron_import import eager_jit_fuser
+
+
+def _fn(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_torch_compile_hands_functions_back_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    original = torch.compile
+    with eager_jit_fuser() as eager:
+        assert eager
+        assert torch.compile(_fn) is _fn
+        decorate: Callable[..., object] = torch.compile(mode="max-autotune-no-cudagraphs")
+        assert decorate(_fn) is _fn
+    assert torch.compile is original
+
+
+@pytest.mark.parametrize("why", ["cuda", "loaded"])
+def test_nothing_changes_with_cuda_or_once_megatron_is_loaded(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: why == "cuda")
+    if why == "loaded":
+        monkeypatch.setitem(sys.modules, "megatron.core", object())
+    else:
+        monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
+    original = torch.compile
+    with eager_jit_fuser() as eager:
+        assert not eager and torch.compile is original
+
+
+def test_megatron_core_imports_without_inductor_on_cpu() -> None:
+    code = (
+        "import sys, torch\n"
+        "from ds_swift.patches.megatron_import import import_megatron_core\n"
+        "import_megatron_core()\n"
+        "from megatron.core import parallel_state\n"
+        "assert parallel_state.model_parallel_is_initialized() is False\n"
+        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'restored', torch.compile.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert "inductor False restored torch" in out.stdout, out.stdout + out.stderr[-2000:]
