@@ -153,3 +153,30 @@ def test_the_keeper_exists_only_for_pipechurn_with_partial_recomputation() -> No
     assert kept_inflight(cfg("pipechurn", True), lambda i, m: None, 0) is not None
     assert kept_inflight(cfg("pipechurn", False), lambda i, m: None, 0) is None
     assert kept_inflight(cfg("tranlogs", True), lambda i, m: None, 0) is None
+
+
+def test_finishing_the_iteration_runs_only_its_reductions_and_step_then_the_loss_aggregation() -> None:
+    from ds_swift.recovery.state.inflight import finish_iteration
+
+    ran: list[str] = []
+
+    class Engine:
+        module = torch.nn.Linear(1, 1)
+
+        def _exec_schedule(self, sched: Any) -> None:
+            assert sched.num_pipe_buffers() >= 1
+            ran.extend(type(cmd).__name__ for step in sched for cmd in step)
+
+        def _aggregate_total_loss(self) -> torch.Tensor:
+            ran.append("loss")
+            return torch.tensor(2.0)
+
+    eng = Engine()
+    eng.module.eval()
+    assert float(finish_iteration(eng)) == 2.0 and eng.module.training
+    assert ran == ["ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "loss"]
+
+
+def test_the_report_carries_the_iteration_in_flight_through_the_store() -> None:
+    rep = reports({1})[0]
+    assert rep.inflight == 10 and RankReport.from_json(rep.to_json()) == rep
