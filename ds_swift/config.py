@@ -279,24 +279,24 @@ class BuddyConfig:
 
 @dataclass(frozen=True)
 class PipeChurnConfig:
-    """PipeChurn's erasure-coded in-memory checkpoints (strategy ``pipechurn``): after every step
-    each rank's state is cut into ``data_chunks`` chunks plus ``parity_chunks`` Reed-Solomon parity
-    chunks, held in host memory of as many other machines; any ``parity_chunks`` + 1 machine losses
-    at once are recovered from the surviving chunks (a rank's own machine holds none of its chunks:
-    ds_swift.recovery.state.erasure)."""
+    """PipeChurn's erasure-coded in-memory checkpoints (strategy ``pipechurn``): after every step each
+    rank's state is cut into ``data_chunks`` + ``parity_chunks`` Reed-Solomon chunks, in host memory of
+    as many other machines (ds_swift.recovery.state.erasure): ``parity_chunks`` + 1 losses recovered."""
 
     data_chunks: int = 2
     """k: each holder keeps 1/k of the state (host memory per rank: (k + r)/k of its state, spread)."""
-
     parity_chunks: int = 1
     """r: each rank's chunks that may be lost. The job needs k + r machines besides each rank's own."""
+    partial_recompute: bool = True
+    """Only the lost ranks' passes of the iteration in flight run again, fed by kept sends (device memory:
+    one iteration's sends and a gradient copy; ds_swift.recovery.state.inflight); false: all retrain it."""
 
     def __post_init__(self) -> None:
         for name in ("data_chunks", "parity_chunks"):
-            value = getattr(self, name)
-            _check_type(f"pipechurn.{name}", value, int, "a positive integer")
-            if value < 1:
-                raise _fail(f"pipechurn.{name}", value, "a positive integer")
+            _check_type(f"pipechurn.{name}", getattr(self, name), int, "a positive integer")
+            if getattr(self, name) < 1:
+                raise _fail(f"pipechurn.{name}", getattr(self, name), "a positive integer")
+        _check_type("pipechurn.partial_recompute", self.partial_recompute, bool, "true or false")
 
 
 @dataclass(frozen=True)

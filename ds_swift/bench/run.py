@@ -18,7 +18,9 @@ reference every row is compared with. Per strategy the table gives:
   a rank reached (sampled from /proc every 0.2 s, the same for every job), and the buddy copies
   held in host memory;
 - ``recomputed``: the work a logging replay recomputed, in micro-batch passes (one forward and one
-  backward of one stage): all replayers / the busiest one (the replay's critical path). The
+  backward of one stage): all replayers / the busiest one (the replay's critical path); for
+  PipeChurn, the passes of the iteration in flight run again (``pipechurn_full``: every rank's;
+  ``pipechurn_partial``: the lost ranks' alone, with ``--phase reduce``). The
   variants ``logging_sequential`` and ``logging_parallel`` run logging-based recovery without and
   with parallel recovery (forced, ``parallel_recovery_force``: also where the plan finds that the
   helpers would only share the replacements' CPU cores), so one run measures the two side by side.
@@ -56,6 +58,7 @@ from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_thro
 from ds_swift.bench.profile import bench_profile, profile_row
 from ds_swift.config import Strategy
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
+from ds_swift.testing.faults import PHASES
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
 
 __all__ = [
@@ -69,9 +72,15 @@ ELASTIC = "lossy_forward_elastic"
 #: logging-based recovery with the replay spread over survivors (SWIFT 5.2), used even where the plan
 #: finds it cannot help (``parallel_recovery_force``), and without it: the two measured in one run
 PARALLEL, SEQUENTIAL = "logging_parallel", "logging_sequential"
+#: PipeChurn without and with its partial recomputation of the iteration in flight
+#: (``pipechurn.partial_recompute``): recovery time and passes recomputed side by side. Partial
+#: recomputation needs every pass of the iteration done when the machine dies: ``--phase reduce``.
+PIPECHURN_FULL, PIPECHURN_PARTIAL = "pipechurn_full", "pipechurn_partial"
 VARIANTS: dict[str, dict[str, Any]] = {
     PARALLEL: {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True},
     SEQUENTIAL: {"strategy": "logging", "parallel_recovery": False},
+    PIPECHURN_FULL: {"strategy": "pipechurn", "pipechurn": {"partial_recompute": False}},
+    PIPECHURN_PARTIAL: {"strategy": "pipechurn", "pipechurn": {"partial_recompute": True}},
 }
 #: TranLogs' per-stage mix: the first half of the stages log their inbound messages, the others their
 #: updates (``logging.kinds``), against ``logging`` (messages everywhere): the bytes each logs
@@ -256,7 +265,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--kill-iteration", type=int, default=11, help="iteration (from 0) during which the machine dies")
     p.add_argument("--machine", type=int, default=1, help="the machine killed (default %(default)s)")
-    p.add_argument("--phase", default="backward", choices=["forward", "backward", "step", "send", "recv"])
+    p.add_argument("--phase", default="backward", choices=PHASES)
     p.add_argument("--checkpoint-interval", type=int, default=8, help="iterations between global checkpoints")
     p.add_argument("--nnodes", type=int, default=2, help="simulated machines (default %(default)s)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per machine (default %(default)s)")

@@ -63,7 +63,28 @@ def decide(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) ->
     if plan.min_budget_gb is not None:
         raise budget_error(cfg, plan)
     decisions = decide_stages(plan, cfg.logging.kinds, measured)
-    return apply_decisions(plan, decisions), decisions
+    plan = apply_decisions(plan, decisions)
+    _check_updates_fit(cfg, plan, measured)
+    return plan, decisions
+
+
+def _check_updates_fit(cfg: SwiftConfig, plan: Plan, measured: MeasuredSizes) -> None:
+    """The stages that log their updates (``logging.kinds``) store them beside the messages: both
+    count against ``logging.storage_budget_gb``. Raises ConfigError (naming the figures) when they
+    do not fit together."""
+    budget, interval = cfg.logging.storage_budget_gb, cfg.checkpoint.interval
+    if budget is None or not plan.update_stages:
+        return
+    updates = sum(measured.stage_update_bytes(s) or 0 for s in plan.update_stages)
+    held = (plan.log_bytes_per_iteration + updates) * interval / GB
+    if held > budget:
+        raise ConfigError(
+            f"swift config: logging.storage_budget_gb={budget:g} cannot be met: the plan logs "
+            f"{plan.log_bytes_per_iteration} bytes of messages and {updates} bytes of updates (stages "
+            f"{sorted(plan.update_stages)}) per iteration, {held:.3g} GB per checkpoint.interval={interval} "
+            f"(measured in iteration {measured.iteration}); set logging.storage_budget_gb to at least {held:.3g}, "
+            'shorten checkpoint.interval, or set logging.kinds to "messages"'
+        )
 
 
 def budget_plan(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> Plan:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ds_swift.recovery.kept import KeptState
     from ds_swift.recovery.replay.runner import ReplayRuntime
     from ds_swift.recovery.state.digest import Verdict
+    from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "announce_deviation",
@@ -67,6 +68,14 @@ class RecoveryOutcome:
     nothing that has one; see ds_swift.recovery.verify)."""
     grad_scale: GradScale | None = None
     """Lossy forward: how this rank scales its gradients of the iteration trained next."""
+    finish_iteration: int | None = None
+    """PipeChurn's partial recomputation: the iteration in flight whose passes the recovery already
+    ran (the lost ranks replayed theirs, the survivors kept theirs); the runtime runs only its
+    gradient reductions and step (ds_swift.recovery.state.inflight.finish_iteration)."""
+    back_iteration: int | None = None
+    """Training is back once ``global_steps`` reaches it (None: the plan's pre-failure iteration).
+    PipeChurn counts the in-flight iteration done again (the paper's recovery delay), so its full
+    retrain and its partial recomputation compare."""
 
 
 def announce_deviation(ctx: RankContext, inputs: RecoveryInputs, strategy: str, outcome: RecoveryOutcome,
@@ -101,6 +110,8 @@ class RankContext:
         replay: what the runtime lends logging-based recovery (None: nothing is logged).
         verify: check restored state against its reference digest (``verify.enabled``).
         updates: the update log's store URL (strategy ``tranlogs``; None: no update log).
+        inflight: this rank's copy of the iteration in flight (strategy ``pipechurn`` with
+            ``pipechurn.partial_recompute``; None: not kept).
     """
 
     store: JobStore
@@ -115,6 +126,7 @@ class RankContext:
     replay: ReplayRuntime | None = None
     verify: bool = False
     updates: str | None = None
+    inflight: InflightKeeper | None = None
 
     def keep_state(self, plan: RecoveryPlan) -> None:
         """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus

@@ -51,6 +51,9 @@ class RankReport:
     undo_exact: bool = False
     """That undo would be bitwise (the rank holds its own copy of the iteration before; otherwise
     update-undo's inverse update gets within 2 ulp of it, and the recovery says so)."""
+    inflight: int = -1
+    """The iteration in flight whose every send and accumulated gradient this rank holds a copy of
+    (PipeChurn's partial recomputation, ds_swift.recovery.state.inflight; -1: none)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -34,6 +34,7 @@ from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES
 from ds_swift.recovery.replay.runner import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
+from ds_swift.recovery.state.inflight import InflightKeeper
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import (
     OWN_COPY,
@@ -63,8 +64,9 @@ class LogPlan:
     update_stages: Collection[int] = ()
 
 
-def rank_report(engine: Any, kept: KeptState | None, machine: int) -> RankReport:
-    """This rank's report for the consensus (``engine`` is the rebuilt one: its coordinates)."""
+def rank_report(engine: Any, kept: KeptState | None, machine: int, inflight: InflightKeeper | None = None) -> RankReport:
+    """This rank's report for the consensus (``engine`` is the rebuilt one: its coordinates;
+    ``inflight``: its copy of the iteration in flight, a survivor's of the failed generation)."""
     grid = engine.grid
     tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
     return RankReport(
@@ -77,6 +79,7 @@ def rank_report(engine: Any, kept: KeptState | None, machine: int) -> RankReport
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
         undo_exact=kept is not None and kept.undo_exact,
+        inflight=inflight.complete if inflight is not None and kept is not None else -1,
     )
 
 
@@ -114,13 +117,13 @@ def run_recovery(
     partitioned: bool = False,
     verify: bool = False,
     updates: str | None = None,
+    inflight: InflightKeeper | None = None,  # PipeChurn's copy of the iteration in flight (partial recomputation)
 ) -> RecoveryOutcome:
     """Run steps 1-5 above in ``generation`` (already joined; ``engine`` already rebuilt).
 
     ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
     ``partitioned``: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
-    ``verify``: check restored state against reference digests (``verify.enabled``).
-    ``updates``: the update log's store URL (strategy tranlogs), or None.
+    ``verify``: check restored state against reference digests; ``updates``: the update log's URL (tranlogs).
     """
     store.publish(generation, "report", rank, report.to_json())
     reports = [
@@ -153,7 +156,7 @@ def run_recovery(
         loud(rank, f"cannot undo iteration {kept.last_stepped}: {kept.undo_blocker()}")
     ctx = RankContext(
         store, generation, rank, engine, kept, ckpt, timeline, gather_timeout_s, log,
-        logging.runtime if logging is not None else None, verify, updates,
+        logging.runtime if logging is not None else None, verify, updates, inflight,
     )  # fmt: skip
     error: str | None = None
     try:

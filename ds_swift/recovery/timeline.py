@@ -324,7 +324,8 @@ class PendingTimeline:
         outcome, tl, generation = self._pending
         store = self._ctx.store
         assert store is not None
-        if tl.t_back is None and global_steps >= outcome.plan.pre_failure_iteration:
+        back = outcome.back_iteration if outcome.back_iteration is not None else outcome.plan.pre_failure_iteration
+        if tl.t_back is None and global_steps >= back:
             tl.t_back = time.time()
             store.publish(generation, "timeline", tl.rank, tl.to_json())
         if tl.t_back is not None:

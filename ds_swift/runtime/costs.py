@@ -72,8 +72,27 @@ def protection_costs(
            "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
            "that the plan logs): 0")
     )  # fmt: skip
+    if cfg.recovery_strategy == "pipechurn":
+        lines.append(_inflight_line(engine, cfg, device))
     lines += _runtime_lines(cfg, without)
     return lines
+
+
+def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
+    """PipeChurn's copy of the iteration in flight (ds_swift.recovery.state.inflight)."""
+    if not cfg.pipechurn.partial_recompute:
+        return "  partial recomputation: off (pipechurn.partial_recompute false: every rank retrains the iteration in flight): 0"
+    from ds_swift.patches.deepspeed_grad_accum import accumulator
+
+    try:
+        hp = accumulator(engine.optimizer).where == "hp"
+    except Exception:  # noqa: BLE001 - an unsupported wrapper: the keeper says so at its first copy
+        hp = False
+    grads = sum(p.numel() * (4 if hp else p.element_size()) for p in engine.module.parameters() if p.requires_grad)
+    rate = PCIE_BYTES_PER_S * 4 if device != "cpu" else HOST_COPY_BYTES_PER_S  # a device-to-device copy
+    return (f"  partial recomputation: a copy of the gradients before their reduction, {_mb(grads)} per iteration "
+            f"(~{grads / rate * 1e3:.2f} ms, estimated at {rate / 1e9:.0f} GB/s), and references to the iteration's "
+            f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)")  # fmt: skip
 
 
 def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:

@@ -13,10 +13,8 @@ generation fails, ``train_batch`` (and ``save_checkpoint``) does not return unti
 again: detection (ds_swift.detect) says how it failed, the rebuild (ds_swift.runtime.rebuild) tears
 the engine down, joins the next generation, builds DeepSpeed again and runs the recovery protocol,
 and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1``) runs the same
-recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
-
-The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
-ds_swift.runtime.hooks; the recovery timeline in ds_swift.recovery.timeline.
+recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``. The
+per-engine hooks are in ds_swift.runtime.hooks; the recovery timeline in ds_swift.recovery.timeline.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale, scaled_gradients
+from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
@@ -97,11 +96,12 @@ def initialize(
 class SwiftPipelineEngine:
     """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
 
+    _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
     _OWN = frozenset(
         {
             "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
             "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
-            "_running", "_guard",
+            "_running", "_guard", "_finish",
         }
     )  # fmt: skip
 
@@ -151,7 +151,7 @@ class SwiftPipelineEngine:
             else None
         )  # fmt: skip
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
-        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without)
+        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without, kept_inflight(cfg, batch_fn, seed))
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
         check_machines(cfg, ctx.env)
         hang = cfg.watchdog.hang_timeout_s
@@ -168,8 +168,7 @@ class SwiftPipelineEngine:
             hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
         )  # fmt: skip
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
-        # Replays and retried iterations must compute what the first run computed; the user's
-        # settings come back on close().
+        # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
         self._hooks.install(engine)
         for line in protection_costs(engine, cfg, digests=self._rebuild.digests, buddy=self._rebuild.buddy, logs=logs,
@@ -246,7 +245,8 @@ class SwiftPipelineEngine:
                     # the recovery resumes after it: only the checkpoint is done again.
                     # (and always when this call trained nothing yet: it returns a trained iteration's loss)
                     if int(engine.global_steps) <= target or loss is None:
-                        self._hooks.begin_iteration()
+                        finishing, self._finish = self._finish == int(engine.global_steps), None
+                        self._hooks.begin_iteration(finishing)
                         data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
                             int(engine.global_steps))  # fmt: skip
                         if self._simulation is not None:
@@ -254,7 +254,7 @@ class SwiftPipelineEngine:
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
                         try:
                             with self._scaled(engine):
-                                loss = engine.train_batch(data_iter=data)
+                                loss = finish_iteration(engine) if finishing else engine.train_batch(data_iter=data)
                         finally:
                             self._monitor.progress.arm(False)
                         if self._simulation is not None and self._simulation.roll_back(engine):
@@ -414,8 +414,7 @@ class SwiftPipelineEngine:
         if self._running is not None:
             self._running.close()
         buddy = self._rebuild.buddy
-        # Every rank ends its last round (its peers' threads send theirs whatever their training
-        # threads do), so the process does not exit inside a gloo op.
+        # Every rank ends its last round (peers send theirs anyway): no exit inside a gloo op.
         if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
             self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
         if self._rebuild.digests is not None:
@@ -472,6 +471,7 @@ class SwiftPipelineEngine:
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
                                    self._ctx.join_timeout_s, rank=dist.get_rank())  # fmt: skip
         self._grad_scale = done.outcome.grad_scale
+        self._finish = done.outcome.finish_iteration
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)
         self._timeline.check_back(int(self._engine.global_steps))

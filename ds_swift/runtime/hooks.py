@@ -19,6 +19,7 @@ from ds_swift.runtime.context import SwiftContext
 if TYPE_CHECKING:
     # Not at run time: the logging wiring imports the replay.
     from ds_swift.detect.progress import Progress
+    from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.runtime.logging_wiring import EngineLogging
 
 __all__ = ["EngineHooks", "attach_undo", "make_injector"]  # key_forward_rng, seed_generators: ds_swift.data.keyed
@@ -76,10 +77,11 @@ class EngineHooks:
         injector: the fault injector (None: no faults are injected).
         logs: the worker's message log and step-collective records (kept across rebuilds).
         log: prints one line (the runtime's logger).
+        inflight: keeps the iteration in flight (PipeChurn's partial recomputation; None: nothing kept).
     """
 
     def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None],
-                 without: frozenset[str] = frozenset()) -> None:  # fmt: skip
+                 without: frozenset[str] = frozenset(), inflight: InflightKeeper | None = None) -> None:  # fmt: skip
         self.seed = seed
         #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
         self.without = without
@@ -92,14 +94,21 @@ class EngineHooks:
         self._reseed = True  # off while a replay keys the RNG itself
         #: the training thread's progress, beaten at every instruction (None: hangs not watched)
         self.progress: Progress | None = None
+        #: the copy of the iteration in flight (PipeChurn's partial recomputation; None: not kept)
+        self.inflight = inflight
+        if inflight is not None:
+            inflight.log = log
 
     def set_reseed(self, on: bool) -> None:
         self._reseed = on
 
-    def begin_iteration(self) -> None:
-        """The next forward pass is the iteration's first micro-batch."""
+    def begin_iteration(self, finishing: bool = False) -> None:
+        """The next forward pass is the iteration's first micro-batch (``finishing``: only the
+        iteration's step runs, after a partial recomputation: its kept copy stays)."""
         self._micro = 0
         self.logs.begin_iteration()
+        if self.inflight is not None and not finishing:
+            self.inflight.restart()
 
     def install(self, engine: Any) -> None:
         """Hook ``engine``: undo, collective recorder, reseeding and faults, message logger."""
@@ -125,6 +134,7 @@ class EngineHooks:
             schedule.ForwardPass: forward,
             schedule.BackwardPass: phase_hook("backward"),
             schedule.OptimizerStep: phase_hook("step"),
+            schedule.ReduceGrads: phase_hook("reduce"),
             schedule.SendActivation: phase_hook("send"),
             schedule.SendGrad: phase_hook("send"),
             schedule.RecvActivation: phase_hook("recv"),
@@ -137,6 +147,8 @@ class EngineHooks:
         self._undo = attach_undo(engine, self._log) if "undo" not in self.without else None
         self.logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
+        if self.inflight is not None:
+            self._handles.extend(self.inflight.install(engine))
         self.logs.attach_log(engine, self._handles)
 
     @property

@@ -435,7 +435,7 @@ class Rebuilder:
             world_size=env.world_size,
             engine=engine,
             report=dataclasses.replace(
-                rank_report(engine, kept, self._machine()),
+                rank_report(engine, kept, self._machine(), self._hooks.inflight),
                 buddy_copies=self.buddy.holdings.copies() if self.buddy is not None and not erasure else (),
                 ec_chunks=self.buddy.holdings.chunks() if self.buddy is not None and erasure else (),
                 ec_k=self._cfg.pipechurn.data_chunks if erasure else 0,
@@ -446,13 +446,13 @@ class Rebuilder:
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
-            ckpt=self._ckpt,
-            timeline=tl,
+            ckpt=self._ckpt, timeline=tl,
             gather_timeout_s=self._ctx.join_timeout_s,
             log=self._ctx.log,
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
             verify=self._cfg.verify.enabled,
             updates=self._cfg.logging.storage if self.updates is not None else None,
+            inflight=self._hooks.inflight,
         )
 
     @property

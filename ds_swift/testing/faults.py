@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", "group_down_key", "group_kill_key"]
 
 #: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
-PHASES = ("forward", "backward", "step", "send", "recv")
+PHASES = ("forward", "backward", "step", "send", "recv", "reduce")  # reduce: before the data-parallel gradient reduction
 _FIELDS = ("machine", "iteration", "phase")
 _EXAMPLE = "machine=1,iteration=7,phase=backward"
 

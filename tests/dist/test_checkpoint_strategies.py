@@ -183,6 +183,36 @@ def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     assert_bitwise(baseline, job)
 
 
+def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_flight_bitwise(
+    tmp_path: Path, baseline: JobRun
+) -> None:
+    """PipeChurn's partial recomputation: machine 1 (rank 1: stage 1 of replica 0, rank order
+    tp-pp-dp) dies at the gradient reduction of iteration 8, after every pass of it ran. Its state is
+    decoded at iteration 7; it alone replays its 4 passes of iteration 8, fed the activations rank 0
+    kept of what it sent it; the survivors keep theirs; then all reduce and step live."""
+    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}  # fmt: skip
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce"], swift, nnodes=4)
+    assert job.code == 0, job.output[-6000:]
+    assert "checkpoint fallback" not in job.output and "FULL RETRAIN" not in job.output, job.output[-6000:]
+    (tl,) = job.timelines()
+    assert tl["strategy"] == "pipechurn" and tl["consensus"] == 7, tl
+    assert "of iteration 8, only the lost ranks' passes are recomputed" in tl["reason"], tl["reason"]
+    # The work recomputed: rank 1's 4 micro-batch passes, not the 16 of every rank.
+    assert tl["replay"]["partial"] and tl["replay"]["micro_batch_passes"] == 4, tl["replay"]
+    recomputed = re.findall(r"rank (\d+): recomputed my (\d+) micro-batch passes of iteration 8 .* fed by ranks \[0\]",
+                            job.output)  # fmt: skip
+    assert recomputed == [("1", "4")], job.output[-3000:]
+    kept = re.findall(r"rank (\d+): kept my passes of iteration 8", job.output)
+    assert sorted(map(int, kept)) == [0, 2, 3], job.output[-3000:]
+    assert "rank 0: kept my passes of iteration 8 (" in job.output and "MB of kept sends to the lost ranks" in job.output
+    # Iteration 8 was trained once (its step after the recovery), every other iteration once.
+    iterations = [p.iteration for p in read_loss_log(job.loss_log)]
+    assert iterations == sorted(set(iterations)) and iterations[-1] == ITERS - 1, iterations
+    assert 1 in verified_ranks(job.output), job.output[-3000:]
+    assert_bitwise(baseline, job)
+
+
 def scheduler_state(tag: Path) -> dict[str, Any]:
     states = torch.load(next(tag.glob("mp_rank_*_model_states.pt")), map_location="cpu", weights_only=False)
     return {"lr_scheduler": states["lr_scheduler"], "global_steps": states["global_steps"]}

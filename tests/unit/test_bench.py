@@ -115,6 +115,24 @@ def test_parallel_and_sequential_replay_rows_count_the_work_recomputed(tmp_path:
     assert "recomputed" in table[0] and table[2].endswith("32/16") and table[3].endswith("32/8")
 
 
+def test_pipechurn_full_and_partial_rows_count_the_passes_of_the_iteration_in_flight(tmp_path: Path) -> None:
+    """PipeChurn without and with partial recomputation: every rank's passes of the iteration in flight
+    (16 on 4 ranks of 4 micro-batches) against the lost rank's (4), from the recovery timeline."""
+    assert strategy_overrides("pipechurn_full", 8) == {
+        "strategy": "pipechurn", "pipechurn": {"partial_recompute": False}, "checkpoint": {"interval": 8}}
+    assert strategy_overrides("pipechurn_partial", 8)["pipechurn"] == {"partial_recompute": True}  # fmt: skip
+    ref = fake_job(tmp_path, "none", STEADY, W)
+    runs = {}
+    for name, passes, partial in (("pipechurn_full", 16, False), ("pipechurn_partial", 4, True)):
+        tl = {"strategy": "pipechurn", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 2.0,
+              "checkpoint_step": -1, "pre_failure_iteration": 11,
+              "replay": {"partial": partial, "in_flight": 11, "micro_batch_passes": passes,
+                         "micro_batch_passes_busiest": 4}}  # fmt: skip
+        runs[name] = (fake_job(tmp_path, f"{name}-c", STEADY, W), fake_job(tmp_path, f"{name}-f", STEADY, W, [tl]))
+    table = format_table(bench_rows(ref, runs))
+    assert table[2].endswith("16/4") and table[3].endswith("4/4"), table
+
+
 def test_an_elastic_row_measures_the_shrunk_speed(tmp_path: Path) -> None:
     """No spare: the job shrank at iteration 4 (consensus 3) and went on at half speed; the profile
     row is kind elastic with that speed, which the simulator's elastic model reads."""

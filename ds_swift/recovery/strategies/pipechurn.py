@@ -7,18 +7,21 @@ failure of at most r + 1 machines (its own among them) every lost rank still has
 on survivors: the
 survivors keep their state (undoing to the agreed iteration), the chosen holders send the lost
 ranks their chunks, each lost rank decodes and loads its state, and every rank rebuilds its
-low-precision parameters (the data-parallel all-gather under ZeRO-1/bf16). The iteration in flight
-is then trained again by every rank: only what the failure lost is recomputed. Exact: bitwise the
-lost rank's state after that iteration's step. With more machines lost at once (or chunks
-lagging more than one step) the registry falls back to the global checkpoint, saying why.
+low-precision parameters (the data-parallel all-gather under ZeRO-1/bf16). Then, of the iteration
+in flight, only what the failure lost is recomputed: the lost ranks replay their passes fed from
+the sends their surviving neighbours kept, the survivors keep theirs
+(ds_swift.recovery.strategies.pipechurn_partial); where that cannot be done, every rank trains it
+again, and the plan says why. Exact: bitwise the failure-free run. With more machines lost at once
+(or chunks lagging more than one step) the registry falls back to the global checkpoint, saying why.
 """
 
 from __future__ import annotations
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
 from ds_swift.recovery.state.transfer import finish_restore, load_received, recv_state, send_state
+from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, recompute_lost, retrain_summary
 from ds_swift.recovery.verify import check_published
 
 __all__ = ["PipeChurnStrategy"]
@@ -48,7 +51,14 @@ class PipeChurnStrategy(RecoveryStrategy):
         reason = f"every lost rank's state is decoded from erasure-coded chunks of iteration {target} ({where})"
         if target < inputs.consensus:
             reason += f"; a chunk lags one step: survivors undo to iteration {target}"
-        return inputs.rebased(target).plan(self.name, reason, donors={r: s[0][0] for r, s in sources.items()})
+        rebased = inputs.rebased(target)
+        why = partial_blocker(rebased)
+        reason += (
+            f"; of iteration {target + 1}, only the lost ranks' passes are recomputed"
+            if why is None
+            else f"; FULL RETRAIN of iteration {target + 1} by every rank (no partial recomputation: {why})"
+        )
+        return rebased.plan(self.name, reason, donors={r: s[0][0] for r, s in sources.items()})
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
@@ -77,4 +87,20 @@ class PipeChurnStrategy(RecoveryStrategy):
         finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
         if ctx.rank in sources and ctx.verify:
             outcome.verdict = check_published(ctx.store, ctx.rank, ctx.engine, plan.consensus, "the decoded state")
+        _in_flight(plan, inputs.rebased(plan.consensus), ctx, outcome)
         return outcome
+
+
+def _in_flight(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext, outcome: RecoveryOutcome) -> None:
+    """The iteration in flight: its lost passes recomputed (the runtime then finishes it live), or,
+    where that cannot be done, trained again by every rank, said loudly."""
+    outcome.back_iteration = plan.consensus + 2  # back once the in-flight iteration is done again
+    why = partial_blocker(inputs)
+    if why is None:
+        outcome.replay = recompute_lost(plan, inputs, ctx)
+        outcome.finish_iteration = plan.consensus + 1
+        return
+    outcome.replay = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
+    if ctx.rank == min(inputs.survivors, default=ctx.rank):
+        loud(ctx.rank, f"pipechurn: no partial recomputation ({why}); every rank trains iteration "
+                       f"{plan.consensus + 1} again")  # fmt: skip
