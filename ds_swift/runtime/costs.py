@@ -115,7 +115,7 @@ def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
 
 def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
     every = cfg.checkpoint.interval
-    if cfg.strategy == "checkfreq":
+    if cfg.services.checkpoint_tuner:
         return (f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
                 f"of training time), {_mb(total)} per save, asynchronous")  # fmt: skip
     if async_ckpt:

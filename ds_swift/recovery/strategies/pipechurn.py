@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
 from ds_swift.recovery.state.transfer import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.verify import check_published
@@ -29,6 +30,8 @@ class PipeChurnStrategy(RecoveryStrategy):
 
     name = "pipechurn"
     auto = False  # the chunks exist only when the config names this strategy
+    # The lost ranks' state comes from other machines' memory: modelled as a replication.
+    SERVICES = StrategyServices(erasure_chunks=True, digests=True, sim_kind="replication")
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker() or inputs.wrapper_blocker()
