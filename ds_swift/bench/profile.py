@@ -9,6 +9,7 @@ from typing import Any
 
 from ds_swift.bench.measure import loss_series, step_seconds
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.testing.jobs import JobRun
 
 __all__ = ["PROFILE_NAMES", "bench_profile", "checkpoint_stall_s", "profile_row"]
@@ -19,13 +20,18 @@ _CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iteratio
 PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 
 
+def services_of(name: str) -> StrategyServices:
+    """The services of the registered strategy ``name`` (none for a bench variant's own name)."""
+    try:
+        return STRATEGIES.get(name).SERVICES
+    except KeyError:
+        return StrategyServices()
+
+
 def sim_kind(used: str) -> str:
     """The simulator's recovery model of what the recovery timeline says happened: the services'
     ``sim_kind`` of the strategy it names (ds_swift.recovery.services)."""
-    try:
-        return STRATEGIES.get(used).SERVICES.sim_kind
-    except KeyError:
-        return "checkpoint"
+    return services_of(used).sim_kind
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
@@ -45,7 +51,7 @@ def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
 
 def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
     """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
-    chosen = _CHECKFREQ_CHOICE.search(clean.output) if detail["strategy"] == "checkfreq" else None
+    chosen = _CHECKFREQ_CHOICE.search(clean.output) if services_of(detail["strategy"]).checkpoint_tuner else None
     interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
     used = timelines[-1]["strategy"] if timelines else "checkpoint"
