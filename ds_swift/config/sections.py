@@ -192,8 +192,8 @@ class VerifyConfig:
 
     digest_interval: int = 10
     """Iterations between the state digests each rank publishes (a few bytes per tensor to the job
-    store; only where a recovery may check against them: strategies ``auto``, ``replication``,
-    ``logging``, ``tranlogs``, ``pipechurn``, ``lossy_forward``). A replay is checked at the newest published iteration it reaches
+    store; only where a recovery may check against them: the strategies whose services have
+    ``digests``, ds_swift.recovery.services, e.g. ``auto``, ``replication``, ``logging``). A replay is checked at the newest published iteration it reaches
     (the iterations it replays after that one, fewer than ``digest_interval``, are not); a state
     rebuilt to an iteration without a digest (re-applied updates, decoded chunks, a survivor's own
     copy, a replicated or buddy copy, an elastic reshard: only the transport is checked then) is

@@ -12,8 +12,8 @@ replica's gradients, the survivors finish it averaging only their own. Here:
 3. from the next iteration on, every replica trains as before.
 
 Approximate, and said so: the failed iteration's update leaves out the casualties' samples. With no
-spare machine the paper's alternative, going on with fewer replicas (an elastic shrink), is not
-built: the launcher waits for a spare (see the issue's note).
+spare machine the paper's alternative, going on with fewer replicas (an elastic shrink), is strategy
+``elastic`` (ds_swift.recovery.strategies.elastic, built on this one).
 """
 
 from __future__ import annotations
