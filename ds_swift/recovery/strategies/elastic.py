@@ -1,7 +1,7 @@
 """Elastic data parallelism: with no spare machine left the job goes on without a failed machine's
 data-parallel replicas (a shrink), and takes them back when the machine returns (a grow). Strategy
-``lossy_forward`` with ``elastic.enabled``, ``ds-swift-launch --elastic`` (and ``--restart-delay``
-for the return). Nicolae et al. (shared/papers/nicolae-*.txt, section III-B): lossy forward
+``elastic`` (:class:`ElasticStrategy`: lossy forward's restore where a spare replaces the machine),
+``ds-swift-launch --elastic`` (and ``--restart-delay`` for the return). Nicolae et al. (shared/papers/nicolae-*.txt, section III-B): lossy forward
 recovery "continues with fewer replicas" when nothing replaces the lost ones.
 
 The job's machines, in rank order, are its *layout* (``launch/layout``): a rank is its machine's
