@@ -76,9 +76,9 @@ CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
     "logging": (PP4_BUDGET, {"checkpoint": {"interval": 4}}),
     "global_checkpoint": (BF16, {"strategy": "global_checkpoint", "checkpoint": {"interval": 4}}),
     "checkfreq": (BF16, {"strategy": "checkfreq", "checkfreq": {"profile_at": 3}}),
-    "elastic": (BF16, {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": 4}}),
+    "elastic": (BF16, {"strategy": "elastic", "checkpoint": {"interval": 4}}),
     # The elastic shrink on fp32 + ZeRO-0 (issue 30: it hung in the rendezvous once): one case.
-    "elastic_fp32": (FP32, {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": 4}}),
+    "elastic_fp32": (FP32, {"strategy": "elastic", "checkpoint": {"interval": 4}}),
     # The other seed systems' strategies, on the same job.
     "tranlogs": (BF16, {"strategy": "tranlogs", "checkpoint": {"interval": 4}}),
     "pipechurn": (BF16, {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},

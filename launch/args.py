@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: never, the job fails)")
     p.add_argument("--elastic", action="store_true",
                    help="with no spare left, go on without the failed machine: the workers drop its data-parallel "
-                        "replicas (swift config: strategy lossy_forward with elastic.enabled; default: the job fails); "
+                        "replicas (swift config: strategy elastic; default: the job fails); "
                         "with --restart-delay the machine comes back after the delay and the job grows back")
     p.add_argument("--max-failures", "--max_failures", dest="max_failures", type=_non_negative_int, metavar="K",
                    default=DEFAULT_MAX_FAILURES,

@@ -3,7 +3,7 @@
 The launcher reads the training script's DeepSpeed config the way the script will (its
 ``--deepspeed_config``, Megatron's ``--swift``/``--swift-config``/``--save`` through
 :func:`ds_swift.megatron.swift_section`, and its ``--pipeline-model-parallel-size`` /
-``--tensor-model-parallel-size``) and runs the checks of :mod:`ds_swift.recovery.feasible`. A
+``--tensor-model-parallel-size``) and runs the checks of :mod:`ds_swift.config.feasible`. A
 script whose config is not on its command line is not checked (nothing to read); an invalid swift
 section is reported here too, before the job starts, rather than by every worker.
 """
@@ -40,8 +40,8 @@ def check_job(
 ) -> list[str]:
     """Every requirement of the job's strategy that this job does not meet, one line each (an
     invalid swift section is one such line)."""
+    from ds_swift.config.feasible import JobShape, infeasible
     from ds_swift.megatron import swift_section
-    from ds_swift.recovery.feasible import JobShape, infeasible
 
     ns = script_namespace(script_args)
     try:

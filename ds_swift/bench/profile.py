@@ -8,22 +8,30 @@ import statistics
 from typing import Any
 
 from ds_swift.bench.measure import loss_series, step_seconds
+from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.testing.jobs import JobRun
 
-__all__ = ["KINDS", "PROFILE_NAMES", "bench_profile", "checkpoint_stall_s", "profile_row"]
+__all__ = ["PROFILE_NAMES", "bench_profile", "checkpoint_stall_s", "profile_row"]
 
 _CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iterations")
 
 #: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
 PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
-#: the simulator's recovery model of what the recovery timeline says happened (TranLogs: the lost
-#: ranks alone load the checkpoint and catch up, as with logging; PipeChurn: the lost ranks' state
-#: comes from other machines' memory, as with replication; SCAR's partial recovery: the lost ranks
-#: load and nobody trains an iteration again, which costs what a replication costs, inexactly; the
-#: immediate rollback: a state copy from a survivor, as replication)
-KINDS = {"buddy": "replication", "replication": "replication", "logging": "logging", "checkpoint": "checkpoint",
-         "tranlogs": "logging", "pipechurn": "replication", "scar": "replication",
-         "immediate_rollback": "replication", "lossy_forward": "replication"}  # fmt: skip
+
+
+def services_of(name: str) -> StrategyServices:
+    """The services of the registered strategy ``name`` (none for a bench variant's own name)."""
+    try:
+        return STRATEGIES.get(name).SERVICES
+    except KeyError:
+        return StrategyServices()
+
+
+def sim_kind(used: str) -> str:
+    """The simulator's recovery model of what the recovery timeline says happened: the services'
+    ``sim_kind`` of the strategy it names (ds_swift.recovery.services)."""
+    return services_of(used).sim_kind
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
@@ -43,11 +51,11 @@ def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
 
 def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
     """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
-    chosen = _CHECKFREQ_CHOICE.search(clean.output) if detail["strategy"] == "checkfreq" else None
+    chosen = _CHECKFREQ_CHOICE.search(clean.output) if services_of(detail["strategy"]).checkpoint_tuner else None
     interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
     used = timelines[-1]["strategy"] if timelines else "checkpoint"
-    kind = "elastic" if detail.get("shrunk_throughput") is not None else KINDS.get(used, "checkpoint")
+    kind = "elastic" if detail.get("shrunk_throughput") is not None else sim_kind(used)
     lost = detail["iterations_lost"]
     restore = None
     if kind == "logging":  # (and tranlogs)

@@ -49,14 +49,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from ds_swift.bench.demo import CONFIGS, DemoError, find_repo
 from ds_swift.bench.demo_report import iterations_lost, read_loss_log
 from ds_swift.bench.jobs import BenchError, Runner, failed_rows, infeasible_strategies, run_strategies
 from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
 from ds_swift.bench.profile import bench_profile, profile_row
-from ds_swift.config import Strategy
+from ds_swift.config import strategy_names
+from ds_swift.recovery.strategies.elastic import ElasticStrategy
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.faults import PHASES
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
@@ -67,7 +68,8 @@ __all__ = [
 ]  # fmt: skip
 
 REFERENCE = "none"
-#: lossy forward with no spare: the job goes on without the failed machine (an elastic shrink)
+#: the elastic strategy with no spare: the job goes on without the failed machine (a shrink); its own
+#: bench name, as the spares differ from every other strategy's jobs
 ELASTIC = "lossy_forward_elastic"
 #: logging-based recovery with the replay spread over survivors (SWIFT 5.2), used even where the plan
 #: finds it cannot help (``parallel_recovery_force``), and without it: the two measured in one run
@@ -85,9 +87,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 #: TranLogs' per-stage mix: the first half of the stages log their inbound messages, the others their
 #: updates (``logging.kinds``), against ``logging`` (messages everywhere): the bytes each logs
 MIX = "logging_mix"
-#: strategies the bench can run: the config's ``strategy`` values (``typing.get_args(Strategy)``), ELASTIC,
-#: the VARIANTS and MIX
-STRATEGIES: tuple[str, ...] = (*get_args(Strategy), ELASTIC, *VARIANTS, MIX)
+#: strategies the bench can run: the config's ``strategy`` values (:func:`ds_swift.config.strategy_names`),
+#: ELASTIC, the VARIANTS and MIX
+STRATEGIES: tuple[str, ...] = (*strategy_names(), ELASTIC, *VARIANTS, MIX)
 
 
 def strategy_overrides(name: str, interval: int, pp: int = 2) -> dict[str, Any]:
@@ -97,7 +99,7 @@ def strategy_overrides(name: str, interval: int, pp: int = 2) -> dict[str, Any]:
     if name not in STRATEGIES:
         raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     if name == ELASTIC:
-        return {"strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": interval}}
+        return {"strategy": ElasticStrategy.name, "checkpoint": {"interval": interval}}
     if name in VARIANTS:
         return {**VARIANTS[name], "checkpoint": {"interval": interval}}
     if name == MIX:

@@ -17,7 +17,7 @@ __all__ = ["checkpoint_manager"]
 def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool = False) -> Any:
     """The engine's :class:`~ds_swift.checkpoint.periodic.CheckpointManager` for a ``swift`` config: with an
     :class:`AsyncWriter` where checkpoints are asynchronous (``gpu``: the state is on GPUs, where
-    they are by default), and CheckFreq's tuner for ``checkfreq``."""
+    they are by default), and CheckFreq's tuner where the strategy's services have one."""
     job_id = job_id_for(ctx.env.token if ctx.env is not None else None)
     manager = CheckpointManager(
         cfg.checkpoint.dir, cfg.checkpoint.interval, rank, job_id=job_id, save_timeout_s=cfg.checkpoint.save_timeout_s
@@ -25,6 +25,6 @@ def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool
     if cfg.async_checkpoints_for(gpu):
         manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s, ctx.log)
         manager.new_generation(ctx.generation)
-    if cfg.strategy == "checkfreq":
+    if cfg.services.checkpoint_tuner:
         manager.tuner = CheckFreqTuner(cfg.checkfreq.max_overhead, cfg.checkfreq.profile_at, rank, store=ctx.store)
     return manager

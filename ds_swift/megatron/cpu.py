@@ -23,9 +23,9 @@ import shlex
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from ds_swift.config import ConfigError, Strategy, SwiftConfig
+from ds_swift.config import ConfigError, SwiftConfig, strategy_names
 
 __all__ = ["CpuRun", "ds_config", "launch_command", "megatron_args", "parse_run", "summary_lines"]
 
@@ -85,8 +85,8 @@ class CpuRun:
             raise ConfigError(f"--precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
         if self.zero not in (0, 1):
             raise ConfigError(f"--zero {self.zero}: 0 or 1 (ds-swift supports ZeRO up to stage 1)")
-        if self.strategy not in get_args(Strategy):
-            raise ConfigError(f"--strategy {self.strategy!r}: one of {', '.join(get_args(Strategy))}")
+        if self.strategy not in strategy_names():
+            raise ConfigError(f"--strategy {self.strategy!r}: one of {', '.join(strategy_names())}")
         if not 0 <= self.kill_machine < self.machines:
             raise ConfigError(f"--kill-machine {self.kill_machine}: a machine of 0..{self.machines - 1}")
         if not 1 <= self.kill_iteration <= self.iters:
@@ -216,7 +216,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--zero", type=int, choices=(0, 1), default=default.zero, help="ZeRO stage (default %(default)s)"
     )
-    parser.add_argument("--strategy", choices=get_args(Strategy), default=default.strategy,
+    parser.add_argument("--strategy", choices=strategy_names(), default=default.strategy,
                         help="ds-swift's recovery strategy (default %(default)s)")  # fmt: skip
     parser.add_argument("--kill-machine", type=int, default=-1, help="(default: the last machine)")
     parser.add_argument("--kill-iteration", type=int, default=default.kill_iteration, help="(default %(default)s)")

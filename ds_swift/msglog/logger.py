@@ -31,11 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_swift.config import SwiftConfig
 from ds_swift.msglog.edge import KINDS, LogEdge, pipeline_position
 from ds_swift.msglog.gc import delete_chunks_before
 from ds_swift.msglog.plan import LoggingPlan
@@ -43,6 +42,9 @@ from ds_swift.msglog.staging import CopyMode, Stager, make_stager
 from ds_swift.msglog.upload import upload_files
 from ds_swift.msglog.writer import LogWriter, MessageMeta, make_appender
 from ds_swift.msglog.writer_thread import WriteItem, WriterThread
+
+if TYPE_CHECKING:
+    from ds_swift.config import SwiftConfig
 
 __all__ = ["LogStats", "MessageLogError", "MessageLogHandle", "install_message_logging"]
 

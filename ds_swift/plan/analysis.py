@@ -247,11 +247,7 @@ def analyze(
     notes = grouped.notes
     verdict = worth_logging(p, sizing, logged, iteration_time, pcie, checkpoint_interval)
     candidate_bytes = sum(e.bytes_per_iteration for e in logged)
-    if strategy == "auto" and not verdict[0] and logged:
-        stage_strategy = {s: ("checkpoint" if v == "logging" else v) for s, v in stage_strategy.items()}
-        logged = []
-    elif strategy == "logging" and not verdict[0]:
-        notes.append("strategy='logging' overrides the verdict that logging is not worth it")
+    stage_strategy, logged = _apply_verdict(strategy, verdict[0], stage_strategy, logged, notes)
     return Plan(
         layout=layout,
         shape=shape,
@@ -273,13 +269,34 @@ def analyze(
     )
 
 
+def _apply_verdict(strategy: str, worth: bool, stage_strategy: dict[int, StageStrategy], logged: list[Any],
+                   notes: list[str]) -> tuple[dict[int, StageStrategy], list[Any]]:  # fmt: skip
+    """Under ``auto``, logging that is not worth it goes (its stages recover by checkpoint); a forced
+    ``logging`` keeps it, and the notes say so."""
+    if strategy == "auto" and not worth and logged:
+        return {s: ("checkpoint" if v == "logging" else v) for s, v in stage_strategy.items()}, []
+    if strategy == "logging" and not worth:
+        notes.append("strategy='logging' overrides the verdict that logging is not worth it")
+    return stage_strategy, logged
+
+
+def config_strategy(config: SwiftConfig) -> str:
+    """What :func:`analyze` plans for ``config``, from the per-stage recoveries its strategy's services
+    allow (ds_swift.recovery.services): both, ``auto``; one, forced everywhere; none, every stage
+    recovers by checkpoint (no pipeline message is logged)."""
+    kinds = config.services.stage_recovery
+    if len(kinds) > 1:
+        return "auto"
+    return next(iter(kinds)) if kinds else "checkpoint"
+
+
 def analyze_config(layout: ParallelLayout, config: SwiftConfig, shape: ModelShape | None = None, **kwargs: Any) -> Plan:
     """:func:`analyze` with the strategy, groups / storage budget, checkpoint interval and
     parallel recovery of a ``swift`` config section; ``kwargs`` (timings) pass through."""
     return analyze(
         layout,
         shape,
-        strategy=config.analyzer_strategy,
+        strategy=config_strategy(config),
         groups=config.logging.groups,
         storage_budget_gb=config.logging.storage_budget_gb,
         checkpoint_interval=config.checkpoint.interval,

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.plan.analysis import STRATEGIES, Plan, analyze
+from ds_swift.plan.analysis import STRATEGIES, Plan, analyze, config_strategy
 from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, GB, ModelShape
@@ -147,7 +147,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     plan = analyze(
         layout,
         shape,
-        strategy=args.strategy or swift.analyzer_strategy,
+        strategy=args.strategy or config_strategy(swift),
         groups=groups,
         storage_budget_gb=budget,
         iteration_time_s=args.iteration_time,

@@ -4,15 +4,12 @@
   iteration, who undoes, the plan), as pure functions of what every rank reports;
 - :mod:`~ds_swift.recovery.base`: the recovery-strategy interface (can it restore these lost
   ranks, at what cost, how) and the registry that asks the strategies cheapest first;
-- :mod:`~ds_swift.recovery.registry`: the registered strategies, one line each:
-  :mod:`~ds_swift.recovery.strategies.replication` (a surviving replica sends its whole state),
-  :mod:`~ds_swift.recovery.strategies.buddy` (a lost rank's ZeRO-1/bf16 optimizer partition comes from the
-  copy a buddy rank on another machine holds, see :mod:`ds_swift.runtime.buddy`),
-  :mod:`~ds_swift.recovery.strategies.message_logging` (the failed logging groups replay from the message
-  log, :mod:`~ds_swift.recovery.replay.runner` runs it, built on
-  :mod:`~ds_swift.recovery.replay.engine`, :mod:`~ds_swift.recovery.replay.log`,
-  :mod:`~ds_swift.recovery.replay.collectives` and :mod:`~ds_swift.recovery.replay.parallel`), and the fallback
-  :mod:`~ds_swift.recovery.strategies.global_checkpoint` (every rank reloads the last global checkpoint);
+- :mod:`~ds_swift.recovery.registry`: the registered strategies, one line each (one module each in
+  :mod:`ds_swift.recovery.strategies`, the global checkpoint the fallback); each owns both halves:
+  what the job runs while nothing fails (:mod:`~ds_swift.recovery.services`: buddy copies, erasure
+  chunks, digests, the update log, message logging, asynchronous or tuned checkpoints, elastic
+  resizes) and the restore, built on the mechanics they share (:mod:`~ds_swift.recovery.replay`,
+  :mod:`~ds_swift.recovery.state`);
 - :mod:`~ds_swift.recovery.coordinator`: one rank's side of the protocol (reports, choice,
   restore, verify, barrier); :mod:`~ds_swift.recovery.verify`: each restored rank's state checked
   against a reference digest (:mod:`~ds_swift.recovery.state.digest`), a mismatch a failed restore;

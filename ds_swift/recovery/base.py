@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
+    from ds_swift.config import SimulateConfig, SwiftConfig
     from ds_swift.jobstore.membership import JobStore
     from ds_swift.recovery.gradmask import GradScale
     from ds_swift.recovery.kept import KeptState
     from ds_swift.recovery.replay.runner import ReplayRuntime
+    from ds_swift.recovery.simulated import SimulatedFailure
     from ds_swift.recovery.state.digest import Verdict
     from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.timeline import RankTimeline
@@ -160,6 +163,16 @@ class RecoveryStrategy(ABC):
     exact: ClassVar[bool] = True
     auto: ClassVar[bool] = True
     """Whether ``"strategy": "auto"`` may choose it (False: it needs set-up only its own name turns on)."""
+    SERVICES: ClassVar[StrategyServices] = StrategyServices()
+    """What :meth:`services` returns unless a strategy overrides it."""
+
+    def services(self, cfg: SwiftConfig) -> StrategyServices:
+        """What the job runs while nothing fails so that this strategy can restore (its set-up half).
+
+        Args:
+            cfg: the swift config (a strategy may read its own sub-section).
+        """
+        return self.SERVICES
 
     def offered(self, inputs: RecoveryInputs) -> bool:
         """Whether to ask this strategy although the config does not name it: under ``auto`` where
@@ -191,6 +204,22 @@ class RecoveryStrategy(ABC):
             inputs: as for :meth:`can_restore`.
         """
         return inputs.plan(self.name)
+
+    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure | None:
+        """This strategy's failure-simulation mode (``simulate_failure``; ds_swift.recovery.simulated),
+        or None where it has none."""
+        return None
+
+    def restore_resized(self, resize: Any, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
+        """Every rank's recovery into a generation with another number of data-parallel replicas
+        (only strategies whose services have ``elastic``: ds_swift.recovery.strategies.elastic).
+
+        Args:
+            resize: the shrink or grow this rank planned (None: a new rank, told by rank 0).
+            ctx: this rank's engine (rebuilt at the new size), store and kept state.
+            zero_stage: the ZeRO stage.
+        """
+        raise NotImplementedError(f"strategy {self.name!r} does not resize the job (its services' elastic is off)")
 
     @abstractmethod
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
@@ -237,6 +266,29 @@ class Registry:
 
     def names(self) -> list[str]:
         return [s.name for s in self._strategies] + [self.fallback.name]
+
+    def get(self, name: str) -> RecoveryStrategy:
+        """The strategy registered as ``name`` (KeyError naming the registered ones where none is)."""
+        for strategy in [*self._strategies, self.fallback]:
+            if strategy.name == name:
+                return strategy
+        raise KeyError(f"no recovery strategy named {name!r}: one of {', '.join(self.names())}")
+
+    def simulated_names(self) -> list[str]:
+        """The strategies with a failure-simulation mode (``simulate_failure.strategy``)."""
+        own = RecoveryStrategy.simulated_failure
+        return [s.name for s in [*self._strategies, self.fallback] if type(s).simulated_failure is not own]
+
+    def services_for(self, cfg: SwiftConfig) -> StrategyServices:
+        """What the job runs while nothing fails under ``cfg.strategy``: the named strategy's
+        services, or under ``auto`` the union of those of every strategy ``auto`` may choose."""
+        if cfg.strategy != "auto":
+            return self.get(cfg.strategy).services(cfg)
+        out = self.fallback.services(cfg)
+        for strategy in self._strategies:
+            if strategy.auto:
+                out = out.merged(strategy.services(cfg))
+        return out
 
     def candidates(self, inputs: RecoveryInputs) -> list[RecoveryStrategy]:
         """The strategies to ask, cheapest first (ties: in registration order), the fallback excluded."""

@@ -18,7 +18,7 @@ Survivors and replacements run the same function with the same inputs, in this o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,14 +28,20 @@ import torch.distributed as dist
 from ds_swift import transport
 from ds_swift.checkpoint.periodic import CheckpointManager, Origin
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RestoreFailed, announce_deviation, loud
+from ds_swift.recovery.base import (
+    RankContext,
+    RecoveryOutcome,
+    RecoveryStrategy,
+    RestoreFailed,
+    announce_deviation,
+    loud,
+)
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES
 from ds_swift.recovery.replay.runner import ReplayRuntime, failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.state.inflight import InflightKeeper
-from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import (
     OWN_COPY,
     agree,
@@ -98,52 +104,42 @@ def optimizer_wrapper(engine: Any) -> str | None:
 
 
 def run_recovery(
+    ctx: RankContext,
     *,
-    store: JobStore,
-    generation: int,
-    rank: int,
     world_size: int,
-    engine: Any,
     report: RankReport,
-    kept: KeptState | None,
     strategy: str,
     zero_stage: int,
     optimizer_wrapper: str | None,
-    ckpt: CheckpointManager | None,
-    timeline: RankTimeline,
-    gather_timeout_s: float,
-    log: Callable[[str], None],
     logging: LogPlan | None = None,
     partitioned: bool = False,
-    verify: bool = False,
     updates: str | None = None,
     inflight: InflightKeeper | None = None,  # PipeChurn's copy of the iteration in flight (partial recomputation)
 ) -> RecoveryOutcome:
-    """Run steps 1-5 above in ``generation`` (already joined; ``engine`` already rebuilt).
+    """Run steps 1-5 above in ``ctx.generation`` (already joined; ``ctx.engine`` already rebuilt).
 
-    ``logging``: set where the topology plan logs pipeline sends (logging-based recovery possible).
-    ``partitioned``: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
-    ``verify``: check restored state against reference digests; ``updates``: the update log's URL (tranlogs).
+    Args:
+        ctx: this rank's engine, store, kept state, checkpoints, timeline (``ctx.verify``: check
+            restored state against reference digests).
+        world_size: the ranks of the generation.
+        report: this rank's report for the consensus.
+        strategy: the config's ``strategy`` (or the one the post-recovery guard forces).
+        zero_stage: the ZeRO stage.
+        optimizer_wrapper: a DeepSpeed optimizer wrapper survivors cannot keep, or None.
+        logging: set where the topology plan logs pipeline sends (logging-based recovery possible).
+        partitioned: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
+        updates: the update log's store URL (strategy tranlogs), or None.
+        inflight: PipeChurn's copy of the iteration in flight (partial recomputation), or None.
     """
-    store.publish(generation, "report", rank, report.to_json())
-    reports = [
-        RankReport.from_json(v)
-        for v in store.gather(generation, "report", range(world_size), gather_timeout_s).values()
-    ]
-    # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
-    # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
-    latest = _loadable_checkpoint(store, ckpt, checkpoint_bound(reports)) if ckpt is not None else None
-    store.publish(generation, "ckpt", rank, str(latest if latest is not None else -1))
-    ckpts = store.gather(generation, "ckpt", range(world_size), gather_timeout_s)
-    # Every rank must load the same tag: the newest one that is complete for all of them.
-    step = min(int(v) for v in ckpts.values())
+    ctx.replay, ctx.updates, ctx.inflight = (logging.runtime if logging is not None else None), updates, inflight
+    reports, step = _gather(ctx, world_size, report)
     setup = None
     if logging is not None:
         setup = LoggingSetup(
             frozenset(logging.replayable_stages),
             tuple(tuple(g) for g in logging.machine_groups),
             step,
-            store.get(failed_replay_key(max(0, step))),
+            ctx.store.get(failed_replay_key(max(0, step))),
             frozenset(logging.update_stages),
         )
     inputs = RecoveryInputs.agree(
@@ -151,38 +147,56 @@ def run_recovery(
         optimizer_wrapper=optimizer_wrapper, partitioned=partitioned,
     )  # fmt: skip
     plan, chosen = STRATEGIES.choose(inputs)
-    timeline.t_consensus = time.time()
-    if kept is not None and rank in plan.undo and not report.can_undo:
-        loud(rank, f"cannot undo iteration {kept.last_stepped}: {kept.undo_blocker()}")
-    ctx = RankContext(
-        store, generation, rank, engine, kept, ckpt, timeline, gather_timeout_s, log,
-        logging.runtime if logging is not None else None, verify, updates, inflight,
-    )  # fmt: skip
+    ctx.timeline.t_consensus = time.time()
+    if ctx.kept is not None and ctx.rank in plan.undo and not report.can_undo:
+        loud(ctx.rank, f"cannot undo iteration {ctx.kept.last_stepped}: {ctx.kept.undo_blocker()}")
+    outcome, plan = _restore(ctx, world_size, inputs, plan, chosen)
+    _say_inexact_undo(ctx, inputs, plan, outcome)
+    if ctx.verify:  # what is trained again is published again; a later replay must not meet the old digests
+        forget_from(ctx.store, ctx.rank, outcome.resume_iteration)
+    outcome.latest_checkpoint = step
+    transport.barrier()
+    ctx.timeline.t_restored = time.time()
+    ctx.timeline.bytes_moved = outcome.bytes_moved
+    return outcome
+
+
+def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list[RankReport], int]:
+    """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none)."""
+    store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
+    store.publish(generation, "report", ctx.rank, report.to_json())
+    reports = [RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), timeout_s).values()]
+    # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
+    # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
+    latest = _loadable_checkpoint(store, ctx.ckpt, checkpoint_bound(reports)) if ctx.ckpt is not None else None
+    store.publish(generation, "ckpt", ctx.rank, str(latest if latest is not None else -1))
+    ckpts = store.gather(generation, "ckpt", range(world_size), timeout_s)
+    # Every rank must load the same tag: the newest one that is complete for all of them.
+    return reports, min(int(v) for v in ckpts.values())
+
+
+def _restore(ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan,
+             chosen: RecoveryStrategy) -> tuple[RecoveryOutcome, RecoveryPlan]:  # fmt: skip
+    """Steps 3-4: the chosen strategy's restore, verified; any rank's failure (agreed on every rank)
+    falls back to the global checkpoint in this same generation."""
     error: str | None = None
     try:
         outcome = chosen.restore(plan, inputs, ctx)
-        if verify:
+        if ctx.verify:
             outcome.verdict = outcome.verdict or _own_copy_verdict(ctx, inputs, plan)
             _verified(ctx, world_size, outcome)
     except RestoreFailed as failed:
         error = failed.reason
     except Exception as exc:  # noqa: BLE001 - any strategy error is agreed on below, then the safety net
-        if isinstance(exc, GenerationFailed) or store.failure(generation) is not None:
+        if isinstance(exc, GenerationFailed) or ctx.store.failure(ctx.generation) is not None:
             raise  # the generation failed meanwhile (a cascading failure): the next one recovers
-        error = f"rank {rank}: strategy {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:200]}"
-        loud(rank, error)
-    reason = _agree_on_errors(store, generation, rank, world_size, error, gather_timeout_s)
+        error = f"rank {ctx.rank}: strategy {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:200]}"
+        loud(ctx.rank, error)
+    reason = _agree_on_errors(ctx.store, ctx.generation, ctx.rank, world_size, error, ctx.gather_timeout_s)
     if reason is not None:
         plan, chosen = STRATEGIES.fall_back(inputs, reason)
         outcome = chosen.restore(plan, inputs, ctx)
-    _say_inexact_undo(ctx, inputs, plan, outcome)
-    if verify:  # what is trained again is published again; a later replay must not meet the old digests
-        forget_from(store, rank, outcome.resume_iteration)
-    outcome.latest_checkpoint = step
-    transport.barrier()
-    timeline.t_restored = time.time()
-    timeline.bytes_moved = outcome.bytes_moved
-    return outcome
+    return outcome, plan
 
 
 def _agree_on_errors(

@@ -1,40 +1,79 @@
 """The registered recovery strategies: a new strategy is one module and one line in this list.
 
+Each strategy owns both halves: what runs while nothing fails (its
+:class:`~ds_swift.recovery.services.StrategyServices`) and the restore. The config's ``strategy``
+is ``auto`` or one of these names (:func:`registered_names`).
+
 The order here does not matter (the registry asks the cheapest first, see
 :meth:`~ds_swift.recovery.base.Registry.choose`); the global checkpoint is the fallback.
+
+Each line names its strategy and the class that implements it; the classes (and with them torch and
+DeepSpeed) are imported where :data:`STRATEGIES` is first used, so that checking a config's
+``strategy`` (the launcher, ``ds-swift plan``, a helper whose stdout a shell reads) stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
+from typing import Any
 
-from ds_swift.recovery.base import Registry
+from ds_swift.recovery.base import RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.strategies.buddy import BuddyStrategy
-from ds_swift.recovery.strategies.global_checkpoint import GlobalCheckpointStrategy
-from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
-from ds_swift.recovery.strategies.message_logging import LoggingStrategy
-from ds_swift.recovery.strategies.pipechurn import PipeChurnStrategy
-from ds_swift.recovery.strategies.replication import ReplicationStrategy
-from ds_swift.recovery.strategies.rollback import ImmediateRollbackStrategy
-from ds_swift.recovery.strategies.scar import ScarStrategy
-from ds_swift.recovery.strategies.tranlogs import TranLogsStrategy
 
-__all__ = ["STRATEGIES", "plan_recovery"]
+__all__ = ["FALLBACK", "REGISTERED", "STRATEGIES", "plan_recovery", "registered_names", "strategies"]
 
-STRATEGIES = Registry(
-    [
-        ReplicationStrategy(),
-        BuddyStrategy(),
-        LoggingStrategy(),
-        TranLogsStrategy(),
-        PipeChurnStrategy(),
-        ScarStrategy(),
-        ImmediateRollbackStrategy(),
-        LossyForwardStrategy(),
-    ],
-    fallback=GlobalCheckpointStrategy(),
+STRATEGIES: Registry
+"""Every registered strategy and the fallback (built on first use: :func:`__getattr__`)."""
+
+_STRATEGIES = "ds_swift.recovery.strategies"
+#: (name, module:class) of every registered strategy
+REGISTERED: tuple[tuple[str, str], ...] = (
+    ("replication", f"{_STRATEGIES}.replication:ReplicationStrategy"),
+    ("buddy", f"{_STRATEGIES}.buddy:BuddyStrategy"),
+    ("logging", f"{_STRATEGIES}.message_logging:LoggingStrategy"),
+    ("tranlogs", f"{_STRATEGIES}.tranlogs:TranLogsStrategy"),
+    ("pipechurn", f"{_STRATEGIES}.pipechurn:PipeChurnStrategy"),
+    ("scar", f"{_STRATEGIES}.scar:ScarStrategy"),
+    ("immediate_rollback", f"{_STRATEGIES}.rollback:ImmediateRollbackStrategy"),
+    ("lossy_forward", f"{_STRATEGIES}.lossy:LossyForwardStrategy"),
+    ("elastic", f"{_STRATEGIES}.elastic:ElasticStrategy"),
+    ("global_checkpoint", f"{_STRATEGIES}.global_checkpoint:AsyncGlobalCheckpointStrategy"),
+    ("checkfreq", f"{_STRATEGIES}.checkfreq:CheckFreqStrategy"),
 )
+#: the fallback: last, always able
+FALLBACK = ("checkpoint", f"{_STRATEGIES}.global_checkpoint:GlobalCheckpointStrategy")
+
+
+def _load(name: str, where: str) -> RecoveryStrategy:
+    module, cls = where.split(":")
+    strategy = getattr(importlib.import_module(module), cls)()
+    if strategy.name != name:  # the line and the class must agree, or the config would name a stranger
+        raise RuntimeError(f"the registry line {name!r} loads {where}, whose name is {strategy.name!r}")
+    return strategy
+
+
+def registered_names() -> list[str]:
+    """The registered strategies' names (of :data:`STRATEGIES` where it is built, else of the lines)."""
+    built = globals().get("STRATEGIES")
+    if isinstance(built, Registry):
+        return built.names()
+    return [name for name, _ in REGISTERED] + [FALLBACK[0]]
+
+
+def strategies() -> Registry:
+    """:data:`STRATEGIES` (built here on first use)."""
+    built = globals().get("STRATEGIES")
+    return built if isinstance(built, Registry) else __getattr__("STRATEGIES")
+
+
+def __getattr__(name: str) -> Any:
+    """``STRATEGIES``: the registry, built on first use (PEP 562)."""
+    if name != "STRATEGIES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    registry = Registry([_load(n, w) for n, w in REGISTERED], fallback=_load(*FALLBACK))
+    globals()["STRATEGIES"] = registry
+    return registry
 
 
 def plan_recovery(
@@ -44,7 +83,7 @@ def plan_recovery(
     optimizer: str | None = None,
     logging: LoggingSetup | None = None,
     checkpoint_step: int | None = None,
-    registry: Registry = STRATEGIES,
+    registry: Registry | None = None,
     partitioned: bool = False,
 ) -> RecoveryPlan:
     """The plan every rank computes from every rank's report: the consensus, then the cheapest
@@ -58,7 +97,7 @@ def plan_recovery(
             rebuild, or None.
         logging: what logging-based recovery may use (None: no message log).
         checkpoint_step: the newest complete global checkpoint (default: ``logging``'s, else -1).
-        registry: the strategies to choose from.
+        registry: the strategies to choose from (default: :data:`STRATEGIES`).
         partitioned: each data-parallel rank holds only its slice of the optimizer state.
     """
     if checkpoint_step is None:
@@ -67,4 +106,4 @@ def plan_recovery(
         reports, checkpoint_step=checkpoint_step, logging=logging, forced=forced, zero_stage=zero_stage,
         optimizer_wrapper=optimizer, partitioned=partitioned,
     )  # fmt: skip
-    return registry.choose(inputs)[0]
+    return (registry or strategies()).choose(inputs)[0]

@@ -72,7 +72,7 @@ def protection_costs(
            "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
            "that the plan logs): 0")
     )  # fmt: skip
-    if cfg.recovery_strategy == "pipechurn":
+    if cfg.services.inflight_copy:
         lines.append(_inflight_line(engine, cfg, device))
     lines += _runtime_lines(cfg, without)
     return lines
@@ -135,7 +135,7 @@ def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
 
 def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
     every = cfg.checkpoint.interval
-    if cfg.strategy == "checkfreq":
+    if cfg.services.checkpoint_tuner:
         return (f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
                 f"of training time), {_mb(total)} per save, asynchronous")  # fmt: skip
     if async_ckpt:

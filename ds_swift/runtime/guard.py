@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_swift.recovery.base import loud
+from ds_swift.recovery.registry import STRATEGIES
 
 __all__ = ["FIRST_TRIP_KEY", "GuardTripped", "LossGuard", "ROLLBACK_KEY", "forced_strategy", "judge", "reference_of"]
 
@@ -85,11 +86,11 @@ def judge(loss: float | None, reference: float | None, magnitude: float | None, 
 
 
 def forced_strategy(store: Any, configured: str) -> str:
-    """The strategy a recovery must use: ``checkpoint`` while a guard trip is not yet served."""
+    """The strategy a recovery must use: the global checkpoint while a guard trip is not yet served."""
     if store is None:
         return configured
     wanted = store.get(ROLLBACK_KEY)
-    return "checkpoint" if wanted is not None and wanted != _served(store) else configured
+    return STRATEGIES.fallback.name if wanted is not None and wanted != _served(store) else configured
 
 
 def _served(store: Any) -> str | None:
@@ -189,7 +190,7 @@ class LossGuard:
         # Rank 0 may have marked it served already, in this generation: the same answer on every rank.
         pending = wanted is not None and (served is None or served.split(":")[0] != wanted
                                           or served == f"{wanted}:{generation}")  # fmt: skip
-        if pending and outcome.plan.strategy == "checkpoint":
+        if pending and outcome.plan.strategy == STRATEGIES.fallback.name:
             why = self.store.get(REASON_KEY) or "post-recovery guard"
             outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
             if self.rank == 0:  # after the recovery's last barrier: every rank read the request

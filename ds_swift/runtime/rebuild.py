@@ -30,19 +30,21 @@ from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.detect.watchdog import declare_failure, wait_failed_machine
-from ds_swift.jobstore.membership import GenerationFailed, JobStore, fate_key, grow_key, read_layout, resumed_key
+from ds_swift.jobstore.membership import GenerationFailed, fate_key, grow_key, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
-from ds_swift.recovery.base import RecoveryOutcome, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.strategies.elastic import Resize, ResizeRefused, recover_resized, resized_ds_config
+from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, grid_of, plan_resize, resized_ds_config
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
+from ds_swift.runtime.buddy import BuddyCopier
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
+from ds_swift.runtime.protection import Protections
 from ds_swift.runtime.update_logging import UpdateLogger
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
@@ -111,85 +113,34 @@ class Rebuilder:
         self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
         #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
         self._machines: list[int] | None = None
-        if ctx.env is not None and ctx.store is not None and cfg.elastic.enabled:
+        if ctx.env is not None and ctx.store is not None and cfg.services.elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
-        # A forced strategy that never reads buddy copies does not pay for them.
-        unused = cfg.recovery_strategy in ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")
-        self.buddy = (
-            BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
-            if cfg.buddy.enabled and not unused
-            else None
-        )
-        if cfg.recovery_strategy == "pipechurn":  # the same copier, sending erasure-coded chunks
-            erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
-            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, ctx.log, erasure=erasure)
-        if cfg.buddy.enabled and unused and self.buddy is None and (ctx.env is None or ctx.env.rank == 0):
-            ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
-        # Published digests check what is rebuilt without a donor (a replay, re-applied updates, a
-        # state decoded from chunks), and what a donor sends (replication, buddy copies: the donor's
-        # digest proves the transport, the lost rank's own the copy) or an elastic resize reshards.
-        env, replays = ctx.env, cfg.recovery_strategy in ("auto", "replication", "logging", "tranlogs", "pipechurn",
-                                                          "lossy_forward")
-        self.digests = (
-            DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env), ctx.log)
-            if cfg.verify.enabled and replays and env is not None and ctx.store is not None
-            else None
-        )
-        # TranLogs: every rank's update after each step, to the log store; under a per-stage mix
-        # (logging.kinds) only the ranks of the stages the logging plan has log their updates.
-        mixed = cfg.recovery_strategy in ("auto", "logging") and cfg.logging.kinds != "messages"
-        self.updates = (
-            UpdateLogger(env.rank if env is not None else dist.get_rank(), cfg.logging.storage, lambda: hooks.undo,
-                         ctx.log, enabled=self._logs_updates if mixed else None)
-            if cfg.recovery_strategy == "tranlogs" or mixed
-            else None
+        #: the strategy's failure-free services (buddy copies, digests, the update log)
+        self.protect = Protections(
+            lambda: self._holder.engine, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: self._monitor.generation,
+            check_after_receive=monitor.check_after_receive, machine=self._machine,
         )  # fmt: skip
-        hooks.logs.updates = self.updates
 
-    def _logs_updates(self) -> bool:
-        engine = self._holder.engine
-        return engine is not None and self._hooks.logs.logs_updates(engine)
+    # The engine wrapper reads these (ds_swift.runtime.engine).
+    @property
+    def buddy(self) -> BuddyCopier | None:
+        return self.protect.buddy
+
+    @property
+    def digests(self) -> DigestPublisher | None:
+        return self.protect.digests
+
+    @property
+    def updates(self) -> UpdateLogger | None:
+        return self.protect.updates
 
     def start_generation(self) -> None:
-        """Every rank, once per generation, at the same point (after generation 0's build, after each
-        recovery, never during one): buddy copies, state digests and update logging of the engine in force."""
-        from ds_swift.patches.instructions import hook_instructions
-
-        self.start_buddy()
-        if self.digests is not None:
-            self._hooks.add(hook_instructions(self._holder.engine, "ds_swift.digest", self.digests.hooks()))
-        if self.updates is not None:
-            self._hooks.add(hook_instructions(self._holder.engine, "ds_swift.updates", self.updates.hooks()))
+        """Every rank, once per generation (see :meth:`Protections.start_generation`)."""
+        self.protect.start_generation()
 
     def after_checkpoint(self, done: int) -> None:
-        """A global checkpoint of ``done`` iterations is complete: update records before it go."""
-        if self.updates is not None:
-            self.updates.gc_before(done)
-
-    def start_buddy(self) -> None:
-        """Every rank, once per generation, at the same point (after generation 0's build, after each
-        recovery): start copying this rank's optimizer partition to its buddies after every step."""
-        from ds_swift.patches.instructions import hook_instructions, schedule
-
-        engine, buddy, env = self._holder.engine, self.buddy, self._ctx.env
-        if buddy is None or env is None:
-            return
-        generation = self._monitor.generation
-
-        def landing(world: int) -> StoreLanding:
-            return StoreLanding(JobStore.from_env(env), generation, world)
-
-        if not buddy.start(engine, self._machine(), landing if self._ctx.store is not None else None):
-            return
-
-        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            buddy.before_step(self._monitor.check_after_receive)
-            out = call_next(**kw)
-            buddy.after_step(eng)
-            return out
-
-        hooks = {schedule.OptimizerStep: step}
-        self._hooks.add(hook_instructions(engine, "ds_swift.buddy", hooks))
+        """A global checkpoint of ``done`` iterations is complete (see :meth:`Protections.after_checkpoint`)."""
+        self.protect.after_checkpoint(done)
 
     def build_engine(self) -> Any:
         """The DeepSpeed rebuild, on the process groups of the generation just joined."""
@@ -239,19 +190,14 @@ class Rebuilder:
         poison_neighbours(pipeline_neighbours(self._holder.engine))
         self._hooks.logs.flush()
         done("message log flush")
-        if self.buddy is not None:
-            self.buddy.stop()
-        if self.digests is not None and not self.digests.wait(self._ctx.op_timeout_s):
-            self._ctx.log("the state digest of the last step did not finish before the teardown")
-        if self.updates is not None and not self.updates.flush(self._ctx.op_timeout_s):
-            self._ctx.log("the update records of the last steps were not all stored before the teardown")
+        self.protect.quiesce()
         done("copier threads")
         self._hooks.uninstall()
         engine = self._holder.engine
-        if self._cfg.elastic.enabled:
+        if self._cfg.services.elastic:
             self._old_grid = grid_of(engine)
         kept = KeptState.capture(engine, self._hooks.take_undo())
-        kept.buddy = self.buddy.holdings if self.buddy is not None else None
+        kept.buddy = self.protect.holdings()
         # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy of
         # the state) alive beside the rebuilt one; the user's script may still hold the old module
         # (or engine): cut the groups out of them.
@@ -287,7 +233,7 @@ class Rebuilder:
         keeps survivors from joining before the agent declared (it would then fail g+1 too)."""
         store, env = self._ctx.store, self._ctx.env
         assert store is not None and env is not None
-        if self._cfg.elastic.enabled:
+        if self._cfg.services.elastic:
             back = store.get(grow_key(g))
             if back is not None:  # not a failure: a machine came back (its agent set the key first)
                 self._resize(g, "grow", int(back))
@@ -296,7 +242,7 @@ class Rebuilder:
         if machine == env.machine:
             self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
             os._exit(70)
-        if machine is not None and self._cfg.elastic.enabled:
+        if machine is not None and self._cfg.services.elastic:
             fate = store.wait_value(fate_key(g, machine), self._ctx.join_timeout_s)
             if fate == "shrink":
                 self._resize(g, "shrink", machine)
@@ -311,17 +257,10 @@ class Rebuilder:
         store, env, cfg = self._ctx.store, self._ctx.env, self._cfg
         assert store is not None and env is not None and self._machines is not None and self._old_grid is not None
         if self._build is not None:
-            raise ResizeRefused("elastic.enabled: ds-swift rebuilds the engine with another data-parallel size "
+            raise ResizeRefused(f"strategy {cfg.strategy!r}: ds-swift rebuilds the engine with another data-parallel size "
                                 "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn")  # fmt: skip
-        coords, gas, micro, partitioned = self._old_grid
         layout = read_layout(store, env.num_machines)
-        try:
-            resize = Resize.plan(kind=kind, machine=machine, old_layout=self._machines, new_layout=layout,
-                                 old_coords=coords, gas=gas, micro=micro, policy=cfg.elastic.global_batch,
-                                 min_dp=cfg.elastic.min_data_parallel, partitioned=partitioned)  # fmt: skip
-        except ResizeRefused as exc:
-            loud(env.rank, f"ELASTIC {kind.upper()} REFUSED: {exc}")
-            raise
+        resize = plan_resize(kind, machine, self._machines, layout, self._old_grid, cfg.elastic, env.rank)
         rank = resize.new_rank_of(env.rank)
         assert rank is not None  # this rank's machine is in the new layout
         self._ctx.log(resize.describe() + f"; rank {env.rank} -> {rank}")
@@ -361,17 +300,9 @@ class Rebuilder:
         for _ in range(MAX_ATTEMPTS):
             try:
                 if not dist.is_initialized():
-                    generation = join_generation(
-                        store,
-                        generation,
-                        env.rank,
-                        env.world_size,
-                        ctx.op_timeout_s,
-                        ctx.join_timeout_s,
-                        ctx.backend,
-                        log=ctx.log,
-                        timeout=ctx.user_timeout,
-                    )
+                    generation = join_generation(store, generation, env.rank, env.world_size, ctx.op_timeout_s,
+                                                 ctx.join_timeout_s, ctx.backend, log=ctx.log,
+                                                 timeout=ctx.user_timeout)  # fmt: skip
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
                     deepspeed.init_distributed(dist_backend=ctx.backend)
@@ -417,40 +348,25 @@ class Rebuilder:
         env, store = self._ctx.env, self._ctx.store
         assert env is not None and store is not None
         engine = self._holder.engine
+        ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
+                          self._ctx.log, verify=self._cfg.verify.enabled)  # fmt: skip
         if self.resize is not None or self._growing(generation):
-            outcome = recover_resized(
-                store=store, generation=generation, engine=engine, kept=kept, resize=self.resize, timeline=tl,
-                gather_timeout_s=self._ctx.join_timeout_s, log=self._ctx.log,
-                zero_stage=int(engine.zero_optimization_stage()), verify=self._cfg.verify.enabled,
-            )  # fmt: skip
+            outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
+                self.resize, ctx, int(engine.zero_optimization_stage())
+            )
             self.resize = None
-            if self.buddy is not None:  # copies keyed by the old ranks: the new generation copies afresh
-                self.buddy.holdings = BuddyHoldings()
+            self.protect.forget_holdings()
             return outcome
-        erasure = self.buddy is not None and self.buddy.erasure is not None
         return run_recovery(
-            store=store,
-            generation=generation,
-            rank=env.rank,
+            ctx,
             world_size=env.world_size,
-            engine=engine,
-            report=dataclasses.replace(
-                rank_report(engine, kept, self._machine(), self._hooks.inflight),
-                buddy_copies=self.buddy.holdings.copies() if self.buddy is not None and not erasure else (),
-                ec_chunks=self.buddy.holdings.chunks() if self.buddy is not None and erasure else (),
-                ec_k=self._cfg.pipechurn.data_chunks if erasure else 0,
-                log_lost=self._hooks.logs.coverage_lost,
-            ),
-            kept=kept,
-            strategy=forced_strategy(store, self._cfg.recovery_strategy),  # the post-recovery guard's step back
+            report=dataclasses.replace(self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
+                                       log_lost=self._hooks.logs.coverage_lost),  # fmt: skip
+            strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
-            ckpt=self._ckpt, timeline=tl,
-            gather_timeout_s=self._ctx.join_timeout_s,
-            log=self._ctx.log,
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
-            verify=self._cfg.verify.enabled,
             updates=self._cfg.logging.storage if self.updates is not None else None,
             inflight=self._hooks.inflight,
         )
@@ -464,23 +380,9 @@ class Rebuilder:
         """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
         survivors, resharded (ds_swift.recovery.strategies.elastic)."""
         env, store = self._ctx.env, self._ctx.store
-        return (self._cfg.elastic.enabled and env is not None and env.replacement and store is not None
+        return (self._cfg.services.elastic and env is not None and env.replacement and store is not None
                 and store.get(grow_key(generation - 1)) is not None)  # fmt: skip
 
     def _machine(self) -> int:
         env = self._ctx.env
         return env.machine if env is not None else dist.get_rank() // self._cfg.machines.gpus_per_node
-
-
-def grid_of(engine: Any) -> tuple[tuple[tuple[int, int, int], ...], int, int, bool]:
-    """(stage, dp, tp) of every rank of ``engine``'s grid, its accumulation steps and micro-batch,
-    and whether its optimizer state is partitioned over data-parallel ranks."""
-    topo = engine.grid._topo
-    axes = topo.get_axis_names()
-    coords = []
-    for r in range(topo.world_size()):
-        c = topo.get_coord(r)
-        coords.append((int(c.pipe), int(c.data), int(getattr(c, "model", 0)) if "model" in axes else 0))
-    return (tuple(coords), int(engine.gradient_accumulation_steps()), int(engine.train_micro_batch_size_per_gpu()),
-            is_partitioned(engine.optimizer))  # fmt: skip
-

@@ -1,5 +1,5 @@
-"""Elastic data parallelism (issue 14): with no spare machine, strategy lossy_forward with
-``elastic.enabled`` and ``ds-swift-launch --elastic``, a pp 2 x dp 2 job in bf16 + ZeRO-1 loses a
+"""Elastic data parallelism (issue 14): with no spare machine, strategy elastic (lossy forward's
+restore where a spare replaces a machine) and ``ds-swift-launch --elastic``, a pp 2 x dp 2 job in bf16 + ZeRO-1 loses a
 machine and goes on with dp 1 on the machine left (a shrink); with ``--restart-delay`` the machine
 comes back and the job grows back to dp 2. Real launcher, real SIGKILL.
 
@@ -30,7 +30,7 @@ WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 12  # as the shared failure-free run (tests/dist/conftest.py's bf16_baseline)
 # op timeout: rank 1 waits on rank 0 while it holds for the grow (gpt_fault_worker's SWIFT_TEST_HOLD_FOR_GROW)
-SWIFT = {"strategy": "lossy_forward", "elastic": {"enabled": True}, "watchdog": {"op_timeout_s": 90.0}}
+SWIFT = {"strategy": "elastic", "watchdog": {"op_timeout_s": 90.0}}
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -90,11 +90,11 @@ def test_no_spare_lossy_forward_shrinks_to_dp1_and_finishes(tmp_path: Path, refe
     assert job.code == 0, job.output[-8000:]
     assert "the job goes on without it on machines [1]" in job.output, job.output[-6000:]
     (tl,) = job.timelines()
-    assert tl["strategy"] == "lossy_forward" and tl["failed_machine"] == 0 and tl["consensus"] == 4, tl["reason"]
+    assert tl["strategy"] == "elastic" and tl["failed_machine"] == 0 and tl["consensus"] == 4, tl["reason"]
     assert tl["resize"]["dp"] == [2, 1] and tl["resize"]["gradient_accumulation_steps"] == [4, 8], tl["resize"]
     assert "elastic shrink: machine 0 left" in tl["reason"] and tl["checkpoint_step"] is None, tl["reason"]
     assert "checkpoint fallback" not in job.output
-    assert "APPROXIMATE RECOVERY (strategy lossy_forward): elastic shrink" in job.output
+    assert "APPROXIMATE RECOVERY (strategy elastic): elastic shrink" in job.output
     # every old partition joined by the shrunk ranks matched the digest its owner published of iteration 4
     verified = re.findall(r"rank (\d+): resharded state verified: the parts of old ranks \[([\d, ]+)\]", job.output)
     assert sorted(int(r) for r, _ in verified) == [0, 1], job.output[-6000:]

@@ -181,7 +181,7 @@ def test_ulps_count_representable_values_across_zero() -> None:
 def test_strategies_are_checked_by_name() -> None:
     assert strategy_overrides("none", 8) == {"enabled": False}
     assert strategy_overrides("lossy_forward_elastic", 8) == {
-        "strategy": "lossy_forward", "elastic": {"enabled": True}, "checkpoint": {"interval": 8}}  # fmt: skip
+        "strategy": "elastic", "checkpoint": {"interval": 8}}  # fmt: skip
     assert strategy_overrides("logging", 8) == {"strategy": "logging", "checkpoint": {"interval": 8}}
     with pytest.raises(BenchError, match="unknown strategy 'tranlog'"):
         strategy_overrides("tranlog", 8)

@@ -125,15 +125,17 @@ def test_checkfreq_saves_at_the_profiling_point_then_at_the_chosen_interval() ->
 
 
 def test_config_fields() -> None:
-    assert SwiftConfig.from_dict({"strategy": "global_checkpoint"}).async_checkpoints
-    assert SwiftConfig.from_dict({"strategy": "checkfreq"}).recovery_strategy == "checkpoint"
-    assert not SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints
+    assert SwiftConfig.from_dict({"strategy": "global_checkpoint"}).async_checkpoints_for(gpu=False)
+    assert SwiftConfig.from_dict({"strategy": "checkfreq"}).services.checkpoint_tuner
+    assert not SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints_for(gpu=False)
     # On GPUs every strategy's saves are asynchronous by default (a pinned copy at PCIe speed)...
     assert SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints_for(gpu=True)
     # ...unless the config says otherwise.
     assert not SwiftConfig.from_dict({"checkpoint": {"async_save": False}}).async_checkpoints_for(gpu=True)
-    assert SwiftConfig.from_dict({"checkpoint": {"async_save": True}}).async_checkpoints
-    assert not SwiftConfig.from_dict({"strategy": "checkfreq", "checkpoint": {"async_save": False}}).async_checkpoints
+    assert SwiftConfig.from_dict({"checkpoint": {"async_save": True}}).async_checkpoints_for(gpu=False)
+    assert not SwiftConfig.from_dict({"strategy": "checkfreq", "checkpoint": {"async_save": False}}).async_checkpoints_for(
+        gpu=False
+    )
     with pytest.raises(ConfigError, match=r"checkfreq.max_overhead=1.5 is invalid: a fraction in \(0, 1\)"):
         SwiftConfig.from_dict({"checkfreq": {"max_overhead": 1.5}})
     with pytest.raises(ConfigError, match="checkfreq.profile_at=1"):

@@ -52,11 +52,16 @@ def test_refusals_name_the_fix() -> None:
 
 
 def test_the_config_section() -> None:
-    cfg = SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"enabled": True, "global_batch": "shrink"}})
-    assert cfg.elastic.enabled and cfg.elastic.global_batch == "shrink" and cfg.elastic.min_data_parallel == 1
-    with pytest.raises(ConfigError, match='elastic.enabled=true needs "strategy": "lossy_forward"'):
+    cfg = SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"global_batch": "shrink"}})
+    assert cfg.services.elastic and cfg.elastic.global_batch == "shrink" and cfg.elastic.min_data_parallel == 1
+    # The configs written before elastic was a strategy: still served, with a warning naming the new spelling.
+    with pytest.warns(FutureWarning, match='write "strategy": "elastic"'):
+        old = SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"enabled": True}})
+    assert old.strategy == "elastic" and old.services.elastic
+    with pytest.raises(ConfigError, match=r"elastic.enabled=true is read only by strategy \['elastic'\]"):
         SwiftConfig.from_dict({"elastic": {"enabled": True}})
+    assert not SwiftConfig.from_dict({"strategy": "lossy_forward"}).services.elastic
     with pytest.raises(ConfigError, match="elastic.global_batch"):
-        SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"global_batch": "half"}})
+        SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"global_batch": "half"}})
     with pytest.raises(ConfigError, match="elastic.min_data_parallel"):
-        SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"min_data_parallel": 0}})
+        SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"min_data_parallel": 0}})

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.config.feasible import JobShape, check_feasible, infeasible
 from ds_swift.launch.args import parse_args
 from ds_swift.launch.cli import main
 from ds_swift.launch.preflight import preflight
-from ds_swift.recovery.feasible import JobShape, check_feasible, infeasible
 
 LOSSY = {"enabled": True, "strategy": "lossy_forward"}
-ELASTIC = {**LOSSY, "elastic": {"enabled": True}}
+ELASTIC = {"enabled": True, "strategy": "elastic"}
 
 
 def cfg(**section: Any) -> SwiftConfig:
@@ -30,7 +30,8 @@ def pp2(machines: int = 2, per: int = 2, elastic: bool = False, partitioned: boo
 def test_elastic_without_the_config_is_refused_naming_the_field() -> None:
     # The hang of issue 30 item 2: the survivors, never told to shrink, would wait for a replacement.
     (why,) = infeasible(cfg(**LOSSY), pp2(elastic=True))
-    assert why.startswith("--elastic:") and "elastic.enabled=false" in why and '"enabled": true' in why
+    assert why.startswith("--elastic:") and "strategy 'lossy_forward' does not shrink" in why
+    assert '"strategy": "elastic"' in why
     (off,) = infeasible(cfg(), pp2(elastic=True))
     assert "swift.enabled is false" in off
     assert infeasible(cfg(**ELASTIC), pp2(elastic=True)) == []
@@ -42,7 +43,7 @@ def test_elastic_needs_whole_replicas_per_machine_and_one_left() -> None:
     assert "--nproc-per-node 1 is not a multiple of tp x pp = 2" in why and "--nproc-per-node 2" in why
     (why,) = infeasible(cfg(**ELASTIC), pp2(machines=1, elastic=True))
     assert "leaves 0 data-parallel replica(s)" in why and "--nnodes 2" in why
-    floor = cfg(**{**ELASTIC, "elastic": {"enabled": True, "min_data_parallel": 2}})
+    floor = cfg(**{**ELASTIC, "elastic": {"min_data_parallel": 2}})
     (why,) = infeasible(floor, pp2(machines=2, elastic=True))
     assert "elastic.min_data_parallel=2" in why and "--nnodes 3" in why
     assert infeasible(floor, pp2(machines=3, elastic=True)) == []
@@ -101,7 +102,7 @@ def test_the_launcher_refuses_the_elastic_hang_before_starting_anything(
     argv = launch_argv(config, "--spares", "0", "--elastic", "--run-dir", str(tmp_path / "run"))
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ds-swift-launch: error: --elastic: the swift config has elastic.enabled=false"), err
+    assert err.startswith("ds-swift-launch: error: --elastic: the swift config's strategy 'lossy_forward'"), err
     assert not (tmp_path / "run").exists()  # no store, no agent, no worker: nothing started
     assert preflight(parse_args(launch_argv(write_config(tmp_path, ELASTIC), "--elastic"))) is None
 

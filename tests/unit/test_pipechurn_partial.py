@@ -4,12 +4,12 @@ consensus reports), who feeds whom, and the copy each rank keeps of the iteratio
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from ds_swift.config import SwiftConfig
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
 from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import Member
@@ -148,7 +148,7 @@ def test_the_last_stage_keeps_its_loss_and_a_new_iteration_drops_the_old_copy() 
 
 def test_the_keeper_exists_only_for_pipechurn_with_partial_recomputation() -> None:
     def cfg(strategy: str, partial: bool) -> Any:
-        return SimpleNamespace(recovery_strategy=strategy, pipechurn=SimpleNamespace(partial_recompute=partial))
+        return SwiftConfig.from_dict({"strategy": strategy, "pipechurn": {"partial_recompute": partial}})
 
     assert kept_inflight(cfg("pipechurn", True), lambda i, m: None, 0) is not None
     assert kept_inflight(cfg("pipechurn", False), lambda i, m: None, 0) is None

@@ -127,11 +127,11 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
     store = JobStore.host("unit-safety-net")
     report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
+    ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0),
+                      10.0, lambda line: None)  # fmt: skip
     outcome = coordinator.run_recovery(
-        store=store, generation=1, rank=0, world_size=1, engine=None, report=report, kept=None, strategy="auto",
-        zero_stage=1, optimizer_wrapper=None, ckpt=None, timeline=RankTimeline(rank=0, role="survivor",
-        failed_generation=0), gather_timeout_s=10.0, log=lambda line: None,
-    )  # fmt: skip
+        ctx, world_size=1, report=report, strategy="auto", zero_stage=1, optimizer_wrapper=None
+    )
     assert outcome.plan.strategy == "checkpoint"
     assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
     assert store.get("gen1/restore_error/0") is not None  # the agreed error round took place

@@ -154,9 +154,9 @@ class InflightKeeper:
 
 
 def kept_inflight(cfg: Any, batch_fn: BatchFn, seed: int) -> InflightKeeper | None:
-    """The keeper the swift config ``cfg`` asks for (strategy ``pipechurn`` with
-    ``pipechurn.partial_recompute``), or None."""
-    if cfg.recovery_strategy != "pipechurn" or not cfg.pipechurn.partial_recompute:
+    """The keeper the swift config ``cfg`` asks for (its strategy's ``inflight_copy`` service:
+    ``pipechurn`` with ``pipechurn.partial_recompute``), or None."""
+    if not cfg.services.inflight_copy:
         return None
     return InflightKeeper(batch_fn, seed)
 

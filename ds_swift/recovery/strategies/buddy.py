@@ -32,6 +32,7 @@ import torch
 from ds_swift import transport
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies  # re-exported
 from ds_swift.recovery.state.digest import partition_state
 from ds_swift.recovery.strategies.replication import finish_restore, load_received, recv_state, send_state
@@ -100,6 +101,7 @@ class BuddyStrategy(RecoveryStrategy):
     Exact: the copy holds bitwise the owner's state after that iteration's step."""
 
     name = "buddy"
+    SERVICES = StrategyServices(buddy_copies=True, digests=True, sim_kind="replication")
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         if not inputs.survivors:

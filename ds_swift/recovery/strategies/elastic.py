@@ -1,7 +1,7 @@
 """Elastic data parallelism: with no spare machine left the job goes on without a failed machine's
 data-parallel replicas (a shrink), and takes them back when the machine returns (a grow). Strategy
-``lossy_forward`` with ``elastic.enabled``, ``ds-swift-launch --elastic`` (and ``--restart-delay``
-for the return). Nicolae et al. (shared/papers/nicolae-*.txt, section III-B): lossy forward
+``elastic`` (:class:`ElasticStrategy`: lossy forward's restore where a spare replaces the machine),
+``ds-swift-launch --elastic`` (and ``--restart-delay`` for the return). Nicolae et al. (shared/papers/nicolae-*.txt, section III-B): lossy forward
 recovery "continues with fewer replicas" when nothing replaces the lost ones.
 
 The job's machines, in rank order, are its *layout* (``launch/layout``): a rank is its machine's
@@ -32,10 +32,10 @@ data-parallel size cannot be loaded into another one).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,144 +43,18 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.recovery.base import RecoveryOutcome, loud, say_deviation
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
+from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 
-__all__ = ["Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
-
-class ResizeRefused(RuntimeError):
-    """The job cannot change its number of replicas (the reason says why and what to do)."""
-
-
-@dataclass(frozen=True)
-class Resize:
-    """One change of the job's machines (a shrink or a grow), the same on every rank.
-
-    Args:
-        kind: ``shrink`` or ``grow``.
-        machine: the machine that left, or came back.
-        old_layout: the machines of the generation that ended, in rank order.
-        new_layout: the machines of the next one, in rank order.
-        per_machine: ranks per machine.
-        old_coords: (stage, dp, tp) of every rank of the generation that ended, by rank.
-        gas: its gradient accumulation steps.
-        micro: the micro-batch size.
-        policy: ``elastic.global_batch`` (``keep`` or ``shrink``).
-        partitioned: each data-parallel rank of the generation that ended held only its slice of
-            the optimizer state (ZeRO-1, BF16_Optimizer with dp > 1).
-    """
-
-    kind: str
-    machine: int
-    old_layout: tuple[int, ...]
-    new_layout: tuple[int, ...]
-    per_machine: int
-    old_coords: tuple[tuple[int, int, int], ...]
-    gas: int
-    micro: int
-    policy: str
-    partitioned: bool
-
-    @property
-    def old_world(self) -> int:
-        return len(self.old_coords)
-
-    @property
-    def new_world(self) -> int:
-        return len(self.new_layout) * self.per_machine
-
-    @property
-    def old_dp(self) -> int:
-        return 1 + max(c[1] for c in self.old_coords)
-
-    @property
-    def new_dp(self) -> int:
-        return self.old_dp * self.new_world // self.old_world
-
-    @property
-    def new_gas(self) -> int:
-        return self.gas * self.old_dp // self.new_dp if self.policy == "keep" else self.gas
-
-    def machine_of(self, old_rank: int) -> int:
-        return self.old_layout[old_rank // self.per_machine]
-
-    def new_rank_of(self, old_rank: int) -> int | None:
-        """The rank ``old_rank`` has after the change (None: its machine left)."""
-        machine = self.machine_of(old_rank)
-        if machine not in self.new_layout:
-            return None
-        return self.new_layout.index(machine) * self.per_machine + old_rank % self.per_machine
-
-    def old_rank_at(self, stage: int, dp: int, tp: int) -> int:
-        return self.old_coords.index((stage, dp, tp))
-
-    @property
-    def survivors(self) -> list[int]:
-        """The old ranks that are in the new generation too."""
-        return [r for r in range(self.old_world) if self.new_rank_of(r) is not None]
-
-    @property
-    def lost(self) -> list[int]:
-        return [r for r in range(self.old_world) if self.new_rank_of(r) is None]
-
-    @classmethod
-    def plan(cls, *, kind: str, machine: int, old_layout: Sequence[int], new_layout: Sequence[int],
-             old_coords: Sequence[tuple[int, int, int]], gas: int, micro: int, policy: str, min_dp: int,
-             partitioned: bool) -> Resize:  # fmt: skip
-        """Check that the change is possible; ResizeRefused (with the fix) where it is not."""
-        per_machine = len(old_coords) // len(old_layout)
-        resize = cls(kind, machine, tuple(old_layout), tuple(new_layout), per_machine,
-                     tuple((int(s), int(d), int(t)) for s, d, t in old_coords), gas, micro, policy, partitioned)  # fmt: skip
-        model_parallel = resize.old_world // resize.old_dp
-        if per_machine % model_parallel:
-            raise ResizeRefused(
-                f"a machine holds {per_machine} rank(s), not whole data-parallel replicas of {model_parallel} "
-                f"(tp x pp): adding or dropping machine {machine} would break replicas; place whole replicas per "
-                "machine (swift machines.rank_order tp-pp-dp with gpus_per_node a multiple of tp x pp), or add spares"
-            )
-        if resize.new_dp < min_dp:
-            raise ResizeRefused(
-                f"dropping machine {machine} leaves {resize.new_dp} data-parallel replica(s), fewer than "
-                f"elastic.min_data_parallel={min_dp}: add a spare machine (ds-swift-launch --spares) or lower it"
-            )
-        if policy == "keep" and (gas * resize.old_dp) % resize.new_dp:
-            raise ResizeRefused(
-                f"elastic.global_batch=keep: {gas * resize.old_dp} micro-batches per iteration do not split over "
-                f"{resize.new_dp} replicas; set elastic.global_batch to \"shrink\", or choose a divisible accumulation"
-            )
-        return resize
-
-    def describe(self) -> str:
-        batch = (f"global batch kept: accumulation {self.gas} -> {self.new_gas} micro-batches per replica"
-                 if self.policy == "keep" else
-                 f"global batch {self.micro * self.gas * self.old_dp} -> {self.micro * self.gas * self.new_dp} samples")  # fmt: skip
-        what = (f"elastic shrink: machine {self.machine} left for good (no spare)" if self.kind == "shrink"
-                else f"elastic grow: machine {self.machine} is back")  # fmt: skip
-        return f"{what}; data parallelism {self.old_dp} -> {self.new_dp} on machines {list(self.new_layout)}; {batch}"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Resize:
-        d = json.loads(text)
-        d["old_layout"], d["new_layout"] = tuple(d["old_layout"]), tuple(d["new_layout"])
-        d["old_coords"] = tuple(tuple(c) for c in d["old_coords"])
-        return cls(**d)
-
-
-def resized_ds_config(ds_config: Mapping[str, Any], resize: Resize) -> dict[str, Any]:
-    """The DeepSpeed config of the resized job: the micro-batch, the new accumulation and batch."""
-    out = dict(ds_config)
-    out["train_micro_batch_size_per_gpu"] = resize.micro
-    out["gradient_accumulation_steps"] = resize.new_gas
-    out["train_batch_size"] = resize.micro * resize.new_gas * resize.new_dp
-    return out
+__all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
 
 
 def _coords(engine: Any) -> list[tuple[int, int]]:
@@ -257,125 +131,185 @@ def recover_resized(
     """Every rank of the resized generation (joined, rebuilt): survivors with what they kept and
     the ``resize`` they planned, a returning machine's new ranks with neither (both from rank 0).
     ``verify``: check the resharded state against the old ranks' digests (``verify.enabled``)."""
-    from ds_swift.patches.deepspeed_optim_state import GeometryError, load_optimizer, reshard_optimizer
+    from ds_swift.patches.deepspeed_optim_state import GeometryError
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        assert resize is not None, "rank 0 is a survivor"
-        store.publish(generation, "resize", 0, resize.to_json())
-    if resize is None:
-        resize = Resize.from_json(store.gather(generation, "resize", [0], gather_timeout_s)[0])
+    resize = _agreed_resize(store, generation, rank, resize, gather_timeout_s)
     if world != resize.new_world:
         raise GeometryError(f"rank {rank} is in a world of {world}, the resize plans {resize.new_world}")
     coords = _coords(engine)
-    survivor_ranks: dict[int, int] = {}  # new rank -> old rank
-    for r in resize.survivors:
-        new = resize.new_rank_of(r)
-        assert new is not None
-        survivor_ranks[new] = r
+    survivor_ranks = {n: r for r in resize.survivors if (n := resize.new_rank_of(r)) is not None}  # new -> old
     old_rank = survivor_ranks.get(rank)
     timeline.rank = rank  # its part of the timeline is gathered by the new rank
-    if kept is not None:
-        assert old_rank is not None
-        stage, dp, tp = resize.old_coords[old_rank]
-        if coords[rank] != (stage, tp):
-            raise GeometryError(f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
-                                f"stage {coords[rank][0]} tp {coords[rank][1]}: its kept module does not fit")  # fmt: skip
-        mine = RankReport(rank=old_rank, survivor=True, stage=stage, dp=dp, tp=tp, machine=resize.machine_of(old_rank),
-                          last_stepped=kept.last_stepped, can_undo=kept.can_undo,
-                          buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())  # fmt: skip
-        store.publish(generation, "resize_report", rank, mine.to_json())
-    elif resize.kind != "grow":
-        raise GeometryError(f"rank {rank} kept no state, but only a grow brings new ranks")
+    _publish_report(store, generation, rank, old_rank, kept, resize, coords[rank])
     gathered = store.gather(generation, "resize_report", sorted(survivor_ranks), gather_timeout_s)
-    reports = [RankReport.from_json(v) for v in gathered.values()]
-    inputs, target, why = _agree(resize, reports, zero_stage, resize.partitioned)
+    inputs, target, why = _agree(resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage,
+                                 resize.partitioned)  # fmt: skip
     if why:
         loud(rank, f"ELASTIC {resize.kind.upper()} IMPOSSIBLE: {why}; the job stops (restart it from the last "
                    "global checkpoint on the original number of machines)")  # fmt: skip
         raise ResizeRefused(why)
     iteration = target.iteration if target is not None else inputs.consensus
-    at = inputs.rebased(iteration)
     sources = {r: r for r in inputs.survivors}  # old rank -> old rank whose state (or copy) it is
     if target is not None:
         sources.update(target.holders)
-    undo = list(at.undo)
+    undo = list(inputs.rebased(iteration).undo)
     timeline.t_consensus = time.time()
     if kept is not None and old_rank in undo:
         kept.undo_logged(iteration, timeline, log)
-
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
     donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
               for dst in range(world) if dst not in survivor_ranks}  # fmt: skip
     first = {dst: survivor_ranks[donors.get(dst, dst)] for dst in range(world)}
-    transfers = _transfers(resize, coords, sources, first)
-    state = kept.state() if kept is not None else None  # after the undo: what this rank now holds
-
-    def payload_of(owner: int) -> dict[str, Any]:
-        if owner == old_rank and sources[owner] == owner:
-            assert state is not None
-            return {"optimizer": state["optimizer"]}
-        if kept is None or kept.buddy is None:
-            raise RuntimeError(f"rank {rank} was chosen to send rank {owner}'s buddy copy but holds none")
-        return {"optimizer": kept.buddy.state_of(owner, iteration)["optimizer"]}
-
-    sending: list[tuple[Any, torch.Tensor]] = []
-
-    def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
-        sending.append((transport.isend(t, dst, group=group), t))
-
-    moved = 0
-    for dst, src in sorted(donors.items()):
-        if src == rank:
-            assert kept is not None and state is not None
-            rest = {k: v for k, v in state.items() if k != "optimizer"}
-            moved += send_state({**rest, "counters": kept.counters or {}}, dst, send=isend)
-    for owner, src, dst in transfers:
-        if src == rank and dst != rank:
-            moved += send_state(payload_of(owner), dst, send=isend)
-    if rank in donors:
-        rest = recv_state(donors[rank])
-        load_state(engine, rest, iteration + 1)
-        counters = rest.get("counters") or {}
-    else:
-        assert kept is not None and state is not None
-        load_state(engine, {**state, "optimizer": None}, iteration + 1)
-        counters = kept.counters or {}
-    engine.skipped_steps = int(counters.get("skipped_steps", 0))
-    parts: dict[int, dict[str, Any]] = {}
-    owners: dict[int, Any] = {}  # old rank -> its part joined here (None: its whole state, unpartitioned)
-    for owner, src, dst in transfers:
-        if dst == rank:
-            parts[resize.old_coords[owner][1]] = payload_of(owner)["optimizer"] if src == rank else recv_state(src)["optimizer"]
-            owners[owner] = parts[resize.old_coords[owner][1]]
-    for work, _ in sending:
-        work.wait()
-    if engine.optimizer is not None and parts:
-        load_optimizer(engine.optimizer, reshard_optimizer([parts[q] for q in sorted(parts)], engine.optimizer))
+    moves = _Moves(resize, rank, old_rank, kept, iteration, sources, donors, _transfers(resize, coords, sources, first))
+    moved, owners = moves.run(engine)
     finish_restore(engine)
     if verify:
         _verify_resize(store, generation, engine, owners or {first[rank]: None}, iteration, timeline, gather_timeout_s)
+    outcome = _outcome(resize, target, iteration, undo, survivor_ranks, donors, moved, rank, timeline)
+    transport.barrier()
+    timeline.t_restored = time.time()
+    timeline.bytes_moved = moved
+    return outcome
 
+
+def _agreed_resize(store: JobStore, generation: int, rank: int, resize: Resize | None, timeout_s: float) -> Resize:
+    """Rank 0's plan of the resize (a survivor's), read by the new ranks of a returning machine."""
+    if rank == 0:
+        assert resize is not None, "rank 0 is a survivor"
+        store.publish(generation, "resize", 0, resize.to_json())
+    if resize is None:
+        resize = Resize.from_json(store.gather(generation, "resize", [0], timeout_s)[0])
+    return resize
+
+
+def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int | None, kept: KeptState | None,
+                    resize: Resize, where: tuple[int, int]) -> None:  # fmt: skip
+    """A survivor's report under its old rank (a new rank of a grow has none to give)."""
+    from ds_swift.patches.deepspeed_optim_state import GeometryError
+
+    if kept is None:
+        if resize.kind != "grow":
+            raise GeometryError(f"rank {rank} kept no state, but only a grow brings new ranks")
+        return
+    assert old_rank is not None
+    stage, dp, tp = resize.old_coords[old_rank]
+    if where != (stage, tp):
+        raise GeometryError(f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
+                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")  # fmt: skip
+    mine = RankReport(rank=old_rank, survivor=True, stage=stage, dp=dp, tp=tp, machine=resize.machine_of(old_rank),
+                      last_stepped=kept.last_stepped, can_undo=kept.can_undo,
+                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())  # fmt: skip
+    store.publish(generation, "resize_report", rank, mine.to_json())
+
+
+@dataclass
+class _Moves:
+    """This rank's sends and receives of a resize: a new rank's module, schedule and counters from its
+    donor, and every old optimizer partition (or whole state) each rank joins into its new one."""
+
+    resize: Resize
+    rank: int
+    old_rank: int | None
+    kept: KeptState | None
+    iteration: int
+    sources: Mapping[int, int]
+    donors: Mapping[int, int]
+    transfers: list[tuple[int, int, int]]
+
+    def __post_init__(self) -> None:
+        self.state = self.kept.state() if self.kept is not None else None  # after the undo: what it holds
+        self.sending: list[tuple[Any, torch.Tensor]] = []
+
+    def payload_of(self, owner: int) -> dict[str, Any]:
+        if owner == self.old_rank and self.sources[owner] == owner:
+            assert self.state is not None
+            return {"optimizer": self.state["optimizer"]}
+        if self.kept is None or self.kept.buddy is None:
+            raise RuntimeError(f"rank {self.rank} was chosen to send rank {owner}'s buddy copy but holds none")
+        return {"optimizer": self.kept.buddy.state_of(owner, self.iteration)["optimizer"]}
+
+    def _isend(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.sending.append((transport.isend(t, dst, group=group), t))
+
+    def run(self, engine: Any) -> tuple[int, dict[int, Any]]:
+        """Post the sends, receive, load; returns the bytes sent and the old partitions joined here
+        (old rank -> its part; None: its whole state, unpartitioned)."""
+        from ds_swift.patches.deepspeed_optim_state import load_optimizer, reshard_optimizer
+
+        rank, kept, state = self.rank, self.kept, self.state
+        moved = 0
+        for dst, src in sorted(self.donors.items()):
+            if src == rank:
+                assert kept is not None and state is not None
+                rest = {k: v for k, v in state.items() if k != "optimizer"}
+                moved += send_state({**rest, "counters": kept.counters or {}}, dst, send=self._isend)
+        for owner, src, dst in self.transfers:
+            if src == rank and dst != rank:
+                moved += send_state(self.payload_of(owner), dst, send=self._isend)
+        if rank in self.donors:
+            rest = recv_state(self.donors[rank])
+            load_state(engine, rest, self.iteration + 1)
+            counters = rest.get("counters") or {}
+        else:
+            assert kept is not None and state is not None
+            load_state(engine, {**state, "optimizer": None}, self.iteration + 1)
+            counters = kept.counters or {}
+        engine.skipped_steps = int(counters.get("skipped_steps", 0))
+        parts: dict[int, dict[str, Any]] = {}
+        owners: dict[int, Any] = {}
+        for owner, src, dst in self.transfers:
+            if dst == rank:
+                dp = self.resize.old_coords[owner][1]
+                parts[dp] = self.payload_of(owner)["optimizer"] if src == rank else recv_state(src)["optimizer"]
+                owners[owner] = parts[dp]
+        for work, _ in self.sending:
+            work.wait()
+        if engine.optimizer is not None and parts:
+            load_optimizer(engine.optimizer, reshard_optimizer([parts[q] for q in sorted(parts)], engine.optimizer))
+        return moved, owners
+
+
+def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: list[int],
+             survivor_ranks: Mapping[int, int], donors: Mapping[int, int], moved: int, rank: int,
+             timeline: RankTimeline) -> RecoveryOutcome:  # fmt: skip
+    """The resize as a recovery outcome (its plan in new ranks), its deviation said by rank 0."""
     reason = resize.describe() + f"; iteration {iteration} is the consensus"
     if target is not None:
         pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
         reason += f"; the lost partitions from their buddy copies ({pairs}, old ranks)"
     new_undo = tuple(n for n in (resize.new_rank_of(r) for r in undo) if n is not None)
-    plan = RecoveryPlan("lossy_forward", reason, iteration, tuple(sorted(survivor_ranks)),
-                        tuple(sorted(donors)), donors=donors, undo=new_undo)  # fmt: skip
+    plan = RecoveryPlan(ElasticStrategy.name, reason, iteration, tuple(sorted(survivor_ranks)),
+                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)  # fmt: skip
     outcome = RecoveryOutcome(plan, iteration + 1, bytes_moved=moved)
     if resize.policy == "keep":
         deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
     else:
         deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
                      f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")  # fmt: skip
-    say_deviation(rank, rank == 0, "lossy_forward", outcome, deviation)
+    say_deviation(rank, rank == 0, ElasticStrategy.name, outcome, deviation)
     timeline.extra["resize"] = {
         "kind": resize.kind, "machine": resize.machine, "machines": list(resize.new_layout),
         "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],
         "global_batch": resize.policy,
     }  # fmt: skip
-    transport.barrier()
-    timeline.t_restored = time.time()
-    timeline.bytes_moved = moved
     return outcome
+
+
+class ElasticStrategy(LossyForwardStrategy):
+    """``"strategy": "elastic"``: a failed machine that a spare replaces is restored as by
+    ``lossy_forward``; with no spare left (``ds-swift-launch --elastic``) the job goes on with fewer
+    data-parallel replicas, and takes them back when the machine returns (:func:`recover_resized`).
+    Approximate."""
+
+    name = "elastic"
+    SERVICES = StrategyServices(buddy_copies=True, digests=True, elastic=True, sim_kind="elastic")
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        # A replaced machine's restore is lossy forward's, and is named so in the timeline.
+        return dataclasses.replace(super().plan(inputs), strategy=LossyForwardStrategy.name)
+
+    def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
+        return recover_resized(store=ctx.store, generation=ctx.generation, engine=ctx.engine, kept=ctx.kept,
+                               resize=resize, timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
+                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)  # fmt: skip

@@ -19,9 +19,10 @@ from typing import Any
 from ds_swift.checkpoint.periodic import tag_for
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import set_counters
 
-__all__ = ["GlobalCheckpointStrategy"]
+__all__ = ["AsyncGlobalCheckpointStrategy", "GlobalCheckpointStrategy"]
 
 
 class GlobalCheckpointStrategy(RecoveryStrategy):
@@ -31,6 +32,11 @@ class GlobalCheckpointStrategy(RecoveryStrategy):
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         return None
+
+    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
+        # Every way of saving checkpoints (synchronous, asynchronous, CheckFreq's interval) recovers
+        # by this one reload, under this one name (the guard and the timelines look for it).
+        return inputs.plan(GlobalCheckpointStrategy.name)
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         # Every rank retrains from the checkpoint to the iteration in flight.
@@ -53,6 +59,15 @@ class GlobalCheckpointStrategy(RecoveryStrategy):
             outcome.resume_iteration = 0
         set_counters(ctx.engine, outcome.resume_iteration)
         return outcome
+
+
+class AsyncGlobalCheckpointStrategy(GlobalCheckpointStrategy):
+    """``"strategy": "global_checkpoint"``: only the global checkpoint, saved asynchronously (training
+    waits for a host snapshot; ds_swift.checkpoint.background) also where the state is on CPU."""
+
+    name = "global_checkpoint"
+    auto = False  # "auto" keeps its own protections; the reload is its fallback anyway
+    SERVICES = StrategyServices(async_checkpoints=True)
 
 
 def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> int | None:

@@ -12,19 +12,26 @@ replica's gradients, the survivors finish it averaging only their own. Here:
 3. from the next iteration on, every replica trains as before.
 
 Approximate, and said so: the failed iteration's update leaves out the casualties' samples. With no
-spare machine the paper's alternative, going on with fewer replicas (an elastic shrink), is not
-built: the launcher waits for a spare (see the issue's note).
+spare machine the paper's alternative, going on with fewer replicas (an elastic shrink), is strategy
+``elastic`` (ds_swift.recovery.strategies.elastic, built on this one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.gradmask import GradScale, lossy_factor
+from ds_swift.recovery.services import StrategyServices
+from ds_swift.recovery.simulated import SimulatedFailure
 from ds_swift.recovery.strategies.buddy import BuddyStrategy
 from ds_swift.recovery.strategies.replication import ReplicationStrategy
+
+if TYPE_CHECKING:
+    from ds_swift.config import SimulateConfig
 
 __all__ = ["LossyForwardStrategy", "casualties"]
 
@@ -42,6 +49,11 @@ class LossyForwardStrategy(RecoveryStrategy):
     name = "lossy_forward"
     exact = False
     auto = False  # approximate: only when the config names it
+    # The exact restore it starts from (replication, buddy copies) and that restore's digests.
+    SERVICES = StrategyServices(buddy_copies=True, digests=True, sim_kind="replication")
+
+    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure:
+        return LossySimulation(cfg, log)
 
     def __init__(self) -> None:
         self._restores: tuple[RecoveryStrategy, ...] = (ReplicationStrategy(), BuddyStrategy())
@@ -92,3 +104,24 @@ class LossyForwardStrategy(RecoveryStrategy):
             f"(replicas {sorted(lost)} lost a rank and count as zero)"
         ))  # fmt: skip
         return outcome
+
+
+class LossySimulation(SimulatedFailure):
+    """The simulated iteration averages only the surviving replicas' gradients: the ``casualties``
+    count as zero from ``upto_layer`` down (every layer by default), bit for bit what the strategy
+    does after a real failure."""
+
+    def grad_scale(self, engine: Any) -> GradScale | None:
+        dp = int(engine.grid.get_data_parallel_world_size())
+        lost = self.cfg.casualties or (dp - 1,)
+        if max(lost) >= dp or len(set(lost)) >= dp:
+            # A ValueError as the config's own errors are (recovery/ does not import the config).
+            raise ValueError(
+                f"swift config: simulate_failure.casualties={list(lost)} is invalid: data-parallel replica "
+                f"indices below {dp}, leaving at least one survivor"
+            )
+        factor = lossy_factor(int(engine.grid.get_data_parallel_id()), lost, dp)
+        self._log(f"simulated failure (lossy forward) at iteration {self.iteration}: replicas {list(lost)} "
+                  f"lost; my gradients x {factor:g}")  # fmt: skip
+        return GradScale(self.iteration, factor, self.cfg.upto_layer)
+

@@ -16,12 +16,17 @@ any grouping needs, so a replay that reaches back to it finds every inbound edge
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replay.runner import run_logging_recovery
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.verify import ReplayCheck
+
+if TYPE_CHECKING:
+    from ds_swift.config import SwiftConfig
 
 __all__ = ["LoggingStrategy", "replay_group"]
 
@@ -36,6 +41,12 @@ class LoggingStrategy(RecoveryStrategy):
     """Replay the failed logging groups from the global checkpoint and the message log; exact."""
 
     name = "logging"
+    SERVICES = StrategyServices(digests=True, stage_recovery=frozenset({"logging"}), sim_kind="logging")
+
+    def services(self, cfg: SwiftConfig) -> StrategyServices:
+        # A per-stage mix (logging.kinds) has some stages log their updates instead (TranLogs restores them).
+        mixed = cfg.logging.kinds != "messages"
+        return dataclasses.replace(self.SERVICES, update_log="per_stage" if mixed else "off")
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker()

@@ -17,12 +17,19 @@ again, and the plan says why. Exact: bitwise the failure-free run. With more mac
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
 from ds_swift.recovery.state.transfer import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, recompute_lost, retrain_summary
 from ds_swift.recovery.verify import check_published
+
+if TYPE_CHECKING:
+    from ds_swift.config import SwiftConfig
 
 __all__ = ["PipeChurnStrategy"]
 
@@ -32,6 +39,12 @@ class PipeChurnStrategy(RecoveryStrategy):
 
     name = "pipechurn"
     auto = False  # the chunks exist only when the config names this strategy
+    # The lost ranks' state comes from other machines' memory: modelled as a replication.
+    SERVICES = StrategyServices(erasure_chunks=True, digests=True, sim_kind="replication")
+
+    def services(self, cfg: SwiftConfig) -> StrategyServices:
+        """The chunks and digests; the copy of the iteration in flight where ``pipechurn.partial_recompute``."""
+        return dataclasses.replace(self.SERVICES, inflight_copy=cfg.pipechurn.partial_recompute)
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker() or inputs.wrapper_blocker()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.state.transfer import (  # re-exported: older imports name this module
     capture_state,
@@ -87,6 +88,9 @@ class ReplicationStrategy(RecoveryStrategy):
     state of a surviving data-parallel replica. Exact: replicas hold bitwise the same state."""
 
     name = "replication"
+    # Buddy copies: a replica under ZeRO-1 holds only its slice; digests check what a donor sends.
+    SERVICES = StrategyServices(buddy_copies=True, digests=True, stage_recovery=frozenset({"replication"}),
+                                sim_kind="replication")
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker()

@@ -23,13 +23,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.state.transfer import capture_state, finish_restore, load_received, recv_state, send_state
+from ds_swift.recovery.services import StrategyServices
+from ds_swift.recovery.simulated import SimulatedFailure, copy_state
+from ds_swift.recovery.state.transfer import (
+    capture_state,
+    finish_restore,
+    load_received,
+    load_state,
+    recv_state,
+    send_state,
+    set_counters,
+)
 from ds_swift.recovery.strategies.buddy import copy_holders
 from ds_swift.recovery.strategies.replication import donors_for
+
+if TYPE_CHECKING:
+    from ds_swift.config import SimulateConfig
 
 __all__ = ["ImmediateRollbackStrategy", "rollback_sources"]
 
@@ -67,6 +81,11 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
     name = "immediate_rollback"
     exact = False
     auto = False  # approximate: only when the config names it
+    # The survivors' state as it is (no undo): nothing to check a restore against.
+    SERVICES = StrategyServices(buddy_copies=True, sim_kind="replication")
+
+    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure:
+        return RollbackSimulation(cfg, log)
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         if not inputs.survivors:
@@ -139,3 +158,46 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         if holdings is None:
             raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
         return holdings.state_of(lost, version)
+
+
+class RollbackSimulation(SimulatedFailure):
+    """The ranks of ``stepped_stages`` had stepped when the simulated failure hit, the others had not;
+    then everyone trains the failed mini-batch again. The iteration is trained once, the ranks of the
+    other stages put back their state from before it (a copy taken before its first forward pass:
+    exact, one state copy of host memory for that iteration), every rank's LR schedule and counters
+    go back one iteration, and the iteration is trained again: what the strategy does after a real
+    failure with those stages stepped."""
+
+    def __init__(self, cfg: SimulateConfig, log: Callable[[str], None]) -> None:
+        super().__init__(cfg, log)
+        self._saved: dict[str, Any] | None = None
+
+    def before(self, engine: Any) -> None:
+        if self.done or int(engine.global_steps) != self.iteration:
+            return
+        stepped = int(engine.stage_id) in self.cfg.stepped_stages
+        sched = getattr(engine, "lr_scheduler", None)
+        self._saved = {
+            "schedule": copy_state(sched.state_dict()) if sched is not None else None,
+            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+            "state": None if stepped else copy_state(capture_state(engine)),
+        }
+
+    def roll_back(self, engine: Any) -> bool:
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return False
+        self.done = True
+        if saved["state"] is not None:
+            load_state(engine, saved["state"], self.iteration)
+        else:
+            if saved["schedule"] is not None:
+                engine.lr_scheduler.load_state_dict(saved["schedule"])
+            set_counters(engine, self.iteration)
+            engine.skipped_steps = saved["skipped_steps"]
+        finish_restore(engine)  # the low-precision parameters from the masters (per data-parallel group)
+        kept = "kept its update" if saved["state"] is None else "did not apply it"
+        self._log(f"simulated failure (immediate rollback) at iteration {self.iteration}: my stage {kept}; "
+                  "training the mini-batch again")  # fmt: skip
+        return True
+

@@ -44,6 +44,7 @@ from ds_swift.recovery.base import (
     loud,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore, set_counters
 
 __all__ = ["ScarStrategy", "running_dir", "running_state"]
@@ -104,6 +105,7 @@ class ScarStrategy(RecoveryStrategy):
     name = "scar"
     exact = False
     auto = False  # approximate: only when the config names it
+    SERVICES = StrategyServices(running_checkpoint=True, sim_kind="replication")
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         return inputs.reload_blocker()

@@ -26,6 +26,7 @@ import time
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.state.update_log import load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
@@ -38,6 +39,7 @@ class TranLogsStrategy(RecoveryStrategy):
 
     name = "tranlogs"
     auto = False  # every rank logs its updates only when the config names this strategy
+    SERVICES = StrategyServices(update_log="every_rank", digests=True, sim_kind="logging")
 
     def offered(self, inputs: RecoveryInputs) -> bool:
         # Under auto or logging, the stages logging their updates (logging.kinds) are restored so.

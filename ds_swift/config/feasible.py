@@ -2,7 +2,7 @@
 ``ds-swift bench``), so that a configuration no recovery can serve is refused with one line naming
 the field or flag and the fix, instead of failing inside the workers once they run (a
 ``BuddyError`` then SIGABRT for PipeChurn on too few machines), or hanging at the first failure
-(``--elastic`` without ``elastic.enabled``: the launcher drops the failed machine, the survivors,
+(``--elastic`` without strategy ``elastic``: the launcher drops the failed machine, the survivors,
 never told to shrink, wait in the rendezvous for a replacement that never comes).
 
 One function per requirement, each ``(cfg, shape) -> str | None`` (None: met); pure, no process.
@@ -90,21 +90,21 @@ Requirement = Callable[[SwiftConfig, JobShape], "str | None"]
 
 
 def elastic_needs_the_config(cfg: SwiftConfig, shape: JobShape) -> str | None:
-    """``--elastic`` is served only by workers that know to shrink (``elastic.enabled``)."""
-    if not shape.elastic or (cfg.enabled and cfg.elastic.enabled):
+    """``--elastic`` is served only by workers that know to shrink (a strategy whose services are elastic)."""
+    if not shape.elastic or (cfg.enabled and cfg.services.elastic):
         return None
     if not cfg.enabled:
         return ("--elastic: ds-swift is off in this job (swift.enabled is false): nothing would shrink the job; "
-                "turn swift on with \"strategy\": \"lossy_forward\" and \"elastic\": {\"enabled\": true}, or drop --elastic")  # fmt: skip
-    return (f"--elastic: the swift config has elastic.enabled=false (strategy {cfg.strategy!r}), so its workers "
-            "would wait for a replacement of the failed machine that never comes; set \"strategy\": \"lossy_forward\" "
-            "and \"elastic\": {\"enabled\": true} in the swift section, or drop --elastic (and give --spares N)")  # fmt: skip
+                "turn swift on with \"strategy\": \"elastic\", or drop --elastic")  # fmt: skip
+    return (f"--elastic: the swift config's strategy {cfg.strategy!r} does not shrink the job, so its workers "
+            "would wait for a replacement of the failed machine that never comes; set \"strategy\": \"elastic\" "
+            "in the swift section, or drop --elastic (and give --spares N)")  # fmt: skip
 
 
 def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """A shrink drops whole machines: each must hold whole data-parallel replicas (tp x pp ranks)."""
     replica = shape.replica
-    if not shape.elastic or not cfg.elastic.enabled or replica is None or shape.per_machine % replica == 0:
+    if not shape.elastic or not cfg.services.elastic or replica is None or shape.per_machine % replica == 0:
         return None
     return (f"--elastic: a machine must hold whole data-parallel replicas for a shrink to drop it, but "
             f"--nproc-per-node {shape.per_machine} is not a multiple of tp x pp = {replica}; use --nproc-per-node "
@@ -114,7 +114,7 @@ def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | Non
 def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """After losing one machine at least ``elastic.min_data_parallel`` replicas must remain."""
     replica, dp = shape.replica, shape.data_parallel
-    if not shape.elastic or not cfg.elastic.enabled or replica is None or dp is None or shape.per_machine % replica:
+    if not shape.elastic or not cfg.services.elastic or replica is None or dp is None or shape.per_machine % replica:
         return None
     per = shape.per_machine // replica  # replicas per machine
     left, floor = dp - per, max(1, cfg.elastic.min_data_parallel)
@@ -129,27 +129,24 @@ def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | Non
 
 def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """PipeChurn keeps each rank's k + r chunks on k + r machines (failure domains) besides its own."""
-    if not cfg.enabled or cfg.strategy != "pipechurn":
+    if not cfg.enabled or not cfg.services.erasure_chunks:
         return None
     k, r = cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks
     try:
         assign_holders(shape.members(), k, r, cfg.machines.failure_domains)
     except BuddyError as exc:
-        return (f"strategy \"pipechurn\" needs k + r + 1 = {k + r + 1} machines in distinct failure domains "
+        return (f"strategy \"{cfg.strategy}\" needs k + r + 1 = {k + r + 1} machines in distinct failure domains "
                 f"(pipechurn.data_chunks={k}, pipechurn.parity_chunks={r}, and each rank's own), the job has "
                 f"--nnodes {shape.machines}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
                 f"pipechurn.parity_chunks ({exc})")  # fmt: skip
     return None
 
 
-#: strategies whose recovery never reads a buddy copy (the engine does not make them)
-_NO_BUDDIES = ("checkpoint", "global_checkpoint", "checkfreq", "logging", "tranlogs", "pipechurn", "scar")
-
-
 def buddies_need_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """Buddy copies of a partitioned optimizer state go to ``buddy.replication_factor`` ranks outside
     the owner's machine (failure domain)."""
-    if not cfg.enabled or not cfg.buddy.enabled or cfg.strategy in _NO_BUDDIES or not shape.partitioned:
+    uses = cfg.services.buddy_copies and not cfg.services.erasure_chunks  # else the engine makes none
+    if not cfg.enabled or not cfg.buddy.enabled or not uses or not shape.partitioned:
         return None
     factor = cfg.buddy.replication_factor
     try:

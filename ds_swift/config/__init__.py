@@ -1,0 +1,273 @@
+"""The ``"swift"`` section of a DeepSpeed JSON config, as typed dataclasses.
+
+Users write::
+
+    "swift": {
+      "enabled": true,
+      "machines": {"gpus_per_node": 8},
+      "strategy": "auto",
+      "logging": {"storage": "file:///lustre/job42/swift-logs",
+                  "storage_budget_gb": 500, "chunk_iterations": 5, "bubble_only": true},
+      "parallel_recovery": true,
+      "checkpoint": {"dir": "/lustre/job42/ckpt", "interval": 1000}
+    }
+
+Every invalid value raises :class:`ConfigError` whose message names the field (as a dotted
+path from ``swift``), the value and what is allowed. Unknown keys are errors: a typo such as
+``"chunk_iteration"`` silently falling back to a default would only show months later, when a
+recovery does not do what the user thought they had configured.
+
+``strategy`` is ``auto`` or the name of a registered recovery strategy
+(:mod:`ds_swift.recovery.registry`); what it runs while nothing fails is its
+:attr:`SwiftConfig.services`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from ds_swift.config.checks import ConfigError, _check_type, _fail
+from ds_swift.config.sections import (
+    LOG_KINDS,
+    STORAGE_SCHEMES,
+    CheckpointConfig,
+    LoggingConfig,
+    MachinesConfig,
+    VerifyConfig,
+    WatchdogConfig,
+)
+from ds_swift.config.strategy_sections import (
+    BuddyConfig,
+    CheckFreqConfig,
+    ElasticConfig,
+    PipeChurnConfig,
+    SimulateConfig,
+)
+from ds_swift.recovery.registry import registered_names, strategies
+
+if TYPE_CHECKING:
+    from ds_swift.recovery.services import StrategyServices
+
+__all__ = [
+    "LOG_KINDS",
+    "BuddyConfig",
+    "CheckFreqConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "ElasticConfig",
+    "LoggingConfig",
+    "MachinesConfig",
+    "PipeChurnConfig",
+    "STORAGE_SCHEMES",
+    "SimulateConfig",
+    "SwiftConfig",
+    "VerifyConfig",
+    "WatchdogConfig",
+    "load_ds_config",
+    "strategy_names",
+]
+
+ParallelRecoveryMode = Literal["exact", "fast"]
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The values ``strategy`` may take: ``auto`` and every registered recovery strategy's name."""
+    return ("auto", *registered_names())
+
+
+@dataclass(frozen=True)
+class SwiftConfig:
+    """Everything ds-swift reads from ``ds_config["swift"]``."""
+
+    enabled: bool = False
+    """Turn ds-swift on. With ``false`` the engine is left exactly as DeepSpeed built it."""
+
+    machines: MachinesConfig = field(default_factory=MachinesConfig)
+    """Rank-to-machine mapping."""
+
+    strategy: str = "auto"
+    """``auto``, or the name of a registered recovery strategy (:mod:`ds_swift.recovery.registry`;
+    each module's docstring says what it does). ``auto`` runs the protections of every strategy it
+    may choose (replicas, buddy copies, message logging where the topology analyzer finds it worth
+    it) and, after a failure, takes the cheapest that can restore the lost ranks; the global
+    checkpoint is every strategy's fallback. Naming one strategy runs only what it needs:
+    ``replication``, ``buddy``, ``logging``, ``tranlogs``, ``pipechurn`` are exact; ``checkpoint``,
+    ``global_checkpoint`` (saved asynchronously) and ``checkfreq`` (at an interval CheckFreq chooses,
+    see ``checkfreq``) reload the last global checkpoint; ``scar``, ``immediate_rollback``,
+    ``lossy_forward`` and ``elastic`` (no spare left: fewer data-parallel replicas, see ``elastic``)
+    are approximate and say by how much."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Message logging for logging-based recovery."""
+
+    parallel_recovery: bool = False
+    """Let survivors share the replay of a failed machine's micro-batches (section 5.2)."""
+
+    parallel_recovery_mode: ParallelRecoveryMode = "exact"
+    """``exact`` combines micro-batch gradients in the original order (bitwise equal to
+    sequential replay); ``fast`` uses a plain all-reduce."""
+
+    parallel_recovery_force: bool = False
+    """Use parallel recovery even where the recovery plan finds it cannot help (the replayers would
+    share one host's CPU cores: a CPU job with fewer cores than replaying ranks on a host). Off: the
+    plan says why and replays sequentially."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Global checkpoints."""
+
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Failure detection."""
+
+    buddy: BuddyConfig = field(default_factory=BuddyConfig)
+    """Buddy copies of ZeRO-1 / BF16_Optimizer partitions."""
+
+    checkfreq: CheckFreqConfig = field(default_factory=CheckFreqConfig)
+    """CheckFreq's interval choice (strategy ``checkfreq``)."""
+
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    """Verified recovery: restored state checked against reference digests."""
+
+    pipechurn: PipeChurnConfig = field(default_factory=PipeChurnConfig)
+    """PipeChurn's erasure coding (strategy ``pipechurn``)."""
+
+    simulate_failure: SimulateConfig = field(default_factory=SimulateConfig)
+    """Nicolae et al.'s failure-simulation mode (off unless its ``iteration`` is set)."""
+
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Elastic shrink with no spare left (strategy ``lossy_forward``)."""
+
+    run_dir: str = "./swift-run"
+    """Where recovery timelines and the job's own records are written."""
+
+    def __post_init__(self) -> None:
+        for name, sub in _NESTED.items():
+            if not isinstance(getattr(self, name), sub):
+                raise _fail(name, getattr(self, name), f"a {sub.__name__} (use SwiftConfig.from_dict for JSON)")
+        _check_type("enabled", self.enabled, bool, "true or false")
+        self._check_strategy()
+        _check_type("parallel_recovery", self.parallel_recovery, bool, "true or false")
+        if self.parallel_recovery_mode not in get_args(ParallelRecoveryMode):
+            raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
+        _check_type("parallel_recovery_force", self.parallel_recovery_force, bool, "true or false")
+        if self.parallel_recovery_force and not self.parallel_recovery:
+            raise ConfigError("swift config: parallel_recovery_force=true forces parallel recovery, which is off "
+                              "(parallel_recovery=false): set \"parallel_recovery\": true, or drop parallel_recovery_force")
+        _check_type("run_dir", self.run_dir, str, "a directory path")
+        if self.checkpoint.running_fraction is not None and not self.services.running_checkpoint:
+            readers = self._strategies_with("running_checkpoint")
+            raise ConfigError(
+                f"swift config: checkpoint.running_fraction={self.checkpoint.running_fraction!r} is read only by "
+                f"strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set \"strategy\" to "
+                "one of them, or remove checkpoint.running_fraction"
+            )
+
+    def _check_strategy(self) -> None:
+        names = strategy_names()
+        if self.strategy not in names:
+            raise _fail("strategy", self.strategy, f"one of {', '.join(names)}")
+        if not self.elastic.enabled or self.services.elastic:
+            return
+        elastic = self._strategies_with("elastic")
+        if self.strategy == "lossy_forward" and elastic:
+            # The configs written before elastic was a strategy of its own: still served, with a warning.
+            warnings.warn(f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
+                          f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
+                          FutureWarning, stacklevel=4)  # fmt: skip
+            object.__setattr__(self, "strategy", elastic[0])
+            self.__dict__.pop("services", None)
+            return
+        raise ConfigError(
+            f"swift config: elastic.enabled=true is read only by strategy {elastic} (the job goes on with fewer "
+            f"data-parallel replicas when no spare is left), not {self.strategy!r}: set \"strategy\" to one of "
+            "them, or remove elastic.enabled"
+        )
+
+    @staticmethod
+    def _strategies_with(service: str) -> list[str]:
+        """The registered strategies whose services have ``service`` (for an error to name them)."""
+        registry = strategies()  # imports every strategy (torch, DeepSpeed): only where a check needs it
+        return [n for n in registry.names() if getattr(registry.get(n).SERVICES, service)]
+
+    @functools.cached_property
+    def services(self) -> StrategyServices:
+        """What the job runs while nothing fails under this ``strategy`` (its set-up half)."""
+        return strategies().services_for(self)  # imports every strategy (torch, DeepSpeed): on first use
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> SwiftConfig:
+        """Build from the ``swift`` section itself (``None`` or ``{}`` gives the defaults)."""
+        return _build(cls, {} if section is None else section, "")
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> SwiftConfig:
+        """Build from a whole DeepSpeed config: a dict, or the path of its JSON file."""
+        cfg = load_ds_config(ds_config)
+        return cls.from_dict(cfg.get("swift"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def async_checkpoints_for(self, gpu: bool) -> bool:
+        """Whether periodic checkpoints are asynchronous for a state on GPUs (``gpu``) or on CPU."""
+        if self.checkpoint.async_save is not None:
+            return self.checkpoint.async_save
+        return gpu or self.services.async_checkpoints
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict, reading it if given a path."""
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = Path(ds_config)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} cannot be read: {exc.strerror}") from exc
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"DeepSpeed config {str(path)!r} must hold a JSON object at its top level")
+    return cfg
+
+
+_NESTED: dict[str, type] = {
+    "machines": MachinesConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "watchdog": WatchdogConfig,
+    "buddy": BuddyConfig,
+    "checkfreq": CheckFreqConfig,
+    "verify": VerifyConfig,
+    "pipechurn": PipeChurnConfig,
+    "simulate_failure": SimulateConfig,
+    "elastic": ElasticConfig,
+}
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        where = prefix.rstrip(".") or "swift"
+        raise ConfigError(f"swift config: {where} must be a JSON object, got {data!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"swift config: unknown key {', '.join(repr(prefix + u) for u in unknown)}; "
+            f"allowed keys under {prefix.rstrip('.') or 'swift'}: {', '.join(sorted(names))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = _NESTED.get(key) if cls is SwiftConfig else None
+        kwargs[key] = _build(sub, value, f"{prefix}{key}.") if sub is not None else value
+    return cls(**kwargs)

@@ -1,0 +1,141 @@
+"""A strategy owns its set-up half (issue 31 item 1): the failure-free side reads a strategy's
+:class:`StrategyServices`, never its name. The services reproduce what the runtime chose by name
+before (the tables below are the old ``in (...)`` tests of runtime/rebuild.py, config.py and
+checkpoint set-up), the config accepts exactly the registered names, and a new strategy is one
+class plus one registration: its services reach the runtime, the checkpoint set-up and the
+topology analyzer with no other edit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import ds_swift.recovery.registry as registry_mod
+from ds_swift.checkpoint.setup import checkpoint_manager
+from ds_swift.config import ConfigError, SwiftConfig, strategy_names
+from ds_swift.plan.analysis import config_strategy
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
+from ds_swift.runtime.protection import Protections
+
+# What the runtime chose by name before this issue (config values as they were then).
+OLD_NAMES = ("auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs",
+             "pipechurn", "scar", "immediate_rollback", "lossy_forward")  # fmt: skip
+OLD_RECOVERY = {"global_checkpoint": "checkpoint", "checkfreq": "checkpoint"}
+OLD_NO_BUDDIES = ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")  # of the recovery name
+OLD_DIGESTS = ("auto", "replication", "logging", "tranlogs", "pipechurn", "lossy_forward")
+OLD_OWN = ("tranlogs", "pipechurn", "scar", "immediate_rollback", "lossy_forward")  # analyzer: checkpoint
+OLD_ASYNC = ("global_checkpoint", "checkfreq")
+
+
+def old_choices(name: str, kinds: Any = "messages") -> dict[str, Any]:
+    recovery = OLD_RECOVERY.get(name, name)
+    mixed = recovery in ("auto", "logging") and kinds != "messages"
+    return {
+        "buddy": recovery not in OLD_NO_BUDDIES,
+        "erasure": recovery == "pipechurn",
+        "digests": recovery in OLD_DIGESTS,
+        "updates": "every_rank" if recovery == "tranlogs" else "per_stage" if mixed else "off",
+        "analyzer": "checkpoint" if recovery in OLD_OWN else recovery,
+        "async": name in OLD_ASYNC,
+        "tuner": name == "checkfreq",
+        "running": name == "scar",
+    }
+
+
+def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
+    s = cfg.services
+    return {
+        "buddy": s.buddy_copies, "erasure": s.erasure_chunks, "digests": s.digests, "updates": s.update_log,
+        "analyzer": config_strategy(cfg), "async": s.async_checkpoints, "tuner": s.checkpoint_tuner,
+        "running": s.running_checkpoint,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", OLD_NAMES)
+@pytest.mark.parametrize("kinds", ["messages", "auto"])
+def test_the_services_are_what_the_names_chose(name: str, kinds: str) -> None:
+    cfg = SwiftConfig.from_dict({"strategy": name, "logging": {"kinds": kinds}})
+    assert new_choices(cfg) == old_choices(name, kinds)
+
+
+def test_the_config_accepts_the_registered_names_only() -> None:
+    names = strategy_names()
+    assert names[0] == "auto" and set(names[1:]) == set(registry_mod.STRATEGIES.names())
+    assert {"buddy", "elastic", "checkfreq", "global_checkpoint"} <= set(names)
+    with pytest.raises(ConfigError, match=r"strategy='replicaton' is invalid: one of auto, replication, .*elastic"):
+        SwiftConfig.from_dict({"strategy": "replicaton"})
+    with pytest.raises(ConfigError, match=r"checkpoint.running_fraction=0.5 is read only by strategy \['scar'\]"):
+        SwiftConfig.from_dict({"checkpoint": {"running_fraction": 0.5}})
+    with pytest.raises(ConfigError, match=r"simulate_failure.strategy='scar' is invalid: one of .*immediate_rollback"):
+        SwiftConfig.from_dict({"simulate_failure": {"iteration": 3, "strategy": "scar"}})
+
+
+def test_the_old_elastic_spelling_still_works_and_says_the_new_one() -> None:
+    with pytest.warns(FutureWarning, match='"strategy": "elastic"'):
+        cfg = SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"enabled": True}})
+    assert cfg.strategy == "elastic" and cfg.services.elastic and cfg.services.buddy_copies
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SwiftConfig.from_dict({"strategy": "elastic"}).services.elastic
+
+
+def test_checkpoint_reloads_recover_under_one_name() -> None:
+    # checkfreq and global_checkpoint are strategies of their own for the set-up; the recovery is
+    # the global checkpoint's reload, named so (the guard and the timelines look for that name).
+    from ds_swift.recovery.consensus import RankReport
+
+    reports = [RankReport(rank=r, survivor=r != 1, stage=0, dp=r, tp=0, machine=r, last_stepped=5) for r in range(2)]
+    for name in ("checkpoint", "global_checkpoint", "checkfreq"):
+        plan = registry_mod.plan_recovery(reports, forced=name)
+        assert plan.strategy == registry_mod.STRATEGIES.fallback.name == "checkpoint", name
+
+
+class _Dummy(RecoveryStrategy):
+    """A new strategy: buddy copies and the update log of every rank, asynchronous checkpoints."""
+
+    name = "dummy"
+    auto = False
+    SERVICES = StrategyServices(buddy_copies=True, update_log="every_rank", async_checkpoints=True,
+                                checkpoint_tuner=True, stage_recovery=frozenset({"logging"}))  # fmt: skip
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        return None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 0.0
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        return RecoveryOutcome(plan, plan.consensus + 1)
+
+
+def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="strategy='dummy' is invalid"):
+        SwiftConfig.from_dict({"strategy": "dummy"})
+    registry = registry_mod.STRATEGIES.copy()
+    registry.register(_Dummy())  # the one line
+    monkeypatch.setattr(registry_mod, "STRATEGIES", registry)
+    cfg = SwiftConfig.from_dict({"strategy": "dummy", "checkpoint": {"dir": str(tmp_path)}})
+    assert cfg.services == _Dummy.SERVICES
+    # The runtime's failure-free services, made from them.
+    lines: list[str] = []
+    ctx = SimpleNamespace(env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0,
+                          generation=0)  # fmt: skip
+    hooks = SimpleNamespace(logs=SimpleNamespace(updates=None), undo=None)
+    made = Protections(lambda: None, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: 0,  # type: ignore[arg-type]
+                       check_after_receive=lambda: None, machine=lambda: 0)  # fmt: skip
+    assert made.buddy is not None and made.buddy.erasure is None
+    assert made.updates is not None and hooks.logs.updates is made.updates
+    assert made.digests is None  # not in its services
+    # The checkpoint set-up and the topology analyzer.
+    manager = checkpoint_manager(cfg, ctx, rank=0, world_size=1)
+    assert manager.writer is not None and manager.tuner is not None
+    manager.writer.close(5.0)
+    assert config_strategy(cfg) == "logging"
+    # ...and the recovery side: the registry offers it when the config names it.
+    assert registry.get("dummy").services(cfg).update_log == "every_rank"
