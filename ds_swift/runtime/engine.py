@@ -200,7 +200,7 @@ class SwiftPipelineEngine:
         if name in SwiftPipelineEngine._OWN or name == "engine":
             object.__setattr__(self, name, value)
         else:
-            setattr(self._engine, name, value)
+            setattr(self._engine, name, value)  # the user's writes, to where they would go  # patch-seams: ok
 
     @property
     def engine(self) -> Any:

@@ -43,10 +43,11 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.patches.deepspeed_engine import pipe_topology
 from ds_swift.recovery.base import RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state, set_counters
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
@@ -185,7 +186,7 @@ def resized_ds_config(ds_config: Mapping[str, Any], resize: Resize) -> dict[str,
 
 def _coords(engine: Any) -> list[tuple[int, int]]:
     """(stage, tp) of every rank of ``engine``'s grid."""
-    topo = engine.grid._topo
+    topo = pipe_topology(engine)
     has_tp = "model" in topo.get_axis_names()
     return [(int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0)
             for r in range(topo.world_size())]  # fmt: skip
@@ -341,7 +342,7 @@ def recover_resized(
         assert kept is not None and state is not None
         load_state(engine, {**state, "optimizer": None}, iteration + 1)
         counters = kept.counters or {}
-    engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    set_counters(engine, iteration + 1, skipped_steps=int(counters.get("skipped_steps", 0)))
     parts: dict[int, dict[str, Any]] = {}
     owners: dict[int, Any] = {}  # old rank -> its part joined here (None: its whole state, unpartitioned)
     for owner, src, dst in transfers:
