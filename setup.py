@@ -26,7 +26,8 @@ setup(
         # 2.6: torch.load(weights_only=True), which ds-swift uses on files and bytes other
         # processes wrote, closes the known pickle bypass of earlier versions.
         "torch>=2.6",
-        "deepspeed>=0.19,<0.20",
+        # ds_swift.patches._base.SUPPORTED_DEEPSPEED, written out (tests/unit/test_patch_seams.py holds them equal)
+        "deepspeed>=0.19.0,<0.20.0",
         "megatron-core>=0.16.1",
         "fsspec>=2024.1",
         "hdfs>=2.7",

@@ -13,7 +13,11 @@ from types import TracebackType
 
 from packaging.version import Version
 
-__all__ = ["PatchError", "PatchHandle", "check_version"]
+__all__ = ["SUPPORTED_DEEPSPEED", "PatchError", "PatchHandle", "check_deepspeed", "check_version"]
+
+#: The DeepSpeed releases every patch here was written against (``minimum <= v < below``); the one
+#: place the range is written (setup.py's requirement is held to it by tests/unit/test_patch_seams.py).
+SUPPORTED_DEEPSPEED = ("0.19.0", "0.20.0")
 
 
 class PatchError(RuntimeError):
@@ -34,6 +38,16 @@ def check_version(package: str, installed: str, minimum: str, below: str) -> Non
             f"Install a supported version (pip install '{package}>={minimum},<{below}') or disable ds-swift "
             f'("swift": {{"enabled": false}}).'
         )
+
+
+def check_deepspeed(installed: str | None = None) -> None:
+    """Raise PatchError unless DeepSpeed (``installed``, default: the imported one) is in
+    :data:`SUPPORTED_DEEPSPEED`."""
+    if installed is None:
+        import deepspeed
+
+        installed = str(deepspeed.__version__)
+    check_version("deepspeed", installed, *SUPPORTED_DEEPSPEED)
 
 
 class PatchHandle:

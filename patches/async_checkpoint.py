@@ -13,16 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import deepspeed
-
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed
 
 __all__ = ["fsyncing_saves", "saving_through"]
 
 
 def saving_through(engine: Any, checkpoint_engine: Any) -> PatchHandle:
     """Make ``engine.save_checkpoint`` write through ``checkpoint_engine`` until the handle is removed."""
-    check_version("deepspeed", deepspeed.__version__, "0.16", "0.20")
+    check_deepspeed()
     if not hasattr(engine, "checkpoint_engine"):
         raise PatchError("this DeepSpeed engine has no checkpoint_engine attribute: asynchronous checkpoints need DeepSpeed >=0.16")
     original = engine.checkpoint_engine
@@ -43,7 +41,7 @@ def fsyncing_saves(engine: Any, fsync: Callable[[str], None]) -> PatchHandle:
         PatchError: no ``checkpoint_engine`` attribute, or a decoupled one (it writes in another
             process: a file may not be there yet when ``save`` returns).
     """
-    check_version("deepspeed", deepspeed.__version__, "0.16", "0.20")
+    check_deepspeed()
     ce = getattr(engine, "checkpoint_engine", None)
     if ce is None:
         raise PatchError("this DeepSpeed engine has no checkpoint_engine attribute: its files cannot be followed")

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import deepspeed
-
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed
 
 __all__ = ["allow_cpu_fp16"]
 
 
 def allow_cpu_fp16() -> PatchHandle:
     """Make the CPU accelerator report fp16 as supported; the handle puts the original back."""
-    check_version("deepspeed", deepspeed.__version__, "0.19.0", "0.20.0")
+    check_deepspeed()
     from deepspeed.accelerator import get_accelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from ds_swift.patches.deepspeed_optim_state import kind_of
+from ds_swift.patches.deepspeed_wrappers import WrapperKind, kind_of
 
 __all__ = ["Accumulator", "accumulator", "hp_grads", "set_hp_grads"]
 
@@ -49,7 +49,7 @@ class Accumulator:
 def accumulator(opt: Any) -> Accumulator:
     """Where ``opt`` (an engine's optimizer, or None) accumulates gradients; raises UnsupportedWrapper
     for wrappers ds-swift cannot read (ZeRO-2/3, CPU offload)."""
-    if opt is None or kind_of(opt) != "bf16":
+    if opt is None or kind_of(opt) is not WrapperKind.BF16_OPTIMIZER:
         return Accumulator("param")
     per: Literal["micro_batch", "call"] = "call" if bool(opt.immediate_grad_update) else "micro_batch"
     return Accumulator("hp", per)

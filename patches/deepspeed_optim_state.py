@@ -6,17 +6,17 @@ taken WITHOUT a collective (at teardown the process groups are broken) and put i
 built wrapper of the same geometry. DeepSpeed's own ``state_dict()`` pickles loss-scaler objects
 and its ``load_state_dict`` expects checkpoint lists, so this reads the attributes directly.
 
-Per wrapper (DeepSpeed 0.19.8 attribute names):
+Per wrapper (:class:`~ds_swift.patches.deepspeed_wrappers.WrapperKind`, DeepSpeed 0.19.8 attribute names):
 
-- ``torch``: ZeRO-0 fp32, the engine's optimizer is the torch optimizer (masters = module params);
-- ``bf16``: ``BF16_Optimizer``: ``fp32_groups_flat_partition`` (this data-parallel rank's slice);
-- ``zero``: ``DeepSpeedZeroOptimizer`` stage 1: ``single_partition_of_fp32_groups`` + ``loss_scaler``;
-- ``fp16``: ``FP16_Optimizer`` (fused): ``fp32_groups_flat`` + ``loss_scale_config``;
-- ``fp16_unfused``: ``FP16_UnfusedOptimizer``: ``fp32_groups`` + ``loss_scale_config``.
+- ``TORCH``: ZeRO-0 fp32, the engine's optimizer is the torch optimizer (masters = module params);
+- ``BF16_OPTIMIZER``: ``fp32_groups_flat_partition`` (this data-parallel rank's slice);
+- ``ZERO_STAGE1``: ``single_partition_of_fp32_groups`` + ``loss_scaler``;
+- ``FP16_FUSED``: ``fp32_groups_flat`` + ``loss_scale_config``;
+- ``FP16_UNFUSED``: ``fp32_groups`` + ``loss_scale_config``.
 
 The inner torch optimizer's ``state_dict()`` (moments, step, hyper-parameters) goes along as is.
 After loading, :func:`refresh_lp_params` rebuilds the low-precision parameters from the masters:
-for ``bf16``/``zero`` that is DeepSpeed's ``update_lp_params`` (an all-gather over the new
+for ``BF16_OPTIMIZER``/``ZERO_STAGE1`` that is DeepSpeed's ``update_lp_params`` (an all-gather over the new
 generation's data-parallel group, the same call the failure-free step ends with, so bitwise the
 same result): every rank must call it.
 """
@@ -26,14 +26,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import deepspeed
 import torch
 
-from ds_swift.patches._base import check_version
+from ds_swift.patches.deepspeed_wrappers import UnsupportedWrapper, WrapperKind, kind_of
 
+# UnsupportedWrapper, WrapperKind and kind_of are ds_swift.patches.deepspeed_wrappers', named here too.
 __all__ = [
     "GeometryError",
     "UnsupportedWrapper",
+    "WrapperKind",
     "capture_optimizer",
     "geometry_of",
     "is_partitioned",
@@ -46,66 +47,38 @@ __all__ = [
     "reshard_optimizer",
 ]
 
-_DS_RANGE = ("0.19.0", "0.20.0")
 #: wrapper attributes that are per-step state (the undo record restores the same ones)
 _FLAGS = ("overflow", "_global_grad_norm", "clip_grad")
-
-
-class UnsupportedWrapper(RuntimeError):
-    """An optimizer wrapper whose state ds-swift cannot read or write (ZeRO 2/3, CPU offload)."""
 
 
 class GeometryError(RuntimeError):
     """The state to load was taken from a wrapper of another shape (partition sizes, ids, params)."""
 
 
-def kind_of(opt: Any) -> str:
-    """``torch``, ``bf16``, ``zero``, ``fp16`` or ``fp16_unfused`` (raises UnsupportedWrapper)."""
-    check_version("deepspeed", deepspeed.__version__, *_DS_RANGE)
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(opt, torch.optim.Optimizer):
-        return "torch"
-    if isinstance(opt, BF16_Optimizer):
-        return "bf16"
-    if isinstance(opt, DeepSpeedZeroOptimizer):
-        if opt.partition_gradients or opt.cpu_offload:
-            raise UnsupportedWrapper("ZeRO stage 2 / CPU offload: survivors cannot keep its state across the rebuild")
-        return "zero"
-    if isinstance(opt, FP16_UnfusedOptimizer):
-        return "fp16_unfused"
-    if isinstance(opt, FP16_Optimizer):
-        return "fp16"
-    raise UnsupportedWrapper(f"{type(opt).__name__}: survivors cannot keep its state across the rebuild")
-
-
-def _masters(opt: Any, kind: str) -> list[torch.Tensor]:
-    if kind == "bf16":
+def _masters(opt: Any, kind: WrapperKind) -> list[torch.Tensor]:
+    if kind is WrapperKind.BF16_OPTIMIZER:
         return list(opt.fp32_groups_flat_partition)
-    if kind == "zero":
+    if kind is WrapperKind.ZERO_STAGE1:
         return list(opt.single_partition_of_fp32_groups)
-    if kind == "fp16":
+    if kind is WrapperKind.FP16_FUSED:
         return list(opt.fp32_groups_flat)
-    if kind == "fp16_unfused":
+    if kind is WrapperKind.FP16_UNFUSED:
         return [t for group in opt.fp32_groups for t in group]
-    return []  # torch: the module's parameters are the masters
+    return []  # TORCH: the module's parameters are the masters
 
 
-def _scalers(opt: Any, kind: str) -> list[Any]:
+def _scalers(opt: Any, kind: WrapperKind) -> list[Any]:
     # The same objects, in the same order, as ds_swift.undo.engine's record of the step keeps.
-    if kind == "zero":
+    if kind is WrapperKind.ZERO_STAGE1:
         return [opt.loss_scaler]
-    if kind in ("fp16", "fp16_unfused"):
+    if kind.fp16:
         return [opt.loss_scale_config]
     return []
 
 
-def _partitions(opt: Any, kind: str) -> list[list[int]]:
+def _partitions(opt: Any, kind: WrapperKind) -> list[list[int]]:
     """[partition id, partition count] per parameter group (local: no collective)."""
-    if kind not in ("bf16", "zero"):
+    if not kind.partitioned_by_dp:
         return []
     import deepspeed.comm as dscomm
 
@@ -124,15 +97,15 @@ def is_partitioned(opt: Any) -> bool:
         kind = kind_of(opt)
     except UnsupportedWrapper:
         return False
-    return kind in ("bf16", "zero") and any(int(n) > 1 for n in opt.partition_count)
+    return kind.partitioned_by_dp and any(int(n) > 1 for n in opt.partition_count)
 
 
 def geometry_of(opt: Any) -> dict[str, Any]:
     """The shape a loaded state must match: kind, master sizes, partition ids and counts."""
     kind = kind_of(opt)
-    inner = opt if kind == "torch" else opt.optimizer
+    inner = opt if kind is WrapperKind.TORCH else opt.optimizer
     return {
-        "kind": kind,
+        "kind": kind.value,  # plain data: it travels with the state
         "masters": [int(t.numel()) for t in _masters(opt, kind)],
         "partitions": _partitions(opt, kind),
         "params": [[list(p.shape) for p in g["params"]] for g in inner.param_groups],
@@ -155,7 +128,7 @@ def capture_optimizer(opt: Any) -> dict[str, Any]:
     return {
         "geometry": geometry_of(opt),
         "masters": _masters(opt, kind),
-        "inner": opt if kind == "torch" else opt.optimizer,
+        "inner": opt if kind is WrapperKind.TORCH else opt.optimizer,
         **optimizer_scalars(opt),
     }
 
@@ -201,11 +174,11 @@ def load_optimizer(opt: Any, payload: dict[str, Any]) -> None:
     if got != want:
         diff = {k: (got.get(k), want[k]) for k in want if got.get(k) != want[k]}
         raise GeometryError(f"optimizer state of another geometry (got, expected): {diff}")
-    kind = want["kind"]
+    kind = WrapperKind(want["kind"])
     with torch.no_grad():
         for dst, src in zip(_masters(opt, kind), payload["masters"], strict=True):
             dst.copy_(src.reshape(dst.shape))
-    inner = opt if kind == "torch" else opt.optimizer
+    inner = opt if kind is WrapperKind.TORCH else opt.optimizer
     inner.load_state_dict(payload["inner"])
     load_optimizer_scalars(opt, payload)
     link = getattr(opt, "_link_all_hp_params", None)
@@ -213,9 +186,9 @@ def load_optimizer(opt: Any, payload: dict[str, Any]) -> None:
         link()  # the hp mappings point at the optimizer state dict that load_state_dict replaced
 
 
-def _unpadded(opt: Any, kind: str, group: int) -> int:
+def _unpadded(opt: Any, kind: WrapperKind, group: int) -> int:
     """The elements of flat parameter group ``group`` without the alignment padding at its end."""
-    lp = opt.bf16_groups[group] if kind == "bf16" else opt.bit16_groups[group]
+    lp = opt.bf16_groups[group] if kind is WrapperKind.BF16_OPTIMIZER else opt.bit16_groups[group]
     return sum(int(p.numel()) for p in lp)
 
 
@@ -223,7 +196,7 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
     """The payload :func:`load_optimizer` takes for ``opt``, built from the payloads of EVERY
     partition of another data-parallel size (an elastic shrink or grow), in partition-id order.
 
-    A ``bf16``/``zero`` group is one flat buffer, aligned at its end to the partition count and cut
+    A ``BF16_OPTIMIZER``/``ZERO_STAGE1`` group is one flat buffer, aligned at its end to the partition count and cut
     into equal contiguous partitions: the old partitions joined, less their padding, are the whole
     group; padded for the new count (zeros, as DeepSpeed pads), this rank's partition is its slice.
     The masters and each partition-sized tensor of the inner optimizer's state (Adam's moments) are
@@ -234,13 +207,13 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
         GeometryError: the parts are not one whole set of partitions of the same model and kind.
     """
     want = geometry_of(opt)
-    kind = want["kind"]
+    kind = WrapperKind(want["kind"])
     if not parts:
         raise GeometryError("no partition of the old geometry to reshard from")
     kinds = {p["geometry"]["kind"] for p in parts}
     if kinds != {kind}:
-        raise GeometryError(f"optimizer state of kind(s) {sorted(kinds)} cannot be loaded into a {kind!r} wrapper")
-    if kind not in ("bf16", "zero"):
+        raise GeometryError(f"optimizer state of kind(s) {sorted(kinds)} cannot be loaded into a {kind.value!r} wrapper")
+    if not kind.partitioned_by_dp:
         if parts[0]["geometry"] != want:
             raise GeometryError(f"optimizer state of another geometry: {parts[0]['geometry']} vs {want}")
         return parts[0]
@@ -280,20 +253,30 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
             "flags": parts[0]["flags"]}  # fmt: skip
 
 
-def refresh_lp_params(opt: Any) -> None:
-    """Rebuild the low-precision model parameters from the fp32 masters. For ``bf16``/``zero`` an
-    all-gather over the data-parallel group: every rank of the generation calls it."""
+def refresh_lp_params(opt: Any, gather: bool = True) -> None:
+    """Rebuild the low-precision model parameters from the fp32 masters.
+
+    Args:
+        opt: the engine's optimizer (None: nothing to do).
+        gather: for the partitioned kinds, all-gather every rank's partition (a collective over
+            the data-parallel group: every rank of the generation calls it); False copies only
+            this rank's own partition (for a recovery that re-forms the groups first, then
+            gathers).
+    """
     if opt is None:
         return
     kind = kind_of(opt)
-    if kind in ("bf16", "zero"):
-        opt.update_lp_params()
-        if kind == "zero":
+    if kind.partitioned_by_dp:
+        if gather:
+            opt.update_lp_params()
+        else:
+            _copy_own_partition(opt, kind)
+        if kind is WrapperKind.ZERO_STAGE1:
             for i in range(len(opt.bit16_groups)):
                 opt._update_model_bit16_weights(i)
-    elif kind in ("fp16", "fp16_unfused"):
+    elif kind.fp16:
         with torch.no_grad():
-            if kind == "fp16":
+            if kind is WrapperKind.FP16_FUSED:
                 for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat, strict=True):
                     offset = 0
                     for lp in lp_group:
@@ -303,3 +286,16 @@ def refresh_lp_params(opt: Any) -> None:
                 for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
                     for lp, hp in zip(lp_group, hp_group, strict=True):
                         lp.data.copy_(hp.data)
+
+
+def _copy_own_partition(opt: Any, kind: WrapperKind) -> None:
+    """This rank's fp32 master partition into its slice of the flat low-precision groups (no collective)."""
+    import deepspeed.comm as dscomm
+
+    if kind is WrapperKind.ZERO_STAGE1:
+        pairs = zip(opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups, strict=True)
+    else:
+        pairs = zip(opt.bf16_partitioned_groups, opt.fp32_groups_flat_partition, strict=True)
+    for i, (parts, fp32) in enumerate(pairs):
+        rank = dscomm.get_rank(group=opt.real_dp_process_group[i])
+        parts[rank].data.copy_(fp32.data)

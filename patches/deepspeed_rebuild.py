@@ -30,12 +30,11 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p
 
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed, check_version
 
 __all__ = [
     "long_op_timeout",
@@ -51,12 +50,11 @@ __all__ = [
     "teardown_process_groups",
 ]
 
-_DS_RANGE = ("0.19.0", "0.20.0")
 _TORCH_RANGE = ("2.4", "2.14")
 
 
 def _check_versions() -> None:
-    check_version("deepspeed", deepspeed.__version__, *_DS_RANGE)
+    check_deepspeed()
     check_version("torch", torch.__version__.split("+")[0], *_TORCH_RANGE)
 
 

@@ -24,13 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_swift.patches._base import PatchError, PatchHandle
-from ds_swift.patches._base import check_version as _check_version
+from ds_swift.patches._base import SUPPORTED_DEEPSPEED, PatchError, PatchHandle, check_deepspeed
 
 __all__ = ["SUPPORTED_DEEPSPEED", "DeepSpeedStepPatch", "PatchError", "StepHooks", "apply", "check_version"]
-
-SUPPORTED_DEEPSPEED = ("0.19.0", "0.20.0")
-"""Version range [minimum, below) whose step path this patch was written against."""
 
 HOOK_NAME = "ds_swift.undo.step"
 _INSTRUCTION_STACK = "_ds_swift_instruction_hooks"  # kept by patches.instructions
@@ -58,11 +54,7 @@ class StepHooks:
 
 def check_version(version: str | None = None) -> None:
     """Raise PatchError unless the installed (or given) deepspeed is in SUPPORTED_DEEPSPEED."""
-    if version is None:
-        import deepspeed
-
-        version = deepspeed.__version__
-    _check_version("deepspeed", version, *SUPPORTED_DEEPSPEED)
+    check_deepspeed(version)
 
 
 class DeepSpeedStepPatch(PatchHandle):

@@ -16,12 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import deepspeed
 from deepspeed.runtime.pipe import schedule
 
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed
 
-__all__ = ["ALL_INSTRUCTIONS", "Hook", "hook_instructions", "schedule"]
+__all__ = ["ALL_INSTRUCTIONS", "Hook", "hook_instructions", "instruction_types", "schedule"]
 
 Hook = Callable[..., Any]
 
@@ -42,6 +41,11 @@ ALL_INSTRUCTIONS: tuple[type, ...] = (
 _STACK_ATTR = "_ds_swift_instruction_hooks"
 
 
+def instruction_types(engine: Any) -> tuple[type, ...]:
+    """Every instruction type ``engine`` has a handler for (the keys of its table in force)."""
+    return tuple(engine._INSTRUCTION_MAP)
+
+
 def hook_instructions(engine: Any, name: str, hooks: Mapping[type, Hook]) -> PatchHandle:
     """Wrap ``engine``'s handlers of the given instruction types. Returns the handle that unwraps.
 
@@ -50,7 +54,7 @@ def hook_instructions(engine: Any, name: str, hooks: Mapping[type, Hook]) -> Pat
         name: a unique name for this hook set; applying the same name twice is refused.
         hooks: instruction type -> hook.
     """
-    check_version("deepspeed", deepspeed.__version__, "0.19.0", "0.20.0")
+    check_deepspeed()
     stack: list[str] = engine.__dict__.setdefault(_STACK_ATTR, [])
     if name in stack:
         raise PatchError(f"instruction hooks {name!r} are already installed on this engine")

@@ -16,7 +16,7 @@ the p2p module around one handler call (ds_swift.patches.pipe_p2p).
   ``OptimizerStep`` (the end of the iteration, so no message waits longer than one iteration).
 - Evaluation (``eval_batch``, the module in eval mode) is never captured: it is not replayed.
 
-Pinned to DeepSpeed >=0.19,<0.20 (the p2p module and ``_send_tensor_meta`` are internals).
+Pinned to ``SUPPORTED_DEEPSPEED`` (ds_swift.patches._base; the p2p module and ``_send_tensor_meta`` are internals).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import deepspeed
 import torch
 
-from ds_swift.patches._base import PatchHandle, check_version
+from ds_swift.patches._base import PatchHandle, check_deepspeed
 from ds_swift.patches.instructions import hook_instructions, schedule
 from ds_swift.patches.pipe_p2p import capture_sends
 
@@ -86,7 +85,7 @@ def install(
         on_idle: called on the training thread at each idle point.
         kinds: which sends to capture ("act", "grad"); the others run untouched.
     """
-    check_version("deepspeed", deepspeed.__version__, "0.19.0", "0.20.0")
+    check_deepspeed()
 
     def send_hook(kind: str) -> Callable[..., Any]:
         def hook(engine: Any, call_next: Callable[..., Any], **kwargs: Any) -> Any:

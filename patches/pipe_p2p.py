@@ -15,7 +15,7 @@ to be applied while the same patch is already in force, and returns a handle who
 (or ``with`` block) puts back exactly the function it replaced. Patches nest (a replay's
 ``drop_sends`` around the logger's ``capture_sends``) and must be removed innermost first.
 
-Pinned to DeepSpeed >=0.19,<0.20 (``p2p`` is an internal module).
+Pinned to ``SUPPORTED_DEEPSPEED`` (ds_swift.patches._base; ``p2p`` is an internal module).
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import deepspeed
 import torch
 from deepspeed.runtime.pipe import p2p
 
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import SUPPORTED_DEEPSPEED, PatchError, PatchHandle, check_deepspeed
 
 __all__ = ["SUPPORTED_DEEPSPEED", "capture_sends", "drop_sends", "serve_recvs"]
 
-SUPPORTED_DEEPSPEED = ("0.19.0", "0.20.0")
 _MARK = "_ds_swift_p2p"
 
 P2PFn = Callable[..., Any]
@@ -51,7 +49,7 @@ def _in_force(fn: Any, mark: str) -> bool:
 
 def _swap(attr: str, mark: str, make: Callable[[P2PFn], P2PFn]) -> PatchHandle:
     """Replace ``p2p.<attr>`` by ``make(current)``; the handle puts ``current`` back."""
-    check_version("deepspeed", deepspeed.__version__, *SUPPORTED_DEEPSPEED)
+    check_deepspeed()
     original = getattr(p2p, attr)
     if _in_force(original, mark):
         raise PatchError(f"p2p.{attr} is already patched by ds-swift ({mark}); remove the first patch")

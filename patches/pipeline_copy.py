@@ -14,7 +14,7 @@ trade pipeline coordinates. Three DeepSpeed internals are involved:
   itself is not touched).
 - ``ProcessTopology.mapping`` (coordinate -> rank): :func:`swapped_topology` renames ranks in it.
 
-Pinned to DeepSpeed >=0.19,<0.20.
+Pinned to ``SUPPORTED_DEEPSPEED`` (ds_swift.patches._base).
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import deepspeed
-
-from ds_swift.patches._base import PatchError, PatchHandle, check_version
+from ds_swift.patches._base import SUPPORTED_DEEPSPEED, PatchError, PatchHandle, check_deepspeed
 
 __all__ = ["SUPPORTED_DEEPSPEED", "copy_pipeline_module", "pipeline_globals", "swapped_topology"]
 
-SUPPORTED_DEEPSPEED = ("0.19.0", "0.20.0")
 _MARK = "_ds_swift_pipeline_globals"
 
 
 def _check() -> None:
-    check_version("deepspeed", deepspeed.__version__, *SUPPORTED_DEEPSPEED)
+    check_deepspeed()
 
 
 def pipeline_globals(grid: Any | None = None) -> PatchHandle:

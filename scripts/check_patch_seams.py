@@ -10,18 +10,25 @@ belong, so it is not walked) and flags, by file and line:
 where ``X`` is a name imported from ``torch`` or ``deepspeed`` (``import torch.distributed as
 dist``, ``from deepspeed.runtime.pipe import p2p``, ``import deepspeed``...), an attribute chain
 rooted at one (``dist.distributed_c10d.default_pg_timeout = ...``), or a local alias of such a
-chain (``c10d = dist.distributed_c10d``; then ``c10d.x = ...``). Exits 1 listing the offenders,
-0 when there are none.
+chain (``c10d = dist.distributed_c10d``; then ``c10d.x = ...``); and the same writes of a private
+attribute of a DeepSpeed engine object (``engine._compute_loss = True``,
+``setattr(engine, "_x", v)``, ``setattr(engine, name, v)`` with a computed name), which belong in
+``patches/deepspeed_engine.py``. An engine object is recognised by its name: the last name of the
+expression (``engine``, ``eng``, ``self._engine``, ``ctx.engine``, ``ds_engine``...), less leading
+underscores, is ``engine`` or ``eng`` or ends with ``_engine``. Exits 1 listing the offenders, 0
+when there are none.
 
 Limits (it is a heuristic over names, not a type checker):
 
-* Instances are not followed: ``engine.micro_batches = 1`` on a DeepSpeed engine object, or
-  ``p.grad = None`` on a parameter, is per-object state, not a process-wide patch, and is not
-  flagged; neither is a class reached through an instance (``type(engine).x = ...``).
+* Instances are not followed beyond the engine's private attributes: ``engine.micro_batches = 1``
+  on a DeepSpeed engine object, or ``p.grad = None`` on a parameter, is per-object public state,
+  not a patch, and is not flagged; neither is a class reached through an instance
+  (``type(engine).x = ...``), an engine under another name (``model._x = ...``), nor a private
+  attribute of an object the engine holds (``engine.optimizer._x = ...``). Reads are not checked.
 * Aliases are tracked by plain name only, module-wide and flow-insensitively; an alias made
   through a function's return value, a container, ``getattr`` or ``importlib`` is missed.
-* Writes through ``vars(X)[...]``, ``X.__dict__[...]`` or ``X.attr[...] = ...`` (item assignment)
-  are not flagged.
+* Writes through ``vars(X)[...]``, ``X.__dict__[...]``, ``object.__setattr__(X, ...)`` or
+  ``X.attr[...] = ...`` (item assignment) are not flagged.
 * A line can be exempted with a trailing ``# patch-seams: ok`` comment (say why next to it).
 """
 
@@ -58,6 +65,34 @@ def _chain_root(node: ast.expr) -> str | None:
     while isinstance(node, ast.Attribute):
         node = node.value
     return node.id if isinstance(node, ast.Name) else None
+
+
+def _is_engine(node: ast.expr) -> bool:
+    """Whether ``node`` names a DeepSpeed engine object by the convention above (``self`` does not)."""
+    if isinstance(node, ast.Attribute):
+        name = node.attr
+    elif isinstance(node, ast.Name):
+        name = node.id
+    else:
+        return False
+    name = name.lstrip("_")
+    return name in ("engine", "eng") or name.endswith("_engine")
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def _engine_setattr(node: ast.Call) -> str | None:
+    """What a ``setattr``/``delattr`` on an engine writes, when it may be private; else None."""
+    if not (isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and len(node.args) >= 2):
+        return None
+    if not _is_engine(node.args[0]):
+        return None
+    name = node.args[1]
+    if isinstance(name, ast.Constant) and isinstance(name.value, str):
+        return f"{node.func.id}({_dotted(node.args[0])}, {name.value!r}, ...)" if _private(name.value) else None
+    return f"{node.func.id}({_dotted(node.args[0])}, <computed name>, ...) on a DeepSpeed engine"
 
 
 def _dotted(node: ast.expr) -> str:
@@ -124,9 +159,15 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
 
     for node in ast.walk(tree):
         for target in _targets(node):
-            if isinstance(target, ast.Attribute) and _chain_root(target.value) in names:
-                verb = "del" if isinstance(node, ast.Delete) else "assignment to"
+            if not isinstance(target, ast.Attribute):
+                continue
+            verb = "del" if isinstance(node, ast.Delete) else "assignment to"
+            if _chain_root(target.value) in names:
                 flag(node, f"{verb} {_dotted(target)}")
+            elif _private(target.attr) and _is_engine(target.value):
+                flag(node, f"{verb} {_dotted(target)} (a DeepSpeed engine's private attribute)")
+        if isinstance(node, ast.Call) and (what := _engine_setattr(node)) is not None:
+            flag(node, what)
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -161,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if found:
         print(
             f"{len(found)} change(s) to torch/deepspeed attributes outside patches/: move them into a "
-            "patches/ module (version-pinned, idempotent, reversible)",
+            "patches/ module (version-pinned, idempotent, reversible; a DeepSpeed engine's own state: "
+            "patches/deepspeed_engine.py)",
             file=sys.stderr,
         )
         return 1

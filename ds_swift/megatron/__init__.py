@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.patches._base import PatchHandle
 
 __all__ = [
     "MegatronDeepSpeed",
@@ -127,6 +128,8 @@ class MegatronDeepSpeed:
         self.dataset_provider = self.samples.keep(dataset_provider)
         self.rebuild: Callable[[], Any] | None = None
         """Builds the engine again after a failure (set by the patched ``pretrain``)."""
+        self.save_override: PatchHandle | None = None
+        """Removes the save override of the engine in force (:meth:`save_megatron_state`)."""
 
     def wrap(self, engine: Any, args: argparse.Namespace) -> Any:
         """The wrapped engine; ``args.iteration`` and ``args.consumed_train_samples`` follow it.
@@ -165,33 +168,32 @@ class MegatronDeepSpeed:
         Without it DeepSpeed pickles ``GPTModelPipe.universal_checkpoint_info`` (a bound method:
         Megatron's save overrides that key) and the save fails; and Megatron's ``--load`` needs
         ``iteration`` and ``args`` in the state. RNG states are left out: gathering them is a
-        collective, and ds-swift keys the RNG by position anyway.
+        collective, and ds-swift keys the RNG by position anyway. The override's handle is
+        :attr:`save_override` (an engine the rebuild drops takes its override with it).
         """
         import copy
 
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
         from megatron.checkpointing import _universal_checkpoint_info  # the pinned commit's own
 
-        save = engine.save_checkpoint  # the class's, bound
+        from ds_swift.patches.deepspeed_engine import override_save
 
-        def save_checkpoint(save_dir: str, tag: str | None = None, client_state: Any = None, **kwargs: Any) -> Any:
-            if not client_state:
-                done = int(engine.global_steps)
-                # Saved inside train_batch, before Megatron's loop counts the iteration's samples.
-                saved = copy.copy(args)
-                saved.iteration = done
-                saved.consumed_train_samples = self.samples.consumed(done)
-                saved.consumed_train_tokens = saved.consumed_train_samples * int(args.seq_length)
-                client_state = {
-                    "args": saved,
-                    "checkpoint_version": 3.0,
-                    "iteration": done,
-                    "tokens": saved.consumed_train_tokens,
-                    UNIVERSAL_CHECKPOINT_INFO: _universal_checkpoint_info([engine]),
-                }
-            return save(save_dir, tag=tag, client_state=client_state, **kwargs)
+        def megatron_state() -> dict[str, Any]:
+            done = int(engine.global_steps)
+            # Saved inside train_batch, before Megatron's loop counts the iteration's samples.
+            saved = copy.copy(args)
+            saved.iteration = done
+            saved.consumed_train_samples = self.samples.consumed(done)
+            saved.consumed_train_tokens = saved.consumed_train_samples * int(args.seq_length)
+            return {
+                "args": saved,
+                "checkpoint_version": 3.0,
+                "iteration": done,
+                "tokens": saved.consumed_train_tokens,
+                UNIVERSAL_CHECKPOINT_INFO: _universal_checkpoint_info([engine]),
+            }
 
-        engine.save_checkpoint = save_checkpoint
+        self.save_override = override_save(engine, megatron_state)
         return engine
 
 

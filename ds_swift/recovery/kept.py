@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
-from ds_swift.recovery.state.transfer import load_state
+from ds_swift.recovery.state.transfer import load_state, set_counters
 
 if TYPE_CHECKING:
     from ds_swift.recovery.timeline import RankTimeline
@@ -213,4 +213,4 @@ class KeptState:
             self.undo_logged(consensus, timeline, log)
         load_state(engine, self.state(), consensus + 1)
         if self.counters is not None:
-            engine.skipped_steps = self.counters["skipped_steps"]
+            set_counters(engine, consensus + 1, skipped_steps=self.counters["skipped_steps"])

@@ -13,25 +13,27 @@ generation fails, ``train_batch`` (and ``save_checkpoint``) does not return unti
 again: detection (ds_swift.detect) says how it failed, the rebuild (ds_swift.runtime.rebuild) tears
 the engine down, joins the next generation, builds DeepSpeed again and runs the recovery protocol,
 and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1``) runs the same
-recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``. The
-per-engine hooks are in ds_swift.runtime.hooks; the recovery timeline in ds_swift.recovery.timeline.
+recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
+
+The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
+ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; what is set
+up around the engine, and reported of it, in ds_swift.runtime.engine_setup; the recovery timeline
+in ds_swift.recovery.timeline.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint.periodic import Origin, latest_complete, origin_of, trusted_origin
+from ds_swift.checkpoint.periodic import origin_of
 from ds_swift.checkpoint.setup import checkpoint_manager
-from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.config import SwiftConfig, load_ds_config
 from ds_swift.data.keyed import BatchFn, DataIteratorError, micro_batches
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
@@ -42,13 +44,18 @@ from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
-from ds_swift.runtime.costs import protection_costs
+from ds_swift.runtime.engine_checkpoint import CheckpointCalls
+from ds_swift.runtime.engine_setup import (
+    check_hang_timeout,
+    failure_simulation,
+    log_protection_costs,
+    running_checkpoints,
+    write_usage,
+)
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
-from ds_swift.runtime.running import RunningCheckpoints
-from ds_swift.runtime.simulate import FailureSimulation
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
 
@@ -93,7 +100,7 @@ def initialize(
     )
 
 
-class SwiftPipelineEngine:
+class SwiftPipelineEngine(CheckpointCalls):
     """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
 
     _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
@@ -126,11 +133,7 @@ class SwiftPipelineEngine:
         self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
                                 ctx.log)  # fmt: skip
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
-        self._simulation = (
-            FailureSimulation(cfg.simulate_failure, ctx.log)
-            if cfg.simulate_failure.iteration is not None and (ctx.env is None or not ctx.env.replacement)
-            else None
-        )
+        self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
             self._grad_scale = self._simulation.grad_scale(engine)
         self._user_iter_warned = False
@@ -143,24 +146,13 @@ class SwiftPipelineEngine:
         logs.enabled = "logging" not in without
         on_gpu = any(p.is_cuda for p in engine.module.parameters())
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
-        fraction, ckpt_dir = cfg.checkpoint.running_fraction, self._ckpt.ckpt_dir
-        self._running = (
-            RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, dist.get_rank(),
-                               ctx.env is None or not ctx.env.replacement, ctx.log, job=self._ckpt.job_id)
-            if fraction is not None and ckpt_dir is not None
-            else None
-        )  # fmt: skip
+        self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without, kept_inflight(cfg, batch_fn, seed))
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
         check_machines(cfg, ctx.env)
-        hang = cfg.watchdog.hang_timeout_s
-        if hang is not None and hang <= ctx.op_timeout_s:
-            raise ConfigError(
-                f"swift config: watchdog.hang_timeout_s={hang:g} must be more than the op timeout "
-                f"({ctx.op_timeout_s:g} s, from ds-swift-launch --op-timeout): raise it, or set it to null (off)"
-            )
-        if ctx.store is not None and hang is not None and self._monitor.watch:
+        check_hang_timeout(cfg, ctx)
+        if ctx.store is not None and cfg.watchdog.hang_timeout_s is not None and self._monitor.watch:
             self._hooks.progress = self._monitor.progress
         self._timeline = PendingTimeline(ctx)
         self._rebuild = Rebuilder(
@@ -171,10 +163,7 @@ class SwiftPipelineEngine:
         # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
         self._hooks.install(engine)
-        for line in protection_costs(engine, cfg, digests=self._rebuild.digests, buddy=self._rebuild.buddy, logs=logs,
-                                     async_ckpt=self._ckpt.writer is not None, without=without,
-                                     machines=ctx.env.num_machines if ctx.env is not None else None):  # fmt: skip
-            ctx.log(line)
+        log_protection_costs(engine, cfg, ctx, self._rebuild, logs, self._ckpt, without)
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(
@@ -199,7 +188,8 @@ class SwiftPipelineEngine:
         if name in SwiftPipelineEngine._OWN or name == "engine":
             object.__setattr__(self, name, value)
         else:
-            setattr(self._engine, name, value)
+            # The user's own writes (``engine.x = ...`` on the wrapper) go where they would without ds-swift.
+            setattr(self._engine, name, value)  # patch-seams: ok
 
     @property
     def engine(self) -> Any:
@@ -330,73 +320,6 @@ class SwiftPipelineEngine:
             self._save_checkpoint()
         self._timeline.check_back(int(self._engine.global_steps))
 
-    def _save_checkpoint(self) -> None:
-        self._ckpt.save(self._engine)
-        self._checkpointed()
-
-    def _checkpointed(self) -> None:
-        """A global checkpoint may have completed: the message and update logs older than this job's
-        newest complete one go (another run's newer checkpoint in the directory counts for nothing;
-        rank 0's completion marker may not be there yet: then they go after the next one)."""
-        found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
-        if found is not None:
-            self._hooks.logs.after_checkpoint(found[0])
-            self._rebuild.after_checkpoint(found[0])
-
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """DeepSpeed's ``save_checkpoint``, protected: a failure during the save is recovered from,
-        the iterations lost to it are trained again, and the save is retried."""
-        with self._op_timeouts():
-            return self._save_checkpoint_protected(save_dir, tag, client_state, save_latest, **kwargs)
-
-    def _save_checkpoint_protected(
-        self, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool, **kwargs: Any
-    ) -> Any:
-        from ds_swift.patches.deepspeed_rebuild import long_op_timeout
-
-        target = int(self._engine.global_steps)
-        for _ in range(MAX_ATTEMPTS):
-            how = self._monitor.failure_seen()
-            if how is None:
-                try:
-                    with long_op_timeout(self._ckpt.save_timeout_s or self._ctx.op_timeout_s):
-                        return self._engine.save_checkpoint(
-                            save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
-                        )
-                except Exception as exc:  # noqa: BLE001 - classified, re-raised unless a failure
-                    how = self._monitor.classify(exc)
-            self._recover_as_survivor(how)
-            while int(self._engine.global_steps) < target:
-                self._train_batch(None)
-        raise RuntimeError(f"ds-swift: save_checkpoint failed {MAX_ATTEMPTS} times in a row")
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
-        """DeepSpeed's ``load_checkpoint``; the checkpoint loaded becomes the job's origin, which a
-        checkpoint fallback may go back to although another launch wrote it."""
-        load_path, client_state = self._engine.load_checkpoint(load_dir, tag=tag, **kwargs)
-        if load_path is not None:
-            # The tag DeepSpeed loaded (its file's directory), not DeepSpeed's 'latest' read again.
-            loaded = tag if tag is not None else Path(load_path).parent.name
-            origin = trusted_origin(load_dir, str(loaded), int(self._engine.global_steps), dist.get_rank())
-            self._set_origin(origin, publish=True)
-        return load_path, client_state
-
-    def _set_origin(self, origin: Origin | None, publish: bool) -> None:
-        from ds_swift.recovery.coordinator import ORIGIN_KEY
-
-        if origin is None:
-            return
-        self._ckpt.origin = origin
-        if publish and self._ctx.store is not None and dist.get_rank() == 0:
-            self._ctx.store.set(ORIGIN_KEY, origin.to_json())
-
     def _close_at_exit(self) -> None:
         try:
             self.close()
@@ -432,28 +355,7 @@ class SwiftPipelineEngine:
         self._determinism.restore()
 
     def _write_usage(self) -> None:
-        """``<run_dir>/usage/rank<r>.json``: what this rank's protection cost it (``ds-swift bench``
-        reads these): message-log and update-log bytes written, buddy bytes sent and held, peak host memory."""
-        import resource
-
-        if self._ctx.env is None:
-            return  # not under ds-swift-launch: no run directory of the job's
-        rank, buddy, updates = self._ctx.env.rank, self._rebuild.buddy, self._rebuild.updates
-        try:
-            record = {
-                "rank": rank,
-                "iterations": int(self._engine.global_steps),
-                "log_bytes": self._hooks.logs.bytes_logged() + (updates.bytes if updates is not None else 0),
-                "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
-                "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
-                "buddy_off": buddy.off if buddy is not None else None,  # a copier error stopped the copies
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            }
-            out = Path(self._ctx.run_dir) / "usage"
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"rank{rank}.json").write_text(json.dumps(record))
-        except Exception as exc:  # noqa: BLE001 - a report: it must never fail the job's close
-            self._ctx.log(f"usage record not written: {type(exc).__name__}: {exc}")
+        write_usage(self._ctx, self._engine, self._hooks.logs, self._rebuild)
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:

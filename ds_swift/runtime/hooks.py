@@ -55,6 +55,7 @@ def with_progress(
 ) -> dict[type, Callable[..., Any]]:
     """``hooks`` for every instruction type ``engine`` handles, each beating ``progress`` first
     (instructions without a hook of their own get one that only beats)."""
+    from ds_swift.patches.instructions import instruction_types
 
     def passthrough(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
         return call_next(**kw)
@@ -66,7 +67,7 @@ def with_progress(
 
         return hook
 
-    return {instr: beating(instr.__name__, hooks.get(instr, passthrough)) for instr in engine._INSTRUCTION_MAP}
+    return {instr: beating(instr.__name__, hooks.get(instr, passthrough)) for instr in instruction_types(engine)}
 
 
 class EngineHooks:

@@ -99,10 +99,11 @@ class EngineLogging:
         """The topology analyzer's per-stage plan (None if ds_swift.plan cannot analyze it)."""
         if self._plan is None:
             try:
+                from ds_swift.patches.deepspeed_engine import pipe_topology
                 from ds_swift.plan import layout_from_deepspeed_topology
                 from ds_swift.plan.budget import conservative_plan, needs_measuring
 
-                self._layout = layout_from_deepspeed_topology(engine.grid._topo, self.cfg.machines.gpus_per_node)
+                self._layout = layout_from_deepspeed_topology(pipe_topology(engine), self.cfg.machines.gpus_per_node)
                 from ds_swift.plan.stage_logging import first_kinds
 
                 self._plan = conservative_plan(self._layout, self.cfg)

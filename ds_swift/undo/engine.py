@@ -36,12 +36,14 @@ from typing import Any
 import torch
 
 from ds_swift.patches import deepspeed_step
+from ds_swift.patches.deepspeed_engine import restore_step_state, step_state
+from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
+from ds_swift.patches.deepspeed_wrappers import UnsupportedWrapper, WrapperKind, kind_of
 from ds_swift.undo.optimizer import InvertibleOptimizer
 from ds_swift.undo.records import STRATEGY_HINT, NotInvertibleError, StepRecord, UndoError
 
 __all__ = ["EngineUndoHandle", "attach_to_engine"]
 
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "_step_applied", "_global_grad_norm")
 _WRAPPER_FLAGS = ("overflow", "_global_grad_norm")
 
 
@@ -49,7 +51,7 @@ _WRAPPER_FLAGS = ("overflow", "_global_grad_norm")
 class _Kind:
     """How one DeepSpeed optimizer wrapper keeps its gradients and master weights."""
 
-    name: str  # "torch", "zero", "bf16", "fp16"
+    kind: WrapperKind  # TORCH, ZERO_STAGE1, BF16_OPTIMIZER or FP16_UNFUSED (FP16_FUSED has no inverse here)
     wrapper: Any  # engine.optimizer
     inner: Any  # the torch optimizer doing the arithmetic
     retain_grads: bool
@@ -57,35 +59,26 @@ class _Kind:
 
 
 def _classify(engine: Any) -> _Kind:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     opt = engine.optimizer
     if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         raise NotInvertibleError(f"torch autocast with a GradScaler is not supported by update-undo; {STRATEGY_HINT}.")
-    if isinstance(opt, DeepSpeedZeroOptimizer):
-        if opt.partition_gradients:
-            raise NotInvertibleError(
-                f"ZeRO stage 2 is not supported by update-undo (stages 0 and 1 are); {STRATEGY_HINT}."
-            )
-        if opt.cpu_offload:
-            raise NotInvertibleError(f"ZeRO CPU offload is not supported by update-undo; {STRATEGY_HINT}.")
-        return _Kind("zero", opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scaler])
-    if isinstance(opt, BF16_Optimizer):
-        return _Kind("bf16", opt, opt.optimizer, retain_grads=True)
-    if isinstance(opt, FP16_UnfusedOptimizer):
-        return _Kind("fp16", opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scale_config])
-    if isinstance(opt, FP16_Optimizer):
+    try:
+        kind = kind_of(opt)
+    except UnsupportedWrapper as exc:
+        raise NotInvertibleError(
+            f"{exc.what} is not supported by update-undo (ZeRO stages 0 and 1 without offload are); {STRATEGY_HINT}."
+        ) from None
+    if kind is WrapperKind.ZERO_STAGE1:
+        return _Kind(kind, opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scaler])
+    if kind is WrapperKind.BF16_OPTIMIZER:
+        return _Kind(kind, opt, opt.optimizer, retain_grads=True)
+    if kind is WrapperKind.FP16_UNFUSED:
+        return _Kind(kind, opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scale_config])
+    if kind is WrapperKind.FP16_FUSED:
         raise NotInvertibleError(
             f"DeepSpeed's fused FP16_Optimizer (FusedAdam) is not supported by update-undo; {STRATEGY_HINT}."
         )
-    if isinstance(opt, torch.optim.Optimizer):
-        return _Kind("torch", opt, opt, retain_grads=False)
-    if getattr(type(engine), "__name__", "").endswith("Stage3") or "Stage3" in type(opt).__name__:
-        raise NotInvertibleError(f"ZeRO stage 3 is not supported by update-undo; {STRATEGY_HINT}.")
-    raise NotInvertibleError(f"unsupported DeepSpeed optimizer {type(opt).__name__}; {STRATEGY_HINT}.")
+    return _Kind(kind, opt, opt, retain_grads=False)
 
 
 class EngineUndoHandle:
@@ -160,36 +153,7 @@ class EngineUndoHandle:
     def refresh_params(self, gather: bool = True) -> None:
         """Copy the fp32 master values into the model's parameters (local part always;
         all-gathered across data-parallel ranks when ``gather``)."""
-        k = self.kind
-        if k.name == "zero":
-            if gather:
-                k.wrapper.update_lp_params()
-            else:
-                import deepspeed.comm as dist
-
-                for i, (parts, fp32) in enumerate(
-                    zip(k.wrapper.parallel_partitioned_bit16_groups, k.wrapper.single_partition_of_fp32_groups, strict=True)
-                ):
-                    rank = dist.get_rank(group=k.wrapper.real_dp_process_group[i])
-                    parts[rank].data.copy_(fp32.data)
-            for i in range(len(k.wrapper.bit16_groups)):
-                k.wrapper._update_model_bit16_weights(i)
-        elif k.name == "bf16":
-            if gather:
-                k.wrapper.update_lp_params()
-            else:
-                import deepspeed.comm as dist
-
-                for i, (parts, fp32) in enumerate(
-                    zip(k.wrapper.bf16_partitioned_groups, k.wrapper.fp32_groups_flat_partition, strict=True)
-                ):
-                    rank = dist.get_rank(group=k.wrapper.real_dp_process_group[i])
-                    parts[rank].data.copy_(fp32.data)
-        elif k.name == "fp16":
-            with torch.no_grad():
-                for fp32_group, lp_group in zip(k.wrapper.fp32_groups, k.wrapper.fp16_groups, strict=True):
-                    for fp32, lp in zip(fp32_group, lp_group, strict=True):
-                        lp.data.copy_(fp32.data)
+        refresh_lp_params(self.kind.wrapper, gather=gather)
 
     def remove(self) -> None:
         """Restore the engine as it was; a deferred gradient zeroing happens now, as it would
@@ -230,7 +194,7 @@ class EngineUndoHandle:
         # Normally flushed by the backward; a step without one sees what DeepSpeed would.
         self._flush_deferred()
         self._step_info = {}
-        state = {name: getattr(self.engine, name) for name in _ENGINE_COUNTERS if hasattr(self.engine, name)}
+        state = step_state(self.engine)
         wrapper_flags = {n: getattr(self.kind.wrapper, n) for n in _WRAPPER_FLAGS if n in vars(self.kind.wrapper)}
         scalers = [copy.deepcopy(vars(s)) for s in self.kind.scalers]
         rec = self.optimizer.begin(self.engine.global_steps)
@@ -241,7 +205,7 @@ class EngineUndoHandle:
         rec = self.optimizer.end(failed=error is not None)
         info = self._step_info
         k = self.kind
-        if k.name == "bf16" and getattr(k.wrapper, "clip_grad", 0.0) > 0 and not rec.skipped:
+        if k.kind is WrapperKind.BF16_OPTIMIZER and getattr(k.wrapper, "clip_grad", 0.0) > 0 and not rec.skipped:
             info.setdefault("grad_norm", k.wrapper._global_grad_norm)
             info.setdefault("max_norm", k.wrapper.clip_grad)
         if "grad_norm" in info:
@@ -273,12 +237,12 @@ class EngineUndoHandle:
     def _step_overrides(self) -> list[deepspeed_step.Override]:
         e, k = self.engine, self.kind
         out: list[deepspeed_step.Override] = []
-        if k.name == "torch":
+        if k.kind is WrapperKind.TORCH:
             out.append((e, "zero_grad", self._defer(e.zero_grad)))
             out.append((e, "clip_fp32_gradients", self._clip_fp32))
-        elif k.name == "bf16":
+        elif k.kind is WrapperKind.BF16_OPTIMIZER:
             out.append((k.wrapper, "clear_hp_grads", self._defer(k.wrapper.clear_hp_grads)))
-        elif k.name in ("zero", "fp16"):
+        elif k.kind in (WrapperKind.ZERO_STAGE1, WrapperKind.FP16_UNFUSED):
             out.append((k.wrapper, "unscale_and_clip_grads", self._capture_unscale(k.wrapper.unscale_and_clip_grads)))
         return out
 
@@ -296,7 +260,7 @@ class EngineUndoHandle:
 
         def unscale_and_clip_grads(*args: Any, **kwargs: Any) -> Any:
             clip_grad = float(getattr(wrapper, "clip_grad", 0.0))
-            if self.kind.name == "zero":
+            if self.kind.kind is WrapperKind.ZERO_STAGE1:
                 total_norm = args[1] if len(args) > 1 else kwargs.get("total_norm")
             else:
                 total_norm = args[0] if args else kwargs.get("total_norm")
@@ -312,16 +276,15 @@ class EngineUndoHandle:
 
     def _loss_scale(self) -> float | None:
         k = self.kind
-        if k.name == "zero":
+        if k.kind is WrapperKind.ZERO_STAGE1:
             return float(k.wrapper.loss_scale)
-        if k.name == "fp16":
+        if k.kind is WrapperKind.FP16_UNFUSED:
             return float(k.wrapper.loss_scale_config.cur_scale)
         return None
 
     def _restore_engine(self, rec: StepRecord) -> None:
         st = rec.engine_state
-        for name, value in st.get("engine", {}).items():
-            setattr(self.engine, name, value)
+        restore_step_state(self.engine, st.get("engine", {}))
         for name, value in st.get("wrapper", {}).items():
             setattr(self.kind.wrapper, name, value)
         for scaler, saved in zip(self.kind.scalers, st.get("scalers", []), strict=False):

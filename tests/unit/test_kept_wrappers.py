@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ds_swift.patches.deepspeed_optim_state import (
     GeometryError,
+    WrapperKind,
     capture_optimizer,
     is_partitioned,
     kind_of,
@@ -26,13 +27,17 @@ from ds_swift.patches.deepspeed_optim_state import (
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.state.transfer import decode, encode, flat_sizes, recv_state, send_state
 
-CONFIGS = {
+CONFIGS = {  # by WrapperKind value
     "torch": {},
     # BF16_Optimizer: ZeRO-1 with fp32 gradient accumulation (what the pipeline engine builds)
-    "bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
-    "zero": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
+    "bf16_optimizer": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                       "data_types": {"grad_accum_dtype": "fp32"}},
+    "zero_stage1": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
     "fp16_unfused": {"fp16": {"enabled": True, "initial_scale_power": 8}},
-}
+}  # fmt: skip
+#: the DeepSpeed class each kind names
+CLASSES = {"torch": "AdamW", "bf16_optimizer": "BF16_Optimizer", "zero_stage1": "DeepSpeedZeroOptimizer",
+           "fp16_unfused": "FP16_UnfusedOptimizer"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -112,10 +117,10 @@ class Wire:
         t.copy_(self.q.popleft())
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))  # ZeRO-1 bf16 without fp32 accumulation is "zero" too
+@pytest.mark.parametrize("kind", list(CONFIGS))  # ZeRO-1 bf16 without fp32 accumulation is "zero_stage1" too
 def test_a_wrappers_state_moves_into_a_fresh_engine_bitwise(world: None, kind: str) -> None:
     trained, fresh = engine(kind), engine(kind, steps=0)
-    assert kind_of(trained.optimizer) == kind and not is_partitioned(trained.optimizer)  # dp = 1
+    assert kind_of(trained.optimizer) is WrapperKind(kind) and not is_partitioned(trained.optimizer)  # dp = 1
     wire = Wire()
     send_state(optimizer_payload(capture_optimizer(trained.optimizer)), 1, send=wire.send)  # tensor-only
     load_optimizer(fresh.optimizer, recv_state(0, recv=wire.recv))
@@ -127,12 +132,23 @@ def test_a_wrappers_state_moves_into_a_fresh_engine_bitwise(world: None, kind: s
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_one_classifier_names_the_deepspeed_class_for_kept_state_and_undo(world: None, kind: str) -> None:
+    from ds_swift.undo.engine import attach_to_engine
+
+    eng = engine(kind, steps=0)
+    assert type(eng.optimizer).__name__ == CLASSES[kind]
+    assert kind_of(eng.optimizer) is WrapperKind(kind)
+    with attach_to_engine(eng) as undo:  # update-undo branches on the same kind
+        assert undo.kind.kind is WrapperKind(kind)
+
+
 def test_another_geometry_is_refused_loudly(world: None) -> None:
-    payload = optimizer_payload(capture_optimizer(engine("bf16").optimizer))
+    payload = optimizer_payload(capture_optimizer(engine("bf16_optimizer").optimizer))
     with pytest.raises(GeometryError, match="masters"):
-        load_optimizer(engine("bf16", hidden=6, steps=0).optimizer, payload)
+        load_optimizer(engine("bf16_optimizer", hidden=6, steps=0).optimizer, payload)
     with pytest.raises(GeometryError, match="kind"):
-        load_optimizer(engine("zero", steps=0).optimizer, payload)
+        load_optimizer(engine("zero_stage1", steps=0).optimizer, payload)
 
 
 def split_like_dp(payload: dict[str, Any], dp: int, lp_numels: list[int]) -> list[dict[str, Any]]:
@@ -161,7 +177,7 @@ def split_like_dp(payload: dict[str, Any], dp: int, lp_numels: list[int]) -> lis
     return parts
 
 
-@pytest.mark.parametrize("kind", ["bf16", "zero"])
+@pytest.mark.parametrize("kind", ["bf16_optimizer", "zero_stage1"])
 def test_partitions_of_another_data_parallel_size_reshard_bitwise(world: None, kind: str) -> None:
     """An elastic shrink (ds_swift.recovery.shrink): the partitions of 2 or 3 replicas, joined and cut
     again for this engine's single one, are its own state bit for bit; a misplaced or missing
@@ -169,7 +185,7 @@ def test_partitions_of_another_data_parallel_size_reshard_bitwise(world: None, k
     eng = engine(kind, hidden=7)  # 7 * 7 + 7 + 7 + 1 = 64 parameters: padding for dp 3 (and not for 2)
     opt = eng.optimizer
     payload = optimizer_payload(capture_optimizer(opt))
-    groups = opt.bf16_groups if kind == "bf16" else opt.bit16_groups
+    groups = opt.bf16_groups if kind == "bf16_optimizer" else opt.bit16_groups
     numels = [sum(p.numel() for p in g) for g in groups]
     for dp in (2, 3):
         parts = split_like_dp(payload, dp, numels)
@@ -187,7 +203,7 @@ def test_partitions_of_another_data_parallel_size_reshard_bitwise(world: None, k
 def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: None) -> None:
     from ds_swift.undo import attach_to_engine
 
-    eng = engine("zero", steps=1)
+    eng = engine("zero_stage1", steps=1)
     handle = attach_to_engine(eng)
     before = optimizer_payload(capture_optimizer(eng.optimizer))
     before = decode(*_copy(before))
@@ -202,7 +218,7 @@ def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: 
     assert kept.optimizer["scalers"][0]["cur_scale"] == scale_before
     for a, b in zip(after["masters"], before["masters"], strict=True):
         assert float((a - b).detach().abs().max()) <= 1e-6 * max(1.0, float(b.detach().abs().max()))
-    fresh = engine("zero", steps=0)
+    fresh = engine("zero_stage1", steps=0)
     kept.restore(fresh, 0, undo=False, timeline=_Timeline(), log=lambda _: None)
     assert fresh.global_steps == 1 and fresh.optimizer.loss_scaler.cur_scale == scale_before
 
@@ -225,7 +241,7 @@ def _detached(payload: Any) -> Any:
     return decode(manifest, flats)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "zero"])
+@pytest.mark.parametrize("kind", ["bf16_optimizer", "zero_stage1"])
 def test_an_undo_from_the_own_copy_is_bitwise(world: None, kind: str) -> None:
     """A survivor whose step's buddy round had not landed takes back its own copy of the iteration
     before (ds_swift.runtime.buddy.stage_own): its masters, moments, loss scaler, LR scheduler and

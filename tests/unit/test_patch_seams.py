@@ -53,15 +53,48 @@ def f(engine, fn):
     del p2p._grid                                   # 15
     deepspeed.comm.cdb += 1                         # 16
     delattr(dist, "barrier")                        # 17
+    engine._compute_loss = True                     # 18: a DeepSpeed engine's private state
+    setattr(engine, "_step_applied", False)         # 19
+    setattr(engine, name, 1)                        # 20: a computed name may be private
+    ctx.engine._global_grad_norm += 1               # 21
+    del eng._INSTRUCTION_MAP                        # 22
+    self._engine._x, y = 1, 2                       # 23
     engine.micro_batches = 1                        # instance state: not a patch
+    setattr(engine, "skipped_steps", 0)             # public: not flagged
+    engine.optimizer._x = 1                         # not the engine's own
+    self._engine = engine                           # the wrapper's own attribute
     p2p.recv = fn  # patch-seams: ok
+    engine._y = 1  # patch-seams: ok
 '''
 
 
 def test_the_checker_flags_each_kind_of_write() -> None:
     found = checker().check_source(OFFENDER.lstrip("\n"), "x.py")
-    assert sorted(f.line for f in found) == [10, 11, 12, 13, 14, 15, 16, 17]
-    assert "x.py:10: assignment to p2p.send" in {str(f) for f in found}
+    assert sorted(f.line for f in found) == [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    text = {str(f) for f in found}
+    assert "x.py:10: assignment to p2p.send" in text
+    assert "x.py:18: assignment to engine._compute_loss (a DeepSpeed engine's private attribute)" in text
+
+
+def test_the_checker_catches_the_replays_old_engine_write(tmp_path: Path) -> None:
+    """What recovery/replay/engine.py did before patches/deepspeed_engine.py: now flagged."""
+    (tmp_path / "ds_swift").mkdir()
+    (tmp_path / "ds_swift" / "replay.py").write_text("def run(engine):\n    engine._compute_loss = True\n")
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(tmp_path), "ds_swift"], capture_output=True, text=True
+    )
+    assert run.returncode == 1 and "ds_swift/replay.py:2: assignment to engine._compute_loss" in run.stdout
+
+
+def test_setup_pins_the_deepspeed_range_the_patches_support() -> None:
+    """setup.py's requirement is the one range in ds_swift.patches._base, written out."""
+    import re
+
+    from ds_swift.patches._base import SUPPORTED_DEEPSPEED
+
+    found = re.findall(r'"deepspeed([<>=!~][^"]*)"', (ROOT / "setup.py").read_text())
+    low, below = SUPPORTED_DEEPSPEED
+    assert found == [f">={low},<{below}"], (found, SUPPORTED_DEEPSPEED)
 
 
 def test_the_checker_script_exits_1_listing_file_and_line(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_re_applied_updates_rebuild_the_trained_state_bitwise(kind: str, tmp_pat
 
 def test_a_corrupt_or_missing_record_is_refused_naming_it(tmp_path: Path) -> None:
     store = open_store(str(tmp_path / "log"))
-    eng = engine("bf16", steps=1)
+    eng = engine("bf16_optimizer", steps=1)
     undo = attach_to_engine(eng)
     train(eng, range(1, 2))
     put(store, 3, capture_update(eng, undo), tmp_path)

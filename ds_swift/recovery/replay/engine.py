@@ -13,7 +13,8 @@ their order are those of the failure-free run (bitwise identical on CPU). Per in
   machine's own log died with it);
 - sends and receives inside the group stay live (p2p on the world group needs only the pair);
 - the per-iteration loss broadcast to the whole pipe group (``_aggregate_total_loss``) is not
-  run: :func:`replay` drives ``_exec_schedule`` itself;
+  run: :func:`replay` drives the schedule itself (``ds_swift.patches.deepspeed_engine``, where
+  every engine internal it touches is pinned);
 - collectives inside the group stay live; one of the optimizer step that reaches outside it (the
   gradient-clipping norm, DeepSpeed's default, reduces over every stage) takes the result a
   survivor recorded (:class:`CollectiveRecorder`); any other is refused up front
@@ -29,13 +30,15 @@ reloaded from the checkpoint (the runtime's loud fallback).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ds_swift.data.keyed import BatchFn, global_micro_batch, key_forward_rng, micro_batches
+from ds_swift.patches import deepspeed_engine
 from ds_swift.patches.instructions import hook_instructions, schedule
 from ds_swift.patches.step_collectives import wrap_collectives
 from ds_swift.recovery.replay.collectives import (
@@ -76,36 +79,16 @@ def keyed_rng(engine: Any, seed: int, share: Sequence[int] | None = None) -> Any
 
 
 # ----------------------------------------------------------------------------- replay
-def _reset_for_replay(engine: Any, start: int) -> None:
-    # A fresh p2p handshake on every edge (both ends of an in-group edge reset together), and
-    # the gradients a step leaves behind (None): also right when retrying after a failed replay.
-    engine.reset_activation_shape()
-    for p in engine.module.parameters():
-        p.grad = None
-    if getattr(engine.module, "seed_layers", False):
-        # PipelineModule seeds layers from a forward counter kept since construction.
-        engine.module.micro_offset = start * int(engine.micro_batches)
-
-
 def _run_iteration(engine: Any, batch_fn: BatchFn, plan: ReplayPlan, iteration: int) -> None:
     """``train_batch`` without the loss broadcast to the whole pipe group (over this rank's share)."""
-    engine.module.train()
-    engine.total_loss = None
-    engine.total_additional_losses = None
-    engine._compute_loss = True
+    data: Any = None
     if engine.is_first_stage() or engine.is_last_stage():
         if plan.share:
             gas = plan.micro_batches
-            data: Any = (batch_fn(iteration, global_micro_batch(plan.dp_rank, gas, m)) for m in plan.share)
+            data = (batch_fn(iteration, global_micro_batch(plan.dp_rank, gas, m)) for m in plan.share)
         else:
             data = micro_batches(batch_fn, iteration, plan.dp_rank, plan.micro_batches)
-        engine.set_dataiterator(data)
-    # The schedule runs engine.micro_batches; the loss is still scaled by gradient_accumulation_steps().
-    engine.micro_batches = len(plan.mine)
-    try:
-        engine._exec_schedule(engine._train_schedule())
-    finally:
-        engine.micro_batches = plan.micro_batches
+    deepspeed_engine.run_train_schedule(engine, data, len(plan.mine))
 
 
 def _refuse_unless_replayable(
@@ -129,8 +112,9 @@ def _refuse_unless_replayable(
 def _count_iteration(engine: Any, stats: ReplayStats, it: int, seconds: float) -> None:
     if int(engine.global_steps) != it + 1:
         raise RuntimeError(f"replay of iteration {it} left global_steps at {engine.global_steps}")
-    if engine.is_last_stage() and isinstance(engine.total_loss, torch.Tensor):
-        stats.losses[it] = float(engine._scale_loss_by_gas(engine.total_loss).mean())
+    loss = deepspeed_engine.iteration_loss(engine)
+    if loss is not None:
+        stats.losses[it] = loss
     stats.iterations += 1
     stats.iteration_s.append(seconds)
 
@@ -185,7 +169,7 @@ def _finish(
     stats.collectives_substituted = guard.substituted
     if plan.prev_rank is not None and plan.prev_rank not in group:
         # The next activation comes from a survivor's rebuilt engine, metadata first.
-        engine.pipe_recv_buf = None
+        deepspeed_engine.expect_meta_next(engine)
 
 
 def _replay_iteration(
@@ -206,6 +190,20 @@ def _replay_iteration(
     replayer.end()
     stats.micro_batch_passes += len(plan.mine)  # this rank's share (parallel recovery) or every micro-batch
     _count_iteration(engine, stats, it, time.perf_counter() - t_it)
+
+
+@contextlib.contextmanager
+def _hooks_installed(
+    engine: Any, plan: ReplayPlan, replayer: Replayer, seed: int | None, extra: Mapping[type, Callable[..., Any]] | None
+) -> Iterator[None]:
+    """The instruction hooks of one replay, installed for its duration (innermost removed first)."""
+    with contextlib.ExitStack() as stack:
+        if seed is not None:
+            stack.enter_context(keyed_rng(engine, seed, plan.share or None))
+        stack.enter_context(hook_instructions(engine, "ds_swift.replay", replayer.hooks()))
+        if extra:
+            stack.enter_context(hook_instructions(engine, "ds_swift.replay.extra", extra))
+        yield
 
 
 def replay(
@@ -264,31 +262,23 @@ def replay(
     total = max(0, end_iteration - start_iteration + 1)
     if total == 0:
         return stats
-    _reset_for_replay(engine, start_iteration)
+    deepspeed_engine.prepare_replay(engine, start_iteration)
     feeder = (
         LogFeeder(reader, plan.from_log, start_iteration, end_iteration, plan.mine, ahead, log_timeout_s)
         if plan.from_log
         else None
     )
     guard = CollectiveGuard(group, records)
-    replayer = Replayer(plan, stats, guard)
-    handles: list[Any] = []
     t0 = time.perf_counter()
+    replayer = Replayer(plan, stats, guard)
     report = _reporter(progress, plan, stats, total, feeder, t0)
     try:
-        if seed is not None:
-            handles.append(keyed_rng(engine, seed, plan.share or None))
-        handles.append(hook_instructions(engine, "ds_swift.replay", replayer.hooks()))
-        if extra_hooks:
-            handles.append(hook_instructions(engine, "ds_swift.replay.extra", extra_hooks))
-        with wrap_collectives("ds_swift.replay", guard.make):
+        with _hooks_installed(engine, plan, replayer, seed, extra_hooks), wrap_collectives("ds_swift.replay", guard.make):
             report(start_iteration)
             for it in range(start_iteration, end_iteration + 1):
                 _replay_iteration(engine, batch_fn, plan, replayer, feeder, stats, it, before_iteration)
                 report(it + 1)
     finally:
-        while handles:
-            handles.pop().remove()
         _finish(engine, plan, group, feeder, guard, stats)
         stats.wall_s = time.perf_counter() - t0
     return stats

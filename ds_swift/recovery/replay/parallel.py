@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from ds_swift.data.keyed import BatchFn
+from ds_swift.patches.deepspeed_engine import layer_specs, pipe_topology
 from ds_swift.patches.deepspeed_grad_accum import accumulator, hp_grads, set_hp_grads
 from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper
 from ds_swift.patches.pipeline_copy import copy_pipeline_module, pipeline_globals, swapped_topology
@@ -153,7 +154,7 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
     if int(engine.zero_optimization_stage()) > 1:
         reasons.append(f"ZeRO stage {engine.zero_optimization_stage()} partitions gradients: parallel recovery "
                        "combines whole ones (ZeRO stage 0 or 1)")  # fmt: skip
-    if any(isinstance(s, TiedLayerSpec) for s in engine.module._layer_specs):
+    if any(isinstance(s, TiedLayerSpec) for s in layer_specs(engine)):
         reasons.append("tied layers are not supported by parallel recovery")
     if getattr(engine.module, "seed_layers", False):
         reasons.append("seed_layers=True seeds layers from a forward counter: a share of micro-batches breaks it")
@@ -182,7 +183,7 @@ def build_copy_engine(engine: Any, layout: ParallelReplayLayout, ds_config: Mapp
     if reasons:
         raise ReplayUnsupported("; ".join(reasons))
     with pipeline_globals():
-        copy_module = copy_pipeline_module(engine.module, helper_topology(engine.grid._topo, layout))
+        copy_module = copy_pipeline_module(engine.module, helper_topology(pipe_topology(engine), layout))
         copy, *_ = deepspeed.initialize(
             model=copy_module,
             config=dict(config),

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ds_swift.data.keyed import BatchFn
+from ds_swift.patches import deepspeed_engine
 from ds_swift.patches.instructions import hook_instructions, schedule
 from ds_swift.patches.step_collectives import wrap_collectives
 from ds_swift.recovery.replay.collectives import CollectiveGuard
-from ds_swift.recovery.replay.engine import _reset_for_replay, _run_iteration, keyed_rng
+from ds_swift.recovery.replay.engine import _run_iteration, keyed_rng
 from ds_swift.recovery.replay.log import Message
 from ds_swift.recovery.replay.plan import ReplayStats, plan_of, unwrap_engine
 from ds_swift.recovery.replay.serve import Replayer
@@ -67,7 +68,7 @@ def replay_passes(
     replayer = Replayer(plan, stats, guard)
     handles: list[Any] = []
     t0 = time.perf_counter()
-    _reset_for_replay(engine, iteration)
+    deepspeed_engine.prepare_replay(engine, iteration)
     try:
         if seed is not None:
             handles.append(keyed_rng(engine, seed))

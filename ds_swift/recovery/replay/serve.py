@@ -11,7 +11,8 @@ Per instruction of DeepSpeed's ``TrainSchedule`` on a replayed rank:
 - ``OptimizerStep``: brackets the step for the :class:`CollectiveGuard`, which substitutes the
   recorded results of the step's collectives that leave the group.
 
-The p2p swaps themselves are ``ds_swift.patches.pipe_p2p``'s.
+The p2p swaps themselves are ``ds_swift.patches.pipe_p2p``'s; the engine's handshake state and
+metadata message ``ds_swift.patches.deepspeed_engine``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ds_swift.patches import deepspeed_engine
 from ds_swift.patches.instructions import schedule
 from ds_swift.patches.pipe_p2p import drop_sends, serve_recvs
 from ds_swift.recovery.replay.collectives import CollectiveGuard
@@ -32,24 +34,10 @@ __all__ = ["Replayer", "meta_message", "recv_from_log"]
 
 def meta_message(engine: Any, msg: Message, what: str) -> torch.Tensor:
     """The tensor-meta message ``_send_tensor_meta`` sent before the first activation of an edge."""
-    from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE
-
-    parts = msg if isinstance(msg, tuple) else (msg,)
     try:
-        ids = [int(engine.DTYPE_TO_ID[t.dtype]) for t in parts]
-    except KeyError as exc:
-        raise LogUnavailable(f"{what}: the log holds a dtype DeepSpeed cannot send ({exc})") from None
-    if isinstance(msg, tuple):
-        values = [2, len(parts)]
-        for t, i in zip(parts, ids):
-            values += [i, t.dim(), *t.shape]
-    else:
-        values = [0, ids[0], msg.dim(), *msg.shape]
-    if len(values) > TENSOR_META_SIZE:
-        raise LogUnavailable(f"{what}: the logged message has more dimensions than DeepSpeed's metadata holds")
-    meta = torch.zeros(TENSOR_META_SIZE, dtype=torch.int32)
-    meta[: len(values)] = torch.tensor(values, dtype=torch.int32)
-    return meta
+        return deepspeed_engine.tensor_meta(engine, msg)
+    except ValueError as exc:
+        raise LogUnavailable(f"{what}: {exc}") from None
 
 
 def recv_from_log(call_next: Callable[..., Any], kw: dict[str, Any], items: list[torch.Tensor], what: str) -> Any:
@@ -123,9 +111,8 @@ class Replayer:
             items: list[torch.Tensor] = []
             if kind == "act":
                 # A 1-tuple is logged as one record, like a bare tensor: the engine's buffer tells which.
-                if isinstance(eng.pipe_recv_buf, tuple) and isinstance(msg, torch.Tensor):
-                    msg = (msg,)
-                if eng.dynamic_shape or eng.pipe_recv_buf is None:
+                needs_meta, msg = deepspeed_engine.recv_needs_meta(eng, msg)
+                if needs_meta:
                     items.append(meta_message(eng, msg, what))
             items += list(msg) if isinstance(msg, tuple) else [msg]
             self.stats.messages_from_log += 1
@@ -140,14 +127,12 @@ class Replayer:
             if not drop:
                 self.stats.sends_live += 1
                 return call_next(**kw)
-            first = eng.first_output_send
             try:
-                with drop_sends():
-                    return call_next(**kw)
-            finally:
                 # The survivor's rebuilt engine expects the tensor metadata with the first live
                 # activation after recovery: keep "metadata not sent yet".
-                eng.first_output_send = first
+                with deepspeed_engine.keep_first_output_send(eng), drop_sends():
+                    return call_next(**kw)
+            finally:
                 self.stats.sends_dropped += 1
 
         return hook

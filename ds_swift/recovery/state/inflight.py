@@ -177,8 +177,6 @@ def finish_iteration(engine: Any) -> Any:
     """Every rank, after a partial recomputation: the iteration's gradient reductions and step, live,
     through the engine's instruction table (so every hook of a step runs: undo records, erasure-coded
     chunks, digests), then ``train_batch``'s loss aggregation. Returns what ``train_batch`` returns."""
-    engine.module.train()
-    engine._exec_schedule(_FinishSchedule())
-    with torch.no_grad():
-        engine.agg_train_loss = engine._aggregate_total_loss()
-    return engine.agg_train_loss
+    from ds_swift.patches.deepspeed_engine import run_end_of_iteration
+
+    return run_end_of_iteration(engine, _FinishSchedule())

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ds_swift import transport
+from ds_swift.patches.deepspeed_engine import counters_of, set_counters
 from ds_swift.patches.deepspeed_optim_state import (
     capture_optimizer,
     load_optimizer,
@@ -193,22 +194,6 @@ def capture_state(engine: Any, optimizer: bool = True) -> dict[str, Any]:
     return state
 
 
-def counters_of(engine: Any) -> dict[str, int]:
-    return {
-        "global_steps": int(engine.global_steps),
-        "global_samples": int(engine.global_samples),
-        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-        "micro_steps": int(getattr(engine, "micro_steps", 0)),
-    }
-
-
-def set_counters(engine: Any, iteration: int) -> None:
-    """Make ``engine`` stand at the start of ``iteration`` (after ``iteration`` steps)."""
-    engine.global_steps = iteration
-    engine.global_samples = iteration * engine.train_batch_size()
-    engine.micro_steps = iteration * engine.gradient_accumulation_steps()
-
-
 def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
     """Load a captured state into a (rebuilt or fresh) engine that resumes at ``iteration``.
 
@@ -222,8 +207,7 @@ def load_state(engine: Any, state: dict[str, Any], iteration: int) -> None:
     if state.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     counters = state.get("counters") or {}
-    set_counters(engine, iteration)
-    engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    set_counters(engine, iteration, skipped_steps=int(counters.get("skipped_steps", 0)))
     rng = state.get("rng") or {}
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ds_swift.patches.deepspeed_engine import restore_step_state, step_state
+
 __all__ = [
     "UpdateLogError",
     "UpdateRecord",
@@ -136,12 +138,13 @@ def capture_update(engine: Any, undo: Any) -> UpdateRecord:
     from ds_swift.patches.deepspeed_optim_state import optimizer_scalars
 
     sched = getattr(engine, "lr_scheduler", None)
-    counters = {n: int(getattr(engine, n)) for n in ("global_steps", "global_samples", "skipped_steps")}
+    state = step_state(engine)  # micro_steps follows from global_steps; _step_applied is reset by every step
+    counters = {n: int(state.get(n, 0)) for n in ("global_steps", "global_samples", "skipped_steps")}
     return UpdateRecord(
         iteration=rec.iteration,
         skipped=rec.skipped,
         groups=groups,
-        counters={**counters, "_global_grad_norm": _plain(getattr(engine, "_global_grad_norm", None))},
+        counters={**counters, "_global_grad_norm": _plain(state.get("_global_grad_norm"))},
         scheduler=copy.deepcopy(sched.state_dict()) if sched is not None else None,
         scalars=None if engine.optimizer is inner else optimizer_scalars(engine.optimizer),
     )
@@ -213,9 +216,7 @@ def restore_after(engine: Any, record: UpdateRecord) -> None:
     """Leave ``engine`` as the step of ``record`` left it: counters, LR scheduler, loss scaler, flags."""
     from ds_swift.patches.deepspeed_optim_state import load_optimizer_scalars
 
-    for name, value in record.counters.items():
-        setattr(engine, name, _plain(value))
-    engine.micro_steps = record.counters["global_steps"] * engine.gradient_accumulation_steps()
+    restore_step_state(engine, {n: _plain(v) for n, v in record.counters.items()}, realign_micro_steps=True)
     sched = getattr(engine, "lr_scheduler", None)
     if sched is not None and record.scheduler is not None:
         sched.load_state_dict(copy.deepcopy(record.scheduler))

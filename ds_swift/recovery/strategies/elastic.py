@@ -43,11 +43,12 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.patches.deepspeed_engine import pipe_topology
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state
+from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state, set_counters
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
@@ -59,7 +60,7 @@ __all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "res
 
 def _coords(engine: Any) -> list[tuple[int, int]]:
     """(stage, tp) of every rank of ``engine``'s grid."""
-    topo = engine.grid._topo
+    topo = pipe_topology(engine)
     has_tp = "model" in topo.get_axis_names()
     return [(int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0)
             for r in range(topo.world_size())]  # fmt: skip
@@ -255,7 +256,7 @@ class _Moves:
             assert kept is not None and state is not None
             load_state(engine, {**state, "optimizer": None}, self.iteration + 1)
             counters = kept.counters or {}
-        engine.skipped_steps = int(counters.get("skipped_steps", 0))
+        set_counters(engine, self.iteration + 1, skipped_steps=int(counters.get("skipped_steps", 0)))
         parts: dict[int, dict[str, Any]] = {}
         owners: dict[int, Any] = {}
         for owner, src, dst in self.transfers:

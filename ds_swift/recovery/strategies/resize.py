@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ds_swift.patches.deepspeed_engine import pipe_topology
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 
 __all__ = ["Grid", "Resize", "ResizeRefused", "grid_of", "plan_resize", "resized_ds_config"]
@@ -165,7 +166,7 @@ def plan_resize(kind: str, machine: int, old_layout: Sequence[int], new_layout: 
 def grid_of(engine: Any) -> Grid:
     """(stage, dp, tp) of every rank of ``engine``'s grid, its accumulation steps and micro-batch,
     and whether its optimizer state is partitioned over data-parallel ranks."""
-    topo = engine.grid._topo
+    topo = pipe_topology(engine)
     axes = topo.get_axis_names()
     coords = []
     for r in range(topo.world_size()):

@@ -193,8 +193,7 @@ class RollbackSimulation(SimulatedFailure):
         else:
             if saved["schedule"] is not None:
                 engine.lr_scheduler.load_state_dict(saved["schedule"])
-            set_counters(engine, self.iteration)
-            engine.skipped_steps = saved["skipped_steps"]
+            set_counters(engine, self.iteration, skipped_steps=saved["skipped_steps"])
         finish_restore(engine)  # the low-precision parameters from the masters (per data-parallel group)
         kept = "kept its update" if saved["state"] is None else "did not apply it"
         self._log(f"simulated failure (immediate rollback) at iteration {self.iteration}: my stage {kept}; "

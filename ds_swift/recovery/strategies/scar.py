@@ -190,8 +190,7 @@ class ScarStrategy(RecoveryStrategy):
         """A replacement stands at the consensus's counters and LR schedule (the lowest survivor's)."""
         engine = ctx.engine
         survivor = answers[min(r for r, a in answers.items() if "schedule" in a)]
-        set_counters(engine, plan.consensus + 1)
-        engine.skipped_steps = int(survivor["skipped_steps"])
+        set_counters(engine, plan.consensus + 1, skipped_steps=int(survivor["skipped_steps"]))
         sched = getattr(engine, "lr_scheduler", None)
         if sched is not None and survivor["schedule"] is not None:
             sched.load_state_dict(survivor["schedule"]["state"])

@@ -1,0 +1,101 @@
+"""What the engine wrapper sets up around a DeepSpeed engine, and what it reports of it.
+
+The pieces of :class:`~ds_swift.runtime.engine.SwiftPipelineEngine`'s start that stand alone: the
+failure simulation, the running checkpoints, the watchdog's timeout check, the start-up line per
+protection with its cost, and the usage record each rank leaves at close (``ds-swift bench``).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.runtime.costs import protection_costs
+from ds_swift.runtime.running import RunningCheckpoints
+from ds_swift.runtime.simulate import FailureSimulation
+
+if TYPE_CHECKING:
+    from ds_swift.checkpoint.periodic import CheckpointManager
+    from ds_swift.runtime.context import SwiftContext
+    from ds_swift.runtime.logging_wiring import EngineLogging
+    from ds_swift.runtime.rebuild import Rebuilder
+
+__all__ = ["check_hang_timeout", "failure_simulation", "log_protection_costs", "running_checkpoints", "write_usage"]
+
+
+def failure_simulation(cfg: SwiftConfig, ctx: SwiftContext) -> FailureSimulation | None:
+    """The simulated failure the config asks for; never on a replacement (a real failure ended it)."""
+    if cfg.simulate_failure.iteration is None or (ctx.env is not None and ctx.env.replacement):
+        return None
+    return FailureSimulation(cfg.simulate_failure, ctx.log)
+
+
+def running_checkpoints(
+    cfg: SwiftConfig, ctx: SwiftContext, ckpt: CheckpointManager, rank: int
+) -> RunningCheckpoints | None:
+    """SCAR's running checkpoint of this rank, where the config asks for one and checkpoints have a directory."""
+    fraction, ckpt_dir = cfg.checkpoint.running_fraction, ckpt.ckpt_dir
+    if fraction is None or ckpt_dir is None:
+        return None
+    fresh = ctx.env is None or not ctx.env.replacement
+    return RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, rank, fresh, ctx.log, job=ckpt.job_id)
+
+
+def check_hang_timeout(cfg: SwiftConfig, ctx: SwiftContext) -> None:
+    """Refuse a hang timeout the op timeout would always beat (the hang could never be seen)."""
+    hang = cfg.watchdog.hang_timeout_s
+    if hang is not None and hang <= ctx.op_timeout_s:
+        raise ConfigError(
+            f"swift config: watchdog.hang_timeout_s={hang:g} must be more than the op timeout "
+            f"({ctx.op_timeout_s:g} s, from ds-swift-launch --op-timeout): raise it, or set it to null (off)"
+        )
+
+
+def log_protection_costs(
+    engine: Any,
+    cfg: SwiftConfig,
+    ctx: SwiftContext,
+    rebuild: Rebuilder,
+    logs: EngineLogging,
+    ckpt: CheckpointManager,
+    without: frozenset[str],
+) -> None:
+    """One start-up line per protection, with its cost."""
+    machines = ctx.env.num_machines if ctx.env is not None else None
+    for line in protection_costs(
+        engine,
+        cfg,
+        digests=rebuild.digests,
+        buddy=rebuild.buddy,
+        logs=logs,
+        async_ckpt=ckpt.writer is not None,
+        without=without,
+        machines=machines,
+    ):
+        ctx.log(line)
+
+
+def write_usage(ctx: SwiftContext, engine: Any, logs: EngineLogging, rebuild: Rebuilder) -> None:
+    """``<run_dir>/usage/rank<r>.json``: what this rank's protection cost it (``ds-swift bench``
+    reads these): message-log and update-log bytes written, buddy bytes sent and held, peak host memory."""
+    if ctx.env is None:
+        return  # not under ds-swift-launch: no run directory of the job's
+    rank, buddy, updates = ctx.env.rank, rebuild.buddy, rebuild.updates
+    try:
+        record = {
+            "rank": rank,
+            "iterations": int(engine.global_steps),
+            "log_bytes": logs.bytes_logged() + (updates.bytes if updates is not None else 0),
+            "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
+            "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
+            "buddy_off": buddy.off if buddy is not None else None,  # a copier error stopped the copies
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        out = Path(ctx.run_dir) / "usage"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+    except Exception as exc:  # noqa: BLE001 - a report: it must never fail the job's close
+        ctx.log(f"usage record not written: {type(exc).__name__}: {exc}")
