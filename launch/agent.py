@@ -14,6 +14,10 @@ replacement that dies is one more machine failure, handled the same way (a casca
 A spare keeps a pool of warm workers (:mod:`.warm`, on unless ``--cold-spares``), already imported
 and waiting: taking over a machine hands them their ranks instead of starting processes.
 
+What the agent checks besides its ranks' exits (failing GPUs, hung ranks) is :mod:`.health`; how it
+declares a failure and decides among spare, shrink, restart and abort is :mod:`.fate`; what each
+worker is told is :meth:`.job.JobSpec.worker_envs`.
+
 Multi-host, an agent can die with its machine; another agent then notices (:mod:`.liveness`) and
 calls :meth:`MachineAgent.adopt_lost_machine`, which handles that machine's failure the same way
 (without the restart option: there is no agent left to restart on).
@@ -25,27 +29,21 @@ import enum
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.classify import rank_error_key
-from ds_swift.detect.watchdog import hung_machine_key, suspect_key
-from ds_swift.jobstore.membership import JobStore, WorkerEnv, grow_key, grown_layout, read_layout, resumed_key
-from ds_swift.jobstore.url import StoreCredentials
-from ds_swift.testing.faults import FaultSpec, format_specs
+from ds_swift.jobstore.layout import grow_key, grown_layout, read_layout, resumed_key
+from ds_swift.jobstore.membership import JobStore
 
-from .args import Command, LaunchArgs
 from .control import EventLog, JobControl
+from .fate import MachineFate
+from .health import MachineHealth
 from .inject_group import GroupKill, PendingFailure
+from .job import JobSpec
 from .spawn import Worker, describe_exit, spawn_warm, spawn_worker, supports_warm
 from .warm import WarmPool
 
-#: seconds between GPU health polls (NVML queries are cheap, but not free on 8 GPUs)
-GPU_POLL_S = 2.0
-#: seconds between looks at the job store for a watchdog's verdict that a rank here is hung
-HUNG_POLL_S = 0.25
-
+# JobSpec lives in .job (what every agent knows about the job); it stays importable from here.
 __all__ = ["AgentState", "JobSpec", "MachineAgent"]
 
 
@@ -55,65 +53,6 @@ class AgentState(enum.Enum):
     RESTARTING = "restarting"  # its machine failed; ranks restart after --restart-delay
     RETIRED = "retired"  # its machine failed and went to a spare (or the job gave up)
     DONE = "done"  # every rank of its machine exited 0
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What every agent knows about the job (the same on every host)."""
-
-    command: Command
-    num_machines: int
-    nproc_per_node: int
-    num_spares: int
-    max_failures: int
-    restart_delay_s: float | None
-    store_addr: str
-    store_port: int
-    token: str
-    run_dir: str
-    inject: tuple[FaultSpec, ...] = ()
-    op_timeout_s: float | None = None
-    store_url: str = ""
-    """``etcd://...`` or ``tcp://...`` when no agent hosts the store (workers get it as SWIFT_STORE_URL)."""
-    warm_spares: bool = False
-    """Spares keep warm workers (ds-swift-launch: on unless ``--cold-spares``)."""
-    secret: str = field(default="", repr=False)
-    elastic: bool = False
-    """With no spare left, the job goes on without a failed machine (``--elastic``)."""
-    launch: str = ""
-    """The launch id (:mod:`ds_swift.jobstore.signed_kv`): workers use that launch's keys only."""
-    store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
-
-    @classmethod
-    def from_args(cls, args: LaunchArgs, store_addr: str, store_port: int, token: str, store_url: str = "",
-                  launch: str = "") -> JobSpec:
-        return cls(
-            command=args.command,
-            num_machines=args.nnodes,
-            nproc_per_node=args.nproc_per_node,
-            num_spares=args.spares,
-            max_failures=args.max_failures,
-            restart_delay_s=args.restart_delay_s,
-            store_addr=store_addr,
-            store_port=store_port,
-            token=token,
-            run_dir=args.run_dir,
-            inject=args.inject,
-            op_timeout_s=args.op_timeout_s,
-            store_url=store_url,
-            warm_spares=not args.cold_spares,
-            secret=args.job_secret,
-            elastic=args.elastic,
-            launch=launch,
-            store_credentials=args.store_credentials,
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.num_machines * self.nproc_per_node
-
-    def ranks(self, machine: int) -> range:
-        return range(machine * self.nproc_per_node, (machine + 1) * self.nproc_per_node)
 
 
 def _clock(t: float) -> str:
@@ -149,13 +88,10 @@ class MachineAgent:
         self._layout: list[int] | None = None  # the job's machines in rank order, once a grow changed them
         self._failed_generation = 0  # the generation whose timeline the next replacement completes
         self._scan_from = 1  # next replacement request a spare looks at
-        # A GPU with uncorrectable ECC errors or a critical Xid computes wrong numbers or hangs:
-        # as good as a dead machine. Without NVML (CPU machines) the monitor reports healthy.
-        self._gpu = gpu_monitor
-        self._gpu_next = 0.0
-        self._hung_next = 0.0
-        self._suspicion: tuple[int, CounterClock[int], str] | None = None  # (generation, own clock, by whom)
         self._groups = GroupKill(store, job.inject)  # --inject machine=1+2: machines killed at one instant
+        # A failing GPU or a hung rank is as good as a dead machine (launch/health.py).
+        self._health = MachineHealth(node, job.nproc_per_node, store, events, self._groups, gpu_monitor)
+        self._fates = MachineFate(node, job, store, self.control, events)
         self._pending: PendingFailure | None = None  # killed with a group, declared once the group is down
         self._spawn_generation = 0  # the generation the machine's workers were started in
         self._spawned_replacements = False
@@ -251,39 +187,10 @@ class MachineAgent:
         r = self.job.ranks(self.machine)
         return f"ranks {r.start}..{r.stop - 1}" if len(r) > 1 else f"rank {r.start}"
 
-    def _worker_envs(self, generation: int, replacement: bool) -> list[WorkerEnv]:
-        assert self.machine is not None
-        inject = format_specs(self.job.inject)
-        ranks, world = self.job.ranks(self.machine), self.job.world_size
-        if self._layout is not None:  # an elastic grow: the machine's place in the job's layout
-            n = self.job.nproc_per_node
-            position = self._layout.index(self.machine)
-            ranks, world = range(position * n, (position + 1) * n), len(self._layout) * n
-        return [
-            WorkerEnv(
-                rank=rank,
-                local_rank=local_rank,
-                world_size=world,
-                machine=self.machine,
-                num_machines=self.job.num_machines,
-                generation=generation,
-                replacement=replacement,
-                store_addr=self.job.store_addr,
-                store_port=self.job.store_port,
-                token=self.job.token,
-                run_dir=self.job.run_dir,
-                inject=inject,
-                store_url=self.job.store_url,
-                secret=self.job.secret,
-                launch=self.job.launch,
-                store_credentials=self.job.store_credentials,
-            )
-            for local_rank, rank in enumerate(ranks)
-        ]
-
     def _spawn(self, generation: int, replacement: bool) -> bool:
         """Start the machine's ranks: handed to the warm pool's workers where it has them; True if so."""
-        wenvs = self._worker_envs(generation, replacement)
+        assert self.machine is not None
+        wenvs = self.job.worker_envs(self.machine, generation, replacement, self._layout)
         self._spawn_generation = generation
         self._spawned_replacements = replacement
         if self._pool is not None:
@@ -355,67 +262,10 @@ class MachineAgent:
             failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers], warm=warm,
         )
 
-    def _gpu_problem(self) -> str | None:
-        if time.monotonic() < self._gpu_next:
-            return None
-        self._gpu_next = time.monotonic() + GPU_POLL_S
-        if self._gpu is None:
-            from .gpu_health import GpuMonitor
-
-            # Local slots, mapped through this agent's CUDA_VISIBLE_DEVICES (the monitor's default
-            # environ), which its workers inherit; ECC errors count from here, not from boot.
-            self._gpu = GpuMonitor(indices=list(range(self.job.nproc_per_node)))
-        health = self._gpu.poll()
-        return None if health.healthy else f"failing GPU ({'; '.join(health.problems)})"
-
-    def _hung_problem(self) -> str | None:
-        """A watchdog found a rank of this machine hung, or two observers found it stopped
-        (ds_swift.detect.watchdog), or one did and this agent finds its ranks' heartbeats silent
-        too: a process that is alive but makes no progress is as good as dead, and is killed as such."""
-        if self.machine is None or time.monotonic() < self._hung_next:
-            return None
-        self._hung_next = time.monotonic() + HUNG_POLL_S
-        fired = self._groups.fired_for(self.machine, self._spawn_generation) if self._groups.groups else None
-        if fired is not None:
-            return self._groups.describe(fired[0])
-        value = self.store.get(hung_machine_key(self.machine))
-        if value:
-            generation, _, reason = value.partition(" ")
-            if int(generation) >= self._spawn_generation:
-                return f"hung ({reason})"
-        return self._suspected_problem()
-
-    def _suspected_problem(self) -> str | None:
-        """One observer suspects this machine (no verdict alone: its clock, its store view, its
-        link may be what is wrong): this agent reads its own ranks' beat counters on its own clock
-        and fails the machine only if one of them is silent for the observer's timeout here too."""
-        assert self.machine is not None
-        g = self.store.generation()
-        raw = self.store.get(suspect_key(g, self.machine))
-        if not raw or g < self._spawn_generation:
-            self._suspicion = None
-            return None
-        if self._suspicion is None or self._suspicion[0] != g:
-            timeout_s, _, why = raw.partition(" ")
-            self._suspicion = (g, CounterClock(float(timeout_s)), why)
-            self.events(f"machine {self.machine}: suspected in generation {g} ({why}); {self.name} checks its "
-                        "ranks' heartbeats on its own clock", event="suspected", node=self.node,
-                        machine=self.machine, generation=g)  # fmt: skip
-        _, beats, why = self._suspicion
-        now = beats.begin_round()
-        for w in self.workers:
-            beat = self.store.heartbeat_of(w.rank)
-            silent = beats.stale(w.rank, beat[0], now) if beat is not None else None
-            if beat is not None and silent is not None:
-                where = f", last in {beat[1]}" if beat[1] else ""
-                return f"hung (rank {w.rank}: no heartbeat for {silent:.1f} s{where}, on its agent's clock; suspected: {why})"
-        beats.end_round()
-        return None
-
     def _check_workers(self) -> None:
         if not self.workers:
             return
-        problem = self._gpu_problem() or self._hung_problem()
+        problem = self._health.problem(self.name, self.machine, self._spawn_generation, self.workers)
         if problem is not None:
             t_detected = time.time()
             for w in self.workers:
@@ -473,35 +323,13 @@ class MachineAgent:
             return False
         reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
                   f"generation {worker.generation} failed without it")  # fmt: skip
-        if self._one_failure_too_many(reason):
+        if self._fates.one_too_many(reason):
             self.state = AgentState.RETIRED
             return True
         self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
                     node=self.node, machine=self.machine, generation=current, rank=worker.rank)  # fmt: skip
         self._spawn_replacement()
         return True
-
-    def _one_failure_too_many(self, reason: str) -> bool:
-        """Count a failure; past ``--max-failures`` the job is aborted with ``reason`` (True)."""
-        count = self.control.record_failure()
-        if count <= self.job.max_failures:
-            return False
-        self.control.abort(f"{reason}; that is failure {count}, more than --max-failures {self.job.max_failures}")
-        return True
-
-    def _declare(self, reason: str, generation: int | None = None) -> tuple[int, bool]:
-        """Declare the generation in force (or ``generation``: the one a group of machines was killed
-        in) failed; returns (the generation this failure ends, first declarer)."""
-        if generation is not None:
-            return generation, self.store.declare_failure(generation, reason)
-        g = self.store.generation()
-        if g >= 1 and self.store.add(f"gen{g}/joined", 0) == 0 and self.store.failure(g - 1) is not None:
-            # Nobody joined g yet, so this machine's dead ranks are not in it: g-1's failure covers
-            # them (a survivor saw the broken connection first, or another machine died at the same
-            # moment, or a replacement died before joining). g can still form, with this machine's
-            # replacement; failing it too would only cost every rank one more round.
-            return g - 1, False
-        return g, self.store.declare_failure(g, reason)
 
     def _machine_failed(self, worker: Worker, returncode: int, t_detected: float, why: str | None = None) -> None:
         assert self.machine is not None
@@ -526,8 +354,8 @@ class MachineAgent:
         assert machine is not None
         what = why if why is not None else f"rank {rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
-        outcome = self._handle_failure(machine, reason, t_detected, own=True, rank=rank, returncode=returncode,
-                                       generation=generation)
+        outcome, self._failed_generation = self._fates.handle(machine, reason, t_detected, own=True, rank=rank,
+                                                              returncode=returncode, generation=generation)  # fmt: skip
         if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
             self._grow_back = outcome == "shrink"
             self.state = AgentState.RESTARTING
@@ -551,71 +379,7 @@ class MachineAgent:
         reason = f"machine {machine}: its agent {node} is gone (silent for {silent_s:.1f} s) at {_clock(t_detected)}"
         self.events(f"{self.name} handles the failure of machine {machine} for dead agent {node}",
                     event="agent_lost", node=self.node, lost_node=node, machine=machine)
-        self._handle_failure(machine, reason, t_detected, own=False, lost_node=node)
-
-    def _handle_failure(self, machine: int, reason: str, t_detected: float, own: bool, generation: int | None = None,
-                        **fields: object) -> str:
-        """Declare ``machine``'s failure, then request a spare; returns "spare", "restart" or "abort"."""
-        failed_generation, declared = self._declare(reason, generation)
-        t_declared = time.time()
-        self.control.record_failure_timeline(failed_generation, machine, t_detected, t_declared)
-        t_fire = self._injected_kill_time(machine, t_detected)
-        latency = ""
-        if t_fire is not None:
-            fields = {**fields, "kill_to_detected_ms": (t_detected - t_fire) * 1e3,
-                      "kill_to_flag_ms": (t_declared - t_fire) * 1e3}
-            latency = (f" (injected kill -> seen {fields['kill_to_detected_ms']:.1f} ms, "
-                       f"-> gen{failed_generation}/failed {fields['kill_to_flag_ms']:.1f} ms)")
-        self.events(
-            f"{reason}: generation {failed_generation} failed{'' if declared else ' (already declared)'}{latency}",
-            event="failure", node=self.node, machine=machine, generation=failed_generation, declared=declared,
-            t_detected=t_detected, t_declared=t_declared, **fields,
-        )
-        if own:
-            self._failed_generation = failed_generation
-
-        fate = self._fate(machine, failed_generation, reason, own)
-        self.control.set_fate(failed_generation, machine, fate)
-        return fate
-
-    def _fate(self, machine: int, failed_generation: int, reason: str, own: bool) -> str:
-        """What becomes of the failed ``machine``: "spare", "restart", "shrink" or "abort"."""
-        if self._one_failure_too_many(reason):
-            return "abort"
-        if self.job.num_spares > 0:
-            slot = self.control.take_spare()
-            if slot <= self.job.num_spares:
-                self.control.request_replacement(slot, machine, failed_generation)
-                self.events(f"machine {machine}: spare {slot} of {self.job.num_spares} requested", event="spare_requested",
-                            node=self.node, machine=machine, slot=slot)
-                return "spare"
-        if self.job.elastic:
-            left = self.control.remove_machine(machine, self.job.num_machines)
-            if left:
-                back = (f"; it comes back after {self.job.restart_delay_s:g} s" if own and self.job.restart_delay_s
-                        is not None else "")  # fmt: skip
-                self.events(f"machine {machine}: no spare left; the job goes on without it on machines {left} "
-                            f"(--elastic){back}", event="shrink", node=self.node, machine=machine, machines=left)
-                return "shrink"
-        if own and self.job.restart_delay_s is not None:
-            return "restart"
-        why = f"all {self.job.num_spares} spares are in use" if self.job.num_spares else "no spare machines (--spares 0)"
-        if not own:
-            why += " (a dead agent's machine cannot restart in place)"
-        elif self.job.restart_delay_s is None:
-            why += " and no --restart-delay"
-        self.control.abort(f"{reason}; no replacement: {why}")
-        return "abort"
-
-    def _injected_kill_time(self, machine: int, t_detected: float) -> float | None:
-        """When an injected fault killed a rank of ``machine`` just before (for the latency line)."""
-        times = []
-        for i, spec in enumerate(self.job.inject):
-            if machine in spec.machines:
-                value = self.store.get(f"inject/{i}/t_fire")
-                if value is not None and 0 <= t_detected - float(value) < 60:
-                    times.append(float(value))
-        return max(times) if times else None
+        self._fates.handle(machine, reason, t_detected, own=False, lost_node=node)
 
     def _give_up(self, reason: str) -> None:
         self.state = AgentState.RETIRED

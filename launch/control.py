@@ -29,7 +29,8 @@ import sys
 import time
 from typing import Any
 
-from ds_swift.jobstore.membership import LAYOUT_KEY, JobStore, fate_key, grown_layout, read_layout
+from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grown_layout, read_layout
+from ds_swift.jobstore.membership import JobStore
 
 __all__ = ["EventLog", "JobControl"]
 

@@ -52,8 +52,6 @@ with each tensor's oldest and newest block iteration.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import uuid
@@ -63,12 +61,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 import torch
 
 from ds_swift.checkpoint.durable import write_atomic
+from ds_swift.checkpoint.running_blocks import Group, block_priorities, check_groups, lay_out, most_changed
+from ds_swift.checkpoint.running_format import (
+    MANIFEST,
+    CorruptCheckpointError,
+    RunningCheckpointError,
+    TensorAge,
+    block_crc,
+    encode_manifest,
+    load_running_checkpoint,
+    nblocks,
+    running_checkpoint_job,
+)
 
+# The files' format and their reader live in ds_swift.checkpoint.running_format; their names stay
+# importable from here.
 __all__ = [
     "MANIFEST",
     "CorruptCheckpointError",
@@ -79,39 +90,7 @@ __all__ = [
     "running_checkpoint_job",
 ]
 
-MANIFEST = "manifest.json"
-_FORMAT = "ds-swift-running-checkpoint/1"
-_SCRATCH_ELEMENTS = 1 << 22  # the float32 difference is computed this many elements at a time
 _ROUND_FILE = re.compile(r"[0-9a-f]{12}-\d+\.bin(\.tmp)?")
-
-
-class RunningCheckpointError(RuntimeError):
-    """A running checkpoint could not be written, or does not fit the state or template given."""
-
-
-class CorruptCheckpointError(RunningCheckpointError):
-    """A running checkpoint's manifest or block file is missing, truncated or fails its crc32c."""
-
-
-@dataclass(frozen=True)
-class TensorAge:
-    """How stale one loaded tensor is."""
-
-    oldest: int | None
-    """Iteration of its least recently saved block; None when no block was ever saved."""
-    newest: int | None
-    """Iteration of its most recently saved block; None when no block was ever saved."""
-    saved_blocks: int
-    """Blocks filled from the running checkpoint (the others are the template's)."""
-    blocks: int
-
-
-@dataclass(frozen=True)
-class _Group:
-    key: str
-    names: tuple[str, ...]  # the key first, then its companions
-    numel: int
-    first: int  # its first block's number among all of the state's blocks
 
 
 @dataclass
@@ -120,46 +99,6 @@ class _Round:
     iteration: int
     pieces: list[tuple[str, int, torch.Tensor]]  # (tensor, block, contiguous 1-D host copy)
     meta: dict[str, dict[str, Any]]
-
-
-def _nblocks(numel: int, block: int) -> int:
-    return -(-numel // block)
-
-
-def _crc(data: Any) -> int:
-    return int(_crc32c.crc32c(memoryview(data)))
-
-
-def _encode_manifest(block_elements: int, meta: Mapping[str, Any], blocks: Mapping[str, Any], job: str | None) -> bytes:
-    body = {"format": _FORMAT, "block_elements": block_elements, "tensors": meta, "blocks": blocks, "job": job}
-    crc = _crc(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    return json.dumps({**body, "crc32c": crc}, separators=(",", ":")).encode()
-
-
-def _read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing: {directory} holds no running checkpoint") from None
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{path} is corrupt or truncated (not JSON: {exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-        raise CorruptCheckpointError(f"{path} is not a running-checkpoint manifest ({_FORMAT})")
-    crc = doc.pop("crc32c", None)
-    if crc != _crc(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()):
-        raise CorruptCheckpointError(f"{path} is corrupt: its crc32c does not match its content")
-    return doc
-
-
-def running_checkpoint_job(directory: str | os.PathLike[str]) -> str | None:
-    """The job id the running checkpoint in ``directory`` is stamped with (None: written without one).
-
-    Raises:
-        CorruptCheckpointError: no manifest there, or a corrupt one (names it).
-    """
-    job = _read_manifest(Path(directory)).get("job")
-    return job if isinstance(job, str) else None
 
 
 class RunningCheckpoint:
@@ -200,8 +139,8 @@ class RunningCheckpoint:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fraction, self.interval, self.block_elements, self.job = fraction, interval, block_elements, job
         self.every = max(1, round(fraction * interval))  # SCAR's rC
-        self._groups_arg = _check_groups(groups or {})
-        self._groups: list[_Group] = []  # fixed by the first save
+        self._groups_arg = check_groups(groups or {})
+        self._groups: list[Group] = []  # fixed by the first save
         self._meta: dict[str, dict[str, Any]] = {}
         self._nblocks_total = 0
         self._base: dict[str, torch.Tensor] = {}  # key -> flat host copy as last saved
@@ -295,24 +234,7 @@ class RunningCheckpoint:
 
     # ------------------------------------------------------------------ training thread
     def _layout(self, state: Mapping[str, torch.Tensor]) -> None:
-        companion_of = {c: k for k, cs in self._groups_arg.items() for c in cs}
-        for name in [*self._groups_arg, *companion_of]:
-            if name not in state:
-                raise RunningCheckpointError(f"RunningCheckpoint groups name {name!r}, which the state lacks")
-        first, groups = 0, []
-        for name in state:
-            if name in companion_of:
-                continue
-            names = (name, *self._groups_arg.get(name, ()))
-            numel = state[name].numel()
-            for c in names[1:]:
-                if state[c].numel() != numel:
-                    raise RunningCheckpointError(
-                        f"companion {c!r} has {state[c].numel()} elements, its key {name!r} {numel}: a group's "
-                        "tensors must have as many elements (fix RunningCheckpoint groups)"
-                    )
-            groups.append(_Group(name, names, numel, first))
-            first += _nblocks(numel, self.block_elements)
+        groups, first = lay_out(state, self._groups_arg, self.block_elements)
         self._groups, self._nblocks_total = groups, first  # only once it all checked out: a retry lays out again
         self._last = torch.full((first,), -1, dtype=torch.int64)
         for g in self._groups:
@@ -336,30 +258,6 @@ class RunningCheckpoint:
                     "the layout is fixed by the first save: use a new RunningCheckpoint for a new one"
                 )
 
-    def _priorities(self, hosts: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Squared L2 norm of each block's change since it was last saved (float64, one per block)."""
-        block = self.block_elements
-        out = torch.empty(self._nblocks_total, dtype=torch.float64)
-        step = max(1, _SCRATCH_ELEMENTS // block) * block
-        for g in self._groups:
-            cur, base = hosts[g.key], self._base[g.key]
-            for s in range(0, g.numel, step):
-                e = min(g.numel, s + step)
-                d = (cur[s:e].float() - base[s:e].float()).square_()
-                full = (e - s) // block
-                b = g.first + s // block
-                out[b : b + full] = d[: full * block].view(full, block).sum(1, dtype=torch.float64)
-                if full * block < e - s:  # the tensor's shorter last block
-                    out[b + full] = d[full * block :].sum(dtype=torch.float64)
-        return out
-
-    def _select(self, priorities: torch.Tensor, count: int) -> np.ndarray:
-        prio = priorities.numpy().copy()
-        last = self._last.numpy()
-        prio[np.isnan(prio) | (last < 0)] = np.inf
-        order = np.lexsort((np.arange(prio.size), last, -prio))  # most changed, then saved longest ago
-        return np.sort(order[:count])
-
     def _snapshot(
         self, iteration: int, state: Mapping[str, torch.Tensor], count: int
     ) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, int, torch.Tensor]]]:
@@ -371,12 +269,13 @@ class RunningCheckpoint:
         if count >= self._nblocks_total:
             chosen = np.arange(self._nblocks_total)
         else:
-            chosen = self._select(self._priorities(hosts), count)
+            priorities = block_priorities(self._groups, self._base, hosts, self.block_elements, self._nblocks_total)
+            chosen = most_changed(priorities, self._last, count)
         block = self.block_elements
         picked: dict[str, tuple[int, ...]] = {}
         pieces: list[tuple[str, int, torch.Tensor]] = []
         for g in self._groups:
-            nb = _nblocks(g.numel, block)
+            nb = nblocks(g.numel, block)
             local = [int(b) - g.first for b in chosen[(chosen >= g.first) & (chosen < g.first + nb)]]
             picked[g.key] = tuple(local)
             if not local:
@@ -424,18 +323,18 @@ class RunningCheckpoint:
     # ------------------------------------------------------------------ writer (background thread)
     def _persist(self, job: _Round) -> None:
         name = f"{self._run}-{job.seq:06d}.bin"
-        entries = {t: list(self._entries.get(t) or [None] * _nblocks(int(m["numel"]), self.block_elements))
+        entries = {t: list(self._entries.get(t) or [None] * nblocks(int(m["numel"]), self.block_elements))
                    for t, m in job.meta.items()}  # fmt: skip
         buffers, offset = [], 0
         for tensor, b, piece in job.pieces:
             data = piece.view(torch.uint8).numpy()
-            entries[tensor][b] = [job.iteration, name, offset, int(data.nbytes), _crc(data)]
+            entries[tensor][b] = [job.iteration, name, offset, int(data.nbytes), block_crc(data)]
             buffers.append(data)
             offset += int(data.nbytes)
         write_atomic(self.directory / name, buffers)
         self._bytes += offset
         meta = {t: {k: m[k] for k in ("dtype", "shape", "key")} for t, m in job.meta.items()}
-        manifest = _encode_manifest(self.block_elements, meta, entries, self.job)
+        manifest = encode_manifest(self.block_elements, meta, entries, self.job)
         write_atomic(self.directory / MANIFEST, manifest)
         self._manifest_bytes += len(manifest)
         self._entries = entries
@@ -450,98 +349,3 @@ class RunningCheckpoint:
                     path.unlink(missing_ok=True)
                 except OSError:  # only space is lost, and the next round tries again
                     pass
-
-
-def _check_groups(groups: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
-    seen: dict[str, str] = {}
-    for key, companions in groups.items():
-        if isinstance(companions, str):
-            raise ValueError(f"RunningCheckpoint groups[{key!r}] = {companions!r}: give a list of companion names")
-        for name in (key, *companions):
-            if name in seen:
-                raise ValueError(
-                    f"RunningCheckpoint groups name tensor {name!r} twice (under {seen[name]!r} and {key!r}); "
-                    "a tensor belongs to one group"
-                )
-            seen[name] = key
-    return {k: tuple(cs) for k, cs in groups.items()}
-
-
-def load_running_checkpoint(
-    directory: str | os.PathLike[str], template: Mapping[str, torch.Tensor], newer_than: int = -1
-) -> tuple[dict[str, torch.Tensor], dict[str, TensorAge]]:
-    """The template's tensors with every block the running checkpoint in ``directory`` holds filled in.
-
-    Blocks never saved keep the template's values (load the last global checkpoint into it first),
-    and so do blocks saved at an iteration ``newer_than`` or older (the global checkpoint loaded into
-    the template is as new as they are, or newer).
-    Tensors of the checkpoint that the template lacks are not read. Returns new tensors (on the
-    template's devices) and each one's :class:`TensorAge`.
-
-    Raises:
-        CorruptCheckpointError: the manifest or a block file is missing, truncated or corrupt (names it).
-        RunningCheckpointError: a template tensor is absent from the checkpoint or of another size/dtype.
-    """
-    directory = Path(directory)
-    doc = _read_manifest(directory)
-    block = int(doc["block_elements"])
-    flats: dict[str, torch.Tensor] = {}
-    ages: dict[str, TensorAge] = {}
-    reads: dict[str, list[tuple[int, int, int, str, int]]] = {}  # file -> (offset, size, crc, tensor, block)
-    for name, t in template.items():
-        meta = doc["tensors"].get(name)
-        if meta is None:
-            raise RunningCheckpointError(
-                f"template tensor {name!r} is not in the running checkpoint {directory / MANIFEST} "
-                f"(it holds {sorted(doc['tensors'])})"
-            )
-        numel = math.prod(meta["shape"])
-        if t.numel() != numel or str(t.dtype) != meta["dtype"]:
-            raise RunningCheckpointError(
-                f"template tensor {name!r} is {str(t.dtype)} with {t.numel()} elements; the running checkpoint "
-                f"{directory / MANIFEST} saved it as {meta['dtype']} with {numel}: load the matching state first"
-            )
-        flats[name] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format).view(-1)
-        entries = doc["blocks"][name]
-        if len(entries) != _nblocks(numel, block):
-            raise CorruptCheckpointError(
-                f"{directory / MANIFEST} is corrupt: {len(entries)} block entries for {name!r}"
-            )
-        saved = [(b, e) for b, e in enumerate(entries) if e is not None and e[0] > newer_than]
-        for b, (_, file, offset, size, crc) in saved:
-            if Path(file).name != file or size != (min(numel, (b + 1) * block) - b * block) * t.element_size():
-                raise CorruptCheckpointError(f"{directory / MANIFEST} is corrupt: {name!r} block {b} entry {file!r}")
-            reads.setdefault(file, []).append((offset, size, crc, name, b))
-        its = [e[0] for _, e in saved]
-        ages[name] = TensorAge(min(its, default=None), max(its, default=None), len(saved), _nblocks(numel, block))
-    for file, items in reads.items():
-        _read_blocks(directory / file, sorted(items), flats, block)
-    out = {name: flats[name].view(t.shape).to(t.device) for name, t in template.items()}
-    return out, ages
-
-
-def _read_blocks(
-    path: Path, items: Sequence[tuple[int, int, int, str, int]], flats: Mapping[str, torch.Tensor], block: int
-) -> None:
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        _, _, _, name, b = items[0]
-        raise CorruptCheckpointError(
-            f"{path} is missing; the manifest names it for {len(items)} block(s) ({name!r} block {b}, ...)"
-        ) from None
-    with f:
-        for offset, size, crc, name, b in items:
-            f.seek(offset)
-            data = bytearray(f.read(size))
-            if len(data) != size:
-                raise CorruptCheckpointError(
-                    f"{path} is truncated: {name!r} block {b} needs bytes [{offset}, {offset + size}), "
-                    f"the file has {path.stat().st_size}"
-                )
-            if _crc(data) != crc:
-                raise CorruptCheckpointError(f"{path} is corrupt: {name!r} block {b} fails its crc32c")
-            flat = flats[name]
-            start = b * block
-            dest = flat[start : start + size // flat.element_size()]
-            dest.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))

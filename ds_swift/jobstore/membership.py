@@ -34,7 +34,6 @@ Keys (relative to the job prefix)::
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -42,10 +41,12 @@ from collections.abc import Callable, Iterable
 import torch.distributed as dist
 
 from ds_swift.jobstore.auth import SECRET_ENV
+from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.jobstore.signed_kv import SignedKV, new_launch_id
 from ds_swift.jobstore.url import StoreCredentials, StoreURL
 from ds_swift.jobstore.worker_env import MembershipError, WorkerEnv
 
+# The layout keys live in ds_swift.jobstore.layout; they stay importable from here too.
 __all__ = [
     "LAYOUT_KEY",
     "GenerationFailed",
@@ -355,40 +356,6 @@ class JobStore(SignedKV):
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""
         return self._read(key)
-
-
-# ---------------------------------------------------------------------------- elastic layout
-#: Job-store key of the job's machines in rank order (JSON; absent: 0, 1, ..., every machine). A
-#: rank is its machine's position in it times the ranks per machine, plus its local rank
-#: (ds_swift.recovery.strategies.elastic: an elastic shrink drops a machine, a grow appends one).
-LAYOUT_KEY = "launch/layout"
-
-
-def read_layout(store: JobStore, num_machines: int) -> list[int]:
-    """The job's machines in rank order."""
-    raw = store.get(LAYOUT_KEY)
-    return [int(m) for m in json.loads(raw)] if raw else list(range(num_machines))
-
-
-def fate_key(generation: int, machine: int) -> str:
-    """Where the launcher says what becomes of ``machine``, failed in ``generation``: ``spare``,
-    ``restart``, ``shrink`` (the job goes on without it) or ``abort``."""
-    return f"launch/fate/{generation}/{machine}"
-
-
-def grow_key(generation: int) -> str:
-    """Set to a machine id when generation ``generation`` ended because that machine came back."""
-    return f"launch/grow/{generation}"
-
-
-def resumed_key(generation: int) -> str:
-    """Set once the recovery into ``generation`` is over and the job trains again (a grow waits for it)."""
-    return f"gen{generation}/resumed"
-
-
-def grown_layout(layout: list[int], machine: int) -> list[int]:
-    """``layout`` with ``machine`` back in it, last in rank order (survivors keep their ranks)."""
-    return [*(m for m in layout if m != machine), machine]
 
 
 def _etcd(where: StoreURL, timeout_s: float, credentials: StoreCredentials | None) -> dist.Store:

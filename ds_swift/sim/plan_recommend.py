@@ -110,12 +110,11 @@ def recommend_for_plan(
         "checkpoint_interval", "young_interval", "daly_interval", "expected_hours",
         "per_failure_s"}, ...] (fastest first), "assumptions": [...]}``.
     """
-    if isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or not mtbf_hours > 0:
-        raise ConfigError(f"--mtbf-hours={mtbf_hours!r} is invalid: a positive number of hours")
+    mtbf = _checked_mtbf(mtbf_hours)
     stage_kinds = _stage_strategies(plan_json)
     sizes = _group_sizes(plan_json)
     workload = _plan_workload(plan_json, stage_kinds, sizes, total_iterations, iteration_time_s, micro_batches)
-    failures = FailureModel("exponential", mtbf_hours=float(mtbf_hours))
+    failures = FailureModel("exponential", mtbf_hours=mtbf)
     n_fail = failures.expected_count(workload.compute_s / _HOUR)
     weights = {k: stage_kinds.count(k) / len(stage_kinds) for k in _PATHS}
     assumptions = [
@@ -124,29 +123,40 @@ def recommend_for_plan(
     ]
     gc = StrategySpec("global_checkpoint", "checkpoint", checkpoint_interval=total_iterations,
                       checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)  # fmt: skip
-    gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
-    per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
-    alternatives = [
-        _alternative("global_checkpoint", "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
-                     gc_rec.optimal_hours, per_failure_s)
-    ]  # fmt: skip
+    gc_interval, gc_row = _global_checkpoint_row(workload, gc, failures, n_fail, grid_points)
     case = _SwiftCase(
         plan_json, workload, failures, {k: w for k, w in weights.items() if w > 0}, sizes, gc, undo_s, broadcast_s,
         replay_fraction, parallel_speedup, _log_download_s(plan_json, sizes, storage_gbps, assumptions),
-        logging_overhead, checkpoint_interval or gc_rec.optimal or total_iterations, grid_points, assumptions,
+        logging_overhead, checkpoint_interval or gc_interval or total_iterations, grid_points, assumptions,
     )  # fmt: skip
-    alternatives += [
-        case.alternative(parallel) for parallel in ([True, False] if "logging" in case.weights else [False])
-    ]
-    alternatives.sort(key=lambda a: a["expected_hours"])
+    swift_rows = [case.alternative(parallel) for parallel in ([True, False] if "logging" in case.weights else [False])]
+    alternatives = sorted([gc_row, *swift_rows], key=lambda a: a["expected_hours"])
     return {
-        "mtbf_hours": float(mtbf_hours),
+        "mtbf_hours": mtbf,
         "failure_free_hours": round(workload.compute_s / _HOUR, 4),
         "expected_failures": round(n_fail, 3),
         "recommended": alternatives[0]["name"],
         "alternatives": alternatives,
         "assumptions": assumptions,
     }
+
+
+def _checked_mtbf(mtbf_hours: float) -> float:
+    """``mtbf_hours`` as a float, refused unless a positive number."""
+    if isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or not mtbf_hours > 0:
+        raise ConfigError(f"--mtbf-hours={mtbf_hours!r} is invalid: a positive number of hours")
+    return float(mtbf_hours)
+
+
+def _global_checkpoint_row(
+    workload: Workload, gc: StrategySpec, failures: FailureModel, n_fail: float, grid_points: int
+) -> tuple[int | None, dict[str, Any]]:
+    """The global-checkpoint baseline: its optimal interval and its row of ``alternatives``."""
+    gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
+    per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
+    row = _alternative("global_checkpoint", "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
+                       gc_rec.optimal_hours, per_failure_s)  # fmt: skip
+    return gc_rec.optimal, row
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
     """The node agent polls its GPU monitor; an unhealthy GPU kills the machine's ranks and
     declares the failure with the GPU's problem as the reason."""
     from ds_swift.jobstore.membership import JobStore
-    from ds_swift.launch import agent as agent_mod
+    from ds_swift.launch import health as health_mod
     from ds_swift.launch.agent import MachineAgent
     from ds_swift.launch.gpu_health import GpuHealth
 
@@ -204,7 +204,7 @@ def test_agent_treats_a_failing_gpu_as_a_failed_machine() -> None:
     a.control.record_failure = lambda: 1  # type: ignore[method-assign]
     given_up: list[str] = []
     a.control.abort = given_up.append  # type: ignore[method-assign]  # every way of giving up ends here
-    agent_mod.GPU_POLL_S = 2.0
+    health_mod.GPU_POLL_S = 2.0
     a.tick()
     assert a.workers == [] and all(w.killed for w in a._dying)
     assert "failing GPU (GPU 1: 3 uncorrectable ECC" in (store.failure(0) or "")

@@ -28,7 +28,6 @@ failed, wakes its pipeline neighbours (poison + their receive check) and raises 
 
 from __future__ import annotations
 
-import base64
 import functools
 import gc
 import json
@@ -46,27 +45,25 @@ from ds_swift.recovery.base import checkpoint_source
 from ds_swift.recovery.base import loud as _loud
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
 from ds_swift.recovery.host import NullHost, RecoveryHost, replaying
-from ds_swift.recovery.replay.collectives import CollectiveRecord, CollectiveRecorder, ReplayUnsupported
+from ds_swift.recovery.replay.check_round import check_round, records_for, settled_layout
+from ds_swift.recovery.replay.collectives import CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.replay.engine import replay
-from ds_swift.recovery.replay.log import LogUnavailable, ProgressFn, chunks_needed, rich_progress, text_progress
+from ds_swift.recovery.replay.log import LogUnavailable, ProgressFn, rich_progress, text_progress
 from ds_swift.recovery.replay.parallel import (
     Mode,
     ParallelReplayLayout,
     build_copy_engine,
-    copy_unsupported_reasons,
     parallel_replay,
     transfer_state,
 )
 from ds_swift.recovery.replay.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
-from ds_swift.recovery.replay.plan import plan_of, replay_summary, replay_totals, unsupported_reasons
+from ds_swift.recovery.replay.plan import replay_summary, replay_totals
 from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = [
     "ReplayRuntime", "compute_of_this_rank", "failed_replay_key", "load_start", "parallel_helps", "parallel_layout",
     "run_logging_recovery",
 ]  # fmt: skip
-
-Records = dict[tuple[int, int], CollectiveRecord]
 
 
 def _noop(*_: Any) -> None:
@@ -113,31 +110,6 @@ def failed_replay_key(checkpoint_step: int) -> str:
 
 
 # ----------------------------------------------------------------------------- the protocol
-def _records_for(dp: int, answers: dict[int, dict[str, Any]], by_rank: dict[int, RankReport]) -> Records | None:
-    """The step-collective records of the lowest surviving rank of replica ``dp`` that published some."""
-    for r in sorted(answers):
-        blob = answers[r].get("records")
-        if blob and by_rank[r].dp == dp:
-            return CollectiveRecorder.from_bytes(base64.b64decode(blob)).records
-    return None
-
-
-def _check(engine: Any, plan: RecoveryPlan, rank: int, recorded: bool, reader: Any, reader_error: str | None) -> list[str]:
-    """A replaying rank's answer in the check round: why it cannot replay (empty: it can)."""
-    group = frozenset(plan.replay_ranks)
-    reasons = unsupported_reasons(engine, group, step_collectives_recorded=recorded)
-    edges = plan_of(engine, group).from_log
-    if reasons or not edges:
-        return reasons
-    if reader is None:
-        return [f"rank {rank}: {reader_error}"]
-    try:
-        chunks_needed(reader, edges, plan.replay_from, plan.consensus)
-    except LogUnavailable as exc:
-        return [f"rank {rank}: {exc}"]
-    return []
-
-
 def _open_reader(rt: ReplayRuntime) -> tuple[Any, str | None]:
     from ds_swift.msglog import LogReader
 
@@ -194,23 +166,6 @@ def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
     log(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay")
 
 
-def _check_answer(
-    engine: Any, plan: RecoveryPlan, rank: int, in_group: bool, recorded: bool, reader: Any, reader_error: Any,
-    rt: ReplayRuntime,
-) -> dict[str, Any]:
-    """This rank's answer in the check round: why the replay cannot run (empty: it can), and a
-    survivor's step-collective records for the replayers."""
-    answer: dict[str, Any] = {"why": [], "compute": compute_of_this_rank() if rt.parallel else {}}
-    if in_group:
-        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
-        return answer
-    if rt.log_error is not None:
-        answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
-    if rt.recorder is not None:
-        answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
-    return answer
-
-
 def run_logging_recovery(
     *,
     store: JobStore,
@@ -243,86 +198,91 @@ def run_logging_recovery(
     world = sorted(by_rank)
     source = checkpoint_source(checkpoint_step)
     start, end = plan.replay_from, plan.consensus
-    me = by_rank[rank]
-    outside = [r for r in plan.survivors if r not in group]
-    recorded = any(by_rank[s].dp == me.dp for s in outside)
+    fail = functools.partial(_fail, store, generation, rank, start, source, rt=rt)
 
     # 1. the check round
     reader, reader_error = _open_reader(rt) if rank in group else (None, None)
-    answer = _check_answer(engine, plan, rank, rank in group, recorded, reader, reader_error, rt)
-    total = end - start + 1
-    layout: ParallelReplayLayout | str | None = None
-    if rt.parallel and total > 0:
-        blockers = copy_unsupported_reasons(engine)
-        gas = int(engine.gradient_accumulation_steps())
-        layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
-    store.publish(generation, "replay_check", rank, json.dumps(answer))
-    answers = {r: json.loads(v) for r, v in store.gather(generation, "replay_check", world, gather_timeout_s).items()}
+    answers, proposed = check_round(store, generation, rank, engine, plan, reports, reader, reader_error, rt,
+                                     gather_timeout_s)  # fmt: skip
     problems = [w for r in world for w in answers[r]["why"]]
     if problems:
         reason = "logging-based recovery impossible: " + "; ".join(problems)
         _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")
         return reason, {}
-    if isinstance(layout, ParallelReplayLayout):
-        why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
-        if why_not is not None and rt.force_parallel:
-            if rank == min(world):
-                log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
-        elif why_not is not None:
-            layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
-    if isinstance(layout, str):
-        if rank == min(world):
-            log(f"parallel recovery not used ({layout}): sequential replay")
-        layout = None
+    layout = settled_layout(proposed, answers, world, rank, rt, log)
 
     # 2. the replay
     role = layout.role(rank) if layout is not None else None
     replayer = rank in group or role is not None
     summary: dict[str, Any] = {}
     if rank in group:
-        try:
-            load_start(engine, ckpt, plan, checkpoint_step, log)
-        except (LogUnavailable, ReplayUnsupported) as exc:
-            _fail(store, generation, rank, start, source, exc, rt)
+        _load_start_or_fail(engine, ckpt, plan, checkpoint_step, log, fail)
         timeline.t_loaded = time.time()
         timeline.extra["checkpoint_loaded"] = checkpoint_step
-    stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else me.dp
-    records = _records_for(stage_dp, answers, by_rank) if replayer else None
+    stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else by_rank[rank].dp
+    records = records_for(stage_dp, answers, by_rank) if replayer else None
     if replayer and reader is None:
         reader, reader_error = _open_reader(rt)
         if reader is None:
-            _fail(store, generation, rank, start, source, LogUnavailable(str(reader_error)), rt)
+            fail(LogUnavailable(str(reader_error)))
     if layout is not None:
-        fail = functools.partial(_fail, store, generation, rank, start, source, rt=rt)
         summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail,
                                 before_iteration)  # fmt: skip
     elif rank in group:
-        try:
-            with replaying(rt.host), _progress(rt, total) as progress:
-                stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
-                               collectives=records, before_iteration=before_iteration)  # fmt: skip
-        except (LogUnavailable, ReplayUnsupported) as exc:
-            _fail(store, generation, rank, start, source, exc, rt)
-        summary = replay_summary(stats)
+        summary = _run_sequential(engine, reader, group, start, end, rt, records, fail, before_iteration)
     if replayer:
         timeline.t_replayed = time.time()
         timeline.extra["replay"] = summary
         store.publish(generation, "replayed", rank, json.dumps(summary))
 
     # 3. wait on the store, not in a collective
+    return None, _await_replayers(store, generation, group, layout, by_rank, start, end, source, rt)
+
+
+def _await_replayers(
+    store: JobStore, generation: int, group: frozenset[int], layout: ParallelReplayLayout | None,
+    by_rank: dict[int, RankReport], start: int, end: int, source: str, rt: ReplayRuntime,
+) -> dict[str, Any]:
+    """Step 3: every replayer's summary, read from the store (a replay may outlast a collective's
+    timeout); returns the recovery's summary."""
     replayers = sorted(group | (set(layout.helpers) if layout is not None else set()))
     done = store.gather(generation, "replayed", replayers, rt.wait_timeout_s)
     per_rank = {r: json.loads(v) for r, v in done.items()}
-    return None, {
+    return {
         "machines": sorted({by_rank[r].machine for r in group}),
         "from": start,
         "to": end,
         "source": source,
         "ranks": replayers,
         "parallel": rt.mode if layout is not None else None,
-        "iterations": total,
+        "iterations": end - start + 1,
         **replay_totals(per_rank),
     }
+
+
+def _load_start_or_fail(
+    engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None],
+    fail: Callable[[BaseException], NoReturn],
+) -> None:
+    """A replaying rank loads where the replay starts; a failure to do so ends the generation (:func:`_fail`)."""
+    try:
+        load_start(engine, ckpt, plan, checkpoint_step, log)
+    except (LogUnavailable, ReplayUnsupported) as exc:
+        fail(exc)
+
+
+def _run_sequential(
+    engine: Any, reader: Any, group: frozenset[int], start: int, end: int, rt: ReplayRuntime, records: Any,
+    fail: Callable[[BaseException], NoReturn], before_iteration: Callable[[int], None] | None,
+) -> dict[str, Any]:
+    """A rank of the replayed group replays its iterations from the log alone; returns its summary."""
+    try:
+        with replaying(rt.host), _progress(rt, end - start + 1) as progress:
+            stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
+                           collectives=records, before_iteration=before_iteration)  # fmt: skip
+    except (LogUnavailable, ReplayUnsupported) as exc:
+        fail(exc)
+    return replay_summary(stats)
 
 
 def _run_parallel(

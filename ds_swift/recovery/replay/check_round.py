@@ -1,0 +1,135 @@
+"""Step 1 of the logging-based recovery (:mod:`ds_swift.recovery.replay.runner`): the check round.
+
+Every rank publishes its answer under the store topic ``replay_check`` and reads every rank's: a
+replaying rank says why it cannot replay (nothing in its way, or the log lacks a chunk it needs),
+a survivor outside the replayed group whether its message log reached the store, and its recorded
+optimizer-step collectives (which the replayers then serve from, :func:`records_for`). With
+parallel recovery the layout is proposed before the round and kept only where the ranks' measured
+compute says it helps (:func:`settled_layout`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ds_swift.jobstore.membership import JobStore
+from ds_swift.recovery.consensus import RankReport, RecoveryPlan
+from ds_swift.recovery.replay.collectives import CollectiveRecord, CollectiveRecorder
+from ds_swift.recovery.replay.log import LogUnavailable, chunks_needed
+from ds_swift.recovery.replay.parallel import ParallelReplayLayout, copy_unsupported_reasons
+from ds_swift.recovery.replay.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
+from ds_swift.recovery.replay.plan import plan_of, unsupported_reasons
+
+if TYPE_CHECKING:
+    from ds_swift.recovery.replay.runner import ReplayRuntime
+
+__all__ = ["check_round", "records_for", "settled_layout"]
+
+Records = dict[tuple[int, int], CollectiveRecord]
+
+
+def records_for(dp: int, answers: dict[int, dict[str, Any]], by_rank: dict[int, RankReport]) -> Records | None:
+    """The step-collective records of the lowest surviving rank of replica ``dp`` that published some."""
+    for r in sorted(answers):
+        blob = answers[r].get("records")
+        if blob and by_rank[r].dp == dp:
+            return CollectiveRecorder.from_bytes(base64.b64decode(blob)).records
+    return None
+
+
+def _check(
+    engine: Any, plan: RecoveryPlan, rank: int, recorded: bool, reader: Any, reader_error: str | None
+) -> list[str]:
+    """A replaying rank's answer in the check round: why it cannot replay (empty: it can)."""
+    group = frozenset(plan.replay_ranks)
+    reasons = unsupported_reasons(engine, group, step_collectives_recorded=recorded)
+    edges = plan_of(engine, group).from_log
+    if reasons or not edges:
+        return reasons
+    if reader is None:
+        return [f"rank {rank}: {reader_error}"]
+    try:
+        chunks_needed(reader, edges, plan.replay_from, plan.consensus)
+    except LogUnavailable as exc:
+        return [f"rank {rank}: {exc}"]
+    return []
+
+
+def _check_answer(
+    engine: Any,
+    plan: RecoveryPlan,
+    rank: int,
+    in_group: bool,
+    recorded: bool,
+    reader: Any,
+    reader_error: Any,
+    rt: ReplayRuntime,
+) -> dict[str, Any]:
+    """This rank's answer in the check round: why the replay cannot run (empty: it can), and a
+    survivor's step-collective records for the replayers."""
+    answer: dict[str, Any] = {"why": [], "compute": compute_of_this_rank() if rt.parallel else {}}
+    if in_group:
+        answer["why"] = _check(engine, plan, rank, recorded, reader, reader_error)
+        return answer
+    if rt.log_error is not None:
+        answer["why"] = [f"rank {rank}: its message log was not flushed to the store ({rt.log_error})"]
+    if rt.recorder is not None:
+        answer["records"] = base64.b64encode(rt.recorder.to_bytes()).decode()
+    return answer
+
+
+def check_round(
+    store: JobStore,
+    generation: int,
+    rank: int,
+    engine: Any,
+    plan: RecoveryPlan,
+    reports: list[RankReport],
+    reader: Any,
+    reader_error: str | None,
+    rt: ReplayRuntime,
+    gather_timeout_s: float,
+) -> tuple[dict[int, dict[str, Any]], ParallelReplayLayout | str | None]:
+    """Step 1: publish this rank's answer and read every rank's. Also returns the parallel-recovery
+    layout (the same on every rank), a string saying why there is none, or None when it is off."""
+    by_rank = {r.rank: r for r in reports}
+    group = frozenset(plan.replay_ranks)
+    outside = [r for r in plan.survivors if r not in group]
+    recorded = any(by_rank[s].dp == by_rank[rank].dp for s in outside)
+    answer = _check_answer(engine, plan, rank, rank in group, recorded, reader, reader_error, rt)
+    layout: ParallelReplayLayout | str | None = None
+    if rt.parallel and plan.consensus - plan.replay_from + 1 > 0:
+        blockers = copy_unsupported_reasons(engine)
+        gas = int(engine.gradient_accumulation_steps())
+        layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
+    store.publish(generation, "replay_check", rank, json.dumps(answer))
+    world = sorted(by_rank)
+    answers = {r: json.loads(v) for r, v in store.gather(generation, "replay_check", world, gather_timeout_s).items()}
+    return answers, layout
+
+
+def settled_layout(
+    layout: ParallelReplayLayout | str | None,
+    answers: dict[int, dict[str, Any]],
+    world: list[int],
+    rank: int,
+    rt: ReplayRuntime,
+    log: Callable[[str], None],
+) -> ParallelReplayLayout | None:
+    """Parallel recovery only where the ranks' compute says it helps (or where it is forced); the
+    lowest rank says why it is not used."""
+    if isinstance(layout, ParallelReplayLayout):
+        why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
+        if why_not is not None and rt.force_parallel:
+            if rank == min(world):
+                log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
+        elif why_not is not None:
+            layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
+    if isinstance(layout, str):
+        if rank == min(world):
+            log(f"parallel recovery not used ({layout}): sequential replay")
+        layout = None
+    return layout
