@@ -28,8 +28,8 @@ counts; training goes on.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +43,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ds_swift.checkpoint.durable import COMPLETE_MARKER, fsync_dir, fsync_file, fsync_tree, write_atomic
 from ds_swift.checkpoint.snapshot import PinnedCopier, snapshot
+from ds_swift.logs import say
 from ds_swift.worker import Worker
 
 __all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
@@ -188,7 +189,7 @@ class AsyncWriter:
     def report_errors(self) -> None:
         """Say, once each, every persist or completion that failed since the last call."""
         for msg in self.errors[self._reported :]:
-            print(f"[ds-swift] rank {self.rank}: {msg}", file=sys.stderr, flush=True)
+            say(msg, self.rank, level=logging.WARNING, name=__name__)
             self._log(msg)
         self._reported = len(self.errors)
 

@@ -191,7 +191,7 @@ class WriterThread:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
             except OSError as exc:  # not permitted in some containers: run at normal priority
-                _log.info("message-log writer keeps its priority: %s", exc)
+                _log.debug("message-log writer keeps its priority: %s", exc)
 
     def _one(self, item: WriteItem | _Call) -> None:
         if isinstance(item, _Call):

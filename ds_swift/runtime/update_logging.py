@@ -16,14 +16,15 @@ complete global checkpoint are deleted after each checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ds_swift.logs import say
 from ds_swift.recovery.state.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
 from ds_swift.storage import open_store
 from ds_swift.worker import OnError, Worker
@@ -172,8 +173,5 @@ class UpdateLogger:
     def _lose(self, why: str) -> None:
         if self.lost is None:
             self.lost = why
-            print(
-                f"[ds-swift] rank {self.rank}: {why}; update logging stops on this rank, training goes on: a failure "
-                "of this rank recovers from the global checkpoint",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+            say(f"{why}; update logging stops on this rank, training goes on: a failure of this rank recovers from "
+                "the global checkpoint", self.rank, level=logging.WARNING, name=__name__)  # fmt: skip
