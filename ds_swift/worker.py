@@ -40,10 +40,11 @@ class OnError(enum.Enum):
     RECORD = "record"
     """Keep the error (``check`` raises it once) and go on with the next item."""
     STOP = "stop"
-    """Keep the error (``check`` raises it) and stop: later items are dropped unhandled."""
+    """Keep the error (``check`` raises it) and end the thread: the items queued behind it and
+    later ones are dropped unhandled (``submit`` says False)."""
     OFF = "off"
-    """Turn off for good (``off`` says why; the ``on_error`` hook must say it loudly): later items
-    are dropped, training goes on."""
+    """As ``STOP``, for a protection that turns off for good (``off`` says why; the ``on_error``
+    hook must say it loudly) while training goes on."""
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Worker(Generic[T]):
         max_bytes: bytes queued or in ``handle`` beyond which ``submit`` waits (an item alone
             always goes); 0: no bound.
         setup, teardown: run on the thread before the first item and after the last (teardown also
-            after an error stopped it).
+            after an error stopped it). A setup that raises is an error that ends the worker.
     """
 
     def __init__(
@@ -211,39 +212,59 @@ class Worker(Generic[T]):
         try:
             if self._setup is not None:
                 self._setup()
-            while True:
+            while self.off is None:  # STOP and OFF end the thread at their first error
                 item, nbytes = self._queue.get()
                 if item is _STOP:
                     return
                 with self._cv:
                     self._queued -= 1
                     self._cv.notify_all()
-                if self.off is None:
-                    self._one(item, nbytes)  # type: ignore[arg-type]
+                self._one(item, nbytes)  # type: ignore[arg-type]
                 item = None  # an item may hold large host buffers: not until the next one comes
-                with self._cv:
-                    self._unfinished -= 1
-                    self._bytes -= nbytes
-                    self._cv.notify_all()
+                self._finished(nbytes)
+        except Exception as exc:  # noqa: BLE001 - setup failed: nothing can be handled; said as any error
+            self._failed(exc, stop=True)
         finally:
+            with self._cv:
+                self._closed = True  # from here on submit refuses, so the drain below sees every item
+                self._cv.notify_all()
+            self._drop_queued()
             if self._teardown is not None:
                 self._teardown()
-            with self._cv:
-                self._closed = True
-                self._cv.notify_all()
+
+    def _finished(self, nbytes: int, queued: int = 0) -> None:
+        with self._cv:
+            self._queued -= queued
+            self._unfinished -= 1
+            self._bytes -= nbytes
+            self._cv.notify_all()
+
+    def _drop_queued(self) -> None:
+        """What is still queued once the thread ends (after an error under STOP/OFF) is dropped,
+        not left pending: a ``wait_idle`` must not wait for a thread that is gone."""
+        while True:
+            try:
+                item, nbytes = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self._finished(nbytes, queued=1)
+
+    def _failed(self, exc: BaseException, stop: bool) -> None:
+        with self._cv:
+            self._errors.append(exc)
+            self.stats.errors += 1
+            if stop:
+                self.off = f"{type(exc).__name__}: {exc}"
+        if self._hook is not None:
+            self._hook(exc)
 
     def _one(self, item: T, nbytes: int) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self._handle(item)
         except Exception as exc:  # noqa: BLE001 - the owner's policy decides; never dropped silently
-            with self._cv:
-                self._errors.append(exc)
-                self.stats.errors += 1
-                if self.on_error is not OnError.RECORD:
-                    self.off = f"{type(exc).__name__}: {exc}"
-            if self._hook is not None:
-                self._hook(exc)
+            self._failed(exc, stop=self.on_error is not OnError.RECORD)
         else:
             self.stats.items += 1
             self.stats.bytes += nbytes

@@ -47,13 +47,17 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
             raise RuntimeError("gloo timeout")
         handled.append(i)
 
-    w: Worker[int] = Worker("ds-swift-test", handle, on_error=OnError.STOP, on_error_hook=hooked.append)
+    gate = threading.Event()
+    w: Worker[int] = Worker("ds-swift-test", lambda i: (gate.wait(10.0), handle(i)), on_error=OnError.STOP,
+                            on_error_hook=hooked.append)  # fmt: skip
     w.submit(0)
-    assert w.wait_idle(10.0)
-    assert not w.submit(1) and handled == []
+    w.submit(1)  # queued behind the item that fails
+    gate.set()
+    assert w.wait_idle(10.0)  # the queued item is dropped, not left pending
+    assert not w.submit(2) and handled == []
     assert isinstance(w.error, RuntimeError) and w.off == "RuntimeError: gloo timeout"
     assert [str(e) for e in hooked] == ["gloo timeout"]
-    assert w.stop(10.0)
+    assert w.stop(10.0) and not w.alive  # the thread ended at the error
 
 
 def test_off_calls_the_hook_once_per_error_and_training_goes_on() -> None:
@@ -110,3 +114,17 @@ def test_the_os_sees_the_short_name() -> None:
     w: Worker[int] = Worker("ds-swift-buddy", handle)
     w.submit(0)
     assert w.stop(10.0) and comm == ["sw-buddy"]
+
+
+def test_a_setup_that_fails_ends_the_worker_and_is_said() -> None:
+    said: list[str] = []
+
+    def setup() -> None:
+        raise PermissionError("no tmp dir")
+
+    w: Worker[int] = Worker("ds-swift-test", lambda i: None, setup=setup, on_error_hook=lambda e: said.append(str(e)))
+    w.submit(0)  # may be queued before the thread fails: then dropped
+    assert w.stop(10.0) and w.wait_idle(10.0)
+    assert said == ["no tmp dir"] and w.off == "PermissionError: no tmp dir" and w.stats.items == 0
+    with pytest.raises(PermissionError):
+        w.check()
