@@ -179,8 +179,9 @@ class AsyncWriter:
             return True
         # The writer hands a persisted save to the completer before it counts as idle itself.
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
-        return self._writer.wait_idle(left()) and self._completer.wait_idle(left())
+        if not self._writer.wait_idle(timeout_s):
+            return False
+        return self._completer.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def abandon(self) -> None:
         """A failure: rank 0 stops waiting for the other ranks' markers of checkpoints in flight."""
