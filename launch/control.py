@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
 from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grown_layout, read_layout
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.logs import say
 
 __all__ = ["EventLog", "JobControl"]
 
@@ -147,7 +147,7 @@ class EventLog:
             self.path = os.path.join(run_dir, name)
 
     def __call__(self, message: str, **fields: Any) -> None:
-        print(f"[ds-swift-launch] {message}", file=sys.stderr, flush=True)
+        say(message, name=__name__, prefix="ds-swift-launch")
         if self.path is not None:
             record = {"t": time.time(), "message": message, **fields}
             with open(self.path, "a") as f:

@@ -14,6 +14,7 @@ launch host), which then outlives agent 0 too. ``--launcher pdsh|ssh`` hands ove
 
 from __future__ import annotations
 
+import logging
 import secrets
 import select
 import signal
@@ -27,6 +28,7 @@ from types import FrameType
 from ds_swift.jobstore.membership import JobStore, MembershipError
 from ds_swift.jobstore.signed_kv import BEAT_S
 from ds_swift.jobstore.url import StoreURL
+from ds_swift.logs import say
 
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs
@@ -225,7 +227,7 @@ class Supervisor:
             agent.signal_all(signal.SIGKILL)
         alive = self._reap(timeout_s=10.0)
         if alive:
-            print(f"[ds-swift-launch] could not reap pids {alive}", file=sys.stderr, flush=True)
+            say(f"could not reap pids {alive}", level=logging.WARNING, name=__name__, prefix="ds-swift-launch")
 
 
 def _describe(args: LaunchArgs, where: str) -> str:

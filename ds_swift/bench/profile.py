@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from ds_swift.bench.measure import loss_series, step_seconds
-from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.registry import strategies
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.testing.jobs import JobRun
 
@@ -23,7 +23,7 @@ PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
 def services_of(name: str) -> StrategyServices:
     """The services of the registered strategy ``name`` (none for a bench variant's own name)."""
     try:
-        return STRATEGIES.get(name).SERVICES
+        return strategies().get(name).SERVICES
     except KeyError:
         return StrategyServices()
 

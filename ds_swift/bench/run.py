@@ -57,7 +57,6 @@ from ds_swift.bench.jobs import BenchError, Runner, failed_rows, infeasible_stra
 from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
 from ds_swift.bench.profile import bench_profile, profile_row
 from ds_swift.config import strategy_names
-from ds_swift.recovery.strategies.elastic import ElasticStrategy
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.faults import PHASES
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
@@ -99,7 +98,7 @@ def strategy_overrides(name: str, interval: int, pp: int = 2) -> dict[str, Any]:
     if name not in STRATEGIES:
         raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     if name == ELASTIC:
-        return {"strategy": ElasticStrategy.name, "checkpoint": {"interval": interval}}
+        return {"strategy": "elastic", "checkpoint": {"interval": interval}}
     if name in VARIANTS:
         return {**VARIANTS[name], "checkpoint": {"interval": interval}}
     if name == MIX:

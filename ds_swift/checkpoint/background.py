@@ -28,9 +28,8 @@ counts; training goes on.
 
 from __future__ import annotations
 
+import logging
 import os
-import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +43,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ds_swift.checkpoint.durable import COMPLETE_MARKER, fsync_dir, fsync_file, fsync_tree, write_atomic
 from ds_swift.checkpoint.snapshot import PinnedCopier, snapshot
-from ds_swift.threadname import name_os_thread
+from ds_swift.logs import say
+from ds_swift.worker import Worker
 
 __all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
            "persisted_marker", "snapshot"]
@@ -124,23 +124,19 @@ class AsyncWriter:
         self.world_size = world_size
         self.complete_timeout_s = complete_timeout_s
         self._log = log
-        self._queue: queue.Queue[_Save | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._current: _Save | None = None
         self.errors: list[str] = []
         self._reported = 0
         self.history: list[SaveStats] = []
+        self._current: _Save | None = None
         self._abandon = threading.Event()
-        self._pending: queue.Queue[_Save | None] = queue.Queue()
-        self._completed = threading.Event()
-        self._completed.set()
         self.copier = PinnedCopier()
-        self._threads = [threading.Thread(target=self._run, name="ds-swift-ckpt-writer", daemon=True)]
-        if rank == 0:
-            self._threads.append(threading.Thread(target=self._run_completer, name="ds-swift-ckpt-complete", daemon=True))
-        for t in self._threads:
-            t.start()
+        # A failed persist or completion is reported on the training thread (report_errors) and the
+        # next checkpoint is tried: each handler records its own error, the workers go on.
+        self._writer: Worker[_Save] = Worker("ds-swift-ckpt-writer", self._write)
+        self._completer: Worker[_Save] | None = Worker("ds-swift-ckpt-complete", self._completion) if rank == 0 else None
+        self._writer.start()
+        if self._completer is not None:
+            self._completer.start()
 
     # ------------------------------------------------------------------ training thread
     def begin(self, tag: str, ckpt_dir: str, save_id: str, marker_text: str) -> SaveStats:
@@ -168,21 +164,24 @@ class AsyncWriter:
         self.copier.finish()
         self.copier.drop_unused()
         save.stats.snapshot_s += time.perf_counter() - t0
-        self._idle.clear()
         self._abandon.clear()
-        if self.rank == 0:
-            self._completed.clear()
         self.history.append(save.stats)
-        self._queue.put(save)
+        self._writer.submit(save)
         return save.stats
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait for this rank's own persist (not for the other ranks')."""
-        return self._idle.wait(timeout_s)
+        return self._writer.wait_idle(timeout_s)
 
     def wait_complete(self, timeout_s: float | None = None) -> bool:
         """Rank 0: wait until every checkpoint handed over was completed or given up."""
-        return self._completed.wait(timeout_s)
+        if self._completer is None:
+            return True
+        # The writer hands a persisted save to the completer before it counts as idle itself.
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._writer.wait_idle(timeout_s):
+            return False
+        return self._completer.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def abandon(self) -> None:
         """A failure: rank 0 stops waiting for the other ranks' markers of checkpoints in flight."""
@@ -191,7 +190,7 @@ class AsyncWriter:
     def report_errors(self) -> None:
         """Say, once each, every persist or completion that failed since the last call."""
         for msg in self.errors[self._reported :]:
-            print(f"[ds-swift] rank {self.rank}: {msg}", file=sys.stderr, flush=True)
+            say(msg, self.rank, level=logging.WARNING, name=__name__)
             self._log(msg)
         self._reported = len(self.errors)
 
@@ -199,37 +198,27 @@ class AsyncWriter:
         """Finish what is queued (the last checkpoint of a job must land) and stop; False if it could not."""
         deadline = time.monotonic() + timeout_s
         done = self.wait_idle(timeout_s) and self.wait_complete(max(0.0, deadline - time.monotonic()))
-        self._queue.put(None)
-        self._pending.put(None)
-        for t in self._threads:
-            t.join(timeout=1.0 if done else 0.1)
+        for w in (self._writer, self._completer):
+            if w is not None:
+                w.stop(timeout_s=1.0 if done else 0.1)
         self.report_errors()
         return done
 
     # ------------------------------------------------------------------ writer threads
-    def _run(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
-        while True:
-            save = self._queue.get()
-            if save is None:
-                return
+    def _write(self, save: _Save) -> None:
+        try:
+            self._persist(save)
+            if self._completer is not None:
+                self._completer.submit(save)
+        except Exception as exc:  # noqa: BLE001 - reported on the training thread, never silent
+            self.errors.append(
+                f"checkpoint {save.stats.tag} could not be written ({type(exc).__name__}: {exc}); it does not "
+                "count: a recovery loads the last complete one"
+            )
             try:
-                self._persist(save)
-                if self.rank == 0:
-                    self._pending.put(save)
-            except Exception as exc:  # noqa: BLE001 - reported on the training thread, never silent
-                self.errors.append(
-                    f"checkpoint {save.stats.tag} could not be written ({type(exc).__name__}: {exc}); it does not "
-                    "count: a recovery loads the last complete one"
-                )
-                try:
-                    self._mark(save, failed_marker(save.save_id, self.rank))
-                except OSError:
-                    pass  # a full disk may refuse even this: rank 0 then waits until complete_timeout_s
-                if self.rank == 0:
-                    self._completed.set()
-            finally:
-                self._idle.set()
+                self._mark(save, failed_marker(save.save_id, self.rank))
+            except OSError:
+                pass  # a full disk may refuse even this: rank 0 then waits until complete_timeout_s
 
     def _mark(self, save: _Save, name: str) -> None:
         tag_dir = Path(save.ckpt_dir) / save.stats.tag
@@ -254,19 +243,11 @@ class AsyncWriter:
         self._mark(save, persisted_marker(save.save_id, self.rank))
         save.stats.persist_s = time.perf_counter() - t0
 
-    def _run_completer(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
-        while True:
-            save = self._pending.get()
-            if save is None:
-                return
-            try:
-                self._complete(save)
-            except Exception as exc:  # noqa: BLE001 - reported on the training thread
-                self.errors.append(f"checkpoint {save.stats.tag} does not count: {exc}")
-            finally:
-                if self._pending.empty():
-                    self._completed.set()
+    def _completion(self, save: _Save) -> None:
+        try:
+            self._complete(save)
+        except Exception as exc:  # noqa: BLE001 - reported on the training thread
+            self.errors.append(f"checkpoint {save.stats.tag} does not count: {exc}")
 
     def _complete(self, save: _Save) -> None:
         tag_dir = Path(save.ckpt_dir) / save.stats.tag

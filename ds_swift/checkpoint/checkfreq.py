@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ds_swift import transport
 from ds_swift.checkpoint.background import AsyncWriter, SaveStats
+from ds_swift.logs import say
 
 __all__ = ["CheckFreqTuner", "checkfreq_interval"]
 
@@ -77,11 +77,10 @@ class CheckFreqTuner:
         if self.store is not None:  # every rank: a failure right now must not leave the key unwritten
             self.store.set(STORE_KEY, str(self.chosen))
         if self.rank == 0:
-            print(
-                f"[ds-swift] checkfreq: snapshot {stats.snapshot_s * 1e3:.1f} ms, persist {stats.persist_s * 1e3:.1f} ms, "
+            say(
+                f"checkfreq: snapshot {stats.snapshot_s * 1e3:.1f} ms, persist {stats.persist_s * 1e3:.1f} ms, "
                 f"iteration {iteration_s * 1e3:.1f} ms (rank 0), overhead at most {self.max_overhead:.1%}: "
                 f"a checkpoint every {self.chosen} iterations",
-                file=sys.stderr,
-                flush=True,
+                name=__name__,
             )
         return self.chosen

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ from ds_swift.checkpoint.trust import (
     tag_for,
     trusted_origin,
 )
+from ds_swift.logs import say
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.background import AsyncWriter
@@ -173,9 +174,9 @@ class CheckpointManager:
             if not _write_error(exc, self.ckpt_dir):
                 raise
             written = False
-            print(f"[ds-swift] rank {self.rank}: checkpoint {tag} could not be written ({type(exc).__name__}: "
-                  f"{str(exc)[:200]}); it does not count: a recovery loads the last complete one; training goes on",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            say(f"checkpoint {tag} could not be written ({type(exc).__name__}: {str(exc)[:200]}); it does not "
+                "count: a recovery loads the last complete one; training goes on", self.rank, level=logging.WARNING,
+                name=__name__)  # fmt: skip
             # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
             # the other ranks wait in it), which this rank did not reach.
             dist.barrier()  # transport: ok
@@ -186,8 +187,8 @@ class CheckpointManager:
             write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         elif self.rank == 0:
             bad = [r for r, ok in enumerate(everyone) if not ok]
-            print(f"[ds-swift] checkpoint {tag} does not count: ranks {bad} could not write their files",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            say(f"checkpoint {tag} does not count: ranks {bad} could not write their files", level=logging.WARNING,
+                name=__name__)  # fmt: skip
         self.last_saved = done
         return tag
 
@@ -244,8 +245,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
         if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
-            print(f"[ds-swift] rank {self.rank}: checkpoint {self.pending} was still being written at exit: "
-                  "it does not count", file=sys.stderr, flush=True)  # fmt: skip
+            say(f"checkpoint {self.pending} was still being written at exit: it does not count", self.rank,
+                level=logging.WARNING, name=__name__)  # fmt: skip
 
     def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
         """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
@@ -262,10 +263,10 @@ class CheckpointManager:
                 found.append((done, self.ckpt_dir, tag))
             elif tag not in self._warned:
                 self._warned.add(tag)
-                print(
-                    f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} belongs to "
+                say(
+                    f"checkpoint {tag} in {self.ckpt_dir} belongs to "
                     f"{job or 'an unknown job (no job id in its marker)'}, not this job ({self.job_id}): not loaded",
-                    file=sys.stderr, flush=True,
+                    self.rank, level=logging.WARNING, name=__name__,
                 )  # fmt: skip
         o = self.origin
         if o is not None and (at_most is None or o.iterations <= at_most):
@@ -281,8 +282,8 @@ class CheckpointManager:
         if f"untrusted {tag}" in self._warned:
             return
         self._warned.add(f"untrusted {tag}")
-        print(f"[ds-swift] rank {self.rank}: checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded",
-              file=sys.stderr, flush=True)  # fmt: skip
+        say(f"checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded", self.rank,
+            level=logging.WARNING, name=__name__)  # fmt: skip
 
     def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
         o = self.origin
@@ -301,10 +302,6 @@ class CheckpointManager:
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {where}")
         if int(engine.global_steps) != done:
-            print(
-                f"[ds-swift] checkpoint {tag} says global_steps={engine.global_steps}; using {done}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"checkpoint {tag} says global_steps={engine.global_steps}; using {done}", name=__name__)
         self.last_saved = done
         return done

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ds_swift.checkpoint.durable import COMPLETE_MARKER, temp_path
+from ds_swift.logs import say
 
 __all__ = [
     "Origin", "checkpoint_job", "complete_checkpoints", "is_complete", "job_id_for", "latest_complete",
@@ -131,11 +132,10 @@ def trusted_origin(
         return Origin(str(ckpt_dir), tag, iterations)
     m = _TAG.match(tag)
     why = marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) if m else "its tag is not global_step<N>"
-    who = f"rank {rank}: " if rank is not None else ""
-    print(f"[ds-swift] {who}checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
-          "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
-          "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
-          file=sys.stderr, flush=True)  # fmt: skip
+    say(f"checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
+        "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
+        "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
+        rank, level=logging.WARNING, name=__name__)  # fmt: skip
     return None
 
 

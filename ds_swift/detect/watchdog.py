@@ -22,7 +22,6 @@ machine's own agent, reading its ranks' counters on its clock, finds them silent
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.progress import Progress
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.logs import say
 from ds_swift.threadname import name_os_thread
 
 __all__ = [
@@ -206,8 +206,7 @@ class Watchdog:
             try:
                 self.on_failure(seen)
             except Exception as exc:  # noqa: BLE001 - the failure is known either way; say why the hook failed
-                print(f"[ds-swift] rank {self.rank}: after the failure of generation {g}: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                say(f"after the failure of generation {g}: {type(exc).__name__}: {exc}", self.rank, name=__name__)
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:
@@ -240,8 +239,8 @@ class Watchdog:
             if store.add(f"{key}/by/{self.rank}", 1) == 1:
                 if store.add(f"{key}/n", 1) == 1:
                     store.set(key, f"{self.heartbeat_timeout_s!r} {reason}")
-                print(f"[ds-swift] rank {self.rank}: suspects machine {machine}: {reason}; a verdict needs a "
-                      "second observer or the machine's own agent", file=sys.stderr, flush=True)  # fmt: skip
+                say(f"suspects machine {machine}: {reason}; a verdict needs a second observer or the machine's own "
+                    "agent", self.rank, name=__name__)  # fmt: skip
         observers = store.add(f"{key}/n", 0)
         if observers < 2:
             return None

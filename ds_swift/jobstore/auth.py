@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
-import sys
+
+from ds_swift.logs import say
 
 __all__ = [
     "MIN_SECRET_CHARS",
@@ -101,12 +103,12 @@ class Sealer:
         first = key not in self.rejected
         self.rejected[key] = self.rejected.get(key, 0) + 1
         if first:
-            print(
-                f"ds-swift: rejected a write to job-store key {key!r} {why} ({size} bytes); ignoring it. "
+            say(
+                f"rejected a write to job-store key {key!r} {why} ({size} bytes); ignoring it. "
                 "Something outside the job can reach the store: restrict access to its port (or use etcd "
                 "with TLS and authentication).",
-                file=sys.stderr,
-                flush=True,
+                level=logging.WARNING,
+                name=__name__,
             )
 
 

@@ -291,7 +291,7 @@ class MessageLogHandle:
 
         t0 = time.perf_counter()
         names: list[str] = self._writer.call(do_upload, timeout_s)
-        _log.info("uploaded %d log files to %s in %.2f s", len(names), url, time.perf_counter() - t0)
+        _log.debug("uploaded %d log files to %s in %.2f s", len(names), url, time.perf_counter() - t0)
         return names
 
     def gc_before(self, iteration: int, store_url: str | None = None, timeout_s: float = 60.0) -> list[str]:

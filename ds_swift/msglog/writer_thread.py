@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta
-from ds_swift.threadname import name_os_thread
+from ds_swift.worker import Worker
 
 __all__ = ["HostStaged", "Staged", "WriteItem", "WriterStats", "WriterThread"]
 
@@ -74,9 +73,6 @@ class _Call:
     error: BaseException | None = None
 
 
-_STOP = object()
-
-
 @dataclass
 class WriterStats:
     records: int = 0
@@ -114,19 +110,25 @@ class WriterThread:
         self.writer = writer
         self.max_inflight_bytes = max_inflight_bytes
         self.nice = nice
-        self.stats = WriterStats()
-        self._q: deque[Any] = deque()
-        self._cv = threading.Condition()
-        self._inflight = 0
+        self._stats = WriterStats()
+        self._lock = threading.Lock()  # guards the error list (written here, read by the training thread)
         self._errors: list[LogWriteError] = []
         self._raised = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        # A failed write is recorded by _write itself (as a LogWriteError naming the file) and raised
+        # by the next check/flush on the training thread; the worker goes on with the next message.
+        self._worker: Worker[WriteItem | _Call] = Worker(name, self._one, max_bytes=max_inflight_bytes, setup=self._renice)
+        self._worker.start()
         # A daemon thread dies silently at interpreter exit; write out what is queued first.
         atexit.register(self._at_exit)
 
+    @property
+    def stats(self) -> WriterStats:
+        self._stats.stall_s = self._worker.stats.stall_s
+        self._stats.max_inflight_bytes = self._worker.stats.max_queued_bytes
+        return self._stats
+
     def _at_exit(self) -> None:
-        if self._thread.is_alive() and self.pending():
+        if self._worker.alive and self.pending():
             try:
                 self.call(lambda w: None, 60.0)
             except Exception as exc:  # at exit there is nobody left to raise to
@@ -134,25 +136,14 @@ class WriterThread:
 
     # ------------------------------------------------------------ producer side
     def submit(self, item: WriteItem) -> None:
-        with self._cv:
-            if not self._thread.is_alive():
-                raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
-            if self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
-                t0 = time.perf_counter()
-                while self._inflight and self._inflight + item.nbytes > self.max_inflight_bytes:
-                    self._cv.wait(1.0)
-                self.stats.stall_s += time.perf_counter() - t0
-            self._inflight += item.nbytes
-            self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self._inflight)
-            self._q.append(item)
-            self._cv.notify_all()
+        if not self._worker.submit(item, item.nbytes):
+            raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
 
     def call(self, fn: Callable[[LogWriter], Any], timeout_s: float) -> Any:
         """Run ``fn(writer)`` on the writer thread after everything queued before it."""
         c = _Call(fn)
-        with self._cv:
-            self._q.append(c)
-            self._cv.notify_all()
+        if not self._worker.submit(c):
+            raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
         if not c.done.wait(timeout_s):
             raise TimeoutError(f"message-log writer: {self.pending()} items still queued after {timeout_s:.1f} s")
         if c.error is not None:
@@ -166,7 +157,7 @@ class WriterThread:
 
     def check(self) -> None:
         """Raise the first write error not raised yet."""
-        with self._cv:
+        with self._lock:
             if self._raised < len(self._errors):
                 err = self._errors[self._raised]
                 self._raised = len(self._errors)
@@ -176,72 +167,53 @@ class WriterThread:
 
     @property
     def errors(self) -> list[LogWriteError]:
-        with self._cv:
+        with self._lock:
             return list(self._errors)
 
     def pending(self) -> int:
-        with self._cv:
-            return len(self._q)
+        return self._worker.pending
 
     def inflight_bytes(self) -> int:
-        with self._cv:
-            return self._inflight
+        return self._worker.queued_bytes
 
     def close(self, timeout_s: float = 60.0) -> None:
         atexit.unregister(self._at_exit)
-        if self._thread.is_alive():
+        if self._worker.alive:
             try:
                 self.call(lambda w: None, timeout_s)
             finally:
-                with self._cv:
-                    self._q.append(_STOP)
-                    self._cv.notify_all()
-                self._thread.join(timeout_s)
+                self._worker.stop(timeout_s)
         self.writer.close()
 
     # ------------------------------------------------------------ consumer side
-    def _run(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
+    def _renice(self) -> None:
         if self.nice is not None and hasattr(os, "setpriority"):
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
             except OSError as exc:  # not permitted in some containers: run at normal priority
-                _log.info("message-log writer keeps its priority: %s", exc)
-        while True:
-            with self._cv:
-                while not self._q:
-                    self._cv.wait()
-                item = self._q[0]
-            if item is _STOP:
-                with self._cv:
-                    self._q.popleft()
-                return
-            if isinstance(item, _Call):
-                try:
-                    item.result = item.fn(self.writer)
-                except BaseException as exc:  # handed to the caller, who raises it
-                    item.error = exc
-                with self._cv:
-                    self._q.popleft()
-                item.done.set()
-                continue
-            # One side stream: copies complete in order, so polling the head is enough.
-            while not item.staged.ready():
-                time.sleep(self.POLL_S)
-            self._write(item)
-            with self._cv:
-                self._q.popleft()
-                self._inflight -= item.nbytes
-                self._cv.notify_all()
+                _log.debug("message-log writer keeps its priority: %s", exc)
+
+    def _one(self, item: WriteItem | _Call) -> None:
+        if isinstance(item, _Call):
+            try:
+                item.result = item.fn(self.writer)
+            except BaseException as exc:  # handed to the caller, who raises it
+                item.error = exc
+            item.done.set()
+            return
+        # One side stream: copies complete in order, so polling the head is enough.
+        while not item.staged.ready():
+            time.sleep(self.POLL_S)
+        self._write(item)
 
     def _write(self, item: WriteItem) -> None:
         cpu0 = time.thread_time()
         tensors = item.staged.take()
         try:
             n = self.writer.write(item.meta, tensors)
-            self.stats.records += len(tensors)
-            self.stats.messages += 1
-            self.stats.bytes += n
+            self._stats.records += len(tensors)
+            self._stats.messages += 1
+            self._stats.bytes += n
         except LogWriteError as exc:
             self._fail(exc)
         except OSError as exc:
@@ -250,10 +222,10 @@ class WriterThread:
             self._fail(LogWriteError(errno.EIO, f"message log {self.writer.directory}: {type(exc).__name__}: {exc}"))
         finally:
             item.staged.release(tensors)
-            self.stats.cpu_s += time.thread_time() - cpu0
+            self._stats.cpu_s += time.thread_time() - cpu0
 
     def _fail(self, exc: LogWriteError) -> None:
         _log.error("%s", exc)
-        with self._cv:
+        with self._lock:
             self._errors.append(exc)
-            self.stats.failed_messages += 1
+            self._stats.failed_messages += 1

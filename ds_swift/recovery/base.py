@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ds_swift.logs import say
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 
@@ -42,8 +43,8 @@ __all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "Re
 
 
 def loud(rank: int, msg: str) -> None:
-    """A line every operator must see (a fallback, a lost iteration): on stderr, unbuffered."""
-    print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
+    """A line every operator must see (a fallback, a lost iteration): a warning on ds-swift's channel."""
+    say(msg, rank, level=logging.WARNING, name=__name__)
 
 
 def checkpoint_source(checkpoint_step: int) -> str:

@@ -37,7 +37,6 @@ staging gloo needs anyway.
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
 from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
 from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding
-from ds_swift.threadname import name_os_thread
+from ds_swift.worker import OnError, Worker
 
 __all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
 
@@ -83,34 +82,30 @@ class _Worker:
         self.buddies = buddies
         self.owners = owners
         self.holdings = holdings
-        self.queue: queue.Queue[Any] = queue.Queue()
         self.landed = threading.Event()
         """Every rank's copy of the last round is held (the round's closing barrier passed)."""
         self.landed.set()
-        self.error: BaseException | None = None
         self.rounds = 0
         self.bytes_sent = 0
-        self.thread = threading.Thread(target=self._run, name="ds-swift-buddy", daemon=True)
-        self.thread.start()
+        # A round that fails stops the copier; the training thread turns copying off, loudly, at its
+        # next step (BuddyCopier._turn_off): a copier error must not end a healthy job.
+        self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any]] = Worker(
+            "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set())
+        self.worker.start()
 
-    def _run(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            try:
-                sent = self._round(*item)
-                self.rounds += 1
-                if self.rounds == 2:  # the first round after a step: what every later one costs
-                    self.log(
-                        f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
-                        f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
-                    )
-            except Exception as exc:  # noqa: BLE001 - handed to the training thread at its next step
-                self.error = exc
-                self.landed.set()
-                return
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the copier (handed to the training thread at its next step)."""
+        return self.worker.error
+
+    def _one(self, item: tuple[int, bytes, list[torch.Tensor], Any]) -> None:
+        sent = self._round(*item)
+        self.rounds += 1
+        if self.rounds == 2:  # the first round after a step: what every later one costs
+            self.log(
+                f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
+                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
+            )
 
     def _round(self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None) -> int:
         t = self.channel
@@ -279,7 +274,8 @@ class BuddyCopier:
             ready = torch.cuda.Event()
             ready.record()
         w.landed.clear()
-        w.queue.put((int(engine.global_steps) - 1, manifest, tensors, ready))
+        if not w.worker.submit((int(engine.global_steps) - 1, manifest, tensors, ready)):
+            w.landed.set()  # the copier stopped on an error: the next step's wait reports it
 
     def stop(self, finish_s: float = 0.2) -> bool:
         """Let go of the generation's thread and group, after at most ``finish_s`` for the round in
@@ -290,10 +286,9 @@ class BuddyCopier:
         if w is None:
             return True
         w.stopped = True
-        w.queue.put(None)
-        w.thread.join(timeout=finish_s)
+        ended = w.worker.stop(timeout_s=finish_s)
         w.channel = None
-        return not w.thread.is_alive()
+        return ended
 
 
 def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:

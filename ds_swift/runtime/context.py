@@ -11,8 +11,8 @@ replacement machines; ds-swift says so once).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ds_swift import transport
 from ds_swift.config import SwiftConfig, load_ds_config
 from ds_swift.jobstore.membership import GenerationFailed, JobStore, WorkerEnv
+from ds_swift.logs import say
 
 __all__ = [
     "SwiftContext",
@@ -70,9 +71,9 @@ class SwiftContext:
         return self.env.run_dir if self.env is not None else self.cfg.run_dir
 
     def log(self, msg: str) -> None:
-        """One line on stderr, tagged with this worker's rank (the runtime's logger)."""
+        """One line on ds-swift's channel (ds_swift.logs), tagged with this worker's rank."""
         rank = dist.get_rank() if dist.is_initialized() else (self.env.rank if self.env else -1)
-        print(f"[ds-swift] rank {rank}: {msg}", file=sys.stderr, flush=True)
+        say(msg, rank, name=__name__)
 
 
 # One per process: init_distributed runs before the engine exists, initialize() after it.
@@ -168,12 +169,9 @@ def init_distributed(
                        user_timeout=timeout)  # fmt: skip
     if not WorkerEnv.present():
         if os.environ.get("RANK", "0") == "0":
-            print(
-                "[ds-swift] not started by ds-swift-launch: there is no job store and no replacement machine, "
+            say("not started by ds-swift-launch: there is no job store and no replacement machine, "
                 "so a failure ends the job as with DeepSpeed alone; start it with ds-swift-launch to recover in-process",
-                file=sys.stderr,
-                flush=True,
-            )
+                level=logging.WARNING, name=__name__)  # fmt: skip
         deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         transport.open_generation(op_timeout_s)  # before the engine's groups (see join_generation)
         ctx.t_joined = time.time()

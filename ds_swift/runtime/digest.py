@@ -18,7 +18,6 @@ Before the next step changes the tensors, the digest must have read them:
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.state.digest import engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
-from ds_swift.threadname import name_os_thread
+from ds_swift.worker import Worker
 
 __all__ = ["DigestPublisher"]
 
@@ -50,20 +49,18 @@ class DigestPublisher:
         self.interval = interval
         self._store_factory = store_factory
         self._log = log
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        # A digest that fails is said once and skipped (a missing digest only makes a later check
+        # fall back): the worker records it and goes on.
+        self._worker: Worker[Any] = Worker(f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed)
+        self._store: JobStore | None = None
+        self._iteration = -1  # the digest in hand (the thread's)
         self._queued = threading.Event()
         """On a GPU: the last digest's kernels are queued (``_read`` then says when they are done)."""
         self._queued.set()
         self._read: Any = None
         self._side: Any = None
         self._on_gpu = False
-        self._thread: threading.Thread | None = None
         self._warned = False
-        self.published = 0
-        self.digest_s = 0.0
-        """Time the thread spent computing and storing digests."""
         self.wait_s = 0.0
         """Time the training thread waited for a digest before a step."""
         self.handoff_s = 0.0
@@ -80,6 +77,15 @@ class DigestPublisher:
             return out
 
         return {schedule.OptimizerStep: step}
+
+    @property
+    def published(self) -> int:
+        return self._worker.stats.items
+
+    @property
+    def digest_s(self) -> float:
+        """Time the thread spent computing and storing digests."""
+        return self._worker.stats.busy_s
 
     def after_step(self, engine: Any) -> None:
         """Hand the state after the step just taken (iteration ``global_steps - 1``) to the thread."""
@@ -99,11 +105,8 @@ class DigestPublisher:
             stepped = torch.cuda.Event()
             stepped.record(torch.cuda.current_stream(device))
             self._queued.clear()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"ds-swift-digest-{self.rank}", daemon=True)
-            self._thread.start()
-        self._idle.clear()
-        self._queue.put((iteration, state, device, stepped))
+        if not self._worker.submit((iteration, state, device, stepped)):
+            self._queued.set()  # stopped (the job ended): nothing for the next step to wait for
         self.handoff_s += time.perf_counter() - t0
 
     def before_step(self) -> None:
@@ -111,7 +114,7 @@ class DigestPublisher:
         digest's kernels; on CPU this thread waits for the digest."""
         t0 = time.perf_counter()
         if not self._on_gpu:
-            self._idle.wait()
+            self._worker.wait_idle()
         else:
             self._queued.wait()  # the kernels are queued a few ms after the step
             read = self._read
@@ -123,16 +126,13 @@ class DigestPublisher:
         """Until the last digest is done (before the tensors change: the next step, an undo). False
         if ``timeout_s`` passed first."""
         t0 = time.perf_counter()
-        done = self._idle.wait(timeout_s)
+        done = self._worker.wait_idle(timeout_s)
         self.wait_s += time.perf_counter() - t0
         return done
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """End the thread (the job ends) after the digest in flight, and say what the digests cost."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout_s)
-            self._thread = None
+        self._worker.stop(timeout_s)
         if self.published:
             self._log(
                 f"state digests: {self.published} published, {1e3 * self.digest_s / self.published:.2f} ms each "
@@ -140,29 +140,19 @@ class DigestPublisher:
                 f"handing them over and waited {1e3 * self.wait_s:.1f} ms for them in all"
             )
 
-    def _run(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
-        store: JobStore | None = None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            iteration, state, device, stepped = item
-            t0 = time.perf_counter()
-            try:
-                finish = self._start(state, device, stepped)
-                store = store or self._store_factory()
-                publish_digest(store, self.rank, iteration, self.interval, finish())
-                self.published += 1
-            except Exception as exc:  # noqa: BLE001 - a missing digest only makes a later check fall back
-                if not self._warned:
-                    self._warned = True
-                    self._log(f"state digest of iteration {iteration} not published ({type(exc).__name__}: {exc})")
-            finally:
-                self._queued.set()
-                self.digest_s += time.perf_counter() - t0
-                state = item = None
-                self._idle.set()
+    def _digest(self, item: tuple[int, Any, Any, Any]) -> None:
+        self._iteration, state, device, stepped = item
+        try:
+            finish = self._start(state, device, stepped)
+            self._store = self._store or self._store_factory()
+            publish_digest(self._store, self.rank, self._iteration, self.interval, finish())
+        finally:
+            self._queued.set()
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            self._log(f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})")
 
     def _start(self, state: Any, device: Any, stepped: Any) -> Callable[[], Any]:
         """Queue the digest's device work (on a GPU: on the side stream, after the step's event)."""

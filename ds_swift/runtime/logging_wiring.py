@@ -28,8 +28,8 @@ first iteration serves a replay under the budgeted plan too.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +40,7 @@ from ds_swift import transport
 from ds_swift.config import SwiftConfig
 from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.logs import say
 from ds_swift.recovery.coordinator import LogPlan
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.replay.runner import ReplayRuntime
@@ -115,8 +116,8 @@ class EngineLogging:
             else:
                 if dist.get_rank() == 0:
                     later = "" if self._decided else "; " + self._plan.notes[-1]
-                    print(f"[ds-swift] recovery plan per pipeline stage: {self._plan.stage_strategy} "
-                          f"(strategy {self.cfg.strategy!r}){later}", file=sys.stderr, flush=True)  # fmt: skip
+                    say(f"recovery plan per pipeline stage: {self._plan.stage_strategy} "
+                        f"(strategy {self.cfg.strategy!r}){later}", name=__name__)  # fmt: skip
         if self._plan and not self._decided:
             self._adopt_published()
         return self._plan or None
@@ -311,11 +312,9 @@ class EngineLogging:
         these were recover from the global checkpoint instead of a replay."""
         if self.coverage_lost is None:
             self.coverage_lost = why
-            print(
-                f"[ds-swift] rank {dist.get_rank()}: {why}; message logging of this rank's sends stops, training "
-                "goes on: a failure of the stages receiving them recovers from the global checkpoint",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+            say(f"{why}; message logging of this rank's sends stops, training goes on: a failure of the stages "
+                "receiving them recovers from the global checkpoint", dist.get_rank(), level=logging.WARNING,
+                name=__name__)  # fmt: skip
 
     def flush(self) -> None:
         """Survivor, before its teardown: every logged message to the global store."""

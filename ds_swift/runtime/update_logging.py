@@ -16,18 +16,18 @@ complete global checkpoint are deleted after each checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
-import queue
-import sys
+import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ds_swift.logs import say
 from ds_swift.recovery.state.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
 from ds_swift.storage import open_store
-from ds_swift.threadname import name_os_thread
+from ds_swift.worker import OnError, Worker
 
 __all__ = ["UpdateLogger"]
 
@@ -63,8 +63,13 @@ class UpdateLogger:
         self.storage = storage
         self._undo = undo
         self._log = log
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUED)
-        self._thread: threading.Thread | None = None
+        self._tmp: str | None = None
+        # A write that fails stops update logging on this rank, loudly (_lose), and training goes on.
+        self._worker: Worker[tuple[str, Any]] = Worker(
+            f"ds-swift-updlog-{rank}", self._do, on_error=OnError.OFF, max_items=MAX_QUEUED,
+            on_error_hook=lambda exc: self._lose(f"update log write failed: {type(exc).__name__}: {exc}"),
+            setup=self._make_tmp, teardown=self._remove_tmp,
+        )  # fmt: skip
         self._store: Any = None
         self.lost: str | None = None
         """Why this rank stopped logging updates (None: it logs)."""
@@ -83,7 +88,7 @@ class UpdateLogger:
             # The previous step's record is stored before this step runs: a rank lost from here on
             # has every record up to the consensus (no survivor steps past this iteration without
             # it). The writer had the whole iteration for it, so this rarely waits.
-            if self._thread is not None and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
+            if self._worker.alive and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
                 self._log(f"update log: the previous record was not stored within {STORED_BEFORE_STEP_S:g} s")
             out = call_next(**kw)
             self.after_step(eng)
@@ -104,33 +109,23 @@ class UpdateLogger:
         except UpdateLogError as exc:
             self._lose(f"update of iteration {int(engine.global_steps) - 1} not recordable: {exc}")
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"ds-swift-updlog-{self.rank}", daemon=True)
-            self._thread.start()
-        self._queue.put(("record", record))
+        self._worker.submit(("record", record))
         self.capture_s += time.perf_counter() - t0
 
     def gc_before(self, iteration: int) -> None:
         """A global checkpoint of ``iteration`` iterations is complete: older records go (queued
         behind the records in flight, so none of those is deleted before it is written)."""
-        if self._thread is not None and self.lost is None:
-            self._queue.put(("gc", iteration))
+        if self._worker.alive and self.lost is None:
+            self._worker.submit(("gc", iteration))
 
     def flush(self, timeout_s: float) -> bool:
         """Until every queued record is stored (a survivor before its teardown). False if
         ``timeout_s`` passed first."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
-        self._queue.put(("mark", done))
-        return done.wait(timeout_s)
+        return self._worker.wait_idle(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the thread after the records in flight (the job ends), and say what logging cost."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout_s)
-            self._thread = None
+        self._worker.stop(timeout_s)
         if self.records:
             self._log(
                 f"update log: {self.records} records, {self.bytes / self.records / 1e6:.3f} MB each; the training "
@@ -139,28 +134,19 @@ class UpdateLogger:
             )
 
     # ------------------------------------------------------------------ the background thread
-    def _run(self) -> None:
-        name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
-        tmp = tempfile.mkdtemp(prefix=f"ds-swift-updlog-{self.rank}-")
-        try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                kind, arg = item
-                if kind == "mark":
-                    arg.set()
-                elif self.lost is None:
-                    try:
-                        self._do(kind, arg, tmp)
-                    except Exception as exc:  # noqa: BLE001 - logging serves recovery; never stops training
-                        self._lose(f"update log write failed: {type(exc).__name__}: {exc}")
-        finally:
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+    def _make_tmp(self) -> None:
+        self._tmp = tempfile.mkdtemp(prefix=f"ds-swift-updlog-{self.rank}-")
 
-    def _do(self, kind: str, arg: Any, tmp: str) -> None:
+    def _remove_tmp(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _do(self, item: tuple[str, Any]) -> None:
+        kind, arg = item
+        if self.lost is not None:  # lost on the training thread (a step not recordable)
+            return
+        tmp = self._tmp
+        assert tmp is not None
         t0 = time.perf_counter()
         if self._store is None:
             self._store = open_store(self.storage)
@@ -187,8 +173,5 @@ class UpdateLogger:
     def _lose(self, why: str) -> None:
         if self.lost is None:
             self.lost = why
-            print(
-                f"[ds-swift] rank {self.rank}: {why}; update logging stops on this rank, training goes on: a failure "
-                "of this rank recovers from the global checkpoint",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+            say(f"{why}; update logging stops on this rank, training goes on: a failure of this rank recovers from "
+                "the global checkpoint", self.rank, level=logging.WARNING, name=__name__)  # fmt: skip

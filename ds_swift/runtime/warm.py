@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ds_swift.logs import say
+
 __all__ = ["ASSIGNED_AT_ENV", "WARM_ENV", "WarmTarget", "preload", "read_assignment", "run_assigned", "script_imports"]
 
 #: set (to "1") in the environment of a warm worker from its start
@@ -192,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
         _warm_device(local_rank)
-    print(f"[ds-swift] warm spare worker (local rank {local_rank}, pid {os.getpid()}): {len(loaded)} modules "
-          f"imported in {time.monotonic() - t0:.1f} s; waiting for an assignment", file=sys.stderr, flush=True)
+    say(f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): {len(loaded)} modules "
+        f"imported in {time.monotonic() - t0:.1f} s; waiting for an assignment", name=__name__)
     env = read_assignment(sys.stdin.buffer)
     if env is None:
         return 0  # the agent closed the pipe: the pool is being shut down

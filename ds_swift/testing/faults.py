@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from ds_swift.logs import say
 
 if TYPE_CHECKING:
     from ds_swift.jobstore.membership import WorkerEnv
@@ -233,5 +234,5 @@ class Injector:
             self.fired_specs.append(spec)
             who = f"rank {self.rank}" if self.rank is not None else f"pid {os.getpid()}"
             together = f", machines {'+'.join(map(str, spec.machines))} at once" if spec.group else ""
-            print(f"[ds-swift inject] {who}: firing #{i} ({spec}{together}): SIGKILL", file=sys.stderr, flush=True)
+            say(f"{who}: firing #{i} ({spec}{together}): SIGKILL", name=__name__, prefix="ds-swift inject")
             self._kill()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.state.transfer import flatten, recv_state, send_state, unflatten
+from ds_swift.recovery.state.transfer import flatten, hand_over, recv_state, send_state, unflatten
 
 
 class Wire:
@@ -148,3 +148,44 @@ def test_a_step_that_failed_before_touching_parameters_does_not_count() -> None:
     kept = KeptState.capture(engine, handle)
     assert kept.last_stepped == 7
     assert not kept.can_undo  # the record left describes the empty step, not iteration 7's
+
+
+@pytest.mark.parametrize("posted", [False, True])
+def test_hand_over_sends_to_each_recipient_then_receives_from_the_donor(
+    monkeypatch: pytest.MonkeyPatch, posted: bool
+) -> None:
+    """One rank's part of a transfer, on an in-process wire: its sends first (each recipient's own
+    state, in order, through the transport), then its receive; a posted send is waited for last."""
+    from ds_swift import transport
+
+    wire, order, waited = Wire(), [], []
+
+    class Work:
+        def wait(self) -> None:
+            waited.append(len(order))
+
+    def send(t: torch.Tensor, dst: int, group: Any = None) -> None:
+        order.append(("send", dst))
+        wire.send(t, dst, group)
+
+    def isend(t: torch.Tensor, dst: int, group: Any = None) -> Work:
+        send(t, dst, group)
+        return Work()
+
+    def recv(t: torch.Tensor, src: int, group: Any = None) -> None:
+        order.append(("recv", src))
+        wire.recv(t, src, group)
+
+    monkeypatch.setattr(transport, "send", send)
+    monkeypatch.setattr(transport, "isend", isend)
+    monkeypatch.setattr(transport, "recv", recv)
+    states = {5: {"w": torch.arange(3.0)}, 6: {"w": torch.arange(4.0)}}
+    said: list[tuple[int, int]] = []
+    # The wire is one FIFO: what this rank sent to 5 and 6 comes back as if from a donor, 5's first.
+    got, sent = hand_over([5, 6], states.__getitem__, 9, posted=posted, on_sent=lambda d, n: said.append((d, n)))
+    assert torch.equal(got["w"], states[5]["w"])
+    assert sent == sum(n for _, n in said) and [d for d, _ in said] == [5, 6]
+    assert [o for o in order if o[0] == "send"][0] == ("send", 5) and order[-1] == ("recv", 9)
+    assert waited == ([len(order)] * len(waited) if posted else []) and (waited != []) == posted
+    none, _ = hand_over([], states.__getitem__, None)
+    assert none is None

@@ -89,3 +89,11 @@ def test_ds_swift_plan_shows_the_choice(micro_batches: int, expected: str) -> No
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["stage_logging"]
     assert {r["stage"]: r["choice"] for r in rows}[1] == expected
+
+
+def test_the_command_line_loads_no_deepspeed_before_a_sub_command_runs() -> None:
+    """DeepSpeed prints its accelerator line on stdout when imported: `ds-swift plan --json` (and
+    any shell reading a sub-command's stdout) must not get it, and `--help` stays fast."""
+    code = "import sys, ds_swift.cli as c; c.build_parser(); print(sorted(m for m in ('deepspeed', 'megatron') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]

@@ -57,9 +57,10 @@ def stub_transport(monkeypatch: pytest.MonkeyPatch, module: Any, arrived: Any) -
     def load(eng: Any, state: Any, iteration: int) -> None:
         eng.module.load_state_dict(arrived.module.state_dict())
 
-    for name in ("recv_state", "capture_state", "partition_state"):
+    for name in ("capture_state", "partition_state"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, lambda *a, **k: {})
+    monkeypatch.setattr(module, "hand_over", lambda recipients, state_for, donor, **k: ({}, 0))
     for name in ("load_state", "load_received"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, load)

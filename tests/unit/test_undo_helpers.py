@@ -97,7 +97,7 @@ def tolerance(case: Case, kind: str) -> float:
 
     A buffer undone as b0 = (b1 - c*g')/beta carries b1's rounding (and that of g', which
     depends on the recovered x0) times 1/beta: for beta < 0.8 (SGD/RMSprop momentum 0.5, Adam
-    beta1 0.5) the bound is 0.5 + 2.5/beta ulp. torch's foreach SGD with nesterov (no weight
+    beta1 or beta2 0.5) the bound is 0.5 + 2.5/beta ulp. torch's foreach SGD with nesterov (no weight
     decay, no maximize) adds mu*b into .grad in place, so g_t is recovered from the rounded
     sum: the same bound applies to its momentum buffer for every mu.
     """
@@ -114,6 +114,8 @@ def tolerance(case: Case, kind: str) -> float:
         decay = float(k["momentum"])
     elif kind == "exp_avg" and "betas" in k:
         decay = float(k["betas"][0])
+    elif kind == "exp_avg_sq" and "betas" in k:  # the same inverse, by beta2 (hypothesis found 2.9 ulp at 0.5)
+        decay = float(k["betas"][1])
     if decay is not None and (decay < 0.8 or (mutated and kind == "momentum_buffer")):
         return 0.5 + 2.5 / decay
     return 2.0

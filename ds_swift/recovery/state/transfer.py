@@ -34,6 +34,7 @@ __all__ = [
     "flat_sizes",
     "flat_views",
     "flatten",
+    "hand_over",
     "load_received",
     "load_state",
     "recv_state",
@@ -175,6 +176,48 @@ def recv_state(src: int, group: Any = None, recv: Callable[..., Any] | None = No
         flats[dtype] = torch.empty(n, dtype=dtype)
         recv(flats[dtype], src, group=group)
     return decode(manifest, flats)
+
+
+def hand_over(
+    recipients: Iterable[int],
+    state_for: Callable[[int], Any],
+    donor: int | None,
+    *,
+    posted: bool = False,
+    on_sent: Callable[[int, int], None] | None = None,
+) -> tuple[Any, int]:
+    """This rank's part of a state transfer: send ``state_for(dst)`` to each of ``recipients`` (in
+    their order), then receive this rank's own state from ``donor``. Every byte goes through
+    ds-swift's transport (:func:`send_state`, :func:`recv_state`).
+
+    Args:
+        recipients: the ranks this rank sends to (the plan's ``recipients_of(rank)``).
+        state_for: the state to send to one of them (captured just before its send).
+        donor: the rank this rank receives its state from (``donor_of(rank)``); None: none.
+        posted: post every send (``isend``) first and wait for them last, after the receive: a rank
+            holding several copies then serves its receivers in any order, and a rank that both
+            sends and receives never waits for a peer that waits for it. Else each send completes
+            before the next one starts (one flat copy of the state in flight at a time).
+        on_sent: ``on_sent(dst, nbytes)`` after each send is handed over (the strategy's log line).
+
+    Returns:
+        The state received (None without a donor) and the payload bytes sent.
+    """
+    posting: list[tuple[Any, torch.Tensor]] = []
+
+    def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
+        posting.append((transport.isend(t, dst, group=group), t))  # t stays alive until its wait
+
+    sent = 0
+    for dst in recipients:
+        n = send_state(state_for(dst), dst, send=isend if posted else None)
+        sent += n
+        if on_sent is not None:
+            on_sent(dst, n)
+    received = recv_state(donor) if donor is not None else None
+    for work, _ in posting:
+        work.wait()
+    return received, sent
 
 
 def capture_state(engine: Any, optimizer: bool = True) -> dict[str, Any]:

@@ -27,15 +27,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ds_swift import transport
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies  # re-exported
 from ds_swift.recovery.state.digest import partition_state
-from ds_swift.recovery.strategies.replication import finish_restore, load_received, recv_state, send_state
+from ds_swift.recovery.state.transfer import finish_restore, hand_over, load_received
 from ds_swift.recovery.verify import check_copy, check_received, publish_reference
 
 __all__ = ["BuddyError", "BuddyStrategy", "BuddyTarget", "Member", "assign_buddies", "buddy_target", "copy_holders"]
@@ -137,29 +134,25 @@ class BuddyStrategy(RecoveryStrategy):
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         holdings = ctx.kept.buddy if ctx.kept is not None else None
-        # The sends are posted first and waited for last: a rank holding several copies serves its
-        # receivers in any order.
-        sending: list[tuple[Any, torch.Tensor]] = []
 
-        def isend(t: torch.Tensor, dst: int, group: Any = None) -> None:
-            sending.append((transport.isend(t, dst, group=group), t))
-
-        for owner in plan.recipients_of(ctx.rank):
+        def copy_of(owner: int) -> Any:
             if holdings is None:
                 raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {owner}'s buddy copy but holds none")
             copy = holdings.state_of(owner, plan.consensus)
             if ctx.verify:
                 publish_reference(ctx, owner, copy)
-            sent = send_state(copy, owner, send=isend)
-            outcome.bytes_moved += sent
+            return copy
+
+        def said(owner: int, sent: int) -> None:
             ctx.log(f"sending the buddy copy of rank {owner} (iteration {plan.consensus}, {sent / 1e6:.2f} MB)")
+
+        # The sends are posted first and waited for last: a rank holding several copies serves its
+        # receivers in any order.
         holder = plan.donor_of(ctx.rank)
+        state, outcome.bytes_moved = hand_over(plan.recipients_of(ctx.rank), copy_of, holder, posted=True, on_sent=said)
         if holder is not None:
-            state = recv_state(holder)
             load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")
-        for work, _ in sending:
-            work.wait()
         finish_restore(ctx.engine)  # every rank: the low-precision parameters from the masters
         if holder is not None and ctx.verify:
             transported = check_received(ctx, holder, partition_state(ctx.engine), "my optimizer partition")

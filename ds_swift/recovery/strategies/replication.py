@@ -22,6 +22,8 @@ A few large sends instead of hundreds of small ones.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
@@ -34,6 +36,7 @@ from ds_swift.recovery.state.transfer import (  # re-exported: older imports nam
     finish_restore,
     flat_sizes,
     flatten,
+    hand_over,
     load_received,
     load_state,
     recv_state,
@@ -118,16 +121,20 @@ class ReplicationStrategy(RecoveryStrategy):
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
-        for dst in plan.recipients_of(ctx.rank):
+
+        def state_for(dst: int) -> Any:
             state = capture_state(ctx.engine)
             if ctx.verify:
                 publish_reference(ctx, dst, state)
-            sent = send_state(state, dst)
-            outcome.bytes_moved += sent
+            return state
+
+        def said(dst: int, sent: int) -> None:
             ctx.log(f"sent state of iteration {plan.consensus} to replacement rank {dst} ({sent / 1e6:.2f} MB)")
+
         donor = plan.donor_of(ctx.rank)
+        received, outcome.bytes_moved = hand_over(plan.recipients_of(ctx.rank), state_for, donor, on_sent=said)
         if donor is not None:
-            load_state(ctx.engine, recv_state(donor), plan.consensus + 1)
+            load_state(ctx.engine, received, plan.consensus + 1)
             ctx.log(f"received state of iteration {plan.consensus} from donor rank {donor}")
         finish_restore(ctx.engine)
         if donor is not None and ctx.verify:

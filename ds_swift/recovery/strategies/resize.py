@@ -5,11 +5,12 @@ no process group). Protocol and strategy: :mod:`ds_swift.recovery.strategies.ela
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ds_swift.logs import say
 from ds_swift.patches.deepspeed_engine import pipe_topology
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 
@@ -159,7 +160,7 @@ def plan_resize(kind: str, machine: int, old_layout: Sequence[int], new_layout: 
                            old_coords=coords, gas=gas, micro=micro, policy=policy.global_batch,
                            min_dp=policy.min_data_parallel, partitioned=partitioned)  # fmt: skip
     except ResizeRefused as exc:
-        print(f"[ds-swift] rank {rank}: ELASTIC {kind.upper()} REFUSED: {exc}", file=sys.stderr, flush=True)
+        say(f"ELASTIC {kind.upper()} REFUSED: {exc}", rank, level=logging.WARNING, name=__name__)
         raise
 
 

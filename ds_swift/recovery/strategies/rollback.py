@@ -33,10 +33,9 @@ from ds_swift.recovery.simulated import SimulatedFailure, copy_state
 from ds_swift.recovery.state.transfer import (
     capture_state,
     finish_restore,
+    hand_over,
     load_received,
     load_state,
-    recv_state,
-    send_state,
     set_counters,
 )
 from ds_swift.recovery.strategies.buddy import copy_holders
@@ -126,14 +125,12 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         ctx.keep_state(plan)
         sources, _ = rollback_sources(inputs)
         partitioned = inputs.partitioned or inputs.zero_stage > 0
-        for lost in plan.recipients_of(ctx.rank):
-            state = self._source_state(ctx, lost, sources[lost][1], partitioned)
-            sent = send_state(state, lost)
-            outcome.bytes_moved += sent
-            ctx.log(f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)")
         donor = plan.donor_of(ctx.rank)
+        state, outcome.bytes_moved = hand_over(
+            plan.recipients_of(ctx.rank), lambda lost: self._source_state(ctx, lost, sources[lost][1], partitioned),
+            donor, on_sent=lambda lost, sent: ctx.log(
+                f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)"))
         if donor is not None:
-            state = recv_state(donor)
             load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"immediate rollback: took rank {donor}'s state of iteration {sources[ctx.rank][1]}")
         finish_restore(ctx.engine)

@@ -253,7 +253,7 @@ def _patch_logging_recovery(rank: int) -> None:
 
 
 def _patch_state_transfer(rank: int) -> None:
-    import ds_swift.recovery.strategies.buddy as buddy
+    import ds_swift.recovery.state.transfer as buddy  # hand_over, which every strategy's transfer goes through
     from ds_swift import transport
 
     def dying(op: Any, what: str) -> Any:
