@@ -255,8 +255,7 @@ def _print_buddy(cost: BuddyCost) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # With --json, stdout carries the JSON object alone: what a library prints on import (DeepSpeed's
-    # accelerator line, once a strategy's services load it) goes to stderr.
+    # With --json, stdout carries the JSON alone (a library's import-time print goes to stderr).
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         plan = build_plan(args)
         js = plan.to_json()
@@ -267,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         rec = _recommend(args, js) if args.recommend else None
     if args.json:
-        js["buddy"] = buddy.to_json()
-        js["stage_logging"] = [r.to_json() for r in choices]
+        js |= {"buddy": buddy.to_json(), "stage_logging": [r.to_json() for r in choices]}
         if rec is not None:
             js["recommendation"] = rec
         print(json.dumps(js, indent=2))
