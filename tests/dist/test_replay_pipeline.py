@@ -135,7 +135,7 @@ def replay_phase(out: Path, rank: int) -> None:
         relog = install_message_logging(engine, MachineBoundaryPlan(GPUS_PER_NODE), cfg, native=False)
 
         # 1. a corrupt record: rank 2 fails loudly, then wakes rank 3 the way the runtime does.
-        def aborted() -> None:
+        def aborted(received: Any = None) -> None:
             if store.check(["replay/abort"]):
                 raise RuntimeError("replay aborted by a peer")
 

@@ -384,7 +384,7 @@ def main() -> None:
     if deaf and deaf["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         from ds_swift.detect.monitor import FailureMonitor
 
-        FailureMonitor.check_after_receive = lambda self: None  # type: ignore[method-assign]
+        FailureMonitor.check_after_receive = lambda self, received=None: None  # type: ignore[method-assign]
     _patch_logging_recovery(rank)
     _patch_state_transfer(rank)
     _patch_log_write(rank)
