@@ -47,6 +47,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from ds_swift.bench.demo_report import iterations_lost, read_loss_log
 from ds_swift.bench.jobs import BenchError, Runner, failed_rows, infeasible_strategies, run_strategies
 from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
 from ds_swift.bench.profile import bench_profile, profile_row
+from ds_swift.bench.table import fmt_mb, fmt_value, format_table, plot_loss_vs_time
 from ds_swift.config import strategy_names
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.faults import PHASES
@@ -192,67 +194,6 @@ def _replay_sum(timelines: list[dict[str, Any]], key: str) -> float | None:
     return sum(v for v in values if v is not None) if any(v is not None for v in values) else None
 
 
-def _f(value: float | None, fmt: str, none: str = "-") -> str:
-    return none if value is None else format(value, fmt)
-
-
-def format_table(rows: list[dict[str, Any]]) -> list[str]:
-    name_w = max([12, *(len(r["strategy"]) for r in rows)])
-    how = {id(r): ",".join(r["recovered_by"]) or "no recovery" for r in rows}
-    how_w = max([14, *(len(h) for h in how.values())])
-    head = (f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
-            f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
-            f"{'buddy':>7s} {'recomputed':>10s}")  # fmt: skip
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        exact = "bitwise" if r["bitwise"] else (
-            f"{r['param_distance']:.1e} rel" if r["param_distance"] is not None else f"{r['max_ulp']:.0f} ulp")
-        lines.append(
-            f"{r['strategy']:{name_w}s} {how[id(r)]:{how_w}s} "
-            f"{_f(r['throughput_ratio'], '.3f'):>10s} {_f(r['total_s'], '.2f'):>6s}s "
-            f"{_f(r['initialization_s'], '.2f'):>5s}s {_f(r['recovery_s'], '.2f'):>5s}s {r['iterations_lost']:4d} "
-            f"{_f(r['final_loss_delta'], '+.2e'):>10s} {exact:>10s} {_mb(r['bytes_per_iteration']):>9s} "
-            f"{_mb(r['max_rss_bytes']):>9s} {_mb(r['buddy_host_bytes']):>7s} {_passes(r):>10s}"
-        )
-    return lines
-
-
-def _passes(r: dict[str, Any]) -> str:
-    """micro-batch passes recomputed: all replayers / the busiest one's (the critical path)."""
-    total, busiest = r.get("recomputed_passes"), r.get("recomputed_passes_busiest")
-    return "-" if total is None else f"{total:.0f}/{busiest:.0f}"
-
-
-def _mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f}MB"
-
-
-def plot_loss_vs_time(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ref = loss_series(reference)
-    ax.plot([t for t, _, _ in ref], [v for _, _, v in ref], color="#bbbbbb", linewidth=5, label="no failure (none)")
-    for name, (_, failed) in runs.items():
-        series = loss_series(failed)
-        ax.plot([t for t, _, _ in series], [v for _, _, v in series], marker="o", markersize=3, linewidth=1.4,
-                label=f"{name}, machine killed")
-    ax.set_xlabel("wall-clock seconds since iteration 0")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-# ---------------------------------------------------------------------------- the sub-command
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -296,16 +237,7 @@ def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
     """The sub-command; ``runner`` runs one job (``ds_swift.testing.jobs.run_job``; a fake in the tests)."""
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
     try:
-        names = _check(args)
-        repo = find_repo()
-        setup = BenchSetup(
-            repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
-            args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
-        )  # fmt: skip
-        # Every strategy's requirements before any job runs (not a failure after the others trained).
-        refused = infeasible_strategies(setup, names)
-        if refused:
-            raise BenchError("; ".join(f"{name} cannot run: {why}" for name, why in refused.items()))
+        names, setup = _setup(args)
     except (BenchError, DemoError) as exc:
         print(f"ds-swift bench: error: {exc}", file=sys.stderr)
         return 2
@@ -313,6 +245,51 @@ def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     build_deepspeed_shm_op(out / "warm-up")
+    job = _job_runner(args, setup, runner, out, say)
+    try:
+        reference = job(REFERENCE, False)
+    except BenchError as exc:
+        print(f"ds-swift bench: failed: the reference job, nothing to compare with: {exc}", file=sys.stderr)
+        return 1
+    runs, failed = run_strategies(names, job)  # a strategy that fails costs its own row only
+    for name, why in failed.items():
+        print(f"ds-swift bench: {name} failed: {why}", file=sys.stderr)
+    if not runs:
+        for line in failed_rows(failed):
+            say(line)
+        return 1
+    rows = bench_rows(reference, runs)
+    title = f"{setup.config.name}: machine {args.machine} killed at iteration {args.kill_iteration}"
+    png = plot_loss_vs_time(reference, runs, out / "loss_vs_time.png", title)
+    result = _result(args, setup, reference, runs, rows, failed)
+    result |= {"plot": str(png), "seconds": time.monotonic() - t0}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    _say_result(say, result, rows, failed)
+    say(f"bench.json and {png.name} in {out} ({result['seconds']:.0f} s)")
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 1 if failed else 0
+
+
+def _setup(args: argparse.Namespace) -> tuple[list[str], BenchSetup]:
+    """The strategies to run and the job they share; BenchError where any cannot run (said before
+    any job runs, not as a failure after the others trained)."""
+    names = _check(args)
+    repo = find_repo()
+    setup = BenchSetup(
+        repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
+        args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
+    )  # fmt: skip
+    refused = infeasible_strategies(setup, names)
+    if refused:
+        raise BenchError("; ".join(f"{name} cannot run: {why}" for name, why in refused.items()))
+    return names, setup
+
+
+def _job_runner(
+    args: argparse.Namespace, setup: BenchSetup, runner: Runner, out: Path, say: Callable[[str], None]
+) -> Callable[[str, bool], JobRun]:
+    """``job(name, failure)``: one job of the bench, run to its end; BenchError unless it exits 0."""
 
     def job(name: str, failure: bool) -> JobRun:
         where = out / f"{name}-{'failure' if failure else 'clean'}"
@@ -330,22 +307,15 @@ def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
         say(f"[bench] {name}: exit 0 after {done.seconds:.1f} s")
         return done
 
-    try:
-        reference = job(REFERENCE, False)
-    except BenchError as exc:
-        print(f"ds-swift bench: failed: the reference job, nothing to compare with: {exc}", file=sys.stderr)
-        return 1
-    runs, failed = run_strategies(names, job)  # a strategy that fails costs its own row only
-    for name, why in failed.items():
-        print(f"ds-swift bench: {name} failed: {why}", file=sys.stderr)
-    if not runs:
-        for line in failed_rows(failed):
-            say(line)
-        return 1
-    rows = bench_rows(reference, runs)
-    title = f"{setup.config.name}: machine {args.machine} killed at iteration {args.kill_iteration}"
-    png = plot_loss_vs_time(reference, runs, out / "loss_vs_time.png", title)
-    result = {
+    return job
+
+
+def _result(
+    args: argparse.Namespace, setup: BenchSetup, reference: JobRun, runs: Any, rows: list[dict[str, Any]],
+    failed: dict[str, str],
+) -> dict[str, Any]:  # fmt: skip
+    """bench.json's content (the plot and the total time are added by the caller)."""
+    return {
         **bench_profile(reference, runs, rows, args.checkpoint_interval),
         "details": rows,
         "reference": {"step_s": step_seconds(reference), "final_loss": final_loss(reference), "run": str(reference.dir),
@@ -354,14 +324,16 @@ def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
                    "machine": args.machine, "phase": args.phase, "checkpoint_interval": args.checkpoint_interval,
                    "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
         "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-        "plot": str(png),
         "failed": failed,
-        "seconds": time.monotonic() - t0,
     }  # fmt: skip
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
+
+
+def _say_result(say: Callable[[str], None], result: dict[str, Any], rows: list[dict[str, Any]],
+                failed: dict[str, str]) -> None:  # fmt: skip
+    """The table and one line per thing a reader must not miss (no recovery, a differing run, a shrink)."""
     ref = result["reference"]
-    say(f"reference ({REFERENCE}: ds-swift off, no failure): {_f(ref['step_s'], '.3f')} s per iteration, final loss "
-        f"{_f(ref['final_loss'], '.4f')}, peak rss/rank {_mb(ref['max_rss_bytes'])}")
+    say(f"reference ({REFERENCE}: ds-swift off, no failure): {fmt_value(ref['step_s'], '.3f')} s per iteration, final loss "
+        f"{fmt_value(ref['final_loss'], '.4f')}, peak rss/rank {fmt_mb(ref['max_rss_bytes'])}")
     for line in format_table(rows) + failed_rows(failed):
         say(line)
     for r in rows:
@@ -376,7 +348,3 @@ def run(args: argparse.Namespace, runner: Runner = run_job) -> int:
             say(f"{r['strategy']}: after the elastic shrink the job ran at {shrunk:.3f} of its speed before"
                 + (" (faster: its ranks shared fewer cores; the profile row caps it at 0.999, measure it on the real "
                    "machines)" if shrunk >= 1 else ""))
-    say(f"bench.json and {png.name} in {out} ({result['seconds']:.0f} s)")
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    return 1 if failed else 0

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_swift.sim.model import Workload
+from ds_swift.sim.specs import Workload
 
-__all__ = ["InflightCost", "inflight_cost", "partial_saving_s"]
+__all__ = ["InflightCost", "inflight_cost", "partial_saving_s", "passes_share"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class InflightCost:
     """Micro-batch passes (one forward and one backward of one stage) run again, all ranks."""
     passes_busiest: int
     """Of those, the busiest rank's."""
+
+
+def passes_share(workload: Workload) -> float:
+    """A lost stage's passes of one iteration, without the pipeline's fill and drain, as a share of
+    the iteration: ``M / (M + p - 1)`` of a 1F1B schedule's slots."""
+    return workload.micro_batches / (workload.micro_batches + workload.pipeline_stages - 1)
 
 
 def inflight_cost(
@@ -53,10 +59,10 @@ def inflight_cost(
         raise ValueError(f"inflight_cost: need 0 < lost_ranks ({lost_ranks}) <= ranks ({ranks})")
     if transfer_s < 0:
         raise ValueError(f"inflight_cost: transfer_s={transfer_s} must be >= 0")
-    m, p, t = workload.micro_batches, workload.pipeline_stages, workload.iteration_time_s
+    m, t = workload.micro_batches, workload.iteration_time_s
     if not partial:
         return InflightCost(t, m * ranks, m)
-    return InflightCost(t * m / (m + p - 1) + transfer_s, m * lost_ranks, m)
+    return InflightCost(t * passes_share(workload) + transfer_s, m * lost_ranks, m)
 
 
 def partial_saving_s(workload: Workload, transfer_s: float = 0.0) -> float:

@@ -8,7 +8,9 @@ the failure costs:
 
 - ``fixed_s``: per-failure constant (``restart_s`` + whatever the strategy restores with:
   ``load_s``, ``undo_s``, ``broadcast_s``, ``logging.upload_s``);
-- the in-flight iteration is always redone at full speed by everyone (survivors undo it);
+- the in-flight iteration is redone at full speed by everyone (survivors undo it), as far as it got,
+  except where PipeChurn's partial recomputation applies (``partial_recompute_window``:
+  :func:`inflight_redo_s`);
 - the completed iterations since the last restore point are replayed at the strategy's pace:
   the full iteration time for ``checkpoint`` and ``snapshot`` (everyone rolls back), nothing
   for ``replication`` (a replica holds them), and the failed machine group's share for
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds_swift.sim.inflight import passes_share
 from ds_swift.sim.specs import COMMON_FIELDS, KIND_FIELDS, LoggingSpec, RecoveryKind, StrategySpec, Workload, spec_error
 
 # The specs live in ds_swift.sim.specs; they stay importable from here, as do KIND_FIELDS and COMMON_FIELDS.
@@ -48,6 +51,8 @@ __all__ = [
     "LoggingSpec",
     "RecoveryPath",
     "StrategySpec",
+    "expected_inflight_redo_s",
+    "inflight_redo_s",
     "Workload",
     "expected_failure_cost_s",
     "expected_replay_iterations",
@@ -187,6 +192,32 @@ def expected_replay_iterations(total_iterations: int, intervals: tuple[int, ...]
     return float(np.sum(lengths * (lengths - 1.0)) / 2.0 / total_iterations)
 
 
+def inflight_redo_s(workload: Workload, strategy: StrategySpec, fraction: np.ndarray) -> np.ndarray:
+    """Seconds to get the in-flight iteration done again after a failure ``fraction`` of the way
+    through it: ``t * fraction``; with PipeChurn's partial recomputation, a failure in the last
+    ``partial_recompute_window`` of the iteration (after every pass) costs at most the lost ranks'
+    passes without the pipeline's fill and drain, ``t * M / (M + p - 1)`` (ds_swift.sim.inflight)."""
+    t = workload.iteration_time_s * (1.0 + strategy.iteration_overhead)
+    lost = t * np.asarray(fraction, dtype=np.float64)
+    window = strategy.partial_recompute_window
+    if window is None:
+        return lost
+    passes = t * passes_share(workload)
+    return np.where(lost >= t * (1.0 - window), np.minimum(lost, passes), lost)
+
+
+def expected_inflight_redo_s(workload: Workload, strategy: StrategySpec) -> float:
+    """E[:func:`inflight_redo_s`] for a failure at a uniform point of the iteration (closed form)."""
+    t = workload.iteration_time_s * (1.0 + strategy.iteration_overhead)
+    window = strategy.partial_recompute_window
+    if window is None:
+        return 0.5 * t
+    e = 1.0 - window  # the window starts here; the redo is min(x, r) past it
+    r = passes_share(workload)
+    tail = 0.5 * (1.0 - e * e) if r >= 1.0 else (r * window if r <= e else 0.5 * (r * r - e * e) + r * (1.0 - r))
+    return t * (0.5 * e * e + tail)
+
+
 def expected_failure_cost_s(workload: Workload, strategy: StrategySpec) -> float:
     """Expected cost of one failure at a uniformly random position and machine."""
     t = workload.iteration_time_s * (1.0 + strategy.iteration_overhead)
@@ -197,7 +228,7 @@ def expected_failure_cost_s(workload: Workload, strategy: StrategySpec) -> float
         replay = pace * expected_replay_iterations(workload.total_iterations, restore_intervals(strategy))
     if strategy.kind == "elastic":
         replay += _expected_shrunk_cost_s(workload, strategy, workload.total_iterations * t)
-    return strategy.fixed_s + 0.5 * t + replay
+    return strategy.fixed_s + expected_inflight_redo_s(workload, strategy) + replay
 
 
 def _expected_shrunk_cost_s(workload: Workload, strategy: StrategySpec, total_s: float) -> float:
@@ -236,7 +267,7 @@ def failure_costs_s(
         index = np.minimum(np.searchsorted(edges, np.asarray(machine_u, dtype=np.float64), side="right"),
                            len(paths) - 1)
         pace = np.array([p.replay_s_per_iteration for p in paths])[index]
-    cost = strategy.fixed_s + t * inflight + pace * (done - restore)
+    cost = strategy.fixed_s + inflight_redo_s(workload, strategy, inflight) + pace * (done - restore)
     if strategy.kind == "elastic":
         cost = cost + _shrunk_cost_s(workload, strategy, (n - x) * t)
     return cost

@@ -170,7 +170,8 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "logging": frozenset({"load_s", "undo_s", "logging"}),
     "elastic": frozenset({"undo_s", "broadcast_s", "repair_s", "grow_s", "shrunk_throughput"}),
 }
-COMMON_FIELDS = frozenset({"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead"})
+COMMON_FIELDS = frozenset({"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead",
+                           "partial_recompute_window"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,12 @@ class StrategySpec:
     """``elastic`` only: throughput while shrunk, as a fraction of the full job's; ``None``:
     ``(machines - 1) / machines``."""
 
+    partial_recompute_window: float | None = None
+    """PipeChurn's partial recomputation (ds_swift.sim.inflight): the share of an iteration after its
+    last backward pass (gradient reductions and the step). A failure there finds every survivor's
+    passes done, so only the lost ranks' passes run again, without the pipeline's fill and drain:
+    ``M / (M + p - 1)`` of an iteration. ``None``: the in-flight iteration is redone as far as it got."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise spec_error("name", self.name, "a non-empty string")
@@ -257,6 +264,10 @@ class StrategySpec:
                 raise spec_error("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
         elif self.repair_s is not None or self.grow_s or self.shrunk_throughput is not None:
             raise ConfigError(f"repair_s/grow_s/shrunk_throughput are only read by kind elastic, not {self.kind}")
+        _check_number("partial_recompute_window", self.partial_recompute_window, allow_none=True)
+        if self.partial_recompute_window is not None and self.partial_recompute_window >= 1:
+            raise spec_error("partial_recompute_window", self.partial_recompute_window,
+                             "a fraction in [0, 1) of an iteration (its reductions and step)")  # fmt: skip
 
     @property
     def fixed_s(self) -> float:
