@@ -13,7 +13,7 @@ and 5 % on the tiny CPU GPT.
     python benchmarks/gpu_overhead.py
     # the CPU acceptance: the tiny GPT, 4 ranks (pp 2 x dp 2), bf16 + ZeRO-1, torch's AdamW
     python benchmarks/gpu_overhead.py --tiny --nproc 4 --pp 2 --rounds 3 --iterations 30 --warmup 5
-    # a quick run of the same code on CPU (tests/unit/test_gpu_overhead.py)
+    # a quick run of the same code on CPU
     python benchmarks/gpu_overhead.py --tiny --rounds 1 --iterations 6 --warmup 2
 
 Each rank prints its protections' costs at start-up (``protection costs``); the last "on" job's
@@ -68,6 +68,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "-undo": ({"enabled": True}, "undo"),
     "-determinism": ({"enabled": True}, "determinism"),
     "-rng": ({"enabled": True}, "rng"),
+    "-priority": ({"enabled": True}, "priority"),
     "ckpt@10": ({"enabled": True, "checkpoint": {"interval": 10}}, ""),
 }
 #: the interval of the ckpt@10 variant

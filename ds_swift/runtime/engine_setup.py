@@ -92,6 +92,9 @@ def write_usage(ctx: SwiftContext, engine: Any, logs: EngineLogging, rebuild: Re
             "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
             "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
             "buddy_off": buddy.off if buddy is not None else None,  # a copier error stopped the copies
+            # what the training thread waited for: the last buddy round to land, a digest still running
+            "buddy_wait_s": buddy.wait_s if buddy is not None else 0.0,
+            "digest_wait_s": rebuild.digests.wait_s if rebuild.digests is not None else 0.0,
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         out = Path(ctx.run_dir) / "usage"

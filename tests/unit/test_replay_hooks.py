@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,3 +220,19 @@ def test_guard_async_collective_returns_a_completed_work(one_rank_group: Any) ->
         t = torch.tensor([1.0])
         work = dist.broadcast(t, src=0, async_op=True)
         assert work.wait() and work.is_completed() and t.tolist() == [9.0]
+
+
+def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(one_rank_group: Any) -> None:
+    # The record is a copy taken after the collective (a later in-place change of the tensor does not
+    # reach it), made where the tensor lives (no host copy in the step: tests/gpu checks no sync).
+    rec = CollectiveRecorder()
+    make = rec._step_wrapper(SimpleNamespace(global_steps=5))
+    t = torch.tensor([2.0, 3.0])
+    call = make("all_reduce", dist.all_reduce, inspect.signature(dist.all_reduce))
+    call(t)
+    t.add_(1.0)
+    assert list(rec.records) == [(5, 0)]
+    got = rec.records[(5, 0)]
+    assert got.name == "all_reduce" and got.ranks == (0,) and got.tensor.tolist() == [2.0, 3.0]
+    assert got.tensor.device == t.device and got.tensor.data_ptr() != t.data_ptr()
+    assert CollectiveRecorder.from_bytes(rec.to_bytes()).records[(5, 0)].tensor.tolist() == [2.0, 3.0]

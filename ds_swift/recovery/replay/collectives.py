@@ -82,8 +82,11 @@ class CollectiveRecorder:
                 if name in SUBSTITUTABLE:
                     bound, ranks = call_ranks(sig, args, k)
                     if bound.arguments.get("async_op") and out is not None:
-                        out.wait()
-                    result = bound.arguments["tensor"].detach().to("cpu", copy=True)
+                        out.wait()  # NCCL: the current stream waits for the collective's, not the host
+                    # A copy where the tensor lives, on the current stream: a copy to the host here
+                    # would make the training thread wait for the GPU in the middle of every step.
+                    # Records leave the device only when they are sent (to_bytes).
+                    result = bound.arguments["tensor"].detach().clone()
                     self.records[(iteration, n)] = CollectiveRecord(name, ranks, result)
                 return out
 
@@ -96,7 +99,7 @@ class CollectiveRecorder:
         self.records = {k: v for k, v in self.records.items() if k[0] >= iteration}
 
     def to_bytes(self) -> bytes:
-        rows = [(it, n, r.name, list(r.ranks), r.tensor) for (it, n), r in sorted(self.records.items())]
+        rows = [(it, n, r.name, list(r.ranks), r.tensor.cpu()) for (it, n), r in sorted(self.records.items())]
         buf = io.BytesIO()
         torch.save(rows, buf)
         return buf.getvalue()
