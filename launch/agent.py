@@ -224,7 +224,7 @@ class MachineAgent:
         self._spawn(generation=g + 1, replacement=True)
         self.events(f"machine {self.machine}: back after {self.job.restart_delay_s:g} s; its ranks start for "
                     f"generation {g + 1} on machines {self._layout}", event="grow_started", node=self.node,
-                    machine=self.machine, generation=g + 1, machines=self._layout)  # fmt: skip
+                    machine=self.machine, generation=g + 1, machines=self._layout)
 
     def _grow_when_joined(self) -> None:
         """The returning machine's ranks all wait in generation g+1: publish the grown layout, name the
@@ -234,7 +234,7 @@ class MachineAgent:
         assert g is not None and self.machine is not None
         if self.store.failure(g) is not None:
             self.control.abort(f"machine {self.machine}: generation {g} failed while the machine was coming back "
-                               "(elastic grow); a failure during a grow is not recovered")  # fmt: skip
+                               "(elastic grow); a failure during a grow is not recovered")
             return
         if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
             return
@@ -246,7 +246,7 @@ class MachineAgent:
         self.control.record_replacement_spawned(g, time.time())
         self.events(f"machine {self.machine}: its ranks wait in generation {g + 1}; generation {g} ends for a "
                     f"rebuild on machines {self._layout}", event="grow", node=self.node, machine=self.machine,
-                    generation=g + 1, machines=self._layout)  # fmt: skip
+                    generation=g + 1, machines=self._layout)
 
     def _spawn_replacement(self) -> None:
         generation = self.store.generation()
@@ -322,12 +322,12 @@ class MachineAgent:
         if worker.generation >= current or self.store.failure(worker.generation) is None:
             return False
         reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
-                  f"generation {worker.generation} failed without it")  # fmt: skip
+                  f"generation {worker.generation} failed without it")
         if self._fates.one_too_many(reason):
             self.state = AgentState.RETIRED
             return True
         self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
-                    node=self.node, machine=self.machine, generation=current, rank=worker.rank)  # fmt: skip
+                    node=self.node, machine=self.machine, generation=current, rank=worker.rank)
         self._spawn_replacement()
         return True
 
@@ -346,7 +346,7 @@ class MachineAgent:
         self._groups.down(self._pending)
         self.events(f"machine {self.machine}: down with {self._groups.describe(index)}; its failure is declared "
                     "once the whole group is down", event="group_down", node=self.node, machine=self.machine,
-                    index=index, generation=generation)  # fmt: skip
+                    index=index, generation=generation)
 
     def _fail_machine(self, rank: int, returncode: int, t_detected: float, why: str | None = None,
                       generation: int | None = None) -> None:
@@ -355,7 +355,7 @@ class MachineAgent:
         what = why if why is not None else f"rank {rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
         outcome, self._failed_generation = self._fates.handle(machine, reason, t_detected, own=True, rank=rank,
-                                                              returncode=returncode, generation=generation)  # fmt: skip
+                                                              returncode=returncode, generation=generation)
         if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
             self._grow_back = outcome == "shrink"
             self.state = AgentState.RESTARTING

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RECOVERY_PHASES", "LossPoint", "format_timeline", "iterations_lost", "losses_by_iteration", "plot_losses",
-           "read_loss_log"]  # fmt: skip
+           "read_loss_log"]
 
 RECOVERY_PHASES = (
     ("detect", "the kill seen (node agent or a neighbour's comm error)"),

@@ -86,7 +86,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
 
 
 def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]],
-                  interval: int) -> dict[str, Any]:  # fmt: skip
+                  interval: int) -> dict[str, Any]:
     """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
     rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
     if "global_checkpoint" in runs:  # then "checkpoint" (synchronous saves) keeps its own name

@@ -66,7 +66,7 @@ from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_s
 __all__ = [
     "BenchError", "PeakRss", "bench_profile", "bench_rows", "final_loss", "format_table", "loss_series", "profile_row",
     "register", "shrunk_throughput", "step_seconds", "strategy_overrides", "usage",
-]  # fmt: skip
+]
 
 REFERENCE = "none"
 #: the elastic strategy with no spare: the job goes on without the failed machine (a shrink); its own
@@ -136,7 +136,7 @@ class BenchSetup:
             self.example, self.config, self.iterations, launcher, self.script_args,
             swift=swift, nnodes=self.nnodes, nproc_per_node=self.nproc,
             loss_log=True,
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------------------- the rows
@@ -185,7 +185,7 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
             "host_memory_per_rank": max(0, u["max_rss_bytes"] - ref_usage["max_rss_bytes"]),
             "buddy_host_bytes": u["buddy_host_bytes_max"],
             "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
-        })  # fmt: skip
+        })
     return rows
 
 
@@ -279,7 +279,7 @@ def _setup(args: argparse.Namespace) -> tuple[list[str], BenchSetup]:
     setup = BenchSetup(
         repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
         args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
-    )  # fmt: skip
+    )
     refused = infeasible_strategies(setup, names)
     if refused:
         raise BenchError("; ".join(f"{name} cannot run: {why}" for name, why in refused.items()))
@@ -303,7 +303,7 @@ def _job_runner(
         if done.code != 0:
             tail = "\n".join(done.output.splitlines()[-30:])
             raise BenchError(f"{name} ({'failure' if failure else 'no failure'}): exit {done.code}; see "
-                             f"{done.proc_logs}\n{tail}")  # fmt: skip
+                             f"{done.proc_logs}\n{tail}")
         say(f"[bench] {name}: exit 0 after {done.seconds:.1f} s")
         return done
 
@@ -313,7 +313,7 @@ def _job_runner(
 def _result(
     args: argparse.Namespace, setup: BenchSetup, reference: JobRun, runs: Any, rows: list[dict[str, Any]],
     failed: dict[str, str],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """bench.json's content (the plot and the total time are added by the caller)."""
     return {
         **bench_profile(reference, runs, rows, args.checkpoint_interval),
@@ -325,11 +325,11 @@ def _result(
                    "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
         "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "failed": failed,
-    }  # fmt: skip
+    }
 
 
 def _say_result(say: Callable[[str], None], result: dict[str, Any], rows: list[dict[str, Any]],
-                failed: dict[str, str]) -> None:  # fmt: skip
+                failed: dict[str, str]) -> None:
     """The table and one line per thing a reader must not miss (no recovery, a differing run, a shrink)."""
     ref = result["reference"]
     say(f"reference ({REFERENCE}: ds-swift off, no failure): {fmt_value(ref['step_s'], '.3f')} s per iteration, final loss "

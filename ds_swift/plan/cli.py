@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
             plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
             read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
-        )  # fmt: skip
+        )
         rec = _recommend(args, js) if args.recommend else None
     if args.json:
         js |= {"buddy": buddy.to_json(), "stage_logging": [r.to_json() for r in choices]}

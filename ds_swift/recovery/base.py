@@ -335,6 +335,6 @@ def check_round(
     if problems:
         reason = f"{what}: " + "; ".join(problems)
         loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT "
-                       f"({checkpoint_source(inputs.checkpoint_step)})")  # fmt: skip
+                       f"({checkpoint_source(inputs.checkpoint_step)})")
         raise RestoreFailed(reason)
     return answers

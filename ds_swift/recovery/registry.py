@@ -105,5 +105,5 @@ def plan_recovery(
     inputs = RecoveryInputs.agree(
         reports, checkpoint_step=checkpoint_step, logging=logging, forced=forced, zero_stage=zero_stage,
         optimizer_wrapper=optimizer, partitioned=partitioned,
-    )  # fmt: skip
+    )
     return (registry or strategies()).choose(inputs)[0]

@@ -26,7 +26,7 @@ SWITCHES: Mapping[str, str] = {
     "rng": "RNG keying per forward pass (replayed dropout may differ)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
                 "reads after every receive and before every iteration",
-}  # fmt: skip
+}
 
 
 def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -36,5 +36,5 @@ def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
     unknown = sorted(names - set(SWITCHES))
     if unknown:
         raise ValueError(f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
-                         "(unset it to keep every protection on)")  # fmt: skip
+                         "(unset it to keep every protection on)")
     return names

@@ -110,7 +110,7 @@ class SwiftPipelineEngine(CheckpointCalls):
             "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
             "_running", "_guard", "_finish",
         }
-    )  # fmt: skip
+    )
 
     def __init__(
         self,
@@ -131,7 +131,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
         self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
-                                ctx.log)  # fmt: skip
+                                ctx.log)
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
@@ -158,7 +158,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._rebuild = Rebuilder(
             self, ctx=ctx, cfg=cfg, ds_config=config, build=engine_fn, model_fn=model_fn,
             hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
-        )  # fmt: skip
+        )
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
@@ -238,7 +238,7 @@ class SwiftPipelineEngine(CheckpointCalls):
                         finishing, self._finish = self._finish == int(engine.global_steps), None
                         self._hooks.begin_iteration(finishing)
                         data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
-                            int(engine.global_steps))  # fmt: skip
+                            int(engine.global_steps))
                         if self._simulation is not None:
                             self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
@@ -265,7 +265,7 @@ class SwiftPipelineEngine(CheckpointCalls):
             attempts += 1
             if attempts > MAX_ATTEMPTS:
                 raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration "
-                               f"(the last: {how})")  # fmt: skip
+                               f"(the last: {how})")
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
@@ -277,7 +277,7 @@ class SwiftPipelineEngine(CheckpointCalls):
                 self._grad_scale = None  # trained (or skipped past by a later recovery)
             return nullcontext()
         self._ctx.log(f"iteration {iteration}: gradients x {scale.factor:g}"
-                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))  # fmt: skip
+                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))
         return scaled_gradients(engine.module, scale.factor, scale.upto_layer)
 
     def _position(self, data_iter: Any, attempts: int) -> Any:
@@ -371,7 +371,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
-                                   self._ctx.join_timeout_s, rank=dist.get_rank())  # fmt: skip
+                                   self._ctx.join_timeout_s, rank=dist.get_rank())
         self._grad_scale = done.outcome.grad_scale
         self._finish = done.outcome.finish_iteration
         self._simulation = None  # a real failure ends a simulated one

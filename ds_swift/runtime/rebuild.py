@@ -119,7 +119,7 @@ class Rebuilder:
         self.protect = Protections(
             lambda: self._holder.engine, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: self._monitor.generation,
             check_after_receive=monitor.check_after_receive, machine=self._machine,
-        )  # fmt: skip
+        )
 
     # The engine wrapper reads these (ds_swift.runtime.engine).
     @property
@@ -248,7 +248,7 @@ class Rebuilder:
                 self._resize(g, "shrink", machine)
             elif fate is None:
                 self._ctx.log(f"the launcher did not say within {self._ctx.join_timeout_s:g} s what becomes of "
-                              f"machine {machine}: waiting for its replacement")  # fmt: skip
+                              f"machine {machine}: waiting for its replacement")
 
     def _resize(self, g: int, kind: str, machine: int) -> None:
         """The launcher goes on without ``machine`` (a shrink: no spare left, ``--elastic``) or takes it
@@ -258,7 +258,7 @@ class Rebuilder:
         assert store is not None and env is not None and self._machines is not None and self._old_grid is not None
         if self._build is not None:
             raise ResizeRefused(f"strategy {cfg.strategy!r}: ds-swift rebuilds the engine with another data-parallel size "
-                                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn")  # fmt: skip
+                                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn")
         layout = read_layout(store, env.num_machines)
         resize = plan_resize(kind, machine, self._machines, layout, self._old_grid, cfg.elastic, env.rank)
         rank = resize.new_rank_of(env.rank)
@@ -302,7 +302,7 @@ class Rebuilder:
                 if not dist.is_initialized():
                     generation = join_generation(store, generation, env.rank, env.world_size, ctx.op_timeout_s,
                                                  ctx.join_timeout_s, ctx.backend, log=ctx.log,
-                                                 timeout=ctx.user_timeout)  # fmt: skip
+                                                 timeout=ctx.user_timeout)
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
                     deepspeed.init_distributed(dist_backend=ctx.backend)
@@ -349,7 +349,7 @@ class Rebuilder:
         assert env is not None and store is not None
         engine = self._holder.engine
         ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
-                          self._ctx.log, verify=self._cfg.verify.enabled)  # fmt: skip
+                          self._ctx.log, verify=self._cfg.verify.enabled)
         if self.resize is not None or self._growing(generation):
             outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
                 self.resize, ctx, int(engine.zero_optimization_stage())
@@ -361,7 +361,7 @@ class Rebuilder:
             ctx,
             world_size=env.world_size,
             report=dataclasses.replace(self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
-                                       log_lost=self._hooks.logs.coverage_lost),  # fmt: skip
+                                       log_lost=self._hooks.logs.coverage_lost),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
@@ -381,7 +381,7 @@ class Rebuilder:
         survivors, resharded (ds_swift.recovery.strategies.elastic)."""
         env, store = self._ctx.env, self._ctx.store
         return (self._cfg.services.elastic and env is not None and env.replacement and store is not None
-                and store.get(grow_key(generation - 1)) is not None)  # fmt: skip
+                and store.get(grow_key(generation - 1)) is not None)
 
     def _machine(self) -> int:
         env = self._ctx.env

@@ -122,13 +122,13 @@ def recommend_for_plan(
         "a failure takes a stage's recovery path with the share of stages planned for that path",
     ]
     gc = StrategySpec("global_checkpoint", "checkpoint", checkpoint_interval=total_iterations,
-                      checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)  # fmt: skip
+                      checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)
     gc_interval, gc_row = _global_checkpoint_row(workload, gc, failures, n_fail, grid_points)
     case = _SwiftCase(
         plan_json, workload, failures, {k: w for k, w in weights.items() if w > 0}, sizes, gc, undo_s, broadcast_s,
         replay_fraction, parallel_speedup, _log_download_s(plan_json, sizes, storage_gbps, assumptions),
         logging_overhead, checkpoint_interval or gc_interval or total_iterations, grid_points, assumptions,
-    )  # fmt: skip
+    )
     swift_rows = [case.alternative(parallel) for parallel in ([True, False] if "logging" in case.weights else [False])]
     alternatives = sorted([gc_row, *swift_rows], key=lambda a: a["expected_hours"])
     return {
@@ -155,7 +155,7 @@ def _global_checkpoint_row(
     gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
     per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
     row = _alternative("global_checkpoint", "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
-                       gc_rec.optimal_hours, per_failure_s)  # fmt: skip
+                       gc_rec.optimal_hours, per_failure_s)
     return gc_rec.optimal, row
 
 
@@ -213,9 +213,9 @@ class _SwiftCase:
         )
         gc = self.gc
         replication = StrategySpec("replication", "replication", restart_s=gc.restart_s, undo_s=self.undo_s,
-                                   broadcast_s=self.broadcast_s)  # fmt: skip
+                                   broadcast_s=self.broadcast_s)
         logging = StrategySpec("logging", "logging", restart_s=gc.restart_s, load_s=gc.load_s, undo_s=self.undo_s,
-                               iteration_overhead=self.overhead, logging=log_spec)  # fmt: skip
+                               iteration_overhead=self.overhead, logging=log_spec)
         return {
             "replication": (self.workload, replication),
             "logging": (self.log_workload, logging),
@@ -237,7 +237,7 @@ class _SwiftCase:
         best, best_s = _best_interval(
             expected_s, self.weights, workload.total_iterations, self.grid_points, self.fallback_interval,
             self.assumptions,
-        )  # fmt: skip
+        )
         young = daly = None
         if set(self.weights) == {"logging"}:
             logging_spec = replace(paths["logging"][1], checkpoint_cost_s=self.gc.checkpoint_cost_s)

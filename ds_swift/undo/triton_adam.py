@@ -220,7 +220,7 @@ def _undo_v(v1, gp, b2, omb2, V_MONOTONE: tl.constexpr, FLAVOUR: tl.constexpr):
 def _adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
                       FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
                       MOMENTS: tl.constexpr, X_MONOTONE: tl.constexpr, V_MONOTONE: tl.constexpr,
-                      SMALL_WT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      SMALL_WT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     decay, nss, bc2s, inv_bc2s, eps, wd, wt, wt_m1, b2, omb2 = _consts(c_ptr)
@@ -249,7 +249,7 @@ def _adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
 def _adam_forward_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
                          FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
                          SMALL_WT: tl.constexpr, MOMENTS: tl.constexpr, X: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+                         BLOCK: tl.constexpr):
     """The forward step as the undo kernel replays it (the GPU check compares it with torch's step);
     for the CPU flavour in two passes, moments then x (the denominator is torch's, in between)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -348,7 +348,7 @@ def launch_kwargs() -> dict[str, Any]:
 
 
 def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any], step: float,
-              *, flavour: int, moments: bool) -> None:  # fmt: skip
+              *, flavour: int, moments: bool) -> None:
     """Undo one Adam/AdamW step in place on flat contiguous float32 tensors (x, m, v: post-step)."""
     n = x.numel()
     if n == 0:
@@ -359,11 +359,11 @@ def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     d = _cpu_denominator(v, h, step) if flavour == CPU else v  # (v: an unread placeholder)
     grid = (triton.cdiv(n, BLOCK),)
     _adam_undo_kernel[grid](x, g, m, v, d, c, n, MOMENTS=moments, X_MONOTONE=xm, V_MONOTONE=vm, BLOCK=BLOCK,
-                            **flags, **launch_kwargs())  # fmt: skip
+                            **flags, **launch_kwargs())
 
 
 def adam_forward(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any],
-                 step: float, *, flavour: int) -> None:  # fmt: skip
+                 step: float, *, flavour: int) -> None:
     """The step the undo kernel models, in place (for the checks that it is torch's step)."""
     n = x.numel()
     if n == 0:

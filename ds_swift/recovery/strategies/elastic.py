@@ -63,11 +63,11 @@ def _coords(engine: Any) -> list[tuple[int, int]]:
     topo = pipe_topology(engine)
     has_tp = "model" in topo.get_axis_names()
     return [(int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0)
-            for r in range(topo.world_size())]  # fmt: skip
+            for r in range(topo.world_size())]
 
 
 def _transfers(resize: Resize, coords: list[tuple[int, int]], sources: Mapping[int, int],
-               first: Mapping[int, int]) -> list[tuple[int, int, int]]:  # fmt: skip
+               first: Mapping[int, int]) -> list[tuple[int, int, int]]:
     """(old owner, source rank, destination rank) of every old optimizer state each new rank needs,
     in one order on every rank (the sends are posted first, then received in it): partitioned, every
     old partition of its (stage, tp); else one whole state, its own or ``first[dst]``'s (an old rank)."""
@@ -82,13 +82,13 @@ def _transfers(resize: Resize, coords: list[tuple[int, int]], sources: Mapping[i
 
 
 def _agree(resize: Resize, reports: list[RankReport], zero_stage: int,
-           partitioned: bool) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:  # fmt: skip
+           partitioned: bool) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:
     """The consensus over the survivors, and where the lost partitions come from (a shrink)."""
     reports = reports + [
         RankReport(rank=r, survivor=False, stage=resize.old_coords[r][0], dp=resize.old_coords[r][1],
                    tp=resize.old_coords[r][2], machine=resize.machine)
         for r in resize.lost
-    ]  # fmt: skip
+    ]
     inputs = RecoveryInputs.agree(reports, forced="lossy_forward", zero_stage=zero_stage, partitioned=partitioned)
     why = inputs.keep_blocker()
     if why is not None or not partitioned or not inputs.replacements:
@@ -112,7 +112,7 @@ def _verify_resize(store: JobStore, generation: int, engine: Any, parts: Mapping
     reason = mismatch_reason(agree(store, generation, rank, world, verdict, timeout_s))
     if reason is not None:
         loud(rank, f"ELASTIC RESIZE FAILED VERIFICATION: {reason}; the job stops (restart it from the last global "
-                   "checkpoint on the original number of machines)")  # fmt: skip
+                   "checkpoint on the original number of machines)")
         raise ResizeRefused(reason)
 
 
@@ -145,10 +145,10 @@ def recover_resized(
     _publish_report(store, generation, rank, old_rank, kept, resize, coords[rank])
     gathered = store.gather(generation, "resize_report", sorted(survivor_ranks), gather_timeout_s)
     inputs, target, why = _agree(resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage,
-                                 resize.partitioned)  # fmt: skip
+                                 resize.partitioned)
     if why:
         loud(rank, f"ELASTIC {resize.kind.upper()} IMPOSSIBLE: {why}; the job stops (restart it from the last "
-                   "global checkpoint on the original number of machines)")  # fmt: skip
+                   "global checkpoint on the original number of machines)")
         raise ResizeRefused(why)
     iteration = target.iteration if target is not None else inputs.consensus
     sources = {r: r for r in inputs.survivors}  # old rank -> old rank whose state (or copy) it is
@@ -160,7 +160,7 @@ def recover_resized(
         kept.undo_logged(iteration, timeline, log)
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
     donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
-              for dst in range(world) if dst not in survivor_ranks}  # fmt: skip
+              for dst in range(world) if dst not in survivor_ranks}
     first = {dst: survivor_ranks[donors.get(dst, dst)] for dst in range(world)}
     moves = _Moves(resize, rank, old_rank, kept, iteration, sources, donors, _transfers(resize, coords, sources, first))
     moved, owners = moves.run(engine)
@@ -185,7 +185,7 @@ def _agreed_resize(store: JobStore, generation: int, rank: int, resize: Resize |
 
 
 def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int | None, kept: KeptState | None,
-                    resize: Resize, where: tuple[int, int]) -> None:  # fmt: skip
+                    resize: Resize, where: tuple[int, int]) -> None:
     """A survivor's report under its old rank (a new rank of a grow has none to give)."""
     from ds_swift.patches.deepspeed_optim_state import GeometryError
 
@@ -197,10 +197,10 @@ def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int |
     stage, dp, tp = resize.old_coords[old_rank]
     if where != (stage, tp):
         raise GeometryError(f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
-                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")  # fmt: skip
+                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")
     mine = RankReport(rank=old_rank, survivor=True, stage=stage, dp=dp, tp=tp, machine=resize.machine_of(old_rank),
                       last_stepped=kept.last_stepped, can_undo=kept.can_undo,
-                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())  # fmt: skip
+                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())
     store.publish(generation, "resize_report", rank, mine.to_json())
 
 
@@ -273,7 +273,7 @@ class _Moves:
 
 def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: list[int],
              survivor_ranks: Mapping[int, int], donors: Mapping[int, int], moved: int, rank: int,
-             timeline: RankTimeline) -> RecoveryOutcome:  # fmt: skip
+             timeline: RankTimeline) -> RecoveryOutcome:
     """The resize as a recovery outcome (its plan in new ranks), its deviation said by rank 0."""
     reason = resize.describe() + f"; iteration {iteration} is the consensus"
     if target is not None:
@@ -281,19 +281,19 @@ def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: l
         reason += f"; the lost partitions from their buddy copies ({pairs}, old ranks)"
     new_undo = tuple(n for n in (resize.new_rank_of(r) for r in undo) if n is not None)
     plan = RecoveryPlan(ElasticStrategy.name, reason, iteration, tuple(sorted(survivor_ranks)),
-                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)  # fmt: skip
+                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)
     outcome = RecoveryOutcome(plan, iteration + 1, bytes_moved=moved)
     if resize.policy == "keep":
         deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
     else:
         deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
-                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")  # fmt: skip
+                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")
     say_deviation(rank, rank == 0, ElasticStrategy.name, outcome, deviation)
     timeline.extra["resize"] = {
         "kind": resize.kind, "machine": resize.machine, "machines": list(resize.new_layout),
         "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],
         "global_batch": resize.policy,
-    }  # fmt: skip
+    }
     return outcome
 
 
@@ -313,4 +313,4 @@ class ElasticStrategy(LossyForwardStrategy):
     def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
         return recover_resized(store=ctx.store, generation=ctx.generation, engine=ctx.engine, kept=ctx.kept,
                                resize=resize, timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
-                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)  # fmt: skip
+                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)

@@ -131,7 +131,7 @@ class LoggingStrategy(RecoveryStrategy):
             reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
             timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s, log=ctx.log,
             before_iteration=check.before_iteration if check is not None else None,
-        )  # fmt: skip
+        )
         if fallback is not None:
             raise RestoreFailed(fallback)
         if check is not None:

@@ -116,4 +116,4 @@ def _in_flight(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext, out
     outcome.replay = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
     if ctx.rank == min(inputs.survivors, default=ctx.rank):
         loud(ctx.rank, f"pipechurn: no partial recomputation ({why}); every rank trains iteration "
-                       f"{plan.consensus + 1} again")  # fmt: skip
+                       f"{plan.consensus + 1} again")
