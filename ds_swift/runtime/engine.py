@@ -16,7 +16,8 @@ and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1`
 recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
 
 The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
-ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; what is set
+ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; the data an
+iteration reads in ds_swift.runtime.engine_inputs; what is set
 up around the engine, and reported of it, in ds_swift.runtime.engine_setup; the recovery timeline
 in ds_swift.recovery.timeline.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.distributed as dist
@@ -34,17 +35,18 @@ import torch.distributed as dist
 from ds_swift.checkpoint.periodic import origin_of
 from ds_swift.checkpoint.setup import checkpoint_manager
 from ds_swift.config import SwiftConfig, load_ds_config
-from ds_swift.data.keyed import BatchFn, DataIteratorError, micro_batches
+from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
-from ds_swift.recovery.gradmask import GradScale, scaled_gradients
+from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.engine_checkpoint import CheckpointCalls
+from ds_swift.runtime.engine_inputs import IterationInputs
 from ds_swift.runtime.engine_setup import (
     check_hang_timeout,
     failure_simulation,
@@ -100,7 +102,7 @@ def initialize(
     )
 
 
-class SwiftPipelineEngine(CheckpointCalls):
+class SwiftPipelineEngine(CheckpointCalls, IterationInputs):
     """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
 
     _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
@@ -268,46 +270,6 @@ class SwiftPipelineEngine(CheckpointCalls):
                                f"(the last: {how})")
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
-
-    def _scaled(self, engine: Any) -> AbstractContextManager[Any]:
-        """The gradient scaling a lossy forward recovery asked of the iteration about to be trained."""
-        scale, iteration = self._grad_scale, int(engine.global_steps)
-        if scale is None or scale.iteration != iteration:
-            if scale is not None and scale.iteration < iteration:
-                self._grad_scale = None  # trained (or skipped past by a later recovery)
-            return nullcontext()
-        self._ctx.log(f"iteration {iteration}: gradients x {scale.factor:g}"
-                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))
-        return scaled_gradients(engine.module, scale.factor, scale.upto_layer)
-
-    def _position(self, data_iter: Any, attempts: int) -> Any:
-        """The user's iterator, at the iteration about to be trained, or an error (never the wrong
-        samples): a :class:`~ds_swift.data.keyed.ResumableIterator` is rewound there; a plain one only
-        serves iterations that follow on from what it gave, not a retry after a recovery or a
-        replacement's first iteration."""
-        e = self._engine
-        if not (e.is_first_stage() or e.is_last_stage()):
-            return data_iter  # middle stages read no data
-        iteration = int(e.global_steps)
-        if hasattr(data_iter, "rewind"):
-            if data_iter.iteration != iteration:
-                data_iter.rewind(iteration)
-            return data_iter
-        replacement_start = self._ctx.env is not None and self._ctx.env.replacement and not self._user_iter_warned
-        self._user_iter_warned = True
-        if attempts > 0 or replacement_start:
-            raise DataIteratorError(
-                f"ds-swift: train_batch(data_iter=...) after a recovery: iteration {iteration} would be trained on "
-                "whatever the iterator holds next, not its own samples. Pass batch_fn to ds_swift.initialize() "
-                "(samples by position), or wrap the iterator: ds_swift.data.keyed.ResumableIterator(factory, micro_batches), "
-                "where factory(iteration) builds it at that iteration (e.g. a DataLoader over "
-                "MegatronPretrainingSampler(consumed_samples=...))"
-            )
-        return data_iter
-
-    def _data_for(self, iteration: int) -> Any:
-        e = self._engine
-        return micro_batches(self._batch_fn, iteration, e.grid.get_data_parallel_id(), e.gradient_accumulation_steps())
 
     def _after_step(self) -> None:
         if self._running is not None:
