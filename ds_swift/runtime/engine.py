@@ -17,7 +17,7 @@ recovery inside ``initialize``, so the user's loop simply continues at ``engine.
 
 The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
 ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; the data an
-iteration reads in ds_swift.runtime.engine_inputs; what is set
+iteration reads in ds_swift.runtime.engine_inputs; its end in ds_swift.runtime.engine_close; what is set
 up around the engine, and reported of it, in ds_swift.runtime.engine_setup; the recovery timeline
 in ds_swift.recovery.timeline.
 """
@@ -46,13 +46,13 @@ from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.engine_checkpoint import CheckpointCalls
+from ds_swift.runtime.engine_close import EngineShutdown
 from ds_swift.runtime.engine_inputs import IterationInputs
 from ds_swift.runtime.engine_setup import (
     check_hang_timeout,
     failure_simulation,
     log_protection_costs,
     running_checkpoints,
-    write_usage,
 )
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -102,7 +102,7 @@ def initialize(
     )
 
 
-class SwiftPipelineEngine(CheckpointCalls, IterationInputs):
+class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
     """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
 
     _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
@@ -281,43 +281,6 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs):
         if self._ckpt.due(int(self._engine.global_steps)):
             self._save_checkpoint()
         self._timeline.check_back(int(self._engine.global_steps))
-
-    def _close_at_exit(self) -> None:
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - at interpreter exit the job store may be gone already
-            self._ctx.log(f"closing at exit: {type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        """Stop the watchdog and remove the hooks (the engine stays usable, unprotected)."""
-        if self._closed:
-            return
-        self._closed = True
-        env, store = self._ctx.env, self._ctx.store
-        self._write_usage()
-        self._ckpt.close()  # the last asynchronous checkpoint lands first
-        if self._running is not None:
-            self._running.close()
-        buddy = self._rebuild.buddy
-        # Every rank ends its last round (peers send theirs anyway): no exit inside a gloo op.
-        if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
-            self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
-        if self._rebuild.digests is not None:
-            self._rebuild.digests.stop()
-        if self._rebuild.updates is not None:
-            if self._ckpt.ckpt_dir is not None:
-                self._checkpointed()  # the last checkpoint may have completed since the last look
-            self._rebuild.updates.stop()
-        self._timeline.close()
-        self._monitor.stop()
-        if store is not None and env is not None:
-            store.mark_done(env.rank)
-        self._hooks.uninstall()
-        self._recv_patch.remove()
-        self._determinism.restore()
-
-    def _write_usage(self) -> None:
-        write_usage(self._ctx, self._engine, self._hooks.logs, self._rebuild)
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:

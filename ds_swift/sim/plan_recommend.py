@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import GLOBAL_CHECKPOINT
 from ds_swift.sim.failures import FailureModel
 from ds_swift.sim.model import LoggingSpec, StrategySpec, Workload, expected_failure_cost_s, failure_free_s
 from ds_swift.sim.plan_shape import PATHS, group_sizes, log_download_s, plan_workload, stage_strategies
@@ -101,7 +102,7 @@ def _global_checkpoint(
     total_iterations: int, checkpoint_cost_s: float, restart_cost_s: float, load_s: float
 ) -> StrategySpec:
     """The global checkpoint at its stall, restart and load costs (its interval: the whole job, until chosen)."""
-    return StrategySpec("global_checkpoint", "checkpoint", checkpoint_interval=total_iterations,
+    return StrategySpec(GLOBAL_CHECKPOINT, "checkpoint", checkpoint_interval=total_iterations,
                         checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)
 
 
@@ -133,7 +134,7 @@ def _global_checkpoint_row(
     """The global-checkpoint baseline: its optimal interval and its row of ``alternatives``."""
     gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
     per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
-    row = _alternative("global_checkpoint", "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
+    row = _alternative(GLOBAL_CHECKPOINT, "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
                        gc_rec.optimal_hours, per_failure_s)
     return gc_rec.optimal, row
 

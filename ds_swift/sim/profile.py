@@ -28,7 +28,8 @@ How a row becomes a :class:`~ds_swift.sim.model.StrategySpec` (:func:`strategy_f
 Write ``t_b`` for the bench's ``iteration_time_s`` and ``o`` for the strategy's per-iteration
 slowdown:
 
-- ``kind`` from the row, or from its name (:data:`ds_swift.sim.profile_rows.DEFAULT_KINDS`);
+- ``kind`` from the row, or from its name (:func:`ds_swift.sim.profile_rows.default_kind`: the
+  registered strategy's services' ``sim_kind``);
 - ``iteration_overhead`` ``o = 1 / throughput_ratio - 1 - C / (c t_b) - S / (s t_b)``: the
   bench's failure-free run includes its checkpoint (``C`` every ``c``) and snapshot (``S``
   every ``s``) stalls, which the simulator adds back at the simulated job's own intervals;
@@ -66,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import GLOBAL_CHECKPOINT
 from ds_swift.sim.model import LoggingSpec, StrategySpec
 from ds_swift.sim.profile_rows import BenchProfile, BenchRow, _integer, _number
 from ds_swift.sim.schema import SimConfig, WorkloadConfig
@@ -204,7 +206,7 @@ def strategy_from_row(
 
 def _apply_to_workload(wl: WorkloadConfig, profile: BenchProfile) -> WorkloadConfig:
     yaml_names = {s.name for s in wl.strategies}
-    gc = next((s for s in wl.strategies if s.name == "global_checkpoint"), None)
+    gc = next((s for s in wl.strategies if s.name == GLOBAL_CHECKPOINT), None)
     job_interval = gc.checkpoint_interval if gc is not None else None
     strategies: list[StrategySpec] = []
     for spec in wl.strategies:

@@ -12,25 +12,24 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import declared_by
 from ds_swift.sim.model import RecoveryKind
 
-__all__ = ["DEFAULT_KINDS", "BenchProfile", "BenchRow"]
+__all__ = ["OTHER_SYSTEMS", "BenchProfile", "BenchRow", "default_kind"]
 
 
-#: the simulator's recovery model of each strategy name the bench knows; other names need "kind"
-DEFAULT_KINDS: dict[str, RecoveryKind] = {
-    "global_checkpoint": "checkpoint",
-    "checkfreq": "snapshot",
-    "elastic_horovod": "snapshot",
-    # Everyone returns to the last erasure-coded in-memory checkpoint: no storage load.
-    "pipechurn": "snapshot",
-    "replication": "replication",
-    "logging": "logging",
-    # Only the failed stage re-applies logged updates, at a fraction of an iteration each.
-    "tranlogs": "logging",
-    # TranLogs' per-stage mix (ds-swift bench's logging_mix): each lost stage replays or re-applies.
-    "logging_mix": "logging",
-}
+#: the simulator's recovery model of systems it knows by name that are no ds-swift strategy
+OTHER_SYSTEMS: dict[str, RecoveryKind] = {"elastic_horovod": "snapshot"}
+
+
+def default_kind(name: str) -> RecoveryKind | None:
+    """The simulator's recovery model of a row named after a registered strategy or a bench variant one
+    declares (the strategy's services' ``sim_kind``), or after one of :data:`OTHER_SYSTEMS`; None: the
+    row must give its ``kind``."""
+    if name in OTHER_SYSTEMS:
+        return OTHER_SYSTEMS[name]
+    strategy = declared_by(name)
+    return strategy.SERVICES.sim_kind if strategy is not None else None
 
 
 def _fail(name: str, value: Any, allowed: str) -> ConfigError:
@@ -91,7 +90,7 @@ class BenchRow:
     """Final loss minus the failure-free run's."""
 
     kind: RecoveryKind | None = None
-    """The simulator's recovery model; ``None``: from the name (:data:`DEFAULT_KINDS`)."""
+    """The simulator's recovery model; ``None``: from the name (:func:`default_kind`)."""
 
     restore_s: float | None = None
     """Part of ``recovery_s`` before the replay starts (load, undo, broadcast, log upload)."""
@@ -117,9 +116,10 @@ class BenchRow:
         if not isinstance(self.name, str) or not self.name:
             raise _fail("name", self.name, "a non-empty strategy name such as global_checkpoint")
         if self.kind is None:
-            if self.name not in DEFAULT_KINDS:
+            kind = default_kind(self.name)
+            if kind is None:
                 raise _fail("kind", None, f"needed for strategy {self.name!r}: one of {', '.join(get_args(RecoveryKind))}")
-            object.__setattr__(self, "kind", DEFAULT_KINDS[self.name])
+            object.__setattr__(self, "kind", kind)
         elif self.kind not in get_args(RecoveryKind):
             raise _fail("kind", self.kind, f"one of {', '.join(get_args(RecoveryKind))}")
         _number("throughput_ratio", self.throughput_ratio, "a positive number (strategy / no fault tolerance)",

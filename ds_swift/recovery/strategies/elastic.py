@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.deepspeed_engine import pipe_topology
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, loud, say_deviation
+from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.services import StrategyServices
@@ -305,6 +305,8 @@ class ElasticStrategy(LossyForwardStrategy):
 
     name = "elastic"
     SERVICES = StrategyServices(buddy_copies=True, digests=True, elastic=True, sim_kind="elastic")
+    # ds-swift bench: with no spare, the job goes on without the failed machine (a shrink)
+    BENCH_VARIANTS = {"lossy_forward_elastic": BenchVariant(spare=False)}
 
     def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
         # A replaced machine's restore is lossy forward's, and is named so in the timeline.
