@@ -25,7 +25,8 @@ OTHER_SYSTEMS: dict[str, RecoveryKind] = {"elastic_horovod": "snapshot"}
 def default_kind(name: str) -> RecoveryKind | None:
     """The simulator's recovery model of a row named after a registered strategy or a bench variant one
     declares (the strategy's services' ``sim_kind``), or after one of :data:`OTHER_SYSTEMS`; None: the
-    row must give its ``kind``."""
+    row must give its ``kind``. Loads the registered strategies (and with them torch) the first time a
+    row without ``kind`` names one: ``ds-swift bench`` writes ``kind`` on every row."""
     if name in OTHER_SYSTEMS:
         return OTHER_SYSTEMS[name]
     strategy = declared_by(name)
