@@ -55,10 +55,18 @@ def problems(path: Path, text: str) -> list[str]:
     return out
 
 
+def python_files() -> list[str]:
+    """The tracked Python files (every one under the root, skipping .venv and build, outside a git checkout)."""
+    done = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode == 0:
+        return done.stdout.split()
+    skip = {".venv", "build", ".git"}
+    return [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts)]
+
+
 def main() -> int:
-    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     found = []
-    for name in files.split():
+    for name in python_files():
         path = ROOT / name
         if path.is_file():
             found += problems(Path(name), path.read_text(encoding="utf-8"))
