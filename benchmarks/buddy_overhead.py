@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = alternate(
         work, lambda on: JobSpec(EXAMPLE, CONFIG, args.iterations, swift={"buddy": {"enabled": on}}, loss_log=True),
         args.rounds, args.warmup,
-    )  # fmt: skip
+    )
     last = runs.last[True]
     sent = sent_per_rank(last)
     ds = json.loads(CONFIG.read_text())
@@ -87,7 +87,7 @@ def table(out: dict[str, Any]) -> None:
     print(f"ratio on/off        : {out['step_ratio']:.3f}")
     print(f"buddy bytes / rank / iteration: measured {out['buddy_bytes_per_rank_per_iteration_measured']} "
           f"(per rank {out['buddy_bytes_per_rank_per_iteration_measured_all']}), "
-          f"analytic {out['buddy_bytes_per_rank_per_iteration_analytic']} ({out['model_params']} params)")  # fmt: skip
+          f"analytic {out['buddy_bytes_per_rank_per_iteration_analytic']} ({out['model_params']} params)")
 
 
 if __name__ == "__main__":

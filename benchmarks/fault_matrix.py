@@ -154,7 +154,7 @@ def cases() -> list[Case]:
     # A damaged log: a corrupt record, a chunk cut short, a chunk lost. The replay must refuse it
     # and every rank fall back to the checkpoint, loudly.
     for point, env in (("corrupt_log", "SWIFT_TEST_CORRUPT_LOG"), ("truncated_log", "SWIFT_TEST_TRUNCATE_LOG"),
-                       ("missing_log", "SWIFT_TEST_MISSING_LOG")):  # fmt: skip
+                       ("missing_log", "SWIFT_TEST_MISSING_LOG")):
         out.append(Case("logging", point, 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
                         env={env: "rank=2,iteration=5,micro_batch=1,src=1"},
                         must_say=("[test] ", "checkpoint fallback")))
@@ -208,7 +208,7 @@ def small_disk(where: Path, size: str = "2m") -> Iterator[Path | None]:
     """A size-limited tmpfs (None where this machine cannot mount one: the case is skipped)."""
     where.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)  # fmt: skip
+                          capture_output=True, text=True)
     if done.returncode != 0:
         yield None
         return
@@ -223,7 +223,7 @@ def spec_for(case: Case, config_swift: dict[str, Any] | None = None) -> JobSpec:
     spares = LAUNCH.get(case.config, ["--spares", str(case.spares)])
     args = [*spares, "--max-failures", "4"] + (["--inject", case.inject] if case.inject else [])
     return JobSpec(WORKER, path, ITERS, args, swift=merged(merged(swift, case.swift), config_swift or {}),
-                   env=case.env, nnodes=case.nnodes, nproc_per_node=4 // case.nnodes)  # fmt: skip
+                   env=case.env, nnodes=case.nnodes, nproc_per_node=4 // case.nnodes)
 
 
 def reference(work: Path, config: str, timeout: float) -> JobRun:
@@ -272,7 +272,7 @@ def run_case(case: Case, work: Path, ref: JobRun | None, timeout: float) -> dict
                 if disk is None:
                     return {**row, "passed": None, "how": "skipped: cannot mount a tmpfs here", "seconds": 0.0}
                 where = {"checkpoint": {"dir": str(disk)}} if case.small_disk == "ckpt" else {
-                    "logging": {"storage": f"file://{disk}"}}  # fmt: skip
+                    "logging": {"storage": f"file://{disk}"}}
                 job = run_job(work / "job", spec_for(case, where), timeout)
                 row["ckpt_disk_full_said"] = "could not be written" in job.output
         else:
@@ -299,12 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-reference", action="store_true",
                    help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
                    "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
-                   "run bitwise against ds-swift off)")  # fmt: skip
+                   "run bitwise against ds-swift off)")
     args = p.parse_args(argv)
     configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
     points = {x.strip() for x in args.points.split(",") if x.strip()}
     chosen = [c for c in cases() if c.config in configs and (c.machine is None or c.machine in machines)
-              and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]  # fmt: skip
+              and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]
     if args.cases:
         names = {n.strip() for n in args.cases.split(",") if n.strip()}
         chosen = [c for c in cases() if c.name in names]

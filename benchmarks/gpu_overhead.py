@@ -89,7 +89,7 @@ def ds_config(tiny: bool, nproc: int, pp: int) -> dict[str, Any]:
         "pipeline": {"stages": pp},
         "steps_per_print": 1_000_000,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
-                                                     "warmup_num_steps": 5}},  # fmt: skip
+                                                     "warmup_num_steps": 5}},
         # Nothing but the machine layout: every other swift value is the default.
         "swift": {"enabled": True, "machines": {"gpus_per_node": max(1, nproc // 2) if nproc > 1 else 1}},
     }
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nnodes = 2 if args.nproc > 1 else 1
     shape = TINY_SHAPE if args.tiny else GPU_SHAPE
     script_args = [*shape, "--pipeline-model-parallel-size", str(args.pp), "--micro-batch-size", "4",
-                   "--global-batch-size", str(args.global_batch), "--log-interval", "1000"]  # fmt: skip
+                   "--global-batch-size", str(args.global_batch), "--log-interval", "1000"]
     if args.tiny:
         from ds_swift.testing.jobs import build_deepspeed_shm_op
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         swift, without = VARIANTS[name]
         return JobSpec(EXAMPLE, config, args.iterations, script_args=script_args, swift=swift,
                        env={WITHOUT_ENV: without} if without else {}, nnodes=nnodes,
-                       nproc_per_node=args.nproc // nnodes, save=False, loss_log=True)  # fmt: skip
+                       nproc_per_node=args.nproc // nnodes, save=False, loss_log=True)
 
     names = _variants(args.breakdown)
     runs = interleave(work, {n: spec(n) for n in names}, args.rounds, args.warmup)
@@ -209,10 +209,10 @@ def table(out: dict[str, Any]) -> None:
         for r in out["breakdown"]:
             cost = "" if r["cost_cpu_ms"] is None else f"{r['cost_cpu_ms']:8.1f}"
             print(f"{r['variant']:13s} {r['median_s']:8.4f} {r['mean_s']:7.4f}  {r['ratio_median']:6.3f} / "
-                  f"{r['ratio_mean']:6.3f}    {r['cpu_ms'] or float('nan'):8.1f}  {cost}")  # fmt: skip
+                  f"{r['ratio_mean']:6.3f}    {r['cpu_ms'] or float('nan'):8.1f}  {cost}")
             if "per_save_cpu_ms" in r:
                 print(f"{'':13s} a save: {r['per_save_cpu_ms']:.0f} CPU ms = {r['at_default_interval_cpu_ms']:.2f} "
-                      "ms per iteration at the default checkpoint.interval")  # fmt: skip
+                      "ms per iteration at the default checkpoint.interval")
     for line in out["startup_costs"]:
         print(line)
 

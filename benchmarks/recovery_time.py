@@ -102,7 +102,7 @@ def run_one(work: Path, variant: str, interval: int, model_args: list[str], time
         EXAMPLE, config, kill_at + 2,
         ["--spares", "1", *flags, "--inject", f"machine=1,iteration={kill_at},phase=backward"],
         model_args, swift={**swift, "checkpoint": {"interval": interval}}, save=False,
-    )  # fmt: skip
+    )
     job = run_job(work, spec, timeout)
     if job.code != 0:
         raise RuntimeError(f"{variant} job failed with exit code {job.code}:\n{job.output[-4000:]}")
@@ -143,7 +143,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], interval: int) -> dict[str,
             # load + re-training everywhere): the initialization before it is the same for all.
             out[f"{key}_recovery"] = out[num]["recovery_s"] / out[den]["recovery_s"]
     out["config"] = {"checkpoint_interval": interval, "kill_iteration": interval + interval // 2,
-                     "rounds": max((len(v) for v in runs.values()), default=0), "variants": list(runs)}  # fmt: skip
+                     "rounds": max((len(v) for v in runs.values()), default=0), "variants": list(runs)}
     return out
 
 

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         r["undo_over_step"] = r["undo_ms"] / r["step_ms"]
         r["undo_over_bound"] = r["undo_ms"] / bound_ms
     result = {"device": str(device), "elements": elements, "tensors": args.tensors, "copy_GBps": bw / 1e9,
-              "bound_ms": bound_ms, "paths": rows, "fused": fused_note, "command": " ".join(["python", *sys.argv])}  # fmt: skip
+              "bound_ms": bound_ms, "paths": rows, "fused": fused_note, "command": " ".join(["python", *sys.argv])}
     if args.json:
         print(json.dumps(result))
         return 0

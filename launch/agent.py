@@ -14,7 +14,8 @@ replacement that dies is one more machine failure, handled the same way (a casca
 A spare keeps a pool of warm workers (:mod:`.warm`, on unless ``--cold-spares``), already imported
 and waiting: taking over a machine hands them their ranks instead of starting processes.
 
-What the agent checks besides its ranks' exits (failing GPUs, hung ranks) is :mod:`.health`; how it
+How the agent reacts when its ranks stop is :mod:`.agent_failures`; what it checks besides their exits
+(failing GPUs, hung ranks) is :mod:`.health`; how it
 declares a failure and decides among spare, shrink, restart and abort is :mod:`.fate`; what each
 worker is told is :meth:`.job.JobSpec.worker_envs`.
 
@@ -25,41 +26,27 @@ calls :meth:`MachineAgent.adopt_lost_machine`, which handles that machine's fail
 
 from __future__ import annotations
 
-import enum
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ds_swift.detect.classify import rank_error_key
 from ds_swift.jobstore.layout import grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.jobstore.membership import JobStore
 
+from .agent_failures import AgentState, FailureHandling
 from .control import EventLog, JobControl
 from .fate import MachineFate
 from .health import MachineHealth
 from .inject_group import GroupKill, PendingFailure
 from .job import JobSpec
-from .spawn import Worker, describe_exit, spawn_warm, spawn_worker, supports_warm
+from .spawn import Worker, spawn_warm, spawn_worker, supports_warm
 from .warm import WarmPool
 
 # JobSpec lives in .job (what every agent knows about the job); it stays importable from here.
 __all__ = ["AgentState", "JobSpec", "MachineAgent"]
 
 
-class AgentState(enum.Enum):
-    SPARE = "spare"  # waiting for a machine to take over
-    RUNNING = "running"  # its machine's ranks are up
-    RESTARTING = "restarting"  # its machine failed; ranks restart after --restart-delay
-    RETIRED = "retired"  # its machine failed and went to a spare (or the job gave up)
-    DONE = "done"  # every rank of its machine exited 0
-
-
-def _clock(t: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
-
-
-class MachineAgent:
+class MachineAgent(FailureHandling):
     """One machine's (or spare's) agent. ``tick()`` runs every poll interval; it never blocks."""
 
     def __init__(
@@ -224,7 +211,7 @@ class MachineAgent:
         self._spawn(generation=g + 1, replacement=True)
         self.events(f"machine {self.machine}: back after {self.job.restart_delay_s:g} s; its ranks start for "
                     f"generation {g + 1} on machines {self._layout}", event="grow_started", node=self.node,
-                    machine=self.machine, generation=g + 1, machines=self._layout)  # fmt: skip
+                    machine=self.machine, generation=g + 1, machines=self._layout)
 
     def _grow_when_joined(self) -> None:
         """The returning machine's ranks all wait in generation g+1: publish the grown layout, name the
@@ -234,7 +221,7 @@ class MachineAgent:
         assert g is not None and self.machine is not None
         if self.store.failure(g) is not None:
             self.control.abort(f"machine {self.machine}: generation {g} failed while the machine was coming back "
-                               "(elastic grow); a failure during a grow is not recovered")  # fmt: skip
+                               "(elastic grow); a failure during a grow is not recovered")
             return
         if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
             return
@@ -246,7 +233,7 @@ class MachineAgent:
         self.control.record_replacement_spawned(g, time.time())
         self.events(f"machine {self.machine}: its ranks wait in generation {g + 1}; generation {g} ends for a "
                     f"rebuild on machines {self._layout}", event="grow", node=self.node, machine=self.machine,
-                    generation=g + 1, machines=self._layout)  # fmt: skip
+                    generation=g + 1, machines=self._layout)
 
     def _spawn_replacement(self) -> None:
         generation = self.store.generation()
@@ -262,125 +249,3 @@ class MachineAgent:
             failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers], warm=warm,
         )
 
-    def _check_workers(self) -> None:
-        if not self.workers:
-            return
-        problem = self._health.problem(self.name, self.machine, self._spawn_generation, self.workers)
-        if problem is not None:
-            t_detected = time.time()
-            for w in self.workers:
-                w.signal_group(signal.SIGKILL)
-            self._dying.extend(self.workers)
-            victims, self.workers = self.workers, []
-            # A rank that raised the job's own error stops heartbeating as it exits: a peer's
-            # watchdog may call that a hang first. It is still the job's error, not the machine's.
-            if not any(self._own_error(w, 1) for w in victims):
-                self._machine_failed(victims[0], -signal.SIGKILL, t_detected, why=problem)
-            return
-        codes = [(w, w.poll()) for w in self.workers]
-        failed = [(w, rc) for w, rc in codes if rc is not None and rc != 0]
-        if failed:
-            t_detected = time.time()
-            # The machine is gone, as a crash would take it: its other ranks must not linger as
-            # half a pipeline stage that survivors could still talk to.
-            for w in self.workers:
-                w.signal_group(signal.SIGKILL)
-            self._dying.extend(self.workers)
-            self.workers = []
-            if not self._own_error(*failed[0]) and not self._left_behind(*failed[0]):
-                self._machine_failed(*failed[0], t_detected)
-        elif all(rc == 0 for _, rc in codes):
-            assert self.machine is not None
-            self.state = AgentState.DONE
-            self._publish_machine()
-            self.control.mark_machine_done(self.machine)
-            self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
-                        node=self.node, machine=self.machine)
-
-    def _own_error(self, worker: Worker, returncode: int) -> bool:
-        """The rank exited on the job's own error (it said so in the store before raising: a bug, not
-        a dead machine; ds_swift.detect.classify): the job ends with it, as it would without
-        ds-swift; replacing the machine would only run into the same error again."""
-        if returncode <= 0:
-            return False
-        said = self.store.get(rank_error_key(worker.rank))
-        if said is None:
-            return False
-        self.control.abort(f"machine {self.machine}: {said} (the job's own error, not a machine failure)")
-        self.state = AgentState.RETIRED
-        self._publish_machine()
-        return True
-
-    def _left_behind(self, worker: Worker, returncode: int) -> bool:
-        """Replacement ranks whose generation failed before they joined it (the survivors gave up
-        waiting for a slow start) and which then exited on an error: the machine is sound, so its
-        ranks start again, here, for the job's current generation, without a spare. Counted as a
-        failure (``--max-failures`` ends a loop)."""
-        if not self._spawned_replacements or returncode <= 0:
-            return False
-        current = self.store.generation()
-        if worker.generation >= current or self.store.failure(worker.generation) is None:
-            return False
-        reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
-                  f"generation {worker.generation} failed without it")  # fmt: skip
-        if self._fates.one_too_many(reason):
-            self.state = AgentState.RETIRED
-            return True
-        self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
-                    node=self.node, machine=self.machine, generation=current, rank=worker.rank)  # fmt: skip
-        self._spawn_replacement()
-        return True
-
-    def _machine_failed(self, worker: Worker, returncode: int, t_detected: float, why: str | None = None) -> None:
-        assert self.machine is not None
-        fired = self._groups.fired_for(self.machine, self._spawn_generation) if self._groups.groups else None
-        if fired is None:
-            self._fail_machine(worker.rank, returncode, t_detected, why)
-            return
-        # Killed with a group (--inject machine=1+2): declared once every machine of it is down.
-        index, generation = fired
-        what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
-        group = self._groups.describe(index)
-        self._pending = self._groups.pending(index, generation, worker.rank, returncode, t_detected,
-                                             what if what == group else f"{what} ({group})")
-        self._groups.down(self._pending)
-        self.events(f"machine {self.machine}: down with {self._groups.describe(index)}; its failure is declared "
-                    "once the whole group is down", event="group_down", node=self.node, machine=self.machine,
-                    index=index, generation=generation)  # fmt: skip
-
-    def _fail_machine(self, rank: int, returncode: int, t_detected: float, why: str | None = None,
-                      generation: int | None = None) -> None:
-        machine = self.machine
-        assert machine is not None
-        what = why if why is not None else f"rank {rank} {describe_exit(returncode)}"
-        reason = f"machine {machine}: {what} at {_clock(t_detected)}"
-        outcome, self._failed_generation = self._fates.handle(machine, reason, t_detected, own=True, rank=rank,
-                                                              returncode=returncode, generation=generation)  # fmt: skip
-        if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
-            self._grow_back = outcome == "shrink"
-            self.state = AgentState.RESTARTING
-            self._restart_at = time.monotonic() + (self.job.restart_delay_s or 0.0)
-            self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
-                        f"{self.job.restart_delay_s:g} s", event="restart_scheduled", node=self.node, machine=machine)
-        else:
-            self.state = AgentState.RETIRED
-        self._publish_machine()
-
-    def adopt_lost_machine(self, node: int, silent_s: float) -> None:
-        """Agent ``node`` died (its liveness counter stopped): fail the machine it ran, as it would have."""
-        t_detected = time.time()
-        value = self.store.get(f"launch/machine_of/{node}")
-        self.store.add("launch/lost_agents", 1)
-        if not value:
-            self.events(f"agent {node} is gone (silent for {silent_s:.1f} s); it ran no machine",
-                        event="agent_lost", node=self.node, lost_node=node)
-            return
-        machine = int(value)
-        reason = f"machine {machine}: its agent {node} is gone (silent for {silent_s:.1f} s) at {_clock(t_detected)}"
-        self.events(f"{self.name} handles the failure of machine {machine} for dead agent {node}",
-                    event="agent_lost", node=self.node, lost_node=node, machine=machine)
-        self._fates.handle(machine, reason, t_detected, own=False, lost_node=node)
-
-    def _give_up(self, reason: str) -> None:
-        self.state = AgentState.RETIRED
-        self.control.abort(reason)

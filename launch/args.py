@@ -263,7 +263,7 @@ def _master_port(
                 f"--node-rank {node_rank} is out of range: agents are 0..{nnodes - 1} (machines) and "
                 f"{nnodes}..{nnodes + spares - 1} (spares)" if spares else
                 f"--node-rank {node_rank} is out of range: agents are 0..{nnodes - 1} (add --spares for spare agents)"
-            )  # fmt: skip
+            )
         if token is None:
             raise LaunchUsageError(
                 "--node-rank needs --job-token TOKEN (or env SWIFT_JOB_TOKEN), the same on every host, so that "

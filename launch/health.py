@@ -42,7 +42,7 @@ class MachineHealth:
     def __init__(
         self, node: int, nproc_per_node: int, store: JobStore, events: EventLog, groups: GroupKill,
         gpu_monitor: Any | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.node = node
         self.nproc_per_node = nproc_per_node
         self.store = store
@@ -107,7 +107,7 @@ class MachineHealth:
             self._suspicion = (g, CounterClock(float(timeout_s)), why)
             self.events(f"machine {machine}: suspected in generation {g} ({why}); {name} checks its "
                         "ranks' heartbeats on its own clock", event="suspected", node=self.node,
-                        machine=machine, generation=g)  # fmt: skip
+                        machine=machine, generation=g)
         _, beats, why = self._suspicion
         now = beats.begin_round()
         for w in workers:

@@ -59,7 +59,7 @@ def preflight(args: LaunchArgs) -> str | None:
         if args.elastic:
             return ("--elastic: the training script's DeepSpeed config is not on its command line "
                     "(--deepspeed_config FILE), so the launcher cannot check that it enables the elastic shrink; "
-                    "pass it, or drop --elastic")  # fmt: skip
+                    "pass it, or drop --elastic")
         return None
     try:
         ds_config = load_ds_config(ns.deepspeed_config) if ns.deepspeed_config else {}

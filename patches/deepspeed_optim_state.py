@@ -228,7 +228,7 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
         size, full = want["masters"][i], _unpadded(opt, kind, i)
 
         def cut(tensors: list[torch.Tensor], i: int = i, pid: int = pid, size: int = size, full: int = full,
-                new_count: int = new_count) -> torch.Tensor:  # fmt: skip
+                new_count: int = new_count) -> torch.Tensor:
             joined = torch.cat([t.reshape(-1) for t in tensors])
             if joined.numel() < full:
                 raise GeometryError(f"group {i}: the old partitions hold {joined.numel()} elements, the model {full}")
@@ -250,7 +250,7 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
         out_state[i] = merged
     inner = {"state": out_state, "param_groups": copy.deepcopy(inner_parts[0]["param_groups"])}
     return {"geometry": want, "masters": out_masters, "inner": inner, "scalers": parts[0]["scalers"],
-            "flags": parts[0]["flags"]}  # fmt: skip
+            "flags": parts[0]["flags"]}
 
 
 def refresh_lp_params(opt: Any, gather: bool = True) -> None:

@@ -39,7 +39,7 @@ COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
     "all_gather_object", "broadcast_object_list",
-)  # fmt: skip
+)
 _MARK = "_ds_swift_collectives"
 
 #: make(name, the function in force, its signature) -> the replacement

@@ -4,6 +4,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ruff check . || exit 1
+# Layout is ruff's (pyproject.toml's [tool.ruff.format]), not hand-wrapped.
+ruff format --check . || exit 1
+# A '# fmt: skip' / '# fmt: off' says why (a comment of its own on its line, or the line above).
+python scripts/check_fmt_skips.py || exit 1
 mypy ds_swift launch patches || exit 1
 # Every change to DeepSpeed / torch behaviour must live in patches/ (see the script's docstring).
 python scripts/check_patch_seams.py || exit 1

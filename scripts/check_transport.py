@@ -40,7 +40,7 @@ COMM = frozenset({
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "gather_object", "scatter", "scatter_object_list",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-})  # fmt: skip
+})
 
 
 def _module_aliases(tree: ast.Module) -> tuple[set[str], set[str], set[str]]:
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f)
     if found:
         print(f"{len(found)} torch.distributed communication call(s) outside ds_swift/transport/: move ds-swift's own "
-              "traffic onto ds_swift.transport (host tensors on its gloo groups, no pickle)", file=sys.stderr)  # fmt: skip
+              "traffic onto ds_swift.transport (host tensors on its gloo groups, no pickle)", file=sys.stderr)
         return 1
     return 0
 

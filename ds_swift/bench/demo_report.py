@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_swift.recovery.registry import declared_by
+
 __all__ = ["RECOVERY_PHASES", "LossPoint", "format_timeline", "iterations_lost", "losses_by_iteration", "plot_losses",
-           "read_loss_log"]  # fmt: skip
+           "read_loss_log"]
 
 RECOVERY_PHASES = (
     ("detect", "the kill seen (node agent or a neighbour's comm error)"),
@@ -74,9 +76,12 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
     ckpt = tl.get("checkpoint_step")
     tag = f"global_step{ckpt}" if ckpt is not None else "the initial state"
     back = f"back at iteration {tl['pre_failure_iteration']}"
-    if tl["strategy"] == "checkpoint":
+    # What the strategy's recovery does, as the simulator models it (its services' sim_kind).
+    strategy = declared_by(tl["strategy"])
+    kind = strategy.SERVICES.sim_kind if strategy is not None else None
+    if kind == "checkpoint":
         how = f"every rank reloaded {tag} and trained iterations {ckpt or 0}..{tl['consensus']} again"
-    elif tl["strategy"] == "logging":
+    elif kind == "logging":
         how = f"survivors kept their state; the lost ranks loaded {tag} and replayed the iterations since"
     else:
         how = "survivors kept their state in memory; replacements got theirs from replicas"

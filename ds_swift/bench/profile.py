@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from ds_swift.bench.measure import loss_series, step_seconds
-from ds_swift.recovery.registry import strategies
+from ds_swift.recovery.registry import FALLBACK, GLOBAL_CHECKPOINT, strategies
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.testing.jobs import JobRun
 
@@ -16,8 +16,9 @@ __all__ = ["PROFILE_NAMES", "bench_profile", "checkpoint_stall_s", "profile_row"
 
 _CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iterations")
 
-#: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name)
-PROFILE_NAMES = {"checkpoint": "global_checkpoint"}
+#: the simulator's strategy name of a bench strategy (``ds-swift simulate --profile`` matches by name):
+#: the fallback's synchronous saves are the simulator's global checkpoint, unless the bench ran that too
+PROFILE_NAMES = {FALLBACK[0]: GLOBAL_CHECKPOINT}
 
 
 def services_of(name: str) -> StrategyServices:
@@ -54,7 +55,7 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
     chosen = _CHECKFREQ_CHOICE.search(clean.output) if services_of(detail["strategy"]).checkpoint_tuner else None
     interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
-    used = timelines[-1]["strategy"] if timelines else "checkpoint"
+    used = timelines[-1]["strategy"] if timelines else FALLBACK[0]
     kind = "elastic" if detail.get("shrunk_throughput") is not None else sim_kind(used)
     lost = detail["iterations_lost"]
     restore = None
@@ -86,14 +87,14 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
 
 
 def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]],
-                  interval: int) -> dict[str, Any]:  # fmt: skip
+                  interval: int) -> dict[str, Any]:
     """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
     rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
-    if "global_checkpoint" in runs:  # then "checkpoint" (synchronous saves) keeps its own name
+    if GLOBAL_CHECKPOINT in runs:  # then the fallback (synchronous saves) keeps its own name
         for row, d in zip(rows, details, strict=True):
-            if d["strategy"] == "checkpoint":
-                row["name"], row["kind"] = "checkpoint_sync", "checkpoint"
-    costs = [r["checkpoint_cost_s"] for r in rows if r["name"] == "global_checkpoint"] or [
+            if d["strategy"] == FALLBACK[0]:
+                row["name"], row["kind"] = f"{FALLBACK[0]}_sync", "checkpoint"
+    costs = [r["checkpoint_cost_s"] for r in rows if r["name"] == GLOBAL_CHECKPOINT] or [
         statistics.median(r["checkpoint_cost_s"] for r in rows)
     ]
     return {

@@ -58,6 +58,7 @@ from ds_swift.bench.jobs import BenchError, Runner, failed_rows, infeasible_stra
 from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_throughput, step_seconds, usage
 from ds_swift.bench.profile import bench_profile, profile_row
 from ds_swift.bench.table import fmt_mb, fmt_value, format_table, plot_loss_vs_time
+from ds_swift.bench.variants import REFERENCE, bench_strategies, has_spare, strategy_overrides
 from ds_swift.config import strategy_names
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.faults import PHASES
@@ -66,49 +67,7 @@ from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_s
 __all__ = [
     "BenchError", "PeakRss", "bench_profile", "bench_rows", "final_loss", "format_table", "loss_series", "profile_row",
     "register", "shrunk_throughput", "step_seconds", "strategy_overrides", "usage",
-]  # fmt: skip
-
-REFERENCE = "none"
-#: the elastic strategy with no spare: the job goes on without the failed machine (a shrink); its own
-#: bench name, as the spares differ from every other strategy's jobs
-ELASTIC = "lossy_forward_elastic"
-#: logging-based recovery with the replay spread over survivors (SWIFT 5.2), used even where the plan
-#: finds it cannot help (``parallel_recovery_force``), and without it: the two measured in one run
-PARALLEL, SEQUENTIAL = "logging_parallel", "logging_sequential"
-#: PipeChurn without and with its partial recomputation of the iteration in flight
-#: (``pipechurn.partial_recompute``): recovery time and passes recomputed side by side. Partial
-#: recomputation needs every pass of the iteration done when the machine dies: ``--phase reduce``.
-PIPECHURN_FULL, PIPECHURN_PARTIAL = "pipechurn_full", "pipechurn_partial"
-VARIANTS: dict[str, dict[str, Any]] = {
-    PARALLEL: {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True},
-    SEQUENTIAL: {"strategy": "logging", "parallel_recovery": False},
-    PIPECHURN_FULL: {"strategy": "pipechurn", "pipechurn": {"partial_recompute": False}},
-    PIPECHURN_PARTIAL: {"strategy": "pipechurn", "pipechurn": {"partial_recompute": True}},
-}
-#: TranLogs' per-stage mix: the first half of the stages log their inbound messages, the others their
-#: updates (``logging.kinds``), against ``logging`` (messages everywhere): the bytes each logs
-MIX = "logging_mix"
-#: strategies the bench can run: the config's ``strategy`` values (:func:`ds_swift.config.strategy_names`),
-#: ELASTIC, the VARIANTS and MIX
-STRATEGIES: tuple[str, ...] = (*strategy_names(), ELASTIC, *VARIANTS, MIX)
-
-
-def strategy_overrides(name: str, interval: int, pp: int = 2) -> dict[str, Any]:
-    """The ``swift`` section overrides one strategy's jobs run with (``pp``: the job's pipeline stages)."""
-    if name == REFERENCE:
-        return {"enabled": False}
-    if name not in STRATEGIES:
-        raise BenchError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-    if name == ELASTIC:
-        return {"strategy": "elastic", "checkpoint": {"interval": interval}}
-    if name in VARIANTS:
-        return {**VARIANTS[name], "checkpoint": {"interval": interval}}
-    if name == MIX:
-        # Halves, not the planner's pick (logging.kinds auto): on the tiny GPT every stage's messages
-        # are smaller than its updates, and machines hold consecutive stages (a group, one kind).
-        kinds = ["messages"] * ((pp + 1) // 2) + ["updates"] * (pp // 2)
-        return {"strategy": "logging", "logging": {"kinds": kinds}, "checkpoint": {"interval": interval}}
-    return {"strategy": name, "checkpoint": {"interval": interval}}
+]
 
 
 @dataclass(frozen=True)
@@ -128,7 +87,7 @@ class BenchSetup:
         launcher: list[str] = []
         if failure:
             inject = f"machine={self.machine},iteration={self.kill_iteration},phase={self.phase}"
-            launcher = [*(["--elastic"] if strategy == ELASTIC else ["--spares", "1"]), "--inject", inject]
+            launcher = [*(["--spares", "1"] if has_spare(strategy) else ["--elastic"]), "--inject", inject]
         # The swift section's machines are the launcher's (PipeChurn's chunks go to other machines).
         pp = int(json.loads(self.config.read_text()).get("pipeline", {}).get("stages", 1))
         swift = {**strategy_overrides(strategy, self.interval, pp), "machines": {"gpus_per_node": self.nproc}}
@@ -136,7 +95,7 @@ class BenchSetup:
             self.example, self.config, self.iterations, launcher, self.script_args,
             swift=swift, nnodes=self.nnodes, nproc_per_node=self.nproc,
             loss_log=True,
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------------------- the rows
@@ -185,7 +144,7 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
             "host_memory_per_rank": max(0, u["max_rss_bytes"] - ref_usage["max_rss_bytes"]),
             "buddy_host_bytes": u["buddy_host_bytes_max"],
             "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
-        })  # fmt: skip
+        })
     return rows
 
 
@@ -202,7 +161,8 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--strategies", default="auto,checkpoint",
-                   help=f"comma-separated, of {', '.join(STRATEGIES)} (default %(default)s; '{REFERENCE}' always runs)")
+                   help=f"comma-separated, of {', '.join(strategy_names())} or a bench variant a strategy declares "
+                        f"(ds_swift.bench.variants; default %(default)s; '{REFERENCE}' always runs)")
     p.add_argument("--config", default="pp2_dp2_bf16", help=f"{' | '.join(CONFIGS)} or a DeepSpeed JSON path")
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--kill-iteration", type=int, default=11, help="iteration (from 0) during which the machine dies")
@@ -221,7 +181,7 @@ def register(subparsers: Any) -> None:
 def _check(args: argparse.Namespace) -> list[str]:
     names = [s.strip() for s in args.strategies.split(",") if s.strip() and s.strip() != REFERENCE]
     if not names:
-        raise BenchError(f"--strategies: name at least one of {', '.join(STRATEGIES)}")
+        raise BenchError(f"--strategies: name at least one of {', '.join(bench_strategies())}")
     for name in names:
         strategy_overrides(name, 1)
     if not 0 <= args.kill_iteration < args.iterations:
@@ -279,7 +239,7 @@ def _setup(args: argparse.Namespace) -> tuple[list[str], BenchSetup]:
     setup = BenchSetup(
         repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
         args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
-    )  # fmt: skip
+    )
     refused = infeasible_strategies(setup, names)
     if refused:
         raise BenchError("; ".join(f"{name} cannot run: {why}" for name, why in refused.items()))
@@ -303,7 +263,7 @@ def _job_runner(
         if done.code != 0:
             tail = "\n".join(done.output.splitlines()[-30:])
             raise BenchError(f"{name} ({'failure' if failure else 'no failure'}): exit {done.code}; see "
-                             f"{done.proc_logs}\n{tail}")  # fmt: skip
+                             f"{done.proc_logs}\n{tail}")
         say(f"[bench] {name}: exit 0 after {done.seconds:.1f} s")
         return done
 
@@ -313,7 +273,7 @@ def _job_runner(
 def _result(
     args: argparse.Namespace, setup: BenchSetup, reference: JobRun, runs: Any, rows: list[dict[str, Any]],
     failed: dict[str, str],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """bench.json's content (the plot and the total time are added by the caller)."""
     return {
         **bench_profile(reference, runs, rows, args.checkpoint_interval),
@@ -325,11 +285,11 @@ def _result(
                    "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
         "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "failed": failed,
-    }  # fmt: skip
+    }
 
 
 def _say_result(say: Callable[[str], None], result: dict[str, Any], rows: list[dict[str, Any]],
-                failed: dict[str, str]) -> None:  # fmt: skip
+                failed: dict[str, str]) -> None:
     """The table and one line per thing a reader must not miss (no recovery, a differing run, a shrink)."""
     ref = result["reference"]
     say(f"reference ({REFERENCE}: ds-swift off, no failure): {fmt_value(ref['step_s'], '.3f')} s per iteration, final loss "

@@ -21,7 +21,7 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
     how_w = max([14, *(len(h) for h in how.values())])
     head = (f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
             f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
-            f"{'buddy':>7s} {'recomputed':>10s}")  # fmt: skip
+            f"{'buddy':>7s} {'recomputed':>10s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         exact = "bitwise" if r["bitwise"] else (

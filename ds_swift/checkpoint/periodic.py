@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "is_complete",
     "job_id_for", "latest_complete", "marker_problem", "origin_of", "tag_for", "trusted_origin",
-]  # fmt: skip
+]
 
 #: errnos of a write the storage refused: full disk or quota, storage gone or failing, read-only or
 #: forbidden, file too large. Not a dead peer's (ECONNRESET, ETIMEDOUT, ...): those are failures.
@@ -66,7 +66,7 @@ _WRITE_ERRNOS = frozenset(
     getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "EFBIG", "ENXIO",
                                       "ESTALE", "ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG")
     if hasattr(errno, name)
-)  # fmt: skip
+)
 
 
 def _write_error(exc: BaseException, directory: str | os.PathLike[str] | None = None) -> bool:
@@ -176,7 +176,7 @@ class CheckpointManager:
             written = False
             say(f"checkpoint {tag} could not be written ({type(exc).__name__}: {str(exc)[:200]}); it does not "
                 "count: a recovery loads the last complete one; training goes on", self.rank, level=logging.WARNING,
-                name=__name__)  # fmt: skip
+                name=__name__)
             # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
             # the other ranks wait in it), which this rank did not reach.
             dist.barrier()  # transport: ok
@@ -188,7 +188,7 @@ class CheckpointManager:
         elif self.rank == 0:
             bad = [r for r, ok in enumerate(everyone) if not ok]
             say(f"checkpoint {tag} does not count: ranks {bad} could not write their files", level=logging.WARNING,
-                name=__name__)  # fmt: skip
+                name=__name__)
         self.last_saved = done
         return tag
 
@@ -246,7 +246,7 @@ class CheckpointManager:
         """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
         if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
             say(f"checkpoint {self.pending} was still being written at exit: it does not count", self.rank,
-                level=logging.WARNING, name=__name__)  # fmt: skip
+                level=logging.WARNING, name=__name__)
 
     def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
         """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
@@ -267,7 +267,7 @@ class CheckpointManager:
                     f"checkpoint {tag} in {self.ckpt_dir} belongs to "
                     f"{job or 'an unknown job (no job id in its marker)'}, not this job ({self.job_id}): not loaded",
                     self.rank, level=logging.WARNING, name=__name__,
-                )  # fmt: skip
+                )
         o = self.origin
         if o is not None and (at_most is None or o.iterations <= at_most):
             # Set from the store or by hand, the origin is still only trusted with ds-swift's marker.
@@ -283,7 +283,7 @@ class CheckpointManager:
             return
         self._warned.add(f"untrusted {tag}")
         say(f"checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded", self.rank,
-            level=logging.WARNING, name=__name__)  # fmt: skip
+            level=logging.WARNING, name=__name__)
 
     def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
         o = self.origin

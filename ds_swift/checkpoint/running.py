@@ -242,7 +242,7 @@ class RunningCheckpoint:
             for n in g.names:
                 t = state[n]
                 self._meta[n] = {"dtype": str(t.dtype), "shape": list(t.shape), "key": g.key,
-                                 "numel": t.numel(), "itemsize": t.element_size()}  # fmt: skip
+                                 "numel": t.numel(), "itemsize": t.element_size()}
 
     def _check(self, state: Mapping[str, torch.Tensor]) -> None:
         if set(state) != set(self._meta):
@@ -324,7 +324,7 @@ class RunningCheckpoint:
     def _persist(self, job: _Round) -> None:
         name = f"{self._run}-{job.seq:06d}.bin"
         entries = {t: list(self._entries.get(t) or [None] * nblocks(int(m["numel"]), self.block_elements))
-                   for t, m in job.meta.items()}  # fmt: skip
+                   for t, m in job.meta.items()}
         buffers, offset = [], 0
         for tensor, b, piece in job.pieces:
             data = piece.view(torch.uint8).numpy()

@@ -25,7 +25,7 @@ from ds_swift.logs import say
 __all__ = [
     "Origin", "checkpoint_job", "complete_checkpoints", "is_complete", "job_id_for", "latest_complete",
     "marker_problem", "origin_of", "tag_for", "trusted_origin",
-]  # fmt: skip
+]
 
 _TAG = re.compile(r"^global_step(\d+)$")
 
@@ -93,7 +93,7 @@ def latest_complete(
     found = [
         c for c in complete_checkpoints(ckpt_dir)
         if (at_most is None or c[0] <= at_most) and (job is None or checkpoint_job(ckpt_dir, c[1]) == job)
-    ]  # fmt: skip
+    ]
     return found[-1] if found else None
 
 
@@ -135,7 +135,7 @@ def trusted_origin(
     say(f"checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
         "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
         "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
-        rank, level=logging.WARNING, name=__name__)  # fmt: skip
+        rank, level=logging.WARNING, name=__name__)
     return None
 
 

@@ -180,7 +180,7 @@ class SwiftConfig:
             # The configs written before elastic was a strategy of its own: still served, with a warning.
             warnings.warn(f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
                           f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
-                          FutureWarning, stacklevel=4)  # fmt: skip
+                          FutureWarning, stacklevel=4)
             object.__setattr__(self, "strategy", elastic[0])
             self.__dict__.pop("services", None)
             return

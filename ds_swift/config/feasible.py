@@ -75,7 +75,7 @@ class JobShape:
     def from_ds_config(
         cls, ds_config: Mapping[str, Any], machines: int, per_machine: int, elastic: bool = False,
         pipeline: int | None = None, tensor: int | None = None,
-    ) -> JobShape:  # fmt: skip
+    ) -> JobShape:
         """The shape from the DeepSpeed config (``pipeline.stages``, ``zero_optimization.stage``,
         ``bf16``), unless ``pipeline``/``tensor`` say otherwise (Megatron's flags)."""
         if pipeline is None:
@@ -95,10 +95,10 @@ def elastic_needs_the_config(cfg: SwiftConfig, shape: JobShape) -> str | None:
         return None
     if not cfg.enabled:
         return ("--elastic: ds-swift is off in this job (swift.enabled is false): nothing would shrink the job; "
-                "turn swift on with \"strategy\": \"elastic\", or drop --elastic")  # fmt: skip
+                "turn swift on with \"strategy\": \"elastic\", or drop --elastic")
     return (f"--elastic: the swift config's strategy {cfg.strategy!r} does not shrink the job, so its workers "
             "would wait for a replacement of the failed machine that never comes; set \"strategy\": \"elastic\" "
-            "in the swift section, or drop --elastic (and give --spares N)")  # fmt: skip
+            "in the swift section, or drop --elastic (and give --spares N)")
 
 
 def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -108,7 +108,7 @@ def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | Non
         return None
     return (f"--elastic: a machine must hold whole data-parallel replicas for a shrink to drop it, but "
             f"--nproc-per-node {shape.per_machine} is not a multiple of tp x pp = {replica}; use --nproc-per-node "
-            f"{replica * max(1, shape.per_machine // replica)} (a multiple of {replica}), or drop --elastic")  # fmt: skip
+            f"{replica * max(1, shape.per_machine // replica)} (a multiple of {replica}), or drop --elastic")
 
 
 def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -124,7 +124,7 @@ def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | Non
     return (f"--elastic: with --nnodes {shape.machines} the first machine lost leaves {left} data-parallel "
             f"replica(s), fewer than elastic.min_data_parallel={cfg.elastic.min_data_parallel} (and at least 1): "
             f"no shrink could ever go on; use --nnodes {need}, lower elastic.min_data_parallel, or give --spares N "
-            "instead of --elastic")  # fmt: skip
+            "instead of --elastic")
 
 
 def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -138,7 +138,7 @@ def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
         return (f"strategy \"{cfg.strategy}\" needs k + r + 1 = {k + r + 1} machines in distinct failure domains "
                 f"(pipechurn.data_chunks={k}, pipechurn.parity_chunks={r}, and each rank's own), the job has "
                 f"--nnodes {shape.machines}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
-                f"pipechurn.parity_chunks ({exc})")  # fmt: skip
+                f"pipechurn.parity_chunks ({exc})")
     return None
 
 
@@ -156,7 +156,7 @@ def buddies_need_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
         return (f"buddy copies (buddy.enabled, strategy {cfg.strategy!r}, optimizer state partitioned by ZeRO-1 / "
                 f"bf16) need buddy.replication_factor={factor} rank(s) outside each rank's machine, the job has "
                 f"--nnodes {shape.machines}: use --nnodes {need} or more, or set \"buddy\": {{\"enabled\": false}} "
-                f"(a lost partition then comes from the global checkpoint) ({exc})")  # fmt: skip
+                f"(a lost partition then comes from the global checkpoint) ({exc})")
     return None
 
 

@@ -229,7 +229,7 @@ class VerifyConfig:
         _check_type("verify.digest_interval", self.digest_interval, int, "a positive number of iterations")
         if self.digest_interval < 1:
             raise _fail("verify.digest_interval", self.digest_interval,
-                        "a positive number of iterations (turn verification off with verify.enabled: false)")  # fmt: skip
+                        "a positive number of iterations (turn verification off with verify.enabled: false)")
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,11 @@ class WatchdogConfig:
                 raise _fail(f"watchdog.{name}", value, "a positive number of seconds")
         if self.hang_timeout_s is not None:
             _check_type("watchdog.hang_timeout_s", self.hang_timeout_s, (int, float),
-                        "a positive number of seconds, or null (off)")  # fmt: skip
+                        "a positive number of seconds, or null (off)")
             if self.hang_timeout_s <= self.op_timeout_s:
                 # A rank waiting in an op on the hung one must time out (and stop counting) first.
                 raise _fail("watchdog.hang_timeout_s", self.hang_timeout_s,
-                            f"more than watchdog.op_timeout_s={self.op_timeout_s}, or null (off)")  # fmt: skip
+                            f"more than watchdog.op_timeout_s={self.op_timeout_s}, or null (off)")
         if self.poll_interval_s >= self.heartbeat_timeout_s:
             raise ConfigError(
                 f"swift config: watchdog.poll_interval_s={self.poll_interval_s} must be smaller "

@@ -208,7 +208,7 @@ def classify_failure(
         # of the generation acts on the same verdict, re-forming the next one with its state.
         said = (f"{STALL}rank {liveness.rank}: {type(exc).__name__} ({str(exc)[:160]}) with no rank dead "
                 f"(every rank heartbeating for {patience:.1f} s): the next generation is formed by the same "
-                "ranks with the state they hold, nothing lost")  # fmt: skip
+                "ranks with the state they hold, nothing lost")
         first = declare_failure(store, generation, said)
         return f"stall ({'declared' if first else 'already declared'}): {str(exc)[:120]}"
     exc.add_note(

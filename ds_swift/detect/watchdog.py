@@ -36,7 +36,7 @@ from ds_swift.threadname import name_os_thread
 __all__ = [
     "BEATS_PER_TIMEOUT", "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key",
     "suspect_key", "wait_failed_machine",
-]  # fmt: skip
+]
 
 #: Heartbeats a worker writes (and reads of its watched peers' heartbeats) per heartbeat timeout. A
 #: stopped peer is then declared at most a tenth of the timeout late; writing them at every poll of
@@ -240,7 +240,7 @@ class Watchdog:
                 if store.add(f"{key}/n", 1) == 1:
                     store.set(key, f"{self.heartbeat_timeout_s!r} {reason}")
                 say(f"suspects machine {machine}: {reason}; a verdict needs a second observer or the machine's own "
-                    "agent", self.rank, name=__name__)  # fmt: skip
+                    "agent", self.rank, name=__name__)
         observers = store.add(f"{key}/n", 0)
         if observers < 2:
             return None

@@ -144,7 +144,7 @@ class ChunkHeader:
         return cls(
             name.first_iteration, name.end_iteration, src_rank, dst_rank, e.src_stage, e.dst_stage, e.dp_rank,
             e.tp_rank, e.kind,
-        )  # fmt: skip
+        )
 
     @property
     def edge(self) -> LogEdge:

@@ -354,5 +354,5 @@ def install_message_logging(
     return MessageLogHandle(
         engine, plan, cfg, log_dir, native=native, copy_mode=copy_mode, max_inflight_bytes=max_inflight_bytes,
         on_error=on_error,
-    )  # fmt: skip
+    )
 

@@ -7,7 +7,7 @@
 - :mod:`.machine_groups`: a layout's selective-logging groups (section 5.3), cut by the
   optimisers of :mod:`.grouping` (greedy) and :mod:`.grouping_exact`;
 - :mod:`.budget`: the storage budget at runtime (the plan from the sizes an engine measured);
-- :mod:`.cli`: ``ds-swift plan``.
+- :mod:`.cli`: ``ds-swift plan`` (its tables: :mod:`.tables`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.plan.analysis import STRATEGIES, Plan, analyze, config_strategy
 from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost
 from ds_swift.plan.layout import ParallelLayout
-from ds_swift.plan.sizes import DTYPE_BYTES, GB, ModelShape
+from ds_swift.plan.sizes import DTYPE_BYTES, ModelShape
+from ds_swift.plan.tables import print_buddy, print_tables
 from ds_swift.plan.update_logging import choose_for_plan, print_choices
 
 __all__ = ["build_plan", "register", "run"]
@@ -242,18 +243,6 @@ def build_buddy_cost(args: argparse.Namespace) -> BuddyCost:
     return buddy_cost(ds, swift, _layout(args, swift, ds), args.num_params)
 
 
-def _print_buddy(cost: BuddyCost) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="buddy copies of optimizer partitions (per rank)")
-    table.add_column("")
-    table.add_column("value")
-    for label, value in cost.lines():
-        table.add_row(label, value)
-    Console().print(table)
-
-
 def run(args: argparse.Namespace) -> int:
     # With --json, stdout carries the JSON alone (a library's import-time print goes to stderr).
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
@@ -263,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
             plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
             read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
-        )  # fmt: skip
+        )
         rec = _recommend(args, js) if args.recommend else None
     if args.json:
         js |= {"buddy": buddy.to_json(), "stage_logging": [r.to_json() for r in choices]}
@@ -271,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
             js["recommendation"] = rec
         print(json.dumps(js, indent=2))
     else:
-        _print_tables(plan)
-        _print_buddy(buddy)
+        print_tables(plan)
+        print_buddy(buddy)
         if choices:
             print_choices(choices)
         if rec is not None:
@@ -309,92 +298,3 @@ def _recommend(args: argparse.Namespace, plan_json: dict[str, Any]) -> dict[str,
     )
 
 
-def _ranges(values: list[int]) -> str:
-    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
-    runs: list[list[int]] = []
-    for v in sorted(values):
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def _gb(nbytes: int | float) -> str:
-    return f"{nbytes / GB:.2f} GB"
-
-
-def _print_tables(plan: Plan) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
-    lay, js = plan.layout, plan.to_json()
-    console.print(
-        f"[bold]ds-swift plan[/bold]: tp={lay.tp} pp={lay.pp} dp={lay.dp} (order {js['layout']['order']}), "
-        f"{lay.world_size} ranks on {lay.num_machines} machines of {lay.gpus_per_node}; strategy {plan.strategy}"
-    )
-
-    # One row per run of consecutive stages with the same strategy and logging group.
-    stages = Table(title="Stages")
-    for col in ("stages", "strategy", "machines", "group"):
-        stages.add_column(col)
-    rows: list[tuple[list[int], str, set[int], set[int]]] = []
-    for s in js["stages"]:
-        grp = {plan.group_of_machine(m) for m in s["machines"]}
-        key = (s["strategy"], sorted(grp))
-        if rows and (rows[-1][1], sorted(rows[-1][3])) == key and rows[-1][0][-1] == s["stage"] - 1:
-            rows[-1][0].append(s["stage"])
-            rows[-1][2].update(s["machines"])
-        else:
-            rows.append(([s["stage"]], s["strategy"], set(s["machines"]), grp))
-    for st, strategy, machines, grp in rows:
-        stages.add_row(_ranges(st), strategy, _ranges(sorted(machines)), _ranges(sorted(grp)))
-    console.print(stages)
-
-    if len(plan.groups) > 1 or plan.logged_edges:
-        groups = Table(title=f"Logging groups ({plan.grouping_method})")
-        for col in ("group", "machines", "logged in, per iteration", "logged out, per iteration"):
-            groups.add_column(col)
-        inbound = [0] * len(plan.groups)
-        outbound = [0] * len(plan.groups)
-        for e in plan.logged_edges:
-            inbound[plan.group_of_machine(plan.machine_of(e.dst_rank))] += e.bytes_per_iteration
-            outbound[plan.group_of_machine(plan.machine_of(e.src_rank))] += e.bytes_per_iteration
-        for i, g in enumerate(plan.groups):
-            sized = plan.sized
-            groups.add_row(
-                str(i), _ranges(g), _gb(inbound[i]) if sized else "unknown", _gb(outbound[i]) if sized else "unknown"
-            )
-        console.print(groups)
-
-    summary = Table(show_header=False, title="Summary")
-    summary.add_column("what")
-    summary.add_column("value")
-    if not plan.sized:
-        summary.add_row("log bytes / iteration", "unknown (give --hidden, --seq-len, ...)")
-    else:
-        summary.add_row(
-            "log bytes / iteration", f"{_gb(plan.log_bytes_per_iteration)} ({plan.log_bytes_per_iteration} bytes)"
-        )
-        if plan.candidate_log_bytes_per_iteration != plan.log_bytes_per_iteration:
-            summary.add_row("would log if worth it", _gb(plan.candidate_log_bytes_per_iteration))
-        summary.add_row("max per sending GPU", _gb(js["max_sender_bytes_per_iteration"] or 0))
-    if plan.bubble_ratio is not None:
-        summary.add_row("bubble ratio (p-1)/(m+p-1)", f"{plan.bubble_ratio:.3f}")
-    verdict, reason = plan.worth_logging
-    summary.add_row("worth logging", f"{'yes' if verdict else 'no'}: {reason}")
-    summary.add_row(
-        "expected recovery per replayed iteration",
-        f"{plan.expected_recovery:.4g} {plan.recovery_units} ({plan.grouping_method} grouping, section 5.3 objective)",
-    )
-    for name, found in (("greedy grouping", plan.greedy), ("exact grouping", plan.exact)):
-        if found is not None:
-            summary.add_row(
-                name,
-                f"{len(found.groups)} groups, recovery {found.recovery_time:.4g}, "
-                f"logs per interval {_gb(found.storage)}, optimal {found.optimal}",
-            )
-    for note in plan.notes:
-        summary.add_row("note", note)
-    console.print(summary)

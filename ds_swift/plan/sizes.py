@@ -163,7 +163,7 @@ class MeasuredSizes:
             tuple(edges), micro_batches, iterations.pop(), max(seconds, default=None), params or None,
             stage_params=tuple(stage_params), update_bytes=tuple(update_bytes) if any(update_bytes) else (),
             copy_gbps=min(copies, default=None),
-        )  # fmt: skip
+        )
 
     def stage_state_bytes(self, stage: int) -> int | None:
         """Model-state bytes of ``stage`` (what a checkpoint of it writes), if its parameters were measured."""
@@ -198,7 +198,7 @@ class MeasuredSizes:
             js.get("num_params"), float(js.get("state_bytes_per_param", 16.0)),
             stage_params=tuple(int(x) for x in js.get("stage_params", ())),
             update_bytes=tuple(int(x) for x in js.get("update_bytes", ())), copy_gbps=js.get("copy_gbps"),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)

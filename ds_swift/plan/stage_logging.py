@@ -117,7 +117,7 @@ def decide_stages(plan: Plan, kinds: str | Sequence[str], measured: MeasuredSize
         if kinds == "auto":
             kind: Kind = "updates" if upd is not None and upd < msgs else "messages"
             why = (f"updates {_mb(upd)} < inbound messages {_mb(msgs)}" if kind == "updates"
-                   else f"inbound messages {_mb(msgs)} <= updates {_mb(upd)}")  # fmt: skip
+                   else f"inbound messages {_mb(msgs)} <= updates {_mb(upd)}")
         elif isinstance(kinds, str):
             kind, why = "messages", f"logging.kinds=messages: inbound messages {_mb(msgs)}"
         else:
@@ -153,7 +153,7 @@ def _pays(
     if state is not None:
         if nbytes >= state:
             return False, (f"not logged: {_mb(nbytes)} per iteration is not smaller than its state {_mb(state)} "
-                           "(a checkpoint of it every iteration would write less)")  # fmt: skip
+                           "(a checkpoint of it every iteration would write less)")
         parts.append(f"< its state {_mb(state)}")
     else:
         parts.append("state not measured")
@@ -165,7 +165,7 @@ def _pays(
         capacity = bubble_s * copy_gbps * 1e9
         if worst > capacity:
             return False, (f"not logged: {_mb(worst)} per rank per iteration does not fit in the bubbles "
-                           f"({bubble_s:.3g} s x {copy_gbps:.3g} GB/s = {_mb(capacity)})")  # fmt: skip
+                           f"({bubble_s:.3g} s x {copy_gbps:.3g} GB/s = {_mb(capacity)})")
         parts.append(f"{_mb(worst)} per rank fits in the bubbles ({bubble_s:.3g} s x {copy_gbps:.3g} GB/s)")
     return True, "pays: " + ", ".join(parts)
 

@@ -95,7 +95,7 @@ def choose_stage_logging(
         checkpoint_interval: iterations between global checkpoints.
     """
     _check(layout, stages, stage_params, update_bytes_per_param, stage_compute_s, read_gbps,
-           storage_budget_gb, checkpoint_interval)  # fmt: skip
+           storage_budget_gb, checkpoint_interval)
     inbound = {s: 0 for s in stages}
     for edge in pipeline_edges(layout, shape):
         if edge.dst_stage in inbound:
@@ -133,7 +133,7 @@ def _spend_budget_on_speed(rows: list[StageLogChoice], per_iteration: float) -> 
             StageLogChoice(**{**asdict(r), "reason": r.reason + f"; even the cheaper logs exceed the budget "
                               f"({total / GB:.3g} > {per_iteration / GB:.3g} GB per iteration)"})
             for r in rows
-        ]  # fmt: skip
+        ]
     swaps: list[tuple[float, int]] = []
     for i, r in enumerate(rows):
         other: LogKind = "activation" if r.choice == "update" else "update"
@@ -202,7 +202,7 @@ def choose_for_plan(
         plan.layout, shape, stages, stage_params_even(shape.num_params, plan.layout.pp),
         stage_compute_s=times if unit == "s" else None, read_gbps=read_gbps,
         storage_budget_gb=storage_budget_gb, checkpoint_interval=checkpoint_interval,
-    )  # fmt: skip
+    )
 
 
 def print_choices(rows: Sequence[StageLogChoice]) -> None:
@@ -221,7 +221,7 @@ def print_choices(rows: Sequence[StageLogChoice]) -> None:
             str(r.stage), f"{r.activation_bytes / GB:.3g} GB", f"{r.update_bytes / GB:.3g} GB",
             "?" if r.recompute_s is None else f"{r.recompute_s:.3g} s", "?" if r.apply_s is None else f"{r.apply_s:.3g} s",
             r.choice,
-        )  # fmt: skip
+        )
     console.print(table)
     for r in rows:
         console.print(f"stage {r.stage}: {r.choice} logging: {r.reason}")

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.timeline import RankTimeline
 
-__all__ = ["RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed", "announce_deviation",
-           "check_round", "checkpoint_source", "loud"]
+__all__ = ["BenchVariant", "RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed",
+           "announce_deviation", "check_round", "checkpoint_source", "loud"]
 
 
 def loud(rank: int, msg: str) -> None:
@@ -152,6 +152,19 @@ class RestoreFailed(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class BenchVariant:
+    """A row of ``ds-swift bench`` that runs its strategy another way (:meth:`RecoveryStrategy.bench_variants`).
+
+    Args:
+        swift: the swift section's overrides beside ``strategy`` (the declaring strategy's name).
+        spare: the failure job has a spare machine; False: none, the launcher's ``--elastic`` (a shrink).
+    """
+
+    swift: Mapping[str, Any] = field(default_factory=dict)
+    spare: bool = True
+
+
 class RecoveryStrategy(ABC):
     """One way to restore the ranks a failure lost.
 
@@ -166,6 +179,8 @@ class RecoveryStrategy(ABC):
     """Whether ``"strategy": "auto"`` may choose it (False: it needs set-up only its own name turns on)."""
     SERVICES: ClassVar[StrategyServices] = StrategyServices()
     """What :meth:`services` returns unless a strategy overrides it."""
+    BENCH_VARIANTS: ClassVar[Mapping[str, BenchVariant]] = {}
+    """What :meth:`bench_variants` returns unless a strategy overrides it."""
 
     def services(self, cfg: SwiftConfig) -> StrategyServices:
         """What the job runs while nothing fails so that this strategy can restore (its set-up half).
@@ -174,6 +189,14 @@ class RecoveryStrategy(ABC):
             cfg: the swift config (a strategy may read its own sub-section).
         """
         return self.SERVICES
+
+    def bench_variants(self, pp: int) -> Mapping[str, BenchVariant]:
+        """Rows of ``ds-swift bench`` beside this strategy's own, by name (ds_swift.bench.variants).
+
+        Args:
+            pp: the bench job's pipeline stages (a variant may depend on them).
+        """
+        return self.BENCH_VARIANTS
 
     def offered(self, inputs: RecoveryInputs) -> bool:
         """Whether to ask this strategy although the config does not name it: under ``auto`` where
@@ -335,6 +358,6 @@ def check_round(
     if problems:
         reason = f"{what}: " + "; ".join(problems)
         loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT "
-                       f"({checkpoint_source(inputs.checkpoint_step)})")  # fmt: skip
+                       f"({checkpoint_source(inputs.checkpoint_step)})")
         raise RestoreFailed(reason)
     return answers

@@ -201,7 +201,7 @@ class RecoveryInputs:
         return cls(
             ordered, consensus, survivors, replacements, undo, cannot, checkpoint_step, logging, forced, zero_stage,
             optimizer_wrapper, partitioned,
-        )  # fmt: skip
+        )
 
     def rebased(self, consensus: int) -> RecoveryInputs:
         """The same inputs agreeing on an earlier ``consensus`` (more survivors undo, maybe some cannot)."""
@@ -209,7 +209,7 @@ class RecoveryInputs:
             self.reports, checkpoint_step=self.checkpoint_step, logging=self.logging, forced=self.forced,
             zero_stage=self.zero_stage, optimizer_wrapper=self.optimizer_wrapper, partitioned=self.partitioned,
             consensus=consensus,
-        )  # fmt: skip
+        )
 
     @property
     def by_rank(self) -> dict[int, RankReport]:
@@ -225,7 +225,7 @@ class RecoveryInputs:
             for r in self.reports
             if r.log_lost is not None and r.rank not in members
             and ((r.stage - 1, r.dp, r.tp) in coords or (r.stage + 1, r.dp, r.tp) in coords)
-        ]  # fmt: skip
+        ]
 
     @property
     def failed_machines(self) -> set[int]:
@@ -289,4 +289,4 @@ class RecoveryInputs:
         return RecoveryPlan(
             strategy, reason, self.consensus, self.survivors, self.replacements, donors=dict(donors or {}),
             undo=self.undo, replay_ranks=replay_ranks, replay_from=replay_from,
-        )  # fmt: skip
+        )

@@ -145,7 +145,7 @@ def run_recovery(
     inputs = RecoveryInputs.agree(
         reports, checkpoint_step=step, logging=setup, forced=strategy, zero_stage=zero_stage,
         optimizer_wrapper=optimizer_wrapper, partitioned=partitioned,
-    )  # fmt: skip
+    )
     plan, chosen = STRATEGIES.choose(inputs)
     ctx.timeline.t_consensus = time.time()
     if ctx.kept is not None and ctx.rank in plan.undo and not report.can_undo:
@@ -176,7 +176,7 @@ def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list
 
 
 def _restore(ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan,
-             chosen: RecoveryStrategy) -> tuple[RecoveryOutcome, RecoveryPlan]:  # fmt: skip
+             chosen: RecoveryStrategy) -> tuple[RecoveryOutcome, RecoveryPlan]:
     """Steps 3-4: the chosen strategy's restore, verified; any rank's failure (agreed on every rank)
     falls back to the global checkpoint in this same generation."""
     error: str | None = None
@@ -225,7 +225,7 @@ def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
         return
     what = (f"survivors {inexact} undid iteration {plan.consensus + 1} by update-undo's inverse update, which "
             "restores the state before it only to within 2 ulp (no own copy of it was held: buddy copies are off "
-            "or not used by this strategy)")  # fmt: skip
+            "or not used by this strategy)")
     announce_deviation(ctx, inputs, plan.strategy, outcome, f"{outcome.deviation}; {what}" if outcome.deviation else what)
 
 

@@ -196,7 +196,7 @@ class KeptState:
         if self.restored is not None:
             module = {**self.module, **(self.restored.get("buffers") or {})}
             return {"module": module, "optimizer": self.restored["optimizer"],
-                    "lr_scheduler": self.restored.get("lr_scheduler"), "rng": {}}  # fmt: skip
+                    "lr_scheduler": self.restored.get("lr_scheduler"), "rng": {}}
         return {
             "module": self.module,
             "optimizer": optimizer_payload(self.optimizer) if self.optimizer is not None else None,

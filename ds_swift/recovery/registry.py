@@ -21,12 +21,18 @@ from typing import Any
 from ds_swift.recovery.base import RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 
-__all__ = ["FALLBACK", "REGISTERED", "STRATEGIES", "plan_recovery", "registered_names", "strategies"]
+__all__ = [
+    "FALLBACK", "GLOBAL_CHECKPOINT", "REGISTERED", "STRATEGIES", "declared_by", "plan_recovery", "registered_names",
+    "strategies",
+]
 
 STRATEGIES: Registry
 """Every registered strategy and the fallback (built on first use: :func:`__getattr__`)."""
 
 _STRATEGIES = "ds_swift.recovery.strategies"
+#: the asynchronous global checkpoint: the baseline the what-if simulator compares every strategy with
+#: (``ds-swift simulate``; the bench profile's row of the fallback takes this name: ds_swift.bench.profile)
+GLOBAL_CHECKPOINT = "global_checkpoint"
 #: (name, module:class) of every registered strategy
 REGISTERED: tuple[tuple[str, str], ...] = (
     ("replication", f"{_STRATEGIES}.replication:ReplicationStrategy"),
@@ -38,7 +44,7 @@ REGISTERED: tuple[tuple[str, str], ...] = (
     ("immediate_rollback", f"{_STRATEGIES}.rollback:ImmediateRollbackStrategy"),
     ("lossy_forward", f"{_STRATEGIES}.lossy:LossyForwardStrategy"),
     ("elastic", f"{_STRATEGIES}.elastic:ElasticStrategy"),
-    ("global_checkpoint", f"{_STRATEGIES}.global_checkpoint:AsyncGlobalCheckpointStrategy"),
+    (GLOBAL_CHECKPOINT, f"{_STRATEGIES}.global_checkpoint:AsyncGlobalCheckpointStrategy"),
     ("checkfreq", f"{_STRATEGIES}.checkfreq:CheckFreqStrategy"),
 )
 #: the fallback: last, always able
@@ -65,6 +71,17 @@ def strategies() -> Registry:
     """:data:`STRATEGIES` (built here on first use)."""
     built = globals().get("STRATEGIES")
     return built if isinstance(built, Registry) else __getattr__("STRATEGIES")
+
+
+def declared_by(name: str, pp: int = 2) -> RecoveryStrategy | None:
+    """The registered strategy named ``name``, or the one declaring a bench variant of that name
+    (:meth:`~ds_swift.recovery.base.RecoveryStrategy.bench_variants`, for a job of ``pp`` stages);
+    None: neither."""
+    registry = strategies()
+    owners = [registry.get(n) for n in registry.names()]
+    return next((s for s in owners if s.name == name), None) or next(
+        (s for s in owners if name in s.bench_variants(pp)), None
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -105,5 +122,5 @@ def plan_recovery(
     inputs = RecoveryInputs.agree(
         reports, checkpoint_step=checkpoint_step, logging=logging, forced=forced, zero_stage=zero_stage,
         optimizer_wrapper=optimizer, partitioned=partitioned,
-    )  # fmt: skip
+    )
     return (registry or strategies()).choose(inputs)[0]

@@ -143,7 +143,7 @@ def check_published(store: JobStore, rank: int, engine: Any, iteration: int, wha
     if diff is not None:
         return Verdict("mismatch", f"{what} (iteration {iteration}) differs from the digest rank {rank} published then: {diff}")
     return Verdict("verified", f"{what} (iteration {iteration}) bitwise equal to the digest rank {rank} published "
-                               f"({len(mine.names)} tensors)")  # fmt: skip
+                               f"({len(mine.names)} tensors)")
 
 
 def check_resharded(store: JobStore, engine: Any, parts: Mapping[int, Any], iteration: int) -> Verdict:
@@ -163,14 +163,14 @@ def check_resharded(store: JobStore, engine: Any, parts: Mapping[int, Any], iter
         if diff is not None:
             what = "state" if part is None else "optimizer partition"
             return Verdict("mismatch", f"old rank {owner}'s {what} of iteration {iteration}, resharded here, differs "
-                                       f"from the digest it published then: {diff}")  # fmt: skip
+                                       f"from the digest it published then: {diff}")
         checked.append(owner)
     if missing:
         return Verdict("unverified", f"old ranks {missing} published no digest of iteration {iteration} (digests "
                                      f"every verify.digest_interval iterations): their parts are unchecked"
-                                     + (f"; old ranks {checked} verified" if checked else ""))  # fmt: skip
+                                     + (f"; old ranks {checked} verified" if checked else ""))
     return Verdict("verified", f"the parts of old ranks {checked} joined here bitwise equal to the digests they "
-                               f"published of iteration {iteration}")  # fmt: skip
+                               f"published of iteration {iteration}")
 
 
 # ----------------------------------------------------------------------------- replays

@@ -28,7 +28,7 @@ SWITCHES: Mapping[str, str] = {
                 "ds_swift.threadname.lower_os_priority)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
                 "reads after every receive and before every iteration",
-}  # fmt: skip
+}
 
 
 def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -38,5 +38,5 @@ def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
     unknown = sorted(names - set(SWITCHES))
     if unknown:
         raise ValueError(f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
-                         "(unset it to keep every protection on)")  # fmt: skip
+                         "(unset it to keep every protection on)")
     return names

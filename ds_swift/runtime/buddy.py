@@ -118,7 +118,7 @@ class _Worker:
         # per dtype instead of one per tensor), or chunk j for the j-th (pipechurn's erasure coding,
         # done here on the copier thread).
         parts = (self.split(manifest, tensors) if self.split is not None
-                 else [(manifest, _in_order(manifest, flats))] * len(self.buddies))  # fmt: skip
+                 else [(manifest, _in_order(manifest, flats))] * len(self.buddies))
         sends, sent, alive = [], 0, []
         for buddy, (m, ts) in zip(self.buddies, parts, strict=True):
             header = torch.tensor([version, len(m)], dtype=torch.int64)
@@ -201,7 +201,7 @@ class BuddyCopier:
         grid = engine.grid
         tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
         me = torch.tensor([dist.get_rank(), machine, int(engine.stage_id), int(grid.get_data_parallel_id()), int(tp)],
-                          dtype=torch.int64)  # fmt: skip
+                          dtype=torch.int64)
         channel = transport.current()
         table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
         channel.all_gather(table, me)
@@ -260,7 +260,7 @@ class BuddyCopier:
         loud(dist.get_rank() if dist.is_initialized() else -1,
              f"BUDDY COPIES OFF: the copier failed ({self.off}); training goes on WITHOUT buddy copies of this "
              "rank's optimizer partition until the next recovery (a failure meanwhile recovers from older copies "
-             "or the global checkpoint)")  # fmt: skip
+             "or the global checkpoint)")
 
     def after_step(self, engine: Any) -> None:
         """Hand this rank's state after the step just taken (iteration ``global_steps - 1``) to the

@@ -166,12 +166,12 @@ def init_distributed(
         return _CONTEXT
     op_timeout_s = op_timeout_from(cfg)
     ctx = SwiftContext(cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time(),
-                       user_timeout=timeout)  # fmt: skip
+                       user_timeout=timeout)
     if not WorkerEnv.present():
         if os.environ.get("RANK", "0") == "0":
             say("not started by ds-swift-launch: there is no job store and no replacement machine, "
                 "so a failure ends the job as with DeepSpeed alone; start it with ds-swift-launch to recover in-process",
-                level=logging.WARNING, name=__name__)  # fmt: skip
+                level=logging.WARNING, name=__name__)
         deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         transport.open_generation(op_timeout_s)  # before the engine's groups (see join_generation)
         ctx.t_joined = time.time()

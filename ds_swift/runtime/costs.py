@@ -51,7 +51,7 @@ def protection_costs(
     lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
     if without:
         lines.append(f"  SWITCHED OFF for a benchmark by {ENV}: "
-                     + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without)))  # fmt: skip
+                     + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without)))
     lines.append(_digest_line(state, total, device, digests))
     lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
     if buddy is not None and machines == 1:
@@ -61,7 +61,7 @@ def protection_costs(
         per = part * buddy.factor
         lines.append(f"  buddy copies: {_mb(per)} per iteration sent to {buddy.factor} buddy rank(s) on other machines after every step "
                      "in a background thread (estimated from the optimizer partition; the training thread waits "
-                     "only if the previous round is still sending; measured totals at the end)")  # fmt: skip
+                     "only if the previous round is still sending; measured totals at the end)")
     else:
         lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
     logged = logs.possible(engine) if logs is not None else False
@@ -71,7 +71,7 @@ def protection_costs(
            "pipeline's bubbles and written by a background thread (bytes per iteration measured in the logs' "
            "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
            "that the plan logs): 0")
-    )  # fmt: skip
+    )
     if cfg.services.inflight_copy:
         lines.append(_inflight_line(engine, cfg, device))
     lines += _runtime_lines(cfg, without)
@@ -92,7 +92,7 @@ def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
     rate = PCIE_BYTES_PER_S * 4 if device != "cpu" else HOST_COPY_BYTES_PER_S  # a device-to-device copy
     return (f"  partial recomputation: a copy of the gradients before their reduction, {_mb(grads)} per iteration "
             f"(~{grads / rate * 1e3:.2f} ms, estimated at {rate / 1e9:.0f} GB/s), and references to the iteration's "
-            f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)")  # fmt: skip
+            f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)")
 
 
 def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
@@ -114,7 +114,7 @@ def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
             "bookkeeping: ds_swift.undo)"),
         "  determinism: " + (f"deterministic algorithms {off}" if "determinism" in without else
             "torch's deterministic algorithms on (warn only; no NaN fill of new memory)") + f"; RNG keying {rng}",
-    ]  # fmt: skip
+    ]
 
 
 def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
@@ -137,18 +137,18 @@ def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str
     every = cfg.checkpoint.interval
     if cfg.services.checkpoint_tuner:
         return (f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
-                f"of training time), {_mb(total)} per save, asynchronous")  # fmt: skip
+                f"of training time), {_mb(total)} per save, asynchronous")
     if async_ckpt:
         rate, how = (PCIE_BYTES_PER_S, "a pinned copy at PCIe speed") if device != "cpu" else (
-            HOST_COPY_BYTES_PER_S, "a host memory copy")  # fmt: skip
+            HOST_COPY_BYTES_PER_S, "a host memory copy")
         stall = total / rate
         return (f"  global checkpoints: every {every} iterations, asynchronous: the training thread waits for "
                 f"{how}, ~{stall * 1e3:.0f} ms per save (estimated at {rate / 1e9:.0f} GB/s) = "
                 f"{stall * 1e3 / every:.2f} ms per iteration; {_mb(total / every)} per iteration written in the "
-                "background")  # fmt: skip
+                "background")
     return (f"  global checkpoints: every {every} iterations, synchronous (training waits while DeepSpeed writes "
             f"{_mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
-            f"host copy only) = {_mb(total / every)} per iteration")  # fmt: skip
+            f"host copy only) = {_mb(total / every)} per iteration")
 
 
 def _timed(fn: Callable[[], Any], device: str) -> float:

@@ -16,7 +16,8 @@ and the iteration is trained again. A replacement worker (``SWIFT_REPLACEMENT=1`
 recovery inside ``initialize``, so the user's loop simply continues at ``engine.global_steps``.
 
 The per-engine hooks (RNG keying, fault injection, undo, message logging) are in
-ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; what is set
+ds_swift.runtime.hooks; the checkpoint calls in ds_swift.runtime.engine_checkpoint; the data an
+iteration reads in ds_swift.runtime.engine_inputs; its end in ds_swift.runtime.engine_close; what is set
 up around the engine, and reported of it, in ds_swift.runtime.engine_setup; the recovery timeline
 in ds_swift.recovery.timeline.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.distributed as dist
@@ -34,23 +35,24 @@ import torch.distributed as dist
 from ds_swift.checkpoint.periodic import origin_of
 from ds_swift.checkpoint.setup import checkpoint_manager
 from ds_swift.config import SwiftConfig, load_ds_config
-from ds_swift.data.keyed import BatchFn, DataIteratorError, micro_batches
+from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
-from ds_swift.recovery.gradmask import GradScale, scaled_gradients
+from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.engine_checkpoint import CheckpointCalls
+from ds_swift.runtime.engine_close import EngineShutdown
+from ds_swift.runtime.engine_inputs import IterationInputs
 from ds_swift.runtime.engine_setup import (
     check_hang_timeout,
     failure_simulation,
     log_protection_costs,
     running_checkpoints,
-    write_usage,
 )
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -100,7 +102,7 @@ def initialize(
     )
 
 
-class SwiftPipelineEngine(CheckpointCalls):
+class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
     """Wraps a DeepSpeed ``PipelineEngine``; attributes it does not define go to the engine in force."""
 
     _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
@@ -110,7 +112,7 @@ class SwiftPipelineEngine(CheckpointCalls):
             "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
             "_running", "_guard", "_finish",
         }
-    )  # fmt: skip
+    )
 
     def __init__(
         self,
@@ -131,7 +133,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
         self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
-                                ctx.log)  # fmt: skip
+                                ctx.log)
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
@@ -158,7 +160,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._rebuild = Rebuilder(
             self, ctx=ctx, cfg=cfg, ds_config=config, build=engine_fn, model_fn=model_fn,
             hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
-        )  # fmt: skip
+        )
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
@@ -238,7 +240,7 @@ class SwiftPipelineEngine(CheckpointCalls):
                         finishing, self._finish = self._finish == int(engine.global_steps), None
                         self._hooks.begin_iteration(finishing)
                         data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
-                            int(engine.global_steps))  # fmt: skip
+                            int(engine.global_steps))
                         if self._simulation is not None:
                             self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
@@ -265,49 +267,9 @@ class SwiftPipelineEngine(CheckpointCalls):
             attempts += 1
             if attempts > MAX_ATTEMPTS:
                 raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration "
-                               f"(the last: {how})")  # fmt: skip
+                               f"(the last: {how})")
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
-
-    def _scaled(self, engine: Any) -> AbstractContextManager[Any]:
-        """The gradient scaling a lossy forward recovery asked of the iteration about to be trained."""
-        scale, iteration = self._grad_scale, int(engine.global_steps)
-        if scale is None or scale.iteration != iteration:
-            if scale is not None and scale.iteration < iteration:
-                self._grad_scale = None  # trained (or skipped past by a later recovery)
-            return nullcontext()
-        self._ctx.log(f"iteration {iteration}: gradients x {scale.factor:g}"
-                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))  # fmt: skip
-        return scaled_gradients(engine.module, scale.factor, scale.upto_layer)
-
-    def _position(self, data_iter: Any, attempts: int) -> Any:
-        """The user's iterator, at the iteration about to be trained, or an error (never the wrong
-        samples): a :class:`~ds_swift.data.keyed.ResumableIterator` is rewound there; a plain one only
-        serves iterations that follow on from what it gave, not a retry after a recovery or a
-        replacement's first iteration."""
-        e = self._engine
-        if not (e.is_first_stage() or e.is_last_stage()):
-            return data_iter  # middle stages read no data
-        iteration = int(e.global_steps)
-        if hasattr(data_iter, "rewind"):
-            if data_iter.iteration != iteration:
-                data_iter.rewind(iteration)
-            return data_iter
-        replacement_start = self._ctx.env is not None and self._ctx.env.replacement and not self._user_iter_warned
-        self._user_iter_warned = True
-        if attempts > 0 or replacement_start:
-            raise DataIteratorError(
-                f"ds-swift: train_batch(data_iter=...) after a recovery: iteration {iteration} would be trained on "
-                "whatever the iterator holds next, not its own samples. Pass batch_fn to ds_swift.initialize() "
-                "(samples by position), or wrap the iterator: ds_swift.data.keyed.ResumableIterator(factory, micro_batches), "
-                "where factory(iteration) builds it at that iteration (e.g. a DataLoader over "
-                "MegatronPretrainingSampler(consumed_samples=...))"
-            )
-        return data_iter
-
-    def _data_for(self, iteration: int) -> Any:
-        e = self._engine
-        return micro_batches(self._batch_fn, iteration, e.grid.get_data_parallel_id(), e.gradient_accumulation_steps())
 
     def _after_step(self) -> None:
         if self._running is not None:
@@ -319,43 +281,6 @@ class SwiftPipelineEngine(CheckpointCalls):
         if self._ckpt.due(int(self._engine.global_steps)):
             self._save_checkpoint()
         self._timeline.check_back(int(self._engine.global_steps))
-
-    def _close_at_exit(self) -> None:
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - at interpreter exit the job store may be gone already
-            self._ctx.log(f"closing at exit: {type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        """Stop the watchdog and remove the hooks (the engine stays usable, unprotected)."""
-        if self._closed:
-            return
-        self._closed = True
-        env, store = self._ctx.env, self._ctx.store
-        self._write_usage()
-        self._ckpt.close()  # the last asynchronous checkpoint lands first
-        if self._running is not None:
-            self._running.close()
-        buddy = self._rebuild.buddy
-        # Every rank ends its last round (peers send theirs anyway): no exit inside a gloo op.
-        if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
-            self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
-        if self._rebuild.digests is not None:
-            self._rebuild.digests.stop()
-        if self._rebuild.updates is not None:
-            if self._ckpt.ckpt_dir is not None:
-                self._checkpointed()  # the last checkpoint may have completed since the last look
-            self._rebuild.updates.stop()
-        self._timeline.close()
-        self._monitor.stop()
-        if store is not None and env is not None:
-            store.mark_done(env.rank)
-        self._hooks.uninstall()
-        self._recv_patch.remove()
-        self._determinism.restore()
-
-    def _write_usage(self) -> None:
-        write_usage(self._ctx, self._engine, self._hooks.logs, self._rebuild)
 
     # ------------------------------------------------------------------ recovery
     def _recover_as_survivor(self, how: str) -> None:
@@ -371,7 +296,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
-                                   self._ctx.join_timeout_s, rank=dist.get_rank())  # fmt: skip
+                                   self._ctx.join_timeout_s, rank=dist.get_rank())
         self._grad_scale = done.outcome.grad_scale
         self._finish = done.outcome.finish_iteration
         self._simulation = None  # a real failure ends a simulated one

@@ -82,7 +82,7 @@ class EngineHooks:
     """
 
     def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None],
-                 without: frozenset[str] = frozenset(), inflight: InflightKeeper | None = None) -> None:  # fmt: skip
+                 without: frozenset[str] = frozenset(), inflight: InflightKeeper | None = None) -> None:
         self.seed = seed
         #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
         self.without = without

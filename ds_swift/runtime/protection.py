@@ -79,7 +79,7 @@ class Protections:
                          ctx.log, enabled=self._logs_updates if services.update_log == "per_stage" else None)
             if services.update_log != "off"
             else None
-        )  # fmt: skip
+        )
         hooks.logs.updates = self.updates
 
     def _logs_updates(self) -> bool:
@@ -151,5 +151,5 @@ class Protections:
             return report
         if self.buddy.erasure is not None:
             return dataclasses.replace(report, ec_chunks=self.buddy.holdings.chunks(),
-                                       ec_k=self._cfg.pipechurn.data_chunks)  # fmt: skip
+                                       ec_k=self._cfg.pipechurn.data_chunks)
         return dataclasses.replace(report, buddy_copies=self.buddy.holdings.copies())

@@ -71,7 +71,7 @@ class RunningCheckpoints:
     def __init__(
         self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, log: Callable[[str], None],
         job: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fraction, self.interval, self.rank, self._log, self.job = fraction, interval, rank, log, job
         self.directory = running_dir(ckpt_dir, rank, job)
         if fresh:
@@ -90,9 +90,9 @@ class RunningCheckpoints:
         tensors, groups = running_state(engine.optimizer)
         if self._ckpt is None:
             self._ckpt = RunningCheckpoint(self.directory, fraction=self.fraction, interval=self.interval, groups=groups,
-                                           block_elements=block_elements(tensors), job=self.job)  # fmt: skip
+                                           block_elements=block_elements(tensors), job=self.job)
             self._log(f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
-                      f"{self._ckpt.every} iteration(s) to {self.directory}")  # fmt: skip
+                      f"{self._ckpt.every} iteration(s) to {self.directory}")
         if not self._ckpt.due(done):
             return
         try:

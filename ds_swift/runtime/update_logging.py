@@ -69,7 +69,7 @@ class UpdateLogger:
             f"ds-swift-updlog-{rank}", self._do, on_error=OnError.OFF, max_items=MAX_QUEUED,
             on_error_hook=lambda exc: self._lose(f"update log write failed: {type(exc).__name__}: {exc}"),
             setup=self._make_tmp, teardown=self._remove_tmp,
-        )  # fmt: skip
+        )
         self._store: Any = None
         self.lost: str | None = None
         """Why this rank stopped logging updates (None: it logs)."""
@@ -174,4 +174,4 @@ class UpdateLogger:
         if self.lost is None:
             self.lost = why
             say(f"{why}; update logging stops on this rank, training goes on: a failure of this rank recovers from "
-                "the global checkpoint", self.rank, level=logging.WARNING, name=__name__)  # fmt: skip
+                "the global checkpoint", self.rank, level=logging.WARNING, name=__name__)

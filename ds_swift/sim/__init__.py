@@ -6,9 +6,10 @@ Pure functions on plain data (no processes, no torch):
 - :mod:`ds_swift.sim.failures`: ``FailureModel`` (uniform count, exponential, Weibull);
 - :mod:`ds_swift.sim.runner`: ``simulate`` (repeats, mean, 95% CI) and the sweeps;
 - :mod:`ds_swift.sim.recommend`: optimal intervals; :mod:`ds_swift.sim.plan_recommend`:
-  ``recommend_for_plan`` for the planner;
+  ``recommend_for_plan`` for the planner (what it reads of the plan: :mod:`ds_swift.sim.plan_shape`);
 - :mod:`ds_swift.sim.schema`: the YAML input of ``ds-swift simulate`` (``load_sim_config``);
-- :mod:`ds_swift.sim.profile`: bench profiles, measured costs for ``--profile`` (``load_profile``);
+- :mod:`ds_swift.sim.profile`: bench profiles, measured costs for ``--profile`` (``load_profile``;
+  their rows: :mod:`ds_swift.sim.profile_rows`);
 - :mod:`ds_swift.sim.study`, :mod:`ds_swift.sim.plots`, :mod:`ds_swift.sim.cli`: the command.
 
 Names are loaded on first use so that ``ds-swift --help`` does not import numpy.

@@ -12,53 +12,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import GLOBAL_CHECKPOINT
 from ds_swift.sim.failures import FailureModel
 from ds_swift.sim.model import LoggingSpec, StrategySpec, Workload, expected_failure_cost_s, failure_free_s
+from ds_swift.sim.plan_shape import PATHS, group_sizes, log_download_s, plan_workload, stage_strategies
 from ds_swift.sim.recommend import minimise_interval, optimal_interval, young_daly_intervals
 from ds_swift.sim.runner import geometric_grid
 
 __all__ = ["print_recommendation", "recommend_for_plan"]
 
 _HOUR = 3600.0
-
-#: the recovery paths a plan's stage can take
-_PATHS = ("replication", "logging", "checkpoint")
-
-
-def _stage_strategies(plan: Mapping[str, Any]) -> list[str]:
-    stages = plan.get("stages")
-    if isinstance(stages, Mapping):
-        stages = [stages[k] for k in sorted(stages, key=lambda k: int(k))]
-    if not isinstance(stages, list) or not stages:
-        raise ConfigError("plan: 'stages' must be a non-empty list of per-stage strategies")
-    out = []
-    for i, st in enumerate(stages):
-        if isinstance(st, Mapping):
-            st = st.get("strategy", st.get("recovery", st.get("kind")))
-        if st not in ("replication", "logging", "checkpoint"):
-            raise ConfigError(f"plan: stages[{i}] strategy {st!r} is not replication, logging or checkpoint")
-        out.append(str(st))
-    return out
-
-
-def _group_sizes(plan: Mapping[str, Any]) -> list[int]:
-    groups = plan.get("groups") or []
-    if not isinstance(groups, list):
-        raise ConfigError("plan: 'groups' must be a list of lists of machine ids")
-    return [len(g) if isinstance(g, list) else int(g) for g in groups if (len(g) if isinstance(g, list) else g)]
-
-
-def _plan_int(plan: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = plan.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        model = plan.get("model")
-        if isinstance(model, Mapping):
-            value = model.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 def recommend_for_plan(
@@ -111,26 +74,43 @@ def recommend_for_plan(
         "per_failure_s"}, ...] (fastest first), "assumptions": [...]}``.
     """
     mtbf = _checked_mtbf(mtbf_hours)
-    stage_kinds = _stage_strategies(plan_json)
-    sizes = _group_sizes(plan_json)
-    workload = _plan_workload(plan_json, stage_kinds, sizes, total_iterations, iteration_time_s, micro_batches)
+    stage_kinds = stage_strategies(plan_json)
+    sizes = group_sizes(plan_json)
+    workload = plan_workload(plan_json, stage_kinds, sizes, total_iterations, iteration_time_s, micro_batches)
     failures = FailureModel("exponential", mtbf_hours=mtbf)
     n_fail = failures.expected_count(workload.compute_s / _HOUR)
-    weights = {k: stage_kinds.count(k) / len(stage_kinds) for k in _PATHS}
-    assumptions = [
-        "failures: Poisson on the compute clock, expected count = compute hours / MTBF; recovery not exposed",
-        "a failure takes a stage's recovery path with the share of stages planned for that path",
-    ]
-    gc = StrategySpec("global_checkpoint", "checkpoint", checkpoint_interval=total_iterations,
-                      checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)  # fmt: skip
+    weights = {k: stage_kinds.count(k) / len(stage_kinds) for k in PATHS}
+    assumptions = list(_ASSUMPTIONS)
+    gc = _global_checkpoint(total_iterations, checkpoint_cost_s, restart_cost_s, load_s)
     gc_interval, gc_row = _global_checkpoint_row(workload, gc, failures, n_fail, grid_points)
     case = _SwiftCase(
         plan_json, workload, failures, {k: w for k, w in weights.items() if w > 0}, sizes, gc, undo_s, broadcast_s,
-        replay_fraction, parallel_speedup, _log_download_s(plan_json, sizes, storage_gbps, assumptions),
+        replay_fraction, parallel_speedup, log_download_s(plan_json, sizes, storage_gbps, assumptions),
         logging_overhead, checkpoint_interval or gc_interval or total_iterations, grid_points, assumptions,
-    )  # fmt: skip
-    swift_rows = [case.alternative(parallel) for parallel in ([True, False] if "logging" in case.weights else [False])]
-    alternatives = sorted([gc_row, *swift_rows], key=lambda a: a["expected_hours"])
+    )
+    return _result(mtbf, workload, n_fail, [gc_row, *case.alternatives()], assumptions)
+
+
+#: what every recommendation assumes (recommend_for_plan adds what it assumed for this plan)
+_ASSUMPTIONS = (
+    "failures: Poisson on the compute clock, expected count = compute hours / MTBF; recovery not exposed",
+    "a failure takes a stage's recovery path with the share of stages planned for that path",
+)
+
+
+def _global_checkpoint(
+    total_iterations: int, checkpoint_cost_s: float, restart_cost_s: float, load_s: float
+) -> StrategySpec:
+    """The global checkpoint at its stall, restart and load costs (its interval: the whole job, until chosen)."""
+    return StrategySpec(GLOBAL_CHECKPOINT, "checkpoint", checkpoint_interval=total_iterations,
+                        checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)
+
+
+def _result(
+    mtbf: float, workload: Workload, n_fail: float, rows: list[dict[str, Any]], assumptions: list[str]
+) -> dict[str, Any]:
+    """``recommend_for_plan``'s answer: the alternatives fastest first, the first recommended."""
+    alternatives = sorted(rows, key=lambda a: a["expected_hours"])
     return {
         "mtbf_hours": mtbf,
         "failure_free_hours": round(workload.compute_s / _HOUR, 4),
@@ -154,8 +134,8 @@ def _global_checkpoint_row(
     """The global-checkpoint baseline: its optimal interval and its row of ``alternatives``."""
     gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
     per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
-    row = _alternative("global_checkpoint", "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
-                       gc_rec.optimal_hours, per_failure_s)  # fmt: skip
+    row = _alternative(GLOBAL_CHECKPOINT, "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
+                       gc_rec.optimal_hours, per_failure_s)
     return gc_rec.optimal, row
 
 
@@ -213,14 +193,18 @@ class _SwiftCase:
         )
         gc = self.gc
         replication = StrategySpec("replication", "replication", restart_s=gc.restart_s, undo_s=self.undo_s,
-                                   broadcast_s=self.broadcast_s)  # fmt: skip
+                                   broadcast_s=self.broadcast_s)
         logging = StrategySpec("logging", "logging", restart_s=gc.restart_s, load_s=gc.load_s, undo_s=self.undo_s,
-                               iteration_overhead=self.overhead, logging=log_spec)  # fmt: skip
+                               iteration_overhead=self.overhead, logging=log_spec)
         return {
             "replication": (self.workload, replication),
             "logging": (self.log_workload, logging),
             "checkpoint": (self.workload, replace(gc, iteration_overhead=self.overhead)),
         }
+
+    def alternatives(self) -> list[dict[str, Any]]:
+        """The swift alternatives: with and without parallel recovery where a stage replays a log."""
+        return [self.alternative(parallel) for parallel in ([True, False] if "logging" in self.weights else [False])]
 
     def alternative(self, parallel: bool) -> dict[str, Any]:
         """The swift alternative, with or without parallel recovery, at its best interval."""
@@ -237,7 +221,7 @@ class _SwiftCase:
         best, best_s = _best_interval(
             expected_s, self.weights, workload.total_iterations, self.grid_points, self.fallback_interval,
             self.assumptions,
-        )  # fmt: skip
+        )
         young = daly = None
         if set(self.weights) == {"logging"}:
             logging_spec = replace(paths["logging"][1], checkpoint_cost_s=self.gc.checkpoint_cost_s)
@@ -249,34 +233,6 @@ class _SwiftCase:
         return _alternative(
             name, "+".join(self.weights), groups, parallel, int(best), young, daly, hours, per_failure_s
         )
-
-
-def _plan_workload(
-    plan_json: Mapping[str, Any],
-    stage_kinds: list[str],
-    sizes: list[int],
-    total_iterations: int,
-    iteration_time_s: float,
-    micro_batches: int | None,
-) -> Workload:
-    """The job a plan describes: pipeline depth, micro-batches and machines from the plan where given."""
-    p = _plan_int(plan_json, "pp", "pipeline_stages") or len(stage_kinds)
-    m = micro_batches or _plan_int(plan_json, "micro_batches", "num_micro_batches") or 1
-    machines = _plan_int(plan_json, "machines", "num_machines") or max(sum(sizes), 1)
-    return Workload("plan", total_iterations, iteration_time_s, machines=machines, pipeline_stages=p, micro_batches=m)
-
-
-def _log_download_s(
-    plan_json: Mapping[str, Any], sizes: list[int], storage_gbps: float | None, assumptions: list[str]
-) -> float:
-    """Seconds to download one replayed iteration's log from the global store (0 when unbounded)."""
-    log_bytes = plan_json.get("log_bytes_per_iteration")
-    if not (storage_gbps and isinstance(log_bytes, (int, float)) and len(sizes) > 1):
-        return 0.0
-    # A middle group needs one direction of each of its two boundaries: one boundary's worth.
-    download = log_bytes / (len(sizes) - 1) / (storage_gbps * 1e9 / 8.0)
-    assumptions.append(f"log download {download:.3f} s per replayed iteration at {storage_gbps} Gb/s")
-    return float(download)
 
 
 def _best_interval(

@@ -28,7 +28,8 @@ How a row becomes a :class:`~ds_swift.sim.model.StrategySpec` (:func:`strategy_f
 Write ``t_b`` for the bench's ``iteration_time_s`` and ``o`` for the strategy's per-iteration
 slowdown:
 
-- ``kind`` from the row, or from its name (:data:`DEFAULT_KINDS`);
+- ``kind`` from the row, or from its name (:func:`ds_swift.sim.profile_rows.default_kind`: the
+  registered strategy's services' ``sim_kind``);
 - ``iteration_overhead`` ``o = 1 / throughput_ratio - 1 - C / (c t_b) - S / (s t_b)``: the
   bench's failure-free run includes its checkpoint (``C`` every ``c``) and snapshot (``S``
   every ``s``) stalls, which the simulator adds back at the simulated job's own intervals;
@@ -60,194 +61,18 @@ but do not enter the time model.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from ds_swift.config import ConfigError
-from ds_swift.sim.model import LoggingSpec, RecoveryKind, StrategySpec
+from ds_swift.recovery.registry import GLOBAL_CHECKPOINT
+from ds_swift.sim.model import LoggingSpec, StrategySpec
+from ds_swift.sim.profile_rows import BenchProfile, BenchRow, _integer, _number
 from ds_swift.sim.schema import SimConfig, WorkloadConfig
 
-__all__ = ["DEFAULT_KINDS", "BenchProfile", "BenchRow", "apply_profile", "load_profile", "parse_profile",
-           "strategy_from_row"]
-
-#: the simulator's recovery model of each strategy name the bench knows; other names need "kind"
-DEFAULT_KINDS: dict[str, RecoveryKind] = {
-    "global_checkpoint": "checkpoint",
-    "checkfreq": "snapshot",
-    "elastic_horovod": "snapshot",
-    # Everyone returns to the last erasure-coded in-memory checkpoint: no storage load.
-    "pipechurn": "snapshot",
-    "replication": "replication",
-    "logging": "logging",
-    # Only the failed stage re-applies logged updates, at a fraction of an iteration each.
-    "tranlogs": "logging",
-    # TranLogs' per-stage mix (ds-swift bench's logging_mix): each lost stage replays or re-applies.
-    "logging_mix": "logging",
-}
-
-
-def _fail(name: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r} is invalid: {allowed}")
-
-
-def _number(name: str, value: Any, allowed: str = "a number >= 0 (seconds)", *, positive: bool = False) -> None:
-    # bool is an int subclass, and json.loads accepts NaN: neither may pass as a cost.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(name, value, allowed)
-    if value < 0 or (positive and value == 0):
-        raise _fail(name, value, allowed)
-
-
-def _integer(name: str, value: Any, minimum: int, allowed: str, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(name, value, allowed)
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """One strategy's measurements in the bench."""
-
-    name: str
-    """Strategy name (``global_checkpoint``, ``checkfreq``, ``replication``, ``logging``,
-    ``tranlogs``, ``pipechurn``, ...); the simulator's strategy of that name takes its costs."""
-
-    throughput_ratio: float
-    """Failure-free throughput over that of no fault tolerance, over the whole run (checkpoint
-    and snapshot stalls included); <= 1 up to measurement noise."""
-
-    init_s: float
-    """Kill -> every rank ready to restore: detection, replacement start, rendezvous."""
-
-    recovery_s: float
-    """Ready to restore -> back at the iteration that was in flight at the kill (restore plus
-    replay of the lost iterations; redoing the in-flight iteration itself is not included)."""
-
-    iterations_lost: int
-    """Completed iterations redone: from the restore point to the iteration in flight."""
-
-    bytes_per_iteration: float
-    """Bytes written to storage per iteration (checkpoints, snapshots, logs), averaged."""
-
-    host_memory_per_rank: float
-    """Host memory the strategy holds per rank, bytes."""
-
-    exact: bool
-    """The run with the failure ends bitwise equal to the failure-free run."""
-
-    max_ulp: int | None = None
-    """Largest parameter difference in units in the last place when not exact (0 or null when
-    exact)."""
-
-    final_loss_delta: float | None = None
-    """Final loss minus the failure-free run's."""
-
-    kind: RecoveryKind | None = None
-    """The simulator's recovery model; ``None``: from the name (:data:`DEFAULT_KINDS`)."""
-
-    restore_s: float | None = None
-    """Part of ``recovery_s`` before the replay starts (load, undo, broadcast, log upload)."""
-
-    checkpoint_interval: int | None = None
-    """Iterations between global checkpoints in the bench run; ``None``: it took none. The
-    loader fills it from the top level when the row does not set it."""
-
-    checkpoint_cost_s: float = 0.0
-    """Training stall per global checkpoint (the loader fills the top level's by default)."""
-
-    snapshot_interval: int | None = None
-    """Snapshot kinds only: iterations between snapshots in the bench run."""
-
-    snapshot_cost_s: float = 0.0
-    """Snapshot kinds only: training stall per snapshot."""
-
-    shrunk_throughput: float | None = None
-    """Kind elastic only: the shrunk job's throughput over the full job's (median steps after and
-    before the failure)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise _fail("name", self.name, "a non-empty strategy name such as global_checkpoint")
-        if self.kind is None:
-            if self.name not in DEFAULT_KINDS:
-                raise _fail("kind", None, f"needed for strategy {self.name!r}: one of {', '.join(get_args(RecoveryKind))}")
-            object.__setattr__(self, "kind", DEFAULT_KINDS[self.name])
-        elif self.kind not in get_args(RecoveryKind):
-            raise _fail("kind", self.kind, f"one of {', '.join(get_args(RecoveryKind))}")
-        _number("throughput_ratio", self.throughput_ratio, "a positive number (strategy / no fault tolerance)",
-                positive=True)
-        if self.throughput_ratio > 1.1:
-            raise _fail("throughput_ratio", self.throughput_ratio,
-                        "the strategy's throughput over no fault tolerance's, <= 1 up to noise (inverted?)")
-        for name in ("init_s", "recovery_s", "checkpoint_cost_s", "snapshot_cost_s"):
-            _number(name, getattr(self, name))
-        _integer("iterations_lost", self.iterations_lost, 0, "an integer >= 0 (completed iterations redone)")
-        _number("bytes_per_iteration", self.bytes_per_iteration, "a number of bytes >= 0")
-        _number("host_memory_per_rank", self.host_memory_per_rank, "a number of bytes >= 0")
-        if not isinstance(self.exact, bool):
-            raise _fail("exact", self.exact, "true or false (bitwise equal to the failure-free run)")
-        _integer("max_ulp", self.max_ulp, 0, "an integer >= 0 or null", allow_none=True)
-        if self.exact and self.max_ulp:
-            raise _fail("max_ulp", self.max_ulp, "0 or null when exact is true")
-        delta = self.final_loss_delta
-        if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))
-                                  or not math.isfinite(delta)):
-            raise _fail("final_loss_delta", delta, "a number or null")
-        if self.restore_s is not None:
-            _number("restore_s", self.restore_s)
-            if self.restore_s > self.recovery_s:
-                raise _fail("restore_s", self.restore_s, f"at most recovery_s={self.recovery_s} (it is part of it)")
-        _integer("checkpoint_interval", self.checkpoint_interval, 1, "a positive integer or null (no checkpoints)",
-                 allow_none=True)
-        self._check_kind()
-
-    def _check_kind(self) -> None:
-        if self.kind == "snapshot":
-            _integer("snapshot_interval", self.snapshot_interval, 1,
-                     f"required for kind snapshot ({self.name}): iterations between snapshots in the bench")
-        elif self.snapshot_interval is not None or self.snapshot_cost_s:
-            raise ConfigError(f"snapshot_interval/snapshot_cost_s are only read by kind snapshot, not {self.kind}")
-        if self.kind == "elastic":
-            _number("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1) (required for kind elastic)",
-                    positive=True)
-            if self.shrunk_throughput is not None and self.shrunk_throughput >= 1:
-                raise _fail("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
-        elif self.shrunk_throughput is not None:
-            raise ConfigError(f"shrunk_throughput is only read by kind elastic, not {self.kind}")
-        if self.kind == "replication" and self.iterations_lost:
-            raise _fail("iterations_lost", self.iterations_lost,
-                        "0 for kind replication (it replays nothing); give kind checkpoint, snapshot or logging")
-        if self.kind == "logging" and self.iterations_lost == 0:
-            raise _fail("iterations_lost", 0, "> 0 for kind logging: inject the failure past a checkpoint so that "
-                        "the replay pace is measured")
-
-
-@dataclass(frozen=True)
-class BenchProfile:
-    """A whole bench profile."""
-
-    iteration_time_s: float
-    """Failure-free seconds per iteration of the bench job without fault tolerance."""
-
-    checkpoint_interval: int | None
-    """Iterations between global checkpoints in the bench run (rows may override)."""
-
-    checkpoint_cost_s: float
-    """Training stall per global checkpoint in the bench run (rows may override)."""
-
-    strategies: tuple[BenchRow, ...]
-    """One row per strategy, names unique."""
-
-    source: str = "bench profile"
-    """Where it was read from (starts every error message)."""
-
-    def row(self, name: str) -> BenchRow | None:
-        return next((r for r in self.strategies if r.name == name), None)
-
+__all__ = ["BenchProfile", "BenchRow", "apply_profile", "load_profile", "parse_profile", "strategy_from_row"]
 
 _TOP_REQUIRED = ("iteration_time_s", "checkpoint_interval", "checkpoint_cost_s", "strategies")
 _ROW_FIELDS = frozenset(f.name for f in fields(BenchRow))
@@ -381,7 +206,7 @@ def strategy_from_row(
 
 def _apply_to_workload(wl: WorkloadConfig, profile: BenchProfile) -> WorkloadConfig:
     yaml_names = {s.name for s in wl.strategies}
-    gc = next((s for s in wl.strategies if s.name == "global_checkpoint"), None)
+    gc = next((s for s in wl.strategies if s.name == GLOBAL_CHECKPOINT), None)
     job_interval = gc.checkpoint_interval if gc is not None else None
     strategies: list[StrategySpec] = []
     for spec in wl.strategies:

@@ -171,7 +171,7 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "elastic": frozenset({"undo_s", "broadcast_s", "repair_s", "grow_s", "shrunk_throughput"}),
 }
 COMMON_FIELDS = frozenset({"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead",
-                           "partial_recompute_window"})  # fmt: skip
+                           "partial_recompute_window"})
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ class StrategySpec:
         _check_number("partial_recompute_window", self.partial_recompute_window, allow_none=True)
         if self.partial_recompute_window is not None and self.partial_recompute_window >= 1:
             raise spec_error("partial_recompute_window", self.partial_recompute_window,
-                             "a fraction in [0, 1) of an iteration (its reductions and step)")  # fmt: skip
+                             "a fraction in [0, 1) of an iteration (its reductions and step)")
 
     @property
     def fixed_s(self) -> float:

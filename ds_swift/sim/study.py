@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import GLOBAL_CHECKPOINT
 from ds_swift.sim.model import interval_field
 from ds_swift.sim.recommend import IntervalRecommendation, recommend
 from ds_swift.sim.runner import StrategyResult, SweepPoint, geometric_grid, interval_sweep, mtbf_sweep, simulate
@@ -16,7 +17,7 @@ from ds_swift.sim.schema import SimConfig, WorkloadConfig
 __all__ = ["WorkloadReport", "full_json", "run_study", "summary_json", "sweep_grid", "write_plots"]
 
 #: the strategy speed-ups are measured against
-BASELINE = "global_checkpoint"
+BASELINE = GLOBAL_CHECKPOINT
 
 
 @dataclass
@@ -83,7 +84,7 @@ def full_json(reports: Sequence[WorkloadReport]) -> dict[str, Any]:
         for name, res in r.results.items():
             d = res.to_dict()
             sp = r.speedup(name)
-            d["speedup_vs_global_checkpoint"] = None if sp is None else round(sp, 4)
+            d[f"speedup_vs_{BASELINE}"] = None if sp is None else round(sp, 4)
             entry[name] = d
         for rec in r.recommendations:
             entry[rec.strategy]["recommendation"] = rec.to_dict()

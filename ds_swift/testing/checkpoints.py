@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LAYER_FILES", "Baseline", "CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints",
-           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance", "undo_ulp"]  # fmt: skip
+           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance", "undo_ulp"]
 
 
 class CheckpointError(RuntimeError):

@@ -127,7 +127,7 @@ def launcher_argv(spec: JobSpec, job: JobRun, config_path: Path) -> list[str]:
         sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(job.run_dir), "--nnodes", str(spec.nnodes),
         "--nproc-per-node", str(spec.nproc_per_node), *spec.launcher_args, str(spec.script),
         "--deepspeed_config", str(config_path), "--train-iters", str(spec.iterations),
-    ]  # fmt: skip
+    ]
     if spec.save:
         argv += ["--save", str(job.save_dir)]
     if spec.loss_log:

@@ -107,7 +107,7 @@ class Interleaved:
 
 
 def interleave(work: Path, specs: Mapping[str, JobSpec], rounds: int, warmup: int,
-               timeout_s: float = 600.0) -> Interleaved:  # fmt: skip
+               timeout_s: float = 600.0) -> Interleaved:
     """Run every spec ``rounds`` times, interleaved: round ``r`` starts at the ``r``-th variant."""
     out = Interleaved()
     names = list(specs)

@@ -26,7 +26,7 @@ def rank_env(rank: int, world: int, port: int, extra: Mapping[str, str] | None =
     return worker_env({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra or {}),
-    })  # fmt: skip
+    })
 
 
 def run_ranks(

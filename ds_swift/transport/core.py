@@ -141,7 +141,7 @@ class Transport:
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         world = dist.distributed_c10d._get_default_group()
         groups = {name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}")
-                  for name in CHANNELS}  # fmt: skip
+                  for name in CHANNELS}
         return cls(world, groups, parse_backends(str(dist.get_backend(world))))
 
     # ------------------------------------------------------------------ routing
@@ -154,7 +154,7 @@ class Transport:
         g = self._groups.get(channel)
         if g is None:
             raise TransportError(f"ds-swift transport: channel {channel!r} is closed (the generation was torn down)"
-                                 if not self._groups else f"ds-swift transport: no channel {channel!r}")  # fmt: skip
+                                 if not self._groups else f"ds-swift transport: no channel {channel!r}")
         return g
 
     def _channel_of(self, group: Any) -> str | None:

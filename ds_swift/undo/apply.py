@@ -96,7 +96,7 @@ def _item(opt: Any, pr: ParamRecord) -> _Item:
 
 
 def _ctx(item: _Item, grec: GroupRecord, exact: bool, param: torch.Tensor, grad: torch.Tensor,
-         state: dict[str, Any]) -> UndoContext:  # fmt: skip
+         state: dict[str, Any]) -> UndoContext:
     pr = item.pr
     return UndoContext(
         param=param,

@@ -56,7 +56,7 @@ class DeepSpeedFusedAdamRule(UndoRule):
         t = int(ctx.extra["kernel_step"])
         bc1, bc2 = (f32(1 - beta1**t), f32(1 - beta2**t)) if h.get("bias_correction", True) else (1.0, 1.0)
         return {"lr": f32(h["lr"]), "eps": f32(h["eps"]), "weight_decay": f32(h["weight_decay"]),
-                "beta1": beta1, "beta2": beta2, "bc1": bc1, "bc2": bc2}  # fmt: skip
+                "beta1": beta1, "beta2": beta2, "bc1": bc1, "bc2": bc2}
 
     def undo_param(self, ctx: UndoContext) -> None:
         s = self.kernel_scalars(ctx)

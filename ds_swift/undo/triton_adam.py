@@ -31,6 +31,7 @@ round-to-nearest, where Triton's ``/`` and ``tl.sqrt`` on float32 are approximat
 
 What a CUDA machine must confirm (tests/gpu/test_undo_triton_gpu.py): the replay of each flavour
 equals torch's real CUDA step bit for bit, and the undo gives the fast path's answer within 2 ulp.
+The forward step and nextafter as kernels of their own, for those checks: triton_adam_replay.
 Not modelled: torch's ``fused=True`` CUDA kernel (it computes in double: see rules_torch.AdamRule's
 refusal) and DeepSpeed's FusedAdam (compiled with ``--use_fast_math``).
 """
@@ -52,7 +53,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["CPU", "CUDA_FOREACH", "CUDA_SINGLE", "adam_forward", "adam_undo", "interpreted", "nextafter"]
+__all__ = ["CPU", "CUDA_FOREACH", "CUDA_SINGLE", "adam_undo", "constants", "interpreted", "launch_kwargs"]
 
 CPU, CUDA_FOREACH, CUDA_SINGLE = 0, 1, 2
 BLOCK = 1024
@@ -220,7 +221,7 @@ def _undo_v(v1, gp, b2, omb2, V_MONOTONE: tl.constexpr, FLAVOUR: tl.constexpr):
 def _adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
                       FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
                       MOMENTS: tl.constexpr, X_MONOTONE: tl.constexpr, V_MONOTONE: tl.constexpr,
-                      SMALL_WT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      SMALL_WT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     decay, nss, bc2s, inv_bc2s, eps, wd, wt, wt_m1, b2, omb2 = _consts(c_ptr)
@@ -243,52 +244,6 @@ def _adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
         omwt64 = tl.load(c_ptr + 11)
         tl.store(m_ptr + offs, _undo_m(m1, g, wt, wt_m1, wt64, omwt64, SMALL_WT), mask=mask)
         tl.store(v_ptr + offs, _undo_v(v1, g, b2, omb2, V_MONOTONE, FLAVOUR), mask=mask)
-
-
-@triton.jit
-def _adam_forward_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
-                         FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
-                         SMALL_WT: tl.constexpr, MOMENTS: tl.constexpr, X: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
-    """The forward step as the undo kernel replays it (the GPU check compares it with torch's step);
-    for the CPU flavour in two passes, moments then x (the denominator is torch's, in between)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    decay, nss, bc2s, inv_bc2s, eps, wd, wt, wt_m1, b2, omb2 = _consts(c_ptr)
-    x0 = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    m1 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v1 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    if MOMENTS:
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        if MAXIMIZE:
-            g = -g
-        if L2:
-            g = tl.fma(wd, x0, g)
-        m1 = _fwd_m(m1, g, wt, wt_m1, SMALL_WT)
-        v1 = _fwd_v(v1, g, b2, omb2, FLAVOUR)
-        tl.store(m_ptr + offs, m1, mask=mask)
-        tl.store(v_ptr + offs, v1, mask=mask)
-    if X:
-        if FLAVOUR == 0:
-            d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-        else:
-            d = _denom(v1, bc2s, inv_bc2s, eps, FLAVOUR)
-        tl.store(x_ptr + offs, _fwd_x(x0, m1, d, decay, nss, DECAY, FLAVOUR), mask=mask)
-
-
-@triton.jit
-def _next_kernel(x_ptr, out_ptr, n, UP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, _next(x, tl.full([BLOCK], UP, tl.int1)), mask=mask)
-
-
-def nextafter(x: torch.Tensor, *, up: bool) -> torch.Tensor:
-    """The kernel's nextafter on a float32 tensor (for the test that it is torch.nextafter)."""
-    out = torch.empty_like(x)
-    _next_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, x.numel(), UP=up, BLOCK=BLOCK)
-    return out
 
 
 def constants(h: dict[str, Any], step: float, device: torch.device) -> torch.Tensor:
@@ -348,7 +303,7 @@ def launch_kwargs() -> dict[str, Any]:
 
 
 def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any], step: float,
-              *, flavour: int, moments: bool) -> None:  # fmt: skip
+              *, flavour: int, moments: bool) -> None:
     """Undo one Adam/AdamW step in place on flat contiguous float32 tensors (x, m, v: post-step)."""
     n = x.numel()
     if n == 0:
@@ -359,23 +314,6 @@ def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     d = _cpu_denominator(v, h, step) if flavour == CPU else v  # (v: an unread placeholder)
     grid = (triton.cdiv(n, BLOCK),)
     _adam_undo_kernel[grid](x, g, m, v, d, c, n, MOMENTS=moments, X_MONOTONE=xm, V_MONOTONE=vm, BLOCK=BLOCK,
-                            **flags, **launch_kwargs())  # fmt: skip
+                            **flags, **launch_kwargs())
 
 
-def adam_forward(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any],
-                 step: float, *, flavour: int) -> None:  # fmt: skip
-    """The step the undo kernel models, in place (for the checks that it is torch's step)."""
-    n = x.numel()
-    if n == 0:
-        return
-    flags = _flags(h, flavour)
-    flags.pop("_monotone_x")
-    flags.pop("_monotone_v")
-    c = constants(h, step, x.device)
-    grid = (triton.cdiv(n, BLOCK),)
-    if flavour == CPU:
-        _adam_forward_kernel[grid](x, g, m, v, v, c, n, MOMENTS=True, X=False, BLOCK=BLOCK, **flags)
-        d = _cpu_denominator(v, h, step)
-        _adam_forward_kernel[grid](x, g, m, v, d, c, n, MOMENTS=False, X=True, BLOCK=BLOCK, **flags)
-        return
-    _adam_forward_kernel[grid](x, g, m, v, v, c, n, MOMENTS=True, X=True, BLOCK=BLOCK, **flags, **launch_kwargs())

@@ -22,7 +22,7 @@ __all__ = ["ds_adam_undo"]
 @triton.jit
 def _ds_adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n,
                          DECOUPLED: tl.constexpr, L2: tl.constexpr, MOMENTS: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+                         BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     lr = tl.load(c_ptr + 0)
@@ -57,7 +57,7 @@ def _ds_adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n,
 
 
 def ds_adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: dict[str, float],
-                 *, decoupled: bool, moments: bool) -> None:  # fmt: skip
+                 *, decoupled: bool, moments: bool) -> None:
     """Undo one FusedAdam step in place on contiguous float32 tensors. ``scalars``: lr, eps,
     weight_decay, bc1, bc2, beta1, beta2 as DeepSpeedFusedAdamRule computes them (C floats)."""
     n = x.numel()
@@ -69,7 +69,7 @@ def ds_adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     c = _on(values, x.device)
     grid = (triton.cdiv(n, BLOCK),)
     _ds_adam_undo_kernel[grid](x, g, m, v, c, n, DECOUPLED=decoupled, L2=(not decoupled) and wd != 0,
-                               MOMENTS=moments, BLOCK=BLOCK, **triton_adam.launch_kwargs())  # fmt: skip
+                               MOMENTS=moments, BLOCK=BLOCK, **triton_adam.launch_kwargs())
 
 
 def _on(values: list[float], device: torch.device) -> torch.Tensor:

@@ -47,7 +47,7 @@ def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
     """The failure-free run of :data:`BF16` (12 iterations, checkpoints every 5, a loss log) that
     test_checkpoint_strategies.py and test_elastic.py compare with: one run for both."""
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
-                   loss_log=True)  # fmt: skip
+                   loss_log=True)
     run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run

@@ -65,7 +65,7 @@ def test_a_fallback_skips_another_jobs_checkpoints_in_the_same_directory(
     assert other.code == 0, other.output[-6000:]
     assert sorted(p.name for p in other.ckpt_dir.glob("global_step*")) == [
         "global_step3", "global_step6", "global_step9"
-    ]  # fmt: skip
+    ]
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"], FORCED)
     assert job.code == 0, job.output[-6000:]  # train_batch returned a loss every time (float(loss))
     (tl,) = job.timelines()

@@ -36,7 +36,7 @@ def launch(
     env: dict[str, str] | None = None,
 ) -> JobRun:
     spec = JobSpec(script, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes,
-                   loss_log=True, env=env or {})  # fmt: skip
+                   loss_log=True, env=env or {})
     return run_job(tmp, spec, 180.0)
 
 
@@ -89,7 +89,7 @@ def test_a_checkpoint_that_does_not_load_on_one_rank_makes_every_rank_step_back(
     loudly, naming the rank; the job trains on from there and ends bitwise equal to the failure-free run."""
     swift = {"strategy": "checkpoint", "checkpoint": {"interval": 3}}  # synchronous saves: 6 is complete
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift,
-                 script=FAULT_WORKER, env={"SWIFT_TEST_CORRUPT_CKPT": "rank=0,iteration=6"})  # fmt: skip
+                 script=FAULT_WORKER, env={"SWIFT_TEST_CORRUPT_CKPT": "rank=0,iteration=6"})
     tl = one_checkpoint_recovery(job)
     assert "loading global_step6" in job.output and tl["checkpoint_step"] == 3, tl  # chosen, then stepped back from
     assert "[test] rank 0: corrupted" in job.output
@@ -148,7 +148,7 @@ def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_
     job = launch(tmp_path / "job", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
     assert job.code == 0, job.output[-6000:]
     stopped = re.findall(r"rank (\d+): update log write failed: .*No space left on device.*; update logging stops on "
-                         r"this rank, training goes on", job.output)  # fmt: skip
+                         r"this rank, training goes on", job.output)
     assert {"2", "3"} <= set(stopped), job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 6, tl
@@ -167,7 +167,7 @@ def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     machines, so one loss leaves every lost rank 2 chunks, and so do two at once (its own machine
     held none of them)."""
     swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}  # fmt: skip
+             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
     kills = ["--inject", f"machine={'+'.join(map(str, lost))},iteration=8,phase=backward"]  # at one instant
     job = launch(tmp_path, ["--spares", str(len(lost)), *kills], swift, nnodes=4)
     assert job.code == 0, job.output[-6000:]
@@ -191,7 +191,7 @@ def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_fli
     decoded at iteration 7; it alone replays its 4 passes of iteration 8, fed the activations rank 0
     kept of what it sent it; the survivors keep theirs; then all reduce and step live."""
     swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}  # fmt: skip
+             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce"], swift, nnodes=4)
     assert job.code == 0, job.output[-6000:]
     assert "checkpoint fallback" not in job.output and "FULL RETRAIN" not in job.output, job.output[-6000:]
@@ -201,7 +201,7 @@ def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_fli
     # The work recomputed: rank 1's 4 micro-batch passes, not the 16 of every rank.
     assert tl["replay"]["partial"] and tl["replay"]["micro_batch_passes"] == 4, tl["replay"]
     recomputed = re.findall(r"rank (\d+): recomputed my (\d+) micro-batch passes of iteration 8 .* fed by ranks \[0\]",
-                            job.output)  # fmt: skip
+                            job.output)
     assert recomputed == [("1", "4")], job.output[-3000:]
     kept = re.findall(r"rank (\d+): kept my passes of iteration 8", job.output)
     assert sorted(map(int, kept)) == [0, 2, 3], job.output[-3000:]
@@ -270,7 +270,7 @@ def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tm
     assert "undo: last stepped iteration 7 -> consensus 6 (own copy)" in job.output
     # Each checked its undone state against the digest it published of iteration 6 while training.
     verified = re.findall(r"rank (\d+): restored state verified: my state undone from my own copy \(iteration 6\) "
-                          r"bitwise equal to the digest rank \1 published", job.output)  # fmt: skip
+                          r"bitwise equal to the digest rank \1 published", job.output)
     assert sorted(map(int, verified)) == [0, 1], job.output[-4000:]
     assert_bitwise(baseline, job)
 
@@ -282,7 +282,7 @@ def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: 
     came first: a race), the lost ranks take copies one step older than the survivors' state, and the
     recovery says so: an approximate recovery, announced."""
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
-                 {"strategy": "immediate_rollback"})  # fmt: skip
+                 {"strategy": "immediate_rollback"})
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "immediate_rollback" and tl["consensus"] == 7, tl["reason"]
@@ -302,7 +302,7 @@ def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: J
     failure-free run. (Killed in iteration 8's backward, the consensus is 7, or 6 where the copies of 7
     had not landed yet and the survivors undid 7 from their own copies.)"""
     job = launch(tmp_path / "real", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
-                 {"strategy": "lossy_forward"})  # fmt: skip
+                 {"strategy": "lossy_forward"})
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "lossy_forward" and (tl["consensus"], tl["undo_ranks"]) in ((7, []), (6, [0, 1])), tl

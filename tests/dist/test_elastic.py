@@ -36,10 +36,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 def launch(tmp: Path, launcher_args: list[str], env: dict[str, str] | None = None,
-           swift: dict[str, Any] | None = None) -> JobRun:  # fmt: skip
+           swift: dict[str, Any] | None = None) -> JobRun:
     spec = JobSpec(WORKER, BF16, ITERS, launcher_args, swift={**SWIFT, **(swift or {})}, nnodes=2, nproc_per_node=2,
                    loss_log=True,
-                   env={"SWIFT_TEST_DUMP_DIR": str(tmp / "dumps"), **(env or {})})  # fmt: skip
+                   env={"SWIFT_TEST_DUMP_DIR": str(tmp / "dumps"), **(env or {})})
     return run_job(tmp, spec, 300.0)
 
 
@@ -107,7 +107,7 @@ def test_no_spare_lossy_forward_shrinks_to_dp1_and_finishes(tmp_path: Path, refe
 
 def test_the_machine_comes_back_and_the_job_grows_back_to_dp2(tmp_path: Path, reference: JobRun) -> None:
     job = launch(tmp_path, ["--elastic", "--restart-delay", "1", "--inject", "machine=0,iteration=3,phase=backward"],
-                 {"SWIFT_TEST_HOLD_FOR_GROW": "iteration=6"}, {"checkpoint": {"interval": 1}})  # fmt: skip
+                 {"SWIFT_TEST_HOLD_FOR_GROW": "iteration=6"}, {"checkpoint": {"interval": 1}})
     assert job.code == 0, job.output[-8000:]
     shrink, grow = sorted(job.timelines(), key=lambda t: t["consensus"])
     assert shrink["resize"]["kind"] == "shrink" and shrink["resize"]["dp"] == [2, 1], shrink

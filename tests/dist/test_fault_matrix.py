@@ -38,7 +38,7 @@ def test_bad_values_a_full_checkpoint_disk_and_a_kill_mid_transfer(
     # The full checkpoint disk with asynchronous saves (global_checkpoint); the benchmark also runs
     # it with synchronous ones (replication).
     chosen = [*(f"replication/bad {field}" for field in bad), "replication/recv_state m1",
-              "global_checkpoint/full_ckpt_disk m1"]  # fmt: skip
+              "global_checkpoint/full_ckpt_disk m1"]
     code = fm.main(["--cases", ",".join(chosen), "--keep", str(tmp_path / "matrix"), "--shared-reference", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out

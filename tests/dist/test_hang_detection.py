@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 def launch(tmp: Path, env: dict[str, str] | None = None, on_poll=None, swift=None) -> JobRun:  # type: ignore[no-untyped-def]
     spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1"], swift={"watchdog": WATCHDOG, **(swift or {})},
-                   env=env or {}, loss_log=True)  # fmt: skip
+                   env=env or {}, loss_log=True)
     return run_job(tmp, spec, JOB_DEADLINE_S, on_poll=on_poll)
 
 
@@ -74,7 +74,7 @@ class StopRank:
         trained = len(job.loss_log.read_text().splitlines())
         log = job.proc_logs / "launcher.log"
         started = re.search(rf"machine {self.machine}: ranks (\d+)\.\.\d+ started by agent \d+ \(pids ([\d ]+)\)",
-                            log.read_text(errors="replace") if log.exists() else "")  # fmt: skip
+                            log.read_text(errors="replace") if log.exists() else "")
         if trained < self.after or started is None:
             return
         self.pid = int(started.group(2).split()[self.rank - int(started.group(1))])
@@ -98,7 +98,7 @@ def test_a_stopped_worker_is_a_failed_machine(tmp_path: Path, reference: Baselin
     assert stop.pid is not None, "the job ended before rank 2 was stopped"
     assert job.code == 0, job.output[-8000:]
     hung = re.search(r"machine 1: hung \(rank 2: no heartbeat for [\d.]+ s, last in (\w+) of iteration (\d+)",
-                     job.output)  # fmt: skip
+                     job.output)
     assert hung, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["failed_machine"] == 1 and tl["strategy"] == "buddy", tl["reason"]
@@ -112,7 +112,7 @@ def test_a_stalled_training_thread_is_declared_hung_by_its_own_watchdog(
     job = launch(tmp_path, env={"SWIFT_TEST_STALL": "rank=2,iteration=5", "SWIFT_TEST_DUMP_DIR": str(dump)})
     assert job.code == 0, job.output[-8000:]
     hung = re.search(r"machine 1: hung \(rank 2 hung: no progress for [\d.]+ s in (\w+) of iteration 5 "
-                     r"\(watchdog.hang_timeout_s=20\)", job.output)  # fmt: skip
+                     r"\(watchdog.hang_timeout_s=20\)", job.output)
     assert hung, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["failed_machine"] == 1, tl

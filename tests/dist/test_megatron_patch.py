@@ -28,7 +28,7 @@ JOB_DEADLINE_S = 180.0
 SCRIPT_ARGS = [
     "--deepspeed", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
     "--num-layers", "2", "--hidden-size", "32",
-]  # fmt: skip
+]
 PLANS = {
     "pp2": ["--pipeline-model-parallel-size", "2"],
     # megatron-core's ColumnParallelLinear / RowParallelLinear / vocab-parallel loss on gloo
@@ -91,7 +91,7 @@ def test_patched_script_trains_with_ds_swift_and_changes_no_number(
             sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(tmp_path / "run"), "--nnodes", "1",
             "--nproc-per-node", "2", str(script), *common, "--swift", "--swift-config", str(tmp_path / "swift.json"),
             "--loss-log", str(tmp_path / "swift-loss.jsonl"), "--save", str(tmp_path / "final"),
-        ], env=worker_env(), cwd=tmp_path)  # fmt: skip
+        ], env=worker_env(), cwd=tmp_path)
         code = procs.wait("swift", JOB_DEADLINE_S)
         output = procs.log("swift")
         assert code == 0, output[-6000:]
@@ -99,7 +99,7 @@ def test_patched_script_trains_with_ds_swift_and_changes_no_number(
         procs.spawn("plain", [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
             str(free_port()), str(PRE_SWIFT), *common, "--loss-log", str(tmp_path / "plain-loss.jsonl"),
-        ], env=worker_env(), cwd=tmp_path)  # fmt: skip
+        ], env=worker_env(), cwd=tmp_path)
         plain_code = procs.wait("plain", JOB_DEADLINE_S)
         assert plain_code == 0, procs.log("plain")[-6000:]
 

@@ -146,7 +146,7 @@ def test_immediate_rollback_keeps_the_partial_update_and_replays(tmp_path: Path,
         swift={"strategy": "immediate_rollback"},
         env={"SWIFT_TEST_STALL": "rank=2,iteration=7", "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
              "SWIFT_TEST_DUMP_DIR": str(dump)},
-    )  # fmt: skip
+    )
     (tl,) = assert_ok(job, recoveries=1, injected=False)
     assert tl["strategy"] == "immediate_rollback", tl["reason"]
     assert tl["consensus"] == 6 and tl["undo_ranks"] == [] and tl["donors"] == {"2": 0, "3": 1}

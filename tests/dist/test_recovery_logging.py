@@ -56,7 +56,7 @@ def launch(
 ) -> JobRun:
     """One job of the GPT example (through the fault worker) on its own checkpoint and log dirs."""
     spec = JobSpec(FAULT_WORKER, PP4, ITERS, launcher_args, MODEL_ARGS, swift=swift or {}, env=env or {},
-                   nnodes=nnodes, nproc_per_node=nproc)  # fmt: skip
+                   nnodes=nnodes, nproc_per_node=nproc)
     return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
@@ -154,7 +154,7 @@ def parallel(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
          "machine=1,iteration=12,phase=backward;machine=0,iteration=18,phase=step"],
         swift={"parallel_recovery": True, "parallel_recovery_mode": "exact", "parallel_recovery_force": True},
         env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=0,iteration=17", "SWIFT_TEST_KILL_IN_SAVE": "rank=3,iteration=16"},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def four_machines(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
          "machine=2,iteration=18,phase=forward"],
         swift={"machines": {"gpus_per_node": 1}}, nnodes=4, nproc=1,
         env={"SWIFT_TEST_CORRUPT_LOG": "rank=2,iteration=17,micro_batch=1,src=1"},
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------- tests
@@ -247,7 +247,7 @@ def test_corrupt_record_falls_back_to_the_global_checkpoint_loudly(four_machines
     loud = re.search(r"rank 2: LOGGING-BASED RECOVERY FAILED: LogUnavailable: .*", four_machines.output)
     assert loud, four_machines.output[-6000:]
     assert re.search(r"act_s001-s002_dp0000_tp000_it0000000016-0000000020\.swlog: record #\d+ .*iteration 17, "
-                     r"micro-batch 1.*checksum", loud.group(0)), loud.group(0)  # fmt: skip
+                     r"micro-batch 1.*checksum", loud.group(0)), loud.group(0)
     assert "ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT (global_step16)" in loud.group(0)
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback" in four_machines.output
@@ -269,7 +269,7 @@ def _reports(lost: set[int], stages: int = 4, per_machine: int = 2, last: int = 
         RankReport(rank=r, survivor=r // per_machine not in lost, stage=r, dp=0, tp=0, machine=r // per_machine,
                    last_stepped=-1 if r // per_machine in lost else last, can_undo=True)
         for r in range(stages)
-    ]  # fmt: skip
+    ]
 
 
 def test_plan_replays_the_lost_machines_logging_group_from_the_checkpoint() -> None:

@@ -50,7 +50,7 @@ def fp16_config(tmp: Path) -> Path:
     cfg = json.loads(CONFIG.read_text())
     del cfg["bf16"]
     cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 14, "loss_scale_window": 2,
-                   "hysteresis": 1, "min_loss_scale": 1}  # fmt: skip
+                   "hysteresis": 1, "min_loss_scale": 1}
     path = tmp / "gpt_tiny_pp4_fp16_zero1_budget.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -101,7 +101,7 @@ def test_bf16_zero1_kill_at_backward_replays_from_the_log_bitwise(
 
 def test_bf16_zero1_parallel_recovery_forced_is_bitwise(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
-                 swift={"parallel_recovery_force": True})  # fmt: skip
+                 swift={"parallel_recovery_force": True})
     assert_replayed_bitwise(job, reference)
     (tl,) = job.timelines()
     assert tl["replay"]["parallel"] == "exact" and tl["replay"]["ranks"] == [0, 1, 2, 3], tl["replay"]
@@ -119,7 +119,7 @@ def test_fp16_zero1_with_a_skipped_step_in_the_replay_is_bitwise(tmp_path: Path,
         int(torch.load(ref.ckpt_dir / f"global_step{n}" / "mp_rank_00_model_states.pt", weights_only=False)[
             "skipped_steps"])
         for n in (8, 12)
-    ]  # fmt: skip
+    ]
     assert skipped[1] > skipped[0], f"no overflow among the replayed iterations: skipped_steps {skipped}"
     job = launch(tmp_path / "killed", ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"], config)
     assert_replayed_bitwise(job, checkpoint_tensors(ref.final_tag))

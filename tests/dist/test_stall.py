@@ -30,7 +30,7 @@ def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(tmp
     # stopped machine is, rightly, a dead or a hung one.
     swift = {"watchdog": {"op_timeout_s": 4.0, "heartbeat_timeout_s": 20.0, "hang_timeout_s": 25.0}}
     spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1", "--max-failures", "2"], swift=swift, nnodes=2,
-                   nproc_per_node=2, loss_log=True, env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"})  # fmt: skip
+                   nproc_per_node=2, loss_log=True, env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"})
     job = run_job(tmp_path, spec, 420.0)
     out = job.output
     assert job.code == 0, out[-6000:]

@@ -21,6 +21,7 @@ from ds_swift.undo.numerics import ulp_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton_adam = pytest.importorskip("ds_swift.undo.triton_adam", reason="needs Triton")
+triton_adam_replay = pytest.importorskip("ds_swift.undo.triton_adam_replay", reason="needs Triton")
 
 N = 1 << 22  # 4M elements: every rounding case many times over, a fraction of a second
 
@@ -62,7 +63,7 @@ def test_the_kernels_replay_is_torchs_cuda_step_bit_for_bit(cls: type, kwargs: d
     h = opt.param_groups[0]
     xs, ms, vs = x.clone(), m.clone(), v.clone()
     flavour = triton_adam.CUDA_FOREACH if foreach else triton_adam.CUDA_SINGLE
-    triton_adam.adam_forward(xs, grad, ms, vs, h, t, flavour=flavour)
+    triton_adam_replay.adam_forward(xs, grad, ms, vs, h, t, flavour=flavour)
     diffs = {
         "exp_avg": int((ms != opt.state[p]["exp_avg"]).sum()),
         "exp_avg_sq": int((vs != opt.state[p]["exp_avg_sq"]).sum()),

@@ -53,7 +53,7 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
 
     gate = threading.Event()
     w: Worker[int] = Worker("ds-swift-test", lambda i: (gate.wait(10.0), handle(i)), on_error=OnError.STOP,
-                            on_error_hook=hooked.append)  # fmt: skip
+                            on_error_hook=hooked.append)
     w.submit(0)
     w.submit(1)  # queued behind the item that fails
     gate.set()
@@ -67,7 +67,7 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
 def test_off_calls_the_hook_once_per_error_and_training_goes_on() -> None:
     said: list[str] = []
     w: Worker[int] = Worker("ds-swift-test", lambda i: 1 / 0, on_error=OnError.OFF,
-                            on_error_hook=lambda e: said.append(f"OFF: {e}"))  # fmt: skip
+                            on_error_hook=lambda e: said.append(f"OFF: {e}"))
     w.submit(0)
     assert w.wait_idle(10.0)
     assert said == ["OFF: division by zero"] and not w.submit(1)
@@ -97,7 +97,7 @@ def test_a_byte_bound_makes_the_producer_wait_for_room() -> None:
 def test_setup_and_teardown_run_on_the_thread() -> None:
     where: list[str] = []
     w: Worker[int] = Worker("ds-swift-test", lambda i: None, setup=lambda: where.append("setup"),
-                            teardown=lambda: where.append(threading.current_thread().name))  # fmt: skip
+                            teardown=lambda: where.append(threading.current_thread().name))
     w.submit(0)
     assert w.stop(10.0)
     assert where == ["setup", "ds-swift-test"]

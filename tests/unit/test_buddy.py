@@ -52,7 +52,7 @@ def reports(
                    last_stepped=stepped.get(r, -1), can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())),
                    undo_exact=exact and r in stepped)
         for r in range(4)
-    ]  # fmt: skip
+    ]
 
 
 def test_buddy_copies_restore_a_partitioned_optimizer() -> None:
@@ -94,7 +94,7 @@ def test_a_copy_on_a_failed_machine_does_not_count() -> None:
         [RankReport(0, True, 0, 0, 0, 0, 6, True), RankReport(1, False, 0, 1, 0, 1, -1, False, ((0, 6),)),
          RankReport(2, True, 0, 2, 0, 1, 6, True, ((1, 6),))],
         zero_stage=1, partitioned=True,
-    )  # fmt: skip
+    )
     assert buddy_target(inputs)[0] is None  # rank 2 sits on machine 1, which failed
 
 

@@ -104,7 +104,7 @@ TIMELINE = {
                "state_restore": 0.02, "catch_up": 0.0},
     "initialization_s": 6.18, "recovery_s": 0.03, "total_s": 6.28,
     "ranks": [{"rank": 0, "bytes_moved": 1_430_000}, {"rank": 1, "bytes_moved": 1_410_000}],
-}  # fmt: skip
+}
 
 
 def test_format_timeline_replication() -> None:
@@ -221,7 +221,7 @@ def test_plan_from_flags() -> None:
         ({"train_batch_size": 10, "gradient_accumulation_steps": 2}, 2, {"micro_batch_size": 2}, "train_batch_size=10"),
         ({}, 2, {"micro_batch_size": 0}, "--micro-batch-size 0"),
     ],
-)  # fmt: skip
+)
 def test_plan_errors_name_the_flag(cfg: dict, world: int, kw: dict, flag: str) -> None:
     with pytest.raises(PlanError) as err:
         resolve_training_plan(cfg, world, **kw)

@@ -269,7 +269,7 @@ def test_every_rank_agrees_on_the_verdicts(store: JobStore) -> None:
     assert mismatch_reason({0: Verdict("verified", "ok")}) is None
     reason = mismatch_reason({2: bad, 0: Verdict("verified", "ok"), 1: bad})
     assert reason == ("restored state failed verification: rank 1: tensor module/w differs; "
-                      "rank 2: tensor module/w differs")  # fmt: skip
+                      "rank 2: tensor module/w differs")
 
 
 def test_the_publisher_digests_every_interval_in_the_background(store: JobStore) -> None:

@@ -21,7 +21,7 @@ def store() -> JobStore:
 def watchdog(store: JobStore, rank: int, progress: Progress | None = None, watch: list[int] | None = None) -> Watchdog:
     client = JobStore.connect("127.0.0.1", store.port, TOKEN)
     return Watchdog(lambda: client, rank=rank, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0,
-                    watch_ranks=watch or [], progress=progress, hang_timeout_s=2.0, ranks_per_machine=2)  # fmt: skip
+                    watch_ranks=watch or [], progress=progress, hang_timeout_s=2.0, ranks_per_machine=2)
 
 
 def test_a_training_thread_without_progress_mid_iteration_is_hung(store: JobStore) -> None:

@@ -34,10 +34,10 @@ CONFIGS = {  # by WrapperKind value
                        "data_types": {"grad_accum_dtype": "fp32"}},
     "zero_stage1": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
     "fp16_unfused": {"fp16": {"enabled": True, "initial_scale_power": 8}},
-}  # fmt: skip
+}
 #: the DeepSpeed class each kind names
 CLASSES = {"torch": "AdamW", "bf16_optimizer": "BF16_Optimizer", "zero_stage1": "DeepSpeedZeroOptimizer",
-           "fp16_unfused": "FP16_UnfusedOptimizer"}  # fmt: skip
+           "fp16_unfused": "FP16_UnfusedOptimizer"}
 
 
 def free_port() -> int:

@@ -143,7 +143,7 @@ def test_samples_by_position_are_the_samplers(
 
 def test_samples_follow_the_engine_and_refuse_the_cyclic_loader() -> None:
     args = argparse.Namespace(dataloader_type="single", micro_batch_size=1, global_batch_size=4, iteration=0,
-                              consumed_train_samples=0)  # fmt: skip
+                              consumed_train_samples=0)
     samples = MegatronSamples()
     samples.configure(args, 2, 2, iteration=5)  # a replacement recovered to iteration 5
     assert (args.iteration, args.consumed_train_samples, samples.consumed(8)) == (5, 20, 32)

@@ -23,7 +23,7 @@ def make_scheduler() -> tuple[object, torch.optim.Optimizer]:
     sched = scheduler_module.OptimizerParamScheduler(
         opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=8, lr_decay_steps=32, lr_decay_style="cosine",
         start_wd=0.01, end_wd=0.01, wd_incr_steps=32, wd_incr_style="constant",
-    )  # fmt: skip
+    )
     return sched, opt
 
 

@@ -106,7 +106,7 @@ def test_a_chunk_cut_short_names_what_its_index_and_scan_found(tmp_path: Path) -
     r = LogReader(tmp_path)
     assert torch.equal(r.get(0, 0, "act", 1, 2), torch.zeros(64))  # type: ignore[arg-type]
     with pytest.raises(MissingRecordError, match=r"no act record for iteration 0 micro-batch 1 \(.*points outside "
-                       r"the chunk.*truncated"):  # fmt: skip
+                       r"the chunk.*truncated"):
         r.get(0, 1, "act", 1, 2)
 
 

@@ -19,7 +19,7 @@ from ds_swift.recovery.strategies.pipechurn_partial import feeders, partial_bloc
 
 
 def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2, dp: int = 2, last: int = 9,
-            k: int = 2, r: int = 1) -> list[RankReport]:  # fmt: skip
+            k: int = 2, r: int = 1) -> list[RankReport]:
     """One rank per machine, rank = stage * dp + dp_rank (DeepSpeed's pipe-data order); every
     survivor holds chunks of ``last`` and a complete copy of ``last + 1`` unless ``inflight`` says otherwise."""
     machines = pp * dp
@@ -32,7 +32,7 @@ def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2,
             rank=rank, survivor=survivor, stage=rank // dp, dp=rank % dp, tp=0, machine=rank,
             last_stepped=last if survivor else -1, can_undo=survivor, ec_chunks=held, ec_k=k,
             inflight=(inflight or {}).get(rank, last + 1) if survivor else -1,
-        ))  # fmt: skip
+        ))
     return out
 
 

@@ -54,11 +54,11 @@ def test_a_budget_buys_the_faster_replay_where_it_fits() -> None:
     cheap = sum(r.update_bytes for r in rows) * 10 / 1e9
     extra = (rows[0].activation_bytes - rows[0].update_bytes) * 10 / 1e9
     one = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 1.5 * extra,
-                               **kwargs)  # fmt: skip
+                               **kwargs)
     assert sorted(r.choice for r in one) == ["activation", "update"]
     assert "replay faster" in next(r.reason for r in one if r.choice == "activation")
     both = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 2 * extra,
-                                **kwargs)  # fmt: skip
+                                **kwargs)
     assert [r.choice for r in both] == ["activation", "activation"]
     over = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap / 2, **kwargs)
     assert [r.choice for r in over] == ["update", "update"]
@@ -84,7 +84,7 @@ def test_ds_swift_plan_shows_the_choice(micro_batches: int, expected: str) -> No
         sys.executable, "-m", "ds_swift.cli", "plan", "--tp", "1", "--pp", "4", "--dp", "2", "--gpus-per-node", "2",
         "--strategy", "logging", "--hidden", "1024", "--seq-len", "128", "--micro-batch-size", "32",
         "--micro-batches", str(micro_batches), "--num-params", str(4 * EIGHT_LAYERS), "--json",
-    ]  # fmt: skip
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["stage_logging"]

@@ -17,7 +17,7 @@ def pipeline_only(lost_machine: int = 1, last: int = 11) -> list[RankReport]:
         RankReport(rank=r, survivor=r // 2 != lost_machine, stage=r, dp=0, tp=0, machine=r // 2,
                    last_stepped=-1 if r // 2 == lost_machine else last, can_undo=True)
         for r in range(4)
-    ]  # fmt: skip
+    ]
 
 
 class SnapshotStrategy(RecoveryStrategy):
@@ -128,7 +128,7 @@ def test_the_consensus_is_pure_and_order_free() -> None:
 
 def test_forced_logging_with_nobody_lost_keeps_the_survivors() -> None:
     reports = [RankReport(rank=r, survivor=True, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=5, can_undo=True)
-               for r in range(4)]  # fmt: skip
+               for r in range(4)]
     plan = plan_recovery(reports, forced="logging", logging=LoggingSetup(frozenset(range(4))))
     assert plan.strategy == "logging" and plan.replay_ranks == () and list(plan.replay_iterations) == []
     assert plan_recovery(reports).strategy == "replication"

@@ -58,7 +58,7 @@ def closable() -> SwiftPipelineEngine:
     engine = SwiftPipelineEngine.__new__(SwiftPipelineEngine)
     parts = {"_timeline": mock.Mock(), "_monitor": mock.Mock(), "_hooks": mock.Mock(), "_recv_patch": mock.Mock(),
              "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None), "_ckpt": mock.Mock(),
-             "_running": None}  # fmt: skip
+             "_running": None}
     vars(engine).update(parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism())
     vars(engine)["_write_usage"] = lambda: None
     return engine
@@ -66,7 +66,7 @@ def closable() -> SwiftPipelineEngine:
 
 def settings() -> tuple[bool, bool, bool]:
     return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            bool(torch.utils.deterministic.fill_uninitialized_memory))  # fmt: skip
+            bool(torch.utils.deterministic.fill_uninitialized_memory))
 
 
 @pytest.fixture

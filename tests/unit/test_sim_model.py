@@ -291,13 +291,13 @@ def test_parallel_recovery_costs_its_set_up_and_gradient_swap() -> None:
     every replayed iteration; neither counts without parallel recovery."""
     wl = Workload("w", total_iterations=100, iteration_time_s=10.0)
     par = LoggingSpec(replay_fraction=0.5, parallel_recovery=True, parallel_speedup=2.0, parallel_setup_s=7.0,
-                      parallel_exchange_s_per_iteration=0.5)  # fmt: skip
+                      parallel_exchange_s_per_iteration=0.5)
     log = StrategySpec("l", "logging", checkpoint_interval=20, restart_s=100.0, logging=par)
     # 5 iterations replayed and half an iteration in flight (see above): 100 + 7 set-up + 5 + 5 x (10 x 0.5 / 2 + 0.5)
     assert failure_costs_s(wl, log, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 7 + 5 + 5 * 3.0)
     seq = StrategySpec("s", "logging", checkpoint_interval=20, restart_s=100.0,
                        logging=LoggingSpec(replay_fraction=0.5, parallel_setup_s=7.0,
-                                           parallel_exchange_s_per_iteration=0.5))  # fmt: skip
+                                           parallel_exchange_s_per_iteration=0.5))
     assert failure_costs_s(wl, seq, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 5 + 5 * 5.0)
     with pytest.raises(ConfigError, match="parallel_setup_s"):
         LoggingSpec(parallel_setup_s=-1.0)

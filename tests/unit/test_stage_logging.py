@@ -34,7 +34,7 @@ def measured(update_bytes: list[int], nbytes: int = B, copy_gbps: float | None =
         {"rank": r, "iteration": 0, "sends": [[q, nbytes] for q in (r - 1, r + 1) if 0 <= q < 4], "seconds": 2.0,
          "params": PARAMS, "stage": r, "update_bytes": update_bytes[r], "copy_gbps": copy_gbps}
         for r in range(4)
-    ]  # fmt: skip
+    ]
     return MeasuredSizes.from_reports(reports, micro_batches=4)
 
 
@@ -103,7 +103,7 @@ def test_stages_sharing_a_logging_group_are_decided_together() -> None:
         {"rank": r, "iteration": 0, "sends": [[q, B] for q in (r - 1, r + 1) if q in (1, 2) and r in (1, 2)],
          "seconds": 1.0, "params": PARAMS, "stage": r, "update_bytes": B // 4}
         for r in range(4)
-    ]  # fmt: skip
+    ]
     m = MeasuredSizes.from_reports(reports, 4)
     plan, decisions = decide(pp4_on_2, config(), m)
     assert [d.stages for d in decisions] == [(0, 1), (2, 3)]
@@ -114,7 +114,7 @@ def test_stages_sharing_a_logging_group_are_decided_together() -> None:
 
 def test_the_kinds_config_is_checked_naming_the_field() -> None:
     assert config(["messages", "updates", "messages", "updates"]).logging.kinds == (
-        "messages", "updates", "messages", "updates")  # fmt: skip
+        "messages", "updates", "messages", "updates")
     for bad in ("both", [], ["messages", "activations"]):
         with pytest.raises(ConfigError, match="logging.kinds"):
             config(bad)
@@ -127,7 +127,7 @@ def reports_pp4(lost_machine: int) -> list[RankReport]:
         RankReport(rank=r, survivor=r != lost_machine, stage=r, dp=0, tp=0, machine=r,
                    last_stepped=-1 if r == lost_machine else 11, can_undo=True)
         for r in range(4)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("forced", ["auto", "logging"])
@@ -163,4 +163,4 @@ def test_the_simulator_prices_each_groups_kind_and_the_bench_runs_the_mix() -> N
     assert strategy_overrides("logging_mix", 8, pp=4) == {
         "strategy": "logging", "logging": {"kinds": ["messages", "messages", "updates", "updates"]},
         "checkpoint": {"interval": 8},
-    }  # fmt: skip
+    }

@@ -25,7 +25,7 @@ from ds_swift.runtime.protection import Protections
 
 # What the runtime chose by name before this issue (config values as they were then).
 OLD_NAMES = ("auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs",
-             "pipechurn", "scar", "immediate_rollback", "lossy_forward")  # fmt: skip
+             "pipechurn", "scar", "immediate_rollback", "lossy_forward")
 OLD_RECOVERY = {"global_checkpoint": "checkpoint", "checkfreq": "checkpoint"}
 OLD_NO_BUDDIES = ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")  # of the recovery name
 OLD_DIGESTS = ("auto", "replication", "logging", "tranlogs", "pipechurn", "lossy_forward")
@@ -54,7 +54,7 @@ def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
         "buddy": s.buddy_copies, "erasure": s.erasure_chunks, "digests": s.digests, "updates": s.update_log,
         "analyzer": config_strategy(cfg), "async": s.async_checkpoints, "tuner": s.checkpoint_tuner,
         "running": s.running_checkpoint,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("name", OLD_NAMES)
@@ -102,7 +102,7 @@ class _Dummy(RecoveryStrategy):
     name = "dummy"
     auto = False
     SERVICES = StrategyServices(buddy_copies=True, update_log="every_rank", async_checkpoints=True,
-                                checkpoint_tuner=True, stage_recovery=frozenset({"logging"}))  # fmt: skip
+                                checkpoint_tuner=True, stage_recovery=frozenset({"logging"}))
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         return None
@@ -125,10 +125,10 @@ def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.Mo
     # The runtime's failure-free services, made from them.
     lines: list[str] = []
     ctx = SimpleNamespace(env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0,
-                          generation=0)  # fmt: skip
+                          generation=0)
     hooks = SimpleNamespace(logs=SimpleNamespace(updates=None), undo=None)
     made = Protections(lambda: None, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: 0,  # type: ignore[arg-type]
-                       check_after_receive=lambda: None, machine=lambda: 0)  # fmt: skip
+                       check_after_receive=lambda: None, machine=lambda: 0)
     assert made.buddy is not None and made.buddy.erasure is None
     assert made.updates is not None and hooks.logs.updates is made.updates
     assert made.digests is None  # not in its services

@@ -16,7 +16,7 @@ PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
 
 def test_job_config_keeps_everything_in_the_job_directory(tmp_path: Path) -> None:
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", PP4, 12,
-                   swift={"checkpoint": {"interval": 1}, "strategy": "checkpoint"})  # fmt: skip
+                   swift={"checkpoint": {"interval": 1}, "strategy": "checkpoint"})
     job = JobRun(tmp_path / "job", spec.iterations)
     cfg = job_config(spec, job)
     swift = cfg["swift"]
@@ -28,7 +28,7 @@ def test_job_config_keeps_everything_in_the_job_directory(tmp_path: Path) -> Non
 
 def test_launcher_argv_passes_save_loss_log_and_script_args_last(tmp_path: Path) -> None:
     spec = JobSpec(Path("train.py"), PP4, 5, ["--spares", "1"], ["--dropout", "0.1"], loss_log=True, nnodes=4,
-                   nproc_per_node=1)  # fmt: skip
+                   nproc_per_node=1)
     job = JobRun(tmp_path, 5)
     argv = launcher_argv(spec, job, tmp_path / "ds_config.json")
     i = argv.index("train.py")

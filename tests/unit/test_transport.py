@@ -32,7 +32,7 @@ NCCL, GLOO = frozenset({"nccl"}), frozenset({"gloo"})
 def one_rank() -> Iterator[Transport]:
     """A one-rank gloo world with its transport open (strict mode on)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=20))
     transport.set_strict(True)
     try:
         yield transport.open_generation(20.0, generation=0)

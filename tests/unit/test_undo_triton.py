@@ -18,7 +18,7 @@ from test_undo_helpers import PATH_SIZES, Case, step_and_undo, tolerance
 
 triton = pytest.importorskip("triton")
 
-from ds_swift.undo import apply, triton_adam  # noqa: E402
+from ds_swift.undo import apply, triton_adam, triton_adam_replay  # noqa: E402
 from ds_swift.undo import fused as fused_mod  # noqa: E402
 from ds_swift.undo.numerics import ulp_error  # noqa: E402
 
@@ -40,7 +40,7 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 
 
 def _run(path: str, cls: type, kwargs: dict[str, Any], steps: int = 3, dtype: torch.dtype = torch.float32,
-         scale: float = 0.02) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+         scale: float = 0.02) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Step ``steps`` times, undo the last; per tensor (before, post, restored)."""
     return step_and_undo(path, cls, kwargs, seed=7, steps=steps, dtype=dtype, scale=scale)
 
@@ -62,7 +62,7 @@ def test_fused_path_equals_the_fast_path_element_for_element(name: str, steps: i
         assert torch.equal(restored, fast[key][2]), f"{name} {key}: {int((restored != fast[key][2]).sum())} differ"
         family = "adamw" if cls is torch.optim.AdamW else "adam"
         bound = tolerance(Case(family=family, kwargs=kwargs, dtype=torch.float32, steps=steps, seed=0),
-                          key.rstrip("0123456789"))  # fmt: skip
+                          key.rstrip("0123456789"))
         assert ulp_error(restored, before, post) <= bound, f"{name} {key}: {ulp_error(restored, before, post)} ulp"
 
 
@@ -99,7 +99,7 @@ def test_the_kernel_runs_and_restores_most_elements_bit_for_bit(dense: None) -> 
     scale=st.sampled_from([1e-4, 0.02, 3.0]),
 )
 def test_fused_equals_fast_for_any_hyper_parameters(dense: None, lr: float, wd: float, beta1: float, beta2: float,
-                                                     eps: float, decoupled: bool, maximize: bool, scale: float) -> None:  # fmt: skip
+                                                     eps: float, decoupled: bool, maximize: bool, scale: float) -> None:
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs = {"lr": lr, "weight_decay": wd, "betas": (beta1, beta2), "eps": eps, "maximize": maximize}
     fast = _run("fast", cls, kwargs, 2, scale=scale)
@@ -112,7 +112,7 @@ def test_fused_equals_fast_for_any_hyper_parameters(dense: None, lr: float, wd: 
 
 def _hyper(**kw: Any) -> dict[str, Any]:
     h = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.1, "betas": (0.9, 0.95), "decoupled_weight_decay": True,
-         "maximize": False}  # fmt: skip
+         "maximize": False}
     return h | kw
 
 
@@ -140,11 +140,11 @@ def test_the_cpu_replay_is_torchs_cpu_step_bit_for_bit(decoupled: bool) -> None:
     p = torch.nn.Parameter(x.clone())
     p.grad = grad.clone()
     opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p], lr=h["lr"], weight_decay=h["weight_decay"],
-                                                               betas=h["betas"], maximize=h["maximize"])  # fmt: skip
+                                                               betas=h["betas"], maximize=h["maximize"])
     opt.state[p] = {"step": torch.tensor(t - 1), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     opt.step()
     xs, ms, vs = x.clone(), m.clone(), v.clone()
-    triton_adam.adam_forward(xs, grad, ms, vs, h, t, flavour=triton_adam.CPU)
+    triton_adam_replay.adam_forward(xs, grad, ms, vs, h, t, flavour=triton_adam.CPU)
     assert torch.equal(ms, opt.state[p]["exp_avg"])
     assert torch.equal(vs, opt.state[p]["exp_avg_sq"])
     assert torch.equal(xs, p.detach())
@@ -160,12 +160,12 @@ def test_cuda_flavours_undo_their_own_forward(flavour: int, decoupled: bool) -> 
     h = _hyper(decoupled_weight_decay=decoupled)
     x0, grad, m0, v0 = _tensors(n, 5)
     x, m, v = x0.clone(), m0.clone(), v0.clone()
-    triton_adam.adam_forward(x, grad, m, v, h, t, flavour=flavour)
+    triton_adam_replay.adam_forward(x, grad, m, v, h, t, flavour=flavour)
     post = (x.clone(), m.clone(), v.clone())
     triton_adam.adam_undo(x, grad, m, v, h, t, flavour=flavour, moments=True)
     for name, restored, before, after in zip("xmv", (x, m, v), (x0, m0, v0), post, strict=True):
         assert ulp_error(restored, before, after) <= 2.0, name
-    triton_adam.adam_forward(x, grad, m, v, h, t, flavour=flavour)
+    triton_adam_replay.adam_forward(x, grad, m, v, h, t, flavour=flavour)
     for name, again, after in zip("xmv", (x, m, v), post, strict=True):
         assert float((again == after).double().mean()) > 0.99, name
 
@@ -177,7 +177,7 @@ def test_the_flavours_differ_where_torchs_kernels_do() -> None:
     outs = []
     for flavour in (triton_adam.CPU, triton_adam.CUDA_FOREACH, triton_adam.CUDA_SINGLE):
         x, grad, m, v = _tensors(n, 9)
-        triton_adam.adam_forward(x, grad, m, v, _hyper(), t, flavour=flavour)
+        triton_adam_replay.adam_forward(x, grad, m, v, _hyper(), t, flavour=flavour)
         outs.append((x, v))
     assert not torch.equal(outs[0][1], outs[1][1])  # addcmul: fma(fl(s*g), g, v) vs fma(s, fl(g*g), v)
     assert not torch.equal(outs[1][0], outs[2][0])  # sqrt(v)/b vs sqrt(v)*fl(1/b)
@@ -219,10 +219,10 @@ def test_auto_takes_the_fast_path_for_cpu_tensors(monkeypatch: pytest.MonkeyPatc
 def test_next_is_torchs_nextafter() -> None:
     """The kernel's nextafter (bit arithmetic) on zeros, subnormals, extremes and infinities."""
     special = [0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38, math.inf,
-               -math.inf, 1.1754943508222875e-38]  # fmt: skip
+               -math.inf, 1.1754943508222875e-38]
     x = torch.tensor(special + torch.randn(100).tolist(), dtype=torch.float32)
-    up = triton_adam.nextafter(x, up=True)
-    down = triton_adam.nextafter(x, up=False)
+    up = triton_adam_replay.nextafter(x, up=True)
+    down = triton_adam_replay.nextafter(x, up=False)
     assert torch.equal(up, torch.nextafter(x, torch.tensor(math.inf)))
     assert torch.equal(down, torch.nextafter(x, torch.tensor(-math.inf)))
     assert torch.equal(up.signbit(), torch.nextafter(x, torch.tensor(math.inf)).signbit())
@@ -263,7 +263,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile, as on a GPU machine (no GPU nee
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ds_swift.undo import triton_adam as ta, triton_ds_adam as tds
+from ds_swift.undo import triton_adam as ta, triton_adam_replay as tar, triton_ds_adam as tds
 
 ptr = {"x_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32"}
 flags = dict(DECAY=True, L2=False, MAXIMIZE=False, SMALL_WT=True, BLOCK=1024)
@@ -272,7 +272,7 @@ for flavour, l2 in ((ta.CUDA_FOREACH, False), (ta.CUDA_SINGLE, True)):
     f = flags | {"FLAVOUR": flavour, "DECAY": not l2, "L2": l2}
     cases.append((ta._adam_undo_kernel, ptr | {"d_ptr": "*fp32", "c_ptr": "*fp64", "n": "i32"},
                   f | {"MOMENTS": True, "X_MONOTONE": True, "V_MONOTONE": True}))
-    cases.append((ta._adam_forward_kernel, ptr | {"d_ptr": "*fp32", "c_ptr": "*fp64", "n": "i32"},
+    cases.append((tar._adam_forward_kernel, ptr | {"d_ptr": "*fp32", "c_ptr": "*fp64", "n": "i32"},
                   f | {"MOMENTS": True, "X": True}))
 cases.append((tds._ds_adam_undo_kernel, ptr | {"c_ptr": "*fp64", "n": "i32"},
                {"DECOUPLED": True, "L2": False, "MOMENTS": True, "BLOCK": 1024}))

@@ -148,7 +148,7 @@ def _reporter(
                     feeder.chunks_loaded if feeder else 0,
                     feeder.chunks_total if feeder else 0,
                     time.perf_counter() - t0,
-                )  # fmt: skip
+                )
             )
 
     return report

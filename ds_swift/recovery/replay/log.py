@@ -77,7 +77,7 @@ def chunks_needed(reader: Any, edges: Sequence[LogEdge], start: int, end: int) -
                     f"message log {reader.location}: no chunk of edge {edge} holds iteration {it} "
                     f"(replay needs {start}..{end}; chunks of this edge cover {have or 'nothing'})",
                     iteration=it, edge=edge,
-                )  # fmt: skip
+                )
             found[(edge, it)] = cn
     return found
 
@@ -168,7 +168,7 @@ class LogFeeder:
                     micro_batch=mb,
                     edge=edge,
                     file=str(self.reader.directory / cn.chunk_file) if cn is not None else None,
-                )  # fmt: skip
+                )
             )
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which re-raises it
             self._put(exc)
@@ -247,7 +247,7 @@ def text_progress(stream: TextIO | None = None, every: int = 1) -> ProgressFn:
             f"[ds-swift] rank {p.rank}: replay {p.iterations_done}/{p.iterations_total} iterations, "
             f"{p.log_bytes_read / 1e6:.1f} MB of log, chunks {p.chunks_loaded}/{p.chunks_total}{eta}",
             file=stream or sys.stderr, flush=True,
-        )  # fmt: skip
+        )
 
     return show
 
@@ -263,7 +263,7 @@ def rich_progress(description: str = "replay") -> Iterator[ProgressFn]:
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[mb]:.1f} MB log"),
         TimeRemainingColumn(),
-    ) as bar:  # fmt: skip
+    ) as bar:
         task = bar.add_task(description, total=None, mb=0.0)
 
         def update(p: ReplayProgress) -> None:

@@ -57,7 +57,7 @@ from ds_swift.recovery.state.transfer import capture_state, load_state, recv_sta
 __all__ = [
     "GradCapture", "Mode", "ParallelReplayLayout", "ParallelStats", "assign_micro_batches", "build_copy_engine",
     "helper_topology", "copy_unsupported_reasons", "combine_exact", "combine_fast", "parallel_replay", "transfer_state",
-]  # fmt: skip
+]
 
 Mode = Literal["exact", "fast"]
 
@@ -153,7 +153,7 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
         reasons.append(f"parallel recovery cannot copy this optimizer's state ({exc})")
     if int(engine.zero_optimization_stage()) > 1:
         reasons.append(f"ZeRO stage {engine.zero_optimization_stage()} partitions gradients: parallel recovery "
-                       "combines whole ones (ZeRO stage 0 or 1)")  # fmt: skip
+                       "combines whole ones (ZeRO stage 0 or 1)")
     if any(isinstance(s, TiedLayerSpec) for s in layer_specs(engine)):
         reasons.append("tied layers are not supported by parallel recovery")
     if getattr(engine.module, "seed_layers", False):
@@ -331,7 +331,7 @@ def parallel_replay(
                 target, reader, layout.sub_pipeline(r), start_iteration, end_iteration, batch_fn, progress,
                 seed=seed, collectives=collectives, ahead=ahead, log_timeout_s=log_timeout_s, share=share,
                 extra_hooks=combiner.hooks(), before_iteration=before_iteration,
-            )  # fmt: skip
+            )
     finally:
         combiner.remove()
     return ParallelStats(

@@ -53,7 +53,7 @@ def combine_exact(contributions: Mapping[int, Contribution], num_params: int) ->
 def combine_exact_hp(
     contributions: Mapping[int, Contribution], num_params: int, per_call: bool = False,
     dtype: torch.dtype = torch.float32,
-) -> list[torch.Tensor | None]:  # fmt: skip
+) -> list[torch.Tensor | None]:
     """A BF16_Optimizer's fp32 gradient buffers after the micro-batches of ``contributions``.
 
     The buffer starts at zero (the step before cleared it). Per micro-batch in order, the pipeline

@@ -19,7 +19,7 @@ from ds_swift.msglog.edge import LogEdge, pipeline_position
 __all__ = [
     "ReplayPlan", "ReplayStats", "plan_of", "plan_replay", "replay_summary", "replay_totals", "unsupported_reasons",
     "unwrap_engine",
-]  # fmt: skip
+]
 
 
 def unwrap_engine(engine: Any) -> Any:
@@ -80,7 +80,7 @@ def plan_replay(
     return ReplayPlan(
         rank, stage, num_stages, dp_rank, tp_rank, micro_batches, prev_rank, next_rank, tuple(edges), next_out, prev_out,
         mine,
-    )  # fmt: skip
+    )
 
 
 def plan_of(engine: Any, group_ranks: set[int] | frozenset[int], share: Sequence[int] | None = None) -> ReplayPlan:
@@ -89,7 +89,7 @@ def plan_of(engine: Any, group_ranks: set[int] | frozenset[int], share: Sequence
     return plan_replay(
         pos.rank, pos.stage, pos.num_stages, pos.dp_rank, pos.tp_rank, int(engine.gradient_accumulation_steps()),
         pos.prev_rank, pos.next_rank, group_ranks, share,
-    )  # fmt: skip
+    )
 
 
 def _group_ranks(group: Any) -> list[int]:
@@ -149,7 +149,7 @@ def unsupported_reasons(
                     ("bf16", engine.bfloat16_enabled()),
                     (f"gradient_clipping={engine.gradient_clipping()}", engine.gradient_clipping() > 0),
                 ) if on
-            ]  # fmt: skip
+            ]
             reasons.append(
                 f"rank {me}: the optimizer step ({', '.join(what)}) reduces a global norm/overflow flag over ranks "
                 f"{outside(mp)} outside the replayed group: replay needs a survivor's CollectiveRecorder records"
@@ -201,7 +201,7 @@ def replay_summary(stats: Any) -> dict[str, Any]:
     }
     if rep is not stats:
         out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
-                   exchange_s=stats.exchange_s)  # fmt: skip
+                   exchange_s=stats.exchange_s)
     return out
 
 

@@ -63,7 +63,7 @@ from ds_swift.recovery.timeline import RankTimeline
 __all__ = [
     "ReplayRuntime", "compute_of_this_rank", "failed_replay_key", "load_start", "parallel_helps", "parallel_layout",
     "run_logging_recovery",
-]  # fmt: skip
+]
 
 
 def _noop(*_: Any) -> None:
@@ -203,7 +203,7 @@ def run_logging_recovery(
     # 1. the check round
     reader, reader_error = _open_reader(rt) if rank in group else (None, None)
     answers, proposed = check_round(store, generation, rank, engine, plan, reports, reader, reader_error, rt,
-                                     gather_timeout_s)  # fmt: skip
+                                     gather_timeout_s)
     problems = [w for r in world for w in answers[r]["why"]]
     if problems:
         reason = "logging-based recovery impossible: " + "; ".join(problems)
@@ -227,7 +227,7 @@ def run_logging_recovery(
             fail(LogUnavailable(str(reader_error)))
     if layout is not None:
         summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail,
-                                before_iteration)  # fmt: skip
+                                before_iteration)
     elif rank in group:
         summary = _run_sequential(engine, reader, group, start, end, rt, records, fail, before_iteration)
     if replayer:
@@ -279,7 +279,7 @@ def _run_sequential(
     try:
         with replaying(rt.host), _progress(rt, end - start + 1) as progress:
             stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
-                           collectives=records, before_iteration=before_iteration)  # fmt: skip
+                           collectives=records, before_iteration=before_iteration)
     except (LogUnavailable, ReplayUnsupported) as exc:
         fail(exc)
     return replay_summary(stats)
@@ -312,7 +312,7 @@ def _run_parallel(
                     pstats = parallel_replay(
                         engine, copy, layout, reader, start, end, rt.batch_fn, progress,
                         mode=rt.mode, seed=rt.seed, collectives=records, before_iteration=before_iteration,
-                    )  # fmt: skip
+                    )
             except (LogUnavailable, ReplayUnsupported) as exc:
                 fail(exc)
             if pstats is not None:

@@ -109,7 +109,7 @@ def assign_holders(
     members = list(members)
     n = k + r
     need = (f"pipechurn.data_chunks={k} + pipechurn.parity_chunks={r} needs {n} machines (failure domains) besides "
-            "each rank's own")  # fmt: skip
+            "each rank's own")
     try:
         placement = assign_buddies(members, n, failure_domains)
     except BuddyError as exc:
@@ -157,4 +157,4 @@ def erasure_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, list[t
     return None, {}, (
         f"fewer than k = {k} erasure-coded chunks of a lost rank's state survived at the consensus iteration {c} "
         f"or one before ({have}; machines {sorted(inputs.failed_machines)} failed)"
-    )  # fmt: skip
+    )

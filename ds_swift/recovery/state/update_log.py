@@ -134,7 +134,7 @@ def capture_update(engine: Any, undo: Any) -> UpdateRecord:
             "hyper": {k: _plain(v) for k, v in grec.hyper.items()},
             "kwargs": {k: _plain(v) for k, v in grec.call_kwargs.items()},
             "grads": grads,
-        })  # fmt: skip
+        })
     from ds_swift.patches.deepspeed_optim_state import optimizer_scalars
 
     sched = getattr(engine, "lr_scheduler", None)

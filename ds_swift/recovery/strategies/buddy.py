@@ -79,7 +79,7 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
         return None, (
             f"no buddy copy of the optimizer partition of rank(s) {missing} survived "
             f"(their buddies were on failed machine(s) {sorted(inputs.failed_machines)})"
-        )  # fmt: skip
+        )
     c = inputs.consensus
     for target in (c, c - 1):
         if all(target in versions for versions in holders.values()) and not inputs.rebased(target).cannot_undo:
@@ -88,7 +88,7 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
     return None, (
         f"the buddy copies ({have}) do not reach the consensus iteration {c} "
         f"(survivors can undo at most one step, to {c - 1})"
-    )  # fmt: skip
+    )
 
 
 class BuddyStrategy(RecoveryStrategy):

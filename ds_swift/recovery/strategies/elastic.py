@@ -35,60 +35,35 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.patches.deepspeed_engine import pipe_topology
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, loud, say_deviation
+from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state, set_counters
+from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
+from ds_swift.recovery.strategies.resize_moves import ResizeMoves, grid_coords, resize_transfers
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 
 __all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
 
 
-def _coords(engine: Any) -> list[tuple[int, int]]:
-    """(stage, tp) of every rank of ``engine``'s grid."""
-    topo = pipe_topology(engine)
-    has_tp = "model" in topo.get_axis_names()
-    return [(int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0)
-            for r in range(topo.world_size())]  # fmt: skip
-
-
-def _transfers(resize: Resize, coords: list[tuple[int, int]], sources: Mapping[int, int],
-               first: Mapping[int, int]) -> list[tuple[int, int, int]]:  # fmt: skip
-    """(old owner, source rank, destination rank) of every old optimizer state each new rank needs,
-    in one order on every rank (the sends are posted first, then received in it): partitioned, every
-    old partition of its (stage, tp); else one whole state, its own or ``first[dst]``'s (an old rank)."""
-    out = []
-    for dst, (stage, tp) in enumerate(coords):
-        owners = [resize.old_rank_at(stage, q, tp) for q in range(resize.old_dp)] if resize.partitioned else [first[dst]]
-        for owner in owners:
-            src = resize.new_rank_of(sources[owner])
-            assert src is not None  # sources are survivors
-            out.append((owner, src, dst))
-    return out
-
-
 def _agree(resize: Resize, reports: list[RankReport], zero_stage: int,
-           partitioned: bool) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:  # fmt: skip
+           partitioned: bool) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:
     """The consensus over the survivors, and where the lost partitions come from (a shrink)."""
     reports = reports + [
         RankReport(rank=r, survivor=False, stage=resize.old_coords[r][0], dp=resize.old_coords[r][1],
                    tp=resize.old_coords[r][2], machine=resize.machine)
         for r in resize.lost
-    ]  # fmt: skip
+    ]
     inputs = RecoveryInputs.agree(reports, forced="lossy_forward", zero_stage=zero_stage, partitioned=partitioned)
     why = inputs.keep_blocker()
     if why is not None or not partitioned or not inputs.replacements:
@@ -112,7 +87,7 @@ def _verify_resize(store: JobStore, generation: int, engine: Any, parts: Mapping
     reason = mismatch_reason(agree(store, generation, rank, world, verdict, timeout_s))
     if reason is not None:
         loud(rank, f"ELASTIC RESIZE FAILED VERIFICATION: {reason}; the job stops (restart it from the last global "
-                   "checkpoint on the original number of machines)")  # fmt: skip
+                   "checkpoint on the original number of machines)")
         raise ResizeRefused(reason)
 
 
@@ -138,17 +113,17 @@ def recover_resized(
     resize = _agreed_resize(store, generation, rank, resize, gather_timeout_s)
     if world != resize.new_world:
         raise GeometryError(f"rank {rank} is in a world of {world}, the resize plans {resize.new_world}")
-    coords = _coords(engine)
+    coords = grid_coords(engine)
     survivor_ranks = {n: r for r in resize.survivors if (n := resize.new_rank_of(r)) is not None}  # new -> old
     old_rank = survivor_ranks.get(rank)
     timeline.rank = rank  # its part of the timeline is gathered by the new rank
     _publish_report(store, generation, rank, old_rank, kept, resize, coords[rank])
     gathered = store.gather(generation, "resize_report", sorted(survivor_ranks), gather_timeout_s)
     inputs, target, why = _agree(resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage,
-                                 resize.partitioned)  # fmt: skip
+                                 resize.partitioned)
     if why:
         loud(rank, f"ELASTIC {resize.kind.upper()} IMPOSSIBLE: {why}; the job stops (restart it from the last "
-                   "global checkpoint on the original number of machines)")  # fmt: skip
+                   "global checkpoint on the original number of machines)")
         raise ResizeRefused(why)
     iteration = target.iteration if target is not None else inputs.consensus
     sources = {r: r for r in inputs.survivors}  # old rank -> old rank whose state (or copy) it is
@@ -160,9 +135,9 @@ def recover_resized(
         kept.undo_logged(iteration, timeline, log)
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
     donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
-              for dst in range(world) if dst not in survivor_ranks}  # fmt: skip
+              for dst in range(world) if dst not in survivor_ranks}
     first = {dst: survivor_ranks[donors.get(dst, dst)] for dst in range(world)}
-    moves = _Moves(resize, rank, old_rank, kept, iteration, sources, donors, _transfers(resize, coords, sources, first))
+    moves = ResizeMoves(resize, rank, old_rank, kept, iteration, sources, donors, resize_transfers(resize, coords, sources, first))
     moved, owners = moves.run(engine)
     finish_restore(engine)
     if verify:
@@ -185,7 +160,7 @@ def _agreed_resize(store: JobStore, generation: int, rank: int, resize: Resize |
 
 
 def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int | None, kept: KeptState | None,
-                    resize: Resize, where: tuple[int, int]) -> None:  # fmt: skip
+                    resize: Resize, where: tuple[int, int]) -> None:
     """A survivor's report under its old rank (a new rank of a grow has none to give)."""
     from ds_swift.patches.deepspeed_optim_state import GeometryError
 
@@ -197,83 +172,16 @@ def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int |
     stage, dp, tp = resize.old_coords[old_rank]
     if where != (stage, tp):
         raise GeometryError(f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
-                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")  # fmt: skip
+                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")
     mine = RankReport(rank=old_rank, survivor=True, stage=stage, dp=dp, tp=tp, machine=resize.machine_of(old_rank),
                       last_stepped=kept.last_stepped, can_undo=kept.can_undo,
-                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())  # fmt: skip
+                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())
     store.publish(generation, "resize_report", rank, mine.to_json())
-
-
-@dataclass
-class _Moves:
-    """This rank's sends and receives of a resize: a new rank's module, schedule and counters from its
-    donor, and every old optimizer partition (or whole state) each rank joins into its new one."""
-
-    resize: Resize
-    rank: int
-    old_rank: int | None
-    kept: KeptState | None
-    iteration: int
-    sources: Mapping[int, int]
-    donors: Mapping[int, int]
-    transfers: list[tuple[int, int, int]]
-
-    def __post_init__(self) -> None:
-        self.state = self.kept.state() if self.kept is not None else None  # after the undo: what it holds
-        self.sending: list[tuple[Any, torch.Tensor]] = []
-
-    def payload_of(self, owner: int) -> dict[str, Any]:
-        if owner == self.old_rank and self.sources[owner] == owner:
-            assert self.state is not None
-            return {"optimizer": self.state["optimizer"]}
-        if self.kept is None or self.kept.buddy is None:
-            raise RuntimeError(f"rank {self.rank} was chosen to send rank {owner}'s buddy copy but holds none")
-        return {"optimizer": self.kept.buddy.state_of(owner, self.iteration)["optimizer"]}
-
-    def _isend(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
-        self.sending.append((transport.isend(t, dst, group=group), t))
-
-    def run(self, engine: Any) -> tuple[int, dict[int, Any]]:
-        """Post the sends, receive, load; returns the bytes sent and the old partitions joined here
-        (old rank -> its part; None: its whole state, unpartitioned)."""
-        from ds_swift.patches.deepspeed_optim_state import load_optimizer, reshard_optimizer
-
-        rank, kept, state = self.rank, self.kept, self.state
-        moved = 0
-        for dst, src in sorted(self.donors.items()):
-            if src == rank:
-                assert kept is not None and state is not None
-                rest = {k: v for k, v in state.items() if k != "optimizer"}
-                moved += send_state({**rest, "counters": kept.counters or {}}, dst, send=self._isend)
-        for owner, src, dst in self.transfers:
-            if src == rank and dst != rank:
-                moved += send_state(self.payload_of(owner), dst, send=self._isend)
-        if rank in self.donors:
-            rest = recv_state(self.donors[rank])
-            load_state(engine, rest, self.iteration + 1)
-            counters = rest.get("counters") or {}
-        else:
-            assert kept is not None and state is not None
-            load_state(engine, {**state, "optimizer": None}, self.iteration + 1)
-            counters = kept.counters or {}
-        set_counters(engine, self.iteration + 1, skipped_steps=int(counters.get("skipped_steps", 0)))
-        parts: dict[int, dict[str, Any]] = {}
-        owners: dict[int, Any] = {}
-        for owner, src, dst in self.transfers:
-            if dst == rank:
-                dp = self.resize.old_coords[owner][1]
-                parts[dp] = self.payload_of(owner)["optimizer"] if src == rank else recv_state(src)["optimizer"]
-                owners[owner] = parts[dp]
-        for work, _ in self.sending:
-            work.wait()
-        if engine.optimizer is not None and parts:
-            load_optimizer(engine.optimizer, reshard_optimizer([parts[q] for q in sorted(parts)], engine.optimizer))
-        return moved, owners
 
 
 def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: list[int],
              survivor_ranks: Mapping[int, int], donors: Mapping[int, int], moved: int, rank: int,
-             timeline: RankTimeline) -> RecoveryOutcome:  # fmt: skip
+             timeline: RankTimeline) -> RecoveryOutcome:
     """The resize as a recovery outcome (its plan in new ranks), its deviation said by rank 0."""
     reason = resize.describe() + f"; iteration {iteration} is the consensus"
     if target is not None:
@@ -281,19 +189,19 @@ def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: l
         reason += f"; the lost partitions from their buddy copies ({pairs}, old ranks)"
     new_undo = tuple(n for n in (resize.new_rank_of(r) for r in undo) if n is not None)
     plan = RecoveryPlan(ElasticStrategy.name, reason, iteration, tuple(sorted(survivor_ranks)),
-                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)  # fmt: skip
+                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)
     outcome = RecoveryOutcome(plan, iteration + 1, bytes_moved=moved)
     if resize.policy == "keep":
         deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
     else:
         deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
-                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")  # fmt: skip
+                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")
     say_deviation(rank, rank == 0, ElasticStrategy.name, outcome, deviation)
     timeline.extra["resize"] = {
         "kind": resize.kind, "machine": resize.machine, "machines": list(resize.new_layout),
         "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],
         "global_batch": resize.policy,
-    }  # fmt: skip
+    }
     return outcome
 
 
@@ -305,6 +213,8 @@ class ElasticStrategy(LossyForwardStrategy):
 
     name = "elastic"
     SERVICES = StrategyServices(buddy_copies=True, digests=True, elastic=True, sim_kind="elastic")
+    # ds-swift bench: with no spare, the job goes on without the failed machine (a shrink)
+    BENCH_VARIANTS = {"lossy_forward_elastic": BenchVariant(spare=False)}
 
     def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
         # A replaced machine's restore is lossy forward's, and is named so in the timeline.
@@ -313,4 +223,4 @@ class ElasticStrategy(LossyForwardStrategy):
     def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
         return recover_resized(store=ctx.store, generation=ctx.generation, engine=ctx.engine, kept=ctx.kept,
                                resize=resize, timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
-                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)  # fmt: skip
+                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)

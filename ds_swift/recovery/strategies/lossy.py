@@ -102,7 +102,7 @@ class LossyForwardStrategy(RecoveryStrategy):
         announce_deviation(ctx, inputs, self.name, outcome, (
             f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
             f"(replicas {sorted(lost)} lost a rank and count as zero)"
-        ))  # fmt: skip
+        ))
         return outcome
 
 
@@ -122,6 +122,6 @@ class LossySimulation(SimulatedFailure):
             )
         factor = lossy_factor(int(engine.grid.get_data_parallel_id()), lost, dp)
         self._log(f"simulated failure (lossy forward) at iteration {self.iteration}: replicas {list(lost)} "
-                  f"lost; my gradients x {factor:g}")  # fmt: skip
+                  f"lost; my gradients x {factor:g}")
         return GradScale(self.iteration, factor, self.cfg.upto_layer)
 

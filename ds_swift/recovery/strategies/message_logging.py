@@ -16,10 +16,18 @@ any grouping needs, so a replay that reaches back to it finds every inbound edge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
+from ds_swift.recovery.base import (
+    BenchVariant,
+    RankContext,
+    RecoveryOutcome,
+    RecoveryStrategy,
+    RestoreFailed,
+    checkpoint_source,
+)
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.replay.runner import run_logging_recovery
 from ds_swift.recovery.services import StrategyServices
@@ -47,6 +55,20 @@ class LoggingStrategy(RecoveryStrategy):
         # A per-stage mix (logging.kinds) has some stages log their updates instead (TranLogs restores them).
         mixed = cfg.logging.kinds != "messages"
         return dataclasses.replace(self.SERVICES, update_log="per_stage" if mixed else "off")
+
+    def bench_variants(self, pp: int) -> Mapping[str, BenchVariant]:
+        """ds-swift bench: the replay spread over survivors (SWIFT 5.2), used even where the plan finds it
+        cannot help (``parallel_recovery_force``), and without it: the two measured in one run; and
+        TranLogs' per-stage mix: the first half of the stages log their inbound messages, the others
+        their updates (``logging.kinds``), against ``logging`` (messages everywhere): the bytes each logs."""
+        # Halves, not the planner's pick (logging.kinds auto): on the tiny GPT every stage's messages
+        # are smaller than its updates, and machines hold consecutive stages (a group, one kind).
+        kinds = ["messages"] * ((pp + 1) // 2) + ["updates"] * (pp // 2)
+        return {
+            "logging_parallel": BenchVariant({"parallel_recovery": True, "parallel_recovery_force": True}),
+            "logging_sequential": BenchVariant({"parallel_recovery": False}),
+            "logging_mix": BenchVariant({"logging": {"kinds": kinds}}),
+        }
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker()
@@ -131,7 +153,7 @@ class LoggingStrategy(RecoveryStrategy):
             reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
             timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s, log=ctx.log,
             before_iteration=check.before_iteration if check is not None else None,
-        )  # fmt: skip
+        )
         if fallback is not None:
             raise RestoreFailed(fallback)
         if check is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, RecoveryStrategy, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
@@ -41,6 +41,13 @@ class PipeChurnStrategy(RecoveryStrategy):
     auto = False  # the chunks exist only when the config names this strategy
     # The lost ranks' state comes from other machines' memory: modelled as a replication.
     SERVICES = StrategyServices(erasure_chunks=True, digests=True, sim_kind="replication")
+    # ds-swift bench: without and with the partial recomputation of the iteration in flight, side by
+    # side (partial recomputation needs every pass of the iteration done when the machine dies:
+    # --phase reduce)
+    BENCH_VARIANTS = {
+        "pipechurn_full": BenchVariant({"pipechurn": {"partial_recompute": False}}),
+        "pipechurn_partial": BenchVariant({"pipechurn": {"partial_recompute": True}}),
+    }
 
     def services(self, cfg: SwiftConfig) -> StrategyServices:
         """The chunks and digests; the copy of the iteration in flight where ``pipechurn.partial_recompute``."""
@@ -116,4 +123,4 @@ def _in_flight(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext, out
     outcome.replay = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
     if ctx.rank == min(inputs.survivors, default=ctx.rank):
         loud(ctx.rank, f"pipechurn: no partial recomputation ({why}); every rank trains iteration "
-                       f"{plan.consensus + 1} again")  # fmt: skip
+                       f"{plan.consensus + 1} again")

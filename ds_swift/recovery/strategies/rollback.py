@@ -121,7 +121,7 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         if ctx.kept is not None and ctx.rank in ahead:
             rewound = ctx.kept.rewind_schedule(plan.consensus)
             ctx.log(f"immediate rollback: keeping the update of iteration {ctx.kept.last_stepped} (no undo); "
-                    f"{'LR schedule and counters back to iteration ' + str(plan.consensus) if rewound else 'LR schedule stays one step ahead (no record of it)'}")  # fmt: skip
+                    f"{'LR schedule and counters back to iteration ' + str(plan.consensus) if rewound else 'LR schedule stays one step ahead (no record of it)'}")
         ctx.keep_state(plan)
         sources, _ = rollback_sources(inputs)
         partitioned = inputs.partitioned or inputs.zero_stage > 0
@@ -140,7 +140,7 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
             parts.append(f"ranks {ahead} apply it a second time")
         if lagging:
             parts.append("lost ranks took states of other iterations: "
-                         + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items())))  # fmt: skip
+                         + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items())))
         if not rewound:
             parts.append(f"rank {ctx.rank}'s LR schedule runs one step ahead")
         if ahead or lagging or not rewound:
@@ -194,6 +194,6 @@ class RollbackSimulation(SimulatedFailure):
         finish_restore(engine)  # the low-precision parameters from the masters (per data-parallel group)
         kept = "kept its update" if saved["state"] is None else "did not apply it"
         self._log(f"simulated failure (immediate rollback) at iteration {self.iteration}: my stage {kept}; "
-                  "training the mini-batch again")  # fmt: skip
+                  "training the mini-batch again")
         return True
 

@@ -150,7 +150,7 @@ class ScarStrategy(RecoveryStrategy):
         announce_deviation(ctx, inputs, self.name, outcome, (
             f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
             f"(partial recovery: the job goes on from a state the failure-free run never had)"
-        ))  # fmt: skip
+        ))
         return outcome
 
     @staticmethod
@@ -183,7 +183,7 @@ class ScarStrategy(RecoveryStrategy):
         total = sum(a.blocks for a in ages.values())
         newest = max((a.newest for a in ages.values() if a.newest is not None), default=None)
         ctx.log(f"running checkpoint: {saved} of {total} blocks newer than {checkpoint_source(step)} loaded over it"
-                + (f" (newest of iteration {newest})" if newest is not None else ""))  # fmt: skip
+                + (f" (newest of iteration {newest})" if newest is not None else ""))
 
     @staticmethod
     def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:
@@ -196,5 +196,5 @@ class ScarStrategy(RecoveryStrategy):
             sched.load_state_dict(survivor["schedule"]["state"])
         elif sched is not None:
             loud(ctx.rank, "the survivors' LR scheduler state is not plain JSON: this rank's schedule resumes "
-                           "from the checkpoint's, behind the job's")  # fmt: skip
+                           "from the checkpoint's, behind the job's")
         ctx.log(f"partial recovery: at iteration {plan.consensus + 1} with the checkpoint's weights")

@@ -121,7 +121,7 @@ def _truncate(storage: str, iteration: int, micro_batch: int, src_stage: int | N
             f.truncate(entry.offset + entry.length // 2)
         done = True
         print(f"[test] truncated {path.name} in the record of iteration {iteration} micro-batch {micro_batch}",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
     return done
 
 
@@ -136,7 +136,7 @@ def _delete(storage: str, iteration: int, micro_batch: int, src_stage: int | Non
         index.unlink(missing_ok=True)
         done = True
         print(f"[test] deleted {path.name} and its index (iteration {iteration} micro-batch {micro_batch})",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
     return done
 
 
@@ -192,7 +192,7 @@ def _perturb(storage: str, iteration: int, micro_batch: int, src_stage: int | No
             index.write_bytes(bytes(idx))
         done = True
         print(f"[test] perturbed the record of iteration {iteration} micro-batch {micro_batch} in {path.name} "
-              "(checksums recomputed)", file=sys.stderr, flush=True)  # fmt: skip
+              "(checksums recomputed)", file=sys.stderr, flush=True)
     return done
 
 
@@ -211,7 +211,7 @@ def _patch_logging_recovery(rank: int) -> None:
     kill = _spec("SWIFT_TEST_KILL_IN_REPLAY")
     corrupt, change = {}, _corrupt
     for name, how in (("SWIFT_TEST_CORRUPT_LOG", _corrupt), ("SWIFT_TEST_PERTURB_LOG", _perturb),
-                      ("SWIFT_TEST_TRUNCATE_LOG", _truncate), ("SWIFT_TEST_MISSING_LOG", _delete)):  # fmt: skip
+                      ("SWIFT_TEST_TRUNCATE_LOG", _truncate), ("SWIFT_TEST_MISSING_LOG", _delete)):
         if _spec(name):
             corrupt, change = _spec(name), how
     if corrupt and corrupt["rank"] == rank:
@@ -295,7 +295,7 @@ def _patch_log_write(rank: int) -> None:
             record = header.pack(0) + payload.numpy().tobytes()
             os.write(self.fd, record[: len(record) // 2])
             print(f"[test] rank {rank}: SIGKILL in the middle of writing a log record of iteration "
-                  f"{header.iteration} to {self.path.name}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{header.iteration} to {self.path.name}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return append(self, header, payload)
 
@@ -309,7 +309,7 @@ def _pause_hook(rank: int, iteration: int, seconds: int) -> Any:
         if int(eng.global_steps) == iteration and not paused[0]:
             paused[0] = True
             print(f"[test] rank {rank}: stopped (SIGSTOP) for {seconds} s at iteration {iteration}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+                  flush=True)
             # The waker is a separate process: a stopped process runs nothing of its own.
             subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -327,11 +327,11 @@ def _hold_hook(iteration: int) -> Any:
 
         ctx = current_context()
         if (int(eng.global_steps) == iteration and dist.get_rank() == 0 and ctx is not None and ctx.store is not None
-                and not held[0]):  # fmt: skip
+                and not held[0]):
             held[0] = True
             g = ctx.store.generation()
             print(f"[test] rank 0: holding at iteration {iteration} until generation {g} ends", file=sys.stderr,
-                  flush=True)  # fmt: skip
+                  flush=True)
             deadline = time.monotonic() + 300
             while ctx.store.failure(g) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -401,7 +401,7 @@ def main() -> None:
             self.add(hook_instructions(engine, "test.hold", {schedule.ForwardPass: _hold_hook(hold["iteration"])}))
         if nan and nan["rank"] == rank and (installs[0] > 1 or os.environ.get("SWIFT_REPLACEMENT") == "1"):
             self.add(hook_instructions(engine, "test.nan", {schedule.ForwardPass: _nan_hook(rank, nan["iteration"],
-                                                                                            nan_fired)}))  # fmt: skip
+                                                                                            nan_fired)}))
         if os.environ.get("SWIFT_REPLACEMENT") == "1" or installs[0] > 1:
             return  # generation 0 only: later engines are rebuilt after a recovery
         hooks = {}
