@@ -7,10 +7,15 @@ One job, two SIGKILLs:
 - iteration 5, machine 0 at its first backward pass: rank 1 (its stage 1) had finished the forward
   and backward passes of micro-batches 0 and 1 (it received activation 1 before rank 0 reached the
   backward). Rank 1 keeps those two and redoes 2 and 3; the lost rank redoes its 4, fed gradients 0
-  and 1 from rank 1's copy; replica 1 had run every pass and keeps them: 6 passes of 16.
+  and 1 from rank 1's copy: 6 passes of replica 0's 8.
 - iteration 9, machine 1 at its first forward pass: rank 0 had run forwards 0 and 1 and no backward
   (it waits for gradient 0): their graphs died with the engine, so rank 0 redoes all 4; the lost
-  rank its 4; replica 1 keeps its: 8 passes of 16, 2 of them forwards dropped by the failure.
+  rank its 4.
+
+Replica 1 does not wait on replica 0 before the gradient reduction: the failure's abort stops it
+wherever it is (measured: at iteration 5 once with rank 2 three passes in and rank 3 done, rank 3
+then serving rank 2 its kept gradient 3). Its counts are checked against what its ranks can have
+kept (stage 1 finishes each backward pass before stage 0), not fixed numbers.
 
 The job ends bitwise equal to the failure-free run.
 """
@@ -49,18 +54,19 @@ def test_pipechurn_recomputes_only_the_passes_a_mid_iteration_failure_lost_bitwi
         assert tl["strategy"] == "pipechurn" and tl["consensus"] == it - 1, tl
         assert f"of iteration {it}, only the lost ranks' passes are recomputed" in tl["reason"], tl["reason"]
         assert tl["replay"]["partial"] and tl["replay"]["full_retrain_passes"] == 16, tl["replay"]
+    for tl in (backward, forward):  # replica 1: whatever the abort left it, never a pass kept twice
+        by = tl["replay"]["passes_by_rank"]
+        assert 0 <= by["3"] <= by["2"] <= 4 and tl["replay"]["micro_batch_passes"] == sum(by.values()), tl["replay"]
     # Killed at its backward: the lost rank 0 redoes 4, rank 1 the 2 it had not finished.
-    assert backward["replay"]["passes_by_rank"] == {"0": 4, "1": 2, "2": 0, "3": 0}, backward["replay"]
-    assert backward["replay"]["micro_batch_passes"] == 6 and backward["replay"]["forwards_dropped"] == 0
-    assert "survivors [1] had not finished" in backward["reason"], backward["reason"]
+    by = backward["replay"]["passes_by_rank"]
+    assert (by["0"], by["1"]) == (4, 2) and backward["replay"]["micro_batch_passes"] < 16, backward["replay"]
+    assert "survivors [1" in backward["reason"], backward["reason"]
     assert re.search(r"rank 1: recomputed my 2 micro-batch passes of iteration 5 .*\(kept 2; [0-9.]+ MB of kept "
                      r"sends to the lost ranks\)", job.output), job.output[-3000:]  # fmt: skip
     assert re.search(r"rank 0: recomputed my 4 micro-batch passes of iteration 5 .* fed by ranks \[1\]", job.output)
-    # Killed at its forward: rank 0 ran two forwards and no backward; everything is redone in replica 0.
-    assert forward["replay"]["passes_by_rank"] == {"0": 4, "1": 4, "2": 0, "3": 0}, forward["replay"]
-    assert forward["replay"]["micro_batch_passes"] == 8 and forward["replay"]["forwards_dropped"] == 2
-    kept = re.findall(r"rank (\d+): kept my passes of iteration (\d+)", job.output)
-    assert sorted(kept) == [("2", "5"), ("2", "9"), ("3", "5"), ("3", "9")], kept
+    # Killed at its forward: rank 0 ran two forwards and no backward; replica 0 redoes everything.
+    by = forward["replay"]["passes_by_rank"]
+    assert (by["0"], by["1"]) == (4, 4) and forward["replay"]["forwards_dropped"] >= 2, forward["replay"]
     # Each iteration trained once (5 and 9 finished by their steps after the recoveries).
     iterations = [p.iteration for p in read_loss_log(job.loss_log)]
     assert iterations == sorted(set(iterations)) and iterations[-1] == ITERS - 1, iterations

@@ -164,7 +164,9 @@ def redo_passes(
     if int(engine.global_steps) != iteration:
         raise ValueError(f"redo of iteration {iteration}'s passes, but the engine is at {engine.global_steps}")
     if int(engine.micro_batches) != passes.micro_batches:
-        raise ValueError(f"redo planned for {passes.micro_batches} micro-batches, the engine runs {engine.micro_batches}")
+        raise ValueError(
+            f"redo planned for {passes.micro_batches} micro-batches, the engine runs {engine.micro_batches}"
+        )
     t0 = time.perf_counter()
     deepspeed_engine.prepare_replay(engine, iteration, first_micro_batch=passes.kept)
     if load_kept is not None:

@@ -126,7 +126,9 @@ def _neighbour(inputs: RecoveryInputs, rank: int, step: int) -> int | None:
     return None
 
 
-def rank_passes(inputs: RecoveryInputs, rank: int, micro_batches: int, kept: Mapping[int, int] | None = None) -> RankPasses:
+def rank_passes(
+    inputs: RecoveryInputs, rank: int, micro_batches: int, kept: Mapping[int, int] | None = None
+) -> RankPasses:
     """``rank``'s :class:`RankPasses` (``kept``: :func:`kept_passes`, computed when not given)."""
     kept = kept if kept is not None else kept_passes(inputs, micro_batches)
     prev, nxt = _neighbour(inputs, rank, -1), _neighbour(inputs, rank, +1)
