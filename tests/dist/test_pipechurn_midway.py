@@ -43,7 +43,10 @@ def test_pipechurn_recomputes_only_the_passes_a_mid_iteration_failure_lost_bitwi
 ) -> None:
     swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
              "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}  # fmt: skip
-    kills = "machine=0,iteration=5,phase=backward;machine=1,iteration=9,phase=forward"
+    # settled=1: each kill waits for the erasure-coded copies of the iteration before to land (they
+    # travel in the background during the iteration; one step behind, the survivors would undo it
+    # and the plan would be the full retrain, by design).
+    kills = "machine=0,iteration=5,phase=backward,settled=1;machine=1,iteration=9,phase=forward,settled=1"
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, ITERS, ["--spares", "2", "--inject", kills],
                    swift=swift, nnodes=4, nproc_per_node=1, loss_log=True)  # fmt: skip
     job = run_job(tmp_path, spec, 180.0)
