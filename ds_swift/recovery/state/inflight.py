@@ -232,7 +232,9 @@ class InflightKeeper:
                 set_hp_grads(engine.optimizer, {id(params[n]): g for n, g in self.grads.items()})
             else:
                 for n, g in self.grads.items():
-                    params[n].grad = g.to(params[n].device).view_as(params[n])
+                    # A copy: the redo's backward passes accumulate into it in place, and a recovery
+                    # retried after a failure during the redo loads the kept gradients again.
+                    params[n].grad = g.to(params[n].device, copy=True).view_as(params[n])
         if self.loss is not None and engine.is_last_stage():
             engine.total_loss = self.loss.clone()
         return sum(g.numel() * g.element_size() for g in self.grads.values())
