@@ -161,7 +161,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="machine=M,iteration=I[,phase=forward|backward|step|send|recv]: kill machine M there, once "
                         "(repeatable, or several separated by ';'); machine=1+2 kills machines 1 and 2 at one "
                         "instant, when the first rank of either reaches the point (separate specs at one point "
-                        "fire as each machine reaches it: under load, in two generations)")
+                        "fire as each machine reaches it: under load, in two generations); settled=1 fires only "
+                        "once the buddy copies of the iteration before have landed")
     p.add_argument("--op-timeout", "--op_timeout", dest="op_timeout", type=_seconds, default=None, metavar="SEC",
                    help="per-communication-op timeout for the workers (SWIFT_OP_TIMEOUT_S)")
 

@@ -34,6 +34,7 @@ from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed
 __all__ = [
     "COUNTERS",
     "STEP_STATE",
+    "backward_output",
     "counters_of",
     "expect_meta_next",
     "iteration_loss",
@@ -113,11 +114,12 @@ def layer_specs(engine: Any) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------- the replay's drive
-def prepare_replay(engine: Any, start_iteration: int) -> None:
+def prepare_replay(engine: Any, start_iteration: int, first_micro_batch: int = 0) -> None:
     """Ready a pipeline engine to run iterations again from ``start_iteration``.
 
     A fresh p2p handshake on every edge (both ends of an in-group edge reset together), and the
     gradients a step leaves behind (None): also right when retrying after a failed replay.
+    ``first_micro_batch``: the forward passes of the micro-batches before it are not run again.
     """
     check_deepspeed()
     engine.reset_activation_shape()
@@ -125,7 +127,22 @@ def prepare_replay(engine: Any, start_iteration: int) -> None:
         p.grad = None
     if getattr(engine.module, "seed_layers", False):
         # PipelineModule seeds layers from a forward counter kept since construction.
-        engine.module.micro_offset = start_iteration * int(engine.micro_batches)
+        engine.module.micro_offset = start_iteration * int(engine.micro_batches) + first_micro_batch
+
+
+def backward_output(engine: Any, buffer_id: int) -> list[Any] | None:
+    """After ``BackwardPass(buffer_id)`` on a stage after the first: the gradients its ``SendGrad``
+    will send (``_exec_send_grads``), in order; None where DeepSpeed partitions them (tensor
+    parallelism with partitioned gradients: what goes on the wire is not these tensors)."""
+    if engine.is_grad_partitioned:
+        return None
+    inputs = engine.pipe_buffers["inputs"][buffer_id]
+    if isinstance(inputs, torch.Tensor):
+        return [inputs.grad]
+    parts = list(inputs)
+    if engine.has_attention_mask or engine.has_bool_tensors:
+        parts.pop()  # the mask's receive is skipped too
+    return [b.grad for b in parts if b.is_floating_point()]
 
 
 def run_train_schedule(engine: Any, data: Any, micro_batches: int) -> None:

@@ -20,7 +20,8 @@ reference every row is compared with. Per strategy the table gives:
 - ``recomputed``: the work a logging replay recomputed, in micro-batch passes (one forward and one
   backward of one stage): all replayers / the busiest one (the replay's critical path); for
   PipeChurn, the passes of the iteration in flight run again (``pipechurn_full``: every rank's;
-  ``pipechurn_partial``: the lost ranks' alone, with ``--phase reduce``). The
+  ``pipechurn_partial``: only those the failure lost, at any ``--phase``: the lost ranks' and the
+  survivors' not finished yet). The
   variants ``logging_sequential`` and ``logging_parallel`` run logging-based recovery without and
   with parallel recovery (forced, ``parallel_recovery_force``: also where the plan finds that the
   helpers would only share the replacements' CPU cores), so one run measures the two side by side.

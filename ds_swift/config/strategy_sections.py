@@ -51,9 +51,10 @@ class PipeChurnConfig:
     """r: each rank's chunks that may be lost. The job needs k + r machines besides each rank's own."""
 
     partial_recompute: bool = True
-    """Only the lost ranks' passes of the iteration in flight run again, fed by the survivors' kept
-    sends (device memory: one iteration's sends and a gradient copy; ds_swift.recovery.state.inflight);
-    false: every rank trains the iteration again."""
+    """Only the passes of the iteration in flight that the failure lost run again (the lost ranks',
+    and those survivors had not finished), fed by the survivors' kept sends (device memory: one
+    iteration's sends and a gradient copy; ds_swift.recovery.state.inflight); false: every rank
+    trains the iteration again."""
 
     def __post_init__(self) -> None:
         for name in ("data_chunks", "parity_chunks"):

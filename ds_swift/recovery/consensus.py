@@ -52,8 +52,15 @@ class RankReport:
     """That undo would be bitwise (the rank holds its own copy of the iteration before; otherwise
     update-undo's inverse update gets within 2 ulp of it, and the recovery says so)."""
     inflight: int = -1
-    """The iteration in flight whose every send and accumulated gradient this rank holds a copy of
-    (PipeChurn's partial recomputation, ds_swift.recovery.state.inflight; -1: none)."""
+    """The iteration in flight this rank holds a copy of (PipeChurn's partial recomputation,
+    ds_swift.recovery.state.inflight; -1: none)."""
+    inflight_passes: int = -1
+    """Of ``inflight``, the micro-batches ``0 .. n-1`` whose forward and backward passes the copy
+    holds (their sends, the gradients accumulated over them; every micro-batch: all ran); -1: this
+    rank keeps no copy (partial recomputation off)."""
+    inflight_forwards: int = 0
+    """Of ``inflight``, the forward passes that ran before the failure (those beyond
+    ``inflight_passes`` lost their autograd graphs with the engine: redone)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

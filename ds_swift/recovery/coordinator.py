@@ -75,6 +75,7 @@ def rank_report(engine: Any, kept: KeptState | None, machine: int, inflight: Inf
     ``inflight``: its copy of the iteration in flight, a survivor's of the failed generation)."""
     grid = engine.grid
     tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
+    held = _inflight_fields(inflight if kept is not None else None)
     return RankReport(
         rank=dist.get_rank(),
         survivor=kept is not None,
@@ -85,8 +86,15 @@ def rank_report(engine: Any, kept: KeptState | None, machine: int, inflight: Inf
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
         undo_exact=kept is not None and kept.undo_exact,
-        inflight=inflight.complete if inflight is not None and kept is not None else -1,
+        inflight=held[0],
+        inflight_passes=held[1],
+        inflight_forwards=held[2],
     )
+
+
+def _inflight_fields(inflight: InflightKeeper | None) -> tuple[int, int, int]:
+    """A survivor's copy of the iteration in flight, for its report (none kept: -1 passes)."""
+    return inflight.report() if inflight is not None else (-1, -1, 0)
 
 
 def optimizer_wrapper(engine: Any) -> str | None:

@@ -99,6 +99,7 @@ class EngineHooks:
         self.inflight = inflight
         if inflight is not None:
             inflight.log = log
+            inflight.reseed = self.set_reseed  # a redo of kept passes keys the RNG itself
 
     def set_reseed(self, on: bool) -> None:
         self._reseed = on

@@ -74,6 +74,8 @@ class SurvivorSteps:
         engine = self._holder.engine
         if self._cfg.services.elastic:
             self._old_grid = grid_of(engine)
+        if self._hooks.inflight is not None:  # the gradients of the passes that ran, before they go
+            self._hooks.inflight.on_teardown(engine)
         kept = KeptState.capture(engine, self._hooks.take_undo())
         kept.buddy = self.protect.holdings()
         # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy of

@@ -9,8 +9,8 @@ the failure costs:
 - ``fixed_s``: per-failure constant (``restart_s`` + whatever the strategy restores with:
   ``load_s``, ``undo_s``, ``broadcast_s``, ``logging.upload_s``);
 - the in-flight iteration is redone at full speed by everyone (survivors undo it), as far as it got,
-  except where PipeChurn's partial recomputation applies (``partial_recompute_window``:
-  :func:`inflight_redo_s`);
+  except where PipeChurn's partial recomputation applies (``partial_recompute_window``: only the
+  passes the failure lost, at any point of the iteration; :func:`inflight_redo_s`);
 - the completed iterations since the last restore point are replayed at the strategy's pace:
   the full iteration time for ``checkpoint`` and ``snapshot`` (everyone rolls back), nothing
   for ``replication`` (a replica holds them), and the failed machine group's share for
@@ -194,16 +194,18 @@ def expected_replay_iterations(total_iterations: int, intervals: tuple[int, ...]
 
 def inflight_redo_s(workload: Workload, strategy: StrategySpec, fraction: np.ndarray) -> np.ndarray:
     """Seconds to get the in-flight iteration done again after a failure ``fraction`` of the way
-    through it: ``t * fraction``; with PipeChurn's partial recomputation, a failure in the last
-    ``partial_recompute_window`` of the iteration (after every pass) costs at most the lost ranks'
-    passes without the pipeline's fill and drain, ``t * M / (M + p - 1)`` (ds_swift.sim.inflight)."""
+    through it: ``t * fraction``. With PipeChurn's partial recomputation (``partial_recompute_window``
+    set) only the passes the failure lost run again, back to back (their inputs are kept): the lost
+    ranks' passes that had run, ``t * M / (M + p - 1)`` once every pass ran (the last ``window`` of
+    the iteration is its reductions and step), in proportion before (ds_swift.sim.inflight)."""
     t = workload.iteration_time_s * (1.0 + strategy.iteration_overhead)
     lost = t * np.asarray(fraction, dtype=np.float64)
     window = strategy.partial_recompute_window
     if window is None:
         return lost
-    passes = t * passes_share(workload)
-    return np.where(lost >= t * (1.0 - window), np.minimum(lost, passes), lost)
+    passes_end = 1.0 - window  # every pass has run from here on
+    ran = np.minimum(1.0, np.asarray(fraction, dtype=np.float64) / passes_end) if passes_end > 0 else 1.0
+    return np.minimum(lost, t * passes_share(workload) * ran)
 
 
 def expected_inflight_redo_s(workload: Workload, strategy: StrategySpec) -> float:
@@ -212,10 +214,10 @@ def expected_inflight_redo_s(workload: Workload, strategy: StrategySpec) -> floa
     window = strategy.partial_recompute_window
     if window is None:
         return 0.5 * t
-    e = 1.0 - window  # the window starts here; the redo is min(x, r) past it
+    e = 1.0 - window  # the passes end here; the redo is x * min(1, r / e) before, min(x, r) after
     r = passes_share(workload)
     tail = 0.5 * (1.0 - e * e) if r >= 1.0 else (r * window if r <= e else 0.5 * (r * r - e * e) + r * (1.0 - r))
-    return t * (0.5 * e * e + tail)
+    return t * (0.5 * e * e * min(1.0, r / e) + tail)
 
 
 def expected_failure_cost_s(workload: Workload, strategy: StrategySpec) -> float:

@@ -232,9 +232,10 @@ class StrategySpec:
 
     partial_recompute_window: float | None = None
     """PipeChurn's partial recomputation (ds_swift.sim.inflight): the share of an iteration after its
-    last backward pass (gradient reductions and the step). A failure there finds every survivor's
-    passes done, so only the lost ranks' passes run again, without the pipeline's fill and drain:
-    ``M / (M + p - 1)`` of an iteration. ``None``: the in-flight iteration is redone as far as it got."""
+    last backward pass (gradient reductions and the step). A failure anywhere in the iteration redoes
+    only the passes it lost, back to back (their inputs are kept): after the last pass the lost
+    ranks' passes, ``M / (M + p - 1)`` of an iteration; before it, the share of those that had run.
+    ``None``: the in-flight iteration is redone as far as it got."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -46,7 +46,7 @@ __all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", 
 
 #: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
 PHASES = ("forward", "backward", "step", "send", "recv", "reduce")  # reduce: before the data-parallel gradient reduction
-_FIELDS = ("machine", "iteration", "phase")
+_FIELDS = ("machine", "iteration", "phase", "settled")
 _EXAMPLE = "machine=1,iteration=7,phase=backward"
 
 
@@ -73,6 +73,12 @@ class _Counter(Protocol):
 
     def generation(self) -> int: ...
 
+    def get(self, key: str) -> str | None: ...
+
+
+#: how long a ``settled`` spec waits for the copies of the iteration before (then fires anyway, saying so)
+SETTLE_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class FaultSpec:
@@ -91,6 +97,11 @@ class FaultSpec:
     machines: tuple[int, ...] = ()
     """Every machine killed together (``machine`` first; empty: ``machine`` alone). Written
     ``machine=1+2`` in a spec."""
+
+    settled: bool = False
+    """Fire only once every rank's buddy (or erasure-coded) copies of the iteration before have
+    landed (``settled=1``): they are sent in the background during the iteration, so a kill early
+    in it may find them one step behind, and a test of what happens otherwise would be left to chance."""
 
     def __post_init__(self) -> None:
         if not self.machines:
@@ -113,7 +124,8 @@ class FaultSpec:
         return len(self.machines) > 1
 
     def __str__(self) -> str:
-        return f"machine={'+'.join(map(str, self.machines))},iteration={self.iteration},phase={self.phase}"
+        settled = ",settled=1" if self.settled else ""
+        return f"machine={'+'.join(map(str, self.machines))},iteration={self.iteration},phase={self.phase}{settled}"
 
     @classmethod
     def parse(cls, text: str) -> list[FaultSpec]:
@@ -152,8 +164,11 @@ class FaultSpec:
                 "joined by + (machine=1+2: machines 1 and 2 at one instant)"
             ) from None
         phase = fields.get("phase", "forward").lower()
+        settled = fields.get("settled", "0")
+        if settled not in ("0", "1"):
+            raise FaultSpecError(f"fault spec {text!r}: settled={settled!r} is invalid: 0 or 1")
         try:
-            return cls(machine=machines[0], iteration=iteration, phase=phase, machines=machines)
+            return cls(machine=machines[0], iteration=iteration, phase=phase, machines=machines, settled=settled == "1")
         except FaultSpecError as exc:
             raise FaultSpecError(f"fault spec {text!r}: {str(exc).removeprefix('fault spec: ')}") from None
 
@@ -161,6 +176,12 @@ class FaultSpec:
 def format_specs(specs: Sequence[FaultSpec]) -> str:
     """The ``SWIFT_INJECT`` value: normalised specs joined by ``;`` (parse(format(x)) == x)."""
     return ";".join(str(s) for s in specs)
+
+
+def _landed_key(generation: int, iteration: int) -> str:
+    """The key the buddy round of ``iteration`` sets once every rank's copies landed
+    (ds_swift.runtime.buddy_holdings.StoreLanding)."""
+    return f"buddy/{generation}/{iteration}/done"
 
 
 def _sigkill_self() -> None:
@@ -215,6 +236,16 @@ class Injector:
         """True while some spec for this machine may still fire here."""
         return any(i not in self._decided for i, _ in self._mine)
 
+    def _settle(self, iteration: int) -> None:
+        """Wait until the copies of ``iteration - 1`` landed on every rank (a ``settled`` spec)."""
+        key, deadline = _landed_key(self.store.generation(), iteration - 1), time.monotonic() + SETTLE_TIMEOUT_S
+        while self.store.get(key) is None:
+            if time.monotonic() > deadline:
+                say(f"the copies of iteration {iteration - 1} did not land within {SETTLE_TIMEOUT_S:.0f} s: "
+                    "firing anyway", name=__name__, prefix="ds-swift inject")  # fmt: skip
+                return
+            time.sleep(0.01)
+
     def maybe_fire(self, phase: str, iteration: int) -> None:
         """Fire a spec matching (this machine, ``iteration``, ``phase``) that no rank fired yet."""
         if phase not in PHASES:
@@ -226,6 +257,8 @@ class Injector:
             self._decided.add(i)
             if int(self.store.add(f"inject/{i}/fired", 1)) != 1:
                 continue  # a sibling rank fired it, or it fired before this worker was a replacement
+            if spec.settled:  # only the rank that fires waits (a replacement redoing the iteration must not)
+                self._settle(iteration)
             self.store.set(f"inject/{i}/t_fire", repr(time.time()))
             if self.rank is not None:
                 self.store.set(f"inject/{i}/rank", str(self.rank))

@@ -147,3 +147,27 @@ def test_from_env_reads_swift_inject() -> None:
     )
     inj = Injector.from_env(FakeStore(), env)
     assert inj.machine == 1 and inj.rank == 3 and len(inj.specs) == 2 and inj.armed
+
+
+def test_a_settled_spec_fires_only_once_the_copies_of_the_iteration_before_landed() -> None:
+    """``settled=1``: the buddy round of iteration 6 must have landed (its ``done`` key, generation 2)
+    before a kill at iteration 7: a kill early in the iteration otherwise races those copies."""
+    (spec,) = FaultSpec.parse("machine=1,iteration=7,phase=forward,settled=1")
+    assert spec.settled and FaultSpec.parse(format_specs([spec])) == [spec]
+    with pytest.raises(FaultSpecError, match="settled='yes' is invalid: 0 or 1"):
+        FaultSpec.parse("machine=1,iteration=7,settled=yes")
+
+    class Landing(FakeStore):
+        asked = 0
+
+        def generation(self) -> int:
+            return 2
+
+        def get(self, key: str) -> str | None:
+            assert key == "buddy/2/6/done"
+            self.asked += 1
+            return "1" if self.asked >= 3 else None
+
+    store, kills = Landing(), Kills()
+    Injector([spec], store, machine=1, rank=1, kill=kills).maybe_fire("forward", 7)
+    assert store.asked == 3 and kills.count == 1

@@ -1,5 +1,6 @@
 """PipeChurn's partial recomputation, its pieces: who may recompute partially (a pure decision on the
-consensus reports), who feeds whom, and the copy each rank keeps of the iteration in flight."""
+consensus reports; who keeps which passes: test_pipechurn_passes.py), and the copy each rank keeps
+of the iteration in flight."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import Member
 from ds_swift.recovery.state.erasure import assign_holders
 from ds_swift.recovery.state.inflight import InflightKeeper, kept_inflight
-from ds_swift.recovery.strategies.pipechurn_partial import feeders, partial_blocker, retrain_summary
+from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, retrain_summary
+from ds_swift.recovery.strategies.pipechurn_passes import transfers
 
 
 def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2, dp: int = 2, last: int = 9,
@@ -32,6 +34,7 @@ def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2,
             rank=rank, survivor=survivor, stage=rank // dp, dp=rank % dp, tp=0, machine=rank,
             last_stepped=last if survivor else -1, can_undo=survivor, ec_chunks=held, ec_k=k,
             inflight=(inflight or {}).get(rank, last + 1) if survivor else -1,
+            inflight_passes=(-1 if (inflight or {}).get(rank) == -1 else 4) if survivor else -1,
         ))
     return out
 
@@ -40,27 +43,28 @@ def test_lost_passes_alone_are_recomputed_when_every_survivor_holds_the_iteratio
     inputs = RecoveryInputs.agree(reports({1}), forced="pipechurn")
     assert partial_blocker(inputs) is None
     # Rank 1 (stage 0 of replica 1) gets the gradients rank 3 (its stage 1) sent it.
-    assert feeders(inputs) == {1: [(3, "grad")]}
+    assert [(t.src, t.dst, t.kind, list(t.micro_batches)) for t in transfers(inputs, 4)] == [(3, 1, "grad", [0, 1, 2, 3])]
     plan = plan_recovery(reports({1}), forced="pipechurn", checkpoint_step=6)
     assert plan.strategy == "pipechurn" and "of iteration 10, only the lost ranks' passes are recomputed" in plan.reason
+    assert "had not finished" not in plan.reason
     # A middle stage is fed from both sides, activations from the stage before it.
     inputs = RecoveryInputs.agree(reports({3}, pp=3, dp=2, r=2), forced="pipechurn")
-    assert partial_blocker(inputs) is None and feeders(inputs) == {3: [(1, "act"), (5, "grad")]}
+    assert partial_blocker(inputs) is None
+    assert {(t.src, t.kind) for t in transfers(inputs, 4) if t.dst == 3} == {(1, "act"), (5, "grad")}
+    # Two lost ranks on adjacent stages redo their passes together, live between them.
+    inputs = RecoveryInputs.agree(reports({1, 3}, r=2, k=1), forced="pipechurn")
+    assert partial_blocker(inputs) is None and transfers(inputs, 4) == []
 
 
-@pytest.mark.parametrize(
-    ("lost", "inflight", "why"),
-    [
-        ({1}, {3: -1}, "ranks [3] hold no complete copy of iteration 10"),
-        ({1}, {0: 9}, "ranks [0] hold no complete copy of iteration 10"),
-        ({1, 3}, {}, "ranks 1 and 3, adjacent stages of one pipeline, were both lost"),
-    ],
-    ids=["neighbour-incomplete", "other-replica-incomplete", "adjacent-stages-lost"],
-)
-def test_where_a_precondition_fails_every_rank_retrains_and_the_plan_says_why(
-    lost: set[int], inflight: dict[int, int], why: str
-) -> None:
-    rep = reports(lost, inflight, r=2, k=1)
+def test_a_survivor_midway_through_the_iteration_redoes_the_rest_and_the_plan_says_so() -> None:
+    rep = [dataclasses.replace(r, inflight_passes=2) if r.rank == 3 else r for r in reports({1})]
+    plan = plan_recovery(rep, forced="pipechurn", checkpoint_step=6)
+    assert "only the lost ranks' passes are recomputed, and the passes survivors [3] had not finished" in plan.reason
+
+
+def test_where_a_survivor_keeps_no_copy_every_rank_retrains_and_the_plan_says_why() -> None:
+    rep = reports({1}, {3: -1}, r=2, k=1)
+    why = "ranks [3] keep no copy of iteration 10 (pipechurn.partial_recompute off)"
     assert why in (partial_blocker(RecoveryInputs.agree(rep, forced="pipechurn")) or "")
     plan = plan_recovery(rep, forced="pipechurn", checkpoint_step=6)
     assert plan.strategy == "pipechurn", plan.reason
@@ -91,6 +95,9 @@ class FakeEngine:
         self.micro_batches = micro_batches
         self._first, self._last = first, last
         self.total_loss: Any = torch.tensor(1.5) if last else None
+        # What DeepSpeed's backward leaves for SendGrad (patches.deepspeed_engine.backward_output).
+        self.is_grad_partitioned = self.has_attention_mask = self.has_bool_tensors = False
+        self.pipe_buffers: dict[str, list[Any]] = {"inputs": [None, None]}
 
     def is_first_stage(self) -> bool:
         return self._first
@@ -125,7 +132,7 @@ def test_the_keeper_holds_a_complete_copy_only_after_every_send_and_copies_the_g
     assert keeper.load_into(rebuilt, 5) == sum(g.numel() * 4 for g in kept.values())
     for n, p in rebuilt.module.named_parameters():
         assert p.grad is not None and torch.equal(p.grad, kept[n])
-    with pytest.raises(RuntimeError, match="no complete copy of iteration 6"):
+    with pytest.raises(RuntimeError, match="no copy of iteration 6's gradients"):
         keeper.load_into(rebuilt, 6)
 
 
@@ -144,6 +151,51 @@ def test_the_last_stage_keeps_its_loss_and_a_new_iteration_drops_the_old_copy() 
     eng.global_steps = 6
     keeper.on_send(eng, "grad", [torch.zeros(3)])
     assert keeper.complete == -1 and keeper.iteration == 6 and len(keeper.sends["grad"]) == 1
+
+
+def test_a_failure_between_passes_keeps_the_finished_backward_passes_and_their_unsent_gradient() -> None:
+    """The last stage ran forward and backward of micro-batches 0 and 1 and sent gradient 0; the
+    failure hit at the send of gradient 1. The teardown copies the gradients accumulated over both
+    passes, and gradient 1 is kept from the backward pass itself."""
+    eng = FakeEngine(first=False, last=True)
+    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    outs = [torch.full((3,), float(k)) for k in range(2)]
+
+    def backward(k: int) -> None:
+        eng.backward()
+        x = torch.zeros(3, requires_grad=True)
+        x.grad = outs[k]
+        eng.pipe_buffers["inputs"][k] = x
+
+    for k in range(2):
+        keeper._forward(eng, lambda: None)
+        keeper._backward(eng, lambda k=k, **kw: backward(k), buffer_id=k)
+        if k == 0:
+            keeper.on_send(eng, "grad", [outs[0]])
+    keeper.on_teardown(eng)
+    assert keeper.report() == (5, 2, 2)
+    assert [m[0] for m in keeper.kept_messages("grad", 5, range(2))] == outs
+    kept = {n: p.grad.clone() for n, p in eng.module.named_parameters()}
+    rebuilt = FakeEngine(first=False, last=True)
+    keeper.load_into(rebuilt, 5)
+    for n, p in rebuilt.module.named_parameters():
+        assert torch.equal(p.grad, kept[n])
+    with pytest.raises(RuntimeError, match="no kept grad of micro-batch 2"):
+        keeper.kept_messages("grad", 5, range(3))
+
+
+def test_a_failure_inside_a_backward_pass_keeps_no_pass() -> None:
+    eng = FakeEngine(first=True, last=False)
+    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper._backward(eng, lambda **kw: eng.backward(), buffer_id=0)
+
+    def dies(**kw: Any) -> None:
+        raise RuntimeError("a tensor-parallel all-reduce inside the pass failed")
+
+    with pytest.raises(RuntimeError):
+        keeper._backward(eng, dies, buffer_id=1)
+    keeper.on_teardown(eng)
+    assert keeper.report() == (5, 0, 0) and keeper.grads is None
 
 
 def test_the_keeper_exists_only_for_pipechurn_with_partial_recomputation() -> None:
@@ -179,4 +231,4 @@ def test_finishing_the_iteration_runs_only_its_reductions_and_step_then_the_loss
 
 def test_the_report_carries_the_iteration_in_flight_through_the_store() -> None:
     rep = reports({1})[0]
-    assert rep.inflight == 10 and RankReport.from_json(rep.to_json()) == rep
+    assert rep.inflight == 10 and rep.inflight_passes == 4 and RankReport.from_json(rep.to_json()) == rep

@@ -20,6 +20,11 @@ def test_partial_recomputation_runs_the_lost_passes_without_the_pipeline_fill() 
     assert (full.seconds, full.passes, full.passes_busiest) == (1.1, 64, 8)
     assert part.seconds == pytest.approx(0.85) and (part.passes, part.passes_busiest) == (16, 8)
     assert partial_saving_s(w, transfer_s=0.05) == pytest.approx(0.25)
+    # A failure in the middle of the iteration: a quarter of the lost passes had run, those run again.
+    mid = inflight_cost(w, ranks=8, lost_ranks=2, partial=True, done=0.25)
+    assert mid.seconds == pytest.approx(0.2) and mid.passes == 16
+    with pytest.raises(ValueError, match="done"):
+        inflight_cost(w, ranks=8, done=1.5)
 
 
 def test_one_stage_gains_no_time_only_work_and_bad_inputs_are_refused() -> None:

@@ -1,6 +1,7 @@
 """The simulator prices PipeChurn's partial recomputation (ds_swift.sim.model.inflight_redo_s): a
 failure in the iteration's last `partial_recompute_window` redoes only the lost ranks' passes,
-M / (M + p - 1) of an iteration; the closed-form expectation matches the per-failure costs."""
+M / (M + p - 1) of an iteration; a failure in the middle of the iteration only the share of those
+passes that had run; the closed-form expectation matches the per-failure costs."""
 
 from __future__ import annotations
 
@@ -26,9 +27,21 @@ def _spec(window: float | None) -> StrategySpec:
 
 def test_a_failure_after_every_pass_redoes_only_the_lost_passes() -> None:
     passes = 2.0 * 8 / (8 + 4 - 1)
-    got = inflight_redo_s(W, _spec(0.1), np.array([0.5, 0.89, 0.95, 0.999]))
-    assert np.allclose(got, [1.0, 1.78, passes, passes])
+    got = inflight_redo_s(W, _spec(0.1), np.array([0.9, 0.95, 0.999]))
+    assert np.allclose(got, [passes, passes, passes])
     assert np.allclose(inflight_redo_s(W, _spec(None), np.array([0.95])), [1.9])
+
+
+def test_a_failure_in_the_middle_of_the_iteration_redoes_the_share_of_the_lost_passes_that_ran() -> None:
+    """Before the passes end (at 1 - window = 0.9 of the iteration) the lost ranks had run x / 0.9 of
+    their passes; only those run again, back to back: less than the full retrain's t * x."""
+    passes = 2.0 * 8 / (8 + 4 - 1)
+    got = inflight_redo_s(W, _spec(0.1), np.array([0.0, 0.45, 0.5, 0.89]))
+    assert np.allclose(got, [0.0, passes * 0.5, passes * 0.5 / 0.9, passes * 0.89 / 0.9])
+    assert np.all(got < 2.0 * np.array([1e-9, 0.45, 0.5, 0.89]))
+    # A window as large as the lost passes' share never costs more than the full retrain's t * x.
+    big = inflight_redo_s(W, _spec(0.5), np.array([0.25, 0.4]))
+    assert np.allclose(big, [0.5, 0.8])
 
 
 @pytest.mark.parametrize("window", [None, 0.0, 0.1, 0.5, 0.9])
@@ -43,7 +56,9 @@ def test_the_expectation_is_the_mean_of_the_per_failure_costs(window: float | No
 
 def test_partial_recomputation_costs_less_and_the_window_is_checked() -> None:
     assert expected_failure_cost_s(W, _spec(0.1)) < expected_failure_cost_s(W, _spec(None))
-    assert expected_inflight_redo_s(W, _spec(0.0)) == pytest.approx(1.0)  # no window: half an iteration
+    # No window (a failure never finds the passes done): half of the lost ranks' passes, on average.
+    assert expected_inflight_redo_s(W, _spec(0.0)) == pytest.approx(0.5 * 2.0 * 8 / 11)
+    assert expected_inflight_redo_s(W, _spec(None)) == pytest.approx(1.0)  # no partial: half an iteration
     with pytest.raises(ConfigError, match="partial_recompute_window"):
         _spec(1.0)
 

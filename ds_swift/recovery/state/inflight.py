@@ -6,19 +6,21 @@ iteration it is training (and only that one: bounded by one iteration's messages
 
 - the tensors it sent across the pipeline, exactly as handed to the wire (activations forward,
   gradients backward; ds_swift.patches.pipe_logging captures them, references, not copies: the
-  message logger relies on the same, DeepSpeed hands each micro-batch a fresh tensor);
-- a copy of its accumulated gradients, taken just before ``ReduceTiedGrads`` (the first instruction
-  that reduces them in place across ranks): an all-reduce aborted by the failure can leave the
-  buffer half reduced, so the live step after the recovery must start from a clean copy;
-- the last stage's summed loss of the iteration (what ``train_batch`` returns).
+  message logger relies on the same, DeepSpeed hands each micro-batch a fresh tensor), and the
+  gradient its last backward pass produced while that is not sent yet;
+- how many backward passes ran (they run in micro-batch order: ``0 .. n-1``), and how many forward
+  passes; on the last stage the loss summed over those backward passes' micro-batches;
+- a copy of its accumulated gradients: taken just before ``ReduceTiedGrads`` (the first instruction
+  that reduces them in place across ranks: an all-reduce aborted by the failure can leave the buffer
+  half reduced) when every pass ran, else when the failed engine is torn down
+  (:meth:`InflightKeeper.on_teardown`: nothing on the failure-free path), unless the failure hit
+  inside a backward pass (a half-accumulated buffer: nothing is kept).
 
-The copy is *complete* when the rank reached ``ReduceTiedGrads`` with one send per micro-batch to
-each neighbour stage: every pass of the iteration ran on this rank. The consensus carries the
-iteration a survivor holds complete (``RankReport.inflight``); the strategy
-(ds_swift.recovery.strategies.pipechurn_partial) then feeds a lost rank's replay of its passes
-from its neighbours' kept sends, and the survivors load their kept gradients back
-(:meth:`InflightKeeper.load_into`) before every rank runs the reductions and the step live
-(:func:`finish_iteration`).
+The consensus carries what a survivor holds (``RankReport.inflight``, ``inflight_passes``); the
+strategy (ds_swift.recovery.strategies.pipechurn_partial) sends the neighbours the kept messages
+they need, each rank loads its kept gradients back (:meth:`InflightKeeper.load_into`) and runs the
+passes it does not hold (ds_swift.recovery.replay.midway), then every rank runs the reductions and
+the step live (:func:`finish_iteration`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class InflightKeeper:
     """This rank's copy of the iteration in flight (sends, gradients, loss); kept across rebuilds.
 
     Args:
-        batch_fn: ``batch_fn(iteration, micro_batch)``, as in training (a lost first or last stage
-            reads its micro-batches again when it replays its passes).
+        batch_fn: ``batch_fn(iteration, micro_batch)``, as in training (a rank redoing passes reads
+            its micro-batches again).
         seed: the runtime's RNG seed (forward passes are keyed by iteration, micro-batch and stage).
         log: this rank's log line writer (the runtime's hooks set theirs).
     """
@@ -50,72 +52,120 @@ class InflightKeeper:
         self.batch_fn = batch_fn
         self.seed = seed
         self.log = log
+        #: switches the runtime's per-forward reseeding (the runtime's hooks set it; a redo keys
+        #: the RNG itself, by the micro-batches it runs)
+        self.reseed: Callable[[bool], None] | None = None
+        self.paused = False  # while a redo runs: its passes and sends are not the iteration's own
         self.iteration = -1
-        self.sends: dict[str, list[Message]] = {k: [] for k in KINDS}
-        self.grads: dict[str, torch.Tensor] | None = None
-        self.loss: torch.Tensor | None = None
-        self.complete = -1
-        """The iteration whose sends and gradients this rank holds complete (-1: none)."""
+        self.restart()
         self._why_not: str | None = None
 
     # ------------------------------------------------------------------ failure-free path
     def restart(self) -> None:
         """An iteration (or a retry of one) begins: what the last attempt kept goes."""
         self.iteration = -1
-        self.sends = {k: [] for k in KINDS}
-        self.grads, self.loss, self.complete = None, None, -1
+        self.sends: dict[str, list[Message]] = {k: [] for k in KINDS}
+        self.grads: dict[str, torch.Tensor] | None = None
+        self.loss: torch.Tensor | None = None
+        self.complete = -1
+        """The iteration whose every pass this rank holds (-1: none)."""
+        self.passes = 0  # backward passes run (micro-batches 0 .. passes-1)
+        self.forwards = 0
+        self.pending: Message | None = None  # the last backward's gradient output, not sent yet
+        self.unusable: str | None = None  # why the copy cannot be used (set at the teardown)
+        self._in_backward = False
 
-    def on_send(self, engine: Any, kind: str, tensors: list[torch.Tensor]) -> None:
+    def _at(self, engine: Any) -> None:
         it = int(engine.global_steps)
         if it != self.iteration:
             self.restart()
             self.iteration = it
-        self.sends[kind].append(tensors[0] if len(tensors) == 1 else tuple(tensors))
 
-    def before_reduce(self, engine: Any) -> None:
-        """At ``ReduceTiedGrads``: copy the gradients (and the loss); mark the copy complete."""
+    def on_send(self, engine: Any, kind: str, tensors: list[torch.Tensor]) -> None:
+        if self.paused:
+            return
+        self._at(engine)
+        self.sends[kind].append(tensors[0] if len(tensors) == 1 else tuple(tensors))
+        if kind == "grad":
+            self.pending = None
+
+    def _copy_grads(self, engine: Any) -> dict[str, torch.Tensor] | None:
         from ds_swift.patches.deepspeed_grad_accum import accumulator, hp_grads
         from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper
 
-        it = int(engine.global_steps)
-        if it != self.iteration:  # a single-stage pipeline sends nothing
-            self.restart()
-            self.iteration = it
         try:
             where = accumulator(engine.optimizer).where
         except UnsupportedWrapper as exc:
             if self._why_not is None:
                 self._why_not = str(exc)
                 self.log(f"partial recomputation off: gradients cannot be kept ({exc})")
-            return
+            return None
         with torch.no_grad():
             names = {id(p): n for n, p in engine.module.named_parameters()}
             if where == "hp":
-                self.grads = {names[i]: g.clone() for i, g in hp_grads(engine.optimizer).items() if i in names}
-            else:
-                self.grads = {
-                    n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None
-                }
-            loss = getattr(engine, "total_loss", None)
-            self.loss = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
+                return {names[i]: g.clone() for i, g in hp_grads(engine.optimizer).items() if i in names}
+            return {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+    def _copy_loss(self, engine: Any) -> None:
+        loss = getattr(engine, "total_loss", None)
+        self.loss = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
+
+    def before_reduce(self, engine: Any) -> None:
+        """At ``ReduceTiedGrads``: copy the gradients (and the loss); mark the copy complete."""
+        self._at(engine)  # a single-stage pipeline sends nothing
+        self.grads = self._copy_grads(engine)
+        if self.grads is None:
+            return
+        self._copy_loss(engine)
         gas = int(engine.micro_batches)
         need = {"act": not engine.is_last_stage(), "grad": not engine.is_first_stage()}
         if all(len(self.sends[k]) == (gas if need[k] else 0) for k in KINDS):
-            self.complete = it
+            self.complete, self.passes, self.forwards = self.iteration, gas, gas
+
+    def _forward(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        out = call_next(**kw)
+        if eng.module.training and not self.paused:
+            self._at(eng)
+            self.forwards += 1
+        return out
+
+    def _backward(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+        from ds_swift.patches.deepspeed_engine import backward_output
+
+        if not eng.module.training or self.paused:
+            return call_next(**kw)
+        self._at(eng)
+        self._in_backward = True
+        out = call_next(**kw)
+        self._in_backward = False
+        self.passes += 1
+        if not eng.is_first_stage():
+            sent = backward_output(eng, kw["buffer_id"])
+            if sent is None:
+                self.unusable = "the gradients sent are partitioned (tensor parallelism)"
+            else:
+                self.pending = sent[0] if len(sent) == 1 else tuple(sent)
+        if eng.is_last_stage():
+            self._copy_loss(eng)  # the last stage runs forward k then backward k: the sum to k
+        return out
 
     def hooks(self) -> dict[type, Callable[..., Any]]:
         """The instruction hooks that keep the copy (install with ``hook_instructions``)."""
         from ds_swift.patches.instructions import schedule
 
         def reduce(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            if eng.module.training:
+            if eng.module.training and not self.paused:
                 self.before_reduce(eng)
             return call_next(**kw)
 
-        return {schedule.ReduceTiedGrads: reduce}
+        return {
+            schedule.ReduceTiedGrads: reduce,
+            schedule.ForwardPass: self._forward,
+            schedule.BackwardPass: self._backward,
+        }
 
     def install(self, engine: Any) -> list[Any]:
-        """Hook ``engine`` (sends, then the gradient copy); returns the handles, innermost last."""
+        """Hook ``engine`` (sends, then the passes and the gradient copy); returns the handles, innermost last."""
         from ds_swift.patches import pipe_logging
         from ds_swift.patches.instructions import hook_instructions
 
@@ -124,20 +174,55 @@ class InflightKeeper:
         )
         return [sends, hook_instructions(engine, "ds_swift.inflight.grads", self.hooks())]
 
+    def on_teardown(self, engine: Any) -> None:
+        """A survivor's failed engine, before it goes: copy the gradients its completed backward
+        passes accumulated (the failure hit between passes: a receive or a send raised)."""
+        if self.iteration < 0 or self.passes == 0 or self.grads is not None:
+            return  # nothing ran, or the copy before ReduceTiedGrads is the clean one
+        if self._in_backward:
+            self.unusable = "the failure hit inside a backward pass (half-accumulated gradients)"
+        if self.unusable is None:
+            self.grads = self._copy_grads(engine)
+            if self.grads is None:
+                self.unusable = "the gradients cannot be kept"
+        if self.unusable is not None:
+            self.log(f"partial recomputation: my {self.passes} passes of iteration {self.iteration} "
+                     f"cannot be kept ({self.unusable}): I redo them")  # fmt: skip
+            self.passes, self.grads = 0, None
+
+    def report(self) -> tuple[int, int, int]:
+        """(iteration, passes held, forward passes run) for the consensus (``RankReport.inflight*``)."""
+        return self.iteration, self.passes, self.forwards
+
     # ------------------------------------------------------------------ recovery
+    def kept_messages(self, kind: str, iteration: int, micro_batches: range) -> list[list[torch.Tensor]]:
+        """The kept sends of ``kind`` of ``iteration`` for ``micro_batches``, each as a list of tensors."""
+        if self.iteration != iteration:
+            raise RuntimeError(f"no copy of iteration {iteration}'s sends (this rank holds {self.iteration})")
+        out = []
+        for k in micro_batches:
+            sent = self.sends[kind]
+            m = sent[k] if k < len(sent) else self.pending if kind == "grad" and k == len(sent) else None
+            if m is None or k >= self.passes:
+                raise RuntimeError(f"no kept {kind} of micro-batch {k} of iteration {iteration} "
+                                   f"({len(sent)} sent, {self.passes} passes held)")  # fmt: skip
+            out.append(list(m) if isinstance(m, tuple) else [m])
+        return out
+
     def messages(self, kind: str, iteration: int) -> list[list[torch.Tensor]]:
-        """The kept sends of ``kind`` of ``iteration``, in micro-batch order, each as a list of tensors."""
+        """Every kept send of ``kind`` of a ``iteration`` held complete, in micro-batch order."""
         if self.complete != iteration:
             raise RuntimeError(f"no complete copy of iteration {iteration}'s sends (this rank holds {self.complete})")
-        return [list(m) if isinstance(m, tuple) else [m] for m in self.sends[kind]]
+        return self.kept_messages(kind, iteration, range(len(self.sends[kind])))
 
     def load_into(self, engine: Any, iteration: int) -> int:
         """Put the kept gradients (and the last stage's loss) of ``iteration`` into the rebuilt
         ``engine``, as its backward passes had left them; returns the gradient bytes loaded."""
         from ds_swift.patches.deepspeed_grad_accum import accumulator, set_hp_grads
 
-        if self.complete != iteration or self.grads is None:
-            raise RuntimeError(f"no complete copy of iteration {iteration}'s gradients (this rank holds {self.complete})")
+        if self.iteration != iteration or self.grads is None or self.passes == 0:
+            raise RuntimeError(f"no copy of iteration {iteration}'s gradients (this rank holds "
+                               f"{self.passes} passes of {self.iteration})")  # fmt: skip
         params = dict(engine.module.named_parameters())
         missing = sorted(set(self.grads) - set(params))
         if missing:
@@ -147,7 +232,9 @@ class InflightKeeper:
                 set_hp_grads(engine.optimizer, {id(params[n]): g for n, g in self.grads.items()})
             else:
                 for n, g in self.grads.items():
-                    params[n].grad = g.to(params[n].device).view_as(params[n])
+                    # A copy: the redo's backward passes accumulate into it in place, and a recovery
+                    # retried after a failure during the redo loads the kept gradients again.
+                    params[n].grad = g.to(params[n].device, copy=True).view_as(params[n])
         if self.loss is not None and engine.is_last_stage():
             engine.total_loss = self.loss.clone()
         return sum(g.numel() * g.element_size() for g in self.grads.values())

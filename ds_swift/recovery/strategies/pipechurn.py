@@ -9,7 +9,8 @@ survivors keep their state (undoing to the agreed iteration), the chosen holders
 ranks their chunks, each lost rank decodes and loads its state, and every rank rebuilds its
 low-precision parameters (the data-parallel all-gather under ZeRO-1/bf16). Then, of the iteration
 in flight, only what the failure lost is recomputed: the lost ranks replay their passes fed from
-the sends their surviving neighbours kept, the survivors keep theirs
+the sends their surviving neighbours kept, the survivors keep the passes they finished and redo
+the rest (a failure in the middle of the iteration)
 (ds_swift.recovery.strategies.pipechurn_partial); where that cannot be done, every rank trains it
 again, and the plan says why. Exact: bitwise the failure-free run. With more machines lost at once
 (or chunks lagging more than one step) the registry falls back to the global checkpoint, saying why.
@@ -25,7 +26,12 @@ from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
 from ds_swift.recovery.state.transfer import finish_restore, load_received, recv_state, send_state
-from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, recompute_lost, retrain_summary
+from ds_swift.recovery.strategies.pipechurn_partial import (
+    partial_blocker,
+    partial_reason,
+    recompute_lost,
+    retrain_summary,
+)
 from ds_swift.recovery.verify import check_published
 
 if TYPE_CHECKING:
@@ -42,8 +48,8 @@ class PipeChurnStrategy(RecoveryStrategy):
     # The lost ranks' state comes from other machines' memory: modelled as a replication.
     SERVICES = StrategyServices(erasure_chunks=True, digests=True, sim_kind="replication")
     # ds-swift bench: without and with the partial recomputation of the iteration in flight, side by
-    # side (partial recomputation needs every pass of the iteration done when the machine dies:
-    # --phase reduce)
+    # side: recovery time and passes recomputed, for a kill at any --phase (in the middle of the
+    # iteration the survivors keep the passes they finished)
     BENCH_VARIANTS = {
         "pipechurn_full": BenchVariant({"pipechurn": {"partial_recompute": False}}),
         "pipechurn_partial": BenchVariant({"pipechurn": {"partial_recompute": True}}),
@@ -74,7 +80,7 @@ class PipeChurnStrategy(RecoveryStrategy):
         rebased = inputs.rebased(target)
         why = partial_blocker(rebased)
         reason += (
-            f"; of iteration {target + 1}, only the lost ranks' passes are recomputed"
+            f"; {partial_reason(rebased)}"
             if why is None
             else f"; FULL RETRAIN of iteration {target + 1} by every rank (no partial recomputation: {why})"
         )

@@ -1,19 +1,20 @@
 """PipeChurn's partial recomputation (section 3.5): after the decode, only the lost passes run again.
 
 The lost ranks' states are decoded at iteration ``c`` (the consensus); the iteration in flight is
-``c + 1``. Where every survivor holds a complete copy of its part of ``c + 1`` (its sends and its
-accumulated gradients, ds_swift.recovery.state.inflight; ``RankReport.inflight``), only the lost
-ranks run their forward and backward passes of ``c + 1`` again, their receives from surviving
-neighbours served from the copies those neighbours kept of what they sent
-(ds_swift.recovery.replay.passes); the survivors load their kept gradients back; then every rank
-runs the gradient reductions and the step of ``c + 1`` live (the runtime, after the recovery). The
-work recomputed is the lost ranks' passes, not every rank's.
+``c + 1``. Every survivor holds a copy of its part of ``c + 1`` as far as the failure let it run
+(ds_swift.recovery.state.inflight; ``RankReport.inflight`` and ``inflight_passes``): the
+micro-batches whose backward passes it finished, their sends and the gradients accumulated over
+them. The redo (ds_swift.recovery.strategies.pipechurn_passes decides, pure): the survivors send
+their neighbours the kept messages they need, each rank loads its kept gradients back and runs only
+the passes it does not hold (ds_swift.recovery.replay.midway): a lost rank all of its own, fed live
+or from its neighbours' copies; a survivor the micro-batches after its last finished backward
+(forward passes whose backward had not run lost their graphs: redone, and counted); a survivor
+that ran every pass nothing. Then every rank runs the gradient reductions and the step of ``c + 1``
+live (the runtime, after the recovery).
 
 Where a precondition fails, every rank trains ``c + 1`` again (the full retrain), and the plan's
-reason (log and recovery timeline) says why: a survivor without a complete copy (partial
-recomputation off, or the failure hit before its last pass), a survivor that already stepped
-``c + 1``, or two lost ranks on adjacent stages of one pipeline (neither holds what the other sent).
-Both ways are exact: bitwise the failure-free run.
+reason (log and recovery timeline) says why: a survivor keeping no copy (partial recomputation
+off), or a survivor that already stepped ``c + 1``. Both ways are exact: bitwise the failure-free run.
 """
 
 from __future__ import annotations
@@ -22,16 +23,9 @@ from typing import Any
 
 from ds_swift.recovery.base import RankContext
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.strategies.pipechurn_passes import kept_passes, rank_passes, redo_summary, transfers
 
-__all__ = ["feeders", "partial_blocker", "recompute_lost", "retrain_summary"]
-
-
-def _neighbour(inputs: RecoveryInputs, rank: int, step: int) -> int | None:
-    me = inputs.by_rank[rank]
-    for r in inputs.reports:
-        if r.dp == me.dp and r.tp == me.tp and r.stage == me.stage + step:
-            return r.rank
-    return None
+__all__ = ["partial_blocker", "partial_reason", "recompute_lost", "retrain_summary"]
 
 
 def partial_blocker(inputs: RecoveryInputs) -> str | None:
@@ -41,30 +35,24 @@ def partial_blocker(inputs: RecoveryInputs) -> str | None:
         return "no rank lost its state"
     if inputs.undo:
         return f"ranks {list(inputs.undo)} already stepped iteration {in_flight}"
-    by = inputs.by_rank
-    lacking = [r for r in inputs.survivors if by[r].inflight != in_flight]
-    if lacking:
-        return (
-            f"ranks {lacking} hold no complete copy of iteration {in_flight}'s sends and gradients "
-            "(pipechurn.partial_recompute off, or the failure hit before their last pass)"
-        )
-    lost = set(inputs.replacements)
-    for r in sorted(lost):
-        nxt = _neighbour(inputs, r, +1)
-        if nxt in lost:
-            return f"ranks {r} and {nxt}, adjacent stages of one pipeline, were both lost"
+    off = [r for r in inputs.survivors if inputs.by_rank[r].inflight_passes < 0]
+    if off:
+        return f"ranks {off} keep no copy of iteration {in_flight} (pipechurn.partial_recompute off)"
     return None
 
 
-def feeders(inputs: RecoveryInputs) -> dict[int, list[tuple[int, str]]]:
-    """Lost rank -> [(surviving neighbour, the kind it sent the lost rank)], by neighbour rank."""
-    out: dict[int, list[tuple[int, str]]] = {}
-    for r in inputs.replacements:
-        prev, nxt = _neighbour(inputs, r, -1), _neighbour(inputs, r, +1)
-        pairs = [(prev, "act")] if prev is not None else []
-        pairs += [(nxt, "grad")] if nxt is not None else []
-        out[r] = sorted(pairs)
-    return out
+def partial_reason(inputs: RecoveryInputs) -> str:
+    """The plan's words for a partial recomputation (which survivors redo passes of their own)."""
+    in_flight = inputs.consensus + 1
+    by = inputs.by_rank
+    most = max((by[r].inflight_passes for r in inputs.survivors if by[r].inflight == in_flight), default=0)
+    short = {r: by[r].inflight_passes if by[r].inflight == in_flight else 0 for r in inputs.survivors}
+    short = {r: n for r, n in short.items() if n < most}
+    reason = f"of iteration {in_flight}, only the lost ranks' passes are recomputed"
+    if short:
+        reason += (f", and the passes survivors {sorted(short)} had not finished when the failure hit "
+                   f"(they hold {[short[r] for r in sorted(short)]} micro-batches' passes)")  # fmt: skip
+    return reason
 
 
 def retrain_summary(inputs: RecoveryInputs, micro_batches: int, why: str) -> dict[str, Any]:
@@ -75,47 +63,62 @@ def retrain_summary(inputs: RecoveryInputs, micro_batches: int, why: str) -> dic
         "in_flight": inputs.consensus + 1,
         "micro_batch_passes": micro_batches * len(inputs.reports),
         "micro_batch_passes_busiest": micro_batches,
+        "full_retrain_passes": micro_batches * len(inputs.reports),
     }
 
 
-def recompute_lost(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> dict[str, Any]:
-    """Every rank: feed the lost ranks, which replay their passes of the iteration in flight; the
-    survivors load their kept gradients. Returns the work done (the same on every rank)."""
-    from ds_swift.recovery.replay.passes import replay_passes
+def _exchange(inputs: RecoveryInputs, ctx: RankContext, micro_batches: int) -> tuple[dict[tuple[str, int], Any], int, list[int], list[int]]:
+    """The kept messages each rank's neighbours need, sent before the redo. Returns what this rank
+    was served (by kind and micro-batch), the bytes it sent, the ranks it sent to and got from."""
     from ds_swift.recovery.state.transfer import recv_state, send_state
+
+    keeper, in_flight = ctx.inflight, inputs.consensus + 1
+    assert keeper is not None
+    served: dict[tuple[str, int], Any] = {}
+    sent, to, fed_by = 0, [], []
+    for t in transfers(inputs, micro_batches):  # one order on every rank: no cycle of blocking sends
+        if t.src == ctx.rank:
+            sent += send_state(keeper.kept_messages(t.kind, in_flight, t.micro_batches), t.dst)
+            to.append(t.dst)
+        elif t.dst == ctx.rank:
+            for k, parts in zip(t.micro_batches, recv_state(t.src)):
+                served[(t.kind, k)] = parts[0] if len(parts) == 1 else tuple(parts)
+            fed_by.append(t.src)
+    return served, sent, to, fed_by
+
+
+def recompute_lost(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> dict[str, Any]:
+    """Every rank: send the kept messages its neighbours need, load its kept gradients, redo the
+    passes it does not hold. Returns the work done (the same on every rank)."""
+    from ds_swift.recovery.replay.midway import redo_passes
 
     in_flight = plan.consensus + 1
     keeper = ctx.inflight
     if keeper is None:
         raise RuntimeError(f"rank {ctx.rank}: partial recomputation planned, but this rank keeps no in-flight copy")
-    feeds = feeders(inputs)
-    # Survivors send in lost-rank order, the lost ranks receive in survivor order: no cycle.
-    sent = 0
-    for lost in sorted(feeds):
-        for holder, kind in feeds[lost]:
-            if holder == ctx.rank:
-                sent += send_state(keeper.messages(kind, in_flight), lost)
-    micro_batches = int(ctx.engine.gradient_accumulation_steps())
-    if ctx.rank in feeds:
-        messages: dict[tuple[str, int], Any] = {}
-        for holder, kind in feeds[ctx.rank]:
-            for mb, parts in enumerate(recv_state(holder)):
-                messages[(kind, mb)] = parts[0] if len(parts) == 1 else tuple(parts)
-        group = frozenset(plan.replacements)
-        stats = replay_passes(ctx.engine, messages, group, in_flight, keeper.batch_fn, keeper.seed)
-        ctx.log(
-            f"recomputed my {stats.micro_batch_passes} micro-batch passes of iteration {in_flight} in "
-            f"{stats.wall_s:.2f} s, fed by ranks {[h for h, _ in feeds[ctx.rank]]} (their kept sends)"
-        )
-    else:
+    m = int(ctx.engine.gradient_accumulation_steps())
+    mine = rank_passes(inputs, ctx.rank, m, kept_passes(inputs, m))
+    served, sent, to, fed_by = _exchange(inputs, ctx, m)
+    to_lost = "the lost ranks" if set(to) <= set(plan.replacements) else f"ranks {sorted(set(to))}"
+    sends = f"; {sent / 1e6:.2f} MB of kept sends to {to_lost}" if sent else ""
+    if mine.kept == m:
         grad_bytes = keeper.load_into(ctx.engine, in_flight)
-        ctx.log(
-            f"kept my passes of iteration {in_flight} ({grad_bytes / 1e6:.2f} MB of gradients"
-            + (f"; {sent / 1e6:.2f} MB of kept sends to the lost ranks)" if sent else ")")
-        )
-    return {
-        "partial": True,
-        "in_flight": in_flight,
-        "micro_batch_passes": micro_batches * len(plan.replacements),
-        "micro_batch_passes_busiest": micro_batches,
-    }
+        ctx.log(f"kept my passes of iteration {in_flight} ({grad_bytes / 1e6:.2f} MB of gradients{sends})")
+    else:
+        kept_loss = keeper.loss if mine.kept else None
+        load = (lambda eng: keeper.load_into(eng, in_flight)) if mine.kept else None  # noqa: E731
+        if keeper.reseed is not None:
+            keeper.reseed(False)  # the redo keys each forward by the micro-batch it runs
+        keeper.paused = True  # the redo's passes and sends are not the iteration's own
+        try:
+            stats = redo_passes(ctx.engine, mine, served, in_flight, keeper.batch_fn, keeper.seed, load, kept_loss)
+        finally:
+            keeper.paused = False
+            if keeper.reseed is not None:
+                keeper.reseed(True)
+        held = f" (kept {mine.kept}{sends})" if mine.kept or sends else ""
+        fed = f", fed by ranks {sorted(set(fed_by))} (their kept sends)" if fed_by else ", fed live"
+        ctx.log(f"recomputed my {stats.passes} micro-batch passes of iteration {in_flight} in {stats.wall_s:.2f} s"
+                f"{held}{fed}")  # fmt: skip
+    keeper.restart()  # what it held is spent: a failure from here on redoes the iteration in full
+    return redo_summary(inputs, m)
