@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -110,7 +110,6 @@ class RankContext:
         ckpt: the global checkpoint manager (None: checkpoints are off).
         timeline: this rank's recovery timeline (strategies stamp their phases).
         gather_timeout_s: the longest a store gather waits for every rank.
-        log: this rank's log line writer.
         replay: what the runtime lends logging-based recovery (None: nothing is logged).
         verify: check restored state against its reference digest (``verify.enabled``).
         updates: the update log's store URL (strategy ``tranlogs``; None: no update log).
@@ -126,18 +125,21 @@ class RankContext:
     ckpt: CheckpointManager | None
     timeline: RankTimeline
     gather_timeout_s: float
-    log: Callable[[str], None]
     replay: ReplayRuntime | None = None
     verify: bool = False
     updates: str | None = None
     inflight: InflightKeeper | None = None
+
+    def log(self, msg: str) -> None:
+        """One line on ds-swift's channel (ds_swift.logs), tagged with this rank."""
+        say(msg, self.rank, name=__name__)
 
     def keep_state(self, plan: RecoveryPlan) -> None:
         """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus
         where the plan says so, then load what it kept into the rebuilt engine."""
         if self.kept is None or self.rank in plan.replay_ranks:
             return
-        self.kept.restore(self.engine, plan.consensus, self.rank in plan.undo, self.timeline, self.log)
+        self.kept.restore(self.engine, plan.consensus, self.rank in plan.undo, self.timeline)
 
 
 class RestoreFailed(Exception):
@@ -206,7 +208,7 @@ class RecoveryStrategy(ABC):
         """
         return inputs.plan(self.name)
 
-    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure | None:
+    def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure | None:
         """This strategy's failure-simulation mode (``simulate_failure``; ds_swift.recovery.simulated),
         or None where it has none."""
         return None

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.state.buddies import Member, assign_buddies
@@ -69,7 +70,6 @@ class _Worker:
         buddies: tuple[int, ...],
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
-        log: Callable[[str], None],
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
         landing: Callable[[int, Callable[[], bool]], bool] | None = None,
     ) -> None:
@@ -78,7 +78,6 @@ class _Worker:
         self.landing = landing
         self.stopped = False
         self.split = split
-        self.log = log
         self.buddies = buddies
         self.owners = owners
         self.holdings = holdings
@@ -102,9 +101,10 @@ class _Worker:
         sent = self._round(*item)
         self.rounds += 1
         if self.rounds == 2:  # the first round after a step: what every later one costs
-            self.log(
+            say_here(
                 f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
-                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
+                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})",
+                name=__name__,
             )
 
     def _round(self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None) -> int:
@@ -155,21 +155,18 @@ class BuddyCopier:
     Args:
         factor: buddies per rank (``buddy.replication_factor``).
         failure_domains: machines that fail together (``machines.failure_domains``).
-        log: prints one line.
     """
 
     def __init__(
         self,
         factor: int,
         failure_domains: tuple[tuple[int, ...], ...],
-        log: Callable[[str], None],
         erasure: tuple[int, int] | None = None,
     ) -> None:
         self.factor = factor if erasure is None else sum(erasure)
         self.erasure = erasure
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
-        self._log = log
         self._worker: _Worker | None = None
         self.off: str | None = None
         """Why copying stopped in this generation (a copier error), or None while it protects."""
@@ -215,10 +212,10 @@ class BuddyCopier:
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
-        self._worker = _Worker(channel, placement[rank], owners, self.holdings, self._log, split, landed)
+        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
-        self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
+        say(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}", rank, name=__name__)
         self.after_step(engine)
         return True
 

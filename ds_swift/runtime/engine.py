@@ -130,8 +130,8 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._ctx = ctx
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
-        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
-                                ctx.log)  # fmt: skip
+        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(),
+                                ctx.store)  # fmt: skip
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
@@ -140,7 +140,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._closed = False
         # Message log and step-collective records, kept across rebuilds.
         logs = EngineLogging(
-            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
+            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), store=ctx.store
         )
         without = switched_off()  # empty but in benchmarks/gpu_overhead.py --breakdown
         logs.enabled = "logging" not in without
@@ -148,7 +148,7 @@ class SwiftPipelineEngine(CheckpointCalls):
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
         self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
-        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without, kept_inflight(cfg, batch_fn, seed))
+        self._hooks = EngineHooks(seed, make_injector(ctx), logs, without, kept_inflight(cfg, batch_fn, seed))
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
         check_machines(cfg, ctx.env)
         check_hang_timeout(cfg, ctx)

@@ -301,7 +301,7 @@ class Rebuilder:
             try:
                 if not dist.is_initialized():
                     generation = join_generation(store, generation, env.rank, env.world_size, ctx.op_timeout_s,
-                                                 ctx.join_timeout_s, ctx.backend, log=ctx.log,
+                                                 ctx.join_timeout_s, ctx.backend,
                                                  timeout=ctx.user_timeout)  # fmt: skip
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
@@ -349,7 +349,7 @@ class Rebuilder:
         assert env is not None and store is not None
         engine = self._holder.engine
         ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
-                          self._ctx.log, verify=self._cfg.verify.enabled)  # fmt: skip
+                          verify=self._cfg.verify.enabled)  # fmt: skip
         if self.resize is not None or self._growing(generation):
             outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
                 self.resize, ctx, int(engine.zero_optimization_stage())

@@ -219,7 +219,7 @@ def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: 
     for a, b in zip(after["masters"], before["masters"], strict=True):
         assert float((a - b).detach().abs().max()) <= 1e-6 * max(1.0, float(b.detach().abs().max()))
     fresh = engine("zero_stage1", steps=0)
-    kept.restore(fresh, 0, undo=False, timeline=_Timeline(), log=lambda _: None)
+    kept.restore(fresh, 0, undo=False, timeline=_Timeline())
     assert fresh.global_steps == 1 and fresh.optimizer.loss_scaler.cur_scale == scale_before
 
 
@@ -270,7 +270,7 @@ def test_an_undo_from_the_own_copy_is_bitwise(world: None, kind: str) -> None:
     assert holdings.own_versions() == (2,) and kept.undo_exact and kept.can_undo
     assert kept.undo_to(2) == "own copy" and kept.last_stepped == 2
     fresh = engine(kind, hidden=64, steps=0)
-    kept.restore(fresh, 2, undo=False, timeline=_Timeline(), log=lambda _: None)
+    kept.restore(fresh, 2, undo=False, timeline=_Timeline())
     refresh_lp_params(fresh.optimizer)  # what the strategies' finish_restore does
     assert_same(optimizer_payload(capture_optimizer(fresh.optimizer)), want)
     assert fresh.lr_scheduler.state_dict() == reference.lr_scheduler.state_dict() and fresh.global_steps == 3

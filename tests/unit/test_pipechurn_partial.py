@@ -104,7 +104,7 @@ class FakeEngine:
 
 def test_the_keeper_holds_a_complete_copy_only_after_every_send_and_copies_the_gradients() -> None:
     eng = FakeEngine(first=True, last=False)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     eng.backward()
     acts = [torch.full((2,), float(m)) for m in range(2)]
     keeper.on_send(eng, "act", [acts[0]])
@@ -131,7 +131,7 @@ def test_the_keeper_holds_a_complete_copy_only_after_every_send_and_copies_the_g
 
 def test_the_last_stage_keeps_its_loss_and_a_new_iteration_drops_the_old_copy() -> None:
     eng = FakeEngine(first=False, last=True)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     eng.backward()
     for _ in range(2):
         keeper.on_send(eng, "grad", [torch.zeros(3), torch.ones(1)])  # a tuple message stays a tuple

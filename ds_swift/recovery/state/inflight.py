@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ds_swift.data.keyed import BatchFn
+from ds_swift.logs import say_here
 
 __all__ = ["InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
 
@@ -43,13 +44,11 @@ class InflightKeeper:
         batch_fn: ``batch_fn(iteration, micro_batch)``, as in training (a lost first or last stage
             reads its micro-batches again when it replays its passes).
         seed: the runtime's RNG seed (forward passes are keyed by iteration, micro-batch and stage).
-        log: this rank's log line writer (the runtime's hooks set theirs).
     """
 
-    def __init__(self, batch_fn: BatchFn, seed: int, log: Callable[[str], None] = print) -> None:
+    def __init__(self, batch_fn: BatchFn, seed: int) -> None:
         self.batch_fn = batch_fn
         self.seed = seed
-        self.log = log
         self.iteration = -1
         self.sends: dict[str, list[Message]] = {k: [] for k in KINDS}
         self.grads: dict[str, torch.Tensor] | None = None
@@ -86,7 +85,7 @@ class InflightKeeper:
         except UnsupportedWrapper as exc:
             if self._why_not is None:
                 self._why_not = str(exc)
-                self.log(f"partial recomputation off: gradients cannot be kept ({exc})")
+                say_here(f"partial recomputation off: gradients cannot be kept ({exc})", name=__name__)
             return
         with torch.no_grad():
             names = {id(p): n for n, p in engine.module.named_parameters()}

@@ -19,7 +19,6 @@ spare machine the paper's alternative, going on with fewer replicas (an elastic 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
@@ -52,8 +51,8 @@ class LossyForwardStrategy(RecoveryStrategy):
     # The exact restore it starts from (replication, buddy copies) and that restore's digests.
     SERVICES = StrategyServices(buddy_copies=True, digests=True, sim_kind="replication")
 
-    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure:
-        return LossySimulation(cfg, log)
+    def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure:
+        return LossySimulation(cfg)
 
     def __init__(self) -> None:
         self._restores: tuple[RecoveryStrategy, ...] = (ReplicationStrategy(), BuddyStrategy())

@@ -129,7 +129,7 @@ class LoggingStrategy(RecoveryStrategy):
         fallback, outcome.replay = run_logging_recovery(
             store=ctx.store, generation=ctx.generation, rank=ctx.rank, engine=ctx.engine, plan=plan,
             reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
-            timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s, log=ctx.log,
+            timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
             before_iteration=check.before_iteration if check is not None else None,
         )  # fmt: skip
         if fallback is not None:

@@ -112,7 +112,7 @@ class TranLogsStrategy(RecoveryStrategy):
 
         if ctx.updates is None:
             raise RuntimeError("strategy tranlogs chosen without the runtime's update log")
-        load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+        load_start(ctx.engine, ctx.ckpt, plan, step)
         ctx.timeline.t_loaded = time.time()
         ctx.timeline.extra["checkpoint_loaded"] = step
         store, inner = open_store(ctx.updates), ctx.engine.optimizer
