@@ -359,7 +359,7 @@ class PendingTimeline:
             checkpoint_step=outcome.checkpoint_step,
             run_dir=self._ctx.run_dir,
             inject_specs=len([s for s in env.inject.split(";") if s.strip()]),
-            replay=outcome.replay,
+            replay=outcome.summary,
             deviation=outcome.deviation,
             block=block,
         )

@@ -40,7 +40,7 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale, scaled_gradients
-from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
+from ds_swift.recovery.state.inflight import FinishIteration, finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
@@ -372,8 +372,8 @@ class SwiftPipelineEngine(CheckpointCalls):
         self.recoveries.append(done.outcome)
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
                                    self._ctx.join_timeout_s, rank=dist.get_rank())  # fmt: skip
-        self._grad_scale = done.outcome.grad_scale
-        self._finish = done.outcome.finish_iteration
+        self._grad_scale = done.outcome.handed.get(GradScale)
+        self._finish = finish.iteration if (finish := done.outcome.handed.get(FinishIteration)) else None
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)
         self._timeline.check_back(int(self._engine.global_steps))

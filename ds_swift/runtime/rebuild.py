@@ -34,9 +34,11 @@ from ds_swift.jobstore.membership import GenerationFailed, fate_key, grow_key, r
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
+from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.state.update_log import UpdateLogStore
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, grid_of, plan_resize, resized_ds_config
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.buddy import BuddyCopier
@@ -349,7 +351,9 @@ class Rebuilder:
         assert env is not None and store is not None
         engine = self._holder.engine
         ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
-                          verify=self._cfg.verify.enabled)  # fmt: skip
+                          verify=self._cfg.verify.enabled,
+                          lent=Handover(self._hooks.inflight,  # what the runtime kept for the strategies
+                                        UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None))  # fmt: skip
         if self.resize is not None or self._growing(generation):
             outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
                 self.resize, ctx, int(engine.zero_optimization_stage())
@@ -367,8 +371,6 @@ class Rebuilder:
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
-            updates=self._cfg.logging.storage if self.updates is not None else None,
-            inflight=self._hooks.inflight,
         )
 
     @property

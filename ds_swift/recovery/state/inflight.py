@@ -24,6 +24,7 @@ from its neighbours' kept sends, and the survivors load their kept gradients bac
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from ds_swift.data.keyed import BatchFn
 from ds_swift.logs import say_here
 
-__all__ = ["InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
+__all__ = ["FinishIteration", "InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
 
 Message = torch.Tensor | tuple[torch.Tensor, ...]
 KINDS = ("act", "grad")
@@ -170,6 +171,16 @@ class _FinishSchedule:
         from ds_swift.patches.instructions import schedule
 
         yield [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()]
+
+
+@dataclass(frozen=True)
+class FinishIteration:
+    """What PipeChurn's partial recomputation hands the runtime (``RecoveryOutcome.handed``): the
+    iteration in flight whose passes the recovery already ran (the lost ranks replayed theirs, the
+    survivors kept theirs); the runtime runs only its gradient reductions and step
+    (:func:`finish_iteration`)."""
+
+    iteration: int
 
 
 def finish_iteration(engine: Any) -> Any:

@@ -97,7 +97,7 @@ class LossyForwardStrategy(RecoveryStrategy):
         if not lost:
             return outcome
         iteration = plan.consensus + 1
-        outcome.grad_scale = GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp))
+        outcome.handed.put(GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp)))
         announce_deviation(ctx, inputs, self.name, outcome, (
             f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
             f"(replicas {sorted(lost)} lost a rank and count as zero)"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replay.runner import run_logging_recovery
+from ds_swift.recovery.replay.runner import ReplayRuntime, run_logging_recovery
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.verify import ReplayCheck
 
@@ -121,20 +121,21 @@ class LoggingStrategy(RecoveryStrategy):
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         if not plan.replay_ranks:
             return outcome  # nobody lost: the survivors' kept state is all there is
-        if ctx.replay is None:
+        rt = ctx.lent.get(ReplayRuntime)
+        if rt is None:
             raise RuntimeError("logging-based recovery chosen without the runtime's replay support")
         step = inputs.checkpoint_step
         # A replaying rank checks its state against the digests it published while alive.
         check = ReplayCheck(ctx.store, ctx.rank, plan, ctx.engine) if ctx.verify and ctx.rank in plan.replay_ranks else None
-        fallback, outcome.replay = run_logging_recovery(
+        fallback, outcome.summary = run_logging_recovery(
             store=ctx.store, generation=ctx.generation, rank=ctx.rank, engine=ctx.engine, plan=plan,
-            reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
+            reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=rt,
             timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
             before_iteration=check.before_iteration if check is not None else None,
         )  # fmt: skip
         if fallback is not None:
             raise RestoreFailed(fallback)
         if check is not None:
-            outcome.verdict = check.finish(approximate=(outcome.replay or {}).get("parallel") == "fast")
+            outcome.verdict = check.finish(approximate=(outcome.summary or {}).get("parallel") == "fast")
         outcome.checkpoint_step = step if step >= 0 else None
         return outcome

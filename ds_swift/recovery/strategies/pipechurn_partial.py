@@ -82,10 +82,11 @@ def recompute_lost(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext)
     """Every rank: feed the lost ranks, which replay their passes of the iteration in flight; the
     survivors load their kept gradients. Returns the work done (the same on every rank)."""
     from ds_swift.recovery.replay.passes import replay_passes
+    from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.state.transfer import recv_state, send_state
 
     in_flight = plan.consensus + 1
-    keeper = ctx.inflight
+    keeper = ctx.lent.get(InflightKeeper)  # the runtime's copy of the iteration in flight
     if keeper is None:
         raise RuntimeError(f"rank {ctx.rank}: partial recomputation planned, but this rank keeps no in-flight copy")
     feeds = feeders(inputs)
