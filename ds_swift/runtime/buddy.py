@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.checkpoint.snapshot import PinnedCopier
 from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.base import loud
@@ -317,37 +318,19 @@ def _stage(
     """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from.
 
     Device tensors are copied into pinned host buffers on a side stream that first waits for
-    ``ready`` (the step's event): on the training thread's stream, or into pageable memory, the
+    ``ready`` (the step's event; ds_swift.checkpoint.snapshot.PinnedCopier.copy_into, the
+    asynchronous checkpoint's copy): on the training thread's stream, or into pageable memory, the
     copy of the partition would hold up the next iteration's kernels for its whole PCIe time
     (hundreds of MB per step on a large model). Only this, the copier thread, waits for it."""
-    device = next((t.device for t in live if t.is_cuda), None)
-    flats = holdings.spare(None, manifest, pin=device is not None)
+    flats = holdings.spare(None, manifest, pin=any(t.is_cuda for t in live))
     staged = flat_views(manifest, flats)
-    with torch.no_grad():
-        if device is None:
-            for view, t in zip(staged, live, strict=True):
-                view.copy_(t)
-        else:
-            side = _side_stream(device)
-            if ready is None:  # called on the thread that queued the step (stage_own)
-                ready = torch.cuda.current_stream(device).record_event()
-            with torch.cuda.stream(side):
-                side.wait_event(ready)
-                for view, t in zip(staged, live, strict=True):
-                    view.copy_(t, non_blocking=True)
-            side.synchronize()
+    _COPIER.copy_into(staged, live, ready)
     holdings.put(None, version, manifest, flats)
     return staged, flats
 
 
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """The copier's CUDA stream on ``device`` (one per process: streams are cheap but not free)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+#: The buddy copier's side streams (its own: the checkpoint snapshots' copies do not queue behind it).
+_COPIER = PinnedCopier()
 
 
 def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
