@@ -11,6 +11,10 @@ Under a storage budget the groups are those of the plan the engine made from its
 measured messages (ds_swift.runtime.logging_wiring), the same on every rank (replacements take it
 from the job store); that first iteration was logged at every machine boundary, a superset of what
 any grouping needs, so a replay that reaches back to it finds every inbound edge of its group.
+
+The replay's machinery (ds_swift.recovery.replay, which drives DeepSpeed's pipeline engine) is
+imported by :meth:`LoggingStrategy.restore` alone: reading the strategies' services (a config
+check, ``ds-swift plan``) imports no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from typing import TYPE_CHECKING
 from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, RestoreFailed, checkpoint_source
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replay.runner import ReplayRuntime, run_logging_recovery
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.verify import ReplayCheck
 
@@ -121,6 +124,8 @@ class LoggingStrategy(RecoveryStrategy):
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         if not plan.replay_ranks:
             return outcome  # nobody lost: the survivors' kept state is all there is
+        from ds_swift.recovery.replay.runner import ReplayRuntime, run_logging_recovery
+
         rt = ctx.lent.get(ReplayRuntime)
         if rt is None:
             raise RuntimeError("logging-based recovery chosen without the runtime's replay support")
