@@ -295,3 +295,31 @@ def test_the_wire_format_carries_no_pickle() -> None:
     assert manifest.startswith(b"{")  # JSON
     with pytest.raises(TypeError, match="tensors and JSON scalars only"):
         encode({"obj": object()})
+
+
+@pytest.mark.parametrize("kind", ["bf16_optimizer", "torch"])
+def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: None, kind: str) -> None:
+    """The start-up line's buddy bytes (before any step: Adam's moments do not exist yet) are the
+    bytes a round stages once the job trains (the fp32 masters, both moments, the step counters)."""
+    from types import SimpleNamespace
+
+    from ds_swift.config import SwiftConfig
+    from ds_swift.runtime.buddy import BuddyHoldings, stage_own, state_payload
+    from ds_swift.runtime.costs import buddy_round_bytes, protection_costs
+
+    eng = engine(kind, steps=0)
+    estimate, how = buddy_round_bytes(eng)
+    assert "Adam moments" in how, how
+    lines = protection_costs(eng, SwiftConfig.from_dict({}), digests=None, buddy=SimpleNamespace(factor=2), logs=None,
+                             async_ckpt=False, machines=2)  # fmt: skip
+    (line,) = [x for x in lines if "buddy copies:" in x]
+    assert f"({2 * estimate} bytes) per iteration sent to 2 buddy rank(s)" in line, line
+    _, before = state_payload(eng)
+    dtype = next(eng.module.parameters()).dtype
+    loss = eng(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)).to(dtype)).float().pow(2).mean()
+    eng.backward(loss)
+    eng.step()
+    manifest, live = state_payload(eng)
+    staged = sum(t.numel() * t.element_size() for t in stage_own(BuddyHoldings(), 0, manifest, live))
+    assert staged == estimate > sum(t.numel() * t.element_size() for t in before)
+    assert buddy_round_bytes(eng) == (staged, "measured from the state the copier sends")
