@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any, TextIO
 
-__all__ = ["HANDLER", "ROOT", "logger", "say"]
+__all__ = ["HANDLER", "ROOT", "logger", "rank_here", "say", "say_here"]
 
 ROOT = "ds_swift"
 
@@ -74,6 +74,16 @@ def logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name == ROOT or name.startswith(ROOT + ".") else f"{ROOT}.{name}")
 
 
+def rank_here() -> int | None:
+    """This process's rank in torch.distributed's default group, where one is up (None: none, or
+    torch.distributed not imported: looked up without importing torch, so the launcher and the
+    planner stay light)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return int(dist.get_rank())
+
+
 def say(
     msg: str, rank: int | None = None, *, level: int = logging.INFO, name: str = ROOT, prefix: str = "ds-swift"
 ) -> None:
@@ -82,3 +92,9 @@ def say(
     protection turned off); ``name``: the logger (the calling module's ``__name__``); ``prefix``:
     the tag in brackets (``ds-swift-launch`` for the launcher's lines)."""
     logger(name).log(level, msg, extra={"rank": rank, "prefix": prefix}, stacklevel=2)
+
+
+def say_here(msg: str, *, level: int = logging.INFO, name: str = ROOT) -> None:
+    """:func:`say` tagged with this process's rank (:func:`rank_here`): for code that is not told
+    its rank (a hook, a kept state) but runs in a worker."""
+    logger(name).log(level, msg, extra={"rank": rank_here(), "prefix": "ds-swift"}, stacklevel=2)

@@ -36,6 +36,7 @@ __all__ = [
     "UnsupportedWrapper",
     "WrapperKind",
     "capture_optimizer",
+    "flag_bytes_to_come",
     "geometry_of",
     "is_partitioned",
     "kind_of",
@@ -141,6 +142,15 @@ def optimizer_scalars(opt: Any) -> dict[str, Any]:
         "scalers": [{k: copy.deepcopy(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
         "flags": {k: copy.deepcopy(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
     }
+
+
+def flag_bytes_to_come(opt: Any) -> int:
+    """Bytes the wrapper's flags gain as tensors at its first step (a cost estimate made before it):
+    BF16_Optimizer and ZeRO-1 keep the step's gradient norm (``_global_grad_norm``) as a float32
+    scalar tensor once a step computed it; 0 where it is one already, or ``opt`` is no such wrapper."""
+    if kind_of(opt) not in (WrapperKind.BF16_OPTIMIZER, WrapperKind.ZERO_STAGE1):
+        return 0
+    return 0 if isinstance(vars(opt).get("_global_grad_norm"), torch.Tensor) else 4
 
 
 def load_optimizer_scalars(opt: Any, scalars: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import ds_swift
 from ds_swift.bench.demo_report import format_timeline, iterations_lost, losses_by_iteration, plot_losses, read_loss_log
+from ds_swift.logs import say
 from ds_swift.testing.checkpoints import compare_checkpoints
 from ds_swift.testing.jobs import (
     JobRun,
@@ -111,9 +112,9 @@ def _events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
 
 
 def _show_job(
-    name: str, directory: Path, spec: JobSpec, timeout_s: float, progress: Any, log: Callable[[str], None]
-) -> JobRun:
-    """One ``ds-swift-launch`` job, its progress shown from the loss log and the launcher's events."""
+    name: str, directory: Path, spec: JobSpec, timeout_s: float, progress: Any) -> JobRun:
+    """One ``ds-swift-launch`` job, its progress shown from the loss log and the launcher's events (its
+    failures and recoveries said on ds-swift's logging channel, which rich's live display prints above it)."""
     if directory.exists():
         shutil.rmtree(directory)  # only the demo's own sub-directory
     task = progress.add_task(name, total=spec.iterations, status="starting 4 ranks")
@@ -125,7 +126,7 @@ def _show_job(
         for ev in events:
             kind, message = ev.get("event"), str(ev.get("message", ""))
             if kind in ("failure", "takeover", "replacement_spawned", "error"):
-                log(f"[{name}] {message}")
+                _say(f"[{name}] {message}")
             if kind in ("spawned", "failure", "spare_requested", "takeover", "replacement_spawned"):
                 progress.update(task, status=message.split(":")[0] + ": " + kind.replace("_", " "))
         points = read_loss_log(run.loss_log)
@@ -143,29 +144,29 @@ def _show_job(
                     status=f"exit {run.code} after {run.seconds:.1f} s")
     for line in run.output.splitlines():
         if line.startswith("[ds-swift] recovery of generation"):
-            log(f"[{name}] {line}")
+            _say(f"[{name}] {line}")
     if run.code != 0:
         tail = "\n".join(run.output.splitlines()[-40:])
         raise DemoError(f"{name}: ds-swift-launch exited {run.code}; last lines:\n{tail}")
     return run
 
 
-def _warm_up(log: Callable[[str], None], work_dir: Path) -> None:
+def _warm_up(work_dir: Path) -> None:
     """Build what the first DeepSpeed start on a machine builds, once, saying so."""
     from ds_swift.data.corpus import load_corpus
 
     t0 = time.monotonic()
     load_corpus()  # gathers the stdlib's docstrings once (~5 s), then cached for every rank and run
     if time.monotonic() - t0 > 1.5:
-        log(f"gathered the training text (the standard library's docstrings) once: {time.monotonic() - t0:.0f} s")
+        _say(f"gathered the training text (the standard library's docstrings) once: {time.monotonic() - t0:.0f} s")
     if not deepspeed_shm_op_built():
         t0 = time.monotonic()
-        log("first DeepSpeed start on this machine: compiling its shm comm op once (about 40 s, cached afterwards)")
+        _say("first DeepSpeed start on this machine: compiling its shm comm op once (about 40 s, cached afterwards)")
         try:
             build_deepspeed_shm_op(work_dir / "warm-up")
         except RuntimeError as exc:
             raise DemoError(str(exc)) from None
-        log(f"DeepSpeed's shm comm op compiled in {time.monotonic() - t0:.0f} s")
+        _say(f"DeepSpeed's shm comm op compiled in {time.monotonic() - t0:.0f} s")
 
 
 # ---------------------------------------------------------------------------- the sub-command
@@ -185,6 +186,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--phase", default="backward", choices=["forward", "backward", "step", "send", "recv"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds each job may take (default %(default)s)")
     p.set_defaults(func=run)
+
+
+def _say(text: str) -> None:
+    """One line of the demo's progress on ds-swift's logging channel."""
+    say(text, name=__name__, prefix="ds-swift demo")
 
 
 def _plain(console: Any) -> Callable[[str], None]:
@@ -223,9 +229,9 @@ def run(args: argparse.Namespace) -> int:
     columns = (SpinnerColumn(), TextColumn("{task.description:<17}"), BarColumn(bar_width=30), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
     try:
-        _warm_up(_plain(console), run_dir)
+        _warm_up(run_dir)
         with Progress(*columns, console=console) as progress:
-            baseline, failed = [_show_job(*job, args.timeout, progress, _plain(progress.console)) for job in jobs]
+            baseline, failed = [_show_job(*job, args.timeout, progress) for job in jobs]
     except DemoError as exc:
         console.print("ds-swift demo: failed:", style="red")
         _plain(console)(str(exc))

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,11 +119,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 class AsyncWriter:
     """A background thread that persists snapshots; on rank 0 a second one completes checkpoints."""
 
-    def __init__(self, rank: int, world_size: int, complete_timeout_s: float, log: Callable[[str], None]) -> None:
+    def __init__(self, rank: int, world_size: int, complete_timeout_s: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.complete_timeout_s = complete_timeout_s
-        self._log = log
         self.errors: list[str] = []
         self._reported = 0
         self.history: list[SaveStats] = []
@@ -191,7 +190,6 @@ class AsyncWriter:
         """Say, once each, every persist or completion that failed since the last call."""
         for msg in self.errors[self._reported :]:
             say(msg, self.rank, level=logging.WARNING, name=__name__)
-            self._log(msg)
         self._reported = len(self.errors)
 
     def close(self, timeout_s: float) -> bool:

@@ -23,7 +23,7 @@ def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool
         cfg.checkpoint.dir, cfg.checkpoint.interval, rank, job_id=job_id, save_timeout_s=cfg.checkpoint.save_timeout_s
     )
     if cfg.async_checkpoints_for(gpu):
-        manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s, ctx.log)
+        manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s)
         manager.new_generation(ctx.generation)
     if cfg.services.checkpoint_tuner:
         manager.tuner = CheckFreqTuner(cfg.checkfreq.max_overhead, cfg.checkfreq.profile_at, rank, store=ctx.store)

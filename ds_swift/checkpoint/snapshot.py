@@ -44,22 +44,29 @@ class PinnedCopier:
 
     The buffers of one save are reused by the next (same dtype and size; at most one snapshot is in
     host memory at a time): pinning host memory costs far more than the copy. Host tensors are
-    cloned. :meth:`finish` waits for the copies of this save.
+    cloned. :meth:`finish` waits for the copies of this save. :meth:`copy_into` is the same side-stream
+    copy into buffers the caller holds (the buddy copier's flat buffers, ds_swift.runtime.buddy).
     """
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}
         self._pending: list[Any] = []
         self.pinned_bytes = 0
         """Pinned host memory held for snapshots (allocated on the first save)."""
 
+    def side_stream(self, device: torch.device) -> Any:
+        """This copier's CUDA stream on ``device`` (made once: streams are cheap but not free)."""
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda" or t.numel() == 0:
             return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(t.device)
+        stream = self.side_stream(t.device)
         with self._lock:
             free = self._free.get((t.dtype, t.numel()))
             buf = free.pop() if free else None
@@ -68,19 +75,43 @@ class PinnedCopier:
             self.pinned_bytes += buf.numel() * buf.element_size()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)  # after what training queued so far
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)  # after what training queued so far
             out = buf.view(t.shape)
             out.copy_(t, non_blocking=True)
             # DeepSpeed may free a tensor it built for this save before the copy ran.
-            t.record_stream(self._stream)
+            t.record_stream(stream)
         self._pending.append(out)
         return out
 
+    def copy_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], ready: Any = None) -> None:
+        """Copy each of ``srcs`` into the host tensor beside it in ``dsts`` (pinned, for the copy to
+        run asynchronously) and wait for the copies: only the calling thread waits.
+
+        Device tensors are copied on the side stream after ``ready`` (an event the training stream
+        recorded where the tensors are final, e.g. after the optimizer step; None: recorded now on
+        the calling thread's current stream): on the training stream the copy would hold up the
+        next iteration's kernels for its whole PCIe time. Host tensors are copied in place."""
+        device = next((t.device for t in srcs if t.is_cuda), None)
+        with torch.no_grad():
+            if device is None:
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src)
+                return
+            stream = self.side_stream(device)
+            if ready is None:
+                ready = torch.cuda.current_stream(device).record_event()
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
     def finish(self) -> None:
         """Wait for this save's copies (the training thread's only wait)."""
-        if self._stream is not None and self._pending:
-            self._stream.synchronize()
+        if self._pending:
+            for stream in list(self._streams.values()):
+                stream.synchronize()
         self._pending.clear()
 
     def give_back(self, snap: Any) -> None:

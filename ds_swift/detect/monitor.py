@@ -106,7 +106,7 @@ class FailureMonitor:
             # The poison mark with no flag yet: a poisoner sets the flag before it sends, so wait a
             # few polls for the store to show it; a buffer that merely looks like the mark is not
             # trusted either way (training on a poisoned buffer would be a silent wrong state).
-            reason = store.wait_value(f"gen{self._generation}/failed", 5 * self._poll_interval_s)
+            reason = store.wait_for_failure(self._generation, 5 * self._poll_interval_s)
             reason = reason or "a poison message from a pipeline neighbour (no failure flag seen)"
         if reason is not None:
             raise PeerFailure(f"generation {self._generation} failed: {reason}")

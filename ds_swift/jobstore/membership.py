@@ -231,10 +231,19 @@ class JobStore(SignedKV):
             )
         return int(self._not_lower("generation", int(value), len(raw or b"")))
 
+    @staticmethod
+    def failed_key(generation: int) -> str:
+        """The key of generation ``generation``'s failure flag (its value: the reason)."""
+        return f"gen{generation}/failed"
+
     def failure(self, generation: int) -> str | None:
         """The reason generation ``generation`` failed, or None while it is healthy (or only a
         write not signed with the job secret says otherwise: rejected, see :mod:`.store_auth`)."""
-        return self._read(f"gen{generation}/failed")
+        return self._read(self.failed_key(generation))
+
+    def wait_for_failure(self, generation: int, timeout_s: float) -> str | None:
+        """The reason generation ``generation`` failed, once its flag is set; None after ``timeout_s``."""
+        return self.wait_value(self.failed_key(generation), timeout_s)
 
     def declare_failure(self, generation: int, reason: str) -> bool:
         """Mark ``generation`` failed and open the next one. True for the first declarer only.
@@ -246,7 +255,7 @@ class JobStore(SignedKV):
         """
         first = self.add(f"gen{generation}/failed_n", 1) == 1
         if first or self.failure(generation) is None:
-            self._put(f"gen{generation}/failed", reason)
+            self._put(self.failed_key(generation), reason)
         self.advance_generation(generation)
         return first
 

@@ -12,11 +12,9 @@ every machine boundary and says so. Prints rich tables, or one JSON object with 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
-import sys
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
@@ -244,16 +242,16 @@ def build_buddy_cost(args: argparse.Namespace) -> BuddyCost:
 
 
 def run(args: argparse.Namespace) -> int:
-    # With --json, stdout carries the JSON alone (a library's import-time print goes to stderr).
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        plan = build_plan(args)
-        js = plan.to_json()
-        buddy = build_buddy_cost(args)
-        choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
-            plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
-            read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
-        )
-        rec = _recommend(args, js) if args.recommend else None
+    # With --json, stdout carries the JSON alone: nothing here imports DeepSpeed (whose import prints
+    # its accelerator line on stdout); the strategies' services are read without it.
+    plan = build_plan(args)
+    js = plan.to_json()
+    buddy = build_buddy_cost(args)
+    choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
+        plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
+        read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
+    )
+    rec = _recommend(args, js) if args.recommend else None
     if args.json:
         js |= {"buddy": buddy.to_json(), "stage_logging": [r.to_json() for r in choices]}
         if rec is not None:

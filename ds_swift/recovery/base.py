@@ -18,24 +18,22 @@ import dataclasses
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ds_swift.logs import say
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.services import StrategyServices
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
     from ds_swift.config import SimulateConfig, SwiftConfig
     from ds_swift.jobstore.membership import JobStore
-    from ds_swift.recovery.gradmask import GradScale
     from ds_swift.recovery.kept import KeptState
-    from ds_swift.recovery.replay.runner import ReplayRuntime
     from ds_swift.recovery.simulated import SimulatedFailure
     from ds_swift.recovery.state.digest import Verdict
-    from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = ["BenchVariant", "RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed",
@@ -61,8 +59,9 @@ class RecoveryOutcome:
     checkpoint_step: int | None = None
     bytes_moved: int = 0
     notes: list[str] = field(default_factory=list)
-    replay: dict[str, Any] | None = None
-    """logging: what was replayed (see run_logging_recovery)."""
+    summary: dict[str, Any] | None = None
+    """What the restore did, the same on every rank, for the timeline (its ``replay`` entry: the
+    iterations a message-log replay or re-applied update log covered, the passes PipeChurn ran)."""
     latest_checkpoint: int = -1
     """The newest global checkpoint complete for every rank (iterations done; -1: none)."""
     deviation: str | None = None
@@ -70,16 +69,12 @@ class RecoveryOutcome:
     verdict: Verdict | None = None
     """This rank's check of the state it restored against its reference digest (None: it restored
     nothing that has one; see ds_swift.recovery.verify)."""
-    grad_scale: GradScale | None = None
-    """Lossy forward: how this rank scales its gradients of the iteration trained next."""
-    finish_iteration: int | None = None
-    """PipeChurn's partial recomputation: the iteration in flight whose passes the recovery already
-    ran (the lost ranks replayed theirs, the survivors kept theirs); the runtime runs only its
-    gradient reductions and step (ds_swift.recovery.state.inflight.finish_iteration)."""
     back_iteration: int | None = None
-    """Training is back once ``global_steps`` reaches it (None: the plan's pre-failure iteration).
-    PipeChurn counts the in-flight iteration done again (the paper's recovery delay), so its full
-    retrain and its partial recomputation compare."""
+    """Training is back once ``global_steps`` reaches it (None: the plan's pre-failure iteration;
+    a strategy that counts more, as PipeChurn the in-flight iteration done again, sets it)."""
+    handed: Handover = field(default_factory=Handover)
+    """What the strategy hands the runtime to act on when training resumes, by type
+    (ds_swift.recovery.handover: lossy forward's GradScale, PipeChurn's FinishIteration)."""
 
 
 def announce_deviation(ctx: RankContext, inputs: RecoveryInputs, strategy: str, outcome: RecoveryOutcome,
@@ -110,12 +105,9 @@ class RankContext:
         ckpt: the global checkpoint manager (None: checkpoints are off).
         timeline: this rank's recovery timeline (strategies stamp their phases).
         gather_timeout_s: the longest a store gather waits for every rank.
-        log: this rank's log line writer.
-        replay: what the runtime lends logging-based recovery (None: nothing is logged).
         verify: check restored state against its reference digest (``verify.enabled``).
-        updates: the update log's store URL (strategy ``tranlogs``; None: no update log).
-        inflight: this rank's copy of the iteration in flight (strategy ``pipechurn`` with
-            ``pipechurn.partial_recompute``; None: not kept).
+        lent: what the runtime kept for the strategies while nothing failed, by type
+            (ds_swift.recovery.handover; a strategy reads its own: ``ctx.lent.get(InflightKeeper)``).
     """
 
     store: JobStore
@@ -126,18 +118,19 @@ class RankContext:
     ckpt: CheckpointManager | None
     timeline: RankTimeline
     gather_timeout_s: float
-    log: Callable[[str], None]
-    replay: ReplayRuntime | None = None
     verify: bool = False
-    updates: str | None = None
-    inflight: InflightKeeper | None = None
+    lent: Handover = field(default_factory=Handover)
+
+    def log(self, msg: str) -> None:
+        """One line on ds-swift's channel (ds_swift.logs), tagged with this rank."""
+        say(msg, self.rank, name=__name__)
 
     def keep_state(self, plan: RecoveryPlan) -> None:
         """A survivor that keeps its state (not one of ``plan.replay_ranks``): undo to the consensus
         where the plan says so, then load what it kept into the rebuilt engine."""
         if self.kept is None or self.rank in plan.replay_ranks:
             return
-        self.kept.restore(self.engine, plan.consensus, self.rank in plan.undo, self.timeline, self.log)
+        self.kept.restore(self.engine, plan.consensus, self.rank in plan.undo, self.timeline)
 
 
 class RestoreFailed(Exception):
@@ -229,7 +222,7 @@ class RecoveryStrategy(ABC):
         """
         return inputs.plan(self.name)
 
-    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure | None:
+    def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure | None:
         """This strategy's failure-simulation mode (``simulate_failure``; ds_swift.recovery.simulated),
         or None where it has none."""
         return None

@@ -121,14 +121,13 @@ def run_recovery(
     optimizer_wrapper: str | None,
     logging: LogPlan | None = None,
     partitioned: bool = False,
-    updates: str | None = None,
-    inflight: InflightKeeper | None = None,  # PipeChurn's copy of the iteration in flight (partial recomputation)
 ) -> RecoveryOutcome:
     """Run steps 1-5 above in ``ctx.generation`` (already joined; ``ctx.engine`` already rebuilt).
 
     Args:
         ctx: this rank's engine, store, kept state, checkpoints, timeline (``ctx.verify``: check
-            restored state against reference digests).
+            restored state against reference digests; ``ctx.lent``: what the runtime kept for the
+            strategies).
         world_size: the ranks of the generation.
         report: this rank's report for the consensus.
         strategy: the config's ``strategy`` (or the one the post-recovery guard forces).
@@ -136,10 +135,9 @@ def run_recovery(
         optimizer_wrapper: a DeepSpeed optimizer wrapper survivors cannot keep, or None.
         logging: set where the topology plan logs pipeline sends (logging-based recovery possible).
         partitioned: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
-        updates: the update log's store URL (strategy tranlogs), or None.
-        inflight: PipeChurn's copy of the iteration in flight (partial recomputation), or None.
     """
-    ctx.replay, ctx.updates, ctx.inflight = (logging.runtime if logging is not None else None), updates, inflight
+    if logging is not None:
+        ctx.lent.put(logging.runtime)  # the message-log replay's runtime (strategy logging)
     reports, step = _gather(ctx, world_size, report)
     setup = None
     if logging is not None:

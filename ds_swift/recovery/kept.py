@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_swift.logs import say
 from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
 from ds_swift.recovery.state.transfer import load_state, set_counters
 
@@ -153,12 +153,12 @@ class KeptState:
         self.undo = None
         return "inverse update"
 
-    def undo_logged(self, consensus: int, timeline: RankTimeline, log: Callable[[str], None]) -> None:
+    def undo_logged(self, consensus: int, timeline: RankTimeline) -> None:
         """:meth:`undo_to` ``consensus`` in a recovery: logged, and stamped on the rank's timeline."""
         last = self.last_stepped
         timeline.undone_from = last
         how = self.undo_to(consensus)
-        log(f"undo: last stepped iteration {last} -> consensus {consensus} ({how})")
+        say(f"undo: last stepped iteration {last} -> consensus {consensus} ({how})", timeline.rank, name=__name__)
         timeline.extra["undo"] = how
         timeline.t_undone = time.time()
 
@@ -204,13 +204,11 @@ class KeptState:
             "rng": {},
         }
 
-    def restore(
-        self, engine: Any, consensus: int, undo: bool, timeline: RankTimeline, log: Callable[[str], None]
-    ) -> None:
+    def restore(self, engine: Any, consensus: int, undo: bool, timeline: RankTimeline) -> None:
         """Undo to ``consensus`` where ``undo`` says so, then load the kept state into ``engine``
         (the rebuilt one), which resumes at ``consensus + 1``."""
         if undo:
-            self.undo_logged(consensus, timeline, log)
+            self.undo_logged(consensus, timeline)
         load_state(engine, self.state(), consensus + 1)
         if self.counters is not None:
             set_counters(engine, consensus + 1, skipped_steps=self.counters["skipped_steps"])

@@ -11,9 +11,9 @@ hooks around the simulated iteration (ds_swift.runtime.simulate).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ds_swift.logs import say_here
 from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.state.transfer import flatten, unflatten
 
@@ -35,15 +35,17 @@ class SimulatedFailure:
 
     Args:
         cfg: the ``simulate_failure`` section (its ``iteration`` is set).
-        log: this rank's log line writer.
     """
 
-    def __init__(self, cfg: SimulateConfig, log: Callable[[str], None]) -> None:
+    def __init__(self, cfg: SimulateConfig) -> None:
         assert cfg.iteration is not None
         self.cfg = cfg
         self.iteration = cfg.iteration
-        self._log = log
         self.done = False
+
+    def _log(self, msg: str) -> None:
+        """One line on ds-swift's channel, tagged with this rank."""
+        say_here(msg, name=type(self).__module__)
 
     def grad_scale(self, engine: Any) -> GradScale | None:
         """This rank's gradient scaling of the simulated iteration (None: none)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint.durable import write_atomic
 from ds_swift.jobstore.membership import GenerationFailed
+from ds_swift.logs import say_here
 
 if TYPE_CHECKING:
     from ds_swift.jobstore.membership import JobStore
@@ -262,7 +262,6 @@ def collect_timeline(
     deviation: str | None = None,
     inject_specs: int,
     block: bool,
-    log: Callable[[str], None],
 ) -> bool:
     """Gather every rank's part of the recovery into ``generation``, write it, print the summary.
 
@@ -275,7 +274,7 @@ def collect_timeline(
     try:
         parts = store.gather(generation, "timeline", ranks, timeout_s=10.0 if block else 1.0)
     except (TimeoutError, GenerationFailed) as exc:
-        log(f"timeline of generation {generation - 1} incomplete: {exc}")
+        say_here(f"timeline of generation {generation - 1} incomplete: {exc}", name=__name__)
         return True
     failed = generation - 1
     detected = store.get(f"gen{failed}/t/detected")
@@ -360,8 +359,7 @@ class PendingTimeline:
             checkpoint_step=outcome.checkpoint_step,
             run_dir=self._ctx.run_dir,
             inject_specs=len([s for s in env.inject.split(";") if s.strip()]),
-            replay=outcome.replay,
+            replay=outcome.summary,
             deviation=outcome.deviation,
             block=block,
-            log=self._ctx.log,
         )

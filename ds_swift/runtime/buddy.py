@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.checkpoint.snapshot import PinnedCopier
+from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.state.buddies import Member, assign_buddies
@@ -69,7 +71,6 @@ class _Worker:
         buddies: tuple[int, ...],
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
-        log: Callable[[str], None],
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
         landing: Callable[[int, Callable[[], bool]], bool] | None = None,
     ) -> None:
@@ -78,7 +79,6 @@ class _Worker:
         self.landing = landing
         self.stopped = False
         self.split = split
-        self.log = log
         self.buddies = buddies
         self.owners = owners
         self.holdings = holdings
@@ -102,9 +102,10 @@ class _Worker:
         sent = self._round(*item)
         self.rounds += 1
         if self.rounds == 2:  # the first round after a step: what every later one costs
-            self.log(
+            say_here(
                 f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
-                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})"
+                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})",
+                name=__name__,
             )
 
     def _round(self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None) -> int:
@@ -155,21 +156,18 @@ class BuddyCopier:
     Args:
         factor: buddies per rank (``buddy.replication_factor``).
         failure_domains: machines that fail together (``machines.failure_domains``).
-        log: prints one line.
     """
 
     def __init__(
         self,
         factor: int,
         failure_domains: tuple[tuple[int, ...], ...],
-        log: Callable[[str], None],
         erasure: tuple[int, int] | None = None,
     ) -> None:
         self.factor = factor if erasure is None else sum(erasure)
         self.erasure = erasure
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
-        self._log = log
         self._worker: _Worker | None = None
         self.off: str | None = None
         """Why copying stopped in this generation (a copier error), or None while it protects."""
@@ -215,10 +213,10 @@ class BuddyCopier:
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
-        self._worker = _Worker(channel, placement[rank], owners, self.holdings, self._log, split, landed)
+        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
-        self._log(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}")
+        say(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}", rank, name=__name__)
         self.after_step(engine)
         return True
 
@@ -320,37 +318,19 @@ def _stage(
     """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from.
 
     Device tensors are copied into pinned host buffers on a side stream that first waits for
-    ``ready`` (the step's event): on the training thread's stream, or into pageable memory, the
+    ``ready`` (the step's event; ds_swift.checkpoint.snapshot.PinnedCopier.copy_into, the
+    asynchronous checkpoint's copy): on the training thread's stream, or into pageable memory, the
     copy of the partition would hold up the next iteration's kernels for its whole PCIe time
     (hundreds of MB per step on a large model). Only this, the copier thread, waits for it."""
-    device = next((t.device for t in live if t.is_cuda), None)
-    flats = holdings.spare(None, manifest, pin=device is not None)
+    flats = holdings.spare(None, manifest, pin=any(t.is_cuda for t in live))
     staged = flat_views(manifest, flats)
-    with torch.no_grad():
-        if device is None:
-            for view, t in zip(staged, live, strict=True):
-                view.copy_(t)
-        else:
-            side = _side_stream(device)
-            if ready is None:  # called on the thread that queued the step (stage_own)
-                ready = torch.cuda.current_stream(device).record_event()
-            with torch.cuda.stream(side):
-                side.wait_event(ready)
-                for view, t in zip(staged, live, strict=True):
-                    view.copy_(t, non_blocking=True)
-            side.synchronize()
+    _COPIER.copy_into(staged, live, ready)
     holdings.put(None, version, manifest, flats)
     return staged, flats
 
 
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """The copier's CUDA stream on ``device`` (one per process: streams are cheap but not free)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+#: The buddy copier's side streams (its own: the checkpoint snapshots' copies do not queue behind it).
+_COPIER = PinnedCopier()
 
 
 def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +103,6 @@ def join_generation(
     op_timeout_s: float,
     join_timeout_s: float,
     backend: str = "gloo",
-    log: Callable[[str], None] | None = None,
     swift: bool = True,
     timeout: datetime.timedelta | None = None,
 ) -> int:
@@ -124,8 +123,7 @@ def join_generation(
         try:
             prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
         except GenerationFailed as exc:
-            if log:
-                log(f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}")
+            say(f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}", rank, name=__name__)
             generation += 1
             continue
         dist.init_process_group(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
-from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors, partition_state
+from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors
 from ds_swift.runtime.bench_switch import ENV, SWITCHES
 
 __all__ = ["protection_costs", "state_bytes"]
@@ -33,6 +33,36 @@ def state_bytes(state: Any) -> tuple[int, str]:
     tensors = list(named_tensors(state).values())
     device = next((str(t.device) for t in tensors if t.device.type != "cpu"), "cpu")
     return sum(t.numel() * t.element_size() for t in tensors), device
+
+
+def buddy_round_bytes(engine: Any) -> tuple[int, str]:
+    """Bytes one buddy round stages of this rank after a step (ds_swift.runtime.buddy.state_payload:
+    the optimizer partition's fp32 masters and its inner optimizer's state, the LR scheduler, the
+    counters, the module's buffers), and how they were counted.
+
+    At start-up no step has run yet, and Adam creates its moments at the first one: those it will
+    create are counted as it creates them (exp_avg and exp_avg_sq, each as large as the fp32 master
+    partition, max_exp_avg_sq under amsgrad; torch's Adam also a float32 step per parameter), and
+    so is the wrapper's gradient norm the first step keeps as a tensor: the figure is a round's
+    after the first step. Another optimizer's state to come is not known here: the line says so."""
+    from ds_swift.patches.deepspeed_optim_state import capture_optimizer, flag_bytes_to_come
+    from ds_swift.runtime.buddy import state_payload
+
+    _, tensors = state_payload(engine)
+    now = sum(t.numel() * t.element_size() for t in tensors)
+    inner = capture_optimizer(engine.optimizer)["inner"]
+    empty = {id(p) for g in inner.param_groups for p in g["params"] if not inner.state.get(p)}
+    if not empty:
+        return now, "measured from the state the copier sends"
+    if "Adam" not in type(inner).__name__:
+        return now, (f"the state the copier sends now; {type(inner).__name__}'s state of {len(empty)} parameter(s) "
+                     "is created at the first step and not counted")
+    torch_step = 4 if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) else 0  # a float32 tensor each
+    to_come = flag_bytes_to_come(engine.optimizer)  # the wrapper's gradient norm, a tensor from the first step
+    for group in inner.param_groups:
+        moments = 3 if group.get("amsgrad") else 2
+        to_come += sum(moments * p.numel() * p.element_size() + torch_step for p in group["params"] if id(p) in empty)
+    return now + to_come, "the state the copier sends, with the Adam moments the first step creates"
 
 
 def _mb(n: float) -> str:
@@ -57,11 +87,11 @@ def protection_costs(
     if buddy is not None and machines == 1:
         lines.append("  buddy copies: none (one machine: no other machine to hold them): 0")
     elif buddy is not None:
-        part, _ = state_bytes(partition_state(engine))
+        part, counted = buddy_round_bytes(engine)
         per = part * buddy.factor
-        lines.append(f"  buddy copies: {_mb(per)} per iteration sent to {buddy.factor} buddy rank(s) on other machines after every step "
-                     "in a background thread (estimated from the optimizer partition; the training thread waits "
-                     "only if the previous round is still sending; measured totals at the end)")
+        lines.append(f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
+                     f"machines after every step in a background thread ({counted}; the training thread waits only if the "
+                     "previous round is still sending; measured totals at the end)")
     else:
         lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
     logged = logs.possible(engine) if logs is not None else False

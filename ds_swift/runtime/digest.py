@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.logs import say
 from ds_swift.recovery.state.digest import engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
 from ds_swift.worker import Worker
@@ -41,14 +42,12 @@ class DigestPublisher:
         interval: iterations between digests (``verify.digest_interval``).
         store_factory: opens the thread's own job-store connection (the training thread may sit in
             a store call of its own).
-        log: prints one line.
     """
 
-    def __init__(self, rank: int, interval: int, store_factory: Callable[[], JobStore], log: Callable[[str], None]) -> None:
+    def __init__(self, rank: int, interval: int, store_factory: Callable[[], JobStore]) -> None:
         self.rank = rank
         self.interval = interval
         self._store_factory = store_factory
-        self._log = log
         # A digest that fails is said once and skipped (a missing digest only makes a later check
         # fall back): the worker records it and goes on.
         self._worker: Worker[Any] = Worker(f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed)
@@ -134,10 +133,12 @@ class DigestPublisher:
         """End the thread (the job ends) after the digest in flight, and say what the digests cost."""
         self._worker.stop(timeout_s)
         if self.published:
-            self._log(
+            say(
                 f"state digests: {self.published} published, {1e3 * self.digest_s / self.published:.2f} ms each "
                 f"in the background; the training thread spent {1e3 * self.handoff_s / self.published:.2f} ms each "
-                f"handing them over and waited {1e3 * self.wait_s:.1f} ms for them in all"
+                f"handing them over and waited {1e3 * self.wait_s:.1f} ms for them in all",
+                self.rank,
+                name=__name__,
             )
 
     def _digest(self, item: tuple[int, Any, Any, Any]) -> None:
@@ -152,7 +153,7 @@ class DigestPublisher:
     def _failed(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            self._log(f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})")
+            say(f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})", self.rank, name=__name__)
 
     def _start(self, state: Any, device: Any, stepped: Any) -> Callable[[], Any]:
         """Queue the digest's device work (on a GPU: on the side stream, after the step's event)."""

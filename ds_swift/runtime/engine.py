@@ -41,7 +41,7 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale
-from ds_swift.recovery.state.inflight import finish_iteration, kept_inflight
+from ds_swift.recovery.state.inflight import FinishIteration, finish_iteration, kept_inflight
 from ds_swift.recovery.timeline import PendingTimeline
 from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
@@ -132,8 +132,8 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._ctx = ctx
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
-        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store,
-                                ctx.log)
+        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(),
+                                ctx.store)
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
@@ -142,7 +142,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._closed = False
         # Message log and step-collective records, kept across rebuilds.
         logs = EngineLogging(
-            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), ctx.log, store=ctx.store
+            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), store=ctx.store
         )
         without = switched_off()  # empty but in benchmarks/gpu_overhead.py --breakdown
         logs.enabled = "logging" not in without
@@ -150,7 +150,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
         self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
-        self._hooks = EngineHooks(seed, make_injector(ctx), logs, ctx.log, without, kept_inflight(cfg, batch_fn, seed))
+        self._hooks = EngineHooks(seed, make_injector(ctx), logs, without, kept_inflight(cfg, batch_fn, seed))
         self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
         check_machines(cfg, ctx.env)
         check_hang_timeout(cfg, ctx)
@@ -297,8 +297,8 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self.recoveries.append(done.outcome)
         self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
                                    self._ctx.join_timeout_s, rank=dist.get_rank())
-        self._grad_scale = done.outcome.grad_scale
-        self._finish = done.outcome.finish_iteration
+        self._grad_scale = done.outcome.handed.get(GradScale)
+        self._finish = finish.iteration if (finish := done.outcome.handed.get(FinishIteration)) else None
         self._simulation = None  # a real failure ends a simulated one
         self._timeline.start(done.outcome, done.timeline, done.generation)
         self._timeline.check_back(int(self._engine.global_steps))

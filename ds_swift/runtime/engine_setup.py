@@ -30,7 +30,7 @@ def failure_simulation(cfg: SwiftConfig, ctx: SwiftContext) -> FailureSimulation
     """The simulated failure the config asks for; never on a replacement (a real failure ended it)."""
     if cfg.simulate_failure.iteration is None or (ctx.env is not None and ctx.env.replacement):
         return None
-    return FailureSimulation(cfg.simulate_failure, ctx.log)
+    return FailureSimulation(cfg.simulate_failure)
 
 
 def running_checkpoints(
@@ -41,7 +41,7 @@ def running_checkpoints(
     if fraction is None or ckpt_dir is None:
         return None
     fresh = ctx.env is None or not ctx.env.replacement
-    return RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, rank, fresh, ctx.log, job=ckpt.job_id)
+    return RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, rank, fresh, job=ckpt.job_id)
 
 
 def check_hang_timeout(cfg: SwiftConfig, ctx: SwiftContext) -> None:

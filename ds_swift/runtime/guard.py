@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ds_swift.logs import say
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.registry import STRATEGIES
 
@@ -118,17 +119,20 @@ class LossGuard:
         factor: ``verify.guard_loss_factor``.
         rank: this rank (for the loud lines).
         store: the job store (None: no recovery happens, nothing to guard).
-        log: this rank's log.
     """
 
-    def __init__(self, iterations: int, factor: float, rank: int, store: Any, log: Callable[[str], None]) -> None:
-        self.iterations, self.factor, self.rank, self.store, self.log = iterations, factor, rank, store, log
+    def __init__(self, iterations: int, factor: float, rank: int, store: Any) -> None:
+        self.iterations, self.factor, self.rank, self.store = iterations, factor, rank, store
         # Losses as the engine returned them (device tensors on a GPU), read at a recovery: a float()
         # per step would make the host wait for every iteration. Room for non-finite ones, dropped then.
         self.history: deque[tuple[int, Any]] = deque(maxlen=_KEPT)
         self.window: _Window | None = None
         self._judged = -1
         self._skipped = 0
+
+    def log(self, msg: str) -> None:
+        """One line on ds-swift's channel, tagged with this rank."""
+        say(msg, self.rank, name=__name__)
 
     def after_iteration(self, engine: Any, loss: Any, generation: int) -> str | None:
         """After iteration ``engine.global_steps - 1`` was trained: the reason it trips the guard

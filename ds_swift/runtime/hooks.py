@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.data.keyed import key_forward_rng
+from ds_swift.logs import say_here
 from ds_swift.runtime.context import SwiftContext
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def make_injector(ctx: SwiftContext) -> Any:
     return Injector.from_env(store, env)
 
 
-def attach_undo(engine: Any, log: Callable[[str], None]) -> Any:
+def attach_undo(engine: Any) -> Any:
     """Make ``engine``'s optimizer step undoable; the undo handle, or None where it cannot be."""
     try:
         from ds_swift.undo import attach_to_engine
@@ -46,7 +47,8 @@ def attach_undo(engine: Any, log: Callable[[str], None]) -> Any:
     except ImportError:
         return None  # ds_swift.undo.engine not built yet: recovery without undo falls back loudly
     except Exception as exc:  # noqa: BLE001 - an optimizer without an inverse must not stop training
-        log(f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload")
+        say_here(f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload",
+                 name=__name__)
         return None
 
 
@@ -77,11 +79,10 @@ class EngineHooks:
         seed: keys the per-forward reseeding.
         injector: the fault injector (None: no faults are injected).
         logs: the worker's message log and step-collective records (kept across rebuilds).
-        log: prints one line (the runtime's logger).
         inflight: keeps the iteration in flight (PipeChurn's partial recomputation; None: nothing kept).
     """
 
-    def __init__(self, seed: int, injector: Any, logs: EngineLogging, log: Callable[[str], None],
+    def __init__(self, seed: int, injector: Any, logs: EngineLogging,
                  without: frozenset[str] = frozenset(), inflight: InflightKeeper | None = None) -> None:
         self.seed = seed
         #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
@@ -89,7 +90,6 @@ class EngineHooks:
         self.injector = injector
         self.logs = logs
         self._undo: Any = None  # the update-undo handle of the engine in force (None: no undo)
-        self._log = log
         self._handles: list[Any] = []
         self._micro = 0
         self._reseed = True  # off while a replay keys the RNG itself
@@ -98,7 +98,6 @@ class EngineHooks:
         #: the copy of the iteration in flight (PipeChurn's partial recomputation; None: not kept)
         self.inflight = inflight
         if inflight is not None:
-            inflight.log = log
             inflight.reseed = self.set_reseed  # a redo of kept passes keys the RNG itself
 
     def set_reseed(self, on: bool) -> None:
@@ -146,7 +145,7 @@ class EngineHooks:
             hooks = with_progress(self.progress, engine, hooks)
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
-        self._undo = attach_undo(engine, self._log) if "undo" not in self.without else None
+        self._undo = attach_undo(engine) if "undo" not in self.without else None
         self.logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
         if self.inflight is not None:

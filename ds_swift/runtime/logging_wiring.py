@@ -40,7 +40,7 @@ from ds_swift import transport
 from ds_swift.config import SwiftConfig
 from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.logs import say
+from ds_swift.logs import say, say_here
 from ds_swift.recovery.coordinator import LogPlan
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.replay.runner import ReplayRuntime
@@ -60,7 +60,6 @@ class EngineLogging:
         batch_fn: ``batch_fn(iteration, micro_batch)``.
         seed: the runtime's RNG seed.
         cache_dir: where a remote store's log chunks are downloaded for a replay.
-        log: prints one line (the runtime's logger).
         store: the job store (None without ds-swift-launch): where measured sizes are published.
     """
 
@@ -71,7 +70,6 @@ class EngineLogging:
         batch_fn: BatchFn,
         seed: int,
         cache_dir: str,
-        log: Callable[[str], None],
         store: JobStore | None = None,
     ) -> None:
         self.cfg = cfg
@@ -80,7 +78,6 @@ class EngineLogging:
         self.batch_fn = batch_fn
         self.seed = seed
         self.cache_dir = cache_dir
-        self._log = log
         self.recorder: Any = None  # CollectiveRecorder
         self.handle: Any = None  # MessageLogHandle of the engine in force
         self._handles: list[Any] = []  # every handle installed (their byte counters)
@@ -111,7 +108,7 @@ class EngineLogging:
                 self._decided = not needs_measuring(self.cfg, self._plan)
                 self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
-                self._log(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
+                say_here(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
                 self._plan = False
             else:
                 if dist.get_rank() == 0:
@@ -144,7 +141,7 @@ class EngineLogging:
         plan, decisions = decide(self._layout, self.cfg, measured)
         if dist.get_rank() == 0:
             for line in describe(plan, self.cfg, decisions):
-                self._log(line)
+                say_here(line)
         self._switch(plan, suspend)
 
     def _measure(self, engine: Any, seconds: float) -> Any:
@@ -279,7 +276,7 @@ class EngineLogging:
         if not handles or handles[-1] is not handle:
             # Another hook wraps the logger's: removing it would take that one along. Said, not
             # skipped silently: this rank logs on (its bytes count against the storage budget).
-            self._log("the message logger is not the outermost hook and stays installed")
+            say_here("the message logger is not the outermost hook and stays installed")
             return lambda: None
         handles.pop().remove()
         self.handle = None
@@ -304,7 +301,7 @@ class EngineLogging:
             try:
                 self.handle.gc_before(done, store_url=None if same else storage)
             except Exception as exc:  # noqa: BLE001 - garbage left behind must not stop training
-                self._log(f"message log GC before iteration {done} failed: {type(exc).__name__}: {exc}")
+                say_here(f"message log GC before iteration {done} failed: {type(exc).__name__}: {exc}")
 
     def _lose_coverage(self, why: str) -> None:
         """This rank's sends are no longer logged (for the rest of the job): said loudly, once, and
@@ -325,7 +322,7 @@ class EngineLogging:
             self.handle.upload(timeout_s=max(60.0, self.cfg.watchdog.op_timeout_s))
         except Exception as exc:  # noqa: BLE001 - said in the recovery's check round: checkpoint fallback
             self.log_error = f"{type(exc).__name__}: {exc}"
-            self._log(f"message log not flushed to {self.cfg.logging.storage}: {self.log_error}")
+            say_here(f"message log not flushed to {self.cfg.logging.storage}: {self.log_error}")
 
     def log_plan(
         self,

@@ -57,9 +57,9 @@ class Protections:
         self.buddy: BuddyCopier | None = None
         if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
             erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
-            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, ctx.log, erasure=erasure)
+            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, erasure=erasure)
         elif cfg.buddy.enabled and services.buddy_copies:
-            self.buddy = BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains, ctx.log)
+            self.buddy = BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains)
         elif cfg.buddy.enabled and (ctx.env is None or ctx.env.rank == 0):
             # A strategy that never reads buddy copies does not pay for them.
             ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
@@ -68,7 +68,7 @@ class Protections:
         # digest proves the transport, the lost rank's own the copy) or an elastic resize reshards.
         env = ctx.env
         self.digests = (
-            DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env), ctx.log)
+            DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env))
             if cfg.verify.enabled and services.digests and env is not None and ctx.store is not None
             else None
         )
@@ -76,7 +76,7 @@ class Protections:
         # (logging.kinds) only the ranks of the stages the logging plan has log theirs.
         self.updates = (
             UpdateLogger(env.rank if env is not None else dist.get_rank(), cfg.logging.storage, lambda: hooks.undo,
-                         ctx.log, enabled=self._logs_updates if services.update_log == "per_stage" else None)
+                         enabled=self._logs_updates if services.update_log == "per_stage" else None)
             if services.update_log != "off"
             else None
         )

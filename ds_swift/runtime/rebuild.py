@@ -33,9 +33,11 @@ from ds_swift.jobstore.membership import GenerationFailed, grow_key, read_layout
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
+from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.state.update_log import UpdateLogStore
 from ds_swift.recovery.strategies.resize import Resize
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.buddy import BuddyCopier
@@ -202,7 +204,7 @@ class Rebuilder(SurvivorSteps):
             try:
                 if not dist.is_initialized():
                     generation = join_generation(store, generation, env.rank, env.world_size, ctx.op_timeout_s,
-                                                 ctx.join_timeout_s, ctx.backend, log=ctx.log,
+                                                 ctx.join_timeout_s, ctx.backend,
                                                  timeout=ctx.user_timeout)
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
@@ -250,7 +252,9 @@ class Rebuilder(SurvivorSteps):
         assert env is not None and store is not None
         engine = self._holder.engine
         ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
-                          self._ctx.log, verify=self._cfg.verify.enabled)
+                          verify=self._cfg.verify.enabled,
+                          lent=Handover(self._hooks.inflight,  # what the runtime kept for the strategies
+                                        UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None))
         if self.resize is not None or self._growing(generation):
             outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
                 self.resize, ctx, int(engine.zero_optimization_stage())
@@ -268,8 +272,6 @@ class Rebuilder(SurvivorSteps):
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
-            updates=self._cfg.logging.storage if self.updates is not None else None,
-            inflight=self._hooks.inflight,
         )
 
     @property

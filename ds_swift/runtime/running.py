@@ -10,7 +10,6 @@ lost are written first by the next rounds (a replacement meanwhile loads older o
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,14 @@ from ds_swift.checkpoint.running import (
     RunningCheckpointError,
     running_checkpoint_job,
 )
+from ds_swift.logs import say
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.strategies.scar import block_elements, running_dir, running_state
 
 __all__ = ["RunningCheckpoints", "claim_running_dir"]
 
 
-def claim_running_dir(directory: Path, job: str | None, log: Callable[[str], None]) -> None:
+def claim_running_dir(directory: Path, job: str | None, rank: int | None = None) -> None:
     """A fresh start's running-checkpoint directory, emptied of this job's earlier launch.
 
     The directory is this job's by its path (``running/<job>/rank<r>``) unless its manifest names
@@ -44,7 +44,7 @@ def claim_running_dir(directory: Path, job: str | None, log: Callable[[str], Non
     except CorruptCheckpointError:  # no manifest (a first round cut short) or a torn one: no owner named
         owner, stamped = None, False
     if job is not None and (owner == job or not stamped):
-        log(f"running checkpoint: removing this job's earlier one in {directory} (a fresh start)")
+        say(f"running checkpoint: removing this job's earlier one in {directory} (a fresh start)", rank, name=__name__)
         shutil.rmtree(directory)
         return
     who = owner if owner is not None else "a run without a job id"
@@ -64,18 +64,16 @@ class RunningCheckpoints:
     fresh: this process starts the job (not a replacement): this job's running checkpoint of this
         rank left by an earlier launch is removed (a replacement must not load blocks of a launch
         that went further); another run's is never touched (:func:`claim_running_dir`).
-    log: one line to this rank's log.
     job: the job id stamped in the running checkpoint (:func:`ds_swift.checkpoint.periodic.job_id_for`).
     """
 
     def __init__(
-        self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, log: Callable[[str], None],
-        job: str | None = None,
+        self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, job: str | None = None,
     ) -> None:
-        self.fraction, self.interval, self.rank, self._log, self.job = fraction, interval, rank, log, job
+        self.fraction, self.interval, self.rank, self.job = fraction, interval, rank, job
         self.directory = running_dir(ckpt_dir, rank, job)
         if fresh:
-            claim_running_dir(self.directory, job, log)
+            claim_running_dir(self.directory, job, rank)
         self._ckpt: RunningCheckpoint | None = None
 
     @property
@@ -91,8 +89,8 @@ class RunningCheckpoints:
         if self._ckpt is None:
             self._ckpt = RunningCheckpoint(self.directory, fraction=self.fraction, interval=self.interval, groups=groups,
                                            block_elements=block_elements(tensors), job=self.job)
-            self._log(f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
-                      f"{self._ckpt.every} iteration(s) to {self.directory}")
+            say(f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
+                f"{self._ckpt.every} iteration(s) to {self.directory}", self.rank, name=__name__)
         if not self._ckpt.due(done):
             return
         try:

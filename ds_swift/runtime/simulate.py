@@ -7,7 +7,6 @@ trains the iteration again; ds_swift.recovery.simulated says why and how).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ds_swift.config import ConfigError, SimulateConfig
@@ -22,8 +21,8 @@ class FailureSimulation:
     """One rank's part of the simulated failure (generation 0 only: a real recovery ends it), run by
     the strategy ``cfg.strategy`` names."""
 
-    def __init__(self, cfg: SimulateConfig, log: Callable[[str], None]) -> None:
-        sim = STRATEGIES.get(cfg.strategy).simulated_failure(cfg, log)
+    def __init__(self, cfg: SimulateConfig) -> None:
+        sim = STRATEGIES.get(cfg.strategy).simulated_failure(cfg)
         if sim is None:  # the config checks this too; a registry changed in between must not pass silently
             raise ConfigError(f"swift config: simulate_failure.strategy={cfg.strategy!r} has no failure simulation")
         self._sim: SimulatedFailure = sim

@@ -43,7 +43,6 @@ class UpdateLogger:
         rank: this rank (records are named by it: its replacement reads them).
         storage: the log store's URL (``logging.storage``).
         undo: returns the update-undo handle of the engine in force (the record comes from it).
-        log: prints one line tagged with the rank.
         enabled: whether this rank logs the step just taken (None: always); under ``logging.kinds``
             only the ranks of stages the plan has log their updates.
     """
@@ -53,7 +52,6 @@ class UpdateLogger:
         rank: int,
         storage: str,
         undo: Callable[[], Any],
-        log: Callable[[str], None],
         enabled: Callable[[], bool] | None = None,
     ) -> None:
         self.rank = rank
@@ -62,7 +60,6 @@ class UpdateLogger:
         """Bytes stored per iteration, of the last few (the first iteration's size the plan)."""
         self.storage = storage
         self._undo = undo
-        self._log = log
         self._tmp: str | None = None
         # A write that fails stops update logging on this rank, loudly (_lose), and training goes on.
         self._worker: Worker[tuple[str, Any]] = Worker(
@@ -79,6 +76,10 @@ class UpdateLogger:
         """Training-thread time: copying the gradients and handing the record over."""
         self.write_s = 0.0
         """Background time: serialising and storing."""
+
+    def _log(self, msg: str) -> None:
+        """One line on ds-swift's channel, tagged with this rank."""
+        say(msg, self.rank, name=__name__)
 
     def hooks(self) -> dict[type, Callable[..., Any]]:
         """The optimizer-step hook (ds_swift.patches.instructions) that drives the logger."""

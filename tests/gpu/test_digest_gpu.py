@@ -56,7 +56,7 @@ def test_the_publisher_digests_the_state_after_each_step_on_a_side_stream() -> N
     import torch.distributed as dist
 
     store = JobStore(dist.HashStore(), "t")
-    pub = DigestPublisher(0, 1, lambda: store, lambda _: None)
+    pub = DigestPublisher(0, 1, lambda: store)
     engine = Engine()
     expected = {}
     try:

@@ -136,7 +136,7 @@ def test_a_replacement_adopts_the_plan_the_others_measured(monkeypatch: pytest.M
     cfg = config(budget=8 * 2 * BOUNDARY * 1.5 / 1e9)
     engine = SimpleNamespace(grid=SimpleNamespace(_topo=PipeModelDataParallelTopology(num_pp=4, num_mp=1, num_dp=1)))
     store = FakeStore()
-    logs = wiring.EngineLogging(cfg, {}, lambda i, m: None, 0, "/nonexistent", lambda _: None, store=store)
+    logs = wiring.EngineLogging(cfg, {}, lambda i, m: None, 0, "/nonexistent", store=store)
     assert logs.static_plan(engine).groups == [[0], [1], [2], [3]]  # nothing measured yet
     logs.after_iteration(engine, lambda: lambda: None)  # no iteration began: nothing is measured
     store.set(wiring.SIZES_KEY, json.dumps(measured().to_json()))

@@ -44,7 +44,7 @@ def _save(writer: AsyncWriter, root: Path, tag: str, save_id: str = "job.g0") ->
 
 
 def test_a_checkpoint_completes_only_once_every_rank_persisted(tmp_path: Path) -> None:
-    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=30.0, log=lambda _: None)
+    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=30.0)
     _save(writer, tmp_path, "global_step4")
     tag = tmp_path / "global_step4"
     # Rank 0's own files and marker land; rank 1's marker is missing: not complete.
@@ -65,22 +65,21 @@ def test_a_checkpoint_completes_only_once_every_rank_persisted(tmp_path: Path) -
 
 
 def test_a_failed_persist_is_said_and_never_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    said: list[str] = []
-    writer = AsyncWriter(rank=0, world_size=1, complete_timeout_s=5.0, log=said.append)
+    writer = AsyncWriter(rank=0, world_size=1, complete_timeout_s=5.0)
     writer.begin("global_step2", str(tmp_path), "job.g0", "{}\n")
     writer.add_file({"w": torch.ones(2)}, str(tmp_path / "no-such-dir" / "x.pt"))
     writer.end()
     assert writer.wait_idle(10.0)
     writer.report_errors()
     err = capsys.readouterr().err
-    assert "checkpoint global_step2 could not be written" in err and said and complete_checkpoints(tmp_path) == []
+    assert "checkpoint global_step2 could not be written" in err and complete_checkpoints(tmp_path) == []
     writer.report_errors()  # said once
     assert "global_step2" not in capsys.readouterr().err
     writer.close(1.0)
 
 
 def test_a_failure_abandons_the_wait_for_a_dead_rank(tmp_path: Path) -> None:
-    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=600.0, log=lambda _: None)
+    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=600.0)
     _save(writer, tmp_path, "global_step4")
     assert writer.wait_idle(10.0) and not writer.wait_complete(0.3)
     writer.abandon()
@@ -90,7 +89,7 @@ def test_a_failure_abandons_the_wait_for_a_dead_rank(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_could_not_persist_gives_the_checkpoint_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=600.0, log=lambda _: None)
+    writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=600.0)
     _save(writer, tmp_path, "global_step4")
     assert writer.wait_idle(10.0) and not writer.wait_complete(0.3)
     (tmp_path / "global_step4" / "swift_failed.job.g0.rank1").write_text("ok\n")  # rank 1's full disk

@@ -272,9 +272,15 @@ def test_every_rank_agrees_on_the_verdicts(store: JobStore) -> None:
                       "rank 2: tensor module/w differs")
 
 
-def test_the_publisher_digests_every_interval_in_the_background(store: JobStore) -> None:
-    logged: list[str] = []
-    pub = DigestPublisher(1, 2, lambda: store, logged.append)
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the digest publisher said on ds-swift's logging channel."""
+    return [r.getMessage() for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+
+
+def test_the_publisher_digests_every_interval_in_the_background(
+    store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = DigestPublisher(1, 2, lambda: store)
     engine = Engine()
     try:
         for _ in range(5):
@@ -285,19 +291,21 @@ def test_the_publisher_digests_every_interval_in_the_background(store: JobStore)
     finally:
         pub.stop()
     assert pub.published == 3  # iterations 0, 2, 4
+    logged = _said(caplog)
     assert len(logged) == 1 and logged[0].startswith("state digests: 3 published, "), logged  # at the end: the cost
     got = published_digests(store, 1)
     assert sorted(got) == [0, 2, 4]
     assert digest_state(engine_state(engine)).first_difference(got[4]) is None
 
 
-def test_a_publisher_that_cannot_reach_the_store_says_so_once(store: JobStore) -> None:
-    logged: list[str] = []
+def test_a_publisher_that_cannot_reach_the_store_says_so_once(
+    store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
 
     def broken() -> Any:
         raise ConnectionError("store down")
 
-    pub = DigestPublisher(1, 1, broken, logged.append)
+    pub = DigestPublisher(1, 1, broken)
     engine = SimpleNamespace(module=torch.nn.Linear(2, 2), optimizer=None, global_steps=1)
     try:
         for _ in range(3):
@@ -305,4 +313,5 @@ def test_a_publisher_that_cannot_reach_the_store_says_so_once(store: JobStore) -
             assert pub.wait(timeout_s=30)
     finally:
         pub.stop()
+    logged = _said(caplog)
     assert len(logged) == 1 and "not published (ConnectionError: store down)" in logged[0]

@@ -113,7 +113,7 @@ def test_a_synchronous_save_fsyncs_its_files_then_the_marker_and_its_directory(
 def test_an_asynchronous_checkpoint_fsyncs_files_markers_latest_and_directories(
     tmp_path: Path, fsynced: list[str]
 ) -> None:
-    writer = AsyncWriter(rank=0, world_size=1, complete_timeout_s=30.0, log=lambda _: None)
+    writer = AsyncWriter(rank=0, world_size=1, complete_timeout_s=30.0)
     tag = tmp_path / "global_step4"
     writer.begin("global_step4", str(tmp_path), "job.g0", json.dumps({"iterations": 4, "job": "job"}) + "\n")
     tag.mkdir()

@@ -140,3 +140,24 @@ def test_a_poisoned_receive_is_a_failure_without_waiting(store: JobStore) -> Non
 def test_without_a_job_store_everything_is_raised() -> None:
     with pytest.raises(RuntimeError):
         classify_failure(RuntimeError("Connection closed by peer"), None, 0, 0.01, None)
+
+
+def test_a_poisoned_receive_waits_for_the_failure_flag_through_the_job_store(store: JobStore) -> None:
+    """The monitor reads ``gen<g>/failed`` only through JobStore (its key in one place)."""
+    import torch
+
+    from ds_swift.detect.monitor import FailureMonitor
+    from ds_swift.transport.teardown import POISON_MARK
+
+    assert JobStore.failed_key(3) == "gen3/failed"
+    monitor = FailureMonitor(store, 0, poll_interval_s=0.01)
+    poisoned = torch.tensor([POISON_MARK, 0], dtype=torch.int32)
+    # A poison mark without a flag: the monitor waits a few polls, then still refuses the buffer.
+    with pytest.raises(PeerFailure, match="a poison message from a pipeline neighbour"):
+        monitor.check_after_receive(poisoned)
+    assert store.wait_for_failure(0, 0.0) is None
+    store.declare_failure(0, "machine 1: rank 3 killed by SIGKILL")
+    assert store.wait_for_failure(0, 1.0) == "machine 1: rank 3 killed by SIGKILL"
+    with pytest.raises(PeerFailure, match="rank 3 killed by SIGKILL"):
+        monitor.check_after_receive(poisoned)
+    monitor.check_after_receive(torch.zeros(2, dtype=torch.int32))  # no mark: no store read, no error

@@ -90,7 +90,7 @@ def test_judge_trips_on_non_finite_and_divergence_only() -> None:
 
 def survivor_and_replacement(store: FakeStore) -> tuple[LossGuard, Engine, LossGuard, Engine]:
     """Rank 0 trained iterations 0..5 (failure in 6); rank 1 is the replacement (no history)."""
-    a, b = LossGuard(4, 2.0, 0, store, lambda s: None), LossGuard(4, 2.0, 1, store, lambda s: None)
+    a, b = LossGuard(4, 2.0, 0, store), LossGuard(4, 2.0, 1, store)
     ea, eb = Engine(), Engine()
     for loss in (3.0, 2.8, 2.6, 2.5, 2.4, 2.3):
         assert train(a, ea, loss) is None  # no recovery yet: nothing judged
@@ -142,7 +142,7 @@ def test_outside_the_window_and_off_nothing_is_judged() -> None:
     for loss in (2.2, 2.1, 2.0, 1.9):  # the window: iterations 6..9
         assert train(a, ea, loss, generation=1) is None
     assert train(a, ea, math.nan, generation=1) is None  # iteration 10: after the window
-    off = LossGuard(0, 2.0, 0, store, lambda s: None)
+    off = LossGuard(0, 2.0, 0, store)
     e = Engine()
     off.after_recovery(e, Outcome(Plan("buddy")), 1, 1, 1.0)
     assert train(off, e, math.nan) is None and off.window is None
@@ -161,7 +161,7 @@ def test_an_elastic_resize_renumbers_the_rank_the_guard_publishes_under() -> Non
     """A shrink from dp 2 to 1 makes old rank 2 the new rank 0: its peers gather ranks 0..world-1, so
     it must publish under its new number (under the old one, every rank waited out the join timeout)."""
     store = FakeStore()
-    guard = LossGuard(4, 2.0, 2, store, lambda s: None)  # built as rank 2 of the first generation
+    guard = LossGuard(4, 2.0, 2, store)  # built as rank 2 of the first generation
     engine = Engine()
     for loss in (3.0, 2.5, 2.75):  # as the engine returns them: tensors, read only at the recovery
         train(guard, engine, torch.tensor(loss))  # type: ignore[arg-type]

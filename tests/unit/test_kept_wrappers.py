@@ -219,7 +219,7 @@ def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: 
     for a, b in zip(after["masters"], before["masters"], strict=True):
         assert float((a - b).detach().abs().max()) <= 1e-6 * max(1.0, float(b.detach().abs().max()))
     fresh = engine("zero_stage1", steps=0)
-    kept.restore(fresh, 0, undo=False, timeline=_Timeline(), log=lambda _: None)
+    kept.restore(fresh, 0, undo=False, timeline=_Timeline())
     assert fresh.global_steps == 1 and fresh.optimizer.loss_scaler.cur_scale == scale_before
 
 
@@ -270,7 +270,7 @@ def test_an_undo_from_the_own_copy_is_bitwise(world: None, kind: str) -> None:
     assert holdings.own_versions() == (2,) and kept.undo_exact and kept.can_undo
     assert kept.undo_to(2) == "own copy" and kept.last_stepped == 2
     fresh = engine(kind, hidden=64, steps=0)
-    kept.restore(fresh, 2, undo=False, timeline=_Timeline(), log=lambda _: None)
+    kept.restore(fresh, 2, undo=False, timeline=_Timeline())
     refresh_lp_params(fresh.optimizer)  # what the strategies' finish_restore does
     assert_same(optimizer_payload(capture_optimizer(fresh.optimizer)), want)
     assert fresh.lr_scheduler.state_dict() == reference.lr_scheduler.state_dict() and fresh.global_steps == 3
@@ -295,3 +295,31 @@ def test_the_wire_format_carries_no_pickle() -> None:
     assert manifest.startswith(b"{")  # JSON
     with pytest.raises(TypeError, match="tensors and JSON scalars only"):
         encode({"obj": object()})
+
+
+@pytest.mark.parametrize("kind", ["bf16_optimizer", "torch"])
+def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: None, kind: str) -> None:
+    """The start-up line's buddy bytes (before any step: Adam's moments do not exist yet) are the
+    bytes a round stages once the job trains (the fp32 masters, both moments, the step counters)."""
+    from types import SimpleNamespace
+
+    from ds_swift.config import SwiftConfig
+    from ds_swift.runtime.buddy import BuddyHoldings, stage_own, state_payload
+    from ds_swift.runtime.costs import buddy_round_bytes, protection_costs
+
+    eng = engine(kind, steps=0)
+    estimate, how = buddy_round_bytes(eng)
+    assert "Adam moments" in how, how
+    lines = protection_costs(eng, SwiftConfig.from_dict({}), digests=None, buddy=SimpleNamespace(factor=2), logs=None,
+                             async_ckpt=False, machines=2)  # fmt: skip
+    (line,) = [x for x in lines if "buddy copies:" in x]
+    assert f"({2 * estimate} bytes) per iteration sent to 2 buddy rank(s)" in line, line
+    _, before = state_payload(eng)
+    dtype = next(eng.module.parameters()).dtype
+    loss = eng(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)).to(dtype)).float().pow(2).mean()
+    eng.backward(loss)
+    eng.step()
+    manifest, live = state_payload(eng)
+    staged = sum(t.numel() * t.element_size() for t in stage_own(BuddyHoldings(), 0, manifest, live))
+    assert staged == estimate > sum(t.numel() * t.element_size() for t in before)
+    assert buddy_round_bytes(eng) == (staged, "measured from the state the copier sends")

@@ -44,3 +44,43 @@ def test_loud_is_a_warning_said_by_its_module(caplog: pytest.LogCaptureFixture) 
         loud(0, "BUDDY COPIES OFF")
     (record,) = caplog.records
     assert (record.levelno, record.name, record.rank) == (logging.WARNING, "ds_swift.recovery.base", 0)  # type: ignore[attr-defined]
+
+
+def test_say_here_tags_the_line_with_this_process_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+    from types import SimpleNamespace
+
+    from ds_swift.logs import rank_here, say_here
+
+    up = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 5)
+    monkeypatch.setitem(sys.modules, "torch.distributed", up)
+    assert rank_here() == 5
+    say_here("undo: last stepped iteration 4 -> consensus 3")
+    monkeypatch.setitem(sys.modules, "torch.distributed", SimpleNamespace(is_available=lambda: True,
+                                                                         is_initialized=lambda: False))  # fmt: skip
+    assert rank_here() is None
+    say_here("no group yet")
+    assert capsys.readouterr().err.splitlines() == [
+        "[ds-swift] rank 5: undo: last stepped iteration 4 -> consensus 3",
+        "[ds-swift] no group yet",
+    ]
+
+
+def test_no_function_takes_a_log_callable() -> None:
+    """One channel: ds-swift's code logs through ds_swift.logs, never through a ``log`` argument
+    handed down the calls (issue 31, item 4)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("ds_swift", "launch", "patches"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                    found += [f"{path.relative_to(root)}:{node.lineno} {node.name}" for a in args
+                              if a.arg == "log" and "Callable" in ast.unparse(a.annotation or ast.Constant(""))]
+    assert found == []

@@ -5,6 +5,7 @@ of the iteration in flight."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -111,7 +112,7 @@ class FakeEngine:
 
 def test_the_keeper_holds_a_complete_copy_only_after_every_send_and_copies_the_gradients() -> None:
     eng = FakeEngine(first=True, last=False)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     eng.backward()
     acts = [torch.full((2,), float(m)) for m in range(2)]
     keeper.on_send(eng, "act", [acts[0]])
@@ -138,7 +139,7 @@ def test_the_keeper_holds_a_complete_copy_only_after_every_send_and_copies_the_g
 
 def test_the_last_stage_keeps_its_loss_and_a_new_iteration_drops_the_old_copy() -> None:
     eng = FakeEngine(first=False, last=True)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     eng.backward()
     for _ in range(2):
         keeper.on_send(eng, "grad", [torch.zeros(3), torch.ones(1)])  # a tuple message stays a tuple
@@ -158,7 +159,7 @@ def test_a_failure_between_passes_keeps_the_finished_backward_passes_and_their_u
     failure hit at the send of gradient 1. The teardown copies the gradients accumulated over both
     passes, and gradient 1 is kept from the backward pass itself."""
     eng = FakeEngine(first=False, last=True)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     outs = [torch.full((3,), float(k)) for k in range(2)]
 
     def backward(k: int) -> None:
@@ -184,9 +185,9 @@ def test_a_failure_between_passes_keeps_the_finished_backward_passes_and_their_u
         keeper.kept_messages("grad", 5, range(3))
 
 
-def test_a_failure_inside_a_backward_pass_keeps_no_pass() -> None:
+def test_a_failure_inside_a_backward_pass_keeps_no_pass(caplog: pytest.LogCaptureFixture) -> None:
     eng = FakeEngine(first=True, last=False)
-    keeper = InflightKeeper(lambda i, m: None, seed=1, log=lambda _: None)
+    keeper = InflightKeeper(lambda i, m: None, seed=1)
     keeper._backward(eng, lambda **kw: eng.backward(), buffer_id=0)
 
     def dies(**kw: Any) -> None:
@@ -194,8 +195,10 @@ def test_a_failure_inside_a_backward_pass_keeps_no_pass() -> None:
 
     with pytest.raises(RuntimeError):
         keeper._backward(eng, dies, buffer_id=1)
-    keeper.on_teardown(eng)
+    with caplog.at_level(logging.INFO):
+        keeper.on_teardown(eng)
     assert keeper.report() == (5, 0, 0) and keeper.grads is None
+    assert "the failure hit inside a backward pass" in caplog.text
 
 
 def test_the_keeper_exists_only_for_pipechurn_with_partial_recomputation() -> None:

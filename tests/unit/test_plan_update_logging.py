@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,24 @@ def test_the_command_line_loads_no_deepspeed_before_a_sub_command_runs() -> None
     code = "import sys, ds_swift.cli as c; c.build_parser(); print(sorted(m for m in ('deepspeed', 'megatron') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+def test_a_config_check_imports_no_deepspeed_and_plan_json_is_json_alone() -> None:
+    """Reading the strategies' services (a config check, `ds-swift plan --deepspeed-config`) imports
+    no DeepSpeed: its import prints the accelerator line on stdout, which a shell reading the JSON
+    would get. The command needs no redirect of stdout for it."""
+    code = (
+        "import sys; from ds_swift.config import SwiftConfig; from ds_swift.plan.analysis import config_strategy; "
+        "cfg = SwiftConfig.from_dict({'strategy': 'auto'}); cfg.services; config_strategy(cfg); "
+        "[SwiftConfig.from_dict({'strategy': n, 'checkpoint': {'dir': '/tmp'}}).services "
+        "for n in ('logging', 'tranlogs', 'pipechurn', 'buddy')]; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+    config = Path(__file__).resolve().parents[2] / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+    argv = [sys.executable, "-m", "ds_swift.cli", "plan", "--tp", "1", "--pp", "2", "--dp", "2",
+            "--deepspeed-config", str(config), "--json"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["layout"]["pp"] == 2, done.stdout[:500]

@@ -174,6 +174,6 @@ def test_cpu_sampler_counts_a_child_by_role_and_thread() -> None:
 def test_message_logging_switch_makes_no_plan() -> None:
     from ds_swift.runtime.logging_wiring import EngineLogging
 
-    logs = EngineLogging(SwiftConfig.from_dict({"enabled": True}), {}, lambda i, m: None, 0, "/tmp", print)
+    logs = EngineLogging(SwiftConfig.from_dict({"enabled": True}), {}, lambda i, m: None, 0, "/tmp")
     logs.enabled = False
     assert logs.possible(SimpleNamespace()) is False  # the plan is never made: nothing to hook

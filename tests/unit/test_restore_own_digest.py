@@ -48,7 +48,7 @@ def publish_lost_state(store: JobStore, iteration: int = CONSENSUS) -> Any:
 
 def context(store: JobStore, eng: Any) -> RankContext:
     return RankContext(store=store, generation=1, rank=LOST, engine=eng, kept=None, ckpt=None,
-                       timeline=RankTimeline(LOST, "replacement", 0), gather_timeout_s=5.0, log=lambda _: None, verify=True)
+                       timeline=RankTimeline(LOST, "replacement", 0), gather_timeout_s=5.0, verify=True)
 
 
 def stub_transport(monkeypatch: pytest.MonkeyPatch, module: Any, arrived: Any) -> None:

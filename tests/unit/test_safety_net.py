@@ -26,7 +26,7 @@ GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbou
 
 # ------------------------------------------------------------------ buddy copier
 def test_a_copier_error_stops_copying_loudly_and_training_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
-    copier = BuddyCopier(1, (), lambda line: None)
+    copier = BuddyCopier(1, ())
     landed = threading.Event()
     landed.set()  # the round ended: with an error on the copier's thread
     worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object(),
@@ -43,7 +43,7 @@ def test_a_copier_error_stops_copying_loudly_and_training_goes_on(capsys: pytest
 
 
 def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
-    copier = BuddyCopier(1, (), lambda line: None)
+    copier = BuddyCopier(1, ())
     landed = threading.Event()
     landed.set()
     copier._worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False,  # type: ignore[assignment]
@@ -128,7 +128,7 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     store = JobStore.host("unit-safety-net")
     report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
     ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0),
-                      10.0, lambda line: None)
+                      10.0)
     outcome = coordinator.run_recovery(
         ctx, world_size=1, report=report, strategy="auto", zero_stage=1, optimizer_wrapper=None
     )

@@ -8,6 +8,7 @@ topology analyzer with no other edit.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -139,3 +140,72 @@ def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.Mo
     assert config_strategy(cfg) == "logging"
     # ...and the recovery side: the registry offers it when the config names it.
     assert registry.get("dummy").services(cfg).update_log == "every_rank"
+
+
+@dataclasses.dataclass
+class _Keeper:
+    """A new strategy's own state, kept by the runtime while nothing fails."""
+
+    restored_at: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What the new strategy hands the runtime for the resume."""
+
+    iteration: int
+
+
+class _Keeping(_Dummy):
+    """A new strategy with state of its own: it reads it by its type, and hands one back."""
+
+    name = "keeping"
+    auto = True
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        keeper = ctx.lent.get(_Keeper)
+        assert keeper is not None, ctx.lent
+        keeper.restored_at.append(plan.consensus)
+        outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        outcome.handed.put(_Resume(plan.consensus + 1))
+        return outcome
+
+
+#: The fields of the shared recovery classes: generic ones only (issue 31 item 2); a strategy's
+#: state travels in ``RankContext.lent`` and ``RecoveryOutcome.handed``, by its type.
+CONTEXT_FIELDS = {"store", "generation", "rank", "engine", "kept", "ckpt", "timeline", "gather_timeout_s", "verify",
+                  "lent"}  # fmt: skip
+OUTCOME_FIELDS = {"plan", "resume_iteration", "checkpoint_step", "bytes_moved", "notes", "summary",
+                  "latest_checkpoint", "deviation", "verdict", "back_iteration", "handed"}  # fmt: skip
+
+
+def test_a_new_strategys_state_needs_no_field_in_the_shared_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds_swift.jobstore.membership import JobStore
+    from ds_swift.recovery import coordinator
+    from ds_swift.recovery.base import Registry
+    from ds_swift.recovery.consensus import RankReport
+    from ds_swift.recovery.handover import Handover
+    from ds_swift.recovery.replay.runner import ReplayRuntime
+    from ds_swift.recovery.state.inflight import FinishIteration, InflightKeeper
+    from ds_swift.recovery.state.update_log import UpdateLogStore
+    from ds_swift.recovery.timeline import RankTimeline
+
+    assert {f.name for f in dataclasses.fields(RankContext)} == CONTEXT_FIELDS
+    assert {f.name for f in dataclasses.fields(RecoveryOutcome)} == OUTCOME_FIELDS
+    # The registered strategies' own state goes the same way (the runtime lends, a strategy reads).
+    assert Handover(InflightKeeper(lambda i, m: None, seed=1), UpdateLogStore("memory://u"), None).get(
+        UpdateLogStore
+    ) == UpdateLogStore("memory://u")
+    assert Handover().get(ReplayRuntime) is None and Handover(FinishIteration(3)).get(FinishIteration).iteration == 3  # type: ignore[union-attr]
+
+    monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Keeping()], fallback=registry_mod.STRATEGIES.fallback))
+    monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
+    keeper = _Keeper([])
+    ctx = RankContext(JobStore.host("unit-new-strategy-state"), 1, 0, None, None, None,
+                      RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0, lent=Handover(keeper))  # fmt: skip
+    report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
+    outcome = coordinator.run_recovery(
+        ctx, world_size=1, report=report, strategy="keeping", zero_stage=1, optimizer_wrapper=None
+    )
+    assert outcome.plan.strategy == "keeping" and keeper.restored_at == [4]
+    assert outcome.handed.get(_Resume) == _Resume(5)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.logs import say
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
 from ds_swift.recovery.replay.collectives import CollectiveRecord, CollectiveRecorder
 from ds_swift.recovery.replay.log import LogUnavailable, chunks_needed
@@ -117,7 +117,6 @@ def settled_layout(
     world: list[int],
     rank: int,
     rt: ReplayRuntime,
-    log: Callable[[str], None],
 ) -> ParallelReplayLayout | None:
     """Parallel recovery only where the ranks' compute says it helps (or where it is forced); the
     lowest rank says why it is not used."""
@@ -125,11 +124,12 @@ def settled_layout(
         why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
         if why_not is not None and rt.force_parallel:
             if rank == min(world):
-                log(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}")
+                say(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}", rank,
+                    name=__name__)
         elif why_not is not None:
             layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
     if isinstance(layout, str):
         if rank == min(world):
-            log(f"parallel recovery not used ({layout}): sequential replay")
+            say(f"parallel recovery not used ({layout}): sequential replay", rank, name=__name__)
         layout = None
     return layout

@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
+from ds_swift.logs import say_here
 from ds_swift.recovery.base import checkpoint_source
 from ds_swift.recovery.base import loud as _loud
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
@@ -146,7 +147,7 @@ def _fail(
     raise GenerationFailed(generation, f"logging-based recovery failed on rank {rank}") from exc
 
 
-def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None]) -> None:
+def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int) -> None:
     """The replaying ranks (``plan.replay_ranks``) load ``checkpoint_step`` (-1: the rebuilt engine's
     initial state); LogUnavailable where it cannot be loaded."""
     from ds_swift.patches.step_collectives import wrap_collectives
@@ -155,7 +156,7 @@ def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
 
     if checkpoint_step < 0 or ckpt is None:
         set_counters(engine, 0)  # the rebuilt engine is the initial state (model_fn seeds it)
-        log("replay starts from the initial state (no global checkpoint yet)")
+        say_here("replay starts from the initial state (no global checkpoint yet)", name=__name__)
         return
     # Loading must not need the survivors: a collective leaving the group raises instead of hanging.
     with wrap_collectives("ds_swift.replay.load", CollectiveGuard(frozenset(plan.replay_ranks), None).make):
@@ -163,7 +164,7 @@ def load_start(engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
     if loaded != checkpoint_step:
         raise LogUnavailable(f"global checkpoint global_step{checkpoint_step} could not be loaded (got {loaded})")
     set_counters(engine, checkpoint_step)
-    log(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay")
+    say_here(f"loaded global_step{checkpoint_step} from {ckpt.ckpt_dir} for the replay", name=__name__)
 
 
 def run_logging_recovery(
@@ -179,7 +180,6 @@ def run_logging_recovery(
     rt: ReplayRuntime,
     timeline: RankTimeline,
     gather_timeout_s: float,
-    log: Callable[[str], None],
     before_iteration: Callable[[int], None] | None = None,
 ) -> tuple[str | None, dict[str, Any]]:
     """Steps 1-3 above for this rank. Returns ``(None, summary)`` once every replayer is done, or
@@ -209,14 +209,14 @@ def run_logging_recovery(
         reason = "logging-based recovery impossible: " + "; ".join(problems)
         _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")
         return reason, {}
-    layout = settled_layout(proposed, answers, world, rank, rt, log)
+    layout = settled_layout(proposed, answers, world, rank, rt)
 
     # 2. the replay
     role = layout.role(rank) if layout is not None else None
     replayer = rank in group or role is not None
     summary: dict[str, Any] = {}
     if rank in group:
-        _load_start_or_fail(engine, ckpt, plan, checkpoint_step, log, fail)
+        _load_start_or_fail(engine, ckpt, plan, checkpoint_step, fail)
         timeline.t_loaded = time.time()
         timeline.extra["checkpoint_loaded"] = checkpoint_step
     stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else by_rank[rank].dp
@@ -261,12 +261,12 @@ def _await_replayers(
 
 
 def _load_start_or_fail(
-    engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int, log: Callable[[str], None],
+    engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
     fail: Callable[[BaseException], NoReturn],
 ) -> None:
     """A replaying rank loads where the replay starts; a failure to do so ends the generation (:func:`_fail`)."""
     try:
-        load_start(engine, ckpt, plan, checkpoint_step, log)
+        load_start(engine, ckpt, plan, checkpoint_step)
     except (LogUnavailable, ReplayUnsupported) as exc:
         fail(exc)
 

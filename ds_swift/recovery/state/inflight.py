@@ -26,13 +26,15 @@ the step live (:func:`finish_iteration`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ds_swift.data.keyed import BatchFn
+from ds_swift.logs import say_here
 
-__all__ = ["InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
+__all__ = ["FinishIteration", "InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
 
 Message = torch.Tensor | tuple[torch.Tensor, ...]
 KINDS = ("act", "grad")
@@ -45,13 +47,11 @@ class InflightKeeper:
         batch_fn: ``batch_fn(iteration, micro_batch)``, as in training (a rank redoing passes reads
             its micro-batches again).
         seed: the runtime's RNG seed (forward passes are keyed by iteration, micro-batch and stage).
-        log: this rank's log line writer (the runtime's hooks set theirs).
     """
 
-    def __init__(self, batch_fn: BatchFn, seed: int, log: Callable[[str], None] = print) -> None:
+    def __init__(self, batch_fn: BatchFn, seed: int) -> None:
         self.batch_fn = batch_fn
         self.seed = seed
-        self.log = log
         #: switches the runtime's per-forward reseeding (the runtime's hooks set it; a redo keys
         #: the RNG itself, by the micro-batches it runs)
         self.reseed: Callable[[bool], None] | None = None
@@ -98,7 +98,7 @@ class InflightKeeper:
         except UnsupportedWrapper as exc:
             if self._why_not is None:
                 self._why_not = str(exc)
-                self.log(f"partial recomputation off: gradients cannot be kept ({exc})")
+                say_here(f"partial recomputation off: gradients cannot be kept ({exc})", name=__name__)
             return None
         with torch.no_grad():
             names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -186,8 +186,8 @@ class InflightKeeper:
             if self.grads is None:
                 self.unusable = "the gradients cannot be kept"
         if self.unusable is not None:
-            self.log(f"partial recomputation: my {self.passes} passes of iteration {self.iteration} "
-                     f"cannot be kept ({self.unusable}): I redo them")  # fmt: skip
+            say_here(f"partial recomputation: my {self.passes} passes of iteration {self.iteration} "
+                     f"cannot be kept ({self.unusable}): I redo them", name=__name__)
             self.passes, self.grads = 0, None
 
     def report(self) -> tuple[int, int, int]:
@@ -258,6 +258,16 @@ class _FinishSchedule:
         from ds_swift.patches.instructions import schedule
 
         yield [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()]
+
+
+@dataclass(frozen=True)
+class FinishIteration:
+    """What PipeChurn's partial recomputation hands the runtime (``RecoveryOutcome.handed``): the
+    iteration in flight whose passes the recovery already ran (the lost ranks replayed theirs, the
+    survivors kept theirs); the runtime runs only its gradient reductions and step
+    (:func:`finish_iteration`)."""
+
+    iteration: int
 
 
 def finish_iteration(engine: Any) -> Any:

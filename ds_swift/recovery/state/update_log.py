@@ -34,6 +34,7 @@ from ds_swift.patches.deepspeed_engine import restore_step_state, step_state
 
 __all__ = [
     "UpdateLogError",
+    "UpdateLogStore",
     "UpdateRecord",
     "capture_update",
     "load_record",
@@ -66,6 +67,14 @@ def parse_name(name: str) -> tuple[int, int] | None:
 def records_before(names: Iterable[str], iteration: int) -> list[str]:
     """The records of steps before ``iteration`` (what a global checkpoint there makes unneeded)."""
     return [n for n in names if (p := parse_name(n)) is not None and p[1] < iteration]
+
+
+@dataclass(frozen=True)
+class UpdateLogStore:
+    """Where this job's update log lives (``logging.storage``): what the runtime lends TranLogs at a
+    recovery (``RankContext.lent``) where it logged the updates."""
+
+    url: str
 
 
 @dataclass

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -100,7 +100,6 @@ def recover_resized(
     resize: Resize | None,
     timeline: RankTimeline,
     gather_timeout_s: float,
-    log: Callable[[str], None],
     zero_stage: int,
     verify: bool = True,
 ) -> RecoveryOutcome:
@@ -132,7 +131,7 @@ def recover_resized(
     undo = list(inputs.rebased(iteration).undo)
     timeline.t_consensus = time.time()
     if kept is not None and old_rank in undo:
-        kept.undo_logged(iteration, timeline, log)
+        kept.undo_logged(iteration, timeline)
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
     donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
               for dst in range(world) if dst not in survivor_ranks}
@@ -223,4 +222,4 @@ class ElasticStrategy(LossyForwardStrategy):
     def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
         return recover_resized(store=ctx.store, generation=ctx.generation, engine=ctx.engine, kept=ctx.kept,
                                resize=resize, timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
-                               log=ctx.log, zero_stage=zero_stage, verify=ctx.verify)
+                               zero_stage=zero_stage, verify=ctx.verify)

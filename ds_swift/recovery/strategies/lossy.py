@@ -19,7 +19,6 @@ spare machine the paper's alternative, going on with fewer replicas (an elastic 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
@@ -52,8 +51,8 @@ class LossyForwardStrategy(RecoveryStrategy):
     # The exact restore it starts from (replication, buddy copies) and that restore's digests.
     SERVICES = StrategyServices(buddy_copies=True, digests=True, sim_kind="replication")
 
-    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure:
-        return LossySimulation(cfg, log)
+    def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure:
+        return LossySimulation(cfg)
 
     def __init__(self) -> None:
         self._restores: tuple[RecoveryStrategy, ...] = (ReplicationStrategy(), BuddyStrategy())
@@ -98,7 +97,7 @@ class LossyForwardStrategy(RecoveryStrategy):
         if not lost:
             return outcome
         iteration = plan.consensus + 1
-        outcome.grad_scale = GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp))
+        outcome.handed.put(GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp)))
         announce_deviation(ctx, inputs, self.name, outcome, (
             f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
             f"(replicas {sorted(lost)} lost a rank and count as zero)"

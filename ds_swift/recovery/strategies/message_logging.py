@@ -11,6 +11,10 @@ Under a storage budget the groups are those of the plan the engine made from its
 measured messages (ds_swift.runtime.logging_wiring), the same on every rank (replacements take it
 from the job store); that first iteration was logged at every machine boundary, a superset of what
 any grouping needs, so a replay that reaches back to it finds every inbound edge of its group.
+
+The replay's machinery (ds_swift.recovery.replay, which drives DeepSpeed's pipeline engine) is
+imported by :meth:`LoggingStrategy.restore` alone: reading the strategies' services (a config
+check, ``ds-swift plan``) imports no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from ds_swift.recovery.base import (
     checkpoint_source,
 )
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
-from ds_swift.recovery.replay.runner import run_logging_recovery
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.verify import ReplayCheck
 
@@ -143,20 +146,23 @@ class LoggingStrategy(RecoveryStrategy):
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
         if not plan.replay_ranks:
             return outcome  # nobody lost: the survivors' kept state is all there is
-        if ctx.replay is None:
+        from ds_swift.recovery.replay.runner import ReplayRuntime, run_logging_recovery
+
+        rt = ctx.lent.get(ReplayRuntime)
+        if rt is None:
             raise RuntimeError("logging-based recovery chosen without the runtime's replay support")
         step = inputs.checkpoint_step
         # A replaying rank checks its state against the digests it published while alive.
         check = ReplayCheck(ctx.store, ctx.rank, plan, ctx.engine) if ctx.verify and ctx.rank in plan.replay_ranks else None
-        fallback, outcome.replay = run_logging_recovery(
+        fallback, outcome.summary = run_logging_recovery(
             store=ctx.store, generation=ctx.generation, rank=ctx.rank, engine=ctx.engine, plan=plan,
-            reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=ctx.replay,
-            timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s, log=ctx.log,
+            reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=rt,
+            timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
             before_iteration=check.before_iteration if check is not None else None,
         )
         if fallback is not None:
             raise RestoreFailed(fallback)
         if check is not None:
-            outcome.verdict = check.finish(approximate=(outcome.replay or {}).get("parallel") == "fast")
+            outcome.verdict = check.finish(approximate=(outcome.summary or {}).get("parallel") == "fast")
         outcome.checkpoint_step = step if step >= 0 else None
         return outcome

@@ -25,6 +25,7 @@ from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, R
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.erasure import erasure_target, join_chunks
+from ds_swift.recovery.state.inflight import FinishIteration
 from ds_swift.recovery.state.transfer import finish_restore, load_received, recv_state, send_state
 from ds_swift.recovery.strategies.pipechurn_partial import (
     partial_blocker,
@@ -123,10 +124,10 @@ def _in_flight(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext, out
     outcome.back_iteration = plan.consensus + 2  # back once the in-flight iteration is done again
     why = partial_blocker(inputs)
     if why is None:
-        outcome.replay = recompute_lost(plan, inputs, ctx)
-        outcome.finish_iteration = plan.consensus + 1
+        outcome.summary = recompute_lost(plan, inputs, ctx)
+        outcome.handed.put(FinishIteration(plan.consensus + 1))  # the runtime finishes it live
         return
-    outcome.replay = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
+    outcome.summary = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
     if ctx.rank == min(inputs.survivors, default=ctx.rank):
         loud(ctx.rank, f"pipechurn: no partial recomputation ({why}); every rank trains iteration "
                        f"{plan.consensus + 1} again")

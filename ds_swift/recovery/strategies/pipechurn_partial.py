@@ -70,9 +70,10 @@ def retrain_summary(inputs: RecoveryInputs, micro_batches: int, why: str) -> dic
 def _exchange(inputs: RecoveryInputs, ctx: RankContext, micro_batches: int) -> tuple[dict[tuple[str, int], Any], int, list[int], list[int]]:
     """The kept messages each rank's neighbours need, sent before the redo. Returns what this rank
     was served (by kind and micro-batch), the bytes it sent, the ranks it sent to and got from."""
+    from ds_swift.recovery.state.inflight import InflightKeeper
     from ds_swift.recovery.state.transfer import recv_state, send_state
 
-    keeper, in_flight = ctx.inflight, inputs.consensus + 1
+    keeper, in_flight = ctx.lent.get(InflightKeeper), inputs.consensus + 1
     assert keeper is not None
     served: dict[tuple[str, int], Any] = {}
     sent, to, fed_by = 0, [], []
@@ -91,9 +92,10 @@ def recompute_lost(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext)
     """Every rank: send the kept messages its neighbours need, load its kept gradients, redo the
     passes it does not hold. Returns the work done (the same on every rank)."""
     from ds_swift.recovery.replay.midway import redo_passes
+    from ds_swift.recovery.state.inflight import InflightKeeper
 
     in_flight = plan.consensus + 1
-    keeper = ctx.inflight
+    keeper = ctx.lent.get(InflightKeeper)  # the runtime's copy of the iteration in flight
     if keeper is None:
         raise RuntimeError(f"rank {ctx.rank}: partial recomputation planned, but this rank keeps no in-flight copy")
     m = int(ctx.engine.gradient_accumulation_steps())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
@@ -83,8 +82,8 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
     # The survivors' state as it is (no undo): nothing to check a restore against.
     SERVICES = StrategyServices(buddy_copies=True, sim_kind="replication")
 
-    def simulated_failure(self, cfg: SimulateConfig, log: Callable[[str], None]) -> SimulatedFailure:
-        return RollbackSimulation(cfg, log)
+    def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure:
+        return RollbackSimulation(cfg)
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         if not inputs.survivors:
@@ -165,8 +164,8 @@ class RollbackSimulation(SimulatedFailure):
     go back one iteration, and the iteration is trained again: what the strategy does after a real
     failure with those stages stepped."""
 
-    def __init__(self, cfg: SimulateConfig, log: Callable[[str], None]) -> None:
-        super().__init__(cfg, log)
+    def __init__(self, cfg: SimulateConfig) -> None:
+        super().__init__(cfg)
         self._saved: dict[str, Any] | None = None
 
     def before(self, engine: Any) -> None:

@@ -135,7 +135,7 @@ class ScarStrategy(RecoveryStrategy):
         mine: dict[str, object] = {}
         if ctx.rank in lost:
             try:
-                load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+                load_start(ctx.engine, ctx.ckpt, plan, step)
                 self._load_running(ctx, step)
             except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
                 why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"

@@ -28,7 +28,7 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrateg
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
-from ds_swift.recovery.state.update_log import load_record, redo_update, restore_after
+from ds_swift.recovery.state.update_log import UpdateLogStore, load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
 
 __all__ = ["TranLogsStrategy"]
@@ -91,7 +91,7 @@ class TranLogsStrategy(RecoveryStrategy):
             outcome.verdict = check_published(ctx.store, ctx.rank, ctx.engine, plan.consensus, "the re-applied state")
         done = [a for a in answers.values() if "records" in a]
         outcome.checkpoint_step = step if step >= 0 else None
-        outcome.replay = {
+        outcome.summary = {
             "mode": "update log",
             "from": plan.replay_from,
             "to": plan.consensus,
@@ -110,12 +110,13 @@ class TranLogsStrategy(RecoveryStrategy):
         from ds_swift.recovery.replay.runner import load_start
         from ds_swift.storage import open_store
 
-        if ctx.updates is None:
+        updates = ctx.lent.get(UpdateLogStore)
+        if updates is None:
             raise RuntimeError("strategy tranlogs chosen without the runtime's update log")
-        load_start(ctx.engine, ctx.ckpt, plan, step, ctx.log)
+        load_start(ctx.engine, ctx.ckpt, plan, step)
         ctx.timeline.t_loaded = time.time()
         ctx.timeline.extra["checkpoint_loaded"] = step
-        store, inner = open_store(ctx.updates), ctx.engine.optimizer
+        store, inner = open_store(updates.url), ctx.engine.optimizer
         inner = getattr(inner, "optimizer", inner)  # the torch optimizer inside DeepSpeed's wrapper
         t0, nbytes, record = time.perf_counter(), 0, None
         for iteration in plan.replay_iterations:
