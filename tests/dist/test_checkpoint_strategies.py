@@ -192,7 +192,9 @@ def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_fli
     kept of what it sent it; the survivors keep theirs; then all reduce and step live."""
     swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
              "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce"], swift, nnodes=4)
+    # settled=1: the kill waits for the chunks of iteration 7 to land (sent in the background, they
+    # can still be on their way at the reduction of iteration 8: the consensus would then be 6)
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce,settled=1"], swift, nnodes=4)
     assert job.code == 0, job.output[-6000:]
     assert "checkpoint fallback" not in job.output and "FULL RETRAIN" not in job.output, job.output[-6000:]
     (tl,) = job.timelines()
