@@ -13,12 +13,10 @@ is imported, so its fused kernels run eagerly (the same arithmetic, unfused), th
 Where CUDA is present, or megatron-core is loaded already, it changes nothing: a GPU run keeps
 megatron's fused kernels.
 
-On the same condition :func:`import_megatron_core` also leaves out what megatron-core imports only
-to find out whether it is there (``try: ... except ImportError``), and a CPU job never uses:
-DTensor (``torch.distributed._tensor``, for FSDP2; it pulls in sympy and torch's symbolic shapes:
-16 % of a 4-rank CPU job's start-up CPU, measured with py-spy) and triton. And it imports DeepSpeed's
-Muon optimizer, whose kernels ``torch.compile`` wraps at import (in every ``deepspeed.initialize``:
-``is_zero_supported_optimizer`` imports it), eagerly too: Muon is not the optimizer of a CPU job.
+DeepSpeed's Muon optimizer wraps its kernels in ``torch.compile`` at import too, and every
+``deepspeed.initialize`` imports it (``is_zero_supported_optimizer``): :func:`import_megatron_core`
+imports it under the same condition, so that no CPU rank imports ``torch._inductor`` for it either
+(~1.5 CPU-s a rank; Muon is not the optimizer of a CPU job, and would run eagerly if it were).
 """
 
 from __future__ import annotations
@@ -31,13 +29,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIONAL_ON_CPU", "eager_jit_fuser", "import_megatron_core"]
+__all__ = ["eager_jit_fuser", "import_megatron_core"]
 
-#: Imported by megatron-core inside ``try`` only (``HAVE_DTENSOR``, ``HAVE_TRITON`` in
-#: ``megatron/core/utils.py``): left out on a machine without CUDA, where neither is used.
-OPTIONAL_ON_CPU = ("torch.distributed._tensor", "triton")
 #: DeepSpeed's module that wraps Muon's kernels in ``torch.compile`` when it is imported.
-_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def _eager(model: Callable[..., Any] | None = None, **_: Any) -> Any:
@@ -63,29 +58,11 @@ def eager_jit_fuser() -> Iterator[bool]:
         torch.compile = original
 
 
-@contextmanager
-def _left_out(modules: tuple[str, ...]) -> Iterator[None]:
-    """While the block runs, importing any of ``modules`` (not imported yet) raises ImportError
-    (a ``None`` in ``sys.modules``); afterwards they import as usual."""
-    blocked = [m for m in modules if m not in sys.modules]
-    for m in blocked:
-        sys.modules[m] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for m in blocked:
-            if m in sys.modules and sys.modules[m] is None:
-                del sys.modules[m]
-
-
 def import_megatron_core() -> Any:
-    """``megatron.core``, imported under :func:`eager_jit_fuser`; on CPU without the modules of
-    :data:`OPTIONAL_ON_CPU`, and DeepSpeed's Muon optimizer imported eagerly too."""
+    """``megatron.core``, imported under :func:`eager_jit_fuser`; on CPU, DeepSpeed's Muon module too."""
     with eager_jit_fuser() as eager:
-        if not eager:
-            import megatron.core
-        else:
-            with _left_out(OPTIONAL_ON_CPU):
-                import megatron.core
-            importlib.import_module(_DEEPSPEED_MUON)
+        import megatron.core
+
+        if eager:
+            importlib.import_module(DEEPSPEED_MUON)
     return megatron.core

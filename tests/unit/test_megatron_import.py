@@ -48,15 +48,9 @@ def test_megatron_core_imports_without_inductor_on_cpu() -> None:
         "import_megatron_core()\n"
         "from megatron.core import parallel_state\n"
         "assert parallel_state.model_parallel_is_initialized() is False\n"
-        "from megatron.core import utils\n"
-        "left_out = [m for m in ('torch.distributed._tensor', 'triton') if m in sys.modules]\n"
         "muon = 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules\n"
         "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'restored', torch.compile.__module__,\n"
-        "      'dtensor', utils.HAVE_DTENSOR, 'triton', utils.HAVE_TRITON, 'left out', not left_out, 'muon', muon)\n"
-        "import torch.distributed._tensor\n"  # left out while megatron-core imports only
-        "print('dtensor imports later', 'torch.distributed._tensor' in sys.modules)\n"
+        "      'muon', muon)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    want = "inductor False restored torch dtensor False triton False left out True muon True"
-    assert want in out.stdout, out.stdout + out.stderr[-2000:]
-    assert "dtensor imports later True" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "inductor False restored torch muon True" in out.stdout, out.stdout + out.stderr[-2000:]
