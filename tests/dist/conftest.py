@@ -44,10 +44,12 @@ def small_log_disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
-    """The failure-free run of :data:`BF16` (12 iterations, checkpoints every 5, a loss log) that
-    test_checkpoint_strategies.py and test_elastic.py compare with: one run for both."""
+    """The failure-free run of :data:`BF16` (12 iterations, a checkpoint after every one, a loss log)
+    that the bf16 tests of 2 machines compare with (test_checkpoint_strategies.py, test_elastic.py,
+    test_recovery_bf16.py, test_hang_detection.py, ...): one run for all. Every iteration's checkpoint
+    is there for the undo checks (``undo_ulp``: a resumed state against the step it stepped back to)."""
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
-                   loss_log=True)  # fmt: skip
+                   swift={"checkpoint": {"interval": 1}}, loss_log=True)  # fmt: skip
     run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run
