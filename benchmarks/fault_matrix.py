@@ -300,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
                    "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
                    "run bitwise against ds-swift off)")  # fmt: skip
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help=f"a failure-free run of {BF16.name} on 2 machines, {ITERS} iterations, done already (its "
+                   "job directory, as ds_swift.testing.jobs writes it): the shared reference of the configs on it, "
+                   "instead of running one (implies --shared-reference)")  # fmt: skip
     args = p.parse_args(argv)
     configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
     points = {x.strip() for x in args.points.split(",") if x.strip()}
@@ -314,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.keep or tempfile.mkdtemp(prefix="fault-matrix-"))
     build_deepspeed_shm_op(base / "warm")  # once, not in every job's start-up
     refs: dict[str, JobRun] = {}
+    if args.reference:
+        args.shared_reference = True
+        refs[f"{BF16.stem}-2"] = JobRun(Path(args.reference).resolve(), ITERS)
     rows = []
     for i, case in enumerate(chosen):
         ref = None
