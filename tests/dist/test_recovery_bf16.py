@@ -95,6 +95,9 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
+# The same kill as the test above, the script feeding train_batch(data_iter=...): in CI the engine's
+# rewind of a ResumableIterator is tests/unit/test_data_iter.py's, the recovery the test above.
+@pytest.mark.slow
 def test_a_resumable_data_iterator_is_rewound_and_recovers_bitwise(tmp_path: Path, baseline: JobRun) -> None:
     """The script feeds train_batch(data_iter=...) from a ds_swift.data.keyed.ResumableIterator, as a
     Megatron script feeds its sampler's iterator: the retried iteration reads its own samples."""
