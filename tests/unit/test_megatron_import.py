@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ds_swift.patches.megatron_import import eager_jit_fuser
+from ds_swift.patches.megatron_import import DEEPSPEED_MUON, eager_jit_fuser, import_deepspeed_muon
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
@@ -48,9 +48,21 @@ def test_megatron_core_imports_without_inductor_on_cpu() -> None:
         "import_megatron_core()\n"
         "from megatron.core import parallel_state\n"
         "assert parallel_state.model_parallel_is_initialized() is False\n"
-        "muon = 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules\n"
+        "from ds_swift.patches.megatron_import import import_deepspeed_muon\n"
+        "muon = 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules and not import_deepspeed_muon()\n"
         "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'restored', torch.compile.__module__,\n"
         "      'muon', muon)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert "inductor False restored torch muon True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("why", ["cuda", "loaded"])
+def test_muon_is_left_to_deepspeed_with_cuda_or_once_imported(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: why == "cuda")
+    if why == "loaded":
+        monkeypatch.setitem(sys.modules, DEEPSPEED_MUON, object())
+    else:
+        monkeypatch.delitem(sys.modules, DEEPSPEED_MUON, raising=False)
+    assert not import_deepspeed_muon()
+    assert why == "loaded" or DEEPSPEED_MUON not in sys.modules
