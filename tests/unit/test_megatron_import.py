@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from ds_swift.patches.megatron_import import DEEPSPEED_MUON, eager_jit_fuser, import_deepspeed_muon
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
@@ -66,3 +69,18 @@ def test_muon_is_left_to_deepspeed_with_cuda_or_once_imported(monkeypatch: pytes
         monkeypatch.delitem(sys.modules, DEEPSPEED_MUON, raising=False)
     assert not import_deepspeed_muon()
     assert why == "loaded" or DEEPSPEED_MUON not in sys.modules
+
+
+def test_a_warm_worker_of_the_example_imports_megatron_core_as_the_example_does() -> None:
+    """ds_swift.runtime.warm preloads the example's imports: megatron-core through import_megatron_core
+    (as the example's own ranks do), not with its torch.compile wrappers (torch._inductor)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ds_swift.runtime.warm import BASE_MODULES, preload, script_imports\n"
+        f"source = Path({str(EXAMPLE)!r}).read_text()\n"
+        "loaded = preload([*BASE_MODULES, *script_imports(source)])\n"
+        "print('megatron', 'megatron.core.parallel_state' in loaded, 'inductor', 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert "megatron True inductor False" in out.stdout, out.stdout + out.stderr[-2000:]
