@@ -37,6 +37,7 @@ the job ends bitwise with no machine replaced. And one bad value per config sect
     python benchmarks/fault_matrix.py --configs logging --points backward,replay,corrupt_log
     python benchmarks/fault_matrix.py --cases "replication/recv_state m1,replication/bad strategy" --shared-reference
     python benchmarks/fault_matrix.py --json                  # last line: {"cases": [...], "passed": N, ...}
+    python benchmarks/fault_matrix.py --cases ... --reference DIR   # a failure-free bf16 run done already
 
 It prints one line per case as it ends, then the table, then ``N passed, M failed``; the exit code
 is 1 if any case failed.
