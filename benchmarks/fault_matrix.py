@@ -37,6 +37,7 @@ the job ends bitwise with no machine replaced. And one bad value per config sect
     python benchmarks/fault_matrix.py --configs logging --points backward,replay,corrupt_log
     python benchmarks/fault_matrix.py --cases "replication/recv_state m1,replication/bad strategy" --shared-reference
     python benchmarks/fault_matrix.py --json                  # last line: {"cases": [...], "passed": N, ...}
+    python benchmarks/fault_matrix.py --cases ... --reference DIR   # a failure-free bf16 run done already
 
 It prints one line per case as it ends, then the table, then ``N passed, M failed``; the exit code
 is 1 if any case failed.
@@ -300,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
                    "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
                    "run bitwise against ds-swift off)")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help=f"a failure-free run of {BF16.name} on 2 machines, {ITERS} iterations, done already (its "
+                   "job directory, as ds_swift.testing.jobs writes it): the shared reference of the configs on it, "
+                   "instead of running one (implies --shared-reference)")
     args = p.parse_args(argv)
     configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
     points = {x.strip() for x in args.points.split(",") if x.strip()}
@@ -314,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.keep or tempfile.mkdtemp(prefix="fault-matrix-"))
     build_deepspeed_shm_op(base / "warm")  # once, not in every job's start-up
     refs: dict[str, JobRun] = {}
+    if args.reference:
+        args.shared_reference = True
+        refs[f"{BF16.stem}-2"] = JobRun(Path(args.reference).resolve(), ITERS)
     rows = []
     for i, case in enumerate(chosen):
         ref = None

@@ -12,10 +12,17 @@ compiled kernels could not run anyway (inductor would generate and compile C++ a
 is imported, so its fused kernels run eagerly (the same arithmetic, unfused), then restores it.
 Where CUDA is present, or megatron-core is loaded already, it changes nothing: a GPU run keeps
 megatron's fused kernels.
+
+DeepSpeed's Muon optimizer wraps its kernels in ``torch.compile`` at import too, and every
+``deepspeed.initialize`` imports it (``is_zero_supported_optimizer``): :func:`import_megatron_core`
+imports it (:func:`import_deepspeed_muon`: on a machine without CUDA) with ``torch.compile`` handing
+its kernels back, so that no CPU rank imports ``torch._inductor`` for it (~1.3 CPU-s a rank; Muon is
+not the optimizer of a CPU job, and would run eagerly if it were).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +30,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["eager_jit_fuser", "import_megatron_core"]
+__all__ = ["eager_jit_fuser", "import_deepspeed_muon", "import_megatron_core"]
+
+#: DeepSpeed's module that wraps Muon's kernels in ``torch.compile`` when it is imported.
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def _eager(model: Callable[..., Any] | None = None, **_: Any) -> Any:
@@ -35,10 +45,10 @@ def _eager(model: Callable[..., Any] | None = None, **_: Any) -> Any:
 
 
 @contextmanager
-def eager_jit_fuser() -> Iterator[bool]:
-    """While the block runs, ``torch.compile`` returns what it is given (on a machine without CUDA,
-    where megatron-core is not loaded yet). Yields whether it did."""
-    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+def _eager_torch_compile(skip: bool) -> Iterator[bool]:
+    """While the block runs, ``torch.compile`` returns what it is given, unless ``skip`` or CUDA is
+    present. Yields whether it did."""
+    if skip or torch.cuda.is_available():
         yield False
         return
     original = torch.compile
@@ -49,9 +59,29 @@ def eager_jit_fuser() -> Iterator[bool]:
         torch.compile = original
 
 
+@contextmanager
+def eager_jit_fuser() -> Iterator[bool]:
+    """While the block runs, ``torch.compile`` returns what it is given (on a machine without CUDA,
+    where megatron-core is not loaded yet). Yields whether it did."""
+    with _eager_torch_compile(skip="megatron.core" in sys.modules) as eager:
+        yield eager
+
+
+def import_deepspeed_muon() -> bool:
+    """DeepSpeed's Muon module, imported with ``torch.compile`` handing its kernels back (on a machine
+    without CUDA, where it is not imported yet): call before ``deepspeed.initialize`` of a ZeRO
+    engine, which imports it. Returns whether it did."""
+    with _eager_torch_compile(skip=DEEPSPEED_MUON in sys.modules) as eager:
+        if eager:
+            importlib.import_module(DEEPSPEED_MUON)
+    return eager
+
+
 def import_megatron_core() -> Any:
-    """``megatron.core``, imported under :func:`eager_jit_fuser`."""
+    """``megatron.core``, imported under :func:`eager_jit_fuser`; DeepSpeed's Muon module too
+    (:func:`import_deepspeed_muon`)."""
     with eager_jit_fuser():
         import megatron.core
 
+    import_deepspeed_muon()
     return megatron.core

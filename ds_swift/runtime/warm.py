@@ -56,6 +56,10 @@ BASE_MODULES = (
 )
 
 
+#: the module whose ``import_megatron_core`` a script may import megatron-core through
+MEGATRON_IMPORT = "ds_swift.patches.megatron_import"
+
+
 @dataclass(frozen=True)
 class WarmTarget:
     """What the worker runs once assigned: a script path (or a module name) and its arguments."""
@@ -123,9 +127,15 @@ def preload(modules: Iterable[str]) -> list[str]:
     Warnings are silenced: the script's own workers showed them already, and a warning a module
     emits at import would otherwise appear once per warm spare.
     """
+    modules = list(modules)
     loaded = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if MEGATRON_IMPORT in modules and any(m.split(".")[:2] == ["megatron", "core"] for m in modules):
+            # The script imports megatron-core through import_megatron_core (examples/pretrain_gpt.py):
+            # so does its warm worker, or on CPU it would build the torch.compile wrappers (and import
+            # torch._inductor, ~2.5 CPU-s per warm worker) that the script's own ranks never build.
+            importlib.import_module(MEGATRON_IMPORT).import_megatron_core()
         for name in modules:
             if name in sys.modules:
                 loaded.append(name)

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the configuration users run, on the tiny GPT: bf16 + ZeRO-1, pp 2 x dp 2 on 2 machines of 2 ranks
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 BF16_ITERS = 12
+#: fp32 (ZeRO-0), the same GPT and plan
+FP32 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
+FP32_ITERS = 15
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +47,24 @@ def small_log_disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
-    """The failure-free run of :data:`BF16` (12 iterations, checkpoints every 5, a loss log) that
-    test_checkpoint_strategies.py and test_elastic.py compare with: one run for both."""
+    """The failure-free run of :data:`BF16` (12 iterations, a checkpoint after every one, a loss log)
+    that the bf16 tests of 2 machines compare with (test_checkpoint_strategies.py, test_elastic.py,
+    test_recovery_bf16.py, test_hang_detection.py, ...): one run for all. Every iteration's checkpoint
+    is there for the undo checks (``undo_ulp``: a resumed state against the step it stepped back to)."""
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
-                   loss_log=True)
+                   swift={"checkpoint": {"interval": 1}}, loss_log=True)
     run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
+    assert run.code == 0 and not run.timelines(), run.output[-6000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def fp32_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
+    """The failure-free run of :data:`FP32` (15 iterations, a checkpoint after every one) that
+    test_recovery_gpt.py (its end, and every iteration for the undo checks) and test_multihost_gpt.py
+    (its checkpoint after 8 iterations) compare with: one run for both."""
+    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", FP32, FP32_ITERS, (), nnodes=2, nproc_per_node=2,
+                   swift={"checkpoint": {"interval": 1}})
+    run = run_job(tmp_path_factory.mktemp("fp32_baseline"), spec, 150.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ds_swift.testing.jobs import JobRun
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
@@ -28,7 +30,7 @@ def matrix():  # noqa: ANN201 - the benchmark module
 
 
 def test_bad_values_a_full_checkpoint_disk_and_a_kill_mid_transfer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], warm_deepspeed: None
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bf16_baseline: JobRun
 ) -> None:
     fm = matrix()
     # Two of the bad values (the benchmark runs them all; every field's check is a unit test): a
@@ -39,7 +41,11 @@ def test_bad_values_a_full_checkpoint_disk_and_a_kill_mid_transfer(
     # it with synchronous ones (replication).
     chosen = [*(f"replication/bad {field}" for field in bad), "replication/recv_state m1",
               "global_checkpoint/full_ckpt_disk m1"]
-    code = fm.main(["--cases", ",".join(chosen), "--keep", str(tmp_path / "matrix"), "--shared-reference", "--json"])
+    # The reference of both configs (one DeepSpeed config): the shared failure-free run of the bf16
+    # tests (tests/dist/conftest.py; its checkpoint interval does not change the final state).
+    assert bf16_baseline.iterations == fm.ITERS and bf16_baseline.config["bf16"]["enabled"]
+    code = fm.main(["--cases", ",".join(chosen), "--keep", str(tmp_path / "matrix"), "--reference",
+                    str(bf16_baseline.dir), "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     doc = fm.json.loads(out.strip().splitlines()[-1])

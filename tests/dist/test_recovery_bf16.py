@@ -72,16 +72,15 @@ def one_recovery(job: JobRun) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
-    run = launch(tmp_path_factory.mktemp("bf16-baseline"), BF16, [])
-    assert run.code == 0, run.output[-6000:]
-    assert not run.timelines()
+def baseline(bf16_baseline: JobRun) -> JobRun:
+    """The failure-free run of this job: tests/dist/conftest.py's, shared with the other bf16 tests."""
+    assert bf16_baseline.iterations == ITERS
     # The optimizer state (fp32 master partitions of BF16_Optimizer) is part of the comparison.
-    assert optimizer_files(run.final_tag), list(run.final_tag.iterdir())
-    return run
+    assert optimizer_files(bf16_baseline.final_tag), list(bf16_baseline.final_tag.iterdir())
+    return bf16_baseline
 
 
-def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, bf16_baseline: JobRun) -> None:
+def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, baseline: JobRun) -> None:
     """pp 2 x dp 2, the replicas on the other machine; machine 1 dies in iteration 7's backward."""
     job = launch(tmp_path, BF16, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"])
     tl = one_recovery(job)
@@ -93,17 +92,20 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
     # Verified recovery (issue 16): each partition checked against its holder's digest of the copy.
     assert_verified(tl, [2, 3], r"my optimizer partition bitwise equal to donor rank [01]'s")
-    assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
+    assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
-def test_a_resumable_data_iterator_is_rewound_and_recovers_bitwise(tmp_path: Path, bf16_baseline: JobRun) -> None:
+# The same kill as the test above, the script feeding train_batch(data_iter=...): in CI the engine's
+# rewind of a ResumableIterator is tests/unit/test_data_iter.py's, the recovery the test above.
+@pytest.mark.slow
+def test_a_resumable_data_iterator_is_rewound_and_recovers_bitwise(tmp_path: Path, baseline: JobRun) -> None:
     """The script feeds train_batch(data_iter=...) from a ds_swift.data.keyed.ResumableIterator, as a
     Megatron script feeds its sampler's iterator: the retried iteration reads its own samples."""
     inject = ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"]
     job = launch(tmp_path, BF16, inject, script_args=("--data-iter",))
     tl = one_recovery(job)
     assert tl["strategy"] == "buddy", tl["reason"]
-    assert_bitwise_equal(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
+    assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
 def test_fp16_zero1_with_a_skipped_step_recovers_bitwise(tmp_path: Path, warm_deepspeed: None) -> None:

@@ -63,13 +63,11 @@ def assert_ok(job: JobRun, recoveries: int, injected: bool = True) -> list[dict[
     return timelines
 
 
-@pytest.fixture(scope="session")
-def baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> Baseline:
-    tmp = tmp_path_factory.mktemp("baseline")
-    run = launch(tmp, PP2_DP2, [], swift={"checkpoint": {"interval": 1}})
-    assert run.code == 0, run.output[-6000:]
-    assert not run.timelines()
-    return Baseline(checkpoint_tensors(run.final_tag), run.ckpt_dir)
+@pytest.fixture(scope="module")
+def baseline(fp32_baseline: JobRun) -> Baseline:
+    """The failure-free run of this job (tests/dist/conftest.py's, shared with test_multihost_gpt.py)."""
+    assert fp32_baseline.iterations == ITERS and fp32_baseline.config["swift"]["checkpoint"]["interval"] == 1
+    return Baseline(checkpoint_tensors(fp32_baseline.final_tag), fp32_baseline.ckpt_dir)
 
 
 def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseline: Baseline) -> None:

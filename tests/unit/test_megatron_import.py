@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from ds_swift.patches.megatron_import import eager_jit_fuser
+from ds_swift.patches.megatron_import import DEEPSPEED_MUON, eager_jit_fuser, import_deepspeed_muon
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,36 @@ def test_megatron_core_imports_without_inductor_on_cpu() -> None:
         "import_megatron_core()\n"
         "from megatron.core import parallel_state\n"
         "assert parallel_state.model_parallel_is_initialized() is False\n"
-        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'restored', torch.compile.__module__)\n"
+        "from ds_swift.patches.megatron_import import import_deepspeed_muon\n"
+        "muon = 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules and not import_deepspeed_muon()\n"
+        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'restored', torch.compile.__module__,\n"
+        "      'muon', muon)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    assert "inductor False restored torch" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "inductor False restored torch muon True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("why", ["cuda", "loaded"])
+def test_muon_is_left_to_deepspeed_with_cuda_or_once_imported(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: why == "cuda")
+    if why == "loaded":
+        monkeypatch.setitem(sys.modules, DEEPSPEED_MUON, object())
+    else:
+        monkeypatch.delitem(sys.modules, DEEPSPEED_MUON, raising=False)
+    assert not import_deepspeed_muon()
+    assert why == "loaded" or DEEPSPEED_MUON not in sys.modules
+
+
+def test_a_warm_worker_of_the_example_imports_megatron_core_as_the_example_does() -> None:
+    """ds_swift.runtime.warm preloads the example's imports: megatron-core through import_megatron_core
+    (as the example's own ranks do), not with its torch.compile wrappers (torch._inductor)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ds_swift.runtime.warm import BASE_MODULES, preload, script_imports\n"
+        f"source = Path({str(EXAMPLE)!r}).read_text()\n"
+        "loaded = preload([*BASE_MODULES, *script_imports(source)])\n"
+        "print('megatron', 'megatron.core.parallel_state' in loaded, 'inductor', 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert "megatron True inductor False" in out.stdout, out.stdout + out.stderr[-2000:]
