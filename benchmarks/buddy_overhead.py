@@ -57,8 +57,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.dir or tempfile.mkdtemp(prefix="buddy-overhead-"))
     build_deepspeed_shm_op(work / "warm")
     runs = alternate(
-        work, lambda on: JobSpec(EXAMPLE, CONFIG, args.iterations, swift={"buddy": {"enabled": on}}, loss_log=True),
-        args.rounds, args.warmup,
+        work,
+        lambda on: JobSpec(EXAMPLE, CONFIG, args.iterations, swift={"buddy": {"enabled": on}}, loss_log=True),
+        args.rounds,
+        args.warmup,
     )
     last = runs.last[True]
     sent = sent_per_rank(last)
@@ -85,9 +87,11 @@ def table(out: dict[str, Any]) -> None:
     print(f"step time, buddy on : {out['step_s_buddy_on'] * 1e3:.1f} ms (median of {out['steps_timed']['on']})")
     print(f"step time, buddy off: {out['step_s_buddy_off'] * 1e3:.1f} ms (median of {out['steps_timed']['off']})")
     print(f"ratio on/off        : {out['step_ratio']:.3f}")
-    print(f"buddy bytes / rank / iteration: measured {out['buddy_bytes_per_rank_per_iteration_measured']} "
-          f"(per rank {out['buddy_bytes_per_rank_per_iteration_measured_all']}), "
-          f"analytic {out['buddy_bytes_per_rank_per_iteration_analytic']} ({out['model_params']} params)")
+    print(
+        f"buddy bytes / rank / iteration: measured {out['buddy_bytes_per_rank_per_iteration_measured']} "
+        f"(per rank {out['buddy_bytes_per_rank_per_iteration_measured_all']}), "
+        f"analytic {out['buddy_bytes_per_rank_per_iteration_analytic']} ({out['model_params']} params)"
+    )
 
 
 if __name__ == "__main__":

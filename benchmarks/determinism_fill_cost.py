@@ -57,8 +57,10 @@ def main() -> None:
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         out[device] = {"device": name, "fill_on_s": on, "fill_off_s": off, "ratio_on_off": on / off if off else None}
         if not args.json:
-            print(f"{name}: torch.empty({n:.0e}, bf16) with the NaN fill {on * 1e3:.2f} ms, without "
-                  f"{off * 1e3:.3f} ms (x{on / off:.0f})")
+            print(
+                f"{name}: torch.empty({n:.0e}, bf16) with the NaN fill {on * 1e3:.2f} ms, without "
+                f"{off * 1e3:.3f} ms (x{on / off:.0f})"
+            )
     if args.json:
         print(json.dumps(out))
 

@@ -30,8 +30,10 @@ from ds_swift.testing.overhead import alternate, bench_main
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "configs" / "gpt_tiny_pp4.json"
-_COST = re.compile(r"state digests: (\d+) published, ([\d.]+) ms each in the background; the training thread "
-                   r"spent ([\d.]+) ms each handing them over and waited ([\d.]+) ms for them in all")
+_COST = re.compile(
+    r"state digests: (\d+) published, ([\d.]+) ms each in the background; the training thread "
+    r"spent ([\d.]+) ms each handing them over and waited ([\d.]+) ms for them in all"
+)
 
 
 def digest_costs(job: JobRun) -> list[dict[str, float]]:
@@ -78,8 +80,10 @@ def table(out: dict[str, Any]) -> None:
     print(f"ratio on/off         : {out['step_ratio']:.3f}")
     if out["digest_ms_mean"] is not None:
         per_rank = [round(c["background_ms"], 2) for c in out["digest_costs_per_rank"]]
-        print(f"digest per rank      : {out['digest_ms_mean']:.2f} ms in the background (per rank {per_rank}); "
-              f"the training thread paid {out['training_thread_ms_per_digest']:.3f} ms per digest")
+        print(
+            f"digest per rank      : {out['digest_ms_mean']:.2f} ms in the background (per rank {per_rank}); "
+            f"the training thread paid {out['training_thread_ms_per_digest']:.3f} ms per digest"
+        )
 
 
 def more_arguments(p: argparse.ArgumentParser) -> None:

@@ -67,26 +67,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for at in args.at:
         for name, section in variants(layers).items():
-            r = job(work, f"{name}-at{at}".replace("%", "pct"), args.iterations,
-                    {"simulate_failure": {"iteration": at, **section}})
+            r = job(
+                work,
+                f"{name}-at{at}".replace("%", "pct"),
+                args.iterations,
+                {"simulate_failure": {"iteration": at, **section}},
+            )
             loss = losses_by_iteration(read_loss_log(r.loss_log))
             after = [i for i in sorted(ref_loss) if i >= at and i in loss]
             last = max(after)
-            rows.append({
-                "variant": name, "at": at, "simulate_failure": section,
-                "final_loss_delta": loss[last] - ref_loss[last],
-                "mean_abs_loss_delta": sum(abs(loss[i] - ref_loss[i]) for i in after) / len(after),
-                "param_distance": relative_distance(ref, checkpoint_tensors(r.final_tag)),
-            })
-    return {"config": str(CONFIG.relative_to(ROOT)), "iterations": args.iterations, "layers": layers, "rows": rows,
-            "dir": str(work)}
+            rows.append(
+                {
+                    "variant": name,
+                    "at": at,
+                    "simulate_failure": section,
+                    "final_loss_delta": loss[last] - ref_loss[last],
+                    "mean_abs_loss_delta": sum(abs(loss[i] - ref_loss[i]) for i in after) / len(after),
+                    "param_distance": relative_distance(ref, checkpoint_tensors(r.final_tag)),
+                }
+            )
+    return {
+        "config": str(CONFIG.relative_to(ROOT)),
+        "iterations": args.iterations,
+        "layers": layers,
+        "rows": rows,
+        "dir": str(work),
+    }
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'variant':<10} {'at':>3} {'final loss delta':>17} {'mean |loss delta|':>18} {'param distance':>15}"]
     for r in result["rows"]:
-        lines.append(f"{r['variant']:<10} {r['at']:>3} {r['final_loss_delta']:>+17.2e} {r['mean_abs_loss_delta']:>18.2e} "
-                     f"{r['param_distance']:>15.2e}")
+        lines.append(
+            f"{r['variant']:<10} {r['at']:>3} {r['final_loss_delta']:>+17.2e} {r['mean_abs_loss_delta']:>18.2e} "
+            f"{r['param_distance']:>15.2e}"
+        )
     return "\n".join(lines)
 
 

@@ -82,8 +82,15 @@ CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
     "elastic_fp32": (FP32, {"strategy": "elastic", "checkpoint": {"interval": 4}}),
     # The other seed systems' strategies, on the same job.
     "tranlogs": (BF16, {"strategy": "tranlogs", "checkpoint": {"interval": 4}}),
-    "pipechurn": (BF16, {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-                         "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 4}}),
+    "pipechurn": (
+        BF16,
+        {
+            "strategy": "pipechurn",
+            "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+            "machines": {"gpus_per_node": 1},
+            "checkpoint": {"interval": 4},
+        },
+    ),
     "scar": (BF16, {"strategy": "scar", "checkpoint": {"interval": 4, "running_fraction": 0.25}}),
     "immediate_rollback": (BF16, {"strategy": "immediate_rollback", "checkpoint": {"interval": 4}}),
 }
@@ -91,8 +98,12 @@ CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
 NNODES: dict[str, int] = {"pipechurn": 4}
 #: configs whose recoveries are approximate by design: (largest relative distance, must shrink). A
 #: case passes bitwise, or on a recovery announced approximate that ends within the distance.
-APPROXIMATE: dict[str, tuple[float, bool]] = {"elastic": (1e-2, True), "elastic_fp32": (1e-2, True),
-                                             "scar": (2e-2, False), "immediate_rollback": (1e-2, False)}
+APPROXIMATE: dict[str, tuple[float, bool]] = {
+    "elastic": (1e-2, True),
+    "elastic_fp32": (1e-2, True),
+    "scar": (2e-2, False),
+    "immediate_rollback": (1e-2, False),
+}
 #: launcher flags instead of ``--spares N``
 LAUNCH: dict[str, list[str]] = {"elastic": ["--elastic"], "elastic_fp32": ["--spares", "0", "--elastic"]}
 #: configs with one case only (machine 1 killed in iteration KILL_AT's backward pass), not every point
@@ -150,48 +161,123 @@ def cases() -> list[Case]:
         # Rank 3 (the last machine) dies as the periodic checkpoint after 8 iterations starts.
         at = 8 if config != "checkfreq" else 3
         out.append(Case(config, "save", 1, env={"SWIFT_TEST_KILL_IN_SAVE": f"rank=3,iteration={at}"}))
-    out.append(Case("logging", "replay", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
-                    env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=2,iteration=5"}, spares=2))
+    out.append(
+        Case(
+            "logging",
+            "replay",
+            1,
+            inject=f"machine=1,iteration={KILL_AT},phase=backward",
+            env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=2,iteration=5"},
+            spares=2,
+        )
+    )
     # A damaged log: a corrupt record, a chunk cut short, a chunk lost. The replay must refuse it
     # and every rank fall back to the checkpoint, loudly.
-    for point, env in (("corrupt_log", "SWIFT_TEST_CORRUPT_LOG"), ("truncated_log", "SWIFT_TEST_TRUNCATE_LOG"),
-                       ("missing_log", "SWIFT_TEST_MISSING_LOG")):
-        out.append(Case("logging", point, 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
-                        env={env: "rank=2,iteration=5,micro_batch=1,src=1"},
-                        must_say=("[test] ", "checkpoint fallback")))
+    for point, env in (
+        ("corrupt_log", "SWIFT_TEST_CORRUPT_LOG"),
+        ("truncated_log", "SWIFT_TEST_TRUNCATE_LOG"),
+        ("missing_log", "SWIFT_TEST_MISSING_LOG"),
+    ):
+        out.append(
+            Case(
+                "logging",
+                point,
+                1,
+                inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                env={env: "rank=2,iteration=5,micro_batch=1,src=1"},
+                must_say=("[test] ", "checkpoint fallback"),
+            )
+        )
     # A rank dies in the middle of writing a record of its log (machine 1's sender of gradients):
     # the torn tail is cut off when its replacement logs again; the recovery replays bitwise.
-    out.append(Case("logging", "log_write", 1, env={"SWIFT_TEST_KILL_IN_LOG_WRITE": f"rank=2,iteration={KILL_AT}"},
-                    must_say=("in the middle of writing",)))
+    out.append(
+        Case(
+            "logging",
+            "log_write",
+            1,
+            env={"SWIFT_TEST_KILL_IN_LOG_WRITE": f"rank=2,iteration={KILL_AT}"},
+            must_say=("in the middle of writing",),
+        )
+    )
     # The log's disk fills up mid-run: logging stops loudly, training goes on, and the failure
     # whose replay would need the lost messages falls back to the checkpoint.
-    out.append(Case("logging", "full_log_disk", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
-                    small_disk="log", disk_size="256k",  # the tiny GPT logs ~130 KB an iteration (bf16)
-                    must_say=("No space left on device", "checkpoint fallback")))
+    out.append(
+        Case(
+            "logging",
+            "full_log_disk",
+            1,
+            inject=f"machine=1,iteration={KILL_AT},phase=backward",
+            small_disk="log",
+            disk_size="256k",  # the tiny GPT logs ~130 KB an iteration (bf16)
+            must_say=("No space left on device", "checkpoint fallback"),
+        )
+    )
     # A peer vanishing mid-transfer during a replication recovery: the replacement receiving its
     # state (a second spare takes its place; the recovery is retried) or the survivor sending it
     # (both machines lost now: the checkpoint, announced).
-    out.append(Case("replication", "recv_state", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward", spares=2,
-                    env={"SWIFT_TEST_KILL_IN_RECV_STATE": "rank=2"}, must_say=("in the middle of receiving",)))
-    out.append(Case("replication", "send_state", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward", spares=2,
-                    env={"SWIFT_TEST_KILL_IN_SEND_STATE": "rank=0"},
-                    must_say=("in the middle of sending", "checkpoint fallback")))
-    out.append(Case("replication", "two_machines", None, nnodes=4, spares=2,
-                    inject=f"machine=0+2,iteration={KILL_AT},phase=forward",  # both at one instant
-                    swift={"machines": {"gpus_per_node": 1, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 60.0}}))
+    out.append(
+        Case(
+            "replication",
+            "recv_state",
+            1,
+            inject=f"machine=1,iteration={KILL_AT},phase=backward",
+            spares=2,
+            env={"SWIFT_TEST_KILL_IN_RECV_STATE": "rank=2"},
+            must_say=("in the middle of receiving",),
+        )
+    )
+    out.append(
+        Case(
+            "replication",
+            "send_state",
+            1,
+            inject=f"machine=1,iteration={KILL_AT},phase=backward",
+            spares=2,
+            env={"SWIFT_TEST_KILL_IN_SEND_STATE": "rank=0"},
+            must_say=("in the middle of sending", "checkpoint fallback"),
+        )
+    )
+    out.append(
+        Case(
+            "replication",
+            "two_machines",
+            None,
+            nnodes=4,
+            spares=2,
+            inject=f"machine=0+2,iteration={KILL_AT},phase=forward",  # both at one instant
+            swift={"machines": {"gpus_per_node": 1, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 60.0}},
+        )
+    )
     for config in ("replication", "global_checkpoint"):  # synchronous and asynchronous saves
-        out.append(Case(config, "full_ckpt_disk", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward",
-                        small_disk="ckpt"))
+        out.append(
+            Case(config, "full_ckpt_disk", 1, inject=f"machine=1,iteration={KILL_AT},phase=backward", small_disk="ckpt")
+        )
     # A checkpoint fallback (forced, synchronous saves) meets a corrupt / a missing file of rank 0 in
     # the newest checkpoint (8): every rank must step back to 4 together, loudly, and end bitwise.
     for point, env in (("corrupt_ckpt", "SWIFT_TEST_CORRUPT_CKPT"), ("missing_ckpt", "SWIFT_TEST_MISSING_CKPT")):
-        out.append(Case("replication", point, 1, inject="machine=1,iteration=10,phase=backward",
-                        env={env: "rank=0,iteration=8"}, swift={"strategy": "checkpoint"}))
+        out.append(
+            Case(
+                "replication",
+                point,
+                1,
+                inject="machine=1,iteration=10,phase=backward",
+                env={env: "rank=0,iteration=8"},
+                swift={"strategy": "checkpoint"},
+            )
+        )
     # A stall, not a death (issue 30): rank 0 stops (SIGSTOP) past the op timeout, then resumes; its
     # peers' ops time out with every rank alive: one agreed verdict (a stall), the same ranks re-form
     # the next generation with their state, and the job ends bitwise, no machine replaced.
-    out.append(Case("replication", "stall", 0, env={"SWIFT_TEST_PAUSE": f"rank=0,iteration={KILL_AT},seconds=8"},
-                    swift={"watchdog": STALL_WATCHDOG}, must_say=("resumed (SIGCONT)", "(a stall: no rank died, none replaced)")))
+    out.append(
+        Case(
+            "replication",
+            "stall",
+            0,
+            env={"SWIFT_TEST_PAUSE": f"rank=0,iteration={KILL_AT},seconds=8"},
+            swift={"watchdog": STALL_WATCHDOG},
+            must_say=("resumed (SIGCONT)", "(a stall: no rank died, none replaced)"),
+        )
+    )
     for swift, name in BAD_VALUES:
         out.append(Case("replication", f"bad {name}", None, swift=swift, bad_field=name))
     return out
@@ -208,8 +294,9 @@ def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def small_disk(where: Path, size: str = "2m") -> Iterator[Path | None]:
     """A size-limited tmpfs (None where this machine cannot mount one: the case is skipped)."""
     where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         yield None
         return
@@ -223,8 +310,16 @@ def spec_for(case: Case, config_swift: dict[str, Any] | None = None) -> JobSpec:
     path, swift = CONFIGS[case.config]
     spares = LAUNCH.get(case.config, ["--spares", str(case.spares)])
     args = [*spares, "--max-failures", "4"] + (["--inject", case.inject] if case.inject else [])
-    return JobSpec(WORKER, path, ITERS, args, swift=merged(merged(swift, case.swift), config_swift or {}),
-                   env=case.env, nnodes=case.nnodes, nproc_per_node=4 // case.nnodes)
+    return JobSpec(
+        WORKER,
+        path,
+        ITERS,
+        args,
+        swift=merged(merged(swift, case.swift), config_swift or {}),
+        env=case.env,
+        nnodes=case.nnodes,
+        nproc_per_node=4 // case.nnodes,
+    )
 
 
 def reference(work: Path, config: str, timeout: float) -> JobRun:
@@ -257,8 +352,10 @@ def judge(case: Case, job: JobRun, ref: JobRun | None) -> tuple[bool, str]:
         distance = relative_distance(ref_state, state) if not diff.bitwise_equal else 0.0
         ok = (shrank or not must_shrink) and said and distance is not None and distance < bound
         shrink = ("shrank, " if shrank else "NO SHRINK, ") if must_shrink else ""
-        return ok, (f"{how}: {shrink}{'announced' if said else 'NOT ANNOUNCED'} "
-                    f"approximate, {'?' if distance is None else f'{distance:.2g}'} from the failure-free run (< {bound:g})")
+        return ok, (
+            f"{how}: {shrink}{'announced' if said else 'NOT ANNOUNCED'} "
+            f"approximate, {'?' if distance is None else f'{distance:.2g}'} from the failure-free run (< {bound:g})"
+        )
     if not diff.bitwise_equal:
         return False, f"{how}: NOT bitwise ({diff.describe()[:120]})"
     return True, f"{how}{' (announced fallback)' if fallback else ''}, bitwise"
@@ -272,8 +369,11 @@ def run_case(case: Case, work: Path, ref: JobRun | None, timeout: float) -> dict
             with small_disk(work / f"{case.small_disk}fs", case.disk_size) as disk:
                 if disk is None:
                     return {**row, "passed": None, "how": "skipped: cannot mount a tmpfs here", "seconds": 0.0}
-                where = {"checkpoint": {"dir": str(disk)}} if case.small_disk == "ckpt" else {
-                    "logging": {"storage": f"file://{disk}"}}
+                where = (
+                    {"checkpoint": {"dir": str(disk)}}
+                    if case.small_disk == "ckpt"
+                    else {"logging": {"storage": f"file://{disk}"}}
+                )
                 job = run_job(work / "job", spec_for(case, where), timeout)
                 row["ckpt_disk_full_said"] = "could not be written" in job.output
         else:
@@ -289,27 +389,47 @@ def run_case(case: Case, work: Path, ref: JobRun | None, timeout: float) -> dict
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of the configs")
-    p.add_argument("--points", default="", help="comma-separated points (phases, save, replay, corrupt_log, "
-                   "two_machines, full_ckpt_disk, bad); default: all")
+    p.add_argument(
+        "--points",
+        default="",
+        help="comma-separated points (phases, save, replay, corrupt_log, "
+        "two_machines, full_ckpt_disk, bad); default: all",
+    )
     p.add_argument("--machines", default="0,1", help="machines to kill in the phase cases")
-    p.add_argument("--cases", default="", help="comma-separated case names as the table prints them "
-                   "(\"replication/recv_state m1,replication/bad strategy\"): these, instead of the filters above")
+    p.add_argument(
+        "--cases",
+        default="",
+        help="comma-separated case names as the table prints them "
+        '("replication/recv_state m1,replication/bad strategy"): these, instead of the filters above',
+    )
     p.add_argument("--timeout", type=float, default=240.0, help="seconds one job may take (then: a hang)")
     p.add_argument("--keep", default=None, help="keep the jobs' directories here")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
-    p.add_argument("--shared-reference", action="store_true",
-                   help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
-                   "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
-                   "run bitwise against ds-swift off)")
-    p.add_argument("--reference", default=None, metavar="DIR",
-                   help=f"a failure-free run of {BF16.name} on 2 machines, {ITERS} iterations, done already (its "
-                   "job directory, as ds_swift.testing.jobs writes it): the shared reference of the configs on it, "
-                   "instead of running one (implies --shared-reference)")
+    p.add_argument(
+        "--shared-reference",
+        action="store_true",
+        help="one failure-free run per DeepSpeed config and machine count, not per strategy config "
+        "(a strategy does not change the arithmetic: `ds-swift bench` checks each one's failure-free "
+        "run bitwise against ds-swift off)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="DIR",
+        help=f"a failure-free run of {BF16.name} on 2 machines, {ITERS} iterations, done already (its "
+        "job directory, as ds_swift.testing.jobs writes it): the shared reference of the configs on it, "
+        "instead of running one (implies --shared-reference)",
+    )
     args = p.parse_args(argv)
     configs, machines = set(args.configs.split(",")), {int(m) for m in args.machines.split(",")}
     points = {x.strip() for x in args.points.split(",") if x.strip()}
-    chosen = [c for c in cases() if c.config in configs and (c.machine is None or c.machine in machines)
-              and (not points or c.point in points or (c.bad_field is not None and "bad" in points))]
+    chosen = [
+        c
+        for c in cases()
+        if c.config in configs
+        and (c.machine is None or c.machine in machines)
+        and (not points or c.point in points or (c.bad_field is not None and "bad" in points))
+    ]
     if args.cases:
         names = {n.strip() for n in args.cases.split(",") if n.strip()}
         chosen = [c for c in cases() if c.name in names]
@@ -326,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, case in enumerate(chosen):
         ref = None
         if case.bad_field is None:
-            key = f"{CONFIGS[case.config][0].stem}-{NNODES.get(case.config, 2)}" if args.shared_reference else case.config
+            key = (
+                f"{CONFIGS[case.config][0].stem}-{NNODES.get(case.config, 2)}" if args.shared_reference else case.config
+            )
             if key not in refs:
                 refs[key] = reference(base, case.config, args.timeout)
             ref = refs[key]
@@ -336,10 +458,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{mark}] {case.name:36s} {row['how']} ({row['seconds']} s)", file=sys.stderr, flush=True)
     print(f"\n{'case':36s} {'result':6s} {'seconds':>8s}  how it ended")
     for r in rows:
-        print(f"{r['case']:36s} {({True: 'pass', False: 'FAIL', None: 'skip'})[r['passed']]:6s} {r['seconds']:8.1f}  {r['how']}")
+        print(
+            f"{r['case']:36s} {({True: 'pass', False: 'FAIL', None: 'skip'})[r['passed']]:6s} {r['seconds']:8.1f}  {r['how']}"
+        )
     passed = sum(1 for r in rows if r["passed"])
     failed = sum(1 for r in rows if r["passed"] is False)
-    print(f"{passed} passed, {failed} failed" + (f", {len(rows) - passed - failed} skipped" if len(rows) > passed + failed else ""))
+    print(
+        f"{passed} passed, {failed} failed"
+        + (f", {len(rows) - passed - failed} skipped" if len(rows) > passed + failed else "")
+    )
     if args.json:
         print(json.dumps({"cases": rows, "passed": passed, "failed": failed, "dir": str(base)}))
     return 1 if failed else 0

@@ -88,8 +88,10 @@ def ds_config(tiny: bool, nproc: int, pp: int) -> dict[str, Any]:
         "bf16": {"enabled": True},
         "pipeline": {"stages": pp},
         "steps_per_print": 1_000_000,
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
-                                                     "warmup_num_steps": 5}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 5},
+        },
         # Nothing but the machine layout: every other swift value is the default.
         "swift": {"enabled": True, "machines": {"gpus_per_node": max(1, nproc // 2) if nproc > 1 else 1}},
     }
@@ -102,8 +104,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config.write_text(json.dumps(ds_config(args.tiny, args.nproc, args.pp), indent=2))
     nnodes = 2 if args.nproc > 1 else 1
     shape = TINY_SHAPE if args.tiny else GPU_SHAPE
-    script_args = [*shape, "--pipeline-model-parallel-size", str(args.pp), "--micro-batch-size", "4",
-                   "--global-batch-size", str(args.global_batch), "--log-interval", "1000"]
+    script_args = [
+        *shape,
+        "--pipeline-model-parallel-size",
+        str(args.pp),
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        str(args.global_batch),
+        "--log-interval",
+        "1000",
+    ]
     if args.tiny:
         from ds_swift.testing.jobs import build_deepspeed_shm_op
 
@@ -111,9 +122,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def spec(name: str) -> JobSpec:
         swift, without = VARIANTS[name]
-        return JobSpec(EXAMPLE, config, args.iterations, script_args=script_args, swift=swift,
-                       env={WITHOUT_ENV: without} if without else {}, nnodes=nnodes,
-                       nproc_per_node=args.nproc // nnodes, save=False, loss_log=True)
+        return JobSpec(
+            EXAMPLE,
+            config,
+            args.iterations,
+            script_args=script_args,
+            swift=swift,
+            env={WITHOUT_ENV: without} if without else {},
+            nnodes=nnodes,
+            nproc_per_node=args.nproc // nnodes,
+            save=False,
+            loss_log=True,
+        )
 
     names = _variants(args.breakdown)
     runs = interleave(work, {n: spec(n) for n in names}, args.rounds, args.warmup)
@@ -208,11 +228,15 @@ def table(out: dict[str, Any]) -> None:
         print("variant       median s  mean s  ratio(median/mean)  CPU ms/it  cost (CPU ms/it saved when off)")
         for r in out["breakdown"]:
             cost = "" if r["cost_cpu_ms"] is None else f"{r['cost_cpu_ms']:8.1f}"
-            print(f"{r['variant']:13s} {r['median_s']:8.4f} {r['mean_s']:7.4f}  {r['ratio_median']:6.3f} / "
-                  f"{r['ratio_mean']:6.3f}    {r['cpu_ms'] or float('nan'):8.1f}  {cost}")
+            print(
+                f"{r['variant']:13s} {r['median_s']:8.4f} {r['mean_s']:7.4f}  {r['ratio_median']:6.3f} / "
+                f"{r['ratio_mean']:6.3f}    {r['cpu_ms'] or float('nan'):8.1f}  {cost}"
+            )
             if "per_save_cpu_ms" in r:
-                print(f"{'':13s} a save: {r['per_save_cpu_ms']:.0f} CPU ms = {r['at_default_interval_cpu_ms']:.2f} "
-                      "ms per iteration at the default checkpoint.interval")
+                print(
+                    f"{'':13s} a save: {r['per_save_cpu_ms']:.0f} CPU ms = {r['at_default_interval_cpu_ms']:.2f} "
+                    "ms per iteration at the default checkpoint.interval"
+                )
     for line in out["startup_costs"]:
         print(line)
 
@@ -222,8 +246,14 @@ def more_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1; more are split over 2 machines)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--global-batch", type=int, default=32, help="global batch (default 32)")
-    p.add_argument("--breakdown", nargs="?", const="all", default=None, metavar="VARIANTS",
-                   help=f"one protection off at a time (all variants, or a comma list of {', '.join(VARIANTS)})")
+    p.add_argument(
+        "--breakdown",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="VARIANTS",
+        help=f"one protection off at a time (all variants, or a comma list of {', '.join(VARIANTS)})",
+    )
     p.set_defaults(warmup=10)  # s/iteration over iterations 10-40, as the H100 figures of issue 29
 
 

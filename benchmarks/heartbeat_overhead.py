@@ -44,10 +44,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(out: dict[str, Any]) -> None:
-    print(f"step time, progress heartbeat on : {out['step_s_heartbeat_on'] * 1e3:.1f} ms "
-          f"(median of {out['steps_timed']['on']})")
-    print(f"step time, progress heartbeat off: {out['step_s_heartbeat_off'] * 1e3:.1f} ms "
-          f"(median of {out['steps_timed']['off']})")
+    print(
+        f"step time, progress heartbeat on : {out['step_s_heartbeat_on'] * 1e3:.1f} ms "
+        f"(median of {out['steps_timed']['on']})"
+    )
+    print(
+        f"step time, progress heartbeat off: {out['step_s_heartbeat_off'] * 1e3:.1f} ms "
+        f"(median of {out['steps_timed']['off']})"
+    )
     print(f"ratio on/off                     : {out['step_ratio']:.3f}")
 
 

@@ -78,8 +78,9 @@ def measure(args: argparse.Namespace, rank: int) -> None:
     out = Path(args.worker)
     h = args.hidden
     optimizer = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
-    engine = pipeline_engine(block_layers(h, 4 * args.layers_per_stage),
-                             pipeline_config(args.micro, args.gas, optimizer), seed=0)
+    engine = pipeline_engine(
+        block_layers(h, 4 * args.layers_per_stage), pipeline_config(args.micro, args.gas, optimizer), seed=0
+    )
     plan = MachineBoundaryPlan(GPUS_PER_NODE)
     pos = pipeline_position(engine)
     g = torch.Generator().manual_seed(1)
@@ -235,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
         try:
-            run_ranks(4, [__file__, *passthrough, "--worker", str(work), "--log-dir", str(log_dir)], work / "proc-logs",
-                      args.timeout)
+            run_ranks(
+                4,
+                [__file__, *passthrough, "--worker", str(work), "--log-dir", str(log_dir)],
+                work / "proc-logs",
+                args.timeout,
+            )
         except RanksFailed as exc:
             print(f"benchmark workers failed: {exc}", file=sys.stderr)
             return 1

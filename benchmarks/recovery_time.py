@@ -67,8 +67,12 @@ VARIANTS: dict[str, tuple[Path, dict[str, Any], str, tuple[str, ...]]] = {
     "buddy": (PP2_DP2_BF16, {"strategy": "auto"}, "buddy", ()),
     "buddy_cold": (PP2_DP2_BF16, {"strategy": "auto"}, "buddy", ("--cold-spares",)),
     "logging": (PP4, {"strategy": "logging", "parallel_recovery": False}, "logging", ()),
-    "logging_parallel": (PP4, {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_mode": "exact"},
-                         "logging", ()),
+    "logging_parallel": (
+        PP4,
+        {"strategy": "logging", "parallel_recovery": True, "parallel_recovery_mode": "exact"},
+        "logging",
+        (),
+    ),
     "checkpoint_pp4": (PP4, {"strategy": "checkpoint"}, "checkpoint", ()),
 }
 #: ratio key -> (numerator variant, denominator variant)
@@ -99,9 +103,13 @@ def run_one(work: Path, variant: str, interval: int, model_args: list[str], time
     config, swift, expected, flags = VARIANTS[variant]
     kill_at = interval + interval // 2
     spec = JobSpec(
-        EXAMPLE, config, kill_at + 2,
+        EXAMPLE,
+        config,
+        kill_at + 2,
         ["--spares", "1", *flags, "--inject", f"machine=1,iteration={kill_at},phase=backward"],
-        model_args, swift={**swift, "checkpoint": {"interval": interval}}, save=False,
+        model_args,
+        swift={**swift, "checkpoint": {"interval": interval}},
+        save=False,
     )
     job = run_job(work, spec, timeout)
     if job.code != 0:
@@ -142,8 +150,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], interval: int) -> dict[str,
             # The part the strategy decides (state transfer, or checkpoint load + replay, vs checkpoint
             # load + re-training everywhere): the initialization before it is the same for all.
             out[f"{key}_recovery"] = out[num]["recovery_s"] / out[den]["recovery_s"]
-    out["config"] = {"checkpoint_interval": interval, "kill_iteration": interval + interval // 2,
-                     "rounds": max((len(v) for v in runs.values()), default=0), "variants": list(runs)}
+    out["config"] = {
+        "checkpoint_interval": interval,
+        "kill_iteration": interval + interval // 2,
+        "rounds": max((len(v) for v in runs.values()), default=0),
+        "variants": list(runs),
+    }
     return out
 
 
@@ -163,16 +175,25 @@ def main(argv: list[str] | None = None) -> int:
                 tl = run_one(base / f"{variant}-{r}", variant, args.interval, args.model_args.split(), args.timeout)
                 runs[variant].append(tl)
                 if not args.json:
-                    by = "" if tl["strategy"] == tl["expected_strategy"] else f" RECOVERED BY {tl['strategy']}, not counted"
+                    by = (
+                        ""
+                        if tl["strategy"] == tl["expected_strategy"]
+                        else f" RECOVERED BY {tl['strategy']}, not counted"
+                    )
                     stalls = f"; {tl['stalls']} stall(s) re-formed in-process before it" if tl["stalls"] else ""
-                    print(f"round {r} {variant:16s}: total {tl['total_s']:.2f} s (initialization "
-                          f"{tl['initialization_s']:.2f} s, recovery {tl['recovery_s']:.2f} s){by}{stalls}", flush=True)
+                    print(
+                        f"round {r} {variant:16s}: total {tl['total_s']:.2f} s (initialization "
+                        f"{tl['initialization_s']:.2f} s, recovery {tl['recovery_s']:.2f} s){by}{stalls}",
+                        flush=True,
+                    )
     result = summarize(runs, args.interval)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
-    print(f"\nmedian over {args.rounds} round(s), checkpoint every {args.interval}, kill at "
-          f"iteration {args.interval + args.interval // 2}:")
+    print(
+        f"\nmedian over {args.rounds} round(s), checkpoint every {args.interval}, kill at "
+        f"iteration {args.interval + args.interval // 2}:"
+    )
     print(f"{'variant':17s} {'initialization':>15s} {'recovery':>10s} {'total':>8s} {'replay':>8s}")
     for variant in variants:
         m = result[variant]
@@ -182,11 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         replay = f"{m['replay_s']:7.2f}s" if "replay_s" in m else f"{'-':>8s}"
         also = f"  ({len(others)} other recover(y/ies) left out: {[o.split(':')[0] for o in others]})" if others else ""
-        print(f"{variant:17s} {m['initialization_s']:14.2f}s {m['recovery_s']:9.2f}s {m['total_s']:7.2f}s {replay}{also}")
+        print(
+            f"{variant:17s} {m['initialization_s']:14.2f}s {m['recovery_s']:9.2f}s {m['total_s']:7.2f}s {replay}{also}"
+        )
     for key, (num, den) in RATIOS.items():
         if key in result:
-            print(f"{key} = {result[key]:.3f} ({num} total / {den} total); recovery part only: "
-                  f"{result[key + '_recovery']:.3f}")
+            print(
+                f"{key} = {result[key]:.3f} ({num} total / {den} total); recovery part only: "
+                f"{result[key + '_recovery']:.3f}"
+            )
     return 0
 
 

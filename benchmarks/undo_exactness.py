@@ -37,8 +37,11 @@ def measure(elements: int, steps: int, lr: float, weight_decay: float, seed: int
         p.grad = torch.randn(elements) * 1e-3 * (1 + torch.rand(elements))
         if t == steps - 1:
             st = opt.state[p]
-            before = {"masters": p.detach().clone(), "exp_avg": st["exp_avg"].clone(),
-                      "exp_avg_sq": st["exp_avg_sq"].clone()}
+            before = {
+                "masters": p.detach().clone(),
+                "exp_avg": st["exp_avg"].clone(),
+                "exp_avg_sq": st["exp_avg_sq"].clone(),
+            }
         undo.step()
     after_step = {"masters": p.detach().clone(), **{k: v.clone() for k, v in opt.state[p].items() if k != "step"}}
     undo.undo()
@@ -47,8 +50,11 @@ def measure(elements: int, steps: int, lr: float, weight_decay: float, seed: int
     # The undone state stepped forward again with the same gradient.
     q = torch.nn.Parameter(undone["masters"].clone())
     again = torch.optim.AdamW([q], lr=lr, weight_decay=weight_decay)
-    again.state[q] = {"step": torch.tensor(float(steps - 1)), "exp_avg": undone["exp_avg"].clone(),
-                      "exp_avg_sq": undone["exp_avg_sq"].clone()}
+    again.state[q] = {
+        "step": torch.tensor(float(steps - 1)),
+        "exp_avg": undone["exp_avg"].clone(),
+        "exp_avg_sq": undone["exp_avg_sq"].clone(),
+    }
     assert p.grad is not None
     q.grad = p.grad.clone()
     again.step()

@@ -176,7 +176,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         order = [("plain", plain), ("wrapped", wrapped)] if i % 2 == 0 else [("wrapped", wrapped), ("plain", plain)]
         for name, t in order:
             times[name].append(t.iteration())
-    med = {n: (statistics.median(x[0] for x in v[1:]), statistics.median(x[1] for x in v[1:])) for n, v in times.items()}
+    med = {
+        n: (statistics.median(x[0] for x in v[1:]), statistics.median(x[1] for x in v[1:])) for n, v in times.items()
+    }
     undo_refined = wrapped.undo(refine=True)
     wrapped.restep()
     undo_plain = wrapped.undo(refine=False)
@@ -238,7 +240,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "undo_over_step": med(r["undo_s"] / r["step_s"]["plain"] for r in t),
             "undo_plain_over_step": med(r["undo_plain_s"] / r["step_s"]["plain"] for r in t),
             "peak_ratio": med(w["peak_rss_bytes"] / p["peak_rss_bytes"] for p, w in zip(plain, wrapped, strict=True)),
-            "peak_delta_mb": med((w["peak_rss_bytes"] - p["peak_rss_bytes"]) / 2**20 for p, w in zip(plain, wrapped, strict=True)),
+            "peak_delta_mb": med(
+                (w["peak_rss_bytes"] - p["peak_rss_bytes"]) / 2**20 for p, w in zip(plain, wrapped, strict=True)
+            ),
             "undo_peak_delta_mb": med(
                 (w["undo_peak_rss_bytes"] - p["peak_rss_bytes"]) / 2**20 for p, w in zip(plain, wrapped, strict=True)
             ),

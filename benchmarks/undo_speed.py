@@ -92,7 +92,7 @@ class Setup:
 
 
 def _path(path: str) -> str:
-    """"fast-dense"/"fast-gather": the fast path with its refinement forced (ds_swift.undo.apply)."""
+    """ "fast-dense"/"fast-gather": the fast path with its refinement forced (ds_swift.undo.apply)."""
     mode = path.partition("-")[2]
     apply.FAST_REFINE = mode or None  # type: ignore[assignment]
     return path.partition("-")[0]
@@ -151,13 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--elements", type=int, default=None, help="default 256M on cuda, 4M elsewhere")
     ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--paths", default=None,
-                    help="comma-separated undo paths: fused, fast, fast-dense, fast-gather, reference "
-                         "(default fused,fast,fast-dense,reference on cuda; fast,fast-dense,reference elsewhere)")
+    ap.add_argument(
+        "--paths",
+        default=None,
+        help="comma-separated undo paths: fused, fast, fast-dense, fast-gather, reference "
+        "(default fused,fast,fast-dense,reference on cuda; fast,fast-dense,reference elsewhere)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed step+undo pairs per path, paths interleaved (median)")
-    ap.add_argument("--profile-elements", type=int, default=None, help="elements of the profiled undo (default min(N, 16M))")
-    ap.add_argument("--chunk", type=int, default=None,
-                    help="the fast path's slice size in elements (default: ds_swift.undo.apply's, 2^24 on a GPU)")
+    ap.add_argument(
+        "--profile-elements", type=int, default=None, help="elements of the profiled undo (default min(N, 16M))"
+    )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="the fast path's slice size in elements (default: ds_swift.undo.apply's, 2^24 on a GPU)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -173,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         from ds_swift.undo.fused import triton_error
 
         err = triton_error()
-        fused_note = f"fused: Triton kernel unavailable ({err}): its row is the fast path" if err else "fused: Triton kernel"
+        fused_note = (
+            f"fused: Triton kernel unavailable ({err}): its row is the fast path" if err else "fused: Triton kernel"
+        )
     rows = measure(paths, elements, args.tensors, device, args.reps)
     for path, r in rows.items():
         if device.type == "cuda":
@@ -181,18 +192,32 @@ def main(argv: list[str] | None = None) -> int:
         r["profile"] = profile(path, prof_elements, args.tensors, device)
         r["undo_over_step"] = r["undo_ms"] / r["step_ms"]
         r["undo_over_bound"] = r["undo_ms"] / bound_ms
-    result = {"device": str(device), "elements": elements, "tensors": args.tensors, "copy_GBps": bw / 1e9,
-              "bound_ms": bound_ms, "paths": rows, "fused": fused_note, "command": " ".join(["python", *sys.argv])}
+    result = {
+        "device": str(device),
+        "elements": elements,
+        "tensors": args.tensors,
+        "copy_GBps": bw / 1e9,
+        "bound_ms": bound_ms,
+        "paths": rows,
+        "fused": fused_note,
+        "command": " ".join(["python", *sys.argv]),
+    }
     if args.json:
         print(json.dumps(result))
         return 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"undo_speed: torch AdamW fp32, {elements:,} elements in {args.tensors} tensors on {name} (torch {torch.__version__})")
+    print(
+        f"undo_speed: torch AdamW fp32, {elements:,} elements in {args.tensors} tensors on {name} (torch {torch.__version__})"
+    )
     if fused_note:
         print(fused_note)
-    print(f"copy bandwidth (read+write) {bw / 1e9:.1f} GB/s; undo moves {7 * 4 * elements / 1e6:.0f} MB: bound {bound_ms:.2f} ms")
+    print(
+        f"copy bandwidth (read+write) {bw / 1e9:.1f} GB/s; undo moves {7 * 4 * elements / 1e6:.0f} MB: bound {bound_ms:.2f} ms"
+    )
     head = f"{'path':<10}{'step ms':>9}{'undo ms':>10}{'undo/step':>10}{'/bound':>8}"
-    head += "".join(f"{'ulp ' + k:>15}" for k in KINDS) + f"{'exact p/m/v':>17}{'aten ops':>10}{'syncs':>7}{'launches':>10}"
+    head += (
+        "".join(f"{'ulp ' + k:>15}" for k in KINDS) + f"{'exact p/m/v':>17}{'aten ops':>10}{'syncs':>7}{'launches':>10}"
+    )
     print(head)
     for path, r in rows.items():
         line = f"{path:<10}{r['step_ms']:>9.2f}{r['undo_ms']:>10.2f}{r['undo_over_step']:>10.1f}{r['undo_over_bound']:>8.1f}"
@@ -202,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         prof = r["profile"]
         line += f"{prof['aten_ops']:>10}{prof['sync_ops']:>7}{prof.get('kernel_launches', '-'):>10}"
         print(line)
-    print(f"(profile: one undo of {prof_elements:,} elements; syncs: nonzero/item/bool ops, host syncs on a GPU;"
-          " exact: % bitwise)")
+    print(
+        f"(profile: one undo of {prof_elements:,} elements; syncs: nonzero/item/bool ops, host syncs on a GPU;"
+        " exact: % bitwise)"
+    )
     print("goals on a GPU: undo/step <= 3, /bound <= 10, ulp <= 2 (issue 29)")
     print("command:", result["command"])
     return 0

@@ -46,7 +46,6 @@ def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-
 #: how much lower than the training thread's a background worker's CPU priority is (nice steps)
 BACKGROUND_NICE = 10
 #: ``SWIFT_BENCH_WITHOUT=priority`` (ds_swift.runtime.bench_switch, benchmarks only) keeps the

@@ -43,12 +43,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="default: pipeline.stages of --deepspeed_config, else 1")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="default: train_micro_batch_size_per_gpu of --deepspeed_config")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro-batch x gradient_accumulation_steps of --deepspeed_config x dp")
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="default: pipeline.stages of --deepspeed_config, else 1",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="default: train_micro_batch_size_per_gpu of --deepspeed_config",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default: micro-batch x gradient_accumulation_steps of --deepspeed_config x dp",
+    )
     p.add_argument("--train-iters", type=int, default=20)
     p.add_argument("--lr", type=float, default=None, help="overrides the config's optimizer lr")
     p.add_argument("--seed", type=int, default=1234)
@@ -63,9 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=DATA_SOURCES, default="corpus")
     p.add_argument("--loss-log", default=None, metavar="FILE", help="append {iteration, loss} JSON lines here")
     p.add_argument("--log-interval", type=int, default=5)
-    p.add_argument("--data-iter", action="store_true",
-                   help="feed train_batch(data_iter=...) from a resumable iterator (as Megatron scripts feed "
-                        "theirs) instead of letting ds-swift read batch_fn by position")
+    p.add_argument(
+        "--data-iter",
+        action="store_true",
+        help="feed train_batch(data_iter=...) from a resumable iterator (as Megatron scripts feed "
+        "theirs) instead of letting ds-swift read batch_fn by position",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     ds_swift.megatron.add_arguments(p)  # --swift, --swift-config
     return p.parse_args(argv)
@@ -93,8 +108,15 @@ def setup(args: argparse.Namespace) -> tuple[dict[str, Any], Any, GPTConfig]:
         config["pipeline"].setdefault("pipe_partitioned", False)
         config["pipeline"].setdefault("grad_partitioned", False)
     vocab = args.vocab_size if args.vocab_size is not None else (256 if args.data == "corpus" else 128)
-    shape = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, vocab,
-                      args.dropout, tensor_parallel=plan.tp)
+    shape = GPTConfig(
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        vocab,
+        args.dropout,
+        tensor_parallel=plan.tp,
+    )
     if args.train_iters < 1:
         raise PlanError(f"--train-iters {args.train_iters} is invalid: a positive integer")
     return config, plan, shape
@@ -177,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     model = model_fn()
     if dist.get_rank() == 0:
         layout = layouts[0]
-        print(f"plan: tp={layout.tp} pp={layout.pp} dp={layout.dp} order {layout.order} on "
-              f"{layout.num_machines} machine(s) of {gpus_per_node}; micro-batch {plan.micro_batch_size} x "
-              f"{plan.gradient_accumulation_steps} accumulation = global batch {plan.global_batch_size}; "
-              f"data {args.data}", flush=True)
+        print(
+            f"plan: tp={layout.tp} pp={layout.pp} dp={layout.dp} order {layout.order} on "
+            f"{layout.num_machines} machine(s) of {gpus_per_node}; micro-batch {plan.micro_batch_size} x "
+            f"{plan.gradient_accumulation_steps} accumulation = global batch {plan.global_batch_size}; "
+            f"data {args.data}",
+            flush=True,
+        )
     engine, *_ = deepspeed.initialize(
         model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
     )
@@ -197,15 +222,25 @@ def main(argv: list[str] | None = None) -> int:
         elif protected:
             loss = engine.train_batch()  # ds-swift reads batch_fn by position itself
         else:
-            data = micro_batches(batch_fn, engine.global_steps, engine.grid.get_data_parallel_id(),
-                                 engine.gradient_accumulation_steps())
+            data = micro_batches(
+                batch_fn, engine.global_steps, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps()
+            )
             loss = engine.train_batch(data_iter=data)
         step = int(engine.global_steps)
-        if args.loss_log and engine.is_last_stage() and engine.grid.get_data_parallel_id() == 0 \
-                and engine.grid.get_slice_parallel_rank() == 0:
+        if (
+            args.loss_log
+            and engine.is_last_stage()
+            and engine.grid.get_data_parallel_id() == 0
+            and engine.grid.get_slice_parallel_rank() == 0
+        ):
             # 0-based, as --inject and the recovery timeline count: the iteration that made this loss
-            record = {"iteration": step - 1, "loss": float(loss), "time": time.time(), "rank": dist.get_rank(),
-                      "generation": int(getattr(engine, "generation", 0))}
+            record = {
+                "iteration": step - 1,
+                "loss": float(loss),
+                "time": time.time(),
+                "rank": dist.get_rank(),
+                "generation": int(getattr(engine, "generation", 0)),
+            }
             with open(args.loss_log, "a") as f:  # reopened per line: a killed rank leaves whole lines
                 f.write(json.dumps(record) + "\n")
         if engine.global_rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):

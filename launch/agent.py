@@ -100,14 +100,22 @@ class MachineAgent(FailureHandling):
         self._publish_machine()
         if self._pool is not None:
             pids = self._pool.fill()
-            self.events(f"{self.name}: {len(pids)} warm worker(s) started (pids {' '.join(map(str, pids))})",
-                        event="warm_started", node=self.node, pids=pids)
+            self.events(
+                f"{self.name}: {len(pids)} warm worker(s) started (pids {' '.join(map(str, pids))})",
+                event="warm_started",
+                node=self.node,
+                pids=pids,
+            )
         if self.state is AgentState.RUNNING:
             self._spawn(generation=0, replacement=False)
             self.events(
                 f"machine {self.machine}: {self._ranks_text()} started by {self.name} "
                 f"(pids {' '.join(str(w.pid) for w in self.workers)})",
-                event="spawned", node=self.node, machine=self.machine, generation=0, pids=[w.pid for w in self.workers],
+                event="spawned",
+                node=self.node,
+                machine=self.machine,
+                generation=0,
+                pids=[w.pid for w in self.workers],
             )
 
     def tick(self) -> None:
@@ -152,7 +160,10 @@ class MachineAgent(FailureHandling):
                 self._publish_machine()
                 self.events(
                     f"{self.name} takes over machine {machine} ({self._ranks_text()})",
-                    event="takeover", node=self.node, machine=machine, failed_generation=failed_generation,
+                    event="takeover",
+                    node=self.node,
+                    machine=machine,
+                    failed_generation=failed_generation,
                 )
                 self._spawn_replacement()
                 return
@@ -190,7 +201,9 @@ class MachineAgent(FailureHandling):
             try:
                 worker = self._spawn_fn(self.job.command, wenv, self.job.nproc_per_node, self.job.op_timeout_s)
             except OSError as exc:
-                self._give_up(f"machine {self.machine}: cannot start rank {wenv.rank} ({self.job.command.script}): {exc}")
+                self._give_up(
+                    f"machine {self.machine}: cannot start rank {wenv.rank} ({self.job.command.script}): {exc}"
+                )
                 return False
             self.workers.append(worker)
         return False
@@ -209,9 +222,15 @@ class MachineAgent(FailureHandling):
         self._grow_pending = g
         self._failed_generation = g
         self._spawn(generation=g + 1, replacement=True)
-        self.events(f"machine {self.machine}: back after {self.job.restart_delay_s:g} s; its ranks start for "
-                    f"generation {g + 1} on machines {self._layout}", event="grow_started", node=self.node,
-                    machine=self.machine, generation=g + 1, machines=self._layout)
+        self.events(
+            f"machine {self.machine}: back after {self.job.restart_delay_s:g} s; its ranks start for "
+            f"generation {g + 1} on machines {self._layout}",
+            event="grow_started",
+            node=self.node,
+            machine=self.machine,
+            generation=g + 1,
+            machines=self._layout,
+        )
 
     def _grow_when_joined(self) -> None:
         """The returning machine's ranks all wait in generation g+1: publish the grown layout, name the
@@ -220,8 +239,10 @@ class MachineAgent(FailureHandling):
         g = self._grow_pending
         assert g is not None and self.machine is not None
         if self.store.failure(g) is not None:
-            self.control.abort(f"machine {self.machine}: generation {g} failed while the machine was coming back "
-                               "(elastic grow); a failure during a grow is not recovered")
+            self.control.abort(
+                f"machine {self.machine}: generation {g} failed while the machine was coming back "
+                "(elastic grow); a failure during a grow is not recovered"
+            )
             return
         if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
             return
@@ -231,9 +252,15 @@ class MachineAgent(FailureHandling):
         self.store.declare_failure(g, f"machine {self.machine} is back (elastic grow): a rebuild with it")
         self.store.advance_generation(g)
         self.control.record_replacement_spawned(g, time.time())
-        self.events(f"machine {self.machine}: its ranks wait in generation {g + 1}; generation {g} ends for a "
-                    f"rebuild on machines {self._layout}", event="grow", node=self.node, machine=self.machine,
-                    generation=g + 1, machines=self._layout)
+        self.events(
+            f"machine {self.machine}: its ranks wait in generation {g + 1}; generation {g} ends for a "
+            f"rebuild on machines {self._layout}",
+            event="grow",
+            node=self.node,
+            machine=self.machine,
+            generation=g + 1,
+            machines=self._layout,
+        )
 
     def _spawn_replacement(self) -> None:
         generation = self.store.generation()
@@ -245,7 +272,12 @@ class MachineAgent(FailureHandling):
         self.events(
             f"machine {self.machine}: replacement {self._ranks_text()} {'handed to warm workers' if warm else 'started'} "
             f"by {self.name} in generation {generation} (pids {' '.join(str(w.pid) for w in self.workers)})",
-            event="replacement_spawned", node=self.node, machine=self.machine, generation=generation,
-            failed_generation=self._failed_generation, t=t, pids=[w.pid for w in self.workers], warm=warm,
+            event="replacement_spawned",
+            node=self.node,
+            machine=self.machine,
+            generation=generation,
+            failed_generation=self._failed_generation,
+            t=t,
+            pids=[w.pid for w in self.workers],
+            warm=warm,
         )
-

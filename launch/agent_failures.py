@@ -107,8 +107,12 @@ class FailureHandling:
             self.state = AgentState.DONE
             self._publish_machine()
             self.control.mark_machine_done(self.machine)
-            self.events(f"machine {self.machine}: {self._ranks_text()} exited 0", event="machine_done",
-                        node=self.node, machine=self.machine)
+            self.events(
+                f"machine {self.machine}: {self._ranks_text()} exited 0",
+                event="machine_done",
+                node=self.node,
+                machine=self.machine,
+            )
 
     def _own_error(self, worker: Worker, returncode: int) -> bool:
         """The rank exited on the job's own error (it said so in the store before raising: a bug, not
@@ -134,13 +138,21 @@ class FailureHandling:
         current = self.store.generation()
         if worker.generation >= current or self.store.failure(worker.generation) is None:
             return False
-        reason = (f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
-                  f"generation {worker.generation} failed without it")
+        reason = (
+            f"machine {self.machine}: replacement rank {worker.rank} {describe_exit(returncode)} after its "
+            f"generation {worker.generation} failed without it"
+        )
         if self._fates.one_too_many(reason):
             self.state = AgentState.RETIRED
             return True
-        self.events(f"{reason}: its ranks start again in generation {current}", event="replacement_restarted",
-                    node=self.node, machine=self.machine, generation=current, rank=worker.rank)
+        self.events(
+            f"{reason}: its ranks start again in generation {current}",
+            event="replacement_restarted",
+            node=self.node,
+            machine=self.machine,
+            generation=current,
+            rank=worker.rank,
+        )
         self._spawn_replacement()
         return True
 
@@ -154,27 +166,40 @@ class FailureHandling:
         index, generation = fired
         what = why if why is not None else f"rank {worker.rank} {describe_exit(returncode)}"
         group = self._groups.describe(index)
-        self._pending = self._groups.pending(index, generation, worker.rank, returncode, t_detected,
-                                             what if what == group else f"{what} ({group})")
+        self._pending = self._groups.pending(
+            index, generation, worker.rank, returncode, t_detected, what if what == group else f"{what} ({group})"
+        )
         self._groups.down(self._pending)
-        self.events(f"machine {self.machine}: down with {self._groups.describe(index)}; its failure is declared "
-                    "once the whole group is down", event="group_down", node=self.node, machine=self.machine,
-                    index=index, generation=generation)
+        self.events(
+            f"machine {self.machine}: down with {self._groups.describe(index)}; its failure is declared "
+            "once the whole group is down",
+            event="group_down",
+            node=self.node,
+            machine=self.machine,
+            index=index,
+            generation=generation,
+        )
 
-    def _fail_machine(self, rank: int, returncode: int, t_detected: float, why: str | None = None,
-                      generation: int | None = None) -> None:
+    def _fail_machine(
+        self, rank: int, returncode: int, t_detected: float, why: str | None = None, generation: int | None = None
+    ) -> None:
         machine = self.machine
         assert machine is not None
         what = why if why is not None else f"rank {rank} {describe_exit(returncode)}"
         reason = f"machine {machine}: {what} at {_clock(t_detected)}"
-        outcome, self._failed_generation = self._fates.handle(machine, reason, t_detected, own=True, rank=rank,
-                                                              returncode=returncode, generation=generation)
+        outcome, self._failed_generation = self._fates.handle(
+            machine, reason, t_detected, own=True, rank=rank, returncode=returncode, generation=generation
+        )
         if outcome == "restart" or (outcome == "shrink" and self.job.restart_delay_s is not None):
             self._grow_back = outcome == "shrink"
             self.state = AgentState.RESTARTING
             self._restart_at = time.monotonic() + (self.job.restart_delay_s or 0.0)
-            self.events(f"machine {machine}: {self.name} restarts {self._ranks_text()} in "
-                        f"{self.job.restart_delay_s:g} s", event="restart_scheduled", node=self.node, machine=machine)
+            self.events(
+                f"machine {machine}: {self.name} restarts {self._ranks_text()} in {self.job.restart_delay_s:g} s",
+                event="restart_scheduled",
+                node=self.node,
+                machine=machine,
+            )
         else:
             self.state = AgentState.RETIRED
         self._publish_machine()
@@ -185,13 +210,22 @@ class FailureHandling:
         value = self.store.get(f"launch/machine_of/{node}")
         self.store.add("launch/lost_agents", 1)
         if not value:
-            self.events(f"agent {node} is gone (silent for {silent_s:.1f} s); it ran no machine",
-                        event="agent_lost", node=self.node, lost_node=node)
+            self.events(
+                f"agent {node} is gone (silent for {silent_s:.1f} s); it ran no machine",
+                event="agent_lost",
+                node=self.node,
+                lost_node=node,
+            )
             return
         machine = int(value)
         reason = f"machine {machine}: its agent {node} is gone (silent for {silent_s:.1f} s) at {_clock(t_detected)}"
-        self.events(f"{self.name} handles the failure of machine {machine} for dead agent {node}",
-                    event="agent_lost", node=self.node, lost_node=node, machine=machine)
+        self.events(
+            f"{self.name} handles the failure of machine {machine} for dead agent {node}",
+            event="agent_lost",
+            node=self.node,
+            lost_node=node,
+            machine=machine,
+        )
         self._fates.handle(machine, reason, t_detected, own=False, lost_node=node)
 
     def _give_up(self, reason: str) -> None:

@@ -29,6 +29,7 @@ from .slurm import in_slurm_step
 # build_parser lives in .flags (the flags themselves); it stays importable from here.
 __all__ = ["Command", "LaunchArgs", "LaunchUsageError", "build_parser", "parse_args"]
 
+
 @dataclass(frozen=True)
 class Command:
     """How each worker runs the user's script."""
@@ -149,8 +150,9 @@ def _credentials(ns: argparse.Namespace, env: dict[str, str], store_url: str | N
     return cred
 
 
-def _launch_id(ns: argparse.Namespace, env: dict[str, str], place: Any, store_url: str | None,
-               multi_host: bool) -> str | None:
+def _launch_id(
+    ns: argparse.Namespace, env: dict[str, str], place: Any, store_url: str | None, multi_host: bool
+) -> str | None:
     """The launch id every agent of this launch derives alike, or None (see LaunchArgs.launch_id)."""
     text = ns.launch_id or (env.get(LAUNCH_ENV) if multi_host else None)
     if text is None and place.step is not None:
@@ -189,8 +191,9 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     token = _job_token(ns, env, place, multi_host=node_rank is not None or remote)
     master_port = _master_port(ns, node_rank, nnodes, spares, token, remote)
     try:
-        secret = job_secret(ns.job_secret_file, env, multi_host=node_rank is not None or remote,
-                            generate=node_rank is None)
+        secret = job_secret(
+            ns.job_secret_file, env, multi_host=node_rank is not None or remote, generate=node_rank is None
+        )
     except SecretError as exc:
         raise LaunchUsageError(str(exc)) from exc
 
@@ -261,8 +264,9 @@ def _master_port(
         if node_rank >= nnodes + spares:
             raise LaunchUsageError(
                 f"--node-rank {node_rank} is out of range: agents are 0..{nnodes - 1} (machines) and "
-                f"{nnodes}..{nnodes + spares - 1} (spares)" if spares else
-                f"--node-rank {node_rank} is out of range: agents are 0..{nnodes - 1} (add --spares for spare agents)"
+                f"{nnodes}..{nnodes + spares - 1} (spares)"
+                if spares
+                else f"--node-rank {node_rank} is out of range: agents are 0..{nnodes - 1} (add --spares for spare agents)"
             )
         if token is None:
             raise LaunchUsageError(

@@ -35,8 +35,9 @@ class MachineFate:
         self.control = control
         self.events = events
 
-    def handle(self, machine: int, reason: str, t_detected: float, own: bool, generation: int | None = None,
-               **fields: object) -> tuple[str, int]:
+    def handle(
+        self, machine: int, reason: str, t_detected: float, own: bool, generation: int | None = None, **fields: object
+    ) -> tuple[str, int]:
         """Declare ``machine``'s failure, then request a spare; returns its fate ("spare", "restart",
         "shrink" or "abort") and the generation the failure ends."""
         failed_generation, declared = self._declare(reason, generation)
@@ -45,14 +46,25 @@ class MachineFate:
         t_fire = self._injected_kill_time(machine, t_detected)
         latency = ""
         if t_fire is not None:
-            fields = {**fields, "kill_to_detected_ms": (t_detected - t_fire) * 1e3,
-                      "kill_to_flag_ms": (t_declared - t_fire) * 1e3}
-            latency = (f" (injected kill -> seen {fields['kill_to_detected_ms']:.1f} ms, "
-                       f"-> gen{failed_generation}/failed {fields['kill_to_flag_ms']:.1f} ms)")
+            fields = {
+                **fields,
+                "kill_to_detected_ms": (t_detected - t_fire) * 1e3,
+                "kill_to_flag_ms": (t_declared - t_fire) * 1e3,
+            }
+            latency = (
+                f" (injected kill -> seen {fields['kill_to_detected_ms']:.1f} ms, "
+                f"-> gen{failed_generation}/failed {fields['kill_to_flag_ms']:.1f} ms)"
+            )
         self.events(
             f"{reason}: generation {failed_generation} failed{'' if declared else ' (already declared)'}{latency}",
-            event="failure", node=self.node, machine=machine, generation=failed_generation, declared=declared,
-            t_detected=t_detected, t_declared=t_declared, **fields,
+            event="failure",
+            node=self.node,
+            machine=machine,
+            generation=failed_generation,
+            declared=declared,
+            t_detected=t_detected,
+            t_declared=t_declared,
+            **fields,
         )
         fate = self._fate(machine, failed_generation, reason, own)
         self.control.set_fate(failed_generation, machine, fate)
@@ -88,16 +100,30 @@ class MachineFate:
             slot = self.control.take_spare()
             if slot <= self.job.num_spares:
                 self.control.request_replacement(slot, machine, failed_generation)
-                self.events(f"machine {machine}: spare {slot} of {self.job.num_spares} requested", event="spare_requested",
-                            node=self.node, machine=machine, slot=slot)
+                self.events(
+                    f"machine {machine}: spare {slot} of {self.job.num_spares} requested",
+                    event="spare_requested",
+                    node=self.node,
+                    machine=machine,
+                    slot=slot,
+                )
                 return "spare"
         if self.job.elastic:
             left = self.control.remove_machine(machine, self.job.num_machines)
             if left:
-                back = (f"; it comes back after {self.job.restart_delay_s:g} s" if own and self.job.restart_delay_s
-                        is not None else "")
-                self.events(f"machine {machine}: no spare left; the job goes on without it on machines {left} "
-                            f"(--elastic){back}", event="shrink", node=self.node, machine=machine, machines=left)
+                back = (
+                    f"; it comes back after {self.job.restart_delay_s:g} s"
+                    if own and self.job.restart_delay_s is not None
+                    else ""
+                )
+                self.events(
+                    f"machine {machine}: no spare left; the job goes on without it on machines {left} "
+                    f"(--elastic){back}",
+                    event="shrink",
+                    node=self.node,
+                    machine=machine,
+                    machines=left,
+                )
                 return "shrink"
         if own and self.job.restart_delay_s is not None:
             return "restart"

@@ -159,7 +159,8 @@ def ecc_baseline(
         if ecc:
             log.warning(
                 "%s already has %d uncorrectable ECC error(s) since the driver loaded; only new ones will fail it",
-                name, ecc,
+                name,
+                ecc,
             )
         out[local] = ecc
     return out
@@ -196,7 +197,8 @@ def check_gpus(
         before = (baseline or {}).get(local, 0)
         if ecc is not None and ecc > before:
             problems.append(
-                f"{name}: {ecc} uncorrectable ECC error(s) since the driver loaded" if baseline is None
+                f"{name}: {ecc} uncorrectable ECC error(s) since the driver loaded"
+                if baseline is None
                 else f"{name}: {ecc - before} new uncorrectable ECC error(s) during this job ({ecc} since the driver loaded)"
             )
     return GpuHealth(healthy=not problems, checked=True, problems=problems)

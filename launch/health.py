@@ -40,7 +40,12 @@ class MachineHealth:
     """
 
     def __init__(
-        self, node: int, nproc_per_node: int, store: JobStore, events: EventLog, groups: GroupKill,
+        self,
+        node: int,
+        nproc_per_node: int,
+        store: JobStore,
+        events: EventLog,
+        groups: GroupKill,
         gpu_monitor: Any | None = None,
     ) -> None:
         self.node = node
@@ -105,9 +110,14 @@ class MachineHealth:
         if self._suspicion is None or self._suspicion[0] != g:
             timeout_s, _, why = raw.partition(" ")
             self._suspicion = (g, CounterClock(float(timeout_s)), why)
-            self.events(f"machine {machine}: suspected in generation {g} ({why}); {name} checks its "
-                        "ranks' heartbeats on its own clock", event="suspected", node=self.node,
-                        machine=machine, generation=g)
+            self.events(
+                f"machine {machine}: suspected in generation {g} ({why}); {name} checks its "
+                "ranks' heartbeats on its own clock",
+                event="suspected",
+                node=self.node,
+                machine=machine,
+                generation=g,
+            )
         _, beats, why = self._suspicion
         now = beats.begin_round()
         for w in workers:

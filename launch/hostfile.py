@@ -38,8 +38,10 @@ def check_host(host: str, where: str) -> str:
     if host.startswith("-"):
         why = "starts with '-', which ssh and pdsh would read as an option"
     elif ":" in host.strip("[]"):
-        why = ("looks like an IPv6 address, which is not supported (':' separates GPU slots in --include); "
-               "give the host a name in /etc/hosts or use its IPv4 address")
+        why = (
+            "looks like an IPv6 address, which is not supported (':' separates GPU slots in --include); "
+            "give the host a name in /etc/hosts or use its IPv4 address"
+        )
     else:
         why = "is not a host name: only letters, digits, '.', '-' and '_' (not first) may appear in one"
     raise HostfileError(f"{where}: host {host!r} {why}")
@@ -112,8 +114,11 @@ def filter_resources(
                 raise HostfileError(f"--include: host {host} is not in the hostfile")
             if slots is not None and not set(slots) <= set(available[host]):
                 raise HostfileError(f"--include: {host} has slots 0..{len(available[host]) - 1}, not {slots}")
-        result = [(h.host, available[h.host] if chosen[h.host] is None else list(chosen[h.host] or []))
-                  for h in hosts if h.host in chosen]
+        result = [
+            (h.host, available[h.host] if chosen[h.host] is None else list(chosen[h.host] or []))
+            for h in hosts
+            if h.host in chosen
+        ]
     else:
         dropped = _parse_filter(exclude, "--exclude") if exclude else {}
         for host in dropped:

@@ -66,7 +66,12 @@ class GroupKill:
 
     def all_down(self, pending: PendingFailure) -> bool:
         spec = self.groups[[i for i, _ in self.groups].index(pending.index)][1]
-        return self.store.add(group_down_key(pending.index), 0) >= len(spec.machines) or time.monotonic() >= pending.deadline
+        return (
+            self.store.add(group_down_key(pending.index), 0) >= len(spec.machines)
+            or time.monotonic() >= pending.deadline
+        )
 
-    def pending(self, index: int, generation: int, rank: int, returncode: int, t_detected: float, why: str) -> PendingFailure:
+    def pending(
+        self, index: int, generation: int, rank: int, returncode: int, t_detected: float, why: str
+    ) -> PendingFailure:
         return PendingFailure(index, generation, rank, returncode, t_detected, why, time.monotonic() + GROUP_WAIT_S)

@@ -250,22 +250,32 @@ def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]
     if args.store_url is not None:
         # An agent that pdsh/ssh started without a launch id joins the one its launcher began.
         join = launch is None and args.multi_host
-        store = JobStore.open(args.store_url, token, create=not join, secret=args.job_secret, launch=launch,
-                              credentials=args.store_credentials, wait_s=30.0 if join else 0.0)
+        store = JobStore.open(
+            args.store_url,
+            token,
+            create=not join,
+            secret=args.job_secret,
+            launch=launch,
+            credentials=args.store_credentials,
+            wait_s=30.0 if join else 0.0,
+        )
         host, port = StoreURL.parse(args.store_url).endpoints[0]
         return store, host, port, False
     if args.node_rank is None:
-        store = JobStore.host(token, port=args.master_port or 0, addr="127.0.0.1", secret=args.job_secret,
-                              launch=launch)
+        store = JobStore.host(
+            token, port=args.master_port or 0, addr="127.0.0.1", secret=args.job_secret, launch=launch
+        )
         return store, "127.0.0.1", store.port, True
     if args.node_rank == 0:
-        store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret,
-                              launch=launch)
+        store = JobStore.host(
+            token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret, launch=launch
+        )
         return store, args.master_addr, store.port, True
     assert args.master_port is not None
     # Started with the others (srun): the host agent may not have written the job's keys yet.
-    store = JobStore.connect(args.master_addr, args.master_port, token, wait_s=30.0, secret=args.job_secret,
-                             launch=launch)
+    store = JobStore.connect(
+        args.master_addr, args.master_port, token, wait_s=30.0, secret=args.job_secret, launch=launch
+    )
     return store, args.master_addr, args.master_port, False
 
 
@@ -287,16 +297,32 @@ def run(args: LaunchArgs) -> int:
     remote = args.num_agents - 1 if hosts_store and args.node_rank == 0 else 0
     job = JobSpec.from_args(args, addr, port, token, store_url=args.store_url or "", launch=store.launch)
     where = "simulated on this host" if args.node_rank is None else f"this host is agent {args.node_rank}"
-    events(_describe(args, args.store_url or f"{addr}:{port}") + f" ({where}, launch {store.launch})", event="start",
-           store_port=port, launch=store.launch)
+    events(
+        _describe(args, args.store_url or f"{addr}:{port}") + f" ({where}, launch {store.launch})",
+        event="start",
+        store_port=port,
+        launch=store.launch,
+    )
     for launch, why in store.collected:
-        events(f"deleted the keys of dead launch {launch} of this job ({why})", event="launch_collected",
-               launch=launch, why=why)
+        events(
+            f"deleted the keys of dead launch {launch} of this job ({why})",
+            event="launch_collected",
+            launch=launch,
+            why=why,
+        )
     agents = [MachineAgent(node, job, store, events) for node in nodes]
     liveness = None
     if args.node_rank is not None:
         liveness = AgentLiveness(store, nodes, args.num_agents, args.agent_timeout_s)
     clear_after = 0 if args.store_url is None else (1 if args.node_rank is None else args.num_agents)
-    supervisor = Supervisor(agents, store, events, args.nnodes, hosts_store=hosts_store, remote_agents=remote,
-                            liveness=liveness, clear_after=clear_after)
+    supervisor = Supervisor(
+        agents,
+        store,
+        events,
+        args.nnodes,
+        hosts_store=hosts_store,
+        remote_agents=remote,
+        liveness=liveness,
+        clear_after=clear_after,
+    )
     return supervisor.run()

@@ -55,8 +55,9 @@ class AgentLiveness:
         self.beat_s = max(0.05, timeout_s / 5)
         self._next_beat = 0.0
         # A gap of more than 3 beats between two looks: this watcher's own store stalled.
-        self._beats: CounterClock[int] = CounterClock(timeout_s, clock=clock, max_gap_s=3 * self.beat_s,
-                                                      first_grace_s=FIRST_BEAT_GRACE_S)
+        self._beats: CounterClock[int] = CounterClock(
+            timeout_s, clock=clock, max_gap_s=3 * self.beat_s, first_grace_s=FIRST_BEAT_GRACE_S
+        )
         now = clock()
         for node in self.others:
             self._beats.observe(node, 0, now)

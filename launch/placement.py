@@ -49,7 +49,9 @@ def _sizes(ns: argparse.Namespace, hosts: Sequence[HostEntry], spares: int) -> t
         if nnodes is None:
             nnodes = len(hosts) - spares
             if nnodes < 1:
-                raise LaunchUsageError(f"--hostfile lists {len(hosts)} hosts, not enough for --spares {spares} plus one machine")
+                raise LaunchUsageError(
+                    f"--hostfile lists {len(hosts)} hosts, not enough for --spares {spares} plus one machine"
+                )
         if nnodes + spares > len(hosts):
             raise LaunchUsageError(
                 f"--nnodes {nnodes} + --spares {spares} needs {nnodes + spares} hosts; --hostfile lists {len(hosts)}"
@@ -133,6 +135,13 @@ def place_agents(ns: argparse.Namespace, env: dict[str, str], launcher: str) -> 
         return Placement(hosts, nnodes, nproc, spares, node_rank, master)
     n = nnodes + spares
     # The launch host serves the store: its name, as the hosts reach it.
-    return Placement(hosts, nnodes, nproc, spares, None, socket.getfqdn(),
-                      agent_hosts=tuple(h.host for h in hosts[:n]),
-                      agent_slots=tuple(tuple(slots) for _, slots in chosen[:n]))
+    return Placement(
+        hosts,
+        nnodes,
+        nproc,
+        spares,
+        None,
+        socket.getfqdn(),
+        agent_hosts=tuple(h.host for h in hosts[:n]),
+        agent_slots=tuple(tuple(slots) for _, slots in chosen[:n]),
+    )

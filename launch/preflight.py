@@ -57,9 +57,11 @@ def preflight(args: LaunchArgs) -> str | None:
     ns = script_namespace(args.command.args)
     if ns.deepspeed_config is None and ns.swift_config is None:
         if args.elastic:
-            return ("--elastic: the training script's DeepSpeed config is not on its command line "
-                    "(--deepspeed_config FILE), so the launcher cannot check that it enables the elastic shrink; "
-                    "pass it, or drop --elastic")
+            return (
+                "--elastic: the training script's DeepSpeed config is not on its command line "
+                "(--deepspeed_config FILE), so the launcher cannot check that it enables the elastic shrink; "
+                "pass it, or drop --elastic"
+            )
         return None
     try:
         ds_config = load_ds_config(ns.deepspeed_config) if ns.deepspeed_config else {}

@@ -122,8 +122,10 @@ def visible_devices_case(args: LaunchArgs) -> list[str | None]:
 def agent_command(agent_argv: Sequence[str], env_file: str, cwd: str, python: str | None = None) -> list[str | None]:
     """What a host runs: cd, source the exports, then the agent; ``None``: the host's name."""
     q = shlex.quote
-    missing = (f"[ -r {q(env_file)} ] || {{ printf 'ds-swift-launch: %s is not readable on this host: "
-               f"--run-dir must be a folder every host sees at the same path\\n' {q(env_file)} >&2; exit 2; }}; ")
+    missing = (
+        f"[ -r {q(env_file)} ] || {{ printf 'ds-swift-launch: %s is not readable on this host: "
+        f"--run-dir must be a folder every host sees at the same path\\n' {q(env_file)} >&2; exit 2; }}; "
+    )
     cli = shlex.join([python or sys.executable, "-u", "-m", "ds_swift.launch.cli", "--node-host"])
     return [missing, f"cd {q(cwd)} && . {q(env_file)} && exec {cli} ", None, " " + shlex.join(agent_argv)]
 
@@ -152,8 +154,16 @@ def start_agents(
     if launcher == "ssh":
         return [
             subprocess.Popen(
-                ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", "--", host,
-                 render(command, host)],
+                [
+                    "ssh",
+                    "-o",
+                    "BatchMode=yes",
+                    "-o",
+                    "StrictHostKeyChecking=accept-new",
+                    "--",
+                    host,
+                    render(command, host),
+                ],
                 env=popen_env,
                 stdin=subprocess.DEVNULL,
             )
@@ -166,11 +176,28 @@ def agent_argv(args: LaunchArgs, store_url: str, token: str, secret_file: str) -
     """The flags every host's agent gets after ``--node-host <host>`` (:func:`agent_command`).
     The job secret goes by ``secret_file`` (mode 0600), never on the command line."""
     argv = [
-        "--job-secret-file", secret_file,
-        "--launcher", "local", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
-        "--spares", str(args.spares), "--max-failures", str(args.max_failures), "--store", store_url,
-        "--job-token", token, "--run-dir", args.run_dir, "--agent-timeout", repr(args.agent_timeout_s),
-        "--agent-hosts", ",".join(args.agent_hosts),
+        "--job-secret-file",
+        secret_file,
+        "--launcher",
+        "local",
+        "--nnodes",
+        str(args.nnodes),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--spares",
+        str(args.spares),
+        "--max-failures",
+        str(args.max_failures),
+        "--store",
+        store_url,
+        "--job-token",
+        token,
+        "--run-dir",
+        args.run_dir,
+        "--agent-timeout",
+        repr(args.agent_timeout_s),
+        "--agent-hosts",
+        ",".join(args.agent_hosts),
     ]
     if args.restart_delay_s is not None:
         argv += ["--restart-delay", repr(args.restart_delay_s)]
@@ -222,11 +249,18 @@ def run_remote(args: LaunchArgs) -> int:
     env_file = os.path.join(args.run_dir, ENV_FILE)
     write_env_file(env_file, exports)
     command = [*visible_devices_case(args), *agent_command(argv, env_file, os.getcwd())]
-    events(f"{args.launcher}: starting {len(args.agent_hosts)} agent(s) on {', '.join(args.agent_hosts)}; "
-           f"job store {store_url}", event="start", hosts=list(args.agent_hosts), store=store_url)
+    events(
+        f"{args.launcher}: starting {len(args.agent_hosts)} agent(s) on {', '.join(args.agent_hosts)}; "
+        f"job store {store_url}",
+        event="start",
+        hosts=list(args.agent_hosts),
+        store=store_url,
+    )
     procs = start_agents(args.launcher, args.agent_hosts, command)
     got: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     deadline: float | None = None
     try:
         while any(p.poll() is None for p in procs):

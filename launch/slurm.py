@@ -90,7 +90,9 @@ class SlurmStep:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SlurmStep:
         """Raises ValueError (with the fix) when the step is not one task per node."""
-        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        nodelist = (
+            environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        )
         if not nodelist:
             raise ValueError("SLURM_JOB_NODELIST is not set")
         hosts = tuple(expand_nodelist(nodelist))

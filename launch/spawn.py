@@ -166,8 +166,15 @@ def warm_argv(command: Command, local_rank: int, python: str = sys.executable) -
     script_argv = worker_argv(command, local_rank, python)
     # worker_argv is [python, -u, (-m,) script, args...]: the warm runner takes the script and args.
     rest = script_argv[4:] if command.module else script_argv[3:]
-    return [python, "-u", "-m", "ds_swift.runtime.warm", *(["--module"] if command.module else []), command.script,
-            *rest]
+    return [
+        python,
+        "-u",
+        "-m",
+        "ds_swift.runtime.warm",
+        *(["--module"] if command.module else []),
+        command.script,
+        *rest,
+    ]
 
 
 def warm_environ(local_rank: int, nproc_per_node: int, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -22,7 +22,9 @@ def saving_through(engine: Any, checkpoint_engine: Any) -> PatchHandle:
     """Make ``engine.save_checkpoint`` write through ``checkpoint_engine`` until the handle is removed."""
     check_deepspeed()
     if not hasattr(engine, "checkpoint_engine"):
-        raise PatchError("this DeepSpeed engine has no checkpoint_engine attribute: asynchronous checkpoints need DeepSpeed >=0.16")
+        raise PatchError(
+            "this DeepSpeed engine has no checkpoint_engine attribute: asynchronous checkpoints need DeepSpeed >=0.16"
+        )
     original = engine.checkpoint_engine
     engine.checkpoint_engine = checkpoint_engine
 

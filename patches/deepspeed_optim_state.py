@@ -222,7 +222,9 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
         raise GeometryError("no partition of the old geometry to reshard from")
     kinds = {p["geometry"]["kind"] for p in parts}
     if kinds != {kind}:
-        raise GeometryError(f"optimizer state of kind(s) {sorted(kinds)} cannot be loaded into a {kind.value!r} wrapper")
+        raise GeometryError(
+            f"optimizer state of kind(s) {sorted(kinds)} cannot be loaded into a {kind.value!r} wrapper"
+        )
     if not kind.partitioned_by_dp:
         if parts[0]["geometry"] != want:
             raise GeometryError(f"optimizer state of another geometry: {parts[0]['geometry']} vs {want}")
@@ -237,8 +239,14 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
     for i, (pid, new_count) in enumerate(want["partitions"]):
         size, full = want["masters"][i], _unpadded(opt, kind, i)
 
-        def cut(tensors: list[torch.Tensor], i: int = i, pid: int = pid, size: int = size, full: int = full,
-                new_count: int = new_count) -> torch.Tensor:
+        def cut(
+            tensors: list[torch.Tensor],
+            i: int = i,
+            pid: int = pid,
+            size: int = size,
+            full: int = full,
+            new_count: int = new_count,
+        ) -> torch.Tensor:
             joined = torch.cat([t.reshape(-1) for t in tensors])
             if joined.numel() < full:
                 raise GeometryError(f"group {i}: the old partitions hold {joined.numel()} elements, the model {full}")
@@ -259,8 +267,13 @@ def reshard_optimizer(parts: list[dict[str, Any]], opt: Any) -> dict[str, Any]:
                 raise GeometryError(f"group {i}: optimizer state {key!r} differs between the old partitions")
         out_state[i] = merged
     inner = {"state": out_state, "param_groups": copy.deepcopy(inner_parts[0]["param_groups"])}
-    return {"geometry": want, "masters": out_masters, "inner": inner, "scalers": parts[0]["scalers"],
-            "flags": parts[0]["flags"]}
+    return {
+        "geometry": want,
+        "masters": out_masters,
+        "inner": inner,
+        "scalers": parts[0]["scalers"],
+        "flags": parts[0]["flags"],
+    }
 
 
 def refresh_lp_params(opt: Any, gather: bool = True) -> None:

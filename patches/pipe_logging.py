@@ -38,7 +38,9 @@ SendCallback = Callable[[str, list[torch.Tensor]], None]
 IdleCallback = Callable[[str], None]
 
 
-def _capturing_send(engine: Any, call_next: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+def _capturing_send(
+    engine: Any, call_next: Callable[..., Any], kwargs: dict[str, Any]
+) -> tuple[Any, list[torch.Tensor]]:
     captured: list[torch.Tensor] = []
     in_meta = False
     had_meta = "_send_tensor_meta" in engine.__dict__

@@ -36,9 +36,20 @@ __all__ = ["COLLECTIVES", "SUPPORTED_TORCH", "Wrapper", "call_ranks", "record_st
 
 SUPPORTED_TORCH = ("2.4", "2.14")
 COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
-    "all_gather_object", "broadcast_object_list",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
 )
 _MARK = "_ds_swift_collectives"
 

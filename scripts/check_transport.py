@@ -34,13 +34,40 @@ DEFAULT_DIRS = ("ds_swift", "launch")
 ALLOWED = ("ds_swift/transport/",)
 EXEMPT = "# transport: ok"
 MODULES = ("torch.distributed", "deepspeed.comm")
-COMM = frozenset({
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "send_object_list", "recv_object_list",
-    "broadcast", "broadcast_object_list", "all_reduce", "reduce", "all_gather", "all_gather_object",
-    "all_gather_into_tensor", "all_gather_coalesced", "gather", "gather_object", "scatter", "scatter_object_list",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-})
+COMM = frozenset(
+    {
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "P2POp",
+        "send_object_list",
+        "recv_object_list",
+        "broadcast",
+        "broadcast_object_list",
+        "all_reduce",
+        "reduce",
+        "all_gather",
+        "all_gather_object",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "new_group",
+        "new_subgroups",
+        "new_subgroups_by_enumeration",
+        "split_group",
+    }
+)
 
 
 def _module_aliases(tree: ast.Module) -> tuple[set[str], set[str], set[str]]:
@@ -80,7 +107,9 @@ def check_source(source: str, path: str = "<string>") -> list[str]:
             hit = f"from {node.module} import {', '.join(names)}" if names else None
         elif isinstance(node, ast.Attribute) and node.attr in COMM:
             owner = ast.unparse(node.value)
-            if owner in modules or (owner.split(".")[0] in roots and owner.split(".", 1)[-1] in ("distributed", "comm")):
+            if owner in modules or (
+                owner.split(".")[0] in roots and owner.split(".", 1)[-1] in ("distributed", "comm")
+            ):
                 hit = f"{owner}.{node.attr}"
         elif isinstance(node, ast.Name) and node.id in functions:
             hit = node.id
@@ -112,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for f in found:
         print(f)
     if found:
-        print(f"{len(found)} torch.distributed communication call(s) outside ds_swift/transport/: move ds-swift's own "
-              "traffic onto ds_swift.transport (host tensors on its gloo groups, no pickle)", file=sys.stderr)
+        print(
+            f"{len(found)} torch.distributed communication call(s) outside ds_swift/transport/: move ds-swift's own "
+            "traffic onto ds_swift.transport (host tensors on its gloo groups, no pickle)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -39,8 +39,13 @@ def main() -> int:
         monitor = GpuMonitor([0], environ=env)
         poll = monitor.poll()
         seen[label] = {
-            "baseline": base, "checked": health.checked, "healthy": health.healthy, "problems": health.problems,
-            "xid_events": monitor._events is not None, "poll_healthy": poll.healthy, "poll_problems": poll.problems,
+            "baseline": base,
+            "checked": health.checked,
+            "healthy": health.healthy,
+            "problems": health.problems,
+            "xid_events": monitor._events is not None,
+            "poll_healthy": poll.healthy,
+            "poll_problems": poll.problems,
         }
         print(f"{label:24s} {json.dumps(seen[label])}")
     bad = []
@@ -48,7 +53,10 @@ def main() -> int:
         s = seen[label]
         if not (s["checked"] and s["healthy"] and s["poll_healthy"]):
             bad.append(f"{label}: GPU 0 not found healthy")
-    if seen["unset"]["baseline"] != seen["uuid"]["baseline"] or seen["unset"]["baseline"] != seen["uuid prefix"]["baseline"]:
+    if (
+        seen["unset"]["baseline"] != seen["uuid"]["baseline"]
+        or seen["unset"]["baseline"] != seen["uuid prefix"]["baseline"]
+    ):
         bad.append("the ECC baseline differs between the index and the UUID of the same GPU")
     if seen["hidden (-1)"]["problems"]:
         bad.append("a hidden GPU was checked")

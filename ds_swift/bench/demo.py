@@ -111,8 +111,7 @@ def _events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
     return out, len(lines)
 
 
-def _show_job(
-    name: str, directory: Path, spec: JobSpec, timeout_s: float, progress: Any) -> JobRun:
+def _show_job(name: str, directory: Path, spec: JobSpec, timeout_s: float, progress: Any) -> JobRun:
     """One ``ds-swift-launch`` job, its progress shown from the loss log and the launcher's events (its
     failures and recoveries said on ds-swift's logging channel, which rich's live display prints above it)."""
     if directory.exists():
@@ -133,15 +132,19 @@ def _show_job(
         if points:
             last = points[-1]
             again = " (trained again)" if iterations_lost(points) else ""
-            progress.update(task, completed=last.iteration + 1,
-                            status=f"iteration {last.iteration}, loss {last.loss:.3f}, generation {last.generation}{again}")
+            progress.update(
+                task,
+                completed=last.iteration + 1,
+                status=f"iteration {last.iteration}, loss {last.loss:.3f}, generation {last.generation}{again}",
+            )
 
     try:
         run = run_job(directory, spec, timeout_s, on_poll=poll)
     except JobTimeout as exc:
         raise DemoError(f"{name}: still running after {timeout_s:.0f} s (killed); see {exc.job.proc_logs}") from None
-    progress.update(task, completed=run.iterations if run.code == 0 else None,
-                    status=f"exit {run.code} after {run.seconds:.1f} s")
+    progress.update(
+        task, completed=run.iterations if run.code == 0 else None, status=f"exit {run.code} after {run.seconds:.1f} s"
+    )
     for line in run.output.splitlines():
         if line.startswith("[ds-swift] recovery of generation"):
             _say(f"[{name}] {line}")
@@ -178,11 +181,21 @@ def register(subparsers: Any) -> None:
         "killed mid-iteration, then show the recovery timeline, the iterations lost, whether the final states are "
         "bitwise equal, and a PNG of both loss curves.",
     )
-    p.add_argument("--run-dir", default="./swift-demo", help="where the jobs, logs and the plot go (default %(default)s)")
-    p.add_argument("--config", default="pp2_dp2_bf16",
-                   help=f"{' | '.join(CONFIGS)} (configs/ of the checkout) or a DeepSpeed JSON path (default %(default)s)")
+    p.add_argument(
+        "--run-dir", default="./swift-demo", help="where the jobs, logs and the plot go (default %(default)s)"
+    )
+    p.add_argument(
+        "--config",
+        default="pp2_dp2_bf16",
+        help=f"{' | '.join(CONFIGS)} (configs/ of the checkout) or a DeepSpeed JSON path (default %(default)s)",
+    )
     p.add_argument("--iterations", type=int, default=15, help="training iterations of each job (default %(default)s)")
-    p.add_argument("--kill-iteration", type=int, default=7, help="iteration (from 0) during which machine 1 dies (default %(default)s)")
+    p.add_argument(
+        "--kill-iteration",
+        type=int,
+        default=7,
+        help="iteration (from 0) during which machine 1 dies (default %(default)s)",
+    )
     p.add_argument("--phase", default="backward", choices=["forward", "backward", "step", "send", "recv"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds each job may take (default %(default)s)")
     p.set_defaults(func=run)
@@ -205,8 +218,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(highlight=False)
     if not 0 <= args.kill_iteration < args.iterations:
-        _plain(console)(f"ds-swift demo: error: --kill-iteration {args.kill_iteration} must be in [0, --iterations "
-                        f"{args.iterations})")
+        _plain(console)(
+            f"ds-swift demo: error: --kill-iteration {args.kill_iteration} must be in [0, --iterations "
+            f"{args.iterations})"
+        )
         return 2
     try:
         repo = find_repo()
@@ -217,17 +232,25 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    console.print(f"[bold]ds-swift demo[/bold]: {escape(str(repo.example.relative_to(repo.root)))} with "
-                  f"{escape(config.name)}, 2 simulated machines x 2 ranks, {args.iterations} iterations; "
-                  f"output in {escape(str(run_dir))}")
+    console.print(
+        f"[bold]ds-swift demo[/bold]: {escape(str(repo.example.relative_to(repo.root)))} with "
+        f"{escape(config.name)}, 2 simulated machines x 2 ranks, {args.iterations} iterations; "
+        f"output in {escape(str(run_dir))}"
+    )
     inject = f"machine=1,iteration={args.kill_iteration},phase={args.phase}"
     base = JobSpec(repo.example, config, args.iterations, loss_log=True)
     jobs = [
         ("without failure", run_dir / "baseline", base),
         ("with failure", run_dir / "failure", replace(base, launcher_args=["--spares", "1", "--inject", inject])),
     ]
-    columns = (SpinnerColumn(), TextColumn("{task.description:<17}"), BarColumn(bar_width=30), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description:<17}"),
+        BarColumn(bar_width=30),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
     try:
         _warm_up(run_dir)
         with Progress(*columns, console=console) as progress:
@@ -239,7 +262,9 @@ def run(args: argparse.Namespace) -> int:
     return _report(console, baseline, failed, args, run_dir, time.monotonic() - t0)
 
 
-def _report(console: Any, baseline: JobRun, failed: JobRun, args: argparse.Namespace, run_dir: Path, elapsed: float) -> int:
+def _report(
+    console: Any, baseline: JobRun, failed: JobRun, args: argparse.Namespace, run_dir: Path, elapsed: float
+) -> int:
     ok = True
     timelines = failed.timelines()
     console.print()
@@ -253,28 +278,41 @@ def _report(console: Any, baseline: JobRun, failed: JobRun, args: argparse.Names
     base, fail = losses_by_iteration(base_points), losses_by_iteration(fail_points)
     lost = iterations_lost(fail_points)
     missing = sorted(set(range(args.iterations)) - set(fail))
-    console.print(f"iterations lost (trained twice): [bold]{lost}[/bold]"
-                  + (f"; iterations missing from the loss log: {missing}" if missing else ""))
+    console.print(
+        f"iterations lost (trained twice): [bold]{lost}[/bold]"
+        + (f"; iterations missing from the loss log: {missing}" if missing else "")
+    )
     same_losses = base == fail
-    console.print(f"loss curves: {'identical at every iteration' if same_losses else 'differ'}"
-                  f" ({len(fail)} iterations)")
+    console.print(
+        f"loss curves: {'identical at every iteration' if same_losses else 'differ'} ({len(fail)} iterations)"
+    )
     diff = compare_checkpoints(baseline.final_tag, failed.final_tag)
     if diff.bitwise_equal:
-        console.print(f"final parameters and optimizer state: [bold green]bitwise equal[/bold green] "
-                      f"({diff.tensors} tensors compared)")
+        console.print(
+            f"final parameters and optimizer state: [bold green]bitwise equal[/bold green] "
+            f"({diff.tensors} tensors compared)"
+        )
     else:
         ok = False
         worst = max((gap for _, gap in diff.differing), default=0.0)
-        console.print(f"final checkpoints: [yellow]{len(diff.differing)} of {diff.tensors} tensors differ[/yellow] "
-                      f"(largest difference {worst:.3g}; {len(diff.only_in_one)} only in one)")
+        console.print(
+            f"final checkpoints: [yellow]{len(diff.differing)} of {diff.tensors} tensors differ[/yellow] "
+            f"(largest difference {worst:.3g}; {len(diff.only_in_one)} only in one)"
+        )
     note = "; ".join(
         [f"recovered by {tl['strategy']} in {tl['total_s']:.1f} s" for tl in timelines]
         + [f"{lost} iteration(s) lost", "final state bitwise equal" if diff.bitwise_equal else "final state differs"]
     )
-    png = plot_losses(base, fail, args.kill_iteration, run_dir / "loss_curves.png",
-                      title=f"tiny GPT, 2 machines x 2 ranks: machine 1 killed at iteration {args.kill_iteration}",
-                      note=note)
+    png = plot_losses(
+        base,
+        fail,
+        args.kill_iteration,
+        run_dir / "loss_curves.png",
+        title=f"tiny GPT, 2 machines x 2 ranks: machine 1 killed at iteration {args.kill_iteration}",
+        note=note,
+    )
     _plain(console)(f"loss curves plotted: {png}")
-    console.print(f"jobs: without failure {baseline.seconds:.1f} s, with failure {failed.seconds:.1f} s; "
-                  f"demo {elapsed:.1f} s")
+    console.print(
+        f"jobs: without failure {baseline.seconds:.1f} s, with failure {failed.seconds:.1f} s; demo {elapsed:.1f} s"
+    )
     return 0 if ok else 1

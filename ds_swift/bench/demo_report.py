@@ -16,8 +16,15 @@ from typing import Any
 
 from ds_swift.recovery.registry import declared_by
 
-__all__ = ["RECOVERY_PHASES", "LossPoint", "format_timeline", "iterations_lost", "losses_by_iteration", "plot_losses",
-           "read_loss_log"]
+__all__ = [
+    "RECOVERY_PHASES",
+    "LossPoint",
+    "format_timeline",
+    "iterations_lost",
+    "losses_by_iteration",
+    "plot_losses",
+    "read_loss_log",
+]
 
 RECOVERY_PHASES = (
     ("detect", "the kill seen (node agent or a neighbour's comm error)"),
@@ -105,9 +112,11 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
     known = dict(RECOVERY_PHASES)
     for key in [k for k, _ in RECOVERY_PHASES if k in phases] + [k for k in phases if k not in known]:
         lines.append(f"  {key.replace('_', ' '):<16}{float(phases[key]):7.2f} s   {known.get(key, '')}".rstrip())
-    lines.append(f"  initialization {tl['initialization_s']:.2f} s (detection -> replacements joined), recovery "
-                 f"{tl['recovery_s']:.2f} s (joined -> back), total {tl['total_s']:.2f} s "
-                 f"({'kill' if tl.get('t_kill') is not None else 'detection'} -> back)")
+    lines.append(
+        f"  initialization {tl['initialization_s']:.2f} s (detection -> replacements joined), recovery "
+        f"{tl['recovery_s']:.2f} s (joined -> back), total {tl['total_s']:.2f} s "
+        f"({'kill' if tl.get('t_kill') is not None else 'detection'} -> back)"
+    )
     return lines
 
 
@@ -128,19 +137,48 @@ def plot_losses(
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     xs = sorted(baseline)
-    ax.plot(xs, [baseline[i] for i in xs], color="#9ecae1", linewidth=6, solid_capstyle="round",
-            label="without failure", zorder=1)
+    ax.plot(
+        xs,
+        [baseline[i] for i in xs],
+        color="#9ecae1",
+        linewidth=6,
+        solid_capstyle="round",
+        label="without failure",
+        zorder=1,
+    )
     xf = sorted(failed)
-    ax.plot(xf, [failed[i] for i in xf], color="#d62728", linewidth=1.6, linestyle="--", marker="o", markersize=4,
-            label="machine killed, recovered", zorder=2)
+    ax.plot(
+        xf,
+        [failed[i] for i in xf],
+        color="#d62728",
+        linewidth=1.6,
+        linestyle="--",
+        marker="o",
+        markersize=4,
+        label="machine killed, recovered",
+        zorder=2,
+    )
     if kill_iteration is not None:
         ax.axvline(kill_iteration, color="black", linestyle=":", linewidth=1.2, zorder=0)
         top = max([*baseline.values(), *failed.values()], default=1.0)
-        ax.annotate(f"machine 1 killed\n(iteration {kill_iteration})", xy=(kill_iteration, top),
-                    xytext=(6, -4), textcoords="offset points", va="top", fontsize=9)
+        ax.annotate(
+            f"machine 1 killed\n(iteration {kill_iteration})",
+            xy=(kill_iteration, top),
+            xytext=(6, -4),
+            textcoords="offset points",
+            va="top",
+            fontsize=9,
+        )
     if note:
-        ax.text(0.02, 0.03, note, transform=ax.transAxes, fontsize=9, va="bottom",
-                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8, "edgecolor": "#bbbbbb"})
+        ax.text(
+            0.02,
+            0.03,
+            note,
+            transform=ax.transAxes,
+            fontsize=9,
+            va="bottom",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8, "edgecolor": "#bbbbbb"},
+        )
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")
     ax.set_title(title)

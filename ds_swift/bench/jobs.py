@@ -70,4 +70,7 @@ def failed_rows(failed: dict[str, Any]) -> list[str]:
     if not failed:
         return []
     width = max(12, *(len(n) for n in failed))
-    return [f"{name:{width}s} FAILED: {str(why).splitlines()[0] if why else 'no reason given'}" for name, why in failed.items()]
+    return [
+        f"{name:{width}s} FAILED: {str(why).splitlines()[0] if why else 'no reason given'}"
+        for name, why in failed.items()
+    ]

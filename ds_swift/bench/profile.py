@@ -86,8 +86,9 @@ def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval:
     }
 
 
-def bench_profile(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]],
-                  interval: int) -> dict[str, Any]:
+def bench_profile(
+    reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]], details: list[dict[str, Any]], interval: int
+) -> dict[str, Any]:
     """What ``ds-swift simulate --profile`` reads (ds_swift/sim/profile.py)."""
     rows = [profile_row(d, runs[d["strategy"]][1], runs[d["strategy"]][0], interval) for d in details]
     if GLOBAL_CHECKPOINT in runs:  # then the fallback (synchronous saves) keeps its own name

@@ -66,8 +66,19 @@ from ds_swift.testing.faults import PHASES
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
 
 __all__ = [
-    "BenchError", "PeakRss", "bench_profile", "bench_rows", "final_loss", "format_table", "loss_series", "profile_row",
-    "register", "shrunk_throughput", "step_seconds", "strategy_overrides", "usage",
+    "BenchError",
+    "PeakRss",
+    "bench_profile",
+    "bench_rows",
+    "final_loss",
+    "format_table",
+    "loss_series",
+    "profile_row",
+    "register",
+    "shrunk_throughput",
+    "step_seconds",
+    "strategy_overrides",
+    "usage",
 ]
 
 
@@ -93,8 +104,14 @@ class BenchSetup:
         pp = int(json.loads(self.config.read_text()).get("pipeline", {}).get("stages", 1))
         swift = {**strategy_overrides(strategy, self.interval, pp), "machines": {"gpus_per_node": self.nproc}}
         return JobSpec(
-            self.example, self.config, self.iterations, launcher, self.script_args,
-            swift=swift, nnodes=self.nnodes, nproc_per_node=self.nproc,
+            self.example,
+            self.config,
+            self.iterations,
+            launcher,
+            self.script_args,
+            swift=swift,
+            nnodes=self.nnodes,
+            nproc_per_node=self.nproc,
             loss_log=True,
         )
 
@@ -114,38 +131,42 @@ def bench_rows(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]]) -> lis
         diff = compare_tensors(ref_state, failed_state)
         u = usage(clean)
         loss = final_loss(failed)
-        rows.append({
-            "strategy": name,
-            "recovered_by": [tl["strategy"] for tl in timelines],
-            "why": [tl.get("reason", "") for tl in timelines],
-            "step_s": step,
-            "throughput_ratio": ref_step / step if ref_step and step else None,
-            "total_s": sum(tl["total_s"] for tl in timelines) if timelines else None,
-            "initialization_s": sum(tl["initialization_s"] for tl in timelines) if timelines else None,
-            "recovery_s": sum(tl["recovery_s"] for tl in timelines) if timelines else None,
-            "iterations_lost": iterations_lost(read_loss_log(failed.loss_log)),
-            # The work recomputed: micro-batch forward/backward passes the replay ran (all replayers;
-            # the busiest one's, the critical path), None where the recovery replayed nothing.
-            "recomputed_passes": _replay_sum(timelines, "micro_batch_passes"),
-            "recomputed_passes_busiest": _replay_sum(timelines, "micro_batch_passes_busiest"),
-            "replay_s": _replay_sum(timelines, "replay_s"),
-            "parallel_replay": [(tl.get("replay") or {}).get("parallel") for tl in timelines],
-            "shrunk_throughput": shrunk_throughput(failed, timelines),
-            "final_loss_delta": loss - ref_loss if loss is not None and ref_loss is not None else None,
-            "bitwise": diff.bitwise_equal,
-            "max_ulp": diff.max_ulp,
-            "param_distance": 0.0 if diff.bitwise_equal else relative_distance(ref_state, failed_state),
-            "failure_free_bitwise": clean_diff.bitwise_equal,
-            "bytes_per_iteration": (u["log_bytes"] + u["checkpoint_bytes"]) / max(1, clean.iterations),
-            "log_bytes_per_iteration": u["log_bytes"] / max(1, clean.iterations),
-            "checkpoint_bytes_per_iteration": u["checkpoint_bytes"] / max(1, clean.iterations),
-            "max_rss_bytes": u["max_rss_bytes"],
-            "rss_vs_reference": u["max_rss_bytes"] / ref_usage["max_rss_bytes"] if ref_usage["max_rss_bytes"] else None,
-            # What protection holds in host memory per rank: the peak's excess over no protection.
-            "host_memory_per_rank": max(0, u["max_rss_bytes"] - ref_usage["max_rss_bytes"]),
-            "buddy_host_bytes": u["buddy_host_bytes_max"],
-            "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
-        })
+        rows.append(
+            {
+                "strategy": name,
+                "recovered_by": [tl["strategy"] for tl in timelines],
+                "why": [tl.get("reason", "") for tl in timelines],
+                "step_s": step,
+                "throughput_ratio": ref_step / step if ref_step and step else None,
+                "total_s": sum(tl["total_s"] for tl in timelines) if timelines else None,
+                "initialization_s": sum(tl["initialization_s"] for tl in timelines) if timelines else None,
+                "recovery_s": sum(tl["recovery_s"] for tl in timelines) if timelines else None,
+                "iterations_lost": iterations_lost(read_loss_log(failed.loss_log)),
+                # The work recomputed: micro-batch forward/backward passes the replay ran (all replayers;
+                # the busiest one's, the critical path), None where the recovery replayed nothing.
+                "recomputed_passes": _replay_sum(timelines, "micro_batch_passes"),
+                "recomputed_passes_busiest": _replay_sum(timelines, "micro_batch_passes_busiest"),
+                "replay_s": _replay_sum(timelines, "replay_s"),
+                "parallel_replay": [(tl.get("replay") or {}).get("parallel") for tl in timelines],
+                "shrunk_throughput": shrunk_throughput(failed, timelines),
+                "final_loss_delta": loss - ref_loss if loss is not None and ref_loss is not None else None,
+                "bitwise": diff.bitwise_equal,
+                "max_ulp": diff.max_ulp,
+                "param_distance": 0.0 if diff.bitwise_equal else relative_distance(ref_state, failed_state),
+                "failure_free_bitwise": clean_diff.bitwise_equal,
+                "bytes_per_iteration": (u["log_bytes"] + u["checkpoint_bytes"]) / max(1, clean.iterations),
+                "log_bytes_per_iteration": u["log_bytes"] / max(1, clean.iterations),
+                "checkpoint_bytes_per_iteration": u["checkpoint_bytes"] / max(1, clean.iterations),
+                "max_rss_bytes": u["max_rss_bytes"],
+                "rss_vs_reference": u["max_rss_bytes"] / ref_usage["max_rss_bytes"]
+                if ref_usage["max_rss_bytes"]
+                else None,
+                # What protection holds in host memory per rank: the peak's excess over no protection.
+                "host_memory_per_rank": max(0, u["max_rss_bytes"] - ref_usage["max_rss_bytes"]),
+                "buddy_host_bytes": u["buddy_host_bytes_max"],
+                "runs": {"failure_free": str(clean.dir), "failure": str(failed.dir)},
+            }
+        )
     return rows
 
 
@@ -161,9 +182,12 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--strategies", default="auto,checkpoint",
-                   help=f"comma-separated, of {', '.join(strategy_names())} or a bench variant a strategy declares "
-                        f"(ds_swift.bench.variants; default %(default)s; '{REFERENCE}' always runs)")
+    p.add_argument(
+        "--strategies",
+        default="auto,checkpoint",
+        help=f"comma-separated, of {', '.join(strategy_names())} or a bench variant a strategy declares "
+        f"(ds_swift.bench.variants; default %(default)s; '{REFERENCE}' always runs)",
+    )
     p.add_argument("--config", default="pp2_dp2_bf16", help=f"{' | '.join(CONFIGS)} or a DeepSpeed JSON path")
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--kill-iteration", type=int, default=11, help="iteration (from 0) during which the machine dies")
@@ -238,8 +262,16 @@ def _setup(args: argparse.Namespace) -> tuple[list[str], BenchSetup]:
     names = _check(args)
     repo = find_repo()
     setup = BenchSetup(
-        repo.example, repo.config(args.config), args.iterations, args.kill_iteration, args.machine, args.phase,
-        args.checkpoint_interval, args.nnodes, args.nproc_per_node, tuple(shlex.split(args.script_args)),
+        repo.example,
+        repo.config(args.config),
+        args.iterations,
+        args.kill_iteration,
+        args.machine,
+        args.phase,
+        args.checkpoint_interval,
+        args.nnodes,
+        args.nproc_per_node,
+        tuple(shlex.split(args.script_args)),
     )
     refused = infeasible_strategies(setup, names)
     if refused:
@@ -260,11 +292,14 @@ def _job_runner(
             done = runner(where, setup.spec(name, failure), args.timeout, on_poll=rss)
             (done.dir / "peak_rss.json").write_text(json.dumps({"max_rss_bytes": rss.peak}))
         except JobTimeout as exc:
-            raise BenchError(f"{name}: still running after {args.timeout:.0f} s (killed); see {exc.job.proc_logs}") from None
+            raise BenchError(
+                f"{name}: still running after {args.timeout:.0f} s (killed); see {exc.job.proc_logs}"
+            ) from None
         if done.code != 0:
             tail = "\n".join(done.output.splitlines()[-30:])
-            raise BenchError(f"{name} ({'failure' if failure else 'no failure'}): exit {done.code}; see "
-                             f"{done.proc_logs}\n{tail}")
+            raise BenchError(
+                f"{name} ({'failure' if failure else 'no failure'}): exit {done.code}; see {done.proc_logs}\n{tail}"
+            )
         say(f"[bench] {name}: exit 0 after {done.seconds:.1f} s")
         return done
 
@@ -272,29 +307,48 @@ def _job_runner(
 
 
 def _result(
-    args: argparse.Namespace, setup: BenchSetup, reference: JobRun, runs: Any, rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    setup: BenchSetup,
+    reference: JobRun,
+    runs: Any,
+    rows: list[dict[str, Any]],
     failed: dict[str, str],
 ) -> dict[str, Any]:
     """bench.json's content (the plot and the total time are added by the caller)."""
     return {
         **bench_profile(reference, runs, rows, args.checkpoint_interval),
         "details": rows,
-        "reference": {"step_s": step_seconds(reference), "final_loss": final_loss(reference), "run": str(reference.dir),
-                      **usage(reference)},
-        "config": {"config": str(setup.config), "iterations": args.iterations, "kill_iteration": args.kill_iteration,
-                   "machine": args.machine, "phase": args.phase, "checkpoint_interval": args.checkpoint_interval,
-                   "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "script_args": list(setup.script_args)},
+        "reference": {
+            "step_s": step_seconds(reference),
+            "final_loss": final_loss(reference),
+            "run": str(reference.dir),
+            **usage(reference),
+        },
+        "config": {
+            "config": str(setup.config),
+            "iterations": args.iterations,
+            "kill_iteration": args.kill_iteration,
+            "machine": args.machine,
+            "phase": args.phase,
+            "checkpoint_interval": args.checkpoint_interval,
+            "nnodes": args.nnodes,
+            "nproc_per_node": args.nproc_per_node,
+            "script_args": list(setup.script_args),
+        },
         "command": "ds-swift bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "failed": failed,
     }
 
 
-def _say_result(say: Callable[[str], None], result: dict[str, Any], rows: list[dict[str, Any]],
-                failed: dict[str, str]) -> None:
+def _say_result(
+    say: Callable[[str], None], result: dict[str, Any], rows: list[dict[str, Any]], failed: dict[str, str]
+) -> None:
     """The table and one line per thing a reader must not miss (no recovery, a differing run, a shrink)."""
     ref = result["reference"]
-    say(f"reference ({REFERENCE}: ds-swift off, no failure): {fmt_value(ref['step_s'], '.3f')} s per iteration, final loss "
-        f"{fmt_value(ref['final_loss'], '.4f')}, peak rss/rank {fmt_mb(ref['max_rss_bytes'])}")
+    say(
+        f"reference ({REFERENCE}: ds-swift off, no failure): {fmt_value(ref['step_s'], '.3f')} s per iteration, final loss "
+        f"{fmt_value(ref['final_loss'], '.4f')}, peak rss/rank {fmt_mb(ref['max_rss_bytes'])}"
+    )
     for line in format_table(rows) + failed_rows(failed):
         say(line)
     for r in rows:
@@ -306,6 +360,12 @@ def _say_result(say: Callable[[str], None], result: dict[str, Any], rows: list[d
             say(f"{r['strategy']}: the failure-free run differs from the reference (ds-swift off): a bug, report it")
         shrunk = r.get("shrunk_throughput")
         if shrunk is not None:
-            say(f"{r['strategy']}: after the elastic shrink the job ran at {shrunk:.3f} of its speed before"
-                + (" (faster: its ranks shared fewer cores; the profile row caps it at 0.999, measure it on the real "
-                   "machines)" if shrunk >= 1 else ""))
+            say(
+                f"{r['strategy']}: after the elastic shrink the job ran at {shrunk:.3f} of its speed before"
+                + (
+                    " (faster: its ranks shared fewer cores; the profile row caps it at 0.999, measure it on the real "
+                    "machines)"
+                    if shrunk >= 1
+                    else ""
+                )
+            )

@@ -19,13 +19,18 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
     name_w = max([12, *(len(r["strategy"]) for r in rows)])
     how = {id(r): ",".join(r["recovered_by"]) or "no recovery" for r in rows}
     how_w = max([14, *(len(h) for h in how.values())])
-    head = (f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
-            f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
-            f"{'buddy':>7s} {'recomputed':>10s}")
+    head = (
+        f"{'strategy':{name_w}s} {'recovered by':{how_w}s} {'throughput':>10s} {'total':>7s} {'init':>6s} "
+        f"{'recov':>6s} {'lost':>4s} {'loss delta':>10s} {'exact':>10s} {'bytes/it':>9s} {'rss/rank':>9s} "
+        f"{'buddy':>7s} {'recomputed':>10s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        exact = "bitwise" if r["bitwise"] else (
-            f"{r['param_distance']:.1e} rel" if r["param_distance"] is not None else f"{r['max_ulp']:.0f} ulp")
+        exact = (
+            "bitwise"
+            if r["bitwise"]
+            else (f"{r['param_distance']:.1e} rel" if r["param_distance"] is not None else f"{r['max_ulp']:.0f} ulp")
+        )
         lines.append(
             f"{r['strategy']:{name_w}s} {how[id(r)]:{how_w}s} "
             f"{fmt_value(r['throughput_ratio'], '.3f'):>10s} {fmt_value(r['total_s'], '.2f'):>6s}s "
@@ -57,8 +62,14 @@ def plot_loss_vs_time(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]],
     ax.plot([t for t, _, _ in ref], [v for _, _, v in ref], color="#bbbbbb", linewidth=5, label="no failure (none)")
     for name, (_, failed) in runs.items():
         series = loss_series(failed)
-        ax.plot([t for t, _, _ in series], [v for _, _, v in series], marker="o", markersize=3, linewidth=1.4,
-                label=f"{name}, machine killed")
+        ax.plot(
+            [t for t, _, _ in series],
+            [v for _, _, v in series],
+            marker="o",
+            markersize=3,
+            linewidth=1.4,
+            label=f"{name}, machine killed",
+        )
     ax.set_xlabel("wall-clock seconds since iteration 0")
     ax.set_ylabel("training loss")
     ax.set_title(title)
@@ -72,4 +83,3 @@ def plot_loss_vs_time(reference: JobRun, runs: dict[str, tuple[JobRun, JobRun]],
 
 
 # ---------------------------------------------------------------------------- the sub-command
-

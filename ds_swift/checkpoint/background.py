@@ -46,8 +46,15 @@ from ds_swift.checkpoint.snapshot import PinnedCopier, snapshot
 from ds_swift.logs import say
 from ds_swift.worker import Worker
 
-__all__ = ["AsyncWriter", "PinnedCopier", "SaveStats", "SnapshotCheckpointEngine", "failed_marker",
-           "persisted_marker", "snapshot"]
+__all__ = [
+    "AsyncWriter",
+    "PinnedCopier",
+    "SaveStats",
+    "SnapshotCheckpointEngine",
+    "failed_marker",
+    "persisted_marker",
+    "snapshot",
+]
 
 _POLL_S = 0.05
 
@@ -132,7 +139,9 @@ class AsyncWriter:
         # A failed persist or completion is reported on the training thread (report_errors) and the
         # next checkpoint is tried: each handler records its own error, the workers go on.
         self._writer: Worker[_Save] = Worker("ds-swift-ckpt-writer", self._write)
-        self._completer: Worker[_Save] | None = Worker("ds-swift-ckpt-complete", self._completion) if rank == 0 else None
+        self._completer: Worker[_Save] | None = (
+            Worker("ds-swift-ckpt-complete", self._completion) if rank == 0 else None
+        )
         self._writer.start()
         if self._completer is not None:
             self._completer.start()

@@ -17,7 +17,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
-__all__ = ["COMPLETE_MARKER", "TMP_SUFFIX", "fsync_dir", "fsync_file", "fsync_tree", "remove_durable", "temp_path", "write_atomic"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "TMP_SUFFIX",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
+    "remove_durable",
+    "temp_path",
+    "write_atomic",
+]
 
 #: the file whose presence makes a global checkpoint's tag complete (ds_swift.checkpoint.periodic writes it last)
 COMPLETE_MARKER = "swift_complete"

@@ -56,15 +56,39 @@ if TYPE_CHECKING:
 # Which checkpoints count (markers, job stamps, the origin) lives in ds_swift.checkpoint.trust; those
 # names stay importable from here.
 __all__ = [
-    "COMPLETE_MARKER", "CheckpointManager", "Origin", "checkpoint_job", "complete_checkpoints", "is_complete",
-    "job_id_for", "latest_complete", "marker_problem", "origin_of", "tag_for", "trusted_origin",
+    "COMPLETE_MARKER",
+    "CheckpointManager",
+    "Origin",
+    "checkpoint_job",
+    "complete_checkpoints",
+    "is_complete",
+    "job_id_for",
+    "latest_complete",
+    "marker_problem",
+    "origin_of",
+    "tag_for",
+    "trusted_origin",
 ]
 
 #: errnos of a write the storage refused: full disk or quota, storage gone or failing, read-only or
 #: forbidden, file too large. Not a dead peer's (ECONNRESET, ETIMEDOUT, ...): those are failures.
 _WRITE_ERRNOS = frozenset(
-    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "EFBIG", "ENXIO",
-                                      "ESTALE", "ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG")
+    getattr(errno, name)
+    for name in (
+        "ENOSPC",
+        "EDQUOT",
+        "EIO",
+        "EROFS",
+        "EACCES",
+        "EPERM",
+        "EFBIG",
+        "ENXIO",
+        "ESTALE",
+        "ENOENT",
+        "ENOTDIR",
+        "EISDIR",
+        "ENAMETOOLONG",
+    )
     if hasattr(errno, name)
 )
 
@@ -157,6 +181,7 @@ class CheckpointManager:
         if self.writer is not None:
             return self._save_async(engine, self.writer)
         from ds_swift.checkpoint.background import durable_saves  # imports DeepSpeed: only where it saves
+
         done = int(engine.global_steps)
         tag = tag_for(done)
         marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
@@ -174,9 +199,13 @@ class CheckpointManager:
             if not _write_error(exc, self.ckpt_dir):
                 raise
             written = False
-            say(f"checkpoint {tag} could not be written ({type(exc).__name__}: {str(exc)[:200]}); it does not "
-                "count: a recovery loads the last complete one; training goes on", self.rank, level=logging.WARNING,
-                name=__name__)
+            say(
+                f"checkpoint {tag} could not be written ({type(exc).__name__}: {str(exc)[:200]}); it does not "
+                "count: a recovery loads the last complete one; training goes on",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )
             # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
             # the other ranks wait in it), which this rank did not reach.
             dist.barrier()  # transport: ok
@@ -187,8 +216,11 @@ class CheckpointManager:
             write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
         elif self.rank == 0:
             bad = [r for r, ok in enumerate(everyone) if not ok]
-            say(f"checkpoint {tag} does not count: ranks {bad} could not write their files", level=logging.WARNING,
-                name=__name__)
+            say(
+                f"checkpoint {tag} does not count: ranks {bad} could not write their files",
+                level=logging.WARNING,
+                name=__name__,
+            )
         self.last_saved = done
         return tag
 
@@ -200,7 +232,9 @@ class CheckpointManager:
 
         done = int(engine.global_steps)
         tag = tag_for(done)
-        stats = writer.begin(tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
+        stats = writer.begin(
+            tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n"
+        )
         if self.rank == 0:
             remove_durable(Path(self.ckpt_dir) / tag / COMPLETE_MARKER)
         transport.barrier()  # nobody snapshots before the old marker is gone
@@ -245,8 +279,12 @@ class CheckpointManager:
     def close(self) -> None:
         """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
         if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
-            say(f"checkpoint {self.pending} was still being written at exit: it does not count", self.rank,
-                level=logging.WARNING, name=__name__)
+            say(
+                f"checkpoint {self.pending} was still being written at exit: it does not count",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )
 
     def latest(self, at_most: int | None) -> tuple[int, str, str] | None:
         """``(iterations done, directory, tag)`` of the newest checkpoint recovery may load: this
@@ -266,7 +304,9 @@ class CheckpointManager:
                 say(
                     f"checkpoint {tag} in {self.ckpt_dir} belongs to "
                     f"{job or 'an unknown job (no job id in its marker)'}, not this job ({self.job_id}): not loaded",
-                    self.rank, level=logging.WARNING, name=__name__,
+                    self.rank,
+                    level=logging.WARNING,
+                    name=__name__,
                 )
         o = self.origin
         if o is not None and (at_most is None or o.iterations <= at_most):
@@ -282,8 +322,12 @@ class CheckpointManager:
         if f"untrusted {tag}" in self._warned:
             return
         self._warned.add(f"untrusted {tag}")
-        say(f"checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded", self.rank,
-            level=logging.WARNING, name=__name__)
+        say(
+            f"checkpoint {tag} in {self.ckpt_dir} is not complete: {why}; not loaded",
+            self.rank,
+            level=logging.WARNING,
+            name=__name__,
+        )
 
     def _is_origin(self, ckpt_dir: str, tag: str) -> bool:
         o = self.origin

@@ -241,8 +241,13 @@ class RunningCheckpoint:
             self._base[g.key] = torch.zeros(g.numel, dtype=state[g.key].dtype)
             for n in g.names:
                 t = state[n]
-                self._meta[n] = {"dtype": str(t.dtype), "shape": list(t.shape), "key": g.key,
-                                 "numel": t.numel(), "itemsize": t.element_size()}
+                self._meta[n] = {
+                    "dtype": str(t.dtype),
+                    "shape": list(t.shape),
+                    "key": g.key,
+                    "numel": t.numel(),
+                    "itemsize": t.element_size(),
+                }
 
     def _check(self, state: Mapping[str, torch.Tensor]) -> None:
         if set(state) != set(self._meta):
@@ -323,8 +328,10 @@ class RunningCheckpoint:
     # ------------------------------------------------------------------ writer (background thread)
     def _persist(self, job: _Round) -> None:
         name = f"{self._run}-{job.seq:06d}.bin"
-        entries = {t: list(self._entries.get(t) or [None] * nblocks(int(m["numel"]), self.block_elements))
-                   for t, m in job.meta.items()}
+        entries = {
+            t: list(self._entries.get(t) or [None] * nblocks(int(m["numel"]), self.block_elements))
+            for t, m in job.meta.items()
+        }
         buffers, offset = [], 0
         for tensor, b, piece in job.pieces:
             data = piece.view(torch.uint8).numpy()

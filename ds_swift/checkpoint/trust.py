@@ -23,8 +23,16 @@ from ds_swift.checkpoint.durable import COMPLETE_MARKER, temp_path
 from ds_swift.logs import say
 
 __all__ = [
-    "Origin", "checkpoint_job", "complete_checkpoints", "is_complete", "job_id_for", "latest_complete",
-    "marker_problem", "origin_of", "tag_for", "trusted_origin",
+    "Origin",
+    "checkpoint_job",
+    "complete_checkpoints",
+    "is_complete",
+    "job_id_for",
+    "latest_complete",
+    "marker_problem",
+    "origin_of",
+    "tag_for",
+    "trusted_origin",
 ]
 
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -91,7 +99,8 @@ def latest_complete(
     """The newest complete checkpoint (with at most ``at_most`` iterations done, and written by
     job ``job``, where given)."""
     found = [
-        c for c in complete_checkpoints(ckpt_dir)
+        c
+        for c in complete_checkpoints(ckpt_dir)
         if (at_most is None or c[0] <= at_most) and (job is None or checkpoint_job(ckpt_dir, c[1]) == job)
     ]
     return found[-1] if found else None
@@ -132,10 +141,14 @@ def trusted_origin(
         return Origin(str(ckpt_dir), tag, iterations)
     m = _TAG.match(tag)
     why = marker_problem(Path(ckpt_dir) / tag, int(m.group(1))) if m else "its tag is not global_step<N>"
-    say(f"checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
+    say(
+        f"checkpoint {tag} in {ckpt_dir} was loaded, but {why}: not trusted as this job's origin "
         "(DeepSpeed's 'latest' names a tag before every rank's files are confirmed); a checkpoint fallback before this "
         "job's first complete checkpoint restarts from the initial state. Fix: load a checkpoint ds-swift completed",
-        rank, level=logging.WARNING, name=__name__)
+        rank,
+        level=logging.WARNING,
+        name=__name__,
+    )
     return None
 
 

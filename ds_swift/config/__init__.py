@@ -158,14 +158,16 @@ class SwiftConfig:
             raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
         _check_type("parallel_recovery_force", self.parallel_recovery_force, bool, "true or false")
         if self.parallel_recovery_force and not self.parallel_recovery:
-            raise ConfigError("swift config: parallel_recovery_force=true forces parallel recovery, which is off "
-                              "(parallel_recovery=false): set \"parallel_recovery\": true, or drop parallel_recovery_force")
+            raise ConfigError(
+                "swift config: parallel_recovery_force=true forces parallel recovery, which is off "
+                '(parallel_recovery=false): set "parallel_recovery": true, or drop parallel_recovery_force'
+            )
         _check_type("run_dir", self.run_dir, str, "a directory path")
         if self.checkpoint.running_fraction is not None and not self.services.running_checkpoint:
             readers = self._strategies_with("running_checkpoint")
             raise ConfigError(
                 f"swift config: checkpoint.running_fraction={self.checkpoint.running_fraction!r} is read only by "
-                f"strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set \"strategy\" to "
+                f'strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set "strategy" to '
                 "one of them, or remove checkpoint.running_fraction"
             )
 
@@ -178,15 +180,18 @@ class SwiftConfig:
         elastic = self._strategies_with("elastic")
         if self.strategy == "lossy_forward" and elastic:
             # The configs written before elastic was a strategy of its own: still served, with a warning.
-            warnings.warn(f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
-                          f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
-                          FutureWarning, stacklevel=4)
+            warnings.warn(
+                f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
+                f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
+                FutureWarning,
+                stacklevel=4,
+            )
             object.__setattr__(self, "strategy", elastic[0])
             self.__dict__.pop("services", None)
             return
         raise ConfigError(
             f"swift config: elastic.enabled=true is read only by strategy {elastic} (the job goes on with fewer "
-            f"data-parallel replicas when no spare is left), not {self.strategy!r}: set \"strategy\" to one of "
+            f'data-parallel replicas when no spare is left), not {self.strategy!r}: set "strategy" to one of '
             "them, or remove elastic.enabled"
         )
 

@@ -73,8 +73,13 @@ class JobShape:
 
     @classmethod
     def from_ds_config(
-        cls, ds_config: Mapping[str, Any], machines: int, per_machine: int, elastic: bool = False,
-        pipeline: int | None = None, tensor: int | None = None,
+        cls,
+        ds_config: Mapping[str, Any],
+        machines: int,
+        per_machine: int,
+        elastic: bool = False,
+        pipeline: int | None = None,
+        tensor: int | None = None,
     ) -> JobShape:
         """The shape from the DeepSpeed config (``pipeline.stages``, ``zero_optimization.stage``,
         ``bf16``), unless ``pipeline``/``tensor`` say otherwise (Megatron's flags)."""
@@ -83,7 +88,9 @@ class JobShape:
             pipeline = stages if isinstance(stages, int) and stages > 0 else None
         zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled", False))
-        return cls(machines, per_machine, elastic, pipeline, tensor or 1, bool(bf16 or (isinstance(zero, int) and zero >= 1)))
+        return cls(
+            machines, per_machine, elastic, pipeline, tensor or 1, bool(bf16 or (isinstance(zero, int) and zero >= 1))
+        )
 
 
 Requirement = Callable[[SwiftConfig, JobShape], "str | None"]
@@ -94,11 +101,15 @@ def elastic_needs_the_config(cfg: SwiftConfig, shape: JobShape) -> str | None:
     if not shape.elastic or (cfg.enabled and cfg.services.elastic):
         return None
     if not cfg.enabled:
-        return ("--elastic: ds-swift is off in this job (swift.enabled is false): nothing would shrink the job; "
-                "turn swift on with \"strategy\": \"elastic\", or drop --elastic")
-    return (f"--elastic: the swift config's strategy {cfg.strategy!r} does not shrink the job, so its workers "
-            "would wait for a replacement of the failed machine that never comes; set \"strategy\": \"elastic\" "
-            "in the swift section, or drop --elastic (and give --spares N)")
+        return (
+            "--elastic: ds-swift is off in this job (swift.enabled is false): nothing would shrink the job; "
+            'turn swift on with "strategy": "elastic", or drop --elastic'
+        )
+    return (
+        f"--elastic: the swift config's strategy {cfg.strategy!r} does not shrink the job, so its workers "
+        'would wait for a replacement of the failed machine that never comes; set "strategy": "elastic" '
+        "in the swift section, or drop --elastic (and give --spares N)"
+    )
 
 
 def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -106,9 +117,11 @@ def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | Non
     replica = shape.replica
     if not shape.elastic or not cfg.services.elastic or replica is None or shape.per_machine % replica == 0:
         return None
-    return (f"--elastic: a machine must hold whole data-parallel replicas for a shrink to drop it, but "
-            f"--nproc-per-node {shape.per_machine} is not a multiple of tp x pp = {replica}; use --nproc-per-node "
-            f"{replica * max(1, shape.per_machine // replica)} (a multiple of {replica}), or drop --elastic")
+    return (
+        f"--elastic: a machine must hold whole data-parallel replicas for a shrink to drop it, but "
+        f"--nproc-per-node {shape.per_machine} is not a multiple of tp x pp = {replica}; use --nproc-per-node "
+        f"{replica * max(1, shape.per_machine // replica)} (a multiple of {replica}), or drop --elastic"
+    )
 
 
 def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -121,10 +134,12 @@ def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | Non
     if left >= floor:
         return None
     need = -(-floor // per) + 1  # machines whose loss still leaves the floor
-    return (f"--elastic: with --nnodes {shape.machines} the first machine lost leaves {left} data-parallel "
-            f"replica(s), fewer than elastic.min_data_parallel={cfg.elastic.min_data_parallel} (and at least 1): "
-            f"no shrink could ever go on; use --nnodes {need}, lower elastic.min_data_parallel, or give --spares N "
-            "instead of --elastic")
+    return (
+        f"--elastic: with --nnodes {shape.machines} the first machine lost leaves {left} data-parallel "
+        f"replica(s), fewer than elastic.min_data_parallel={cfg.elastic.min_data_parallel} (and at least 1): "
+        f"no shrink could ever go on; use --nnodes {need}, lower elastic.min_data_parallel, or give --spares N "
+        "instead of --elastic"
+    )
 
 
 def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
@@ -135,10 +150,12 @@ def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     try:
         assign_holders(shape.members(), k, r, cfg.machines.failure_domains)
     except BuddyError as exc:
-        return (f"strategy \"{cfg.strategy}\" needs k + r + 1 = {k + r + 1} machines in distinct failure domains "
-                f"(pipechurn.data_chunks={k}, pipechurn.parity_chunks={r}, and each rank's own), the job has "
-                f"--nnodes {shape.machines}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
-                f"pipechurn.parity_chunks ({exc})")
+        return (
+            f'strategy "{cfg.strategy}" needs k + r + 1 = {k + r + 1} machines in distinct failure domains '
+            f"(pipechurn.data_chunks={k}, pipechurn.parity_chunks={r}, and each rank's own), the job has "
+            f"--nnodes {shape.machines}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
+            f"pipechurn.parity_chunks ({exc})"
+        )
     return None
 
 
@@ -153,10 +170,12 @@ def buddies_need_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
         assign_buddies(shape.members(), factor, cfg.machines.failure_domains)
     except BuddyError as exc:
         need = -(-factor // shape.per_machine) + 1  # machines giving every rank ``factor`` ranks elsewhere
-        return (f"buddy copies (buddy.enabled, strategy {cfg.strategy!r}, optimizer state partitioned by ZeRO-1 / "
-                f"bf16) need buddy.replication_factor={factor} rank(s) outside each rank's machine, the job has "
-                f"--nnodes {shape.machines}: use --nnodes {need} or more, or set \"buddy\": {{\"enabled\": false}} "
-                f"(a lost partition then comes from the global checkpoint) ({exc})")
+        return (
+            f"buddy copies (buddy.enabled, strategy {cfg.strategy!r}, optimizer state partitioned by ZeRO-1 / "
+            f"bf16) need buddy.replication_factor={factor} rank(s) outside each rank's machine, the job has "
+            f'--nnodes {shape.machines}: use --nnodes {need} or more, or set "buddy": {{"enabled": false}} '
+            f"(a lost partition then comes from the global checkpoint) ({exc})"
+        )
     return None
 
 

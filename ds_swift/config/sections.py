@@ -8,8 +8,15 @@ from urllib.parse import urlparse
 
 from ds_swift.config.checks import ConfigError, _check_type, _fail, _is_machine_list
 
-__all__ = ["LOG_KINDS", "STORAGE_SCHEMES", "CheckpointConfig", "LoggingConfig", "MachinesConfig", "VerifyConfig",
-           "WatchdogConfig"]
+__all__ = [
+    "LOG_KINDS",
+    "STORAGE_SCHEMES",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "MachinesConfig",
+    "VerifyConfig",
+    "WatchdogConfig",
+]
 
 #: URL schemes the global store understands (see ds_swift.storage). "" is a plain path.
 STORAGE_SCHEMES = ("", "file", "hdfs", "webhdfs", "s3", "memory")
@@ -97,7 +104,9 @@ class LoggingConfig:
             allowed = ", ".join(f"{s}://" for s in STORAGE_SCHEMES if s)
             raise _fail("logging.storage", self.storage, f"the scheme must be one of {allowed} or a plain path")
         if self.storage_budget_gb is not None:
-            _check_type("logging.storage_budget_gb", self.storage_budget_gb, (int, float), "a positive number of GB or null")
+            _check_type(
+                "logging.storage_budget_gb", self.storage_budget_gb, (int, float), "a positive number of GB or null"
+            )
             if self.storage_budget_gb <= 0:
                 raise _fail("logging.storage_budget_gb", self.storage_budget_gb, "a positive number of GB or null")
         if self.groups is not None:
@@ -163,7 +172,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.running_fraction is not None:
-            _check_type("checkpoint.running_fraction", self.running_fraction, (int, float), "null or a number in (0, 1]")
+            _check_type(
+                "checkpoint.running_fraction", self.running_fraction, (int, float), "null or a number in (0, 1]"
+            )
             if not 0 < self.running_fraction <= 1:
                 raise _fail("checkpoint.running_fraction", self.running_fraction, "null or a number in (0, 1]")
         if self.async_save is not None:
@@ -228,8 +239,11 @@ class VerifyConfig:
             raise _fail("verify.guard_loss_factor", self.guard_loss_factor, "a number > 1, e.g. 2.0")
         _check_type("verify.digest_interval", self.digest_interval, int, "a positive number of iterations")
         if self.digest_interval < 1:
-            raise _fail("verify.digest_interval", self.digest_interval,
-                        "a positive number of iterations (turn verification off with verify.enabled: false)")
+            raise _fail(
+                "verify.digest_interval",
+                self.digest_interval,
+                "a positive number of iterations (turn verification off with verify.enabled: false)",
+            )
 
 
 @dataclass(frozen=True)
@@ -262,12 +276,19 @@ class WatchdogConfig:
             if value <= 0:
                 raise _fail(f"watchdog.{name}", value, "a positive number of seconds")
         if self.hang_timeout_s is not None:
-            _check_type("watchdog.hang_timeout_s", self.hang_timeout_s, (int, float),
-                        "a positive number of seconds, or null (off)")
+            _check_type(
+                "watchdog.hang_timeout_s",
+                self.hang_timeout_s,
+                (int, float),
+                "a positive number of seconds, or null (off)",
+            )
             if self.hang_timeout_s <= self.op_timeout_s:
                 # A rank waiting in an op on the hung one must time out (and stop counting) first.
-                raise _fail("watchdog.hang_timeout_s", self.hang_timeout_s,
-                            f"more than watchdog.op_timeout_s={self.op_timeout_s}, or null (off)")
+                raise _fail(
+                    "watchdog.hang_timeout_s",
+                    self.hang_timeout_s,
+                    f"more than watchdog.op_timeout_s={self.op_timeout_s}, or null (off)",
+                )
         if self.poll_interval_s >= self.heartbeat_timeout_s:
             raise ConfigError(
                 f"swift config: watchdog.poll_interval_s={self.poll_interval_s} must be smaller "

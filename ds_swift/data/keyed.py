@@ -19,8 +19,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchFn", "DataIteratorError", "ResumableIterator", "global_micro_batch", "key_forward_rng", "micro_batches", "rng_seed",
-           "seed_generators"]
+__all__ = [
+    "BatchFn",
+    "DataIteratorError",
+    "ResumableIterator",
+    "global_micro_batch",
+    "key_forward_rng",
+    "micro_batches",
+    "rng_seed",
+    "seed_generators",
+]
 
 #: ``batch_fn(iteration, micro_batch) -> (inputs, labels)``
 BatchFn = Callable[[int, int], Any]

@@ -160,7 +160,11 @@ def stale_ranks(store: JobStore, liveness: Liveness, beats: CounterClock[int]) -
 
 
 def classify_failure(
-    exc: BaseException, store: JobStore | None, generation: int, poll_interval_s: float, liveness: Liveness | None = None
+    exc: BaseException,
+    store: JobStore | None,
+    generation: int,
+    poll_interval_s: float,
+    liveness: Liveness | None = None,
 ) -> str:
     """How ``exc`` ended ``generation`` (declaring the failure on evidence of a dead rank);
     re-raises ``exc`` when it is not a failure, or when there is no job store to recover with.
@@ -206,9 +210,11 @@ def classify_failure(
     if is_transport_error(exc) and liveness is not None:
         # A slow op, not a dead machine: every rank is alive. Declared as a stall so that every rank
         # of the generation acts on the same verdict, re-forming the next one with its state.
-        said = (f"{STALL}rank {liveness.rank}: {type(exc).__name__} ({str(exc)[:160]}) with no rank dead "
-                f"(every rank heartbeating for {patience:.1f} s): the next generation is formed by the same "
-                "ranks with the state they hold, nothing lost")
+        said = (
+            f"{STALL}rank {liveness.rank}: {type(exc).__name__} ({str(exc)[:160]}) with no rank dead "
+            f"(every rank heartbeating for {patience:.1f} s): the next generation is formed by the same "
+            "ranks with the state they hold, nothing lost"
+        )
         first = declare_failure(store, generation, said)
         return f"stall ({'declared' if first else 'already declared'}): {str(exc)[:120]}"
     exc.add_note(

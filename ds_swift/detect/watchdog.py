@@ -34,8 +34,14 @@ from ds_swift.logs import say
 from ds_swift.threadname import name_os_thread
 
 __all__ = [
-    "BEATS_PER_TIMEOUT", "FailureSeen", "Watchdog", "declare_failure", "ensure_generation_moved", "hung_machine_key",
-    "suspect_key", "wait_failed_machine",
+    "BEATS_PER_TIMEOUT",
+    "FailureSeen",
+    "Watchdog",
+    "declare_failure",
+    "ensure_generation_moved",
+    "hung_machine_key",
+    "suspect_key",
+    "wait_failed_machine",
 ]
 
 #: Heartbeats a worker writes (and reads of its watched peers' heartbeats) per heartbeat timeout. A
@@ -116,8 +122,9 @@ class Watchdog:
         self._next_beat = -math.inf  # the observer clock's time of the next heartbeat: the first poll beats
         self._lock = threading.Lock()
         self._generation = generation
-        self._beats: CounterClock[int] = CounterClock(heartbeat_timeout_s, max_gap_s=max(heartbeat_timeout_s / 2,
-                                                                                          3 * poll_interval_s))
+        self._beats: CounterClock[int] = CounterClock(
+            heartbeat_timeout_s, max_gap_s=max(heartbeat_timeout_s / 2, 3 * poll_interval_s)
+        )
         self._suspected: set[tuple[int, int]] = set()
         self._watch = list(watch_ranks)
         self._seen: FailureSeen | None = None
@@ -239,8 +246,12 @@ class Watchdog:
             if store.add(f"{key}/by/{self.rank}", 1) == 1:
                 if store.add(f"{key}/n", 1) == 1:
                     store.set(key, f"{self.heartbeat_timeout_s!r} {reason}")
-                say(f"suspects machine {machine}: {reason}; a verdict needs a second observer or the machine's own "
-                    "agent", self.rank, name=__name__)
+                say(
+                    f"suspects machine {machine}: {reason}; a verdict needs a second observer or the machine's own "
+                    "agent",
+                    self.rank,
+                    name=__name__,
+                )
         observers = store.add(f"{key}/n", 0)
         if observers < 2:
             return None

@@ -78,8 +78,14 @@ class EtcdStore(dist.Store):
         credentials: CA, client certificate, user and password (see the module docstring).
     """
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout: datetime.timedelta | None = None,
-                 tls: bool = False, credentials: StoreCredentials | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        prefix: str = "",
+        timeout: datetime.timedelta | None = None,
+        tls: bool = False,
+        credentials: StoreCredentials | None = None,
+    ) -> None:
         super().__init__()  # the pybind trampoline needs it
         import etcd3gw  # lazily: only jobs that use etcd need the client installed
 
@@ -91,9 +97,16 @@ class EtcdStore(dist.Store):
         if (cred.ca or cred.cert) and not tls:
             raise ValueError("a CA or client certificate needs an etcd+https:// store URL (TLS); got etcd://")
         self._clients = [
-            etcd3gw.Etcd3Client(host=h, port=p, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/",
-                                protocol="https" if tls else "http", ca_cert=cred.ca or None,
-                                cert_cert=cred.cert or None, cert_key=cred.key or None)
+            etcd3gw.Etcd3Client(
+                host=h,
+                port=p,
+                timeout=_REQUEST_TIMEOUT_S,
+                api_path="/v3/",
+                protocol="https" if tls else "http",
+                ca_cert=cred.ca or None,
+                cert_cert=cred.cert or None,
+                cert_key=cred.key or None,
+            )
             for h, p in self.endpoints
         ]
         # Per request, not on the session: requests lets $REQUESTS_CA_BUNDLE override a session's CA.
@@ -144,8 +157,9 @@ class EtcdStore(dist.Store):
                     self._token = self._authenticate(client)
                     self._token_at = time.monotonic()
                 headers = {"Authorization": self._token} if self._token else None
-                result: dict[str, Any] = client.post(client.get_url(path), json=payload, headers=headers,
-                                                     **self._tls_args)
+                result: dict[str, Any] = client.post(
+                    client.get_url(path), json=payload, headers=headers, **self._tls_args
+                )
                 return result
             except (ConnectionFailedError, ConnectionTimeoutError) as exc:
                 host, port = self.endpoints[self._current]
@@ -175,8 +189,9 @@ class EtcdStore(dist.Store):
         kvs = self._post("/kv/range", {"key": _b64(self._key(key))}).get("kvs")
         return kvs[0] if kvs else None
 
-    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-             failure: list[dict[str, Any]]) -> dict[str, Any]:
+    def _txn(
+        self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure})
 
     # ------------------------------------------------------------------ torch.distributed.Store
@@ -219,8 +234,9 @@ class EtcdStore(dist.Store):
             cmp = {"key": bkey, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
         else:
             cmp = {"key": bkey, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        result = self._txn([cmp], [{"request_put": {"key": bkey, "value": _b64(desired)}}],
-                           [{"request_range": {"key": bkey}}])
+        result = self._txn(
+            [cmp], [{"request_put": {"key": bkey, "value": _b64(desired)}}], [{"request_range": {"key": bkey}}]
+        )
         if result.get("succeeded"):
             return desired
         kvs = result.get("responses", [{}])[0].get("response_range", {}).get("kvs")
@@ -250,8 +266,9 @@ class EtcdStore(dist.Store):
 
     def num_keys(self) -> int:
         start = self.prefix or b"\0"
-        result = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(self.prefix)),
-                                          "count_only": True})
+        result = self._post(
+            "/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(self.prefix)), "count_only": True}
+        )
         return int(result.get("count", 0))
 
     def try_get(self, key: str) -> bytes | None:
@@ -277,4 +294,4 @@ class EtcdStore(dist.Store):
         """Every key under ``prefix + sub_prefix``, without the store's prefix (names only, no values)."""
         start = self._key(sub_prefix)
         result = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "keys_only": True})
-        return [_unb64(kv["key"])[len(self.prefix):].decode(errors="replace") for kv in result.get("kvs", [])]
+        return [_unb64(kv["key"])[len(self.prefix) :].decode(errors="replace") for kv in result.get("kvs", [])]

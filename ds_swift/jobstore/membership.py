@@ -183,7 +183,7 @@ class JobStore(SignedKV):
         """
         where = StoreURL.parse(url)
         if where.scheme == "tcp":
-            (addr, port), = where.endpoints
+            ((addr, port),) = where.endpoints
             if not create:
                 return cls.connect(addr, port, token, timeout_s, wait_s=wait_s, secret=secret, launch=launch)
             try:
@@ -215,8 +215,9 @@ class JobStore(SignedKV):
         launch = env.launch or None
         if env.store_url:
             credentials = None if env.store_credentials.empty else env.store_credentials
-            return cls.open(env.store_url, env.token, timeout_s, secret=env.secret, launch=launch,
-                            credentials=credentials)
+            return cls.open(
+                env.store_url, env.token, timeout_s, secret=env.secret, launch=launch, credentials=credentials
+            )
         return cls.connect(env.store_addr, env.store_port, env.token, timeout_s, secret=env.secret, launch=launch)
 
     # ------------------------------------------------------------------ generations
@@ -295,9 +296,7 @@ class JobStore(SignedKV):
     def publish(self, generation: int, topic: str, rank: int, value: str) -> None:
         self._put(f"gen{generation}/{topic}/{rank}", value)
 
-    def gather(
-        self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float
-    ) -> dict[int, str]:
+    def gather(self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float) -> dict[int, str]:
         """Wait for every rank in ``ranks`` to publish ``topic``; GenerationFailed if g fails first."""
         ranks = list(ranks)
         keys = [f"gen{generation}/{topic}/{r}" for r in ranks]
@@ -373,7 +372,8 @@ def _etcd(where: StoreURL, timeout_s: float, credentials: StoreCredentials | Non
 
     try:
         credentials = credentials or StoreCredentials.from_env(os.environ)
-        return EtcdStore(where.endpoints, timeout=datetime.timedelta(seconds=timeout_s), tls=where.tls,
-                         credentials=credentials)
+        return EtcdStore(
+            where.endpoints, timeout=datetime.timedelta(seconds=timeout_s), tls=where.tls, credentials=credentials
+        )
     except ValueError as exc:
         raise MembershipError(f"job store {where}: {exc}") from exc

@@ -110,7 +110,9 @@ class SignedKV:
         """``value``, or the highest value of ``key`` read before if ``value`` is lower (a replay)."""
         high = self._high.get(key)
         if high is not None and value < high:
-            self.sealer.reject(key, size, why=f"that goes back ({value:g} after {high:g}: an old signed value replayed)")
+            self.sealer.reject(
+                key, size, why=f"that goes back ({value:g} after {high:g}: an old signed value replayed)"
+            )
             return high
         if high is None and len(self._high) >= _HIGH_KEYS:
             del self._high[next(iter(self._high))]
@@ -195,7 +197,7 @@ class SignedKV:
             return []
         now = time.time() if now is None else now
         start = self.root_prefix + "L."
-        launches = {k[len(start):].partition("/")[0] for k in keys(start)}
+        launches = {k[len(start) :].partition("/")[0] for k in keys(start)}
         out: list[tuple[str, str]] = []
         for launch in sorted(launches - {self.launch}):
             why = self._launch_over(launch, now)

@@ -89,7 +89,9 @@ def _read_private(path: str, what: str) -> str:
     except OSError as exc:
         raise ValueError(f"{what} {path}: {exc.strerror}") from exc
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{what} {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): run chmod 600 {path}")
+        raise ValueError(
+            f"{what} {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): run chmod 600 {path}"
+        )
     with open(path) as f:
         return f.read().strip()
 

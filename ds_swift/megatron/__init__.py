@@ -207,7 +207,11 @@ def scheduler_loads_by_setting(scheduler: Any) -> None:
     fallback took the wrong learning rate (a pp 4 run ended with 70 of 96 tensors different).
     Other schedulers (DeepSpeed's, torch's) already set, and are left alone.
     """
-    if scheduler is None or type(scheduler).__name__ != "OptimizerParamScheduler" or not hasattr(scheduler, "num_steps"):
+    if (
+        scheduler is None
+        or type(scheduler).__name__ != "OptimizerParamScheduler"
+        or not hasattr(scheduler, "num_steps")
+    ):
         return
     if getattr(scheduler.load_state_dict, "__func__", None) is _load_by_setting:
         return  # prepared already (the kept scheduler of a survivor)

@@ -169,8 +169,14 @@ def ds_config(run: CpuRun, run_dir: Path) -> dict[str, Any]:
     elif run.precision == "fp16":
         # hysteresis 1: every overflow halves the scale at once, so a too-large first scale costs
         # a few skipped steps at the start and no more.
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": run.initial_scale_power,
-                          "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": run.initial_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+        }
     SwiftConfig.from_dict(config["swift"])  # fail here, naming the field, not in eight workers
     return config
 
@@ -209,27 +215,46 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=default.tp, help="tensor-parallel size (default %(default)s)")
     parser.add_argument("--pp", type=int, default=default.pp, help="pipeline stages (default %(default)s)")
     parser.add_argument("--dp", type=int, default=default.dp, help="data-parallel replicas (default %(default)s)")
-    parser.add_argument("--machines", type=int, default=default.machines,
-                        help="simulated machines; tp*pp*dp/machines ranks each (default %(default)s)")
+    parser.add_argument(
+        "--machines",
+        type=int,
+        default=default.machines,
+        help="simulated machines; tp*pp*dp/machines ranks each (default %(default)s)",
+    )
     parser.add_argument("--spares", type=int, default=default.spares, help="spare machines (default %(default)s)")
     parser.add_argument("--precision", choices=PRECISIONS, default=default.precision, help="(default %(default)s)")
     parser.add_argument(
         "--zero", type=int, choices=(0, 1), default=default.zero, help="ZeRO stage (default %(default)s)"
     )
-    parser.add_argument("--strategy", choices=strategy_names(), default=default.strategy,
-                        help="ds-swift's recovery strategy (default %(default)s)")
+    parser.add_argument(
+        "--strategy",
+        choices=strategy_names(),
+        default=default.strategy,
+        help="ds-swift's recovery strategy (default %(default)s)",
+    )
     parser.add_argument("--kill-machine", type=int, default=-1, help="(default: the last machine)")
     parser.add_argument("--kill-iteration", type=int, default=default.kill_iteration, help="(default %(default)s)")
     parser.add_argument("--kill-phase", choices=PHASES, default=default.kill_phase, help="(default %(default)s)")
     parser.add_argument("--iters", type=int, default=default.iters, help="training iterations (default %(default)s)")
-    parser.add_argument("--save-interval", type=int, default=default.save_interval,
-                        help="Megatron's --save-interval, ds-swift's global checkpoints (default %(default)s)")
-    parser.add_argument("--untie-embeddings", action="store_true",
-                        help="Megatron's --untie-embeddings-and-output-weights (tied embeddings rule out a "
-                             "message-log replay of a first or last stage alone)")
-    parser.add_argument("--initial-scale-power", type=int, default=default.initial_scale_power,
-                        help="fp16: the first loss scale is 2**N; too large, the first steps overflow and are "
-                             "skipped (20: iterations 1-3 of the tiny GPT; default %(default)s)")
+    parser.add_argument(
+        "--save-interval",
+        type=int,
+        default=default.save_interval,
+        help="Megatron's --save-interval, ds-swift's global checkpoints (default %(default)s)",
+    )
+    parser.add_argument(
+        "--untie-embeddings",
+        action="store_true",
+        help="Megatron's --untie-embeddings-and-output-weights (tied embeddings rule out a "
+        "message-log replay of a first or last stage alone)",
+    )
+    parser.add_argument(
+        "--initial-scale-power",
+        type=int,
+        default=default.initial_scale_power,
+        help="fp16: the first loss scale is 2**N; too large, the first steps overflow and are "
+        "skipped (20: iterations 1-3 of the tiny GPT; default %(default)s)",
+    )
 
 
 def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
@@ -255,8 +280,14 @@ def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
 def prepare(argv: list[str]) -> int:
     """Parse the script's options, write each run's DeepSpeed config, print shell assignments."""
     checkout, work, run, dry_run = parse_run(argv)
-    out = {"CHECKOUT": str(checkout), "WORK": str(work), "LOCAL_SIZE": str(run.ranks_per_machine),
-           "FINAL_TAG": f"global_step{run.iters}", "DESCRIBE": describe(run), "DRY_RUN": "1" if dry_run else ""}
+    out = {
+        "CHECKOUT": str(checkout),
+        "WORK": str(work),
+        "LOCAL_SIZE": str(run.ranks_per_machine),
+        "FINAL_TAG": f"global_step{run.iters}",
+        "DESCRIBE": describe(run),
+        "DRY_RUN": "1" if dry_run else "",
+    }
     for name, kill in (("ref", False), ("kill", True)):
         run_dir = work / name
         config = ds_config(run, run_dir)
@@ -313,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "compare" and len(rest) == 3:
         return compare(Path(rest[0]), Path(rest[1]), rest[2])
-    print("usage: python -m ds_swift.megatron.cpu prepare CHECKOUT [WORK] [options] | summary LOG | "
-          "compare REF_CKPT KILL_CKPT TAG", file=sys.stderr)
+    print(
+        "usage: python -m ds_swift.megatron.cpu prepare CHECKOUT [WORK] [options] | summary LOG | "
+        "compare REF_CKPT KILL_CKPT TAG",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -169,12 +169,16 @@ def check_report(checkout: Path, series: list[PatchFile] | None = None) -> tuple
     state = series_state(checkout, series)
     n = len(series)
     lines = {
-        "applies": [f"{checkout}: applies: none of the {n} patches is applied and all of them apply "
-                    f"(ds-swift megatron-patch {checkout} applies them)"],
+        "applies": [
+            f"{checkout}: applies: none of the {n} patches is applied and all of them apply "
+            f"(ds-swift megatron-patch {checkout} applies them)"
+        ],
         "applied": [f"{checkout}: applied: all {n} patches are in place"],
         "half applied": [f"{checkout}: half applied: {_half_summary(state)}"],
-        "does not apply": [f"{checkout}: does not apply: {state.failure[0] if state.failure else 'a patch'} "
-                           "conflicts with the checkout"],
+        "does not apply": [
+            f"{checkout}: does not apply: {state.failure[0] if state.failure else 'a patch'} "
+            "conflicts with the checkout"
+        ],
     }[state.state]
     if state.hunks:
         lines += [f"  {h.patch} {h.file} {h.header}: {h.state}" for h in state.hunks]
@@ -217,13 +221,19 @@ def register(subparsers: Any) -> None:
         help="apply ds-swift's patch series to a deepspeedai/Megatron-DeepSpeed checkout",
         description=__doc__.splitlines()[0] if __doc__ else None,
         epilog=f"--check exit codes: {codes}, 2 could not tell (the error says why). Without --check: 0 applied "
-               "(or already applied), 2 not applied (the checkout is left as it was).",
+        "(or already applied), 2 not applied (the checkout is left as it was).",
     )
     p.add_argument("checkout", metavar="PATH_TO_CHECKOUT", help="a git checkout of deepspeedai/Megatron-DeepSpeed")
     p.add_argument("--work", default="megatron-swift-run", help="directory for the tiny GPT's data and runs")
-    p.add_argument("--force", action="store_true",
-                   help="apply to a checkout of another commit (or a folder with no .git of its own) anyway")
-    p.add_argument("--check", action="store_true",
-                   help="only report, changing nothing, whether the series applies, is applied or is half applied "
-                        "(which patches or hunks)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="apply to a checkout of another commit (or a folder with no .git of its own) anyway",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only report, changing nothing, whether the series applies, is applied or is half applied "
+        "(which patches or hunks)",
+    )
     p.set_defaults(func=_run)

@@ -60,8 +60,7 @@ def git(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     checks the exit code (for ``apply --check`` it is the answer)."""
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(cwd.resolve().parent), "LC_ALL": "C"}
     try:
-        return subprocess.run(["git", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S)
+        return subprocess.run(["git", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
     except FileNotFoundError:
         raise MegatronPatchError("git is not installed: the series is applied with git apply") from None
     except subprocess.TimeoutExpired:
@@ -74,8 +73,8 @@ def touched_files(patches: Sequence[PatchFile]) -> list[str]:
     for patch in patches:
         for line in patch.path.read_text().splitlines():
             for prefix in ("--- a/", "+++ b/"):
-                if line.startswith(prefix) and line[len(prefix):] not in out:
-                    out.append(line[len(prefix):])
+                if line.startswith(prefix) and line[len(prefix) :] not in out:
+                    out.append(line[len(prefix) :])
     return out
 
 

@@ -190,15 +190,31 @@ class ParallelBlock(nn.Module):
         self.local_hidden = hidden // tp
         self.ln1 = nn.LayerNorm(hidden)
         # stride=3: rank r gets its heads' rows of q, of k and of v (not a third of [q; k; v]).
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, config=config, init_method=_linear_init, bias=True,
-                                        gather_output=False, stride=3)
-        self.proj = RowParallelLinear(hidden, hidden, config=config, init_method=_linear_init, bias=True,
-                                      input_is_parallel=True, skip_bias_add=False)
+        self.qkv = ColumnParallelLinear(
+            hidden, 3 * hidden, config=config, init_method=_linear_init, bias=True, gather_output=False, stride=3
+        )
+        self.proj = RowParallelLinear(
+            hidden,
+            hidden,
+            config=config,
+            init_method=_linear_init,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
         self.ln2 = nn.LayerNorm(hidden)
-        self.fc = ColumnParallelLinear(hidden, 4 * hidden, config=config, init_method=_linear_init, bias=True,
-                                       gather_output=False)
-        self.out = RowParallelLinear(4 * hidden, hidden, config=config, init_method=_linear_init, bias=True,
-                                     input_is_parallel=True, skip_bias_add=False)
+        self.fc = ColumnParallelLinear(
+            hidden, 4 * hidden, config=config, init_method=_linear_init, bias=True, gather_output=False
+        )
+        self.out = RowParallelLinear(
+            4 * hidden,
+            hidden,
+            config=config,
+            init_method=_linear_init,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,8 +239,9 @@ class ParallelHead(nn.Module):
         from megatron.core.tensor_parallel import ColumnParallelLinear
 
         self.ln = nn.LayerNorm(hidden)
-        self.lm = ColumnParallelLinear(hidden, vocab, config=_megatron_config(tp), init_method=_linear_init,
-                                       bias=False, gather_output=False)
+        self.lm = ColumnParallelLinear(
+            hidden, vocab, config=_megatron_config(tp), init_method=_linear_init, bias=False, gather_output=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, _ = self.lm(self.ln(x))
@@ -253,7 +270,9 @@ def gpt_layer_specs(cfg: GPTConfig) -> list[Any]:
 
     layers = [LayerSpec(Embedding, cfg.vocab_size, cfg.seq_length, cfg.hidden_size, cfg.dropout)]
     if not cfg.parallel_layers:
-        layers += [LayerSpec(Block, cfg.hidden_size, cfg.num_attention_heads, cfg.dropout) for _ in range(cfg.num_layers)]
+        layers += [
+            LayerSpec(Block, cfg.hidden_size, cfg.num_attention_heads, cfg.dropout) for _ in range(cfg.num_layers)
+        ]
         layers += [LayerSpec(Head, cfg.hidden_size, cfg.vocab_size)]
     else:
         tp = cfg.tensor_parallel

@@ -142,8 +142,15 @@ class ChunkHeader:
     def for_chunk(cls, name: ChunkName, src_rank: int, dst_rank: int) -> ChunkHeader:
         e = name.edge
         return cls(
-            name.first_iteration, name.end_iteration, src_rank, dst_rank, e.src_stage, e.dst_stage, e.dp_rank,
-            e.tp_rank, e.kind,
+            name.first_iteration,
+            name.end_iteration,
+            src_rank,
+            dst_rank,
+            e.src_stage,
+            e.dst_stage,
+            e.dp_rank,
+            e.tp_rank,
+            e.kind,
         )
 
     @property

@@ -65,11 +65,15 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
     else:
-        print(f"{args.location}: {len(chunks)} chunks, {report.records} valid records, {report.bytes_on_disk} bytes on disk")
+        print(
+            f"{args.location}: {len(chunks)} chunks, {report.records} valid records, {report.bytes_on_disk} bytes on disk"
+        )
         width = max((len(c["file"]) for c in chunks), default=4)
         for c in chunks:
             first, end = c["iterations"]
-            print(f"  {c['file']:<{width}}  iterations {first}..{end - 1}  {c['records']:>6} records  {c['bytes']:>12} B")
+            print(
+                f"  {c['file']:<{width}}  iterations {first}..{end - 1}  {c['records']:>6} records  {c['bytes']:>12} B"
+            )
         if per_edge:
             print("bytes per edge per iteration:")
             for edge, per_it in per_edge.items():

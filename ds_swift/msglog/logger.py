@@ -352,7 +352,12 @@ def install_message_logging(
             the handle then stops logging instead of raising on the training thread.
     """
     return MessageLogHandle(
-        engine, plan, cfg, log_dir, native=native, copy_mode=copy_mode, max_inflight_bytes=max_inflight_bytes,
+        engine,
+        plan,
+        cfg,
+        log_dir,
+        native=native,
+        copy_mode=copy_mode,
+        max_inflight_bytes=max_inflight_bytes,
         on_error=on_error,
     )
-

@@ -190,14 +190,20 @@ class LogReader:
         try:
             header = RecordHeader.unpack(data)
         except FormatError as exc:
-            raise CorruptRecordError(str(RecordError(where.file, record_no, entry.offset, entry.key, str(exc)))) from exc
+            raise CorruptRecordError(
+                str(RecordError(where.file, record_no, entry.offset, entry.key, str(exc)))
+            ) from exc
         if header.key != entry.key or header.record_size != entry.length:
             raise CorruptRecordError(
-                str(RecordError(where.file, record_no, entry.offset, entry.key, "record does not match its index entry"))
+                str(
+                    RecordError(where.file, record_no, entry.offset, entry.key, "record does not match its index entry")
+                )
             )
         payload = data[header.header_size :]
         if len(payload) != header.nbytes:
-            raise CorruptRecordError(str(RecordError(where.file, record_no, entry.offset, entry.key, "truncated payload")))
+            raise CorruptRecordError(
+                str(RecordError(where.file, record_no, entry.offset, entry.key, "truncated payload"))
+            )
         if crc32c(payload) != header.payload_crc:
             raise CorruptRecordError(
                 str(RecordError(where.file, record_no, entry.offset, entry.key, "payload checksum mismatch"))
@@ -258,7 +264,9 @@ class LogReader:
             wanted = (kind, src_stage, dst_stage, dp_rank, tp_rank)
             if any(w is not None and w != have for w, have in zip(wanted, cn.edge)):
                 continue
-            if cn.end_iteration <= start_iteration or (end_iteration is not None and cn.first_iteration >= end_iteration):
+            if cn.end_iteration <= start_iteration or (
+                end_iteration is not None and cn.first_iteration >= end_iteration
+            ):
                 continue
             info = self.chunk(cn)
             for e in info.entries.values():

@@ -210,7 +210,9 @@ class ChunkWriter:
 
         scan = scan_chunk(self.path)
         if scan.error:
-            _log.warning("log chunk %s: dropping a torn/corrupt tail at offset %d (%s)", self.path, scan.end, scan.error)
+            _log.warning(
+                "log chunk %s: dropping a torn/corrupt tail at offset %d (%s)", self.path, scan.end, scan.error
+            )
         os.truncate(self.path, scan.end)
         tmp = self.index_path.with_suffix(self.index_path.suffix + ".tmp")
         with open(tmp, "wb") as f:

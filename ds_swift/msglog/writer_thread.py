@@ -116,7 +116,9 @@ class WriterThread:
         self._raised = 0
         # A failed write is recorded by _write itself (as a LogWriteError naming the file) and raised
         # by the next check/flush on the training thread; the worker goes on with the next message.
-        self._worker: Worker[WriteItem | _Call] = Worker(name, self._one, max_bytes=max_inflight_bytes, setup=self._renice)
+        self._worker: Worker[WriteItem | _Call] = Worker(
+            name, self._one, max_bytes=max_inflight_bytes, setup=self._renice
+        )
         self._worker.start()
         # A daemon thread dies silently at interpreter exit; write out what is queued first.
         atexit.register(self._at_exit)

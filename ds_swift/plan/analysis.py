@@ -269,8 +269,9 @@ def analyze(
     )
 
 
-def _apply_verdict(strategy: str, worth: bool, stage_strategy: dict[int, StageStrategy], logged: list[Any],
-                   notes: list[str]) -> tuple[dict[int, StageStrategy], list[Any]]:
+def _apply_verdict(
+    strategy: str, worth: bool, stage_strategy: dict[int, StageStrategy], logged: list[Any], notes: list[str]
+) -> tuple[dict[int, StageStrategy], list[Any]]:
     """Under ``auto``, logging that is not worth it goes (its stages recover by checkpoint); a forced
     ``logging`` keeps it, and the notes say so."""
     if strategy == "auto" and not worth and logged:

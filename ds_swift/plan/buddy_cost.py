@@ -51,7 +51,10 @@ class BuddyCost:
         return [
             ("buddy copies", f"on, {self.factor} buddy(ies) per rank ({self.why})"),
             ("buddy network / rank / iteration", f"{net / 1e9:.3f} GB ({net} bytes)"),
-            ("buddy host memory / rank", f"{host / 1e9:.3f} GB (2 copies x {self.factor} buddy partition(s) + 2 own copies)"),
+            (
+                "buddy host memory / rank",
+                f"{host / 1e9:.3f} GB (2 copies x {self.factor} buddy partition(s) + 2 own copies)",
+            ),
         ]
 
 

@@ -115,7 +115,11 @@ def describe(plan: Plan, cfg: SwiftConfig, decisions: list[StageDecision] | None
     where = f"measured in iteration {m.iteration}{timed}" if m is not None else "from the model shape"
     held = per_iteration * interval / GB
     updates = sum(m.stage_update_bytes(s) or 0 for s in plan.update_stages) if m is not None else 0
-    also = f" of messages and {updates} bytes of updates (stages {sorted(plan.update_stages)})" if plan.update_stages else ""
+    also = (
+        f" of messages and {updates} bytes of updates (stages {sorted(plan.update_stages)})"
+        if plan.update_stages
+        else ""
+    )
     title = f"logging.storage_budget_gb={budget:g}" if budget is not None else "no storage budget"
     lines = [
         f"logging plan for {title} ({where}): {len(plan.groups)} group(s) of "

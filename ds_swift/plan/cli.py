@@ -248,8 +248,12 @@ def run(args: argparse.Namespace) -> int:
     js = plan.to_json()
     buddy = build_buddy_cost(args)
     choices = choose_for_plan(  # activation vs update logging per logging stage (with --num-params)
-        plan, iteration_time_s=args.iteration_time, stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
-        read_gbps=args.storage_gbps, storage_budget_gb=args.storage_budget_gb, checkpoint_interval=args.checkpoint_interval,
+        plan,
+        iteration_time_s=args.iteration_time,
+        stage_compute_s=_stage_compute(args.stage_compute_s, plan.layout.pp),
+        read_gbps=args.storage_gbps,
+        storage_budget_gb=args.storage_budget_gb,
+        checkpoint_interval=args.checkpoint_interval,
     )
     rec = _recommend(args, js) if args.recommend else None
     if args.json:
@@ -294,5 +298,3 @@ def _recommend(args: argparse.Namespace, plan_json: dict[str, Any]) -> dict[str,
         micro_batches=plan_json.get("micro_batches"),
         storage_gbps=args.storage_gbps,
     )
-
-

@@ -160,8 +160,13 @@ class MeasuredSizes:
             update_bytes[int(r["stage"])] += int(r.get("update_bytes") or 0)
         copies = [float(r["copy_gbps"]) for r in reports if r.get("copy_gbps")]
         return cls(
-            tuple(edges), micro_batches, iterations.pop(), max(seconds, default=None), params or None,
-            stage_params=tuple(stage_params), update_bytes=tuple(update_bytes) if any(update_bytes) else (),
+            tuple(edges),
+            micro_batches,
+            iterations.pop(),
+            max(seconds, default=None),
+            params or None,
+            stage_params=tuple(stage_params),
+            update_bytes=tuple(update_bytes) if any(update_bytes) else (),
             copy_gbps=min(copies, default=None),
         )
 
@@ -194,10 +199,15 @@ class MeasuredSizes:
     def from_json(cls, js: Mapping[str, Any]) -> MeasuredSizes:
         edges = tuple((int(s), int(d), int(b)) for s, d, b in js["edge_bytes"])
         return cls(
-            edges, int(js["micro_batches"]), int(js["iteration"]), js.get("iteration_time_s"),
-            js.get("num_params"), float(js.get("state_bytes_per_param", 16.0)),
+            edges,
+            int(js["micro_batches"]),
+            int(js["iteration"]),
+            js.get("iteration_time_s"),
+            js.get("num_params"),
+            float(js.get("state_bytes_per_param", 16.0)),
             stage_params=tuple(int(x) for x in js.get("stage_params", ())),
-            update_bytes=tuple(int(x) for x in js.get("update_bytes", ())), copy_gbps=js.get("copy_gbps"),
+            update_bytes=tuple(int(x) for x in js.get("update_bytes", ())),
+            copy_gbps=js.get("copy_gbps"),
         )
 
 

@@ -116,8 +116,11 @@ def decide_stages(plan: Plan, kinds: str | Sequence[str], measured: MeasuredSize
         state = None if any(x is None for x in states) else sum(x or 0 for x in states)
         if kinds == "auto":
             kind: Kind = "updates" if upd is not None and upd < msgs else "messages"
-            why = (f"updates {_mb(upd)} < inbound messages {_mb(msgs)}" if kind == "updates"
-                   else f"inbound messages {_mb(msgs)} <= updates {_mb(upd)}")
+            why = (
+                f"updates {_mb(upd)} < inbound messages {_mb(msgs)}"
+                if kind == "updates"
+                else f"inbound messages {_mb(msgs)} <= updates {_mb(upd)}"
+            )
         elif isinstance(kinds, str):
             kind, why = "messages", f"logging.kinds=messages: inbound messages {_mb(msgs)}"
         else:
@@ -152,8 +155,10 @@ def _pays(
     parts = []
     if state is not None:
         if nbytes >= state:
-            return False, (f"not logged: {_mb(nbytes)} per iteration is not smaller than its state {_mb(state)} "
-                           "(a checkpoint of it every iteration would write less)")
+            return False, (
+                f"not logged: {_mb(nbytes)} per iteration is not smaller than its state {_mb(state)} "
+                "(a checkpoint of it every iteration would write less)"
+            )
         parts.append(f"< its state {_mb(state)}")
     else:
         parts.append("state not measured")
@@ -164,8 +169,10 @@ def _pays(
     else:
         capacity = bubble_s * copy_gbps * 1e9
         if worst > capacity:
-            return False, (f"not logged: {_mb(worst)} per rank per iteration does not fit in the bubbles "
-                           f"({bubble_s:.3g} s x {copy_gbps:.3g} GB/s = {_mb(capacity)})")
+            return False, (
+                f"not logged: {_mb(worst)} per rank per iteration does not fit in the bubbles "
+                f"({bubble_s:.3g} s x {copy_gbps:.3g} GB/s = {_mb(capacity)})"
+            )
         parts.append(f"{_mb(worst)} per rank fits in the bubbles ({bubble_s:.3g} s x {copy_gbps:.3g} GB/s)")
     return True, "pays: " + ", ".join(parts)
 

@@ -94,8 +94,16 @@ def choose_stage_logging(
         storage_budget_gb: log bytes allowed between two checkpoints; needs ``checkpoint_interval``.
         checkpoint_interval: iterations between global checkpoints.
     """
-    _check(layout, stages, stage_params, update_bytes_per_param, stage_compute_s, read_gbps,
-           storage_budget_gb, checkpoint_interval)
+    _check(
+        layout,
+        stages,
+        stage_params,
+        update_bytes_per_param,
+        stage_compute_s,
+        read_gbps,
+        storage_budget_gb,
+        checkpoint_interval,
+    )
     inbound = {s: 0 for s in stages}
     for edge in pipeline_edges(layout, shape):
         if edge.dst_stage in inbound:
@@ -130,8 +138,13 @@ def _spend_budget_on_speed(rows: list[StageLogChoice], per_iteration: float) -> 
     total = sum(_bytes(r, r.choice) for r in rows)
     if total > per_iteration:
         return [
-            StageLogChoice(**{**asdict(r), "reason": r.reason + f"; even the cheaper logs exceed the budget "
-                              f"({total / GB:.3g} > {per_iteration / GB:.3g} GB per iteration)"})
+            StageLogChoice(
+                **{
+                    **asdict(r),
+                    "reason": r.reason + f"; even the cheaper logs exceed the budget "
+                    f"({total / GB:.3g} > {per_iteration / GB:.3g} GB per iteration)",
+                }
+            )
             for r in rows
         ]
     swaps: list[tuple[float, int]] = []
@@ -199,9 +212,14 @@ def choose_for_plan(
         return []
     times, unit = stage_times(plan.layout.pp, shape, iteration_time_s, stage_compute_s)
     return choose_stage_logging(
-        plan.layout, shape, stages, stage_params_even(shape.num_params, plan.layout.pp),
-        stage_compute_s=times if unit == "s" else None, read_gbps=read_gbps,
-        storage_budget_gb=storage_budget_gb, checkpoint_interval=checkpoint_interval,
+        plan.layout,
+        shape,
+        stages,
+        stage_params_even(shape.num_params, plan.layout.pp),
+        stage_compute_s=times if unit == "s" else None,
+        read_gbps=read_gbps,
+        storage_budget_gb=storage_budget_gb,
+        checkpoint_interval=checkpoint_interval,
     )
 
 
@@ -218,8 +236,11 @@ def print_choices(rows: Sequence[StageLogChoice]) -> None:
         table.add_column(col)
     for r in rows:
         table.add_row(
-            str(r.stage), f"{r.activation_bytes / GB:.3g} GB", f"{r.update_bytes / GB:.3g} GB",
-            "?" if r.recompute_s is None else f"{r.recompute_s:.3g} s", "?" if r.apply_s is None else f"{r.apply_s:.3g} s",
+            str(r.stage),
+            f"{r.activation_bytes / GB:.3g} GB",
+            f"{r.update_bytes / GB:.3g} GB",
+            "?" if r.recompute_s is None else f"{r.recompute_s:.3g} s",
+            "?" if r.apply_s is None else f"{r.apply_s:.3g} s",
             r.choice,
         )
     console.print(table)

@@ -36,8 +36,18 @@ if TYPE_CHECKING:
     from ds_swift.recovery.state.digest import Verdict
     from ds_swift.recovery.timeline import RankTimeline
 
-__all__ = ["BenchVariant", "RankContext", "RecoveryOutcome", "RecoveryStrategy", "Registry", "RestoreFailed",
-           "announce_deviation", "check_round", "checkpoint_source", "loud"]
+__all__ = [
+    "BenchVariant",
+    "RankContext",
+    "RecoveryOutcome",
+    "RecoveryStrategy",
+    "Registry",
+    "RestoreFailed",
+    "announce_deviation",
+    "check_round",
+    "checkpoint_source",
+    "loud",
+]
 
 
 def loud(rank: int, msg: str) -> None:
@@ -77,8 +87,9 @@ class RecoveryOutcome:
     (ds_swift.recovery.handover: lossy forward's GradScale, PipeChurn's FinishIteration)."""
 
 
-def announce_deviation(ctx: RankContext, inputs: RecoveryInputs, strategy: str, outcome: RecoveryOutcome,
-                       deviation: str) -> None:
+def announce_deviation(
+    ctx: RankContext, inputs: RecoveryInputs, strategy: str, outcome: RecoveryOutcome, deviation: str
+) -> None:
     """An approximate strategy's deviation: in the outcome (and so the timeline) on every rank, and
     said loudly once, by the lowest rank."""
     say_deviation(ctx.rank, ctx.rank == min(r.rank for r in inputs.reports), strategy, outcome, deviation)
@@ -350,7 +361,9 @@ def check_round(
     problems = [str(a["why"]) for a in answers.values() if a["why"]]
     if problems:
         reason = f"{what}: " + "; ".join(problems)
-        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT "
-                       f"({checkpoint_source(inputs.checkpoint_step)})")
+        loud(
+            ctx.rank,
+            f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({checkpoint_source(inputs.checkpoint_step)})",
+        )
         raise RestoreFailed(reason)
     return answers

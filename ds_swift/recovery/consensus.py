@@ -206,15 +206,30 @@ class RecoveryInputs:
             r.rank for r in ahead if r.last_stepped > consensus and (not r.can_undo or r.last_stepped - consensus > 1)
         )
         return cls(
-            ordered, consensus, survivors, replacements, undo, cannot, checkpoint_step, logging, forced, zero_stage,
-            optimizer_wrapper, partitioned,
+            ordered,
+            consensus,
+            survivors,
+            replacements,
+            undo,
+            cannot,
+            checkpoint_step,
+            logging,
+            forced,
+            zero_stage,
+            optimizer_wrapper,
+            partitioned,
         )
 
     def rebased(self, consensus: int) -> RecoveryInputs:
         """The same inputs agreeing on an earlier ``consensus`` (more survivors undo, maybe some cannot)."""
         return RecoveryInputs.agree(
-            self.reports, checkpoint_step=self.checkpoint_step, logging=self.logging, forced=self.forced,
-            zero_stage=self.zero_stage, optimizer_wrapper=self.optimizer_wrapper, partitioned=self.partitioned,
+            self.reports,
+            checkpoint_step=self.checkpoint_step,
+            logging=self.logging,
+            forced=self.forced,
+            zero_stage=self.zero_stage,
+            optimizer_wrapper=self.optimizer_wrapper,
+            partitioned=self.partitioned,
             consensus=consensus,
         )
 
@@ -230,7 +245,8 @@ class RecoveryInputs:
         return [
             (r.rank, r.log_lost)
             for r in self.reports
-            if r.log_lost is not None and r.rank not in members
+            if r.log_lost is not None
+            and r.rank not in members
             and ((r.stage - 1, r.dp, r.tp) in coords or (r.stage + 1, r.dp, r.tp) in coords)
         ]
 
@@ -294,6 +310,13 @@ class RecoveryInputs:
     ) -> RecoveryPlan:
         """A plan of ``strategy`` carrying this consensus, plus the strategy's own fields."""
         return RecoveryPlan(
-            strategy, reason, self.consensus, self.survivors, self.replacements, donors=dict(donors or {}),
-            undo=self.undo, replay_ranks=replay_ranks, replay_from=replay_from,
+            strategy,
+            reason,
+            self.consensus,
+            self.survivors,
+            self.replacements,
+            donors=dict(donors or {}),
+            undo=self.undo,
+            replay_ranks=replay_ranks,
+            replay_from=replay_from,
         )

@@ -70,7 +70,9 @@ class LogPlan:
     update_stages: Collection[int] = ()
 
 
-def rank_report(engine: Any, kept: KeptState | None, machine: int, inflight: InflightKeeper | None = None) -> RankReport:
+def rank_report(
+    engine: Any, kept: KeptState | None, machine: int, inflight: InflightKeeper | None = None
+) -> RankReport:
     """This rank's report for the consensus (``engine`` is the rebuilt one: its coordinates;
     ``inflight``: its copy of the iteration in flight, a survivor's of the failed generation)."""
     grid = engine.grid
@@ -149,8 +151,13 @@ def run_recovery(
             frozenset(logging.update_stages),
         )
     inputs = RecoveryInputs.agree(
-        reports, checkpoint_step=step, logging=setup, forced=strategy, zero_stage=zero_stage,
-        optimizer_wrapper=optimizer_wrapper, partitioned=partitioned,
+        reports,
+        checkpoint_step=step,
+        logging=setup,
+        forced=strategy,
+        zero_stage=zero_stage,
+        optimizer_wrapper=optimizer_wrapper,
+        partitioned=partitioned,
     )
     plan, chosen = STRATEGIES.choose(inputs)
     ctx.timeline.t_consensus = time.time()
@@ -171,7 +178,9 @@ def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list
     """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none)."""
     store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
     store.publish(generation, "report", ctx.rank, report.to_json())
-    reports = [RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), timeout_s).values()]
+    reports = [
+        RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), timeout_s).values()
+    ]
     # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
     # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
     latest = _loadable_checkpoint(store, ctx.ckpt, checkpoint_bound(reports)) if ctx.ckpt is not None else None
@@ -181,8 +190,9 @@ def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list
     return reports, min(int(v) for v in ckpts.values())
 
 
-def _restore(ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan,
-             chosen: RecoveryStrategy) -> tuple[RecoveryOutcome, RecoveryPlan]:
+def _restore(
+    ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan, chosen: RecoveryStrategy
+) -> tuple[RecoveryOutcome, RecoveryPlan]:
     """Steps 3-4: the chosen strategy's restore, verified; any rank's failure (agreed on every rank)
     falls back to the global checkpoint in this same generation."""
     error: str | None = None
@@ -229,10 +239,14 @@ def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
     inexact = [r for r in plan.undo if not by_rank[r].undo_exact]
     if not inexact:
         return
-    what = (f"survivors {inexact} undid iteration {plan.consensus + 1} by update-undo's inverse update, which "
-            "restores the state before it only to within 2 ulp (no own copy of it was held: buddy copies are off "
-            "or not used by this strategy)")
-    announce_deviation(ctx, inputs, plan.strategy, outcome, f"{outcome.deviation}; {what}" if outcome.deviation else what)
+    what = (
+        f"survivors {inexact} undid iteration {plan.consensus + 1} by update-undo's inverse update, which "
+        "restores the state before it only to within 2 ulp (no own copy of it was held: buddy copies are off "
+        "or not used by this strategy)"
+    )
+    announce_deviation(
+        ctx, inputs, plan.strategy, outcome, f"{outcome.deviation}; {what}" if outcome.deviation else what
+    )
 
 
 def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan) -> Verdict | None:

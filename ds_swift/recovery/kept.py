@@ -109,7 +109,11 @@ class KeptState:
         """An undo of the last step would be bitwise: this rank holds its own copy of the iteration
         before it (the buddy copier's, ds_swift.runtime.buddy), so it takes that back instead of
         computing the inverse update (exact only to 2 ulp)."""
-        return self.optimizer is not None and self.buddy is not None and (self.last_stepped - 1) in self.buddy.own_versions()
+        return (
+            self.optimizer is not None
+            and self.buddy is not None
+            and (self.last_stepped - 1) in self.buddy.own_versions()
+        )
 
     def undo_blocker(self) -> str | None:
         """Why this survivor cannot undo its last step (None if it can)."""
@@ -195,8 +199,12 @@ class KeptState:
         (``finish_restore``)."""
         if self.restored is not None:
             module = {**self.module, **(self.restored.get("buffers") or {})}
-            return {"module": module, "optimizer": self.restored["optimizer"],
-                    "lr_scheduler": self.restored.get("lr_scheduler"), "rng": {}}
+            return {
+                "module": module,
+                "optimizer": self.restored["optimizer"],
+                "lr_scheduler": self.restored.get("lr_scheduler"),
+                "rng": {},
+            }
         return {
             "module": self.module,
             "optimizer": optimizer_payload(self.optimizer) if self.optimizer is not None else None,

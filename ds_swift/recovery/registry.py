@@ -22,7 +22,13 @@ from ds_swift.recovery.base import RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 
 __all__ = [
-    "FALLBACK", "GLOBAL_CHECKPOINT", "REGISTERED", "STRATEGIES", "declared_by", "plan_recovery", "registered_names",
+    "FALLBACK",
+    "GLOBAL_CHECKPOINT",
+    "REGISTERED",
+    "STRATEGIES",
+    "declared_by",
+    "plan_recovery",
+    "registered_names",
     "strategies",
 ]
 
@@ -120,7 +126,12 @@ def plan_recovery(
     if checkpoint_step is None:
         checkpoint_step = logging.checkpoint_step if logging is not None else -1
     inputs = RecoveryInputs.agree(
-        reports, checkpoint_step=checkpoint_step, logging=logging, forced=forced, zero_stage=zero_stage,
-        optimizer_wrapper=optimizer, partitioned=partitioned,
+        reports,
+        checkpoint_step=checkpoint_step,
+        logging=logging,
+        forced=forced,
+        zero_stage=zero_stage,
+        optimizer_wrapper=optimizer,
+        partitioned=partitioned,
     )
     return (registry or strategies()).choose(inputs)[0]

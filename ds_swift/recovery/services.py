@@ -82,4 +82,3 @@ class StrategyServices:
     def logs_messages(self) -> bool:
         """Whether any stage may log its inbound pipeline messages (logging-based recovery)."""
         return "logging" in self.stage_recovery
-

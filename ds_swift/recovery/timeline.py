@@ -220,8 +220,13 @@ def summary_line(tl: Timeline) -> str:
         what += f" (APPROXIMATE: {tl.deviation})"
     undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""
     stall = any(r.detect_how.startswith("stall") for r in tl.ranks)  # its declarer's verdict (detect.classify)
-    machine = (f"machine {tl.failed_machine}" if tl.failed_machine is not None
-               else "a stall: no rank died, none replaced" if stall else "a failure")
+    machine = (
+        f"machine {tl.failed_machine}"
+        if tl.failed_machine is not None
+        else "a stall: no rank died, none replaced"
+        if stall
+        else "a failure"
+    )
     kill = "kill" if tl.t_kill is not None else "detection"
     return (
         f"[ds-swift] recovery of generation {tl.failed_generation} ({machine}): {what}; consensus iteration "

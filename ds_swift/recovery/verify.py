@@ -141,9 +141,13 @@ def check_published(store: JobStore, rank: int, engine: Any, iteration: int, wha
     mine = digest_state(engine_state(engine))
     diff = mine.first_difference(published)
     if diff is not None:
-        return Verdict("mismatch", f"{what} (iteration {iteration}) differs from the digest rank {rank} published then: {diff}")
-    return Verdict("verified", f"{what} (iteration {iteration}) bitwise equal to the digest rank {rank} published "
-                               f"({len(mine.names)} tensors)")
+        return Verdict(
+            "mismatch", f"{what} (iteration {iteration}) differs from the digest rank {rank} published then: {diff}"
+        )
+    return Verdict(
+        "verified",
+        f"{what} (iteration {iteration}) bitwise equal to the digest rank {rank} published ({len(mine.names)} tensors)",
+    )
 
 
 def check_resharded(store: JobStore, engine: Any, parts: Mapping[int, Any], iteration: int) -> Verdict:
@@ -162,15 +166,24 @@ def check_resharded(store: JobStore, engine: Any, parts: Mapping[int, Any], iter
         diff = digest_state(state).first_difference(published)
         if diff is not None:
             what = "state" if part is None else "optimizer partition"
-            return Verdict("mismatch", f"old rank {owner}'s {what} of iteration {iteration}, resharded here, differs "
-                                       f"from the digest it published then: {diff}")
+            return Verdict(
+                "mismatch",
+                f"old rank {owner}'s {what} of iteration {iteration}, resharded here, differs "
+                f"from the digest it published then: {diff}",
+            )
         checked.append(owner)
     if missing:
-        return Verdict("unverified", f"old ranks {missing} published no digest of iteration {iteration} (digests "
-                                     f"every verify.digest_interval iterations): their parts are unchecked"
-                                     + (f"; old ranks {checked} verified" if checked else ""))
-    return Verdict("verified", f"the parts of old ranks {checked} joined here bitwise equal to the digests they "
-                               f"published of iteration {iteration}")
+        return Verdict(
+            "unverified",
+            f"old ranks {missing} published no digest of iteration {iteration} (digests "
+            f"every verify.digest_interval iterations): their parts are unchecked"
+            + (f"; old ranks {checked} verified" if checked else ""),
+        )
+    return Verdict(
+        "verified",
+        f"the parts of old ranks {checked} joined here bitwise equal to the digests they "
+        f"published of iteration {iteration}",
+    )
 
 
 # ----------------------------------------------------------------------------- replays
@@ -220,7 +233,8 @@ class ReplayCheck:
             return Verdict("mismatch", f"{where} differs from the digest rank {self.rank} published then: {diff}")
         later = f"; iterations {target + 1}..{self.last} after it unchecked" if target < self.last else ""
         return Verdict(
-            "verified", f"{where} bitwise equal to the digest rank {self.rank} published ({len(mine.names)} tensors){later}"
+            "verified",
+            f"{where} bitwise equal to the digest rank {self.rank} published ({len(mine.names)} tensors){later}",
         )
 
 

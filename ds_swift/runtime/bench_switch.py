@@ -25,9 +25,9 @@ SWITCHES: Mapping[str, str] = {
     "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
     "rng": "RNG keying per forward pass (replayed dropout may differ)",
     "priority": "the background workers' lower CPU priority (they run at the training thread's: "
-                "ds_swift.threadname.lower_os_priority)",
+    "ds_swift.threadname.lower_os_priority)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
-                "reads after every receive and before every iteration",
+    "reads after every receive and before every iteration",
 }
 
 
@@ -37,6 +37,8 @@ def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(names - set(SWITCHES))
     if unknown:
-        raise ValueError(f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
-                         "(unset it to keep every protection on)")
+        raise ValueError(
+            f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
+            "(unset it to keep every protection on)"
+        )
     return names

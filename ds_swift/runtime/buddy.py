@@ -90,7 +90,8 @@ class _Worker:
         # A round that fails stops the copier; the training thread turns copying off, loudly, at its
         # next step (BuddyCopier._turn_off): a copier error must not end a healthy job.
         self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any]] = Worker(
-            "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set())
+            "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set()
+        )
         self.worker.start()
 
     @property
@@ -118,8 +119,11 @@ class _Worker:
         # One part per buddy: the same payload for each (buddy copies: its flat buffers, one message
         # per dtype instead of one per tensor), or chunk j for the j-th (pipechurn's erasure coding,
         # done here on the copier thread).
-        parts = (self.split(manifest, tensors) if self.split is not None
-                 else [(manifest, _in_order(manifest, flats))] * len(self.buddies))
+        parts = (
+            self.split(manifest, tensors)
+            if self.split is not None
+            else [(manifest, _in_order(manifest, flats))] * len(self.buddies)
+        )
         sends, sent, alive = [], 0, []
         for buddy, (m, ts) in zip(self.buddies, parts, strict=True):
             header = torch.tensor([version, len(m)], dtype=torch.int64)
@@ -198,8 +202,10 @@ class BuddyCopier:
             return False  # the same answer on every rank (one config): no rank enters the all-gather
         grid = engine.grid
         tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
-        me = torch.tensor([dist.get_rank(), machine, int(engine.stage_id), int(grid.get_data_parallel_id()), int(tp)],
-                          dtype=torch.int64)
+        me = torch.tensor(
+            [dist.get_rank(), machine, int(engine.stage_id), int(grid.get_data_parallel_id()), int(tp)],
+            dtype=torch.int64,
+        )
         channel = transport.current()
         table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
         channel.all_gather(table, me)
@@ -255,10 +261,12 @@ class BuddyCopier:
                 w.landing.turn_off(f"rank {dist.get_rank() if dist.is_initialized() else -1}: {self.off}")
             except Exception:  # noqa: BLE001 - the peers' copiers then stop on their own op timeout
                 pass
-        loud(dist.get_rank() if dist.is_initialized() else -1,
-             f"BUDDY COPIES OFF: the copier failed ({self.off}); training goes on WITHOUT buddy copies of this "
-             "rank's optimizer partition until the next recovery (a failure meanwhile recovers from older copies "
-             "or the global checkpoint)")
+        loud(
+            dist.get_rank() if dist.is_initialized() else -1,
+            f"BUDDY COPIES OFF: the copier failed ({self.off}); training goes on WITHOUT buddy copies of this "
+            "rank's optimizer partition until the next recovery (a failure meanwhile recovers from older copies "
+            "or the global checkpoint)",
+        )
 
     def after_step(self, engine: Any) -> None:
         """Hand this rank's state after the step just taken (iteration ``global_steps - 1``) to the
@@ -338,7 +346,9 @@ def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[t
     return [flats[d] for d in flat_sizes(manifest)]
 
 
-def _erasure_parts(k: int, r: int, manifest: bytes, tensors: list[torch.Tensor]) -> list[tuple[bytes, list[torch.Tensor]]]:
+def _erasure_parts(
+    k: int, r: int, manifest: bytes, tensors: list[torch.Tensor]
+) -> list[tuple[bytes, list[torch.Tensor]]]:
     """Holder j's part of one round: chunk j of the payload, as a payload of its own."""
     return [encode(record) for record in split_payload(manifest, tensors, k, r)]
 

@@ -123,7 +123,11 @@ def join_generation(
         try:
             prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
         except GenerationFailed as exc:
-            say(f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}", rank, name=__name__)
+            say(
+                f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}",
+                rank,
+                name=__name__,
+            )
             generation += 1
             continue
         dist.init_process_group(
@@ -156,20 +160,33 @@ def init_distributed(
             # Under ds-swift-launch MASTER_ADDR:MASTER_PORT is the job store, which rank 0 must not
             # try to host: rendezvous through it as a member of generation 0, without recovery.
             env = WorkerEnv.from_env()
-            join_generation(JobStore.from_env(env), env.generation, env.rank, env.world_size,
-                            op_timeout_from(cfg), DEFAULT_JOIN_TIMEOUT_S, backend, swift=False, timeout=timeout)
+            join_generation(
+                JobStore.from_env(env),
+                env.generation,
+                env.rank,
+                env.world_size,
+                op_timeout_from(cfg),
+                DEFAULT_JOIN_TIMEOUT_S,
+                backend,
+                swift=False,
+                timeout=timeout,
+            )
         deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         return None
     if _CONTEXT is not None and dist.is_initialized():
         return _CONTEXT
     op_timeout_s = op_timeout_from(cfg)
-    ctx = SwiftContext(cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time(),
-                       user_timeout=timeout)
+    ctx = SwiftContext(
+        cfg=cfg, op_timeout_s=op_timeout_s, backend=backend, t_start=_process_start_time(), user_timeout=timeout
+    )
     if not WorkerEnv.present():
         if os.environ.get("RANK", "0") == "0":
-            say("not started by ds-swift-launch: there is no job store and no replacement machine, "
+            say(
+                "not started by ds-swift-launch: there is no job store and no replacement machine, "
                 "so a failure ends the job as with DeepSpeed alone; start it with ds-swift-launch to recover in-process",
-                level=logging.WARNING, name=__name__)
+                level=logging.WARNING,
+                name=__name__,
+            )
         deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
         transport.open_generation(op_timeout_s)  # before the engine's groups (see join_generation)
         ctx.t_joined = time.time()

@@ -55,8 +55,10 @@ def buddy_round_bytes(engine: Any) -> tuple[int, str]:
     if not empty:
         return now, "measured from the state the copier sends"
     if "Adam" not in type(inner).__name__:
-        return now, (f"the state the copier sends now; {type(inner).__name__}'s state of {len(empty)} parameter(s) "
-                     "is created at the first step and not counted")
+        return now, (
+            f"the state the copier sends now; {type(inner).__name__}'s state of {len(empty)} parameter(s) "
+            "is created at the first step and not counted"
+        )
     torch_step = 4 if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) else 0  # a float32 tensor each
     to_come = flag_bytes_to_come(engine.optimizer)  # the wrapper's gradient norm, a tensor from the first step
     for group in inner.param_groups:
@@ -70,7 +72,14 @@ def _mb(n: float) -> str:
 
 
 def protection_costs(
-    engine: Any, cfg: Any, *, digests: Any, buddy: Any, logs: Any, async_ckpt: bool, machines: int | None,
+    engine: Any,
+    cfg: Any,
+    *,
+    digests: Any,
+    buddy: Any,
+    logs: Any,
+    async_ckpt: bool,
+    machines: int | None,
     without: frozenset[str] = frozenset(),
 ) -> list[str]:
     """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
@@ -80,8 +89,9 @@ def protection_costs(
     total, device = state_bytes(state)
     lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
     if without:
-        lines.append(f"  SWITCHED OFF for a benchmark by {ENV}: "
-                     + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without)))
+        lines.append(
+            f"  SWITCHED OFF for a benchmark by {ENV}: " + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
+        )
     lines.append(_digest_line(state, total, device, digests))
     lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
     if buddy is not None and machines == 1:
@@ -89,18 +99,23 @@ def protection_costs(
     elif buddy is not None:
         part, counted = buddy_round_bytes(engine)
         per = part * buddy.factor
-        lines.append(f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
-                     f"machines after every step in a background thread ({counted}; the training thread waits only if the "
-                     "previous round is still sending; measured totals at the end)")
+        lines.append(
+            f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
+            f"machines after every step in a background thread ({counted}; the training thread waits only if the "
+            "previous round is still sending; measured totals at the end)"
+        )
     else:
         lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
     logged = logs.possible(engine) if logs is not None else False
     lines.append(
         "  message logging: "
-        + ("on: the activations and gradients this rank sends across machines, copied off the device in the "
-           "pipeline's bubbles and written by a background thread (bytes per iteration measured in the logs' "
-           "end-of-job line)" if logged else "off for this rank (no send of its crosses a machine boundary "
-           "that the plan logs): 0")
+        + (
+            "on: the activations and gradients this rank sends across machines, copied off the device in the "
+            "pipeline's bubbles and written by a background thread (bytes per iteration measured in the logs' "
+            "end-of-job line)"
+            if logged
+            else "off for this rank (no send of its crosses a machine boundary that the plan logs): 0"
+        )
     )
     if cfg.services.inflight_copy:
         lines.append(_inflight_line(engine, cfg, device))
@@ -120,9 +135,11 @@ def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
         hp = False
     grads = sum(p.numel() * (4 if hp else p.element_size()) for p in engine.module.parameters() if p.requires_grad)
     rate = PCIE_BYTES_PER_S * 4 if device != "cpu" else HOST_COPY_BYTES_PER_S  # a device-to-device copy
-    return (f"  partial recomputation: a copy of the gradients before their reduction, {_mb(grads)} per iteration "
-            f"(~{grads / rate * 1e3:.2f} ms, estimated at {rate / 1e9:.0f} GB/s), and references to the iteration's "
-            f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)")
+    return (
+        f"  partial recomputation: a copy of the gradients before their reduction, {_mb(grads)} per iteration "
+        f"(~{grads / rate * 1e3:.2f} ms, estimated at {rate / 1e9:.0f} GB/s), and references to the iteration's "
+        f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)"
+    )
 
 
 def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
@@ -131,19 +148,37 @@ def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
     beat = max(wd.poll_interval_s, wd.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
     hang = f", hang detection after {wd.hang_timeout_s:g} s" if wd.hang_timeout_s is not None else ""
     off = f"OFF (benchmark: {ENV})"
-    rng = "off" if "rng" in without else (
-        "on: the RNG reseeded before every forward pass (the CPU generator, and the GPUs' once CUDA is initialised)")
+    rng = (
+        "off"
+        if "rng" in without
+        else (
+            "on: the RNG reseeded before every forward pass (the CPU generator, and the GPUs' once CUDA is initialised)"
+        )
+    )
     return [
-        "  failure detection: " + (off if "watchdog" in without else
-            f"a watchdog thread reads the failure flag every {wd.poll_interval_s:g} s (one job-store round trip) and "
+        "  failure detection: "
+        + (
+            off
+            if "watchdog" in without
+            else f"a watchdog thread reads the failure flag every {wd.poll_interval_s:g} s (one job-store round trip) and "
             f"writes its heartbeat, and reads its pipeline neighbours', every {beat:g} s{hang}; the training thread "
             "reads the flag before every iteration (one round trip), and after a pipeline receive only when the "
-            "buffer carries the poison mark (a look at its first 4 bytes)"),
-        "  update-undo: " + (off if "undo" in without else
-            "a step record per optimizer step, on the training thread (the step's hyper-parameters and per-parameter "
-            "bookkeeping: ds_swift.undo)"),
-        "  determinism: " + (f"deterministic algorithms {off}" if "determinism" in without else
-            "torch's deterministic algorithms on (warn only; no NaN fill of new memory)") + f"; RNG keying {rng}",
+            "buffer carries the poison mark (a look at its first 4 bytes)"
+        ),
+        "  update-undo: "
+        + (
+            off
+            if "undo" in without
+            else "a step record per optimizer step, on the training thread (the step's hyper-parameters and per-parameter "
+            "bookkeeping: ds_swift.undo)"
+        ),
+        "  determinism: "
+        + (
+            f"deterministic algorithms {off}"
+            if "determinism" in without
+            else "torch's deterministic algorithms on (warn only; no NaN fill of new memory)"
+        )
+        + f"; RNG keying {rng}",
     ]
 
 
@@ -166,19 +201,28 @@ def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
 def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
     every = cfg.checkpoint.interval
     if cfg.services.checkpoint_tuner:
-        return (f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
-                f"of training time), {_mb(total)} per save, asynchronous")
+        return (
+            f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
+            f"of training time), {_mb(total)} per save, asynchronous"
+        )
     if async_ckpt:
-        rate, how = (PCIE_BYTES_PER_S, "a pinned copy at PCIe speed") if device != "cpu" else (
-            HOST_COPY_BYTES_PER_S, "a host memory copy")
+        rate, how = (
+            (PCIE_BYTES_PER_S, "a pinned copy at PCIe speed")
+            if device != "cpu"
+            else (HOST_COPY_BYTES_PER_S, "a host memory copy")
+        )
         stall = total / rate
-        return (f"  global checkpoints: every {every} iterations, asynchronous: the training thread waits for "
-                f"{how}, ~{stall * 1e3:.0f} ms per save (estimated at {rate / 1e9:.0f} GB/s) = "
-                f"{stall * 1e3 / every:.2f} ms per iteration; {_mb(total / every)} per iteration written in the "
-                "background")
-    return (f"  global checkpoints: every {every} iterations, synchronous (training waits while DeepSpeed writes "
-            f"{_mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
-            f"host copy only) = {_mb(total / every)} per iteration")
+        return (
+            f"  global checkpoints: every {every} iterations, asynchronous: the training thread waits for "
+            f"{how}, ~{stall * 1e3:.0f} ms per save (estimated at {rate / 1e9:.0f} GB/s) = "
+            f"{stall * 1e3 / every:.2f} ms per iteration; {_mb(total / every)} per iteration written in the "
+            "background"
+        )
+    return (
+        f"  global checkpoints: every {every} iterations, synchronous (training waits while DeepSpeed writes "
+        f"{_mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
+        f"host copy only) = {_mb(total / every)} per iteration"
+    )
 
 
 def _timed(fn: Callable[[], Any], device: str) -> float:

@@ -95,8 +95,9 @@ class DigestPublisher:
         state = engine_state(engine)
         params = {n for n, _ in engine.module.named_parameters()}
         # Buffers may change in a forward pass (running statistics): digest a copy of them.
-        state["module"] = {k: v.clone() if isinstance(v, torch.Tensor) and k not in params else v
-                           for k, v in state["module"].items()}
+        state["module"] = {
+            k: v.clone() if isinstance(v, torch.Tensor) and k not in params else v for k, v in state["module"].items()
+        }
         stepped = None
         device = _device_of(state)
         self._on_gpu = device is not None
@@ -153,7 +154,11 @@ class DigestPublisher:
     def _failed(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            say(f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})", self.rank, name=__name__)
+            say(
+                f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})",
+                self.rank,
+                name=__name__,
+            )
 
     def _start(self, state: Any, device: Any, stepped: Any) -> Callable[[], Any]:
         """Queue the digest's device work (on a GPU: on the side stream, after the step's event)."""

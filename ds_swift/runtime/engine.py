@@ -108,9 +108,24 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
     _finish: int | None = None  # the iteration a partial recomputation left to step (ds_swift.recovery.state.inflight)
     _OWN = frozenset(
         {
-            "_engine", "_ctx", "_batch_fn", "_hooks", "_monitor", "_rebuild", "_ckpt", "_timeline",
-            "_recv_patch", "recoveries", "_user_iter_warned", "_closed", "_determinism", "_grad_scale", "_simulation",
-            "_running", "_guard", "_finish",
+            "_engine",
+            "_ctx",
+            "_batch_fn",
+            "_hooks",
+            "_monitor",
+            "_rebuild",
+            "_ckpt",
+            "_timeline",
+            "_recv_patch",
+            "recoveries",
+            "_user_iter_warned",
+            "_closed",
+            "_determinism",
+            "_grad_scale",
+            "_simulation",
+            "_running",
+            "_guard",
+            "_finish",
         }
     )
 
@@ -132,8 +147,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._ctx = ctx
         self._batch_fn = batch_fn
         self.recoveries: list[RecoveryOutcome] = []
-        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(),
-                                ctx.store)
+        self._guard = LossGuard(cfg.verify.guard_iterations, cfg.verify.guard_loss_factor, dist.get_rank(), ctx.store)
         self._grad_scale: GradScale | None = None  # lossy forward: the next iteration's gradient scaling
         self._simulation = failure_simulation(cfg, ctx)
         if self._simulation is not None:
@@ -141,9 +155,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._user_iter_warned = False
         self._closed = False
         # Message log and step-collective records, kept across rebuilds.
-        logs = EngineLogging(
-            cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), store=ctx.store
-        )
+        logs = EngineLogging(cfg, config, batch_fn, seed, cache_dir_for(ctx.run_dir, dist.get_rank()), store=ctx.store)
         without = switched_off()  # empty but in benchmarks/gpu_overhead.py --breakdown
         logs.enabled = "logging" not in without
         on_gpu = any(p.is_cuda for p in engine.module.parameters())
@@ -151,15 +163,24 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, without, kept_inflight(cfg, batch_fn, seed))
-        self._monitor = FailureMonitor(ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without)
+        self._monitor = FailureMonitor(
+            ctx.store, ctx.generation, cfg.watchdog.poll_interval_s, "watchdog" not in without
+        )
         check_machines(cfg, ctx.env)
         check_hang_timeout(cfg, ctx)
         if ctx.store is not None and cfg.watchdog.hang_timeout_s is not None and self._monitor.watch:
             self._hooks.progress = self._monitor.progress
         self._timeline = PendingTimeline(ctx)
         self._rebuild = Rebuilder(
-            self, ctx=ctx, cfg=cfg, ds_config=config, build=engine_fn, model_fn=model_fn,
-            hooks=self._hooks, monitor=self._monitor, ckpt=self._ckpt,
+            self,
+            ctx=ctx,
+            cfg=cfg,
+            ds_config=config,
+            build=engine_fn,
+            model_fn=model_fn,
+            hooks=self._hooks,
+            monitor=self._monitor,
+            ckpt=self._ckpt,
         )
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retries must compute what the first run did; the user's settings return on close().
@@ -169,7 +190,10 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(
-                ctx.env, cfg.watchdog.heartbeat_timeout_s, watched_peers(engine), cfg.watchdog.hang_timeout_s,
+                ctx.env,
+                cfg.watchdog.heartbeat_timeout_s,
+                watched_peers(engine),
+                cfg.watchdog.hang_timeout_s,
                 self._rebuild.machines,
             )
             with self._op_timeouts():
@@ -239,8 +263,11 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                     if int(engine.global_steps) <= target or loss is None:
                         finishing, self._finish = self._finish == int(engine.global_steps), None
                         self._hooks.begin_iteration(finishing)
-                        data = self._position(data_iter, attempts) if data_iter is not None else self._data_for(
-                            int(engine.global_steps))
+                        data = (
+                            self._position(data_iter, attempts)
+                            if data_iter is not None
+                            else self._data_for(int(engine.global_steps))
+                        )
                         if self._simulation is not None:
                             self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
@@ -266,8 +293,9 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                     engine = None
             attempts += 1
             if attempts > MAX_ATTEMPTS:
-                raise RuntimeError(f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration "
-                               f"(the last: {how})")
+                raise RuntimeError(
+                    f"ds-swift: {MAX_ATTEMPTS} recoveries in a row without a completed iteration (the last: {how})"
+                )
             self._recover_as_survivor(how)
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
@@ -295,8 +323,14 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)
         self.recoveries.append(done.outcome)
-        self._guard.after_recovery(self._engine, done.outcome, done.generation, dist.get_world_size(),
-                                   self._ctx.join_timeout_s, rank=dist.get_rank())
+        self._guard.after_recovery(
+            self._engine,
+            done.outcome,
+            done.generation,
+            dist.get_world_size(),
+            self._ctx.join_timeout_s,
+            rank=dist.get_rank(),
+        )
         self._grad_scale = done.outcome.handed.get(GradScale)
         self._finish = finish.iteration if (finish := done.outcome.handed.get(FinishIteration)) else None
         self._simulation = None  # a real failure ends a simulated one

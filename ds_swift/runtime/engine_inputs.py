@@ -38,8 +38,10 @@ class IterationInputs:
             if scale is not None and scale.iteration < iteration:
                 self._grad_scale = None  # trained (or skipped past by a later recovery)
             return nullcontext()
-        self._ctx.log(f"iteration {iteration}: gradients x {scale.factor:g}"
-                      + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else ""))
+        self._ctx.log(
+            f"iteration {iteration}: gradients x {scale.factor:g}"
+            + (f" in layers up to {scale.upto_layer}" if scale.upto_layer is not None else "")
+        )
         return scaled_gradients(engine.module, scale.factor, scale.upto_layer)
 
     def _position(self, data_iter: Any, attempts: int) -> Any:

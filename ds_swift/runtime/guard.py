@@ -62,7 +62,9 @@ def reference_of(losses: Iterable[float]) -> float | None:
     return max(finite) if finite else None
 
 
-def judge(loss: float | None, reference: float | None, magnitude: float | None, factor: float, skipped: bool) -> str | None:
+def judge(
+    loss: float | None, reference: float | None, magnitude: float | None, factor: float, skipped: bool
+) -> str | None:
     """Why ``loss`` trips the guard, or None.
 
     Args:
@@ -81,8 +83,10 @@ def judge(loss: float | None, reference: float | None, magnitude: float | None, 
         return None
     limit = reference + (factor - 1.0) * magnitude
     if loss > limit:
-        return (f"the loss {loss:.6g} diverges from the run's trend before the failure (limit {limit:.6g}: "
-                f"{factor:g} x the largest of its last {WINDOW} losses, {reference:.6g})")
+        return (
+            f"the loss {loss:.6g} diverges from the run's trend before the failure (limit {limit:.6g}: "
+            f"{factor:g} x the largest of its last {WINDOW} losses, {reference:.6g})"
+        )
     return None
 
 
@@ -153,22 +157,30 @@ class LossGuard:
         if why is None:
             self.history.append((iteration, value))  # type: ignore[arg-type]  # judged finite
             return None
-        return self._trip(f"iteration {iteration} (watched: {win.iterations} iterations from the recovery's resume "
-                          f"at {win.start}): {why}", generation)
+        return self._trip(
+            f"iteration {iteration} (watched: {win.iterations} iterations from the recovery's resume "
+            f"at {win.start}): {why}",
+            generation,
+        )
 
     def _trip(self, why: str, generation: int) -> str:
         first = self.store.get(FIRST_TRIP_KEY)
         if first is not None and first != str(generation):
-            reason = (f"post-recovery guard: {why}; the guard already stepped back to the global checkpoint once "
-                      f"(generation {first}): ending the job instead of looping through restarts. Look for the cause "
-                      "(data, learning rate, hardware) and restart from a checkpoint you trust")
+            reason = (
+                f"post-recovery guard: {why}; the guard already stepped back to the global checkpoint once "
+                f"(generation {first}): ending the job instead of looping through restarts. Look for the cause "
+                "(data, learning rate, hardware) and restart from a checkpoint you trust"
+            )
             loud(self.rank, f"POST-RECOVERY GUARD TRIPPED AGAIN: {reason}")
             # launch/control.py's set_once: the first reason is the one the launcher reports.
             if self.store.add(f"{ABORT_KEY}/n", 1) == 1:
                 self.store.set(ABORT_KEY, reason)
             raise GuardTripped(f"ds-swift: {reason}")
-        loud(self.rank, f"POST-RECOVERY GUARD TRIPPED: {why}: EVERY RANK STEPS BACK TO THE GLOBAL CHECKPOINT (once; a "
-                        "second trip ends the job)")
+        loud(
+            self.rank,
+            f"POST-RECOVERY GUARD TRIPPED: {why}: EVERY RANK STEPS BACK TO THE GLOBAL CHECKPOINT (once; a "
+            "second trip ends the job)",
+        )
         why = f"post-recovery guard: {why}"
         self.store.set(FIRST_TRIP_KEY, str(generation))
         self.store.set(REASON_KEY, why)
@@ -192,8 +204,9 @@ class LossGuard:
             return
         wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
         # Rank 0 may have marked it served already, in this generation: the same answer on every rank.
-        pending = wanted is not None and (served is None or served.split(":")[0] != wanted
-                                          or served == f"{wanted}:{generation}")
+        pending = wanted is not None and (
+            served is None or served.split(":")[0] != wanted or served == f"{wanted}:{generation}"
+        )
         if pending and outcome.plan.strategy == STRATEGIES.fallback.name:
             why = self.store.get(REASON_KEY) or "post-recovery guard"
             outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
@@ -213,10 +226,15 @@ class LossGuard:
         longest = max((v for v in said.values()), key=lambda v: len(v.split(",")) if v else 0, default="")
         losses = [float(x) for x in longest.split(",")] if longest else []
         if not losses and not said:
-            loud(self.rank, f"post-recovery guard: no rank's losses gathered within {timeout_s:g} s: "
-                            "only a non-finite loss trips it this time")
+            loud(
+                self.rank,
+                f"post-recovery guard: no rank's losses gathered within {timeout_s:g} s: "
+                "only a non-finite loss trips it this time",
+            )
         ref = reference_of(losses)
         mag = max((abs(x) for x in losses), default=None)
         self.window = _Window(self.iterations, resume_iteration, ref, mag)
-        self.log(f"post-recovery guard: iterations {resume_iteration}..{resume_iteration + self.iterations - 1} "
-                 f"watched (non-finite, or above {self.factor:g} x {ref if ref is not None else '-'})")
+        self.log(
+            f"post-recovery guard: iterations {resume_iteration}..{resume_iteration + self.iterations - 1} "
+            f"watched (non-finite, or above {self.factor:g} x {ref if ref is not None else '-'})"
+        )

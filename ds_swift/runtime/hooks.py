@@ -47,8 +47,10 @@ def attach_undo(engine: Any) -> Any:
     except ImportError:
         return None  # ds_swift.undo.engine not built yet: recovery without undo falls back loudly
     except Exception as exc:  # noqa: BLE001 - an optimizer without an inverse must not stop training
-        say_here(f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload",
-                 name=__name__)
+        say_here(
+            f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload",
+            name=__name__,
+        )
         return None
 
 
@@ -82,8 +84,14 @@ class EngineHooks:
         inflight: keeps the iteration in flight (PipeChurn's partial recomputation; None: nothing kept).
     """
 
-    def __init__(self, seed: int, injector: Any, logs: EngineLogging,
-                 without: frozenset[str] = frozenset(), inflight: InflightKeeper | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        injector: Any,
+        logs: EngineLogging,
+        without: frozenset[str] = frozenset(),
+        inflight: InflightKeeper | None = None,
+    ) -> None:
         self.seed = seed
         #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
         self.without = without

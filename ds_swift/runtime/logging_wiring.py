@@ -113,8 +113,11 @@ class EngineLogging:
             else:
                 if dist.get_rank() == 0:
                     later = "" if self._decided else "; " + self._plan.notes[-1]
-                    say(f"recovery plan per pipeline stage: {self._plan.stage_strategy} "
-                        f"(strategy {self.cfg.strategy!r}){later}", name=__name__)
+                    say(
+                        f"recovery plan per pipeline stage: {self._plan.stage_strategy} "
+                        f"(strategy {self.cfg.strategy!r}){later}",
+                        name=__name__,
+                    )
         if self._plan and not self._decided:
             self._adopt_published()
         return self._plan or None
@@ -309,9 +312,13 @@ class EngineLogging:
         these were recover from the global checkpoint instead of a replay."""
         if self.coverage_lost is None:
             self.coverage_lost = why
-            say(f"{why}; message logging of this rank's sends stops, training goes on: a failure of the stages "
-                "receiving them recovers from the global checkpoint", dist.get_rank(), level=logging.WARNING,
-                name=__name__)
+            say(
+                f"{why}; message logging of this rank's sends stops, training goes on: a failure of the stages "
+                "receiving them recovers from the global checkpoint",
+                dist.get_rank(),
+                level=logging.WARNING,
+                name=__name__,
+            )
 
     def flush(self) -> None:
         """Survivor, before its teardown: every logged message to the global store."""

@@ -75,8 +75,12 @@ class Protections:
         # The update log: every rank's update after each step (TranLogs); under a per-stage mix
         # (logging.kinds) only the ranks of the stages the logging plan has log theirs.
         self.updates = (
-            UpdateLogger(env.rank if env is not None else dist.get_rank(), cfg.logging.storage, lambda: hooks.undo,
-                         enabled=self._logs_updates if services.update_log == "per_stage" else None)
+            UpdateLogger(
+                env.rank if env is not None else dist.get_rank(),
+                cfg.logging.storage,
+                lambda: hooks.undo,
+                enabled=self._logs_updates if services.update_log == "per_stage" else None,
+            )
             if services.update_log != "off"
             else None
         )
@@ -150,6 +154,7 @@ class Protections:
         if self.buddy is None:
             return report
         if self.buddy.erasure is not None:
-            return dataclasses.replace(report, ec_chunks=self.buddy.holdings.chunks(),
-                                       ec_k=self._cfg.pipechurn.data_chunks)
+            return dataclasses.replace(
+                report, ec_chunks=self.buddy.holdings.chunks(), ec_k=self._cfg.pipechurn.data_chunks
+            )
         return dataclasses.replace(report, buddy_copies=self.buddy.holdings.copies())

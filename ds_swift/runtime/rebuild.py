@@ -119,8 +119,13 @@ class Rebuilder(SurvivorSteps):
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
         #: the strategy's failure-free services (buddy copies, digests, the update log)
         self.protect = Protections(
-            lambda: self._holder.engine, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: self._monitor.generation,
-            check_after_receive=monitor.check_after_receive, machine=self._machine,
+            lambda: self._holder.engine,
+            ctx=ctx,
+            cfg=cfg,
+            hooks=hooks,
+            generation=lambda: self._monitor.generation,
+            check_after_receive=monitor.check_after_receive,
+            machine=self._machine,
         )
 
     # The engine wrapper reads these (ds_swift.runtime.engine).
@@ -203,9 +208,16 @@ class Rebuilder(SurvivorSteps):
         for _ in range(MAX_ATTEMPTS):
             try:
                 if not dist.is_initialized():
-                    generation = join_generation(store, generation, env.rank, env.world_size, ctx.op_timeout_s,
-                                                 ctx.join_timeout_s, ctx.backend,
-                                                 timeout=ctx.user_timeout)
+                    generation = join_generation(
+                        store,
+                        generation,
+                        env.rank,
+                        env.world_size,
+                        ctx.op_timeout_s,
+                        ctx.join_timeout_s,
+                        ctx.backend,
+                        timeout=ctx.user_timeout,
+                    )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
                     deepspeed.init_distributed(dist_backend=ctx.backend)
@@ -251,10 +263,21 @@ class Rebuilder(SurvivorSteps):
         env, store = self._ctx.env, self._ctx.store
         assert env is not None and store is not None
         engine = self._holder.engine
-        ctx = RankContext(store, generation, env.rank, engine, kept, self._ckpt, tl, self._ctx.join_timeout_s,
-                          verify=self._cfg.verify.enabled,
-                          lent=Handover(self._hooks.inflight,  # what the runtime kept for the strategies
-                                        UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None))
+        ctx = RankContext(
+            store,
+            generation,
+            env.rank,
+            engine,
+            kept,
+            self._ckpt,
+            tl,
+            self._ctx.join_timeout_s,
+            verify=self._cfg.verify.enabled,
+            lent=Handover(
+                self._hooks.inflight,  # what the runtime kept for the strategies
+                UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None,
+            ),
+        )
         if self.resize is not None or self._growing(generation):
             outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
                 self.resize, ctx, int(engine.zero_optimization_stage())
@@ -265,8 +288,10 @@ class Rebuilder(SurvivorSteps):
         return run_recovery(
             ctx,
             world_size=env.world_size,
-            report=dataclasses.replace(self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
-                                       log_lost=self._hooks.logs.coverage_lost),
+            report=dataclasses.replace(
+                self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
+                log_lost=self._hooks.logs.coverage_lost,
+            ),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
@@ -283,8 +308,13 @@ class Rebuilder(SurvivorSteps):
         """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
         survivors, resharded (ds_swift.recovery.strategies.elastic)."""
         env, store = self._ctx.env, self._ctx.store
-        return (self._cfg.services.elastic and env is not None and env.replacement and store is not None
-                and store.get(grow_key(generation - 1)) is not None)
+        return (
+            self._cfg.services.elastic
+            and env is not None
+            and env.replacement
+            and store is not None
+            and store.get(grow_key(generation - 1)) is not None
+        )
 
     def _machine(self) -> int:
         env = self._ctx.env

@@ -68,7 +68,13 @@ class RunningCheckpoints:
     """
 
     def __init__(
-        self, fraction: float, interval: int, ckpt_dir: str, rank: int, fresh: bool, job: str | None = None,
+        self,
+        fraction: float,
+        interval: int,
+        ckpt_dir: str,
+        rank: int,
+        fresh: bool,
+        job: str | None = None,
     ) -> None:
         self.fraction, self.interval, self.rank, self.job = fraction, interval, rank, job
         self.directory = running_dir(ckpt_dir, rank, job)
@@ -87,10 +93,20 @@ class RunningCheckpoints:
             return  # most steps: nothing to gather
         tensors, groups = running_state(engine.optimizer)
         if self._ckpt is None:
-            self._ckpt = RunningCheckpoint(self.directory, fraction=self.fraction, interval=self.interval, groups=groups,
-                                           block_elements=block_elements(tensors), job=self.job)
-            say(f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
-                f"{self._ckpt.every} iteration(s) to {self.directory}", self.rank, name=__name__)
+            self._ckpt = RunningCheckpoint(
+                self.directory,
+                fraction=self.fraction,
+                interval=self.interval,
+                groups=groups,
+                block_elements=block_elements(tensors),
+                job=self.job,
+            )
+            say(
+                f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
+                f"{self._ckpt.every} iteration(s) to {self.directory}",
+                self.rank,
+                name=__name__,
+            )
         if not self._ckpt.due(done):
             return
         try:

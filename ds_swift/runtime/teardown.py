@@ -127,8 +127,10 @@ class SurvivorSteps:
             if fate == "shrink":
                 self._resize(g, "shrink", machine)
             elif fate is None:
-                self._ctx.log(f"the launcher did not say within {self._ctx.join_timeout_s:g} s what becomes of "
-                              f"machine {machine}: waiting for its replacement")
+                self._ctx.log(
+                    f"the launcher did not say within {self._ctx.join_timeout_s:g} s what becomes of "
+                    f"machine {machine}: waiting for its replacement"
+                )
 
     def _resize(self, g: int, kind: str, machine: int) -> None:
         """The launcher goes on without ``machine`` (a shrink: no spare left, ``--elastic``) or takes it
@@ -137,8 +139,10 @@ class SurvivorSteps:
         store, env, cfg = self._ctx.store, self._ctx.env, self._cfg
         assert store is not None and env is not None and self._machines is not None and self._old_grid is not None
         if self._build is not None:
-            raise ResizeRefused(f"strategy {cfg.strategy!r}: ds-swift rebuilds the engine with another data-parallel size "
-                                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn")
+            raise ResizeRefused(
+                f"strategy {cfg.strategy!r}: ds-swift rebuilds the engine with another data-parallel size "
+                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn"
+            )
         layout = read_layout(store, env.num_machines)
         resize = plan_resize(kind, machine, self._machines, layout, self._old_grid, cfg.elastic, env.rank)
         rank = resize.new_rank_of(env.rank)

@@ -63,9 +63,13 @@ class UpdateLogger:
         self._tmp: str | None = None
         # A write that fails stops update logging on this rank, loudly (_lose), and training goes on.
         self._worker: Worker[tuple[str, Any]] = Worker(
-            f"ds-swift-updlog-{rank}", self._do, on_error=OnError.OFF, max_items=MAX_QUEUED,
+            f"ds-swift-updlog-{rank}",
+            self._do,
+            on_error=OnError.OFF,
+            max_items=MAX_QUEUED,
             on_error_hook=lambda exc: self._lose(f"update log write failed: {type(exc).__name__}: {exc}"),
-            setup=self._make_tmp, teardown=self._remove_tmp,
+            setup=self._make_tmp,
+            teardown=self._remove_tmp,
         )
         self._store: Any = None
         self.lost: str | None = None
@@ -174,5 +178,10 @@ class UpdateLogger:
     def _lose(self, why: str) -> None:
         if self.lost is None:
             self.lost = why
-            say(f"{why}; update logging stops on this rank, training goes on: a failure of this rank recovers from "
-                "the global checkpoint", self.rank, level=logging.WARNING, name=__name__)
+            say(
+                f"{why}; update logging stops on this rank, training goes on: a failure of this rank recovers from "
+                "the global checkpoint",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )

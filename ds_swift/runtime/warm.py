@@ -204,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
         _warm_device(local_rank)
-    say(f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): {len(loaded)} modules "
-        f"imported in {time.monotonic() - t0:.1f} s; waiting for an assignment", name=__name__)
+    say(
+        f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): {len(loaded)} modules "
+        f"imported in {time.monotonic() - t0:.1f} s; waiting for an assignment",
+        name=__name__,
+    )
     env = read_assignment(sys.stdin.buffer)
     if env is None:
         return 0  # the agent closed the pipe: the pool is being shut down

@@ -23,16 +23,25 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("config", help="simulation YAML file")
-    p.add_argument("--profile", metavar="BENCH.json",
-                   help="take each strategy's costs from a bench profile (ds-swift bench --json; format in "
-                        "ds_swift/sim/profile.py); the YAML still gives the workloads and failures")
+    p.add_argument(
+        "--profile",
+        metavar="BENCH.json",
+        help="take each strategy's costs from a bench profile (ds-swift bench --json; format in "
+        "ds_swift/sim/profile.py); the YAML still gives the workloads and failures",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print {workload: {strategy: mean hours}}")
-    out.add_argument("--json-full", action="store_true",
-                     help="print means, 95%% CIs, failure-free times, speed-ups (and recommendations)")
+    out.add_argument(
+        "--json-full",
+        action="store_true",
+        help="print means, 95%% CIs, failure-free times, speed-ups (and recommendations)",
+    )
     p.add_argument("--plot", metavar="DIR", help="write interval_sweep.png and mtbf_sweep.png (Figures 13, 14)")
-    p.add_argument("--recommend", action="store_true",
-                   help="optimal checkpoint/snapshot interval per strategy, with Young's and Daly's approximations")
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="optimal checkpoint/snapshot interval per strategy, with Young's and Daly's approximations",
+    )
     p.add_argument("--repeats", type=int, help="override simulation.repeats")
     p.add_argument("--seed", type=int, help="override simulation.seed")
     p.add_argument("--workload", action="append", metavar="NAME", help="only this workload (repeatable)")
@@ -55,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seed={args.seed} is invalid: an integer >= 0")
     repeats = cfg.repeats if args.repeats is None else args.repeats
     seed = cfg.seed if args.seed is None else args.seed
-    reports = run_study(cfg, repeats=repeats, seed=seed, workloads=args.workload,
-                        with_recommendations=args.recommend)
+    reports = run_study(cfg, repeats=repeats, seed=seed, workloads=args.workload, with_recommendations=args.recommend)
     plots = write_plots(cfg, reports, args.plot, repeats=repeats, seed=seed) if args.plot else []
     if args.json:
         print(json.dumps(summary_json(reports)))
@@ -90,22 +98,46 @@ def _print_tables(reports: list[Any], repeats: int) -> None:
     for r in reports:
         for name, res in r.results.items():
             sp = r.speedup(name)
-            table.add_row(r.name, name, res.kind, _fmt(res.mean_failures), _fmt(res.failure_free_hours),
-                          _fmt(res.mean_hours), f"{_fmt(res.ci_low_hours)}..{_fmt(res.ci_high_hours)}",
-                          "-" if sp is None else f"{sp:.2f}x")
+            table.add_row(
+                r.name,
+                name,
+                res.kind,
+                _fmt(res.mean_failures),
+                _fmt(res.failure_free_hours),
+                _fmt(res.mean_hours),
+                f"{_fmt(res.ci_low_hours)}..{_fmt(res.ci_high_hours)}",
+                "-" if sp is None else f"{sp:.2f}x",
+            )
         table.add_section()
     console.print(table)
     if not any(r.recommendations for r in reports):
         return
     rec_table = Table(title="Optimal intervals (expected time; Young sqrt(2CM) and Daly for comparison)")
-    for col in ("workload", "strategy", "interval", "configured", "h at configured", "optimal", "h at optimal",
-                "Young", "Daly"):
+    for col in (
+        "workload",
+        "strategy",
+        "interval",
+        "configured",
+        "h at configured",
+        "optimal",
+        "h at optimal",
+        "Young",
+        "Daly",
+    ):
         rec_table.add_column(col, justify="left" if col in ("workload", "strategy", "interval") else "right")
     for r in reports:
         for rec in r.recommendations:
-            rec_table.add_row(r.name, rec.strategy, rec.field or "(fixed)", str(rec.configured),
-                              _fmt(rec.configured_hours), str(rec.optimal) if rec.optimal else "-",
-                              _fmt(rec.optimal_hours), _fmt(rec.young, 0), _fmt(rec.daly, 0))
+            rec_table.add_row(
+                r.name,
+                rec.strategy,
+                rec.field or "(fixed)",
+                str(rec.configured),
+                _fmt(rec.configured_hours),
+                str(rec.optimal) if rec.optimal else "-",
+                _fmt(rec.optimal_hours),
+                _fmt(rec.young, 0),
+                _fmt(rec.daly, 0),
+            )
         rec_table.add_section()
     console.print(rec_table)
 

@@ -92,7 +92,9 @@ class FailureModel:
             if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
                 raise _err("count", self.count, "an integer >= 0")
         if self.median_hours is not None and self.model == "uniform":
-            raise _err("median_hours", self.median_hours, "only for exponential/weibull; uniform takes count or mtbf_hours")
+            raise _err(
+                "median_hours", self.median_hours, "only for exponential/weibull; uniform takes count or mtbf_hours"
+            )
         _positive("mtbf_hours", self.mtbf_hours)
         _positive("median_hours", self.median_hours)
         if self.model == "weibull":

@@ -47,7 +47,11 @@ def passes_share(workload: Workload) -> float:
 
 
 def inflight_cost(
-    workload: Workload, ranks: int, lost_ranks: int = 1, partial: bool = True, transfer_s: float = 0.0,
+    workload: Workload,
+    ranks: int,
+    lost_ranks: int = 1,
+    partial: bool = True,
+    transfer_s: float = 0.0,
     done: float = 1.0,
 ) -> InflightCost:
     """The cost of the iteration in flight after a decode.

@@ -64,6 +64,7 @@ __all__ = [
     "shrunk_throughput",
 ]
 
+
 def interval_field(strategy: StrategySpec) -> str | None:
     """The interval that trades failure-free stalls against rework, or ``None`` (replication:
     recovery does not depend on it, so fewer checkpoints are always cheaper)."""
@@ -124,7 +125,9 @@ def recovery_paths(workload: Workload, strategy: StrategySpec) -> tuple[Recovery
         return (RecoveryPath(1.0, max(t * spec.replay_fraction / speed + exchange, spec.download_s_per_iteration)),)
     sizes = spec.groups if spec.groups is not None else (1,) * machines
     if sum(sizes) != machines:
-        raise spec_error("logging.groups", list(sizes), f"group sizes must add up to the workload's {machines} machines")
+        raise spec_error(
+            "logging.groups", list(sizes), f"group sizes must add up to the workload's {machines} machines"
+        )
     kinds = spec.kinds if spec.kinds is not None else ("messages",) * len(sizes)
     if len(kinds) != len(sizes):
         raise spec_error("logging.kinds", list(kinds), f"one kind per group: {len(sizes)} group(s)")
@@ -266,8 +269,9 @@ def failure_costs_s(
         pace = np.full_like(done, paths[0].replay_s_per_iteration)
     else:
         edges = np.cumsum([p.weight for p in paths])
-        index = np.minimum(np.searchsorted(edges, np.asarray(machine_u, dtype=np.float64), side="right"),
-                           len(paths) - 1)
+        index = np.minimum(
+            np.searchsorted(edges, np.asarray(machine_u, dtype=np.float64), side="right"), len(paths) - 1
+        )
         pace = np.array([p.replay_s_per_iteration for p in paths])[index]
     cost = strategy.fixed_s + inflight_redo_s(workload, strategy, inflight) + pace * (done - restore)
     if strategy.kind == "elastic":

@@ -84,9 +84,21 @@ def recommend_for_plan(
     gc = _global_checkpoint(total_iterations, checkpoint_cost_s, restart_cost_s, load_s)
     gc_interval, gc_row = _global_checkpoint_row(workload, gc, failures, n_fail, grid_points)
     case = _SwiftCase(
-        plan_json, workload, failures, {k: w for k, w in weights.items() if w > 0}, sizes, gc, undo_s, broadcast_s,
-        replay_fraction, parallel_speedup, log_download_s(plan_json, sizes, storage_gbps, assumptions),
-        logging_overhead, checkpoint_interval or gc_interval or total_iterations, grid_points, assumptions,
+        plan_json,
+        workload,
+        failures,
+        {k: w for k, w in weights.items() if w > 0},
+        sizes,
+        gc,
+        undo_s,
+        broadcast_s,
+        replay_fraction,
+        parallel_speedup,
+        log_download_s(plan_json, sizes, storage_gbps, assumptions),
+        logging_overhead,
+        checkpoint_interval or gc_interval or total_iterations,
+        grid_points,
+        assumptions,
     )
     return _result(mtbf, workload, n_fail, [gc_row, *case.alternatives()], assumptions)
 
@@ -102,8 +114,14 @@ def _global_checkpoint(
     total_iterations: int, checkpoint_cost_s: float, restart_cost_s: float, load_s: float
 ) -> StrategySpec:
     """The global checkpoint at its stall, restart and load costs (its interval: the whole job, until chosen)."""
-    return StrategySpec(GLOBAL_CHECKPOINT, "checkpoint", checkpoint_interval=total_iterations,
-                        checkpoint_cost_s=checkpoint_cost_s, restart_s=restart_cost_s, load_s=load_s)
+    return StrategySpec(
+        GLOBAL_CHECKPOINT,
+        "checkpoint",
+        checkpoint_interval=total_iterations,
+        checkpoint_cost_s=checkpoint_cost_s,
+        restart_s=restart_cost_s,
+        load_s=load_s,
+    )
 
 
 def _result(
@@ -134,8 +152,17 @@ def _global_checkpoint_row(
     """The global-checkpoint baseline: its optimal interval and its row of ``alternatives``."""
     gc_rec = optimal_interval(workload, gc, failures, grid_points=grid_points)
     per_failure_s = _per_failure(gc_rec.optimal_hours * _HOUR, workload, gc, gc_rec.optimal, n_fail)
-    row = _alternative(GLOBAL_CHECKPOINT, "checkpoint", None, False, gc_rec.optimal, gc_rec.young, gc_rec.daly,
-                       gc_rec.optimal_hours, per_failure_s)
+    row = _alternative(
+        GLOBAL_CHECKPOINT,
+        "checkpoint",
+        None,
+        False,
+        gc_rec.optimal,
+        gc_rec.young,
+        gc_rec.daly,
+        gc_rec.optimal_hours,
+        per_failure_s,
+    )
     return gc_rec.optimal, row
 
 
@@ -192,10 +219,18 @@ class _SwiftCase:
             download_s_per_iteration=self.download_s,
         )
         gc = self.gc
-        replication = StrategySpec("replication", "replication", restart_s=gc.restart_s, undo_s=self.undo_s,
-                                   broadcast_s=self.broadcast_s)
-        logging = StrategySpec("logging", "logging", restart_s=gc.restart_s, load_s=gc.load_s, undo_s=self.undo_s,
-                               iteration_overhead=self.overhead, logging=log_spec)
+        replication = StrategySpec(
+            "replication", "replication", restart_s=gc.restart_s, undo_s=self.undo_s, broadcast_s=self.broadcast_s
+        )
+        logging = StrategySpec(
+            "logging",
+            "logging",
+            restart_s=gc.restart_s,
+            load_s=gc.load_s,
+            undo_s=self.undo_s,
+            iteration_overhead=self.overhead,
+            logging=log_spec,
+        )
         return {
             "replication": (self.workload, replication),
             "logging": (self.log_workload, logging),
@@ -219,7 +254,11 @@ class _SwiftCase:
             return failure_free_s(workload, replace(base, checkpoint_interval=interval)) + n_fail * per_failure
 
         best, best_s = _best_interval(
-            expected_s, self.weights, workload.total_iterations, self.grid_points, self.fallback_interval,
+            expected_s,
+            self.weights,
+            workload.total_iterations,
+            self.grid_points,
+            self.fallback_interval,
             self.assumptions,
         )
         young = daly = None

@@ -76,8 +76,16 @@ __all__ = ["BenchProfile", "BenchRow", "apply_profile", "load_profile", "parse_p
 
 _TOP_REQUIRED = ("iteration_time_s", "checkpoint_interval", "checkpoint_cost_s", "strategies")
 _ROW_FIELDS = frozenset(f.name for f in fields(BenchRow))
-_ROW_REQUIRED = ("name", "throughput_ratio", "init_s", "recovery_s", "iterations_lost", "bytes_per_iteration",
-                 "host_memory_per_rank", "exact")
+_ROW_REQUIRED = (
+    "name",
+    "throughput_ratio",
+    "init_s",
+    "recovery_s",
+    "iterations_lost",
+    "bytes_per_iteration",
+    "host_memory_per_rank",
+    "exact",
+)
 
 
 def load_profile(path: str | Path) -> BenchProfile:
@@ -105,8 +113,13 @@ def parse_profile(data: Any, source: str = "bench profile") -> BenchProfile:
         raise ConfigError(f"{source}: version={data['version']!r} is invalid: this ds-swift reads version 1")
     try:
         _number("iteration_time_s", data["iteration_time_s"], "a positive number (seconds)", positive=True)
-        _integer("checkpoint_interval", data["checkpoint_interval"], 1, "a positive integer or null (no checkpoints)",
-                 allow_none=True)
+        _integer(
+            "checkpoint_interval",
+            data["checkpoint_interval"],
+            1,
+            "a positive integer or null (no checkpoints)",
+            allow_none=True,
+        )
         _number("checkpoint_cost_s", data["checkpoint_cost_s"])
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -119,8 +132,13 @@ def parse_profile(data: Any, source: str = "bench profile") -> BenchProfile:
         if any(r.name == row.name for r in rows):
             raise ConfigError(f"{source}: strategies[{i}].name={row.name!r} is used twice: one row per strategy")
         rows.append(row)
-    return BenchProfile(float(data["iteration_time_s"]), data["checkpoint_interval"], float(data["checkpoint_cost_s"]),
-                        tuple(rows), source)
+    return BenchProfile(
+        float(data["iteration_time_s"]),
+        data["checkpoint_interval"],
+        float(data["checkpoint_cost_s"]),
+        tuple(rows),
+        source,
+    )
 
 
 def _row(raw: Any, where: str, top: Mapping[str, Any]) -> BenchRow:
@@ -156,7 +174,11 @@ def iteration_overhead(row: BenchRow, profile: BenchProfile) -> float:
 
 
 def strategy_from_row(
-    row: BenchRow, profile: BenchProfile, *, base: StrategySpec | None = None, job_checkpoint_interval: int | None = None
+    row: BenchRow,
+    profile: BenchProfile,
+    *,
+    base: StrategySpec | None = None,
+    job_checkpoint_interval: int | None = None,
 ) -> StrategySpec:
     """The simulator's strategy for ``row`` (see the module docstring for each figure).
 
@@ -168,19 +190,25 @@ def strategy_from_row(
     kind = row.kind
     assert kind is not None  # BenchRow fills it
     if base is not None and base.kind != kind:
-        raise ConfigError(f"{profile.source}: strategy {row.name!r} is kind {kind} in the profile but {base.kind} "
-                          "in the YAML: rename one or give the row the YAML's kind")
+        raise ConfigError(
+            f"{profile.source}: strategy {row.name!r} is kind {kind} in the profile but {base.kind} "
+            "in the YAML: rename one or give the row the YAML's kind"
+        )
     overhead = iteration_overhead(row, profile)
     replay_iteration_s = profile.iteration_time_s * (1.0 + overhead)
     if base is not None:
         checkpoint_interval = base.checkpoint_interval
         snapshot_interval = base.snapshot_interval
     else:
-        checkpoint_interval = None if row.checkpoint_interval is None else (
-            job_checkpoint_interval or row.checkpoint_interval)
+        checkpoint_interval = (
+            None if row.checkpoint_interval is None else (job_checkpoint_interval or row.checkpoint_interval)
+        )
         snapshot_interval = row.snapshot_interval
-    costs: dict[str, Any] = {"restart_s": row.init_s, "checkpoint_cost_s": row.checkpoint_cost_s,
-                             "iteration_overhead": overhead}
+    costs: dict[str, Any] = {
+        "restart_s": row.init_s,
+        "checkpoint_cost_s": row.checkpoint_cost_s,
+        "iteration_overhead": overhead,
+    }
     if kind in ("checkpoint", "snapshot"):
         derived = row.recovery_s - row.iterations_lost * replay_iteration_s
         costs["load_s"] = row.restore_s if row.restore_s is not None else max(0.0, derived)

@@ -119,15 +119,24 @@ class BenchRow:
         if self.kind is None:
             kind = default_kind(self.name)
             if kind is None:
-                raise _fail("kind", None, f"needed for strategy {self.name!r}: one of {', '.join(get_args(RecoveryKind))}")
+                raise _fail(
+                    "kind", None, f"needed for strategy {self.name!r}: one of {', '.join(get_args(RecoveryKind))}"
+                )
             object.__setattr__(self, "kind", kind)
         elif self.kind not in get_args(RecoveryKind):
             raise _fail("kind", self.kind, f"one of {', '.join(get_args(RecoveryKind))}")
-        _number("throughput_ratio", self.throughput_ratio, "a positive number (strategy / no fault tolerance)",
-                positive=True)
+        _number(
+            "throughput_ratio",
+            self.throughput_ratio,
+            "a positive number (strategy / no fault tolerance)",
+            positive=True,
+        )
         if self.throughput_ratio > 1.1:
-            raise _fail("throughput_ratio", self.throughput_ratio,
-                        "the strategy's throughput over no fault tolerance's, <= 1 up to noise (inverted?)")
+            raise _fail(
+                "throughput_ratio",
+                self.throughput_ratio,
+                "the strategy's throughput over no fault tolerance's, <= 1 up to noise (inverted?)",
+            )
         for name in ("init_s", "recovery_s", "checkpoint_cost_s", "snapshot_cost_s"):
             _number(name, getattr(self, name))
         _integer("iterations_lost", self.iterations_lost, 0, "an integer >= 0 (completed iterations redone)")
@@ -139,36 +148,56 @@ class BenchRow:
         if self.exact and self.max_ulp:
             raise _fail("max_ulp", self.max_ulp, "0 or null when exact is true")
         delta = self.final_loss_delta
-        if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))
-                                  or not math.isfinite(delta)):
+        if delta is not None and (
+            isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta)
+        ):
             raise _fail("final_loss_delta", delta, "a number or null")
         if self.restore_s is not None:
             _number("restore_s", self.restore_s)
             if self.restore_s > self.recovery_s:
                 raise _fail("restore_s", self.restore_s, f"at most recovery_s={self.recovery_s} (it is part of it)")
-        _integer("checkpoint_interval", self.checkpoint_interval, 1, "a positive integer or null (no checkpoints)",
-                 allow_none=True)
+        _integer(
+            "checkpoint_interval",
+            self.checkpoint_interval,
+            1,
+            "a positive integer or null (no checkpoints)",
+            allow_none=True,
+        )
         self._check_kind()
 
     def _check_kind(self) -> None:
         if self.kind == "snapshot":
-            _integer("snapshot_interval", self.snapshot_interval, 1,
-                     f"required for kind snapshot ({self.name}): iterations between snapshots in the bench")
+            _integer(
+                "snapshot_interval",
+                self.snapshot_interval,
+                1,
+                f"required for kind snapshot ({self.name}): iterations between snapshots in the bench",
+            )
         elif self.snapshot_interval is not None or self.snapshot_cost_s:
             raise ConfigError(f"snapshot_interval/snapshot_cost_s are only read by kind snapshot, not {self.kind}")
         if self.kind == "elastic":
-            _number("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1) (required for kind elastic)",
-                    positive=True)
+            _number(
+                "shrunk_throughput",
+                self.shrunk_throughput,
+                "a fraction in (0, 1) (required for kind elastic)",
+                positive=True,
+            )
             if self.shrunk_throughput is not None and self.shrunk_throughput >= 1:
                 raise _fail("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
         elif self.shrunk_throughput is not None:
             raise ConfigError(f"shrunk_throughput is only read by kind elastic, not {self.kind}")
         if self.kind == "replication" and self.iterations_lost:
-            raise _fail("iterations_lost", self.iterations_lost,
-                        "0 for kind replication (it replays nothing); give kind checkpoint, snapshot or logging")
+            raise _fail(
+                "iterations_lost",
+                self.iterations_lost,
+                "0 for kind replication (it replays nothing); give kind checkpoint, snapshot or logging",
+            )
         if self.kind == "logging" and self.iterations_lost == 0:
-            raise _fail("iterations_lost", 0, "> 0 for kind logging: inject the failure past a checkpoint so that "
-                        "the replay pace is measured")
+            raise _fail(
+                "iterations_lost",
+                0,
+                "> 0 for kind logging: inject the failure past a checkpoint so that the replay pace is measured",
+            )
 
 
 @dataclass(frozen=True)

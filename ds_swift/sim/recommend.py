@@ -55,9 +55,7 @@ def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost_s
 
 
-def _evaluator(
-    workload: Workload, failures: FailureModel, repeats: int, seed: int
-) -> Callable[[StrategySpec], float]:
+def _evaluator(workload: Workload, failures: FailureModel, repeats: int, seed: int) -> Callable[[StrategySpec], float]:
     """Expected end-to-end seconds of a strategy."""
     if failures.uniform_positions:
         n = failures.expected_count(workload.compute_s / _HOUR)
@@ -198,6 +196,5 @@ def recommend(
 ) -> list[IntervalRecommendation]:
     """Optimal interval of every strategy of a workload."""
     return [
-        optimal_interval(workload, s, failures, grid_points=grid_points, repeats=repeats, seed=seed)
-        for s in strategies
+        optimal_interval(workload, s, failures, grid_points=grid_points, repeats=repeats, seed=seed) for s in strategies
     ]

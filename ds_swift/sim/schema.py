@@ -69,8 +69,18 @@ __all__ = ["SimConfig", "SweepSpec", "WorkloadConfig", "load_sim_config", "parse
 
 _ALL_STRATEGY_FIELDS = COMMON_FIELDS.union(*KIND_FIELDS.values())
 _LOGGING_FIELDS = frozenset(
-    {"groups", "replay_fraction", "parallel_recovery", "parallel_speedup", "parallel_setup_s",
-     "parallel_exchange_s_per_iteration", "upload_s", "download_s_per_iteration", "kinds", "apply_fraction"}
+    {
+        "groups",
+        "replay_fraction",
+        "parallel_recovery",
+        "parallel_speedup",
+        "parallel_setup_s",
+        "parallel_exchange_s_per_iteration",
+        "upload_s",
+        "download_s_per_iteration",
+        "kinds",
+        "apply_fraction",
+    }
 )
 _FAILURE_FIELDS = frozenset({"model", "count", "mtbf_hours", "median_hours", "shape"})
 
@@ -214,11 +224,21 @@ def _failures(ctx: _Ctx, raw: Any, path: str) -> FailureModel:
         raise ctx.error(path, str(exc)) from None
 
 
-def _workload(
-    ctx: _Ctx, raw: Any, path: str, top_defaults: Mapping[str, Any], failures_default: Any
-) -> WorkloadConfig:
-    allowed = frozenset({"name", "description", "total_iterations", "iteration_time_s", "failure_free_hours",
-                         "machines", "pipeline", "failures", "defaults", "strategies"})
+def _workload(ctx: _Ctx, raw: Any, path: str, top_defaults: Mapping[str, Any], failures_default: Any) -> WorkloadConfig:
+    allowed = frozenset(
+        {
+            "name",
+            "description",
+            "total_iterations",
+            "iteration_time_s",
+            "failure_free_hours",
+            "machines",
+            "pipeline",
+            "failures",
+            "defaults",
+            "strategies",
+        }
+    )
     section = ctx.mapping(raw, path, allowed)
     name = section.get("name")
     if not isinstance(name, str) or not name:

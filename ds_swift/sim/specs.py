@@ -170,8 +170,9 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "logging": frozenset({"load_s", "undo_s", "logging"}),
     "elastic": frozenset({"undo_s", "broadcast_s", "repair_s", "grow_s", "shrunk_throughput"}),
 }
-COMMON_FIELDS = frozenset({"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead",
-                           "partial_recompute_window"})
+COMMON_FIELDS = frozenset(
+    {"kind", "checkpoint_interval", "checkpoint_cost_s", "restart_s", "iteration_overhead", "partial_recompute_window"}
+)
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,15 @@ class StrategySpec:
         if self.kind not in get_args(RecoveryKind):
             raise spec_error("kind", self.kind, f"one of {', '.join(get_args(RecoveryKind))}")
         _check_int("checkpoint_interval", self.checkpoint_interval, allow_none=True, what="iterations")
-        for name in ("checkpoint_cost_s", "snapshot_cost_s", "restart_s", "load_s", "undo_s", "broadcast_s",
-                     "iteration_overhead"):
+        for name in (
+            "checkpoint_cost_s",
+            "snapshot_cost_s",
+            "restart_s",
+            "load_s",
+            "undo_s",
+            "broadcast_s",
+            "iteration_overhead",
+        ):
             _check_number(name, getattr(self, name))
         if self.kind == "snapshot":
             if self.snapshot_interval is None:
@@ -262,13 +270,18 @@ class StrategySpec:
             _check_number("grow_s", self.grow_s)
             _check_number("shrunk_throughput", self.shrunk_throughput, positive=True, allow_none=True)
             if self.shrunk_throughput is not None and self.shrunk_throughput >= 1:
-                raise spec_error("shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed")
+                raise spec_error(
+                    "shrunk_throughput", self.shrunk_throughput, "a fraction in (0, 1): the shrunk job's speed"
+                )
         elif self.repair_s is not None or self.grow_s or self.shrunk_throughput is not None:
             raise ConfigError(f"repair_s/grow_s/shrunk_throughput are only read by kind elastic, not {self.kind}")
         _check_number("partial_recompute_window", self.partial_recompute_window, allow_none=True)
         if self.partial_recompute_window is not None and self.partial_recompute_window >= 1:
-            raise spec_error("partial_recompute_window", self.partial_recompute_window,
-                             "a fraction in [0, 1) of an iteration (its reductions and step)")
+            raise spec_error(
+                "partial_recompute_window",
+                self.partial_recompute_window,
+                "a fraction in [0, 1) of an iteration (its reductions and step)",
+            )
 
     @property
     def fixed_s(self) -> float:

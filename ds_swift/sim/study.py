@@ -129,8 +129,9 @@ def write_plots(
         optima[r.name] = {rec.strategy: rec.optimal for rec in r.recommendations}
         # Figure 14 fixes every strategy at its optimal interval (SWIFT section 7.3).
         tuned = {rec.strategy: rec.optimal for rec in r.recommendations if rec.optimal is not None}
-        by_mtbf[r.name] = mtbf_sweep(wl.workload, wl.strategies, wl.failures, cfg.sweeps.mtbf_hours,
-                                     intervals=tuned, repeats=repeats, seed=seed)
+        by_mtbf[r.name] = mtbf_sweep(
+            wl.workload, wl.strategies, wl.failures, cfg.sweeps.mtbf_hours, intervals=tuned, repeats=repeats, seed=seed
+        )
     return [
         plot_interval_sweep(by_interval, optima, outdir / "interval_sweep.png"),
         plot_mtbf_sweep(by_mtbf, outdir / "mtbf_sweep.png"),

@@ -12,8 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAYER_FILES", "Baseline", "CheckpointDiff", "CheckpointError", "checkpoint_tensors", "compare_checkpoints",
-           "compare_tensors", "relative_distance", "tensors_of", "ulp_distance", "undo_ulp"]
+__all__ = [
+    "LAYER_FILES",
+    "Baseline",
+    "CheckpointDiff",
+    "CheckpointError",
+    "checkpoint_tensors",
+    "compare_checkpoints",
+    "compare_tensors",
+    "relative_distance",
+    "tensors_of",
+    "ulp_distance",
+    "undo_ulp",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -48,8 +59,10 @@ class CheckpointDiff:
             return f"bitwise equal ({self.tensors} tensors)"
         if self.tensors == 0:
             return "no tensor in common"
-        return (f"{len(self.differing)} of {self.tensors} tensors differ (largest difference {self.max_gap:.3g}), "
-                f"e.g. {[name for name, _ in self.differing[:3]]}; only in one: {self.only_in_one[:5]}")
+        return (
+            f"{len(self.differing)} of {self.tensors} tensors differ (largest difference {self.max_gap:.3g}), "
+            f"e.g. {[name for name, _ in self.differing[:3]]}; only in one: {self.only_in_one[:5]}"
+        )
 
 
 def tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -100,7 +113,11 @@ def compare_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDif
         x, y = a[name], b[name]
         if x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y)):
             continue
-        gap = float((x.detach().double() - y.detach().double()).abs().max()) if x.shape == y.shape and x.numel() else float("inf")
+        gap = (
+            float((x.detach().double() - y.detach().double()).abs().max())
+            if x.shape == y.shape and x.numel()
+            else float("inf")
+        )
         diff.differing.append((name, gap))
         diff.max_ulp = max(diff.max_ulp, ulp_distance(x, y))
     return diff

@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 __all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", "group_down_key", "group_kill_key"]
 
 #: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
-PHASES = ("forward", "backward", "step", "send", "recv", "reduce")  # reduce: before the data-parallel gradient reduction
+PHASES = (
+    "forward",
+    "backward",
+    "step",
+    "send",
+    "recv",
+    "reduce",
+)  # reduce: before the data-parallel gradient reduction
 _FIELDS = ("machine", "iteration", "phase", "settled")
 _EXAMPLE = "machine=1,iteration=7,phase=backward"
 
@@ -241,8 +248,12 @@ class Injector:
         key, deadline = _landed_key(self.store.generation(), iteration - 1), time.monotonic() + SETTLE_TIMEOUT_S
         while self.store.get(key) is None:
             if time.monotonic() > deadline:
-                say(f"the copies of iteration {iteration - 1} did not land within {SETTLE_TIMEOUT_S:.0f} s: "
-                    "firing anyway", name=__name__, prefix="ds-swift inject")  # fmt: skip
+                say(
+                    f"the copies of iteration {iteration - 1} did not land within {SETTLE_TIMEOUT_S:.0f} s: "
+                    "firing anyway",
+                    name=__name__,
+                    prefix="ds-swift inject",
+                )
                 return
             time.sleep(0.01)
 

@@ -25,8 +25,15 @@ from typing import Any
 from ds_swift.recovery.verify import OWN_COPY
 from ds_swift.testing.procs import ProcessSet, worker_env
 
-__all__ = ["JobRun", "JobSpec", "JobTimeout", "assert_verified", "build_deepspeed_shm_op", "deepspeed_shm_op_built",
-           "run_job"]
+__all__ = [
+    "JobRun",
+    "JobSpec",
+    "JobTimeout",
+    "assert_verified",
+    "build_deepspeed_shm_op",
+    "deepspeed_shm_op_built",
+    "run_job",
+]
 
 
 @dataclass(frozen=True)
@@ -124,9 +131,21 @@ def job_config(spec: JobSpec, job: JobRun) -> dict[str, Any]:
 
 def launcher_argv(spec: JobSpec, job: JobRun, config_path: Path) -> list[str]:
     argv = [
-        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(job.run_dir), "--nnodes", str(spec.nnodes),
-        "--nproc-per-node", str(spec.nproc_per_node), *spec.launcher_args, str(spec.script),
-        "--deepspeed_config", str(config_path), "--train-iters", str(spec.iterations),
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--run-dir",
+        str(job.run_dir),
+        "--nnodes",
+        str(spec.nnodes),
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        *spec.launcher_args,
+        str(spec.script),
+        "--deepspeed_config",
+        str(config_path),
+        "--train-iters",
+        str(spec.iterations),
     ]
     if spec.save:
         argv += ["--save", str(job.save_dir)]

@@ -106,8 +106,9 @@ class Interleaved:
         return statistics.median(sum(v for (r, _), v in j.items() if role is None or r == role) for j in jobs)
 
 
-def interleave(work: Path, specs: Mapping[str, JobSpec], rounds: int, warmup: int,
-               timeout_s: float = 600.0) -> Interleaved:
+def interleave(
+    work: Path, specs: Mapping[str, JobSpec], rounds: int, warmup: int, timeout_s: float = 600.0
+) -> Interleaved:
     """Run every spec ``rounds`` times, interleaved: round ``r`` starts at the ``r``-th variant."""
     out = Interleaved()
     names = list(specs)

@@ -103,7 +103,9 @@ class ProcessSet:
                 return {name: int(c) for name, c in codes.items() if c is not None}
             if any(c for c in codes.values()):
                 self.kill_all()
-                return {name: -signal.SIGKILL if p.returncode is None else p.returncode for name, p in self.procs.items()}
+                return {
+                    name: -signal.SIGKILL if p.returncode is None else p.returncode for name, p in self.procs.items()
+                }
             if time.monotonic() > deadline:
                 running = [name for name, c in codes.items() if c is None]
                 raise TimeoutError(f"{', '.join(running)} still running after {timeout_s:.0f} s\n{self.logs_tail()}")

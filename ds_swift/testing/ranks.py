@@ -23,10 +23,17 @@ class RanksFailed(RuntimeError):
 
 def rank_env(rank: int, world: int, port: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of one rank of a single-machine job (``torch.distributed``'s env:// init)."""
-    return worker_env({
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra or {}),
-    })
+    return worker_env(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **(extra or {}),
+        }
+    )
 
 
 def run_ranks(

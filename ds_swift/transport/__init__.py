@@ -99,7 +99,9 @@ def current() -> Transport:
     """The transport of the world in force. Raises TransportError where none was opened for it: a
     transport made lazily here could create its groups in another order on each rank."""
     if not dist.is_initialized():
-        raise TransportError("ds-swift transport: torch.distributed is not initialised (call ds_swift.init_distributed)")
+        raise TransportError(
+            "ds-swift transport: torch.distributed is not initialised (call ds_swift.init_distributed)"
+        )
     world = dist.distributed_c10d._get_default_group()
     with _REGISTRY.lock:
         t = _REGISTRY.transport

@@ -120,7 +120,9 @@ class Transport:
         world_backends: the world's backend names (``{"nccl"}`` on a GPU cluster).
     """
 
-    def __init__(self, world: Any, groups: dict[str, Any], world_backends: frozenset[str] = frozenset({"gloo"})) -> None:
+    def __init__(
+        self, world: Any, groups: dict[str, Any], world_backends: frozenset[str] = frozenset({"gloo"})
+    ) -> None:
         self.world = world
         self.world_backends = world_backends
         self.generation = -1
@@ -140,8 +142,9 @@ class Transport:
         a counter): right after the world is initialised, before DeepSpeed creates any group."""
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         world = dist.distributed_c10d._get_default_group()
-        groups = {name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}")
-                  for name in CHANNELS}
+        groups = {
+            name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}") for name in CHANNELS
+        }
         return cls(world, groups, parse_backends(str(dist.get_backend(world))))
 
     # ------------------------------------------------------------------ routing
@@ -153,8 +156,11 @@ class Transport:
         """The gloo group of ``channel``."""
         g = self._groups.get(channel)
         if g is None:
-            raise TransportError(f"ds-swift transport: channel {channel!r} is closed (the generation was torn down)"
-                                 if not self._groups else f"ds-swift transport: no channel {channel!r}")
+            raise TransportError(
+                f"ds-swift transport: channel {channel!r} is closed (the generation was torn down)"
+                if not self._groups
+                else f"ds-swift transport: no channel {channel!r}"
+            )
         return g
 
     def _channel_of(self, group: Any) -> str | None:

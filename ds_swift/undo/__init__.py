@@ -1,14 +1,14 @@
 """Update-undo: invertible optimizer steps (SWIFT section 4).
 
-    from ds_swift.undo import InvertibleOptimizer, NotInvertibleError
-    opt = InvertibleOptimizer(torch.optim.AdamW(model.parameters()), lr_scheduler=sched)
-    loss.backward(); opt.step(); sched.step()
-    opt.undo()            # parameters, optimizer state and scheduler as before the step
+from ds_swift.undo import InvertibleOptimizer, NotInvertibleError
+opt = InvertibleOptimizer(torch.optim.AdamW(model.parameters()), lr_scheduler=sched)
+loss.backward(); opt.step(); sched.step()
+opt.undo()            # parameters, optimizer state and scheduler as before the step
 
-    from ds_swift.undo import attach_to_engine
-    with attach_to_engine(engine) as handle:   # DeepSpeed engine, ZeRO 0/1, fp32/bf16/fp16
-        engine.train_batch(...)
-        handle.undo_to(handle.last_stepped_iteration - 1)
+from ds_swift.undo import attach_to_engine
+with attach_to_engine(engine) as handle:   # DeepSpeed engine, ZeRO 0/1, fp32/bf16/fp16
+    engine.train_batch(...)
+    handle.undo_to(handle.last_stepped_iteration - 1)
 """
 
 from __future__ import annotations

@@ -95,8 +95,9 @@ def _item(opt: Any, pr: ParamRecord) -> _Item:
     return _Item(pr, grad, state, _step_value(state.get("step")), shaped)
 
 
-def _ctx(item: _Item, grec: GroupRecord, exact: bool, param: torch.Tensor, grad: torch.Tensor,
-         state: dict[str, Any]) -> UndoContext:
+def _ctx(
+    item: _Item, grec: GroupRecord, exact: bool, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
+) -> UndoContext:
     pr = item.pr
     return UndoContext(
         param=param,

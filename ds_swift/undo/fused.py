@@ -71,17 +71,26 @@ def announce(rule: UndoRule, path: str, optimizer: Any) -> None:
         return
     if _kernel_for(rule) is None:
         if path == "fused":
-            _once(logging.WARNING, f"update-undo: undo_path='fused' has kernels for torch Adam/AdamW and DeepSpeed's "
-                                   f"FusedAdam only; {rule.name} is undone by the fast path")
+            _once(
+                logging.WARNING,
+                f"update-undo: undo_path='fused' has kernels for torch Adam/AdamW and DeepSpeed's "
+                f"FusedAdam only; {rule.name} is undone by the fast path",
+            )
         return
     err = triton_error()
     if err is not None:
-        _once(logging.WARNING, f"update-undo: the fused Triton undo kernel is unavailable ({err}); {rule.name} is "
-                               "undone by the fast path (about 10x slower on a GPU). Install Triton "
-                               "(pip install 'ds-swift[triton]') to use it")
+        _once(
+            logging.WARNING,
+            f"update-undo: the fused Triton undo kernel is unavailable ({err}); {rule.name} is "
+            "undone by the fast path (about 10x slower on a GPU). Install Triton "
+            "(pip install 'ds-swift[triton]') to use it",
+        )
         return
-    _once(logging.INFO, f"update-undo: {rule.name} on " + ", ".join(sorted(devices)) + " is undone by the fused "
-                        "Triton kernel (ds_swift.undo.fused)")
+    _once(
+        logging.INFO,
+        f"update-undo: {rule.name} on " + ", ".join(sorted(devices)) + " is undone by the fused "
+        "Triton kernel (ds_swift.undo.fused)",
+    )
 
 
 def use_fused(rule: UndoRule, path: str, devices: set[str]) -> bool:
@@ -142,8 +151,11 @@ class _TritonRule(UndoRule):
             self.run(ctx)
         except Exception as exc:  # Triton's compile or launch failure, raised before the kernel stores anything
             self.broken = True
-            log.error("update-undo: the fused Triton undo kernel failed (%s: %s); this and later undos use the "
-                      "fast path", type(exc).__name__, exc)
+            log.error(
+                "update-undo: the fused Triton undo kernel failed (%s: %s); this and later undos use the fast path",
+                type(exc).__name__,
+                exc,
+            )
             self.base.undo_param(ctx)
 
     def check_group(self, group: dict[str, Any]) -> None:
@@ -186,8 +198,14 @@ class TritonAdamRule(_TritonRule):
 
         assert ctx.step is not None
         triton_adam.adam_undo(
-            ctx.param, ctx.grad, ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.hyper, ctx.step,
-            flavour=self.flavour(ctx), moments="exp_avg" not in ctx.new_keys,
+            ctx.param,
+            ctx.grad,
+            ctx.state["exp_avg"],
+            ctx.state["exp_avg_sq"],
+            ctx.hyper,
+            ctx.step,
+            flavour=self.flavour(ctx),
+            moments="exp_avg" not in ctx.new_keys,
         )
 
 
@@ -199,7 +217,11 @@ class TritonDeepSpeedAdamRule(_TritonRule):
         from ds_swift.undo.rules_deepspeed import DeepSpeedFusedAdamRule
 
         triton_ds_adam.ds_adam_undo(
-            ctx.param, ctx.grad, ctx.state["exp_avg"], ctx.state["exp_avg_sq"],
-            DeepSpeedFusedAdamRule.kernel_scalars(ctx), decoupled=ctx.extra["adam_w_mode"] == 1,
+            ctx.param,
+            ctx.grad,
+            ctx.state["exp_avg"],
+            ctx.state["exp_avg_sq"],
+            DeepSpeedFusedAdamRule.kernel_scalars(ctx),
+            decoupled=ctx.extra["adam_w_mode"] == 1,
             moments="exp_avg" not in ctx.new_keys,
         )

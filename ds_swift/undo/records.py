@@ -21,7 +21,7 @@ __all__ = ["GroupRecord", "NotInvertibleError", "ParamRecord", "StepRecord", "Un
 
 # Shared by every refusal, so the recovery runtime (and the user) always learns the way out.
 STRATEGY_HINT = (
-    'update-undo (which replication and logging recovery rely on) cannot be used with it: '
+    "update-undo (which replication and logging recovery rely on) cannot be used with it: "
     'set "swift": {"strategy": "checkpoint"} in the DeepSpeed config, or use an invertible optimizer '
     "(SGD, Adam/AdamW without amsgrad and, on a GPU, without fused=True, Adagrad, RMSprop, LAMB)"
 )

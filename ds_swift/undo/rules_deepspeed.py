@@ -55,12 +55,21 @@ class DeepSpeedFusedAdamRule(UndoRule):
         beta1, beta2 = (f32(b) for b in h["betas"])
         t = int(ctx.extra["kernel_step"])
         bc1, bc2 = (f32(1 - beta1**t), f32(1 - beta2**t)) if h.get("bias_correction", True) else (1.0, 1.0)
-        return {"lr": f32(h["lr"]), "eps": f32(h["eps"]), "weight_decay": f32(h["weight_decay"]),
-                "beta1": beta1, "beta2": beta2, "bc1": bc1, "bc2": bc2}
+        return {
+            "lr": f32(h["lr"]),
+            "eps": f32(h["eps"]),
+            "weight_decay": f32(h["weight_decay"]),
+            "beta1": beta1,
+            "beta2": beta2,
+            "bc1": bc1,
+            "bc2": bc2,
+        }
 
     def undo_param(self, ctx: UndoContext) -> None:
         s = self.kernel_scalars(ctx)
-        lr, eps, wd, beta1, beta2, bc1, bc2 = (s[k] for k in ("lr", "eps", "weight_decay", "beta1", "beta2", "bc1", "bc2"))
+        lr, eps, wd, beta1, beta2, bc1, bc2 = (
+            s[k] for k in ("lr", "eps", "weight_decay", "beta1", "beta2", "bc1", "bc2")
+        )
         m1, v1, x1 = ctx.state["exp_avg"], ctx.state["exp_avg_sq"], ctx.param
         r = (w(m1) / bc1) / ((w(v1) / bc2).sqrt() + eps)
         decoupled = ctx.extra["adam_w_mode"] == 1

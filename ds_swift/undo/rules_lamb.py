@@ -154,4 +154,3 @@ class DeepSpeedFusedLambRule(LambRule):
                     if clip > 1:
                         combined = clip * scale
                 pr.extra["grad_scale"] = combined
-

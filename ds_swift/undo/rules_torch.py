@@ -37,7 +37,12 @@ Forward = Callable[..., torch.Tensor]
 
 
 def solve(
-    xw: torch.Tensor, target: torch.Tensor, exact: bool, forward: Forward, *tensors: torch.Tensor, monotone: bool = False
+    xw: torch.Tensor,
+    target: torch.Tensor,
+    exact: bool,
+    forward: Forward,
+    *tensors: torch.Tensor,
+    monotone: bool = False,
 ) -> torch.Tensor:
     """Round the float64 solution to ``target``'s dtype; refine it against the forward
     ``forward(x, *tensors)`` (``tensors``: the elementwise operands it reads besides x). ``monotone``:
@@ -195,8 +200,7 @@ class AdamRule(UndoRule):
     name = "Adam"
     refused_flags = {
         "amsgrad": (
-            "the amsgrad running maximum max(v_max, v_t) forgets the previous v_max, so the step "
-            "cannot be inverted"
+            "the amsgrad running maximum max(v_max, v_t) forgets the previous v_max, so the step cannot be inverted"
         ),
     }
 
@@ -248,8 +252,9 @@ class AdamRule(UndoRule):
             vw = ((w(v1) - addcmul_term(1 - beta2, gp, gp)) / sc(beta2, v1)).clamp_min_(0)
             m0 = solve(mw, m1, exact, lambda m, gp: m.lerp(gp, wt), gp)
             # (lerp, for m, reads m twice: not monotone at the rounding level, so searched both ways.)
-            v0 = solve(vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp,
-                       monotone=beta2 > 0)
+            v0 = solve(
+                vw, v1, exact, lambda v, gp: v.mul(beta2).addcmul(gp, gp, value=1 - beta2), gp, monotone=beta2 > 0
+            )
             m1.copy_(m0)
             v1.copy_(v0)
         x1.copy_(x0)

@@ -218,10 +218,24 @@ def _undo_v(v1, gp, b2, omb2, V_MONOTONE: tl.constexpr, FLAVOUR: tl.constexpr):
 
 
 @triton.jit
-def _adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
-                      FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
-                      MOMENTS: tl.constexpr, X_MONOTONE: tl.constexpr, V_MONOTONE: tl.constexpr,
-                      SMALL_WT: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_undo_kernel(
+    x_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    d_ptr,
+    c_ptr,
+    n,
+    FLAVOUR: tl.constexpr,
+    DECAY: tl.constexpr,
+    L2: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    X_MONOTONE: tl.constexpr,
+    V_MONOTONE: tl.constexpr,
+    SMALL_WT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     decay, nss, bc2s, inv_bc2s, eps, wd, wt, wt_m1, b2, omb2 = _consts(c_ptr)
@@ -302,8 +316,17 @@ def launch_kwargs() -> dict[str, Any]:
     return {} if interpreted() else {"enable_fp_fusion": False, "num_warps": 8}
 
 
-def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any], step: float,
-              *, flavour: int, moments: bool) -> None:
+def adam_undo(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    h: dict[str, Any],
+    step: float,
+    *,
+    flavour: int,
+    moments: bool,
+) -> None:
     """Undo one Adam/AdamW step in place on flat contiguous float32 tensors (x, m, v: post-step)."""
     n = x.numel()
     if n == 0:
@@ -313,7 +336,6 @@ def adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     c = constants(h, step, x.device)
     d = _cpu_denominator(v, h, step) if flavour == CPU else v  # (v: an unread placeholder)
     grid = (triton.cdiv(n, BLOCK),)
-    _adam_undo_kernel[grid](x, g, m, v, d, c, n, MOMENTS=moments, X_MONOTONE=xm, V_MONOTONE=vm, BLOCK=BLOCK,
-                            **flags, **launch_kwargs())
-
-
+    _adam_undo_kernel[grid](
+        x, g, m, v, d, c, n, MOMENTS=moments, X_MONOTONE=xm, V_MONOTONE=vm, BLOCK=BLOCK, **flags, **launch_kwargs()
+    )

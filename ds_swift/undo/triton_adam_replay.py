@@ -31,10 +31,23 @@ __all__ = ["adam_forward", "nextafter"]
 
 
 @triton.jit
-def _adam_forward_kernel(x_ptr, g_ptr, m_ptr, v_ptr, d_ptr, c_ptr, n,
-                         FLAVOUR: tl.constexpr, DECAY: tl.constexpr, L2: tl.constexpr, MAXIMIZE: tl.constexpr,
-                         SMALL_WT: tl.constexpr, MOMENTS: tl.constexpr, X: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _adam_forward_kernel(
+    x_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    d_ptr,
+    c_ptr,
+    n,
+    FLAVOUR: tl.constexpr,
+    DECAY: tl.constexpr,
+    L2: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SMALL_WT: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    X: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The forward step as the undo kernel replays it (the GPU check compares it with torch's step);
     for the CPU flavour in two passes, moments then x (the denominator is torch's, in between)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -76,8 +89,9 @@ def nextafter(x: torch.Tensor, *, up: bool) -> torch.Tensor:
     return out
 
 
-def adam_forward(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any],
-                 step: float, *, flavour: int) -> None:
+def adam_forward(
+    x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: dict[str, Any], step: float, *, flavour: int
+) -> None:
     """The step the undo kernel models, in place (for the checks that it is torch's step)."""
     n = x.numel()
     if n == 0:

@@ -20,9 +20,18 @@ __all__ = ["ds_adam_undo"]
 
 
 @triton.jit
-def _ds_adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n,
-                         DECOUPLED: tl.constexpr, L2: tl.constexpr, MOMENTS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _ds_adam_undo_kernel(
+    x_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    n,
+    DECOUPLED: tl.constexpr,
+    L2: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     lr = tl.load(c_ptr + 0)
@@ -56,8 +65,16 @@ def _ds_adam_undo_kernel(x_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n,
         tl.store(v_ptr + offs, v0.to(tl.float32), mask=mask)
 
 
-def ds_adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: dict[str, float],
-                 *, decoupled: bool, moments: bool) -> None:
+def ds_adam_undo(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    scalars: dict[str, float],
+    *,
+    decoupled: bool,
+    moments: bool,
+) -> None:
     """Undo one FusedAdam step in place on contiguous float32 tensors. ``scalars``: lr, eps,
     weight_decay, bc1, bc2, beta1, beta2 as DeepSpeedFusedAdamRule computes them (C floats)."""
     n = x.numel()
@@ -68,8 +85,19 @@ def ds_adam_undo(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     values = [lr, s["eps"], wd, s["bc1"], s["bc2"], 1 - lr * wd, 1 - s["beta1"], s["beta1"], 1 - s["beta2"], s["beta2"]]
     c = _on(values, x.device)
     grid = (triton.cdiv(n, BLOCK),)
-    _ds_adam_undo_kernel[grid](x, g, m, v, c, n, DECOUPLED=decoupled, L2=(not decoupled) and wd != 0,
-                               MOMENTS=moments, BLOCK=BLOCK, **triton_adam.launch_kwargs())
+    _ds_adam_undo_kernel[grid](
+        x,
+        g,
+        m,
+        v,
+        c,
+        n,
+        DECOUPLED=decoupled,
+        L2=(not decoupled) and wd != 0,
+        MOMENTS=moments,
+        BLOCK=BLOCK,
+        **triton_adam.launch_kwargs(),
+    )
 
 
 def _on(values: list[float], device: torch.device) -> torch.Tensor:

@@ -101,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.world_size % model_parallel:
-        parser.error(f"world size {args.world_size} is not divisible by tensor x pipeline parallel size {model_parallel}")
+        parser.error(
+            f"world size {args.world_size} is not divisible by tensor x pipeline parallel size {model_parallel}"
+        )
     args.data_parallel_size = args.world_size // model_parallel
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -117,7 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ds["train_micro_batch_size_per_gpu"] = args.micro_batch_size
     ds["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     ds["train_batch_size"] = args.global_batch_size
-    ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}}).setdefault("params", {})["lr"] = args.lr
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}}).setdefault("params", {})["lr"] = (
+        args.lr
+    )
     ds["pipeline"] = {**ds.get("pipeline", {}), "stages": args.pipeline_model_parallel_size}
     return args
 
@@ -137,16 +141,24 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> Pipel
     """Build the model (GPTModelPipe in Megatron-DeepSpeed)."""
     args = get_args()
     print_rank_0("building GPT model ...")
-    config = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                       args.vocab_size, args.hidden_dropout, tensor_parallel=args.tensor_model_parallel_size)
+    config = GPTConfig(
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        args.vocab_size,
+        args.hidden_dropout,
+        tensor_parallel=args.tensor_model_parallel_size,
+    )
     topology = PipeModelDataParallelTopology(
         num_pp=mpu.get_pipeline_model_parallel_world_size(),
         num_mp=mpu.get_tensor_model_parallel_world_size(),
         num_dp=mpu.get_data_parallel_world_size(),
     )
     torch.manual_seed(args.seed)  # the same initial weights in every process
-    return PipelineModule(layers=gpt_layer_specs(config), topology=topology, loss_fn=gpt_loss_fn(config),
-                          partition_method="uniform")
+    return PipelineModule(
+        layers=gpt_layer_specs(config), topology=topology, loss_fn=gpt_loss_fn(config), partition_method="uniform"
+    )
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -214,8 +226,10 @@ def train(model: Any, train_ds: GPTDataset, args: argparse.Namespace) -> None:
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps({"iteration": int(model.global_steps) - 1, "loss": loss}) + "\n")
         if int(model.global_steps) % args.log_interval == 0:
-            print_rank_0(f" iteration {int(model.global_steps):8d}/{args.train_iters:8d} | lm loss: {loss:.6E} | "
-                         f"elapsed time per iteration (ms): {1000 * (time.time() - start):.1f}")
+            print_rank_0(
+                f" iteration {int(model.global_steps):8d}/{args.train_iters:8d} | lm loss: {loss:.6E} | "
+                f"elapsed time per iteration (ms): {1000 * (time.time() - start):.1f}"
+            )
     if args.save:
         model.save_checkpoint(os.path.abspath(args.save))
 

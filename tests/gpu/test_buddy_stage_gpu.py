@@ -17,8 +17,11 @@ pytestmark = [
 
 
 def test_the_staged_partition_is_the_state_after_the_step_in_pinned_memory() -> None:
-    state = {"master": torch.zeros(1 << 22, device="cuda"), "exp_avg": torch.zeros(1 << 22, device="cuda"),
-             "step": torch.zeros(1, dtype=torch.int64, device="cuda")}
+    state = {
+        "master": torch.zeros(1 << 22, device="cuda"),
+        "exp_avg": torch.zeros(1 << 22, device="cuda"),
+        "step": torch.zeros(1, dtype=torch.int64, device="cuda"),
+    }
     manifest, tensors = encode(state)
     live = [t.reshape(-1) for t in tensors]
     holdings = BuddyHoldings()

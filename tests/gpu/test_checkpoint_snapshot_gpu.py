@@ -17,8 +17,12 @@ pytestmark = [
 
 def test_pinned_snapshots_hold_the_state_as_saved_and_reuse_their_buffers() -> None:
     copier = PinnedCopier()
-    state = {"w": torch.randn(4096, 1024, device="cuda"), "b": [torch.randn(7, device="cuda").t()], "n": 3,
-             "view": torch.randn(8, 8, device="cuda")[:, 2]}
+    state = {
+        "w": torch.randn(4096, 1024, device="cuda"),
+        "b": [torch.randn(7, device="cuda").t()],
+        "n": 3,
+        "view": torch.randn(8, 8, device="cuda")[:, 2],
+    }
     want = {"w": state["w"].cpu(), "b": state["b"][0].cpu(), "view": state["view"].cpu()}
     snap = snapshot(state, copier)
     state["w"].add_(1.0)  # queued after the copy: the snapshot must not see it

@@ -29,8 +29,14 @@ pytestmark = [
 
 def _world(generation: int) -> transport.Transport:
     transport.nccl_environment()  # as ds_swift.runtime.context.join_generation does
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+        device_id=torch.device("cuda", 0),
+    )
     return transport.open_generation(60.0, generation)
 
 

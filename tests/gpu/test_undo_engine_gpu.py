@@ -82,7 +82,9 @@ def _state(inner: Any) -> list[dict[str, torch.Tensor]]:
     for group in inner.param_groups:
         for p in group["params"]:
             st = inner.state.get(p, {})
-            out.append({"masters": p.detach().clone(), **{k: st[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in st}})
+            out.append(
+                {"masters": p.detach().clone(), **{k: st[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in st}}
+            )
     return out
 
 

@@ -64,7 +64,9 @@ class KernelFusedAdam(torch.optim.Optimizer):
     kernel: Any = None
 
     def __init__(self, params: Any, lr: float, weight_decay: float, adam_w_mode: bool = True) -> None:
-        super().__init__(params, dict(lr=lr, bias_correction=True, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, bias_correction=True, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+        )
         self.adam_w_mode = 1 if adam_w_mode else 0
         self._noop = torch.zeros(1, dtype=torch.int32, device="cuda")
 
@@ -86,12 +88,25 @@ class KernelFusedAdam(torch.optim.Optimizer):
             if lists[0]:
                 state["step"] += 1
                 b1, b2 = group["betas"]
-                self.kernel(2048 * 32, self._noop, lists, group["lr"], b1, b2, group["eps"], state["step"],
-                            self.adam_w_mode, 1, group["weight_decay"])
+                self.kernel(
+                    2048 * 32,
+                    self._noop,
+                    lists,
+                    group["lr"],
+                    b1,
+                    b2,
+                    group["eps"],
+                    state["step"],
+                    self.adam_w_mode,
+                    1,
+                    group["weight_decay"],
+                )
 
 
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
-def test_the_rule_undoes_the_real_kernel_within_2_ulp(kernel: Any, adam_w_mode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_rule_undoes_the_real_kernel_within_2_ulp(
+    kernel: Any, adam_w_mode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     mod = types.ModuleType("deepspeed.ops.adam.fused_adam")
     mod.FusedAdam = KernelFusedAdam  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "deepspeed.ops.adam.fused_adam", mod)
@@ -118,11 +133,18 @@ def test_the_rule_undoes_the_real_kernel_within_2_ulp(kernel: Any, adam_w_mode: 
     opt.undo()
     errors = []
     for i, p in enumerate(params):
-        errors.append(("param", i, ulp_error(p.detach(), before[i], after[i]),
-                       (p.detach() != before[i]).float().mean().item()))
+        errors.append(
+            ("param", i, ulp_error(p.detach(), before[i], after[i]), (p.detach() != before[i]).float().mean().item())
+        )
         for k in ("exp_avg", "exp_avg_sq"):
-            errors.append((k, i, ulp_error(inner.state[p][k], moments[i][k], after_moments[i][k]),
-                           (inner.state[p][k] != moments[i][k]).float().mean().item()))
+            errors.append(
+                (
+                    k,
+                    i,
+                    ulp_error(inner.state[p][k], moments[i][k], after_moments[i][k]),
+                    (inner.state[p][k] != moments[i][k]).float().mean().item(),
+                )
+            )
     for name, i, ulp, frac in errors:
         print(f"{name:10s} tensor {i}: max {ulp:.2f} ulp, {100 * frac:.3f}% of elements not bitwise")
     assert all(ulp <= 2.0 for _, _, ulp, _ in errors), errors

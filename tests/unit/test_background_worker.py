@@ -52,8 +52,9 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
         handled.append(i)
 
     gate = threading.Event()
-    w: Worker[int] = Worker("ds-swift-test", lambda i: (gate.wait(10.0), handle(i)), on_error=OnError.STOP,
-                            on_error_hook=hooked.append)
+    w: Worker[int] = Worker(
+        "ds-swift-test", lambda i: (gate.wait(10.0), handle(i)), on_error=OnError.STOP, on_error_hook=hooked.append
+    )
     w.submit(0)
     w.submit(1)  # queued behind the item that fails
     gate.set()
@@ -66,8 +67,9 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
 
 def test_off_calls_the_hook_once_per_error_and_training_goes_on() -> None:
     said: list[str] = []
-    w: Worker[int] = Worker("ds-swift-test", lambda i: 1 / 0, on_error=OnError.OFF,
-                            on_error_hook=lambda e: said.append(f"OFF: {e}"))
+    w: Worker[int] = Worker(
+        "ds-swift-test", lambda i: 1 / 0, on_error=OnError.OFF, on_error_hook=lambda e: said.append(f"OFF: {e}")
+    )
     w.submit(0)
     assert w.wait_idle(10.0)
     assert said == ["OFF: division by zero"] and not w.submit(1)
@@ -96,8 +98,12 @@ def test_a_byte_bound_makes_the_producer_wait_for_room() -> None:
 
 def test_setup_and_teardown_run_on_the_thread() -> None:
     where: list[str] = []
-    w: Worker[int] = Worker("ds-swift-test", lambda i: None, setup=lambda: where.append("setup"),
-                            teardown=lambda: where.append(threading.current_thread().name))
+    w: Worker[int] = Worker(
+        "ds-swift-test",
+        lambda i: None,
+        setup=lambda: where.append("setup"),
+        teardown=lambda: where.append(threading.current_thread().name),
+    )
     w.submit(0)
     assert w.stop(10.0)
     assert where == ["setup", "ds-swift-test"]
@@ -135,11 +141,15 @@ def test_a_setup_that_fails_ends_the_worker_and_is_said() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
-def test_the_worker_thread_runs_at_a_lower_priority_than_the_thread_that_made_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_thread_runs_at_a_lower_priority_than_the_thread_that_made_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("SWIFT_BENCH_WITHOUT", raising=False)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen: list[int] = []
-    w: Worker[int] = Worker("ds-swift-test", lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    w: Worker[int] = Worker(
+        "ds-swift-test", lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    )
     w.submit(1)
     assert w.wait_idle(10.0) and w.stop()
     assert seen == [min(19, mine + BACKGROUND_NICE)]

@@ -25,8 +25,15 @@ from ds_swift.testing.checkpoints import compare_tensors, ulp_distance
 from ds_swift.testing.jobs import JobRun
 
 
-def fake_job(root: Path, name: str, losses: list[tuple[int, float, float]], weight: torch.Tensor,
-             timelines: list[dict] | None = None, usages: list[dict] | None = None, rss: int = 0) -> JobRun:
+def fake_job(
+    root: Path,
+    name: str,
+    losses: list[tuple[int, float, float]],
+    weight: torch.Tensor,
+    timelines: list[dict] | None = None,
+    usages: list[dict] | None = None,
+    rss: int = 0,
+) -> JobRun:
     job = JobRun(root / name, iterations=4)
     job.final_tag.mkdir(parents=True)
     (job.dir / "peak_rss.json").write_text(json.dumps({"max_rss_bytes": rss}))
@@ -48,10 +55,17 @@ STEADY = [(0, 3.0, 100.0), (1, 2.5, 101.0), (2, 2.0, 102.0), (3, 1.5, 103.0)]
 def test_a_row_reports_what_the_runs_show(tmp_path: Path) -> None:
     ref = fake_job(tmp_path, "none", STEADY, W, rss=100 << 20)
     slower = [(0, 3.0, 100.0), (1, 2.5, 102.0), (2, 2.0, 104.0), (3, 1.5, 106.0)]
-    clean = fake_job(tmp_path, "clean", slower, W.clone(), rss=150 << 20, usages=[
-        {"rank": 0, "log_bytes": 4000, "buddy_host_bytes": 10},
-        {"rank": 1, "log_bytes": 4000, "buddy_host_bytes": 30},
-    ])
+    clean = fake_job(
+        tmp_path,
+        "clean",
+        slower,
+        W.clone(),
+        rss=150 << 20,
+        usages=[
+            {"rank": 0, "log_bytes": 4000, "buddy_host_bytes": 10},
+            {"rank": 1, "log_bytes": 4000, "buddy_host_bytes": 30},
+        ],
+    )
     (clean.ckpt_dir / "global_step2").mkdir(parents=True)
     (clean.ckpt_dir / "global_step2" / "x.pt").write_bytes(b"\0" * 800)
     # Trained iteration 2 twice (a checkpoint restart) and ended one float32 ulp off in one element.
@@ -77,14 +91,27 @@ def test_a_row_reports_what_the_runs_show(tmp_path: Path) -> None:
     profile = parse_profile(bench_profile(ref, {"checkpoint": (clean, failed)}, [row], interval=2))
     (prow,) = profile.strategies
     assert (prow.name, prow.kind, prow.iterations_lost, prow.exact, prow.max_ulp) == (
-        "global_checkpoint", "checkpoint", 1, False, 1)
+        "global_checkpoint",
+        "checkpoint",
+        1,
+        False,
+        1,
+    )
     assert profile.iteration_time_s == 1.0 and prow.host_memory_per_rank == 50 << 20
 
 
 def test_a_logging_row_counts_the_replayed_iterations(tmp_path: Path) -> None:
     ref = fake_job(tmp_path, "none", STEADY, W)
-    tl = {"strategy": "logging", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 2.0,
-          "checkpoint_step": 8, "pre_failure_iteration": 11, "replay": {"replay_s": 1.5}}
+    tl = {
+        "strategy": "logging",
+        "reason": "",
+        "total_s": 3.0,
+        "initialization_s": 1.0,
+        "recovery_s": 2.0,
+        "checkpoint_step": 8,
+        "pre_failure_iteration": 11,
+        "replay": {"replay_s": 1.5},
+    }
     clean, failed = fake_job(tmp_path, "c", STEADY, W), fake_job(tmp_path, "f", STEADY, W, timelines=[tl])
     rows = bench_rows(ref, {"logging": (clean, failed)})
     assert rows[0]["iterations_lost"] == 0  # no survivor trained anything twice
@@ -97,20 +124,40 @@ def test_parallel_and_sequential_replay_rows_count_the_work_recomputed(tmp_path:
     """The variants run logging-based recovery with and without parallel recovery; each row counts
     the micro-batch passes its replay ran (all replayers / the busiest one), and the table shows them."""
     assert strategy_overrides("logging_parallel", 8) == {
-        "strategy": "logging", "parallel_recovery": True, "parallel_recovery_force": True, "checkpoint": {"interval": 8}}
+        "strategy": "logging",
+        "parallel_recovery": True,
+        "parallel_recovery_force": True,
+        "checkpoint": {"interval": 8},
+    }
     assert strategy_overrides("logging_sequential", 8) == {
-        "strategy": "logging", "parallel_recovery": False, "checkpoint": {"interval": 8}}
+        "strategy": "logging",
+        "parallel_recovery": False,
+        "checkpoint": {"interval": 8},
+    }
     ref = fake_job(tmp_path, "none", STEADY, W)
     runs = {}
     for name, passes, busiest, mode in (("logging_sequential", 32, 16, None), ("logging_parallel", 32, 8, "exact")):
-        tl = {"strategy": "logging", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 2.0,
-              "checkpoint_step": 8, "pre_failure_iteration": 11,
-              "replay": {"replay_s": 1.5, "parallel": mode, "micro_batch_passes": passes,
-                         "micro_batch_passes_busiest": busiest}}
+        tl = {
+            "strategy": "logging",
+            "reason": "",
+            "total_s": 3.0,
+            "initialization_s": 1.0,
+            "recovery_s": 2.0,
+            "checkpoint_step": 8,
+            "pre_failure_iteration": 11,
+            "replay": {
+                "replay_s": 1.5,
+                "parallel": mode,
+                "micro_batch_passes": passes,
+                "micro_batch_passes_busiest": busiest,
+            },
+        }
         runs[name] = (fake_job(tmp_path, f"{name}-c", STEADY, W), fake_job(tmp_path, f"{name}-f", STEADY, W, [tl]))
     rows = bench_rows(ref, runs)
     assert [(r["recomputed_passes"], r["recomputed_passes_busiest"], r["parallel_replay"]) for r in rows] == [
-        (32, 16, [None]), (32, 8, ["exact"])]
+        (32, 16, [None]),
+        (32, 8, ["exact"]),
+    ]
     table = format_table(rows)
     assert "recomputed" in table[0] and table[2].endswith("32/16") and table[3].endswith("32/8")
 
@@ -119,15 +166,29 @@ def test_pipechurn_full_and_partial_rows_count_the_passes_of_the_iteration_in_fl
     """PipeChurn without and with partial recomputation: every rank's passes of the iteration in flight
     (16 on 4 ranks of 4 micro-batches) against the lost rank's (4), from the recovery timeline."""
     assert strategy_overrides("pipechurn_full", 8) == {
-        "strategy": "pipechurn", "pipechurn": {"partial_recompute": False}, "checkpoint": {"interval": 8}}
+        "strategy": "pipechurn",
+        "pipechurn": {"partial_recompute": False},
+        "checkpoint": {"interval": 8},
+    }
     assert strategy_overrides("pipechurn_partial", 8)["pipechurn"] == {"partial_recompute": True}
     ref = fake_job(tmp_path, "none", STEADY, W)
     runs = {}
     for name, passes, partial in (("pipechurn_full", 16, False), ("pipechurn_partial", 4, True)):
-        tl = {"strategy": "pipechurn", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 2.0,
-              "checkpoint_step": -1, "pre_failure_iteration": 11,
-              "replay": {"partial": partial, "in_flight": 11, "micro_batch_passes": passes,
-                         "micro_batch_passes_busiest": 4}}
+        tl = {
+            "strategy": "pipechurn",
+            "reason": "",
+            "total_s": 3.0,
+            "initialization_s": 1.0,
+            "recovery_s": 2.0,
+            "checkpoint_step": -1,
+            "pre_failure_iteration": 11,
+            "replay": {
+                "partial": partial,
+                "in_flight": 11,
+                "micro_batch_passes": passes,
+                "micro_batch_passes_busiest": 4,
+            },
+        }
         runs[name] = (fake_job(tmp_path, f"{name}-c", STEADY, W), fake_job(tmp_path, f"{name}-f", STEADY, W, [tl]))
     table = format_table(bench_rows(ref, runs))
     assert table[2].endswith("16/4") and table[3].endswith("4/4"), table
@@ -137,9 +198,20 @@ def test_an_elastic_row_measures_the_shrunk_speed(tmp_path: Path) -> None:
     """No spare: the job shrank at iteration 4 (consensus 3) and went on at half speed; the profile
     row is kind elastic with that speed, which the simulator's elastic model reads."""
     ref = fake_job(tmp_path, "none", STEADY, W)
-    losses = [(i, 1.0, 100.0 + i) for i in range(4)] + [(4, 1.0, 110.0)] + [(i, 1.0, 110.0 + 2 * (i - 4)) for i in range(5, 9)]
-    tl = {"strategy": "lossy_forward", "reason": "", "total_s": 3.0, "initialization_s": 1.0, "recovery_s": 0.5,
-          "consensus": 3, "resize": {"kind": "shrink", "dp": [2, 1]}}
+    losses = (
+        [(i, 1.0, 100.0 + i) for i in range(4)]
+        + [(4, 1.0, 110.0)]
+        + [(i, 1.0, 110.0 + 2 * (i - 4)) for i in range(5, 9)]
+    )
+    tl = {
+        "strategy": "lossy_forward",
+        "reason": "",
+        "total_s": 3.0,
+        "initialization_s": 1.0,
+        "recovery_s": 0.5,
+        "consensus": 3,
+        "resize": {"kind": "shrink", "dp": [2, 1]},
+    }
     clean, failed = fake_job(tmp_path, "c", STEADY, W), fake_job(tmp_path, "f", losses, W, timelines=[tl])
     rows = bench_rows(ref, {"lossy_forward_elastic": (clean, failed)})
     assert rows[0]["shrunk_throughput"] == pytest.approx(0.5)
@@ -180,8 +252,7 @@ def test_ulps_count_representable_values_across_zero() -> None:
 
 def test_strategies_are_checked_by_name() -> None:
     assert strategy_overrides("none", 8) == {"enabled": False}
-    assert strategy_overrides("lossy_forward_elastic", 8) == {
-        "strategy": "elastic", "checkpoint": {"interval": 8}}
+    assert strategy_overrides("lossy_forward_elastic", 8) == {"strategy": "elastic", "checkpoint": {"interval": 8}}
     assert strategy_overrides("logging", 8) == {"strategy": "logging", "checkpoint": {"interval": 8}}
     with pytest.raises(BenchError, match="unknown strategy 'tranlog'"):
         strategy_overrides("tranlog", 8)

@@ -28,20 +28,30 @@ class FakeRunner:
     def __init__(self, fail: set[str]) -> None:
         self.fail, self.ran = fail, []  # type: list[str]
 
-    def __call__(self, directory: str | Path, spec: JobSpec, timeout_s: float,
-                 on_poll: Callable[[JobRun], None] | None = None) -> JobRun:
+    def __call__(
+        self, directory: str | Path, spec: JobSpec, timeout_s: float, on_poll: Callable[[JobRun], None] | None = None
+    ) -> JobRun:
         job = JobRun(Path(directory), spec.iterations, code=0, seconds=1.0)
         self.ran.append(job.dir.name)
         if job.dir.name in self.fail:
             job.code, job.output = 1, "worker 3 exited 1\nBuddyError: boom"
         job.final_tag.mkdir(parents=True)
         torch.save({"module": {"w": torch.ones(3)}}, job.final_tag / "mp_rank_00_model_states.pt")
-        job.loss_log.write_text("".join(json.dumps({"iteration": i, "loss": 3.0 - i / 10, "time": 100.0 + i}) + "\n"
-                                        for i in range(spec.iterations)))
+        job.loss_log.write_text(
+            "".join(
+                json.dumps({"iteration": i, "loss": 3.0 - i / 10, "time": 100.0 + i}) + "\n"
+                for i in range(spec.iterations)
+            )
+        )
         (job.run_dir / "usage").mkdir(parents=True)
         if "--inject" in spec.launcher_args:
-            tl = {"strategy": "checkpoint", "reason": "forced", "total_s": 2.0, "initialization_s": 1.0,
-                  "recovery_s": 1.0}
+            tl = {
+                "strategy": "checkpoint",
+                "reason": "forced",
+                "total_s": 2.0,
+                "initialization_s": 1.0,
+                "recovery_s": 1.0,
+            }
             (job.run_dir / "timeline-gen0.json").write_text(json.dumps(tl))
         return job
 
@@ -61,16 +71,34 @@ def test_a_strategy_the_machines_cannot_serve_is_refused_before_any_job(
     assert "pipechurn cannot run" in err and "--nnodes 4" in err, err
     assert runner.ran == []  # nothing trained for minutes first
     runner = FakeRunner(set())
-    args = parse("--strategies", "global_checkpoint,pipechurn", "--nnodes", "4", "--iterations", "4",
-                 "--kill-iteration", "2", "--run-dir", str(tmp_path / "four"))
+    args = parse(
+        "--strategies",
+        "global_checkpoint,pipechurn",
+        "--nnodes",
+        "4",
+        "--iterations",
+        "4",
+        "--kill-iteration",
+        "2",
+        "--run-dir",
+        str(tmp_path / "four"),
+    )
     assert bench.run(args, runner=runner) == 0
     assert "pipechurn-failure" in runner.ran
 
 
 def test_a_failed_strategy_keeps_the_rows_that_finished(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     runner = FakeRunner({"global_checkpoint-failure"})
-    args = parse("--strategies", "checkpoint,global_checkpoint,checkfreq", "--iterations", "4",
-                 "--kill-iteration", "2", "--run-dir", str(tmp_path))
+    args = parse(
+        "--strategies",
+        "checkpoint,global_checkpoint,checkfreq",
+        "--iterations",
+        "4",
+        "--kill-iteration",
+        "2",
+        "--run-dir",
+        str(tmp_path),
+    )
     assert bench.run(args, runner=runner) == 1
     out, err = capsys.readouterr()
     assert "checkfreq-failure" in runner.ran  # the strategy after the failed one still ran

@@ -48,9 +48,18 @@ def reports(
 ) -> list[RankReport]:
     """pp 2 x dp 2, machine 1 (ranks 2, 3) lost."""
     return [
-        RankReport(rank=r, survivor=r in stepped, stage=r % 2, dp=r // 2, tp=0, machine=r // 2,
-                   last_stepped=stepped.get(r, -1), can_undo=can_undo, buddy_copies=tuple(copies.get(r, ())),
-                   undo_exact=exact and r in stepped)
+        RankReport(
+            rank=r,
+            survivor=r in stepped,
+            stage=r % 2,
+            dp=r // 2,
+            tp=0,
+            machine=r // 2,
+            last_stepped=stepped.get(r, -1),
+            can_undo=can_undo,
+            buddy_copies=tuple(copies.get(r, ())),
+            undo_exact=exact and r in stepped,
+        )
         for r in range(4)
     ]
 
@@ -91,9 +100,13 @@ def test_losing_a_rank_and_its_only_buddy_says_why() -> None:
 
 def test_a_copy_on_a_failed_machine_does_not_count() -> None:
     inputs = RecoveryInputs.agree(
-        [RankReport(0, True, 0, 0, 0, 0, 6, True), RankReport(1, False, 0, 1, 0, 1, -1, False, ((0, 6),)),
-         RankReport(2, True, 0, 2, 0, 1, 6, True, ((1, 6),))],
-        zero_stage=1, partitioned=True,
+        [
+            RankReport(0, True, 0, 0, 0, 0, 6, True),
+            RankReport(1, False, 0, 1, 0, 1, -1, False, ((0, 6),)),
+            RankReport(2, True, 0, 2, 0, 1, 6, True, ((1, 6),)),
+        ],
+        zero_stage=1,
+        partitioned=True,
     )
     assert buddy_target(inputs)[0] is None  # rank 2 sits on machine 1, which failed
 

@@ -16,14 +16,27 @@ KINDS = ["messages", "updates", "messages", "updates"]
 
 
 def config(kinds: object, budget: float) -> SwiftConfig:
-    return SwiftConfig.from_dict({"machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 8},
-                                  "logging": {"kinds": kinds, "storage_budget_gb": budget}})
+    return SwiftConfig.from_dict(
+        {
+            "machines": {"gpus_per_node": 1},
+            "checkpoint": {"interval": 8},
+            "logging": {"kinds": kinds, "storage_budget_gb": budget},
+        }
+    )
 
 
 def measured(update_bytes: int) -> MeasuredSizes:
     reports = [
-        {"rank": r, "iteration": 0, "sends": [[q, B] for q in (r - 1, r + 1) if 0 <= q < 4], "seconds": 2.0,
-         "params": 10**6, "stage": r, "update_bytes": update_bytes, "copy_gbps": None}
+        {
+            "rank": r,
+            "iteration": 0,
+            "sends": [[q, B] for q in (r - 1, r + 1) if 0 <= q < 4],
+            "seconds": 2.0,
+            "params": 10**6,
+            "stage": r,
+            "update_bytes": update_bytes,
+            "copy_gbps": None,
+        }
         for r in range(4)
     ]
     return MeasuredSizes.from_reports(reports, micro_batches=4)

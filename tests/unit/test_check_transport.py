@@ -25,7 +25,7 @@ def test_the_tree_calls_torch_distributed_only_in_the_transport() -> None:
     assert found == [], "\n".join(found)
 
 
-OFFENDER = '''
+OFFENDER = """
 import torch
 import torch.distributed as dist
 import deepspeed.comm as dscomm
@@ -39,7 +39,7 @@ def f(send=None):
     dscomm.all_reduce(t)                            # 12
     dist.get_rank(); get_rank()                     # queries: fine
     dist.barrier()  # transport: ok
-'''
+"""
 
 
 def test_calls_references_and_imports_are_flagged() -> None:

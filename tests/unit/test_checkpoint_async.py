@@ -88,7 +88,9 @@ def test_a_failure_abandons_the_wait_for_a_dead_rank(tmp_path: Path) -> None:
     writer.close(1.0)
 
 
-def test_a_rank_that_could_not_persist_gives_the_checkpoint_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_rank_that_could_not_persist_gives_the_checkpoint_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     writer = AsyncWriter(rank=0, world_size=2, complete_timeout_s=600.0)
     _save(writer, tmp_path, "global_step4")
     assert writer.wait_idle(10.0) and not writer.wait_complete(0.3)
@@ -132,9 +134,9 @@ def test_config_fields() -> None:
     # ...unless the config says otherwise.
     assert not SwiftConfig.from_dict({"checkpoint": {"async_save": False}}).async_checkpoints_for(gpu=True)
     assert SwiftConfig.from_dict({"checkpoint": {"async_save": True}}).async_checkpoints_for(gpu=False)
-    assert not SwiftConfig.from_dict({"strategy": "checkfreq", "checkpoint": {"async_save": False}}).async_checkpoints_for(
-        gpu=False
-    )
+    assert not SwiftConfig.from_dict(
+        {"strategy": "checkfreq", "checkpoint": {"async_save": False}}
+    ).async_checkpoints_for(gpu=False)
     with pytest.raises(ConfigError, match=r"checkfreq.max_overhead=1.5 is invalid: a fraction in \(0, 1\)"):
         SwiftConfig.from_dict({"checkfreq": {"max_overhead": 1.5}})
     with pytest.raises(ConfigError, match="checkfreq.profile_at=1"):

@@ -97,12 +97,28 @@ def test_iterations_lost_is_done_minus_resume_point(done: int, data: st.DataObje
 
 # ---------------------------------------------------------------------------- timeline
 TIMELINE = {
-    "failed_generation": 0, "strategy": "replication", "reason": "every lost rank has a surviving replica",
-    "failed_machine": 1, "consensus": 6, "pre_failure_iteration": 7, "checkpoint_step": None,
-    "undo_ranks": [], "donors": {"2": 0, "3": 1}, "t_kill": 100.0,
-    "phases": {"detect": 0.06, "teardown": 0.77, "rendezvous": 1.72, "rebuild": 3.70, "consensus_undo": 0.02,
-               "state_restore": 0.02, "catch_up": 0.0},
-    "initialization_s": 6.18, "recovery_s": 0.03, "total_s": 6.28,
+    "failed_generation": 0,
+    "strategy": "replication",
+    "reason": "every lost rank has a surviving replica",
+    "failed_machine": 1,
+    "consensus": 6,
+    "pre_failure_iteration": 7,
+    "checkpoint_step": None,
+    "undo_ranks": [],
+    "donors": {"2": 0, "3": 1},
+    "t_kill": 100.0,
+    "phases": {
+        "detect": 0.06,
+        "teardown": 0.77,
+        "rendezvous": 1.72,
+        "rebuild": 3.70,
+        "consensus_undo": 0.02,
+        "state_restore": 0.02,
+        "catch_up": 0.0,
+    },
+    "initialization_s": 6.18,
+    "recovery_s": 0.03,
+    "total_s": 6.28,
     "ranks": [{"rank": 0, "bytes_moved": 1_430_000}, {"rank": 1, "bytes_moved": 1_410_000}],
 }
 
@@ -119,8 +135,17 @@ def test_format_timeline_replication() -> None:
 
 
 def test_format_timeline_checkpoint_and_undo() -> None:
-    tl = dict(TIMELINE, strategy="checkpoint", checkpoint_step=8, consensus=10, pre_failure_iteration=11, donors={},
-              undo_ranks=[1], t_kill=None, phases={"detect": 0.1})
+    tl = dict(
+        TIMELINE,
+        strategy="checkpoint",
+        checkpoint_step=8,
+        consensus=10,
+        pre_failure_iteration=11,
+        donors={},
+        undo_ranks=[1],
+        t_kill=None,
+        phases={"detect": 0.1},
+    )
     text = "\n".join(format_timeline(tl))
     assert "recovered by checkpoint" in text and "every rank reloaded global_step8 and trained iterations 8..10" in text
     assert "update-undo on ranks [1]" in text
@@ -128,10 +153,26 @@ def test_format_timeline_checkpoint_and_undo() -> None:
 
 
 def test_format_timeline_logging_replay_and_unknown_phases() -> None:
-    replay = {"from": 8, "to": 10, "iterations": 3, "ranks": [2, 3], "source": "global_step8", "replay_s": 0.2,
-              "log_bytes_read": 393216, "per_rank": {"2": {"messages_from_log": 12}, "3": {"messages_from_log": 0}}}
-    tl = dict(TIMELINE, strategy="logging", checkpoint_step=8, consensus=10, pre_failure_iteration=11, donors={},
-              replay=replay, phases={"rebuild": 1.0, "replay": 0.18, "checkpoint_load": 0.05, "new_phase": 0.5})
+    replay = {
+        "from": 8,
+        "to": 10,
+        "iterations": 3,
+        "ranks": [2, 3],
+        "source": "global_step8",
+        "replay_s": 0.2,
+        "log_bytes_read": 393216,
+        "per_rank": {"2": {"messages_from_log": 12}, "3": {"messages_from_log": 0}},
+    }
+    tl = dict(
+        TIMELINE,
+        strategy="logging",
+        checkpoint_step=8,
+        consensus=10,
+        pre_failure_iteration=11,
+        donors={},
+        replay=replay,
+        phases={"rebuild": 1.0, "replay": 0.18, "checkpoint_load": 0.05, "new_phase": 0.5},
+    )
     lines = format_timeline(tl)
     text = "\n".join(lines)
     assert "the lost ranks loaded global_step8 and replayed" in text
@@ -202,22 +243,38 @@ def test_plan_from_config_when_flags_are_absent() -> None:
 
 
 def test_plan_from_flags() -> None:
-    plan = resolve_training_plan({}, 8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                 micro_batch_size=2, global_batch_size=16)
+    plan = resolve_training_plan(
+        {}, 8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=16
+    )
     assert (plan.tp, plan.pp, plan.dp, plan.gradient_accumulation_steps) == (2, 2, 2, 4)
-    assert resolve_training_plan({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}, 2).gradient_accumulation_steps == 2
+    assert (
+        resolve_training_plan(
+            {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}, 2
+        ).gradient_accumulation_steps
+        == 2
+    )
 
 
 @pytest.mark.parametrize(
     ("cfg", "world", "kw", "flag"),
     [
-        ({"pipeline": {"stages": 2}}, 4, {"pipeline_model_parallel_size": 4, "micro_batch_size": 1}, "--pipeline-model-parallel-size 4"),
+        (
+            {"pipeline": {"stages": 2}},
+            4,
+            {"pipeline_model_parallel_size": 4, "micro_batch_size": 1},
+            "--pipeline-model-parallel-size 4",
+        ),
         ({}, 6, {"tensor_model_parallel_size": 4, "micro_batch_size": 1}, "--tensor-model-parallel-size 4"),
         ({"pipeline": {"stages": 4}}, 6, {"micro_batch_size": 1}, "pipeline.stages in --deepspeed_config 4"),
         ({"train_micro_batch_size_per_gpu": 4}, 2, {"micro_batch_size": 2}, "--micro-batch-size 2"),
         ({}, 2, {}, "--micro-batch-size"),
         ({}, 4, {"micro_batch_size": 3, "global_batch_size": 16}, "--global-batch-size 16"),
-        ({"gradient_accumulation_steps": 2}, 2, {"micro_batch_size": 1, "global_batch_size": 8}, "--global-batch-size 8"),
+        (
+            {"gradient_accumulation_steps": 2},
+            2,
+            {"micro_batch_size": 1, "global_batch_size": 8},
+            "--global-batch-size 8",
+        ),
         ({"train_batch_size": 10, "gradient_accumulation_steps": 2}, 2, {"micro_batch_size": 2}, "train_batch_size=10"),
         ({}, 2, {"micro_batch_size": 0}, "--micro-batch-size 0"),
     ],

@@ -72,7 +72,7 @@ def test_sums_are_exact(dtype: torch.dtype, n: int) -> None:
 def test_sums_are_exact_across_chunks() -> None:
     t = torch.randn(2 * CHUNK + 12_345, generator=torch.Generator().manual_seed(2))
     words = t.view(torch.int32).to(torch.int64)
-    (s0, s1), = word_sums(t)
+    ((s0, s1),) = word_sums(t)
     assert s0 == int(words.sum())  # no wrap: |S0| < 2^53
     positions = torch.arange(words.numel(), dtype=torch.int64)
     assert (s1 - int((words * positions).sum())) % 2**64 == 0  # torch's reference wraps; ours is exact
@@ -235,8 +235,10 @@ def test_a_perturbed_replay_is_a_mismatch_naming_the_tensor(store: JobStore) -> 
         replayed.module[0].weight.view(-1)[3] += 1e-3  # one element
     verdict = ReplayCheck(store, 1, plan(4, 5), replayed).finish()
     assert verdict.status == "mismatch", verdict
-    assert "state replayed to iteration 5 differs from the digest rank 1 published then: tensor module/0.weight " \
-           "differs (reference digest " in verdict.detail, verdict.detail
+    assert (
+        "state replayed to iteration 5 differs from the digest rank 1 published then: tensor module/0.weight "
+        "differs (reference digest " in verdict.detail
+    ), verdict.detail
     # a step from a perturbed state (as a perturbed message leaves it) spreads to more tensors
     replayed = trained(5)
     with torch.no_grad():
@@ -268,8 +270,9 @@ def test_every_rank_agrees_on_the_verdicts(store: JobStore) -> None:
     assert agree(store, 2, 0, 1, None, timeout_s=5) == {}
     assert mismatch_reason({0: Verdict("verified", "ok")}) is None
     reason = mismatch_reason({2: bad, 0: Verdict("verified", "ok"), 1: bad})
-    assert reason == ("restored state failed verification: rank 1: tensor module/w differs; "
-                      "rank 2: tensor module/w differs")
+    assert reason == (
+        "restored state failed verification: rank 1: tensor module/w differs; rank 2: tensor module/w differs"
+    )
 
 
 def _said(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -121,8 +121,14 @@ def test_an_asynchronous_checkpoint_fsyncs_files_markers_latest_and_directories(
     writer.end()
     assert writer.wait_idle(10.0) and writer.wait_complete(10.0) and writer.close(5.0)
     assert (tmp_path / "latest").read_text() == "global_step4"
-    for path in (tag / "model_states.pt.swift-tmp", tag / "swift_persisted.job.g0.rank0.tmp",
-                 tag / f"{COMPLETE_MARKER}.tmp", tmp_path / "latest.tmp", tag, tmp_path):
+    for path in (
+        tag / "model_states.pt.swift-tmp",
+        tag / "swift_persisted.job.g0.rank0.tmp",
+        tag / f"{COMPLETE_MARKER}.tmp",
+        tmp_path / "latest.tmp",
+        tag,
+        tmp_path,
+    ):
         assert str(path) in fsynced, (path, fsynced)
     assert fsynced.index(str(tag / f"{COMPLETE_MARKER}.tmp")) < len(fsynced) - 1 - fsynced[::-1].index(str(tag))
 

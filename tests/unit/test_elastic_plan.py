@@ -13,8 +13,18 @@ COORDS = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
 
 
 def plan(**kw: object) -> Resize:
-    args: dict[str, object] = dict(kind="shrink", machine=0, old_layout=[0, 1], new_layout=[1], old_coords=COORDS,
-                                   gas=4, micro=4, policy="keep", min_dp=1, partitioned=True)
+    args: dict[str, object] = dict(
+        kind="shrink",
+        machine=0,
+        old_layout=[0, 1],
+        new_layout=[1],
+        old_coords=COORDS,
+        gas=4,
+        micro=4,
+        policy="keep",
+        min_dp=1,
+        partitioned=True,
+    )
     args.update(kw)
     return Resize.plan(**args)  # type: ignore[arg-type]
 

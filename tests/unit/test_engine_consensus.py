@@ -16,8 +16,16 @@ def pp2_dp2(last: dict[int, int], lost_machine: int = 1, can_undo: bool = True) 
         machine = rank // 2
         survivor = machine != lost_machine
         reports.append(
-            RankReport(rank=rank, survivor=survivor, stage=rank % 2, dp=rank // 2, tp=0, machine=machine,
-                       last_stepped=last.get(rank, -1) if survivor else -1, can_undo=can_undo and survivor)
+            RankReport(
+                rank=rank,
+                survivor=survivor,
+                stage=rank % 2,
+                dp=rank // 2,
+                tp=0,
+                machine=machine,
+                last_stepped=last.get(rank, -1) if survivor else -1,
+                can_undo=can_undo and survivor,
+            )
         )
     return reports
 
@@ -103,8 +111,18 @@ def jobs(draw: st.DrawFn) -> list[RankReport]:
         machine = rank // per_machine
         survivor = machine != lost
         ahead = draw(st.integers(0, 1))
-        reports.append(RankReport(rank=rank, survivor=survivor, stage=rank % pp, dp=rank // pp, tp=0, machine=machine,
-                                  last_stepped=base + ahead if survivor else -1, can_undo=True))
+        reports.append(
+            RankReport(
+                rank=rank,
+                survivor=survivor,
+                stage=rank % pp,
+                dp=rank // pp,
+                tp=0,
+                machine=machine,
+                last_stepped=base + ahead if survivor else -1,
+                can_undo=True,
+            )
+        )
     return reports
 
 
@@ -128,9 +146,7 @@ def test_plan_invariants(reports: list[RankReport]) -> None:
             assert by_rank[donor].stage == by_rank[lost].stage
             assert by_rank[donor].machine != by_rank[lost].machine
     else:
-        stages_with_replica = all(
-            any(s.stage == by_rank[r].stage for s in survivors) for r in plan.replacements
-        )
+        stages_with_replica = all(any(s.stage == by_rank[r].stage for s in survivors) for r in plan.replacements)
         assert not stages_with_replica or not plan.replacements
 
 

@@ -33,8 +33,10 @@ def state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     return {
         "module": collections.OrderedDict(w=torch.randn(3, 4, generator=g), b=torch.randn(4, generator=g)),
-        "optimizer": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4, generator=g)}},
-                      "param_groups": [{"lr": 1e-3, "params": [0, 1], "betas": (0.9, 0.95)}]},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4, generator=g)}},
+            "param_groups": [{"lr": 1e-3, "params": [0, 1], "betas": (0.9, 0.95)}],
+        },
         "lr_scheduler": None,
         "counters": {"global_steps": 7},
         "rng": {"torch": torch.get_rng_state()},
@@ -70,8 +72,15 @@ def test_send_recv_round_trip_is_bitwise() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bfloat16]),
-                          st.lists(st.integers(0, 4), max_size=3)), max_size=6))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bfloat16]),
+            st.lists(st.integers(0, 4), max_size=3),
+        ),
+        max_size=6,
+    )
+)
 def test_flatten_round_trip(specs: list[tuple[torch.dtype, list[int]]]) -> None:
     obj = {"t": [torch.zeros(shape, dtype=dtype) + i for i, (dtype, shape) in enumerate(specs)], "x": (1, "a")}
     skeleton, tensors = flatten(obj)

@@ -11,19 +11,58 @@ from ds_swift.recovery.timeline import RankTimeline, build_timeline, summary_lin
 
 
 def ranks() -> list[RankTimeline]:
-    s0 = RankTimeline(rank=0, role="survivor", failed_generation=0, t_detect=100.2, t_torn_down=100.5,
-                      t_joined=104.0, t_rebuilt=104.4, t_consensus=106.0, t_restored=106.1, t_back=106.2)
-    s1 = RankTimeline(rank=1, role="survivor", failed_generation=0, t_detect=100.1, t_torn_down=100.4,
-                      t_joined=104.0, t_rebuilt=104.3, t_consensus=106.0, t_undone=106.05, t_restored=106.1,
-                      t_back=106.2, undone_from=7)
-    r2 = RankTimeline(rank=2, role="replacement", failed_generation=0, t_start=100.3, t_joined=104.0,
-                      t_rebuilt=106.0, t_consensus=106.0, t_restored=106.15, t_back=106.25)
+    s0 = RankTimeline(
+        rank=0,
+        role="survivor",
+        failed_generation=0,
+        t_detect=100.2,
+        t_torn_down=100.5,
+        t_joined=104.0,
+        t_rebuilt=104.4,
+        t_consensus=106.0,
+        t_restored=106.1,
+        t_back=106.2,
+    )
+    s1 = RankTimeline(
+        rank=1,
+        role="survivor",
+        failed_generation=0,
+        t_detect=100.1,
+        t_torn_down=100.4,
+        t_joined=104.0,
+        t_rebuilt=104.3,
+        t_consensus=106.0,
+        t_undone=106.05,
+        t_restored=106.1,
+        t_back=106.2,
+        undone_from=7,
+    )
+    r2 = RankTimeline(
+        rank=2,
+        role="replacement",
+        failed_generation=0,
+        t_start=100.3,
+        t_joined=104.0,
+        t_rebuilt=106.0,
+        t_consensus=106.0,
+        t_restored=106.15,
+        t_back=106.25,
+    )
     return [r2, s0, s1]
 
 
 def test_paper_durations() -> None:
-    tl = build_timeline(ranks(), strategy="replication", reason="r", consensus=6, t_kill=100.0,
-                        t_agent_detected=100.15, failed_machine=1, undo_ranks=[1], donors={2: 0})
+    tl = build_timeline(
+        ranks(),
+        strategy="replication",
+        reason="r",
+        consensus=6,
+        t_kill=100.0,
+        t_agent_detected=100.15,
+        failed_machine=1,
+        undo_ranks=[1],
+        donors={2: 0},
+    )
     assert tl.first_detect == pytest.approx(100.1)  # the first survivor beat the agent
     assert tl.joined == pytest.approx(106.0)  # the last rank with its groups re-formed
     assert tl.back == pytest.approx(106.25)
@@ -37,8 +76,18 @@ def test_paper_durations() -> None:
 
 
 def test_without_a_kill_time_total_starts_at_detection() -> None:
-    tl = build_timeline(ranks(), strategy="checkpoint", reason="r", consensus=6, t_kill=None,
-                        t_agent_detected=None, failed_machine=None, undo_ranks=[], donors={}, checkpoint_step=5)
+    tl = build_timeline(
+        ranks(),
+        strategy="checkpoint",
+        reason="r",
+        consensus=6,
+        t_kill=None,
+        t_agent_detected=None,
+        failed_machine=None,
+        undo_ranks=[],
+        donors={},
+        checkpoint_step=5,
+    )
     assert tl.total_s == pytest.approx(106.25 - 100.1)
     line = summary_line(tl)
     assert "checkpoint (reload of global_step5)" in line and "detection -> back at iteration 7" in line
@@ -47,13 +96,31 @@ def test_without_a_kill_time_total_starts_at_detection() -> None:
 def test_missing_stamps_are_an_error() -> None:
     broken = [RankTimeline(rank=0, role="survivor", failed_generation=0, t_detect=1.0)]
     with pytest.raises(ValueError):
-        build_timeline(broken, strategy="replication", reason="", consensus=0, t_kill=None, t_agent_detected=None,
-                       failed_machine=None, undo_ranks=[], donors={})
+        build_timeline(
+            broken,
+            strategy="replication",
+            reason="",
+            consensus=0,
+            t_kill=None,
+            t_agent_detected=None,
+            failed_machine=None,
+            undo_ranks=[],
+            donors={},
+        )
 
 
 def test_written_file_round_trips(tmp_path: Path) -> None:
-    tl = build_timeline(ranks(), strategy="replication", reason="r", consensus=6, t_kill=100.0,
-                        t_agent_detected=None, failed_machine=1, undo_ranks=[1], donors={2: 0, 3: 1})
+    tl = build_timeline(
+        ranks(),
+        strategy="replication",
+        reason="r",
+        consensus=6,
+        t_kill=100.0,
+        t_agent_detected=None,
+        failed_machine=1,
+        undo_ranks=[1],
+        donors={2: 0, 3: 1},
+    )
     path = write_timeline(tmp_path, tl)
     assert path.name == "timeline-gen0.json"
     data = json.loads(path.read_text())

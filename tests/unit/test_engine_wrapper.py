@@ -95,8 +95,7 @@ def test_watchdog_declares_a_stale_peer_two_observers_agree_on(store: JobStore) 
     client = JobStore.connect("127.0.0.1", store.port, "unit-watchdog")
     client.heartbeat(2)  # rank 2 beat once, then stopped
     store.add(f"{suspect_key(0, 2)}/n", 1)  # another observer suspects its machine already
-    wd = Watchdog(lambda: client, rank=1, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=0.05,
-                  watch_ranks=[2])
+    wd = Watchdog(lambda: client, rank=1, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=0.05, watch_ranks=[2])
     assert wd.poll_once(client) is None  # the first read of rank 2's counter
     for _ in range(500):  # then it stands still past the timeout on this watchdog's clock
         time.sleep(0.01)
@@ -108,8 +107,13 @@ def test_watchdog_declares_a_stale_peer_two_observers_agree_on(store: JobStore) 
 
 
 def test_watchdog_thread_starts_and_stops(store: JobStore) -> None:
-    wd = Watchdog(lambda: JobStore.connect("127.0.0.1", store.port, "unit-watchdog"), rank=0, generation=0,
-                  poll_interval_s=0.01, heartbeat_timeout_s=5.0).start()
+    wd = Watchdog(
+        lambda: JobStore.connect("127.0.0.1", store.port, "unit-watchdog"),
+        rank=0,
+        generation=0,
+        poll_interval_s=0.01,
+        heartbeat_timeout_s=5.0,
+    ).start()
     try:
         store.declare_failure(0, "x")
         assert wd.failed.wait(timeout=5.0)
@@ -159,7 +163,6 @@ def test_reset_pipeline_globals(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(p2p, "_async", [object()])
     reset_pipeline_globals()
     assert p2p._grid is None and p2p._groups is None and p2p._async == []
-
 
 
 def test_declare_repairs_a_half_written_failure(store: JobStore) -> None:

@@ -39,8 +39,10 @@ def test_any_k_of_the_k_plus_r_chunks_rebuild_the_state_bitwise(k: int, r: int) 
     assert all(rec["chunk"].numel() == size for rec in records)  # each holder keeps 1/k of it
     for subset in itertools.combinations(records, k):
         # What a holder sends is a payload of its own, carried like a buddy copy.
-        carried = [decode(m, {d: torch.cat([t.reshape(-1) for t in ts if t.dtype == d]) for d in {t.dtype for t in ts}})
-                   for m, ts in (encode(rec) for rec in subset)]
+        carried = [
+            decode(m, {d: torch.cat([t.reshape(-1) for t in ts if t.dtype == d]) for d in {t.dtype for t in ts}})
+            for m, ts in (encode(rec) for rec in subset)
+        ]
         assert same(join_chunks(carried), state)
     with pytest.raises(ErasureError, match=f"of the k = {k} needed" if k > 1 else "no chunk"):
         join_chunks(records[: k - 1])
@@ -72,12 +74,30 @@ def reports(lost_machines: set[int], k: int = 2, r: int = 1, machines: int = 4, 
     out = []
     for rank in range(machines):
         survivor = rank not in lost_machines
-        held = tuple(
-            (owner, v, holders.index(rank))
-            for owner, holders in sorted(placement.items()) if rank in holders for v in (last - 1, last)
-        ) if survivor else ()
-        out.append(RankReport(rank=rank, survivor=survivor, stage=rank % 2, dp=rank // 2, tp=0, machine=rank,
-                              last_stepped=last if survivor else -1, can_undo=survivor, ec_chunks=held, ec_k=k))
+        held = (
+            tuple(
+                (owner, v, holders.index(rank))
+                for owner, holders in sorted(placement.items())
+                if rank in holders
+                for v in (last - 1, last)
+            )
+            if survivor
+            else ()
+        )
+        out.append(
+            RankReport(
+                rank=rank,
+                survivor=survivor,
+                stage=rank % 2,
+                dp=rank // 2,
+                tp=0,
+                machine=rank,
+                last_stepped=last if survivor else -1,
+                can_undo=survivor,
+                ec_chunks=held,
+                ec_k=k,
+            )
+        )
     return out
 
 

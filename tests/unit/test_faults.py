@@ -142,8 +142,18 @@ def test_unknown_phase_is_an_error() -> None:
 
 def test_from_env_reads_swift_inject() -> None:
     env = WorkerEnv(
-        rank=3, local_rank=1, world_size=4, machine=1, num_machines=2, generation=0, replacement=False,
-        store_addr="127.0.0.1", store_port=1, token="t", run_dir="/tmp", inject="machine=1,iteration=2;machine=0,iteration=1",
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        machine=1,
+        num_machines=2,
+        generation=0,
+        replacement=False,
+        store_addr="127.0.0.1",
+        store_port=1,
+        token="t",
+        run_dir="/tmp",
+        inject="machine=1,iteration=2;machine=0,iteration=1",
     )
     inj = Injector.from_env(FakeStore(), env)
     assert inj.machine == 1 and inj.rank == 3 and len(inj.specs) == 2 and inj.armed

@@ -91,8 +91,18 @@ def write_config(tmp: Path, swift: dict[str, Any]) -> Path:
 
 
 def launch_argv(config: Path, *launcher: str) -> list[str]:
-    return ["--nnodes", "2", "--nproc-per-node", "2", *launcher, "examples/pretrain_gpt.py",
-            "--deepspeed_config", str(config), "--train-iters", "3"]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        *launcher,
+        "examples/pretrain_gpt.py",
+        "--deepspeed_config",
+        str(config),
+        "--train-iters",
+        "3",
+    ]
 
 
 def test_the_launcher_refuses_the_elastic_hang_before_starting_anything(

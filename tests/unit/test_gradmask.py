@@ -58,8 +58,16 @@ def test_scaled_gradients_cover_the_layers_asked_and_come_off_after() -> None:
 def reports(lost_machine: int) -> list[RankReport]:
     """pp 2 x dp 2 on 2 machines (replica d = machine d)."""
     return [
-        RankReport(rank=r, survivor=r // 2 != lost_machine, stage=r % 2, dp=r // 2, tp=0, machine=r // 2,
-                   last_stepped=6 if r // 2 != lost_machine else -1, can_undo=True)
+        RankReport(
+            rank=r,
+            survivor=r // 2 != lost_machine,
+            stage=r % 2,
+            dp=r // 2,
+            tp=0,
+            machine=r // 2,
+            last_stepped=6 if r // 2 != lost_machine else -1,
+            can_undo=True,
+        )
         for r in range(4)
     ]
 
@@ -75,8 +83,12 @@ def test_lossy_forward_restores_like_replication_then_averages_the_survivors() -
 
 
 def test_lossy_forward_with_no_surviving_replica_falls_back() -> None:
-    pp4 = [RankReport(rank=r, survivor=r < 2, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=6 if r < 2 else -1,
-                      can_undo=True) for r in range(4)]
+    pp4 = [
+        RankReport(
+            rank=r, survivor=r < 2, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=6 if r < 2 else -1, can_undo=True
+        )
+        for r in range(4)
+    ]
     plan = plan_recovery(pp4, forced="lossy_forward")
     assert plan.strategy == "checkpoint" and "every data-parallel replica (1) lost a rank" in plan.reason
 

@@ -99,8 +99,9 @@ def survivor_and_replacement(store: FakeStore) -> tuple[LossGuard, Engine, LossG
     return a, ea, b, eb
 
 
-def recover(store: FakeStore, generation: int, resume: int, strategy: str, *ranks: tuple[LossGuard, Engine]
-            ) -> list[Outcome]:
+def recover(
+    store: FakeStore, generation: int, resume: int, strategy: str, *ranks: tuple[LossGuard, Engine]
+) -> list[Outcome]:
     """Every rank's after_recovery; the fake gather needs every value published first (the real one
     waits): the last rank's (a replacement's: empty) is published ahead."""
     store.publish(generation, "guard_ref", ranks[-1][0].rank, "")

@@ -20,8 +20,17 @@ def store() -> JobStore:
 
 def watchdog(store: JobStore, rank: int, progress: Progress | None = None, watch: list[int] | None = None) -> Watchdog:
     client = JobStore.connect("127.0.0.1", store.port, TOKEN)
-    return Watchdog(lambda: client, rank=rank, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0,
-                    watch_ranks=watch or [], progress=progress, hang_timeout_s=2.0, ranks_per_machine=2)
+    return Watchdog(
+        lambda: client,
+        rank=rank,
+        generation=0,
+        poll_interval_s=0.01,
+        heartbeat_timeout_s=5.0,
+        watch_ranks=watch or [],
+        progress=progress,
+        hang_timeout_s=2.0,
+        ranks_per_machine=2,
+    )
 
 
 def test_a_training_thread_without_progress_mid_iteration_is_hung(store: JobStore) -> None:
@@ -82,4 +91,6 @@ def test_heartbeats_carry_the_progress_note(store: JobStore) -> None:
 def test_the_hang_timeout_must_exceed_the_op_timeout() -> None:
     with pytest.raises(ConfigError, match="watchdog.hang_timeout_s"):
         SwiftConfig.from_dict({"enabled": True, "watchdog": {"op_timeout_s": 30.0, "hang_timeout_s": 20.0}})
-    assert SwiftConfig.from_dict({"enabled": True, "watchdog": {"hang_timeout_s": None}}).watchdog.hang_timeout_s is None
+    assert (
+        SwiftConfig.from_dict({"enabled": True, "watchdog": {"hang_timeout_s": None}}).watchdog.hang_timeout_s is None
+    )

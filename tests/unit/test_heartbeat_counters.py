@@ -71,10 +71,17 @@ class Job:
         self.agents: dict[str, AgentLiveness] = {}
         for host, rank in (("a", 0), ("b", 1)):
             with hosts.on(host):
-                self.dogs[host] = Watchdog(lambda h=host: self.stores[h], rank=rank, generation=0,  # type: ignore[misc]
-                                           poll_interval_s=POLL_S, heartbeat_timeout_s=TIMEOUT_S,
-                                           watch_ranks=[1 - rank])
-                self.agents[host] = AgentLiveness(self.stores[host], [rank], 2, TIMEOUT_S, clock=lambda: time.monotonic())
+                self.dogs[host] = Watchdog(
+                    lambda h=host: self.stores[h],
+                    rank=rank,
+                    generation=0,  # type: ignore[misc]
+                    poll_interval_s=POLL_S,
+                    heartbeat_timeout_s=TIMEOUT_S,
+                    watch_ranks=[1 - rank],
+                )
+                self.agents[host] = AgentLiveness(
+                    self.stores[host], [rank], 2, TIMEOUT_S, clock=lambda: time.monotonic()
+                )
 
     def poll(self, host: str) -> None:
         with self.hosts.on(host):

@@ -80,8 +80,9 @@ def test_the_agents_kill_the_group_together_and_declare_one_failure(tmp_path: Pa
 
     store = JobStore.host("unit-inject-group")
     specs = tuple(FaultSpec.parse("machine=1+2,iteration=8,phase=backward"))
-    job = JobSpec(Command("t.py"), 3, 1, 2, 3, None, "127.0.0.1", store.port, "unit-inject-group", str(tmp_path),
-                  inject=specs)
+    job = JobSpec(
+        Command("t.py"), 3, 1, 2, 3, None, "127.0.0.1", store.port, "unit-inject-group", str(tmp_path), inject=specs
+    )
     workers: dict[int, Worker] = {}
 
     def spawn(command: Any, wenv: Any, n: int, t: Any) -> Worker:

@@ -30,14 +30,21 @@ from ds_swift.recovery.state.transfer import decode, encode, flat_sizes, recv_st
 CONFIGS = {  # by WrapperKind value
     "torch": {},
     # BF16_Optimizer: ZeRO-1 with fp32 gradient accumulation (what the pipeline engine builds)
-    "bf16_optimizer": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
-                       "data_types": {"grad_accum_dtype": "fp32"}},
+    "bf16_optimizer": {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    },
     "zero_stage1": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
     "fp16_unfused": {"fp16": {"enabled": True, "initial_scale_power": 8}},
 }
 #: the DeepSpeed class each kind names
-CLASSES = {"torch": "AdamW", "bf16_optimizer": "BF16_Optimizer", "zero_stage1": "DeepSpeedZeroOptimizer",
-           "fp16_unfused": "FP16_UnfusedOptimizer"}
+CLASSES = {
+    "torch": "AdamW",
+    "bf16_optimizer": "BF16_Optimizer",
+    "zero_stage1": "DeepSpeedZeroOptimizer",
+    "fp16_unfused": "FP16_UnfusedOptimizer",
+}
 
 
 def free_port() -> int:
@@ -310,8 +317,15 @@ def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: N
     eng = engine(kind, steps=0)
     estimate, how = buddy_round_bytes(eng)
     assert "Adam moments" in how, how
-    lines = protection_costs(eng, SwiftConfig.from_dict({}), digests=None, buddy=SimpleNamespace(factor=2), logs=None,
-                             async_ckpt=False, machines=2)  # fmt: skip
+    lines = protection_costs(
+        eng,
+        SwiftConfig.from_dict({}),
+        digests=None,
+        buddy=SimpleNamespace(factor=2),
+        logs=None,
+        async_ckpt=False,
+        machines=2,
+    )
     (line,) = [x for x in lines if "buddy copies:" in x]
     assert f"({2 * estimate} bytes) per iteration sent to 2 buddy rank(s)" in line, line
     _, before = state_payload(eng)

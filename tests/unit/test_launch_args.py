@@ -46,8 +46,15 @@ def test_script_arguments_pass_through_untouched() -> None:
 
 
 def test_inject_repeatable_and_semicolon_separated() -> None:
-    args = parse("--nnodes", "2", "--inject", "machine=1,iteration=7,phase=backward",
-                 "--inject", "machine=0,iteration=2;machine=1,iteration=9,phase=step", "train.py")
+    args = parse(
+        "--nnodes",
+        "2",
+        "--inject",
+        "machine=1,iteration=7,phase=backward",
+        "--inject",
+        "machine=0,iteration=2;machine=1,iteration=9,phase=step",
+        "train.py",
+    )
     assert args.inject == (FaultSpec(1, 7, "backward"), FaultSpec(0, 2), FaultSpec(1, 9, "step"))
 
 
@@ -87,7 +94,8 @@ def test_module_and_no_python_rules() -> None:
     with pytest.raises(LaunchUsageError, match="--no_python needs --no_local_rank"):
         parse("--no_python", "./train.sh")
     assert parse("--no_python", "--no_local_rank", "./train.sh").command == Command(
-        "./train.sh", no_python=True, local_rank_arg=False)
+        "./train.sh", no_python=True, local_rank_arg=False
+    )
     with pytest.raises(LaunchUsageError, match="exclude each other"):
         parse("--module", "--no_python", "--no_local_rank", "x")
 
@@ -95,8 +103,16 @@ def test_module_and_no_python_rules() -> None:
 def test_multi_host_needs_a_token_and_a_valid_node_rank() -> None:
     with pytest.raises(LaunchUsageError, match="--job-token"):
         parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py")
-    args = parse("--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "t.py",
-                 environ={"SWIFT_JOB_TOKEN": "abc", "SWIFT_JOB_SECRET": "k" * 32})
+    args = parse(
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master_addr",
+        "10.0.0.1",
+        "t.py",
+        environ={"SWIFT_JOB_TOKEN": "abc", "SWIFT_JOB_SECRET": "k" * 32},
+    )
     assert args.multi_host and args.job_token == "abc" and args.master_port == 29500
     with pytest.raises(LaunchUsageError, match="agents are 0..1 .machines. and 2..2 .spares."):
         parse("--nnodes", "2", "--spares", "1", "--node-rank", "3", "--job-token", "t", "t.py")
@@ -153,7 +169,14 @@ def test_cli_main_reports_usage_errors(capsys: pytest.CaptureFixture[str]) -> No
 def test_worker_argv_like_the_deepspeed_launcher() -> None:
     from ds_swift.launch.spawn import worker_argv
 
-    assert worker_argv(Command("t.py", ("--x", "1")), 3, python="py") == ["py", "-u", "t.py", "--local_rank=3", "--x", "1"]
+    assert worker_argv(Command("t.py", ("--x", "1")), 3, python="py") == [
+        "py",
+        "-u",
+        "t.py",
+        "--local_rank=3",
+        "--x",
+        "1",
+    ]
     assert worker_argv(Command("t.py", local_rank_arg=False), 3, python="py") == ["py", "-u", "t.py"]
     assert worker_argv(Command("pkg.t", module=True), 0, python="py") == ["py", "-u", "-m", "pkg.t", "--local_rank=0"]
     assert worker_argv(Command("./t.sh", no_python=True, local_rank_arg=False), 0) == ["./t.sh"]
@@ -162,8 +185,20 @@ def test_worker_argv_like_the_deepspeed_launcher() -> None:
 def _wenv(**kw: object):  # noqa: ANN202
     from ds_swift.jobstore.membership import WorkerEnv
 
-    base = dict(rank=5, local_rank=1, world_size=8, machine=2, num_machines=4, generation=3, replacement=True,
-                store_addr="10.0.0.1", store_port=4242, token="tok", run_dir="/r", inject="machine=2,iteration=1,phase=forward")
+    base = dict(
+        rank=5,
+        local_rank=1,
+        world_size=8,
+        machine=2,
+        num_machines=4,
+        generation=3,
+        replacement=True,
+        store_addr="10.0.0.1",
+        store_port=4242,
+        token="tok",
+        run_dir="/r",
+        inject="machine=2,iteration=1,phase=forward",
+    )
     base.update(kw)
     return WorkerEnv(**base)  # type: ignore[arg-type]
 
@@ -216,19 +251,38 @@ class FakeWorker:
 class Cluster:
     """Agents of a simulated job around a store served in this process; spawns are recorded, not run."""
 
-    def __init__(self, tmp_path: Path, machines: int = 2, nproc: int = 2, spares: int = 0,
-                 restart_delay: float | None = None, max_failures: int = 3) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        machines: int = 2,
+        nproc: int = 2,
+        spares: int = 0,
+        restart_delay: float | None = None,
+        max_failures: int = 3,
+    ) -> None:
         from ds_swift.jobstore.membership import JobStore
         from ds_swift.launch.agent import JobSpec, MachineAgent
         from ds_swift.launch.control import EventLog, JobControl
 
         self.store = JobStore.host("tok", port=0)
         self.control = JobControl(self.store)
-        self.job = JobSpec(Command("t.py"), machines, nproc, spares, max_failures, restart_delay,
-                           "127.0.0.1", self.store.port, "tok", str(tmp_path))
+        self.job = JobSpec(
+            Command("t.py"),
+            machines,
+            nproc,
+            spares,
+            max_failures,
+            restart_delay,
+            "127.0.0.1",
+            self.store.port,
+            "tok",
+            str(tmp_path),
+        )
         self.spawned: list[FakeWorker] = []
         events = EventLog(str(tmp_path))
-        self.agents = [MachineAgent(n, self.job, self.store, events, spawn=self._spawn) for n in range(machines + spares)]
+        self.agents = [
+            MachineAgent(n, self.job, self.store, events, spawn=self._spawn) for n in range(machines + spares)
+        ]
         for agent in self.agents:
             agent.start()
 
@@ -260,7 +314,9 @@ def test_a_dead_rank_fails_its_machine_and_a_spare_takes_over(tmp_path: Path) ->
     assert "machine 1: rank 3 killed by SIGKILL" in (c.store.failure(0) or "")
     new = c.spawned[4:]
     assert [(w.rank, w.wenv.machine, w.wenv.generation, w.wenv.replacement) for w in new] == [
-        (2, 1, 1, True), (3, 1, 1, True)]
+        (2, 1, 1, True),
+        (3, 1, 1, True),
+    ]
     assert c.store.get("gen0/failed_machine") == "1"
     t = [float(c.store.get(f"gen0/t/{k}") or 0) for k in ("detected", "declared", "replacement_spawned")]
     assert 0 < t[0] <= t[1] <= t[2]

@@ -46,9 +46,17 @@ def test_bad_nodelists_are_refused(bad: str) -> None:
 
 def slurm(nodelist: str = "node[01-03]", nodeid: int = 1, **extra: str) -> dict[str, str]:
     n = str(len(expand_nodelist(nodelist)))
-    return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": str(nodeid), "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_STEP_NODELIST": nodelist, "SLURM_NNODES": n, "SLURM_NTASKS": n, "SWIFT_JOB_SECRET": "k" * 32,
-            **extra}
+    return {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": str(nodeid),
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_NNODES": n,
+        "SLURM_NTASKS": n,
+        "SWIFT_JOB_SECRET": "k" * 32,
+        **extra,
+    }
 
 
 def test_slurm_step_from_the_environment() -> None:
@@ -101,8 +109,12 @@ def test_include_exclude_like_deepspeed() -> None:
     assert filter_resources(HOSTS, None, None) == [("w0", [0, 1, 2, 3]), ("w1", [0, 1, 2, 3]), ("w2", [0, 1, 2, 3])]
     assert filter_resources(HOSTS, "w2@w0:0,2", None) == [("w0", [0, 2]), ("w2", [0, 1, 2, 3])]
     assert filter_resources(HOSTS, None, "w1@w2:3") == [("w0", [0, 1, 2, 3]), ("w2", [0, 1, 2])]
-    for include, exclude, msg in [("w9", None, "not in the hostfile"), ("w0:7", None, "slots 0..3"),
-                                  ("w0", "w1", "exclude each other"), (None, "w0@w1@w2", "leave no host")]:
+    for include, exclude, msg in [
+        ("w9", None, "not in the hostfile"),
+        ("w0:7", None, "slots 0..3"),
+        ("w0", "w1", "exclude each other"),
+        (None, "w0@w1@w2", "leave no host"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             filter_resources(HOSTS, include, exclude)
 
@@ -110,8 +122,24 @@ def test_include_exclude_like_deepspeed() -> None:
 def test_pdsh_arguments(tmp_path: Path) -> None:
     hf = tmp_path / "hostfile"
     hf.write_text("w0 slots=4\nw1 slots=4\nw2 slots=4\n")
-    args = parse_args(["--hostfile", str(hf), "--launcher", "pdsh", "--include", "w0:1,3@w2:0,1", "--spares", "0",
-                       "--inject", "machine=1,iteration=2", "t.py", "--lr", "1"], environ={})
+    args = parse_args(
+        [
+            "--hostfile",
+            str(hf),
+            "--launcher",
+            "pdsh",
+            "--include",
+            "w0:1,3@w2:0,1",
+            "--spares",
+            "0",
+            "--inject",
+            "machine=1,iteration=2",
+            "t.py",
+            "--lr",
+            "1",
+        ],
+        environ={},
+    )
     assert args.agent_hosts == ("w0", "w2") and args.agent_slots == ((1, 3), (0, 1))
     assert args.nnodes == 2 and args.nproc_per_node == 2 and args.node_rank is None
     secret_file = tmp_path / "job.secret"
@@ -136,13 +164,16 @@ def test_pdsh_arguments(tmp_path: Path) -> None:
 
 def test_deepspeed_env_file_and_exported_prefixes(tmp_path: Path) -> None:
     (tmp_path / ".deepspeed_env").write_text("# comment\nNCCL_IB_HCA=mlx5\nFOO=a b\n")
-    env = deepspeed_env({"HOME": str(tmp_path / "nohome"), "NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "OTHER": "1"},
-                        cwd=str(tmp_path))
+    env = deepspeed_env(
+        {"HOME": str(tmp_path / "nohome"), "NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "OTHER": "1"}, cwd=str(tmp_path)
+    )
     assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "NCCL_IB_HCA": "mlx5", "FOO": "a b"}
     write_env_file(str(tmp_path / "agent.env"), env)
     assert "\nexport FOO='a b'\n" in (tmp_path / "agent.env").read_text()
     line = render(agent_command(["t.py"], "/run/agent.env", "/work dir", python="/py"), None)
-    assert line.endswith("; cd '/work dir' && . /run/agent.env && exec /py -u -m ds_swift.launch.cli --node-host %h t.py")
+    assert line.endswith(
+        "; cd '/work dir' && . /run/agent.env && exec /py -u -m ds_swift.launch.cli --node-host %h t.py"
+    )
 
 
 # ---------------------------------------------------------------------- a dead agent's machine

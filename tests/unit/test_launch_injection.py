@@ -36,7 +36,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 def test_an_injected_deepspeed_env_name_is_refused_with_its_file_and_line(tmp_path: Path) -> None:
     env_file = tmp_path / ".deepspeed_env"
     env_file.write_text("# ok\nNCCL_DEBUG=INFO\nFOO;touch /tmp/pwned;BAR=1\n")
-    with pytest.raises(LaunchUsageError, match=rf"{re.escape(str(env_file))}:3: 'FOO;touch /tmp/pwned;BAR=1' is not KEY"):
+    with pytest.raises(
+        LaunchUsageError, match=rf"{re.escape(str(env_file))}:3: 'FOO;touch /tmp/pwned;BAR=1' is not KEY"
+    ):
         deepspeed_env({"HOME": str(tmp_path / "nohome")}, cwd=str(tmp_path))
     env_file.write_text("NO_EQUALS_SIGN\n")
     with pytest.raises(LaunchUsageError, match=r":1: .*fix or remove that line"):
@@ -44,13 +46,16 @@ def test_an_injected_deepspeed_env_name_is_refused_with_its_file_and_line(tmp_pa
 
 
 @pytest.mark.parametrize("launcher", ["pdsh", "ssh"])
-@pytest.mark.parametrize(("host", "why"), [
-    ("-oProxyCommand=touch${IFS}/tmp/pwned", "starts with '-'"),
-    ("w1;reboot", "not a host name"),
-    ("$(id)", "not a host name"),
-    ("w[1-3]", "not a host name"),
-    ("fe80::1", "IPv6"),
-])
+@pytest.mark.parametrize(
+    ("host", "why"),
+    [
+        ("-oProxyCommand=touch${IFS}/tmp/pwned", "starts with '-'"),
+        ("w1;reboot", "not a host name"),
+        ("$(id)", "not a host name"),
+        ("w[1-3]", "not a host name"),
+        ("fe80::1", "IPv6"),
+    ],
+)
 def test_a_hostfile_host_that_is_not_a_host_name_is_refused_with_its_line(
     tmp_path: Path, launcher: str, host: str, why: str
 ) -> None:
@@ -61,8 +66,13 @@ def test_a_hostfile_host_that_is_not_a_host_name_is_refused_with_its_line(
 
 
 def test_a_slurm_node_list_host_that_is_not_a_host_name_is_refused() -> None:
-    env = {"SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
-           "SLURM_STEP_NODELIST": "n1,-oProxyCommand=x"}
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NODELIST": "n1,-oProxyCommand=x",
+    }
     with pytest.raises(LaunchUsageError, match=r"--launcher slurm: the SLURM node list .* starts with '-'"):
         parse_args(["t.py"], environ=env)
 
@@ -94,8 +104,9 @@ class _Recorder:
         pass
 
 
-def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: str, user_args: list[str],
-            env_text: str = "") -> tuple[_Recorder, Path]:
+def _launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: str, user_args: list[str], env_text: str = ""
+) -> tuple[_Recorder, Path]:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
     (tmp_path / "t.py").write_text("")
@@ -114,8 +125,20 @@ def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: str, user
     monkeypatch.setattr(sys, "executable", str(fake_python))
     run_dir = tmp_path / "run"
     recorder = _Recorder(run_dir / "agent.env")
-    args = parse_args(["--hostfile", str(hostfile), "--launcher", launcher, "--master_addr", "127.0.0.1",
-                       "--run-dir", str(run_dir), "t.py", *user_args])
+    args = parse_args(
+        [
+            "--hostfile",
+            str(hostfile),
+            "--launcher",
+            launcher,
+            "--master_addr",
+            "127.0.0.1",
+            "--run-dir",
+            str(run_dir),
+            "t.py",
+            *user_args,
+        ]
+    )
     with monkeypatch.context() as patched:  # only while run_remote runs: the test starts bash itself
         patched.setattr(remote.subprocess, "Popen", recorder)
         assert remote.run_remote(args) == 0
@@ -140,15 +163,16 @@ def _host_lines(launcher: str, calls: list[list[str]]) -> dict[str, str]:
 def _agent_argv(line: str) -> list[str]:
     """The agent's arguments in a host's shell line (after ``-m ds_swift.launch.cli``)."""
     words = shlex.split(line)
-    return words[words.index("ds_swift.launch.cli") + 1:]
+    return words[words.index("ds_swift.launch.cli") + 1 :]
 
 
 def _run_hosts(lines: dict[str, str], cwd: Path, env_file: Path, env_text: str | None) -> None:
     assert env_text is not None, "no exports file while the agents started"
     env_file.write_text(env_text)
     for line in lines.values():
-        done = subprocess.run(["bash", "-c", line], cwd=cwd, env={"PATH": os.environ["PATH"]},
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=cwd, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
 
 
@@ -157,7 +181,7 @@ def test_ssh_gets_double_dash_before_the_host(tmp_path: Path, monkeypatch: pytes
     assert len(recorder.calls) == len(HOSTS)
     for argv, host in zip(recorder.calls, HOSTS):
         assert argv[0] == "ssh" and argv[argv.index(host) - 1] == "--", argv
-        assert all(not a.startswith("-") for a in argv[argv.index("--") + 1:-1])
+        assert all(not a.startswith("-") for a in argv[argv.index("--") + 1 : -1])
 
 
 @pytest.mark.parametrize("launcher", ["pdsh", "ssh"])
@@ -170,19 +194,20 @@ def test_percent_h_in_a_user_argument_is_left_alone(
     assert set(lines) == set(HOSTS)
     for host, line in lines.items():
         agent = _agent_argv(line)
-        assert agent[-len(user_args):] == user_args, agent  # exactly as given, on every host
+        assert agent[-len(user_args) :] == user_args, agent  # exactly as given, on every host
         assert agent[agent.index("--node-host") + 1] == host  # the launcher's own slot is filled
     _run_hosts(lines, tmp_path, tmp_path / "run" / "agent.env", recorder.env_text)
     for host in HOSTS:  # and that is what each host's agent really gets
         got = (dump / f"{host}.argv").read_text().splitlines()
-        assert got[-len(user_args):] == user_args and got[got.index("--node-host") + 1] == host
+        assert got[-len(user_args) :] == user_args and got[got.index("--node-host") + 1] == host
 
 
 @pytest.mark.parametrize("launcher", ["pdsh", "ssh"])
 def test_no_secret_on_any_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: str) -> None:
-    tricky = "it's $(touch pwned); `id` & \"quoted\" %h"
-    recorder, dump = _launch(tmp_path, monkeypatch, launcher, ["--lr", "1"],
-                             env_text=f"WANDB_API_KEY={ENV_SECRET}\nTRICKY={tricky}\n")
+    tricky = 'it\'s $(touch pwned); `id` & "quoted" %h'
+    recorder, dump = _launch(
+        tmp_path, monkeypatch, launcher, ["--lr", "1"], env_text=f"WANDB_API_KEY={ENV_SECRET}\nTRICKY={tricky}\n"
+    )
     lines = _host_lines(launcher, recorder.calls)
     for argv in recorder.calls:  # the launch host's ps: pdsh's / ssh's argv
         assert not any(ENV_SECRET in a or JOB_SECRET in a for a in argv), argv

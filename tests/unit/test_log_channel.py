@@ -58,8 +58,9 @@ def test_say_here_tags_the_line_with_this_process_rank(
     monkeypatch.setitem(sys.modules, "torch.distributed", up)
     assert rank_here() == 5
     say_here("undo: last stepped iteration 4 -> consensus 3")
-    monkeypatch.setitem(sys.modules, "torch.distributed", SimpleNamespace(is_available=lambda: True,
-                                                                         is_initialized=lambda: False))  # fmt: skip
+    monkeypatch.setitem(
+        sys.modules, "torch.distributed", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
+    )
     assert rank_here() is None
     say_here("no group yet")
     assert capsys.readouterr().err.splitlines() == [
@@ -81,6 +82,9 @@ def test_no_function_takes_a_log_callable() -> None:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                    found += [f"{path.relative_to(root)}:{node.lineno} {node.name}" for a in args
-                              if a.arg == "log" and "Callable" in ast.unparse(a.annotation or ast.Constant(""))]
+                    found += [
+                        f"{path.relative_to(root)}:{node.lineno} {node.name}"
+                        for a in args
+                        if a.arg == "log" and "Callable" in ast.unparse(a.annotation or ast.Constant(""))
+                    ]
     assert found == []

@@ -41,9 +41,33 @@ def test_defaults_are_the_readme_run(tmp_path: Path) -> None:
 
 
 def test_3d_bf16_zero1_shape(tmp_path: Path) -> None:
-    _, _, run, _ = parse_run([str(tmp_path), "--tp", "2", "--pp", "2", "--dp", "2", "--machines", "4",
-                              "--precision", "bf16", "--zero", "1", "--kill-machine", "2", "--kill-iteration", "3",
-                              "--kill-phase", "forward", "--iters", "6", "--strategy", "replication"])
+    _, _, run, _ = parse_run(
+        [
+            str(tmp_path),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--machines",
+            "4",
+            "--precision",
+            "bf16",
+            "--zero",
+            "1",
+            "--kill-machine",
+            "2",
+            "--kill-iteration",
+            "3",
+            "--kill-phase",
+            "forward",
+            "--iters",
+            "6",
+            "--strategy",
+            "replication",
+        ]
+    )
     assert run.world == 8 and run.ranks_per_machine == 2
     argv = launch_command(tmp_path / "mds", tmp_path / "w", run)
     assert option(argv, "--nnodes") == "4" and option(argv, "--nproc-per-node") == "2"
@@ -56,8 +80,21 @@ def test_3d_bf16_zero1_shape(tmp_path: Path) -> None:
 
 
 def test_fp16_loss_scale_and_pipeline_layers(tmp_path: Path) -> None:
-    _, _, run, _ = parse_run([str(tmp_path), "--pp", "4", "--dp", "1", "--machines", "2", "--precision", "fp16",
-                              "--initial-scale-power", "30"])
+    _, _, run, _ = parse_run(
+        [
+            str(tmp_path),
+            "--pp",
+            "4",
+            "--dp",
+            "1",
+            "--machines",
+            "2",
+            "--precision",
+            "fp16",
+            "--initial-scale-power",
+            "30",
+        ]
+    )
     argv = launch_command(tmp_path / "mds", tmp_path / "w", run)
     assert "--fp16" in argv and option(argv, "--num-layers") == "4"  # one layer per stage
     assert "--untie-embeddings-and-output-weights" not in argv
@@ -65,10 +102,14 @@ def test_fp16_loss_scale_and_pipeline_layers(tmp_path: Path) -> None:
     assert "--untie-embeddings-and-output-weights" in launch_command(tmp_path / "mds", tmp_path / "w", untied)
     # started through the module that allows fp16 on DeepSpeed's CPU accelerator
     assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == [
-        "ds_swift.testing.cpu_fp16_script", str(tmp_path / "mds" / "pretrain_gpt.py")
+        "ds_swift.testing.cpu_fp16_script",
+        str(tmp_path / "mds" / "pretrain_gpt.py"),
     ]
-    assert script_argv(["--local_rank=1", "/m/pretrain_gpt.py", "--fp16"]) == ["/m/pretrain_gpt.py", "--local_rank=1",
-                                                                                "--fp16"]
+    assert script_argv(["--local_rank=1", "/m/pretrain_gpt.py", "--fp16"]) == [
+        "/m/pretrain_gpt.py",
+        "--local_rank=1",
+        "--fp16",
+    ]
     assert script_argv(["/m/pretrain_gpt.py"]) == ["/m/pretrain_gpt.py"]
     assert "-m" not in launch_command(tmp_path / "mds", tmp_path / "w", CpuRun(precision="bf16"))
     fp16 = ds_config(run, tmp_path / "w" / "ref")["fp16"]
@@ -93,26 +134,29 @@ def test_each_run_logs_under_its_own_directory(tmp_path: Path) -> None:
         (["--dp", "0"], "--dp 0"),
     ],
 )
-def test_bad_options_are_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
-                                         named: str) -> None:
+def test_bad_options_are_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
     with pytest.raises(SystemExit) as exit_:
         parse_run([str(tmp_path), *argv])
     assert exit_.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_summary_keeps_losses_skipped_steps_and_the_recovery() -> None:
-    log = "\n".join([
-        " iteration        1/       8 | consumed samples:            4 | consumed tokens:          128 | elapsed time "
-        "per iteration (ms): 900.1 | learning rate: 5.000E-04 | global batch size:     4 | loss scale: 1073741824.0 | "
-        "actual seqlen:    32 | number of skipped iterations:   1 | number of nan iterations:   0 |",
-        " iteration        2/       8 | consumed samples:            8 | consumed tokens:          256 | elapsed time "
-        "per iteration (ms): 800.2 | learning rate: 1.000E-03 | global batch size:     4 | lm loss: 5.581234E+00 | "
-        "loss scale: 536870912.0 | grad norm: 3.210 | num zeros: 0.0 | actual seqlen:    32 | number of skipped "
-        "iterations:   0 | number of nan iterations:   0 |",
-        "noise",
-        "[ds-swift] recovery of generation 0 (machine 3): replication; consensus iteration 4; ...",
-        "[ds-swift-launch] job finished: all 4 machines' ranks exited 0 (generation 1)",
-    ])
+    log = "\n".join(
+        [
+            " iteration        1/       8 | consumed samples:            4 | consumed tokens:          128 | elapsed time "
+            "per iteration (ms): 900.1 | learning rate: 5.000E-04 | global batch size:     4 | loss scale: 1073741824.0 | "
+            "actual seqlen:    32 | number of skipped iterations:   1 | number of nan iterations:   0 |",
+            " iteration        2/       8 | consumed samples:            8 | consumed tokens:          256 | elapsed time "
+            "per iteration (ms): 800.2 | learning rate: 1.000E-03 | global batch size:     4 | lm loss: 5.581234E+00 | "
+            "loss scale: 536870912.0 | grad norm: 3.210 | num zeros: 0.0 | actual seqlen:    32 | number of skipped "
+            "iterations:   0 | number of nan iterations:   0 |",
+            "noise",
+            "[ds-swift] recovery of generation 0 (machine 3): replication; consensus iteration 4; ...",
+            "[ds-swift-launch] job finished: all 4 machines' ranks exited 0 (generation 1)",
+        ]
+    )
     assert summary_lines(log) == [
         "iteration 1/8 | lm loss: none (step skipped) | consumed samples: 4 | loss scale: 1073741824.0 | skipped",
         "iteration 2/8 | lm loss: 5.581234E+00 | consumed samples: 8 | loss scale: 536870912.0 | grad norm: 3.210",
@@ -124,8 +168,25 @@ def test_summary_keeps_losses_skipped_steps_and_the_recovery() -> None:
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_script_dry_run_prints_both_commands(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
-    argv = ["bash", str(SCRIPT), str(tmp_path / "mds"), str(tmp_path / "w"), "--tp", "2", "--pp", "2", "--dp", "2",
-            "--precision", "bf16", "--zero", "1", "--kill-machine", "0", "--dry-run"]
+    argv = [
+        "bash",
+        str(SCRIPT),
+        str(tmp_path / "mds"),
+        str(tmp_path / "w"),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--precision",
+        "bf16",
+        "--zero",
+        "1",
+        "--kill-machine",
+        "0",
+        "--dry-run",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -142,8 +142,9 @@ def test_samples_by_position_are_the_samplers(
 
 
 def test_samples_follow_the_engine_and_refuse_the_cyclic_loader() -> None:
-    args = argparse.Namespace(dataloader_type="single", micro_batch_size=1, global_batch_size=4, iteration=0,
-                              consumed_train_samples=0)
+    args = argparse.Namespace(
+        dataloader_type="single", micro_batch_size=1, global_batch_size=4, iteration=0, consumed_train_samples=0
+    )
     samples = MegatronSamples()
     samples.configure(args, 2, 2, iteration=5)  # a replacement recovered to iteration 5
     assert (args.iteration, args.consumed_train_samples, samples.consumed(8)) == (5, 20, 32)
@@ -196,8 +197,10 @@ def test_check_names_the_patches_of_a_half_applied_checkout(tmp_path: Path, caps
     apply_by_hand(repo, "0001", "0002")
     code, out = check(repo, capsys)
     assert code == 3
-    assert ("half applied: 0001-swift-arguments.patch, 0002-swift-init-and-wrap.patch applied; "
-            "0003-swift-data-after-recovery.patch, 0004-cpu-gloo.patch not") in out
+    assert (
+        "half applied: 0001-swift-arguments.patch, 0002-swift-init-and-wrap.patch applied; "
+        "0003-swift-data-after-recovery.patch, 0004-cpu-gloo.patch not"
+    ) in out
     before = git(repo, "diff")
     with pytest.raises(MegatronPatchError, match="is half applied .*nothing changed"):
         apply_series(repo, force=True)
@@ -220,12 +223,17 @@ def test_a_half_applied_checkout_is_reported_hunk_by_hunk_and_left_as_it_was(
     with pytest.raises(MegatronPatchError) as err:
         apply_series(repo, force=True)
     assert git(repo, "diff") == before  # the first version left 0004 reversed here
-    assert re.search(r"is half applied \(0001-swift-arguments.patch applied; .*0003-swift-data-after-recovery.patch "
-                     r"not applied; 0004-cpu-gloo.patch applied\)", str(err.value)), str(err.value)
+    assert re.search(
+        r"is half applied \(0001-swift-arguments.patch applied; .*0003-swift-data-after-recovery.patch "
+        r"not applied; 0004-cpu-gloo.patch applied\)",
+        str(err.value),
+    ), str(err.value)
     code, out = check(repo, capsys)
     assert code == 3
-    assert ("0003-swift-data-after-recovery.patch megatron/training.py @@ -715,7 +715,8 @@ def train_step("
-            "forward_step_func, data_iterator,: not applied") in out
+    assert (
+        "0003-swift-data-after-recovery.patch megatron/training.py @@ -715,7 +715,8 @@ def train_step("
+        "forward_step_func, data_iterator,: not applied"
+    ) in out
     assert "0004-cpu-gloo.patch megatron/tokenizer/tokenizer.py @@ -6,7 +6,6 @@: applied" in out
     assert ": conflicts" not in out
 
@@ -233,7 +241,9 @@ def test_a_half_applied_checkout_is_reported_hunk_by_hunk_and_left_as_it_was(
 def test_check_names_the_hunk_that_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     repo = pinned_files(tmp_path)
     training = repo / "megatron" / "training.py"
-    training.write_text(training.read_text().replace("    if found_kill_switch():", "    if found_kill_switch():  # x", 1))
+    training.write_text(
+        training.read_text().replace("    if found_kill_switch():", "    if found_kill_switch():  # x", 1)
+    )
     code, out = check(repo, capsys)
     assert code == 4 and f"{repo}: does not apply: 0002-swift-init-and-wrap.patch conflicts" in out
     assert "0002-swift-init-and-wrap.patch megatron/training.py @@ -130,6 +133,12 @@ def pretrain(" in out

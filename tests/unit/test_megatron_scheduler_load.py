@@ -21,8 +21,17 @@ scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler"
 def make_scheduler() -> tuple[object, torch.optim.Optimizer]:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     sched = scheduler_module.OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=8, lr_decay_steps=32, lr_decay_style="cosine",
-        start_wd=0.01, end_wd=0.01, wd_incr_steps=32, wd_incr_style="constant",
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=8,
+        lr_decay_steps=32,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=32,
+        wd_incr_style="constant",
     )
     return sched, opt
 

@@ -41,7 +41,9 @@ def test_json_output(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert set(report["bytes_per_edge_iteration"]) == {"act s1->s2 dp0 tp0", "grad s2->s1 dp0 tp0"}
 
 
-def test_flipped_byte_is_a_checksum_error_naming_file_and_record(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_flipped_byte_is_a_checksum_error_naming_file_and_record(
+    logs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     chunk = sorted(logs.glob("grad_*.swlog"))[0]
     e = load_chunk(chunk).order[3]
     data = bytearray(chunk.read_bytes())
@@ -49,7 +51,10 @@ def test_flipped_byte_is_a_checksum_error_naming_file_and_record(logs: Path, cap
     chunk.write_bytes(bytes(data))
     assert main(["logs", str(logs)]) == 1
     captured = capsys.readouterr()
-    assert f"checksum error: {chunk}: record #3 at offset {e.offset} (iteration 1, micro-batch 1, grad, part 0)" in captured.err
+    assert (
+        f"checksum error: {chunk}: record #3 at offset {e.offset} (iteration 1, micro-batch 1, grad, part 0)"
+        in captured.err
+    )
     assert "FAILED: 1 error(s)" in captured.out
 
 

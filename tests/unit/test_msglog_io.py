@@ -20,7 +20,16 @@ from ds_swift.msglog.reader import CorruptRecordError, MissingRecordError
 from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta, PythonAppender
 from ds_swift.msglog.writer_thread import HostStaged, WriteItem, WriterThread
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def meta(it: int, mb: int, kind: str = "act", src: int = 1, dst: int = 2, dp: int = 0) -> MessageMeta:
@@ -105,8 +114,11 @@ def test_a_chunk_cut_short_names_what_its_index_and_scan_found(tmp_path: Path) -
     os.truncate(chunk, e.offset + e.length // 2)
     r = LogReader(tmp_path)
     assert torch.equal(r.get(0, 0, "act", 1, 2), torch.zeros(64))  # type: ignore[arg-type]
-    with pytest.raises(MissingRecordError, match=r"no act record for iteration 0 micro-batch 1 \(.*points outside "
-                       r"the chunk.*truncated"):
+    with pytest.raises(
+        MissingRecordError,
+        match=r"no act record for iteration 0 micro-batch 1 \(.*points outside "
+        r"the chunk.*truncated",
+    ):
         r.get(0, 1, "act", 1, 2)
 
 
@@ -123,7 +135,9 @@ def test_flipped_payload_byte_names_file_and_record(tmp_path: Path) -> None:
     chunk.write_bytes(bytes(data))
     r = LogReader(tmp_path)
     assert torch.equal(r.get(0, 0, "act", 1, 2), torch.zeros(64))  # type: ignore[arg-type]
-    with pytest.raises(CorruptRecordError, match=rf"{chunk.name}: record #1 at offset {e.offset} .*micro-batch 1.*checksum"):
+    with pytest.raises(
+        CorruptRecordError, match=rf"{chunk.name}: record #1 at offset {e.offset} .*micro-batch 1.*checksum"
+    ):
         r.get(0, 1, "act", 1, 2)
     report = r.verify()
     assert not report.ok and report.records == 2
@@ -194,7 +208,9 @@ def test_scan_stops_at_a_corrupt_header(tmp_path: Path) -> None:
     assert len(scan.records) == 1 and scan.end == second and "record #1" in (scan.error or "")
 
 
-def test_disk_full_raises_naming_the_chunk_and_keeps_the_chunk_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_raises_naming_the_chunk_and_keeps_the_chunk_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = LogWriter(tmp_path, 10, PythonAppender())
     w.write(meta(0, 0), [torch.zeros(1000)])
     real = os.writev
@@ -206,7 +222,9 @@ def test_disk_full_raises_naming_the_chunk_and_keeps_the_chunk_valid(tmp_path: P
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "writev", full)
-    with pytest.raises(LogWriteError, match=r"act_s001-s002.*\.swlog: writing record \(iteration 0, micro-batch 1.*disk full") as ei:
+    with pytest.raises(
+        LogWriteError, match=r"act_s001-s002.*\.swlog: writing record \(iteration 0, micro-batch 1.*disk full"
+    ) as ei:
         w.write(meta(0, 1), [torch.ones(1000)])
     assert ei.value.errno == errno.ENOSPC and calls["n"] == 1
     monkeypatch.setattr(os, "writev", real)
@@ -219,7 +237,9 @@ def test_disk_full_raises_naming_the_chunk_and_keeps_the_chunk_valid(tmp_path: P
         r.get(0, 1, "act", 1, 2)
 
 
-def test_writer_thread_reports_failures_on_flush_and_keeps_going(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_writer_thread_reports_failures_on_flush_and_keeps_going(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wt = WriterThread(LogWriter(tmp_path, 10, PythonAppender()))
     real = os.writev
     fail = threading.Event()

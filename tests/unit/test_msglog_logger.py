@@ -163,7 +163,10 @@ def test_bubble_only_copies_at_idle_points_and_numbers_timestamps(tmp_path: Path
     for mb in range(3):
         assert torch.equal(r.get(1, mb, "act", 1, 2), produced[1 + mb])  # type: ignore[arg-type]
     assert [(rec.header.iteration, rec.header.micro_batch, rec.header.dst_rank) for rec in r.iter_records()] == [
-        (0, 0, 2), (1, 0, 2), (1, 1, 2), (1, 2, 2)
+        (0, 0, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+        (1, 2, 2),
     ]
 
 
@@ -264,7 +267,9 @@ def test_restart_iteration_numbers_a_rerun_from_zero(tmp_path: Path, wire: list)
     assert torch.equal(LogReader(tmp_path / "logs").get(0, 0, "act", 1, 2), torch.ones(2))  # type: ignore[arg-type]
 
 
-def test_a_failed_write_surfaces_on_the_training_thread(tmp_path: Path, wire: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_surfaces_on_the_training_thread(
+    tmp_path: Path, wire: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     e = FakeEngine(1)
     h = install_message_logging(e, PLAN, cfg(tmp_path), native=False)
     real = os.writev
@@ -304,7 +309,9 @@ def s3() -> Iterator[S3Server]:
 def test_upload_and_gc_in_the_store(tmp_path: Path, wire: list, scheme: str, request: pytest.FixtureRequest) -> None:
     url = request.getfixturevalue("s3").url() if scheme == "s3" else f"memory://ds-swift-logger-{uuid.uuid4().hex}"
     e = FakeEngine(1)
-    c = SwiftConfig.from_dict({"logging": {"storage": url, "local_dir": str(tmp_path / "local"), "chunk_iterations": 2}})
+    c = SwiftConfig.from_dict(
+        {"logging": {"storage": url, "local_dir": str(tmp_path / "local"), "chunk_iterations": 2}}
+    )
     with install_message_logging(e, PLAN, c, native=False) as h:
         for it in range(5):
             one_iteration(e, 2, seed=it)

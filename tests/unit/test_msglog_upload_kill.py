@@ -153,7 +153,9 @@ class _Crash(BaseException):
     pass
 
 
-def test_a_crash_between_a_chunk_and_its_index_leaves_a_clean_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_between_a_chunk_and_its_index_leaves_a_clean_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The chunk is published before its index: a crash between them leaves a new chunk with an old
     index, which the reader completes by scanning (no damage reported, every record there)."""
     from ds_swift.msglog.upload import upload_files

@@ -35,7 +35,7 @@ def test_the_tree_changes_deepspeed_and_torch_only_in_patches() -> None:
     assert found == [], "\n".join(map(str, found))
 
 
-OFFENDER = '''
+OFFENDER = """
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p
@@ -65,7 +65,7 @@ def f(engine, fn):
     self._engine = engine                           # the wrapper's own attribute
     p2p.recv = fn  # patch-seams: ok
     engine._y = 1  # patch-seams: ok
-'''
+"""
 
 
 def test_the_checker_flags_each_kind_of_write() -> None:

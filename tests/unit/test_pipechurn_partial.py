@@ -21,8 +21,15 @@ from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, retr
 from ds_swift.recovery.strategies.pipechurn_passes import transfers
 
 
-def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2, dp: int = 2, last: int = 9,
-            k: int = 2, r: int = 1) -> list[RankReport]:
+def reports(
+    lost: set[int],
+    inflight: dict[int, int] | None = None,
+    pp: int = 2,
+    dp: int = 2,
+    last: int = 9,
+    k: int = 2,
+    r: int = 1,
+) -> list[RankReport]:
     """One rank per machine, rank = stage * dp + dp_rank (DeepSpeed's pipe-data order); every
     survivor holds chunks of ``last`` and a complete copy of ``last + 1`` unless ``inflight`` says otherwise."""
     machines = pp * dp
@@ -31,12 +38,22 @@ def reports(lost: set[int], inflight: dict[int, int] | None = None, pp: int = 2,
     for rank in range(machines):
         survivor = rank not in lost
         held = tuple((o, last, hs.index(rank)) for o, hs in sorted(placement.items()) if rank in hs) if survivor else ()
-        out.append(RankReport(
-            rank=rank, survivor=survivor, stage=rank // dp, dp=rank % dp, tp=0, machine=rank,
-            last_stepped=last if survivor else -1, can_undo=survivor, ec_chunks=held, ec_k=k,
-            inflight=(inflight or {}).get(rank, last + 1) if survivor else -1,
-            inflight_passes=(-1 if (inflight or {}).get(rank) == -1 else 4) if survivor else -1,
-        ))
+        out.append(
+            RankReport(
+                rank=rank,
+                survivor=survivor,
+                stage=rank // dp,
+                dp=rank % dp,
+                tp=0,
+                machine=rank,
+                last_stepped=last if survivor else -1,
+                can_undo=survivor,
+                ec_chunks=held,
+                ec_k=k,
+                inflight=(inflight or {}).get(rank, last + 1) if survivor else -1,
+                inflight_passes=(-1 if (inflight or {}).get(rank) == -1 else 4) if survivor else -1,
+            )
+        )
     return out
 
 
@@ -44,7 +61,9 @@ def test_lost_passes_alone_are_recomputed_when_every_survivor_holds_the_iteratio
     inputs = RecoveryInputs.agree(reports({1}), forced="pipechurn")
     assert partial_blocker(inputs) is None
     # Rank 1 (stage 0 of replica 1) gets the gradients rank 3 (its stage 1) sent it.
-    assert [(t.src, t.dst, t.kind, list(t.micro_batches)) for t in transfers(inputs, 4)] == [(3, 1, "grad", [0, 1, 2, 3])]
+    assert [(t.src, t.dst, t.kind, list(t.micro_batches)) for t in transfers(inputs, 4)] == [
+        (3, 1, "grad", [0, 1, 2, 3])
+    ]
     plan = plan_recovery(reports({1}), forced="pipechurn", checkpoint_step=6)
     assert plan.strategy == "pipechurn" and "of iteration 10, only the lost ranks' passes are recomputed" in plan.reason
     assert "had not finished" not in plan.reason

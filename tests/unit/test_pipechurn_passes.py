@@ -20,18 +20,35 @@ from ds_swift.recovery.strategies.pipechurn_passes import (
 )
 
 
-def reports(lost: set[int], passes: dict[int, int], pp: int = 2, dp: int = 2, tp: int = 1, last: int = 7,
-            forwards: dict[int, int] | None = None) -> list[RankReport]:  # fmt: skip
+def reports(
+    lost: set[int],
+    passes: dict[int, int],
+    pp: int = 2,
+    dp: int = 2,
+    tp: int = 1,
+    last: int = 7,
+    forwards: dict[int, int] | None = None,
+) -> list[RankReport]:
     """Rank order tp-pp-dp (rank = tp + tp * (stage + pp * dp)); a survivor's copy is of ``last + 1``."""
     out = []
     for rank in range(pp * dp * tp):
         t, s, d = rank % tp, (rank // tp) % pp, rank // (tp * pp)
         survivor = rank not in lost
         n = passes.get(rank, 4)
-        out.append(RankReport(rank=rank, survivor=survivor, stage=s, dp=d, tp=t, machine=rank,
-                              last_stepped=last if survivor else -1, inflight=last + 1 if survivor else -1,
-                              inflight_passes=n if survivor else -1,
-                              inflight_forwards=(forwards or {}).get(rank, n) if survivor else 0))  # fmt: skip
+        out.append(
+            RankReport(
+                rank=rank,
+                survivor=survivor,
+                stage=s,
+                dp=d,
+                tp=t,
+                machine=rank,
+                last_stepped=last if survivor else -1,
+                inflight=last + 1 if survivor else -1,
+                inflight_passes=n if survivor else -1,
+                inflight_forwards=(forwards or {}).get(rank, n) if survivor else 0,
+            )
+        )
     return out
 
 

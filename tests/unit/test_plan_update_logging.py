@@ -54,12 +54,14 @@ def test_a_budget_buys_the_faster_replay_where_it_fits() -> None:
     assert [r.choice for r in rows] == ["update", "update"]
     cheap = sum(r.update_bytes for r in rows) * 10 / 1e9
     extra = (rows[0].activation_bytes - rows[0].update_bytes) * 10 / 1e9
-    one = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 1.5 * extra,
-                               **kwargs)
+    one = choose_stage_logging(
+        LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 1.5 * extra, **kwargs
+    )
     assert sorted(r.choice for r in one) == ["activation", "update"]
     assert "replay faster" in next(r.reason for r in one if r.choice == "activation")
-    both = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 2 * extra,
-                                **kwargs)
+    both = choose_stage_logging(
+        LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap + 2 * extra, **kwargs
+    )
     assert [r.choice for r in both] == ["activation", "activation"]
     over = choose_stage_logging(LAYOUT, bert128(8), [1, 2], [EIGHT_LAYERS] * 4, storage_budget_gb=cheap / 2, **kwargs)
     assert [r.choice for r in over] == ["update", "update"]
@@ -82,9 +84,31 @@ def test_even_split_keeps_every_parameter() -> None:
 @pytest.mark.parametrize(("micro_batches", "expected"), [(8, "update"), (4, "activation")])
 def test_ds_swift_plan_shows_the_choice(micro_batches: int, expected: str) -> None:
     argv = [
-        sys.executable, "-m", "ds_swift.cli", "plan", "--tp", "1", "--pp", "4", "--dp", "2", "--gpus-per-node", "2",
-        "--strategy", "logging", "--hidden", "1024", "--seq-len", "128", "--micro-batch-size", "32",
-        "--micro-batches", str(micro_batches), "--num-params", str(4 * EIGHT_LAYERS), "--json",
+        sys.executable,
+        "-m",
+        "ds_swift.cli",
+        "plan",
+        "--tp",
+        "1",
+        "--pp",
+        "4",
+        "--dp",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--strategy",
+        "logging",
+        "--hidden",
+        "1024",
+        "--seq-len",
+        "128",
+        "--micro-batch-size",
+        "32",
+        "--micro-batches",
+        str(micro_batches),
+        "--num-params",
+        str(4 * EIGHT_LAYERS),
+        "--json",
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -114,8 +138,21 @@ def test_a_config_check_imports_no_deepspeed_and_plan_json_is_json_alone() -> No
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
     config = Path(__file__).resolve().parents[2] / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
-    argv = [sys.executable, "-m", "ds_swift.cli", "plan", "--tp", "1", "--pp", "2", "--dp", "2",
-            "--deepspeed-config", str(config), "--json"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "ds_swift.cli",
+        "plan",
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--deepspeed-config",
+        str(config),
+        "--json",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["layout"]["pp"] == 2, done.stdout[:500]

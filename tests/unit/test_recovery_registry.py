@@ -14,8 +14,16 @@ from ds_swift.recovery.registry import STRATEGIES, plan_recovery
 def pipeline_only(lost_machine: int = 1, last: int = 11) -> list[RankReport]:
     """pp 4 on 2 machines, one replica: a lost machine's stages have no donor anywhere."""
     return [
-        RankReport(rank=r, survivor=r // 2 != lost_machine, stage=r, dp=0, tp=0, machine=r // 2,
-                   last_stepped=-1 if r // 2 == lost_machine else last, can_undo=True)
+        RankReport(
+            rank=r,
+            survivor=r // 2 != lost_machine,
+            stage=r,
+            dp=0,
+            tp=0,
+            machine=r // 2,
+            last_stepped=-1 if r // 2 == lost_machine else last,
+            can_undo=True,
+        )
         for r in range(4)
     ]
 
@@ -127,8 +135,10 @@ def test_the_consensus_is_pure_and_order_free() -> None:
 
 
 def test_forced_logging_with_nobody_lost_keeps_the_survivors() -> None:
-    reports = [RankReport(rank=r, survivor=True, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=5, can_undo=True)
-               for r in range(4)]
+    reports = [
+        RankReport(rank=r, survivor=True, stage=r, dp=0, tp=0, machine=r // 2, last_stepped=5, can_undo=True)
+        for r in range(4)
+    ]
     plan = plan_recovery(reports, forced="logging", logging=LoggingSetup(frozenset(range(4))))
     assert plan.strategy == "logging" and plan.replay_ranks == () and list(plan.replay_iterations) == []
     assert plan_recovery(reports).strategy == "replication"
@@ -160,7 +170,9 @@ def test_scar_is_chosen_only_by_name_is_approximate_and_needs_a_survivor() -> No
         'the config forces strategy "scar": ranks [2, 3] load global_step6 and train on from iteration 10 with the '
         "survivors' state (partial recovery: approximate)"
     )
-    assert "scar" not in [s.name for s in STRATEGIES.candidates(RecoveryInputs.agree(pipeline_only(), checkpoint_step=6))]
+    assert "scar" not in [
+        s.name for s in STRATEGIES.candidates(RecoveryInputs.agree(pipeline_only(), checkpoint_step=6))
+    ]
     # Every rank lost: nothing to keep, so a checkpoint restart, saying why.
     everyone = [dataclasses.replace(r, survivor=False) for r in pipeline_only(last=9)]
     plan = plan_recovery(everyone, forced="scar", checkpoint_step=6)

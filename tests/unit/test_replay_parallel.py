@@ -141,11 +141,14 @@ def bf16_optimizer_run(model: TupleStage, share: list[int], seed: int, h: int, p
     hp = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
     handles = []
     if per_call:
+
         def adder(i: int):  # noqa: ANN202 - a hook factory
             def hook(p: torch.Tensor) -> None:
                 hp[i].add_(p.grad.to(torch.float32))
                 p.grad = None
+
             return hook
+
         handles = [p.register_post_accumulate_grad_hook(adder(i)) for i, p in enumerate(params)]
     for mb in share:
         for p in params:

@@ -47,8 +47,17 @@ def publish_lost_state(store: JobStore, iteration: int = CONSENSUS) -> Any:
 
 
 def context(store: JobStore, eng: Any) -> RankContext:
-    return RankContext(store=store, generation=1, rank=LOST, engine=eng, kept=None, ckpt=None,
-                       timeline=RankTimeline(LOST, "replacement", 0), gather_timeout_s=5.0, verify=True)
+    return RankContext(
+        store=store,
+        generation=1,
+        rank=LOST,
+        engine=eng,
+        kept=None,
+        ckpt=None,
+        timeline=RankTimeline(LOST, "replacement", 0),
+        gather_timeout_s=5.0,
+        verify=True,
+    )
 
 
 def stub_transport(monkeypatch: pytest.MonkeyPatch, module: Any, arrived: Any) -> None:
@@ -65,8 +74,11 @@ def stub_transport(monkeypatch: pytest.MonkeyPatch, module: Any, arrived: Any) -
         if hasattr(module, name):
             monkeypatch.setattr(module, name, load)
     monkeypatch.setattr(module, "finish_restore", lambda eng: None)
-    monkeypatch.setattr(module, "check_received", lambda ctx, donor, state, what: Verdict(
-        "verified", f"{what} bitwise equal to donor rank {donor}'s"))
+    monkeypatch.setattr(
+        module,
+        "check_received",
+        lambda ctx, donor, state, what: Verdict("verified", f"{what} bitwise equal to donor rank {donor}'s"),
+    )
 
 
 def restore(kind: str, store: JobStore, monkeypatch: pytest.MonkeyPatch, arrived: Any) -> Verdict:
@@ -122,7 +134,9 @@ def test_an_elastic_reshard_is_checked_part_by_part_against_the_old_ranks_digest
     parts = {}
     for owner in (0, 1):
         part = {"exp_avg": torch.full((4,), float(owner)), "step": torch.tensor(7.0)}
-        publish_digest(store, owner, CONSENSUS, 1, digest_state({"module": here.module.state_dict(), "optimizer": part}))
+        publish_digest(
+            store, owner, CONSENSUS, 1, digest_state({"module": here.module.state_dict(), "optimizer": part})
+        )
         parts[owner] = part
     assert check_resharded(store, here, parts, CONSENSUS).status == "verified"
     wrong = {0: parts[0], 1: {**parts[1], "exp_avg": parts[1]["exp_avg"] + 1e-3}}  # a wrong copy of old rank 1's

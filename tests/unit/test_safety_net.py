@@ -20,8 +20,10 @@ from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
 
-GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-                "waiting 30000ms for send operation to complete")
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+    "waiting 30000ms for send operation to complete"
+)
 
 
 # ------------------------------------------------------------------ buddy copier
@@ -29,8 +31,9 @@ def test_a_copier_error_stops_copying_loudly_and_training_goes_on(capsys: pytest
     copier = BuddyCopier(1, ())
     landed = threading.Event()
     landed.set()  # the round ended: with an error on the copier's thread
-    worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object(),
-                             landing=None)
+    worker = SimpleNamespace(
+        landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False, channel=object(), landing=None
+    )
     copier._worker = worker  # type: ignore[assignment]
     checked: list[bool] = []
     copier.before_step(lambda: checked.append(True))  # the training thread's next step: no raise
@@ -46,8 +49,13 @@ def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
     copier = BuddyCopier(1, ())
     landed = threading.Event()
     landed.set()
-    copier._worker = SimpleNamespace(landed=landed, error=RuntimeError(GLOO_TIMEOUT), stopped=False,  # type: ignore[assignment]
-                                     channel=object(), landing=None)
+    copier._worker = SimpleNamespace(
+        landed=landed,
+        error=RuntimeError(GLOO_TIMEOUT),
+        stopped=False,  # type: ignore[assignment]
+        channel=object(),
+        landing=None,
+    )
 
     def failed() -> None:
         raise RuntimeError("generation 0 failed: machine 1 lost")
@@ -60,8 +68,9 @@ def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
     store = JobStore.host("unit-buddy-landing")
     world, results = 3, {}
     ranks = [StoreLanding(store, 0, world, rank=r) for r in range(world)]
-    threads = {r: threading.Thread(target=lambda r=r: results.setdefault(r, ranks[r](7, lambda: False)))
-               for r in (0, 1)}
+    threads = {
+        r: threading.Thread(target=lambda r=r: results.setdefault(r, ranks[r](7, lambda: False))) for r in (0, 1)
+    }
     for t in threads.values():
         t.start()
     # Ranks 0 (the leader) and 1 wait for rank 2: their keys are in, done is not.
@@ -127,8 +136,7 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
     store = JobStore.host("unit-safety-net")
     report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
-    ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0),
-                      10.0)
+    ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0)
     outcome = coordinator.run_recovery(
         ctx, world_size=1, report=report, strategy="auto", zero_stage=1, optimizer_wrapper=None
     )

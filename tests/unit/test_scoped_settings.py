@@ -56,17 +56,28 @@ def closable() -> SwiftPipelineEngine:
     """A SwiftPipelineEngine with what close() touches, the rest left out; its determinism switched
     on as __init__ switches it."""
     engine = SwiftPipelineEngine.__new__(SwiftPipelineEngine)
-    parts = {"_timeline": mock.Mock(), "_monitor": mock.Mock(), "_hooks": mock.Mock(), "_recv_patch": mock.Mock(),
-             "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None), "_ckpt": mock.Mock(),
-             "_running": None}
-    vars(engine).update(parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism())
+    parts = {
+        "_timeline": mock.Mock(),
+        "_monitor": mock.Mock(),
+        "_hooks": mock.Mock(),
+        "_recv_patch": mock.Mock(),
+        "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None),
+        "_ckpt": mock.Mock(),
+        "_running": None,
+    }
+    vars(engine).update(
+        parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism()
+    )
     vars(engine)["_write_usage"] = lambda: None
     return engine
 
 
 def settings() -> tuple[bool, bool, bool]:
-    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            bool(torch.utils.deterministic.fill_uninitialized_memory))
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        bool(torch.utils.deterministic.fill_uninitialized_memory),
+    )
 
 
 @pytest.fixture

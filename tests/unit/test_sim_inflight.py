@@ -9,8 +9,9 @@ from ds_swift.sim.model import Workload
 
 
 def workload(p: int, m: int) -> Workload:
-    return Workload(name="w", total_iterations=100, iteration_time_s=1.1, machines=4, pipeline_stages=p,
-                    micro_batches=m)
+    return Workload(
+        name="w", total_iterations=100, iteration_time_s=1.1, machines=4, pipeline_stages=p, micro_batches=m
+    )
 
 
 def test_partial_recomputation_runs_the_lost_passes_without_the_pipeline_fill() -> None:

@@ -55,24 +55,45 @@ def strategies_(draw: st.DrawFn, machines: int) -> StrategySpec:
     if kind == "checkpoint":
         return StrategySpec("s", kind, load_s=draw(costs), **common)
     if kind == "snapshot":
-        return StrategySpec("s", kind, snapshot_interval=draw(st.integers(1, 500)), snapshot_cost_s=draw(costs),
-                            load_s=draw(costs), broadcast_s=draw(costs), **common)
+        return StrategySpec(
+            "s",
+            kind,
+            snapshot_interval=draw(st.integers(1, 500)),
+            snapshot_cost_s=draw(costs),
+            load_s=draw(costs),
+            broadcast_s=draw(costs),
+            **common,
+        )
     if kind == "replication":
         return StrategySpec("s", kind, undo_s=draw(costs), broadcast_s=draw(costs), **common)
     if kind == "elastic":
         given = machines < 2 or draw(st.booleans())
-        return StrategySpec("s", kind, undo_s=draw(costs), broadcast_s=draw(costs), grow_s=draw(costs),
-                            repair_s=draw(st.one_of(st.none(), st.floats(0.0, 1e5))),
-                            shrunk_throughput=draw(st.floats(0.3, 0.95)) if given else None, **common)
+        return StrategySpec(
+            "s",
+            kind,
+            undo_s=draw(costs),
+            broadcast_s=draw(costs),
+            grow_s=draw(costs),
+            repair_s=draw(st.one_of(st.none(), st.floats(0.0, 1e5))),
+            shrunk_throughput=draw(st.floats(0.3, 0.95)) if given else None,
+            **common,
+        )
     if draw(st.booleans()):
-        spec = LoggingSpec(replay_fraction=draw(st.floats(0.05, 1.0)), parallel_recovery=draw(st.booleans()),
-                           parallel_speedup=draw(st.floats(1.0, 16.0)))
+        spec = LoggingSpec(
+            replay_fraction=draw(st.floats(0.05, 1.0)),
+            parallel_recovery=draw(st.booleans()),
+            parallel_speedup=draw(st.floats(1.0, 16.0)),
+        )
     else:
         sizes: list[int] = []
         while sum(sizes) < machines:
             sizes.append(draw(st.integers(1, machines - sum(sizes))))
-        spec = LoggingSpec(groups=tuple(sizes), parallel_recovery=draw(st.booleans()),
-                           download_s_per_iteration=draw(st.floats(0.0, 2.0)), upload_s=draw(costs))
+        spec = LoggingSpec(
+            groups=tuple(sizes),
+            parallel_recovery=draw(st.booleans()),
+            download_s_per_iteration=draw(st.floats(0.0, 2.0)),
+            upload_s=draw(costs),
+        )
     return StrategySpec("s", kind, load_s=draw(costs), undo_s=draw(costs), logging=spec, **common)
 
 
@@ -115,8 +136,13 @@ def test_failure_cost_by_hand() -> None:
     assert failure_costs_s(wl, snap, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(105.0)
     rep = StrategySpec("r", "replication", checkpoint_interval=20, restart_s=100.0, undo_s=1.0, broadcast_s=2.0)
     assert failure_costs_s(wl, rep, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(108.0)
-    log = StrategySpec("l", "logging", checkpoint_interval=20, restart_s=100.0,
-                       logging=LoggingSpec(replay_fraction=0.5, parallel_recovery=True, parallel_speedup=2.0))
+    log = StrategySpec(
+        "l",
+        "logging",
+        checkpoint_interval=20,
+        restart_s=100.0,
+        logging=LoggingSpec(replay_fraction=0.5, parallel_recovery=True, parallel_speedup=2.0),
+    )
     assert failure_costs_s(wl, log, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 5 + 5 * 2.5)
 
 
@@ -151,7 +177,9 @@ def test_selective_logging_groups_replay_the_whole_group() -> None:
     cost = failure_costs_s(wl, s, x, np.array([0.1, 0.9]))
     assert cost == pytest.approx([10 * 7 / 19, 10 * 15 / 19])
     # Parallel recovery divides by floor(machines / group size), the paper's ideal.
-    pr = StrategySpec("l", "logging", checkpoint_interval=50, logging=LoggingSpec(groups=(1, 3), parallel_recovery=True))
+    pr = StrategySpec(
+        "l", "logging", checkpoint_interval=50, logging=LoggingSpec(groups=(1, 3), parallel_recovery=True)
+    )
     assert [p.replay_s_per_iteration for p in recovery_paths(wl, pr)] == pytest.approx([7 / 19 / 4, 15 / 19 / 1])
 
 
@@ -185,8 +213,9 @@ def test_expected_cost_matches_the_monte_carlo_mean(job: tuple[Workload, Strateg
 # --------------------------------------------------------------------------- monotonicity
 @settings(max_examples=60, deadline=None)
 @given(jobs(), st.integers(0, 40), st.integers(1, 10), st.integers(0, 2**31 - 1))
-def test_more_failures_never_make_a_job_faster(job: tuple[Workload, StrategySpec], n: int, extra: int,
-                                               seed: int) -> None:
+def test_more_failures_never_make_a_job_faster(
+    job: tuple[Workload, StrategySpec], n: int, extra: int, seed: int
+) -> None:
     wl, s = job
     fewer = simulate_samples(wl, s, FailureModel(count=n).sample(wl.compute_s, 3, seed))
     more = simulate_samples(wl, s, FailureModel(count=n + extra).sample(wl.compute_s, 3, seed))
@@ -195,8 +224,9 @@ def test_more_failures_never_make_a_job_faster(job: tuple[Workload, StrategySpec
 
 @settings(max_examples=40, deadline=None)
 @given(jobs(), st.floats(0.5, 50.0), st.floats(1.0, 4.0), st.integers(0, 2**31 - 1))
-def test_poisson_coupling_is_monotone_in_the_rate(job: tuple[Workload, StrategySpec], mtbf: float, factor: float,
-                                                  seed: int) -> None:
+def test_poisson_coupling_is_monotone_in_the_rate(
+    job: tuple[Workload, StrategySpec], mtbf: float, factor: float, seed: int
+) -> None:
     wl, s = job
     rare = FailureModel("exponential", mtbf_hours=mtbf * factor).sample(wl.compute_s, 3, seed)
     often = FailureModel("exponential", mtbf_hours=mtbf).sample(wl.compute_s, 3, seed)
@@ -290,14 +320,23 @@ def test_parallel_recovery_costs_its_set_up_and_gradient_swap() -> None:
     """Parallel replay (issue 34): the helpers' set-up once per failure, the copies' gradient swap on
     every replayed iteration; neither counts without parallel recovery."""
     wl = Workload("w", total_iterations=100, iteration_time_s=10.0)
-    par = LoggingSpec(replay_fraction=0.5, parallel_recovery=True, parallel_speedup=2.0, parallel_setup_s=7.0,
-                      parallel_exchange_s_per_iteration=0.5)
+    par = LoggingSpec(
+        replay_fraction=0.5,
+        parallel_recovery=True,
+        parallel_speedup=2.0,
+        parallel_setup_s=7.0,
+        parallel_exchange_s_per_iteration=0.5,
+    )
     log = StrategySpec("l", "logging", checkpoint_interval=20, restart_s=100.0, logging=par)
     # 5 iterations replayed and half an iteration in flight (see above): 100 + 7 set-up + 5 + 5 x (10 x 0.5 / 2 + 0.5)
     assert failure_costs_s(wl, log, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 7 + 5 + 5 * 3.0)
-    seq = StrategySpec("s", "logging", checkpoint_interval=20, restart_s=100.0,
-                       logging=LoggingSpec(replay_fraction=0.5, parallel_setup_s=7.0,
-                                           parallel_exchange_s_per_iteration=0.5))
+    seq = StrategySpec(
+        "s",
+        "logging",
+        checkpoint_interval=20,
+        restart_s=100.0,
+        logging=LoggingSpec(replay_fraction=0.5, parallel_setup_s=7.0, parallel_exchange_s_per_iteration=0.5),
+    )
     assert failure_costs_s(wl, seq, np.array([0.455]), np.array([0.0]))[0] == pytest.approx(100 + 5 + 5 * 5.0)
     with pytest.raises(ConfigError, match="parallel_setup_s"):
         LoggingSpec(parallel_setup_s=-1.0)

@@ -70,11 +70,21 @@ def test_a_simulation_config_sets_the_window_per_strategy() -> None:
         "pipechurn": {"kind": "snapshot", "snapshot_interval": 1},
         "pipechurn_partial": {"kind": "snapshot", "snapshot_interval": 1, "partial_recompute_window": 0.1},
     }
-    cfg = parse_sim_config({
-        "failures": {"model": "exponential", "mtbf_hours": 12},
-        "workloads": [{"name": "w", "total_iterations": 1000, "iteration_time_s": 2.0, "machines": 4,
-                       "pipeline": {"stages": 4, "micro_batches": 8}, "strategies": strategies}],
-    })
+    cfg = parse_sim_config(
+        {
+            "failures": {"model": "exponential", "mtbf_hours": 12},
+            "workloads": [
+                {
+                    "name": "w",
+                    "total_iterations": 1000,
+                    "iteration_time_s": 2.0,
+                    "machines": 4,
+                    "pipeline": {"stages": 4, "micro_batches": 8},
+                    "strategies": strategies,
+                }
+            ],
+        }
+    )
     specs = {s.name: s for s in cfg.workloads[0].strategies}
     assert specs["pipechurn_partial"].partial_recompute_window == 0.1
     assert specs["pipechurn"].partial_recompute_window is None

@@ -25,16 +25,23 @@ RAW: dict[str, Any] = json.loads(PROFILE.read_text())
 SIM: dict[str, Any] = {
     "simulation": {"repeats": 10, "seed": 0},
     "failures": {"model": "uniform", "count": 20},
-    "workloads": [{
-        "name": "job",
-        "total_iterations": 20000,
-        "iteration_time_s": 2.0,
-        "strategies": {
-            "global_checkpoint": {"kind": "checkpoint", "checkpoint_interval": 500, "checkpoint_cost_s": 30.0,
-                                  "restart_s": 60.0, "load_s": 10.0},
-            "hand_set": {"kind": "replication", "restart_s": 60.0},
-        },
-    }],
+    "workloads": [
+        {
+            "name": "job",
+            "total_iterations": 20000,
+            "iteration_time_s": 2.0,
+            "strategies": {
+                "global_checkpoint": {
+                    "kind": "checkpoint",
+                    "checkpoint_interval": 500,
+                    "checkpoint_cost_s": 30.0,
+                    "restart_s": 60.0,
+                    "load_s": 10.0,
+                },
+                "hand_set": {"kind": "replication", "restart_s": 60.0},
+            },
+        }
+    ],
 }
 
 
@@ -133,8 +140,17 @@ def test_conversion_of_each_kind(profile: BenchProfile) -> None:
 
 def test_an_elastic_row_takes_the_measured_speed_and_the_yamls_repair_policy(profile: BenchProfile) -> None:
     doc = copy.deepcopy(RAW)
-    doc["strategies"].append({**doc["strategies"][0], "name": "lossy_forward_elastic", "kind": "elastic",
-                              "shrunk_throughput": 0.6, "recovery_s": 0.7, "exact": False, "max_ulp": None})
+    doc["strategies"].append(
+        {
+            **doc["strategies"][0],
+            "name": "lossy_forward_elastic",
+            "kind": "elastic",
+            "shrunk_throughput": 0.6,
+            "recovery_s": 0.7,
+            "exact": False,
+            "max_ulp": None,
+        }
+    )
     elastic_profile = parse_profile(doc)
     row = _row(elastic_profile, "lossy_forward_elastic")
     spec = strategy_from_row(row, elastic_profile)
@@ -206,7 +222,12 @@ def test_cli_profile_gives_the_expected_ranking(sim_file: Path, capsys: pytest.C
     # TranLogs replays at 0.15 of an iteration against SWIFT logging's 0.47, but is 1.3 % slower
     # while nothing fails; the global checkpoint loses 250 iterations per failure.
     assert sorted(measured, key=measured.__getitem__) == [
-        "replication", "checkfreq", "tranlogs", "logging", "global_checkpoint"]
+        "replication",
+        "checkfreq",
+        "tranlogs",
+        "logging",
+        "global_checkpoint",
+    ]
     assert cli.main([str(sim_file), "--json"]) == 0  # without the profile: the YAML's costs
     assert json.loads(capsys.readouterr().out)["job"]["global_checkpoint"] != row["global_checkpoint"]
 

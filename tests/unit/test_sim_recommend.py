@@ -33,15 +33,26 @@ def tunable_jobs(draw: st.DrawFn) -> tuple[Workload, StrategySpec, FailureModel]
     if kind == "checkpoint":
         s = StrategySpec("s", kind, checkpoint_cost_s=cost, load_s=5.0, **common)
     elif kind == "snapshot":
-        s = StrategySpec("s", kind, snapshot_interval=draw(st.integers(1, 500)), snapshot_cost_s=cost,
-                         checkpoint_cost_s=draw(st.floats(0.0, 50.0)), **common)
+        s = StrategySpec(
+            "s",
+            kind,
+            snapshot_interval=draw(st.integers(1, 500)),
+            snapshot_cost_s=cost,
+            checkpoint_cost_s=draw(st.floats(0.0, 50.0)),
+            **common,
+        )
     else:
-        s = StrategySpec("s", kind, checkpoint_cost_s=cost,
-                         logging=LoggingSpec(replay_fraction=draw(st.floats(0.05, 1.0))), **common)
-    failures = draw(st.sampled_from([
-        FailureModel(count=draw(st.integers(0, 60))),
-        FailureModel("exponential", mtbf_hours=draw(st.floats(0.5, 100.0))),
-    ]))
+        s = StrategySpec(
+            "s", kind, checkpoint_cost_s=cost, logging=LoggingSpec(replay_fraction=draw(st.floats(0.05, 1.0))), **common
+        )
+    failures = draw(
+        st.sampled_from(
+            [
+                FailureModel(count=draw(st.integers(0, 60))),
+                FailureModel("exponential", mtbf_hours=draw(st.floats(0.5, 100.0))),
+            ]
+        )
+    )
     return wl, s, failures
 
 
@@ -106,8 +117,12 @@ def test_weibull_uses_the_monte_carlo_mean() -> None:
 
 
 # --------------------------------------------------------------------------- plans
-BERT_PLAN = {"stages": ["logging"] * 128, "groups": [[i] for i in range(16)], "pp": 128,
-             "log_bytes_per_iteration": 8_050_000_000}
+BERT_PLAN = {
+    "stages": ["logging"] * 128,
+    "groups": [[i] for i in range(16)],
+    "pp": 128,
+    "log_bytes_per_iteration": 8_050_000_000,
+}
 
 
 def test_recommend_for_a_logging_plan() -> None:
@@ -129,15 +144,18 @@ def test_recommend_for_a_logging_plan() -> None:
     # A slow store bounds the replay by the log download.
     slow = recommend_for_plan(BERT_PLAN, 17.0, 3.32, 500000, 0.93, 98.8, micro_batches=4, storage_gbps=1.0)
     fast = recommend_for_plan(BERT_PLAN, 17.0, 3.32, 500000, 0.93, 98.8, micro_batches=4)
-    swift_h = {o: {a["name"]: a["expected_hours"] for a in d["alternatives"]}["swift"] for o, d in
-               (("slow", slow), ("fast", fast))}
+    swift_h = {
+        o: {a["name"]: a["expected_hours"] for a in d["alternatives"]}["swift"]
+        for o, d in (("slow", slow), ("fast", fast))
+    }
     assert swift_h["slow"] > swift_h["fast"]
 
 
 def test_recommend_for_a_replication_plan() -> None:
     plan = {"stages": [{"strategy": "replication"}] * 4, "groups": [], "machines": 2}
-    out = recommend_for_plan(plan, 17.0, 3.83, 450360, 20.0, 98.8, load_s=5.0, undo_s=0.86, broadcast_s=1.3,
-                             checkpoint_interval=5004)
+    out = recommend_for_plan(
+        plan, 17.0, 3.83, 450360, 20.0, 98.8, load_s=5.0, undo_s=0.86, broadcast_s=1.3, checkpoint_interval=5004
+    )
     by = {a["name"]: a for a in out["alternatives"]}
     assert out["recommended"] == "swift" and by["swift"]["strategy"] == "replication"
     assert by["swift"]["checkpoint_interval"] == 5004

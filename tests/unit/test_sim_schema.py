@@ -74,8 +74,11 @@ def test_table5_file_loads() -> None:
     [
         ("workloads.0.strategies.checkfreq.snapshot_interval", -3, r"strategies\.checkfreq: snapshot_interval=-3"),
         ("workloads.0.strategies.checkfreq.snapshot_interval", _DELETE, "snapshot_interval"),
-        ("workloads.0.strategies.global_checkpoint.snapshot_interval", 5,
-         r"strategies\.global_checkpoint\.snapshot_interval: is not read by kind checkpoint"),
+        (
+            "workloads.0.strategies.global_checkpoint.snapshot_interval",
+            5,
+            r"strategies\.global_checkpoint\.snapshot_interval: is not read by kind checkpoint",
+        ),
         ("workloads.0.strategies.global_checkpoint.kind", "magic", r"global_checkpoint\.kind: 'magic'"),
         ("workloads.0.strategies.global_checkpoint.load_sec", 1, "unknown key.*load_sec"),
         ("workloads.0.strategies.global_checkpoint.restart_s", "fast", "restart_s='fast'"),

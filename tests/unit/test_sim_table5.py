@@ -73,8 +73,7 @@ SAVING_TOLERANCE_H: dict[tuple[str, str], float] = {
 # (restart_s to SWIFT's, snapshot_cost_s to the other two), so this is a regression pin of the
 # cost arithmetic: doubling the shared restart (28 x 98.8 s) moves each by 0.77 h.
 LOST_BEYOND_FAILURE_FREE_TOLERANCE_H = 0.15
-LOW_NOISE_CELLS = [("Wide-ResNet-50", "swift"), ("Wide-ResNet-50", "checkfreq"),
-                   ("Wide-ResNet-50", "elastic_horovod")]
+LOW_NOISE_CELLS = [("Wide-ResNet-50", "swift"), ("Wide-ResNet-50", "checkfreq"), ("Wide-ResNet-50", "elastic_horovod")]
 
 
 def saving(row: dict[str, float], strategy: str) -> float:
@@ -127,8 +126,7 @@ def test_saving_vs_global_checkpoint(table: dict[str, dict[str, float]], workloa
 
 
 @pytest.mark.parametrize(("workload", "strategy"), LOW_NOISE_CELLS)
-def test_hours_lost_beyond_failure_free_time(table: dict[str, dict[str, float]], workload: str,
-                                             strategy: str) -> None:
+def test_hours_lost_beyond_failure_free_time(table: dict[str, dict[str, float]], workload: str, strategy: str) -> None:
     row = table[workload]
     assert lost_ok(row, workload, strategy), (
         f"{workload} {strategy}: {row[strategy] - FAILURE_FREE[workload]:.2f} h beyond failure-free, the paper "
@@ -179,7 +177,9 @@ def _double_restart(doc: dict[str, Any]) -> None:
     ids=["bert-replay-fraction-x2", "vit-replay-fraction-x2", "wide-resnet-restart-x2"],
 )
 def test_a_doubled_recovery_cost_trips_the_new_check_not_the_old_one(
-    tmp_path: Path, workload: str, mutate: Callable[[dict[str, Any]], None],
+    tmp_path: Path,
+    workload: str,
+    mutate: Callable[[dict[str, Any]], None],
     new_check: Callable[[dict[str, float], str, str], bool],
 ) -> None:
     doc = copy.deepcopy(yaml.safe_load(CONFIG.read_text()))

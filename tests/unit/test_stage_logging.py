@@ -31,8 +31,16 @@ def config(kinds: Any = "auto", **swift: Any) -> SwiftConfig:
 def measured(update_bytes: list[int], nbytes: int = B, copy_gbps: float | None = None) -> MeasuredSizes:
     """pp 4: each rank logs its sends to its neighbours and (kinds auto) its updates."""
     reports = [
-        {"rank": r, "iteration": 0, "sends": [[q, nbytes] for q in (r - 1, r + 1) if 0 <= q < 4], "seconds": 2.0,
-         "params": PARAMS, "stage": r, "update_bytes": update_bytes[r], "copy_gbps": copy_gbps}
+        {
+            "rank": r,
+            "iteration": 0,
+            "sends": [[q, nbytes] for q in (r - 1, r + 1) if 0 <= q < 4],
+            "seconds": 2.0,
+            "params": PARAMS,
+            "stage": r,
+            "update_bytes": update_bytes[r],
+            "copy_gbps": copy_gbps,
+        }
         for r in range(4)
     ]
     return MeasuredSizes.from_reports(reports, micro_batches=4)
@@ -52,7 +60,9 @@ def test_auto_takes_per_stage_the_fewer_bytes_measured_so_one_job_logs_both_kind
     # sends into update stages are not logged any more; sends into message stages still are
     assert {(e.src_rank, e.dst_rank) for e in plan.logged_edges} == {(1, 0), (1, 2), (3, 2)}
     lines = describe(plan, cfg, decisions)
-    assert f"{3 * B} bytes of messages and {B + B // 2} bytes of updates (stages [1, 3]) logged per iteration" in lines[0]
+    assert (
+        f"{3 * B} bytes of messages and {B + B // 2} bytes of updates (stages [1, 3]) logged per iteration" in lines[0]
+    )
     line = lines[-1]
     assert line.startswith("per-stage logging (measured in iteration 0, iteration 2 s): stage 0: messages (")
     assert "stage 1: updates (updates 0.132 MB < inbound messages 0.263 MB; pays: < its state 16 MB" in line
@@ -100,8 +110,15 @@ def test_a_stage_where_logging_does_not_pay_is_not_logged_and_the_line_says_why(
 def test_stages_sharing_a_logging_group_are_decided_together() -> None:
     pp4_on_2 = ParallelLayout(pp=4, gpus_per_node=2)  # machine 0: stages 0, 1; machine 1: stages 2, 3
     reports = [
-        {"rank": r, "iteration": 0, "sends": [[q, B] for q in (r - 1, r + 1) if q in (1, 2) and r in (1, 2)],
-         "seconds": 1.0, "params": PARAMS, "stage": r, "update_bytes": B // 4}
+        {
+            "rank": r,
+            "iteration": 0,
+            "sends": [[q, B] for q in (r - 1, r + 1) if q in (1, 2) and r in (1, 2)],
+            "seconds": 1.0,
+            "params": PARAMS,
+            "stage": r,
+            "update_bytes": B // 4,
+        }
         for r in range(4)
     ]
     m = MeasuredSizes.from_reports(reports, 4)
@@ -114,7 +131,11 @@ def test_stages_sharing_a_logging_group_are_decided_together() -> None:
 
 def test_the_kinds_config_is_checked_naming_the_field() -> None:
     assert config(["messages", "updates", "messages", "updates"]).logging.kinds == (
-        "messages", "updates", "messages", "updates")
+        "messages",
+        "updates",
+        "messages",
+        "updates",
+    )
     for bad in ("both", [], ["messages", "activations"]):
         with pytest.raises(ConfigError, match="logging.kinds"):
             config(bad)
@@ -124,8 +145,16 @@ def test_the_kinds_config_is_checked_naming_the_field() -> None:
 
 def reports_pp4(lost_machine: int) -> list[RankReport]:
     return [
-        RankReport(rank=r, survivor=r != lost_machine, stage=r, dp=0, tp=0, machine=r,
-                   last_stepped=-1 if r == lost_machine else 11, can_undo=True)
+        RankReport(
+            rank=r,
+            survivor=r != lost_machine,
+            stage=r,
+            dp=0,
+            tp=0,
+            machine=r,
+            last_stepped=-1 if r == lost_machine else 11,
+            can_undo=True,
+        )
         for r in range(4)
     ]
 
@@ -161,6 +190,7 @@ def test_the_simulator_prices_each_groups_kind_and_the_bench_runs_the_mix() -> N
         LoggingSpec(kinds=("activations",))
     # ds-swift bench's logging_mix row: half the stages log messages, half their updates
     assert strategy_overrides("logging_mix", 8, pp=4) == {
-        "strategy": "logging", "logging": {"kinds": ["messages", "messages", "updates", "updates"]},
+        "strategy": "logging",
+        "logging": {"kinds": ["messages", "messages", "updates", "updates"]},
         "checkpoint": {"interval": 8},
     }

@@ -41,7 +41,9 @@ class FakeHdfsClient:
         if self.down:
             import requests
 
-            raise requests.exceptions.ConnectionError("Max retries exceeded with url: /webhdfs/v1/ (Connection refused)")
+            raise requests.exceptions.ConnectionError(
+                "Max retries exceeded with url: /webhdfs/v1/ (Connection refused)"
+            )
 
     def makedirs(self, path: str, permission: Any = None) -> None:
         self._check()

@@ -32,18 +32,45 @@ def test_credentials_come_from_flags_or_the_environment_and_only_for_tls(tmp_pat
     password = tmp_path / "pw"
     password.write_text("hunter2-but-longer\n")
     password.chmod(0o600)
-    argv = ["--store", "etcd+https://e1:2379", "--store-ca", ca, "--store-cert", cert, "--store-key", key,
-            "--store-user", "swift", "--store-password-file", str(password), "t.py"]
+    argv = [
+        "--store",
+        "etcd+https://e1:2379",
+        "--store-ca",
+        ca,
+        "--store-cert",
+        cert,
+        "--store-key",
+        key,
+        "--store-user",
+        "swift",
+        "--store-password-file",
+        str(password),
+        "t.py",
+    ]
     args = parse_args(argv, environ={})
-    assert args.store_credentials == StoreCredentials(ca=ca, cert=cert, key=key, user="swift",
-                                                      password="hunter2-but-longer")
+    assert args.store_credentials == StoreCredentials(
+        ca=ca, cert=cert, key=key, user="swift", password="hunter2-but-longer"
+    )
     assert "hunter2" not in repr(args)
     # The same from the environment (srun passes it on); workers get it the same way, never by argv.
     env = {"SWIFT_STORE_CA": ca, "SWIFT_STORE_USER": "swift", "SWIFT_STORE_PASSWORD": "pw-from-env"}
     from_env = parse_args(["--store", "etcd+https://e1", "t.py"], environ=env).store_credentials
     assert from_env == StoreCredentials(ca=ca, user="swift", password="pw-from-env")
-    wenv = WorkerEnv(rank=0, local_rank=0, world_size=1, machine=0, num_machines=1, generation=0, replacement=False,
-                     store_addr="e1", store_port=2379, token="t", run_dir=".", inject="", store_credentials=from_env)
+    wenv = WorkerEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        machine=0,
+        num_machines=1,
+        generation=0,
+        replacement=False,
+        store_addr="e1",
+        store_port=2379,
+        token="t",
+        run_dir=".",
+        inject="",
+        store_credentials=from_env,
+    )
     assert WorkerEnv.from_env(wenv.to_env()).store_credentials == from_env
     for bad, msg in [
         (["--store", "etcd://e1", "--store-ca", ca], "are for an etcd\\+https:// store"),
@@ -60,8 +87,15 @@ def test_credentials_come_from_flags_or_the_environment_and_only_for_tls(tmp_pat
 
 
 def test_every_agent_of_a_launch_derives_the_same_launch_id() -> None:
-    slurm = {**SECRET_ENV, "SLURM_JOB_ID": "77", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
-             "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2"}
+    slurm = {
+        **SECRET_ENV,
+        "SLURM_JOB_ID": "77",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_NNODES": "2",
+    }
     argv = ["--store", "etcd://e1:2379", "t.py"]
     assert parse_args(argv, environ=slurm).launch_id == "slurm-77.0.r0"
     # A requeued job keeps its job and step ids; the restart count makes it a new launch.

@@ -57,9 +57,23 @@ def test_a_relaunch_never_reads_the_dead_launchs_keys(served: dist.TCPStore) -> 
 def test_a_worker_of_the_dead_launch_is_refused(served: dist.TCPStore) -> None:
     dead = JobStore.open(_url(served), TOKEN, timeout_s=10, create=True, secret=SECRET)
     JobStore.open(_url(served), TOKEN, timeout_s=10, create=True, secret=SECRET)  # the relaunch
-    env = WorkerEnv(rank=0, local_rank=0, world_size=1, machine=0, num_machines=1, generation=0,
-                    replacement=False, store_addr="127.0.0.1", store_port=served.port, token=TOKEN,
-                    run_dir=".", inject="", store_url=_url(served), secret=SECRET, launch=dead.launch)
+    env = WorkerEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        machine=0,
+        num_machines=1,
+        generation=0,
+        replacement=False,
+        store_addr="127.0.0.1",
+        store_port=served.port,
+        token=TOKEN,
+        run_dir=".",
+        inject="",
+        store_url=_url(served),
+        secret=SECRET,
+        launch=dead.launch,
+    )
     with pytest.raises(MembershipError, match="earlier launch of the job"):
         JobStore.from_env(env, timeout_s=10)
 
@@ -129,7 +143,6 @@ def test_done_keys_created_without_the_secret_do_not_end_the_job() -> None:
     control.mark_machine_done(0)
     control.mark_machine_done(1)
     assert control.all_done(2)
-
 
 
 def test_a_buddy_round_done_key_created_without_the_secret_does_not_end_the_wait() -> None:

@@ -25,8 +25,19 @@ from ds_swift.recovery.services import StrategyServices
 from ds_swift.runtime.protection import Protections
 
 # What the runtime chose by name before this issue (config values as they were then).
-OLD_NAMES = ("auto", "replication", "logging", "checkpoint", "global_checkpoint", "checkfreq", "tranlogs",
-             "pipechurn", "scar", "immediate_rollback", "lossy_forward")
+OLD_NAMES = (
+    "auto",
+    "replication",
+    "logging",
+    "checkpoint",
+    "global_checkpoint",
+    "checkfreq",
+    "tranlogs",
+    "pipechurn",
+    "scar",
+    "immediate_rollback",
+    "lossy_forward",
+)
 OLD_RECOVERY = {"global_checkpoint": "checkpoint", "checkfreq": "checkpoint"}
 OLD_NO_BUDDIES = ("checkpoint", "logging", "tranlogs", "pipechurn", "scar")  # of the recovery name
 OLD_DIGESTS = ("auto", "replication", "logging", "tranlogs", "pipechurn", "lossy_forward")
@@ -52,8 +63,13 @@ def old_choices(name: str, kinds: Any = "messages") -> dict[str, Any]:
 def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
     s = cfg.services
     return {
-        "buddy": s.buddy_copies, "erasure": s.erasure_chunks, "digests": s.digests, "updates": s.update_log,
-        "analyzer": config_strategy(cfg), "async": s.async_checkpoints, "tuner": s.checkpoint_tuner,
+        "buddy": s.buddy_copies,
+        "erasure": s.erasure_chunks,
+        "digests": s.digests,
+        "updates": s.update_log,
+        "analyzer": config_strategy(cfg),
+        "async": s.async_checkpoints,
+        "tuner": s.checkpoint_tuner,
         "running": s.running_checkpoint,
     }
 
@@ -102,8 +118,13 @@ class _Dummy(RecoveryStrategy):
 
     name = "dummy"
     auto = False
-    SERVICES = StrategyServices(buddy_copies=True, update_log="every_rank", async_checkpoints=True,
-                                checkpoint_tuner=True, stage_recovery=frozenset({"logging"}))
+    SERVICES = StrategyServices(
+        buddy_copies=True,
+        update_log="every_rank",
+        async_checkpoints=True,
+        checkpoint_tuner=True,
+        stage_recovery=frozenset({"logging"}),
+    )
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         return None
@@ -125,11 +146,19 @@ def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.Mo
     assert cfg.services == _Dummy.SERVICES
     # The runtime's failure-free services, made from them.
     lines: list[str] = []
-    ctx = SimpleNamespace(env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0,
-                          generation=0)
+    ctx = SimpleNamespace(
+        env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0, generation=0
+    )
     hooks = SimpleNamespace(logs=SimpleNamespace(updates=None), undo=None)
-    made = Protections(lambda: None, ctx=ctx, cfg=cfg, hooks=hooks, generation=lambda: 0,  # type: ignore[arg-type]
-                       check_after_receive=lambda: None, machine=lambda: 0)
+    made = Protections(
+        lambda: None,
+        ctx=ctx,
+        cfg=cfg,
+        hooks=hooks,
+        generation=lambda: 0,  # type: ignore[arg-type]
+        check_after_receive=lambda: None,
+        machine=lambda: 0,
+    )
     assert made.buddy is not None and made.buddy.erasure is None
     assert made.updates is not None and hooks.logs.updates is made.updates
     assert made.digests is None  # not in its services
@@ -173,10 +202,31 @@ class _Keeping(_Dummy):
 
 #: The fields of the shared recovery classes: generic ones only (issue 31 item 2); a strategy's
 #: state travels in ``RankContext.lent`` and ``RecoveryOutcome.handed``, by its type.
-CONTEXT_FIELDS = {"store", "generation", "rank", "engine", "kept", "ckpt", "timeline", "gather_timeout_s", "verify",
-                  "lent"}  # fmt: skip
-OUTCOME_FIELDS = {"plan", "resume_iteration", "checkpoint_step", "bytes_moved", "notes", "summary",
-                  "latest_checkpoint", "deviation", "verdict", "back_iteration", "handed"}  # fmt: skip
+CONTEXT_FIELDS = {
+    "store",
+    "generation",
+    "rank",
+    "engine",
+    "kept",
+    "ckpt",
+    "timeline",
+    "gather_timeout_s",
+    "verify",
+    "lent",
+}
+OUTCOME_FIELDS = {
+    "plan",
+    "resume_iteration",
+    "checkpoint_step",
+    "bytes_moved",
+    "notes",
+    "summary",
+    "latest_checkpoint",
+    "deviation",
+    "verdict",
+    "back_iteration",
+    "handed",
+}
 
 
 def test_a_new_strategys_state_needs_no_field_in_the_shared_classes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,8 +251,17 @@ def test_a_new_strategys_state_needs_no_field_in_the_shared_classes(monkeypatch:
     monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Keeping()], fallback=registry_mod.STRATEGIES.fallback))
     monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
     keeper = _Keeper([])
-    ctx = RankContext(JobStore.host("unit-new-strategy-state"), 1, 0, None, None, None,
-                      RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0, lent=Handover(keeper))  # fmt: skip
+    ctx = RankContext(
+        JobStore.host("unit-new-strategy-state"),
+        1,
+        0,
+        None,
+        None,
+        None,
+        RankTimeline(rank=0, role="survivor", failed_generation=0),
+        10.0,
+        lent=Handover(keeper),
+    )
     report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
     outcome = coordinator.run_recovery(
         ctx, world_size=1, report=report, strategy="keeping", zero_stage=1, optimizer_wrapper=None

@@ -15,8 +15,9 @@ PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
 
 
 def test_job_config_keeps_everything_in_the_job_directory(tmp_path: Path) -> None:
-    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", PP4, 12,
-                   swift={"checkpoint": {"interval": 1}, "strategy": "checkpoint"})
+    spec = JobSpec(
+        ROOT / "examples" / "pretrain_gpt.py", PP4, 12, swift={"checkpoint": {"interval": 1}, "strategy": "checkpoint"}
+    )
     job = JobRun(tmp_path / "job", spec.iterations)
     cfg = job_config(spec, job)
     swift = cfg["swift"]
@@ -27,13 +28,16 @@ def test_job_config_keeps_everything_in_the_job_directory(tmp_path: Path) -> Non
 
 
 def test_launcher_argv_passes_save_loss_log_and_script_args_last(tmp_path: Path) -> None:
-    spec = JobSpec(Path("train.py"), PP4, 5, ["--spares", "1"], ["--dropout", "0.1"], loss_log=True, nnodes=4,
-                   nproc_per_node=1)
+    spec = JobSpec(
+        Path("train.py"), PP4, 5, ["--spares", "1"], ["--dropout", "0.1"], loss_log=True, nnodes=4, nproc_per_node=1
+    )
     job = JobRun(tmp_path, 5)
     argv = launcher_argv(spec, job, tmp_path / "ds_config.json")
     i = argv.index("train.py")
     assert argv[i - 2 : i] == ["--spares", "1"] and argv[argv.index("--nnodes") + 1] == "4"
-    assert argv[argv.index("--save") + 1] == str(job.save_dir) and argv[argv.index("--loss-log") + 1] == str(job.loss_log)
+    assert argv[argv.index("--save") + 1] == str(job.save_dir) and argv[argv.index("--loss-log") + 1] == str(
+        job.loss_log
+    )
     assert argv[-2:] == ["--dropout", "0.1"]
     assert "--save" not in launcher_argv(JobSpec(Path("t.py"), PP4, 5, save=False), job, tmp_path / "c.json")
     assert job.final_tag == tmp_path / "final" / "global_step5"

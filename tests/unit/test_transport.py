@@ -31,8 +31,9 @@ NCCL, GLOO = frozenset({"nccl"}), frozenset({"gloo"})
 @pytest.fixture
 def one_rank() -> Iterator[Transport]:
     """A one-rank gloo world with its transport open (strict mode on)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
+    )
     transport.set_strict(True)
     try:
         yield transport.open_generation(20.0, generation=0)
@@ -75,7 +76,10 @@ def test_strict_mode_refuses_the_world_group_and_records_the_route(one_rank: Tra
         one_rank.send(torch.zeros(2), 0, group=dist.group.WORLD)
     with pytest.raises(transport.StrictTransportError, match="meta tensor on ds-swift's gloo group"):
         one_rank.isend(torch.zeros(2, device="meta"), 0, group=one_rank.group(transport.COPIER))
-    assert [(c.op, c.channel, c.device) for c in one_rank.calls] == [("send", "foreign", "cpu"), ("isend", "copier", "meta")]
+    assert [(c.op, c.channel, c.device) for c in one_rank.calls] == [
+        ("send", "foreign", "cpu"),
+        ("isend", "copier", "meta"),
+    ]
 
 
 def test_without_strict_mode_the_route_is_only_counted(one_rank: Transport) -> None:
@@ -98,7 +102,9 @@ def test_agreements_are_json_not_pickle(one_rank: Transport) -> None:
 def test_a_malformed_value_names_its_rank(one_rank: Transport, monkeypatch: pytest.MonkeyPatch) -> None:
     real = one_rank.all_gather
 
-    def garbled(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, channel: str = transport.HOST) -> None:
+    def garbled(
+        out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, channel: str = transport.HOST
+    ) -> None:
         real(out, tensor, group, channel)
         if tensor.dtype == torch.uint8:
             out[0][0] = ord("{")  # a peer's bytes are not JSON
@@ -205,7 +211,11 @@ class FakeGroup:
 
 def test_the_watchdogs_abort_touches_nccl_communicators_only(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list[str] = []
-    groups = [FakeGroup(FakeBackend("nccl", log)), FakeGroup(FakeBackend("gloo", log)), FakeGroup(FakeBackend("nccl", log))]
+    groups = [
+        FakeGroup(FakeBackend("nccl", log)),
+        FakeGroup(FakeBackend("gloo", log)),
+        FakeGroup(FakeBackend("nccl", log)),
+    ]
     monkeypatch.setattr(teardown.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(teardown, "_live_groups", lambda: groups)
     assert teardown.abort_device_communicators() == 2
@@ -216,7 +226,9 @@ def test_ending_an_nccl_world_destroys_gloo_groups_first_then_aborts(monkeypatch
     calls: list[str] = []
     monkeypatch.setattr(teardown.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(teardown.dist, "destroy_process_group", lambda g=None: calls.append(f"destroy {g}"))
-    monkeypatch.setattr(teardown.dist.distributed_c10d, "_abort_process_group", lambda g=None: calls.append("abort world"))
+    monkeypatch.setattr(
+        teardown.dist.distributed_c10d, "_abort_process_group", lambda g=None: calls.append("abort world")
+    )
     teardown.execute(TeardownPlan(destroy=("ds_swift_host", "ds_swift_copier"), abort_world=True))
     assert calls == ["destroy ds_swift_host", "destroy ds_swift_copier", "abort world"]
     calls.clear()

@@ -199,7 +199,13 @@ PATH_SIZES = [5000, 3001, 37, 40, 3, 1, 129]
 
 
 def step_and_undo(
-    path: str, cls: type, kwargs: dict[str, Any], *, seed: int, steps: int = 3, dtype: torch.dtype = torch.float32,
+    path: str,
+    cls: type,
+    kwargs: dict[str, Any],
+    *,
+    seed: int,
+    steps: int = 3,
+    dtype: torch.dtype = torch.float32,
     scale: float = 0.02,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Step ``cls`` over PATH_SIZES ``steps`` times through ``InvertibleOptimizer(undo_path=path)``,

@@ -88,7 +88,14 @@ class _FakeFusedLamb(torch.optim.Optimizer):
         self.lamb_coeffs: list[torch.Tensor] = []
 
     @torch.no_grad()
-    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: float = 1.0, grad_norms: Any = None) -> Any:  # type: ignore[override]
+    def step(
+        self,
+        closure: Any = None,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: float = 1.0,
+        grad_norms: Any = None,
+    ) -> Any:  # type: ignore[override]
         del self.lamb_coeffs[:]
         grad_norms = grad_norms or [None] * len(self.param_groups)
         for group, norm_group in zip(self.param_groups, grad_norms, strict=True):

@@ -49,7 +49,9 @@ def _sweep(refine: bool, dtype: torch.dtype) -> dict[tuple[str, str], list[float
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_undo_error_report(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_undo_error_report(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
     monkeypatch.setattr(helpers, "SHAPES", [(4096,), (64, 16), (3,)])
     refined = _sweep(True, dtype)
     plain = _sweep(False, dtype)

@@ -39,8 +39,14 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-def _run(path: str, cls: type, kwargs: dict[str, Any], steps: int = 3, dtype: torch.dtype = torch.float32,
-         scale: float = 0.02) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _run(
+    path: str,
+    cls: type,
+    kwargs: dict[str, Any],
+    steps: int = 3,
+    dtype: torch.dtype = torch.float32,
+    scale: float = 0.02,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Step ``steps`` times, undo the last; per tensor (before, post, restored)."""
     return step_and_undo(path, cls, kwargs, seed=7, steps=steps, dtype=dtype, scale=scale)
 
@@ -61,8 +67,9 @@ def test_fused_path_equals_the_fast_path_element_for_element(name: str, steps: i
     for key, (before, post, restored) in fused.items():
         assert torch.equal(restored, fast[key][2]), f"{name} {key}: {int((restored != fast[key][2]).sum())} differ"
         family = "adamw" if cls is torch.optim.AdamW else "adam"
-        bound = tolerance(Case(family=family, kwargs=kwargs, dtype=torch.float32, steps=steps, seed=0),
-                          key.rstrip("0123456789"))
+        bound = tolerance(
+            Case(family=family, kwargs=kwargs, dtype=torch.float32, steps=steps, seed=0), key.rstrip("0123456789")
+        )
         assert ulp_error(restored, before, post) <= bound, f"{name} {key}: {ulp_error(restored, before, post)} ulp"
 
 
@@ -98,8 +105,17 @@ def test_the_kernel_runs_and_restores_most_elements_bit_for_bit(dense: None) -> 
     maximize=st.booleans(),
     scale=st.sampled_from([1e-4, 0.02, 3.0]),
 )
-def test_fused_equals_fast_for_any_hyper_parameters(dense: None, lr: float, wd: float, beta1: float, beta2: float,
-                                                     eps: float, decoupled: bool, maximize: bool, scale: float) -> None:
+def test_fused_equals_fast_for_any_hyper_parameters(
+    dense: None,
+    lr: float,
+    wd: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decoupled: bool,
+    maximize: bool,
+    scale: float,
+) -> None:
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs = {"lr": lr, "weight_decay": wd, "betas": (beta1, beta2), "eps": eps, "maximize": maximize}
     fast = _run("fast", cls, kwargs, 2, scale=scale)
@@ -111,8 +127,14 @@ def test_fused_equals_fast_for_any_hyper_parameters(dense: None, lr: float, wd: 
 
 
 def _hyper(**kw: Any) -> dict[str, Any]:
-    h = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.1, "betas": (0.9, 0.95), "decoupled_weight_decay": True,
-         "maximize": False}
+    h = {
+        "lr": 1e-3,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "betas": (0.9, 0.95),
+        "decoupled_weight_decay": True,
+        "maximize": False,
+    }
     return h | kw
 
 
@@ -139,8 +161,9 @@ def test_the_cpu_replay_is_torchs_cpu_step_bit_for_bit(decoupled: bool) -> None:
     x, grad, m, v = _tensors(n, 3)
     p = torch.nn.Parameter(x.clone())
     p.grad = grad.clone()
-    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p], lr=h["lr"], weight_decay=h["weight_decay"],
-                                                               betas=h["betas"], maximize=h["maximize"])
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
+        [p], lr=h["lr"], weight_decay=h["weight_decay"], betas=h["betas"], maximize=h["maximize"]
+    )
     opt.state[p] = {"step": torch.tensor(t - 1), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     opt.step()
     xs, ms, vs = x.clone(), m.clone(), v.clone()
@@ -218,8 +241,19 @@ def test_auto_takes_the_fast_path_for_cpu_tensors(monkeypatch: pytest.MonkeyPatc
 
 def test_next_is_torchs_nextafter() -> None:
     """The kernel's nextafter (bit arithmetic) on zeros, subnormals, extremes and infinities."""
-    special = [0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38, math.inf,
-               -math.inf, 1.1754943508222875e-38]
+    special = [
+        0.0,
+        -0.0,
+        1e-45,
+        -1e-45,
+        1.0,
+        -1.0,
+        3.4028234663852886e38,
+        -3.4028234663852886e38,
+        math.inf,
+        -math.inf,
+        1.1754943508222875e-38,
+    ]
     x = torch.tensor(special + torch.randn(100).tolist(), dtype=torch.float32)
     up = triton_adam_replay.nextafter(x, up=True)
     down = triton_adam_replay.nextafter(x, up=False)

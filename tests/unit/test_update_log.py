@@ -109,5 +109,7 @@ def test_a_record_that_does_not_fit_the_optimizer_is_refused(tmp_path: Path) -> 
 
 
 def test_only_records_before_a_checkpoint_are_collected() -> None:
-    names = [record_name(r, i) for r in (0, 1) for i in (3, 4, 5)] + ["act_s000-s001_dp0000_tp000_it0000000000-0000000005.swlog"]
+    names = [record_name(r, i) for r in (0, 1) for i in (3, 4, 5)] + [
+        "act_s000-s001_dp0000_tp000_it0000000000-0000000005.swlog"
+    ]
     assert sorted(records_before(names, 5)) == sorted(record_name(r, i) for r in (0, 1) for i in (3, 4))

@@ -20,8 +20,10 @@ from ds_swift.detect.classify import (
 from ds_swift.jobstore.membership import JobStore
 
 # gloo's own errors, as torch 2.13 raises them (plain RuntimeErrors).
-GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-                "waiting 1000ms for recv operation to complete")
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+    "waiting 1000ms for recv operation to complete"
+)
 GLOO_CLOSED = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
 
 

@@ -124,8 +124,11 @@ def settled_layout(
         why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
         if why_not is not None and rt.force_parallel:
             if rank == min(world):
-                say(f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}", rank,
-                    name=__name__)
+                say(
+                    f"parallel recovery forced (parallel_recovery_force) although it cannot help: {why_not}",
+                    rank,
+                    name=__name__,
+                )
         elif why_not is not None:
             layout = f"it cannot help here: {why_not}; parallel_recovery_force=true uses it anyway"
     if isinstance(layout, str):

@@ -28,7 +28,14 @@ from ds_swift.patches.step_collectives import Wrapper, call_ranks, record_step_c
 from ds_swift.recovery.replay.log import LogUnavailable
 from ds_swift.recovery.replay.plan import unwrap_engine
 
-__all__ = ["SUBSTITUTABLE", "CollectiveGuard", "CollectiveRecord", "CollectiveRecorder", "DoneWork", "ReplayUnsupported"]
+__all__ = [
+    "SUBSTITUTABLE",
+    "CollectiveGuard",
+    "CollectiveRecord",
+    "CollectiveRecorder",
+    "DoneWork",
+    "ReplayUnsupported",
+]
 
 
 class ReplayUnsupported(RuntimeError):

@@ -273,7 +273,10 @@ def replay(
     replayer = Replayer(plan, stats, guard)
     report = _reporter(progress, plan, stats, total, feeder, t0)
     try:
-        with _hooks_installed(engine, plan, replayer, seed, extra_hooks), wrap_collectives("ds_swift.replay", guard.make):
+        with (
+            _hooks_installed(engine, plan, replayer, seed, extra_hooks),
+            wrap_collectives("ds_swift.replay", guard.make),
+        ):
             report(start_iteration)
             for it in range(start_iteration, end_iteration + 1):
                 _replay_iteration(engine, batch_fn, plan, replayer, feeder, stats, it, before_iteration)

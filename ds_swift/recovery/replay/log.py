@@ -76,7 +76,8 @@ def chunks_needed(reader: Any, edges: Sequence[LogEdge], start: int, end: int) -
                 raise LogUnavailable(
                     f"message log {reader.location}: no chunk of edge {edge} holds iteration {it} "
                     f"(replay needs {start}..{end}; chunks of this edge cover {have or 'nothing'})",
-                    iteration=it, edge=edge,
+                    iteration=it,
+                    edge=edge,
                 )
             found[(edge, it)] = cn
     return found
@@ -246,7 +247,8 @@ def text_progress(stream: TextIO | None = None, every: int = 1) -> ProgressFn:
         print(
             f"[ds-swift] rank {p.rank}: replay {p.iterations_done}/{p.iterations_total} iterations, "
             f"{p.log_bytes_read / 1e6:.1f} MB of log, chunks {p.chunks_loaded}/{p.chunks_total}{eta}",
-            file=stream or sys.stderr, flush=True,
+            file=stream or sys.stderr,
+            flush=True,
         )
 
     return show
@@ -261,7 +263,10 @@ def rich_progress(description: str = "replay") -> Iterator[ProgressFn]:
         yield text_progress()
         return
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[mb]:.1f} MB log"),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[mb]:.1f} MB log"),
         TimeRemainingColumn(),
     ) as bar:
         task = bar.add_task(description, total=None, mb=0.0)

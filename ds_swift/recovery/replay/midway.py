@@ -55,8 +55,13 @@ class MidwayStats:
 class _Hooks:
     """The per-instruction decisions of one redo (see the module docstring)."""
 
-    def __init__(self, passes: RankPasses, served: Mapping[tuple[str, int], Message],
-                 kept_loss: torch.Tensor | None, iteration: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        passes: RankPasses,
+        served: Mapping[tuple[str, int], Message],
+        kept_loss: torch.Tensor | None,
+        iteration: int,
+    ) -> None:
         self.passes = passes
         self.served = dict(served)
         self.kept_loss = kept_loss

@@ -55,8 +55,18 @@ from ds_swift.recovery.replay.plan import ReplayStats, unwrap_engine
 from ds_swift.recovery.state.transfer import capture_state, load_state, recv_state, send_state
 
 __all__ = [
-    "GradCapture", "Mode", "ParallelReplayLayout", "ParallelStats", "assign_micro_batches", "build_copy_engine",
-    "helper_topology", "copy_unsupported_reasons", "combine_exact", "combine_fast", "parallel_replay", "transfer_state",
+    "GradCapture",
+    "Mode",
+    "ParallelReplayLayout",
+    "ParallelStats",
+    "assign_micro_batches",
+    "build_copy_engine",
+    "helper_topology",
+    "copy_unsupported_reasons",
+    "combine_exact",
+    "combine_fast",
+    "parallel_replay",
+    "transfer_state",
 ]
 
 Mode = Literal["exact", "fast"]
@@ -152,8 +162,10 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
     except UnsupportedWrapper as exc:
         reasons.append(f"parallel recovery cannot copy this optimizer's state ({exc})")
     if int(engine.zero_optimization_stage()) > 1:
-        reasons.append(f"ZeRO stage {engine.zero_optimization_stage()} partitions gradients: parallel recovery "
-                       "combines whole ones (ZeRO stage 0 or 1)")
+        reasons.append(
+            f"ZeRO stage {engine.zero_optimization_stage()} partitions gradients: parallel recovery "
+            "combines whole ones (ZeRO stage 0 or 1)"
+        )
     if any(isinstance(s, TiedLayerSpec) for s in layer_specs(engine)):
         reasons.append("tied layers are not supported by parallel recovery")
     if getattr(engine.module, "seed_layers", False):
@@ -161,7 +173,9 @@ def copy_unsupported_reasons(engine: Any) -> list[str]:
     return reasons
 
 
-def build_copy_engine(engine: Any, layout: ParallelReplayLayout, ds_config: Mapping[str, Any] | None = None) -> Any | None:
+def build_copy_engine(
+    engine: Any, layout: ParallelReplayLayout, ds_config: Mapping[str, Any] | None = None
+) -> Any | None:
     """Build the helpers' copies of the failed stages. Every rank of the job calls it, in the same order.
 
     It creates process groups (collective over the world), so survivors that do not help and the
@@ -216,7 +230,9 @@ def transfer_state(engine: Any, copy: Any | None, layout: ParallelReplayLayout, 
 class _Combiner:
     """Instruction hooks that tag backward passes with their micro-batch and combine before the step."""
 
-    def __init__(self, engine: Any, layout: ParallelReplayLayout, rank: int, share: tuple[int, ...], mode: Mode) -> None:
+    def __init__(
+        self, engine: Any, layout: ParallelReplayLayout, rank: int, share: tuple[int, ...], mode: Mode
+    ) -> None:
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self.layout, self.rank, self.share, self.mode = layout, rank, share, mode
         self.peer = layout.peer(rank)
@@ -328,9 +344,20 @@ def parallel_replay(
     try:
         with pipeline_globals(target.grid if r == 1 else None):
             stats = replay(
-                target, reader, layout.sub_pipeline(r), start_iteration, end_iteration, batch_fn, progress,
-                seed=seed, collectives=collectives, ahead=ahead, log_timeout_s=log_timeout_s, share=share,
-                extra_hooks=combiner.hooks(), before_iteration=before_iteration,
+                target,
+                reader,
+                layout.sub_pipeline(r),
+                start_iteration,
+                end_iteration,
+                batch_fn,
+                progress,
+                seed=seed,
+                collectives=collectives,
+                ahead=ahead,
+                log_timeout_s=log_timeout_s,
+                share=share,
+                extra_hooks=combiner.hooks(),
+                before_iteration=before_iteration,
             )
     finally:
         combiner.remove()

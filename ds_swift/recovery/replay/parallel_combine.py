@@ -51,7 +51,9 @@ def combine_exact(contributions: Mapping[int, Contribution], num_params: int) ->
 
 
 def combine_exact_hp(
-    contributions: Mapping[int, Contribution], num_params: int, per_call: bool = False,
+    contributions: Mapping[int, Contribution],
+    num_params: int,
+    per_call: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor | None]:
     """A BF16_Optimizer's fp32 gradient buffers after the micro-batches of ``contributions``.
@@ -95,7 +97,6 @@ def combine_fast(partials: list[list[torch.Tensor | None]]) -> list[torch.Tensor
                 acc = g.clone() if acc is None else acc + g
         out.append(acc)
     return out
-
 
 
 class GradCapture:

@@ -47,8 +47,12 @@ def compute_of_this_rank() -> dict[str, Any]:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"host": socket.gethostname(), "cores": cores, "threads": torch.get_num_threads(),
-            "accelerator": bool(torch.cuda.is_available())}
+    return {
+        "host": socket.gethostname(),
+        "cores": cores,
+        "threads": torch.get_num_threads(),
+        "accelerator": bool(torch.cuda.is_available()),
+    }
 
 
 def parallel_helps(layout: ParallelReplayLayout, compute: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -67,7 +71,9 @@ def parallel_helps(layout: ParallelReplayLayout, compute: Mapping[int, Mapping[s
         cores = min(int(compute[r]["cores"]) for r in on)
         want = sum(max(1, int(compute[r]["threads"])) for r in on)
         if want > cores:
-            return (f"replacements {sorted(set(on) & set(layout.replacements))} and helpers "
-                    f"{sorted(set(on) & set(layout.helpers))} would compute on host {host}'s {cores} CPU core(s) "
-                    f"with {want} thread(s): the copies would share the cores, not add any")
+            return (
+                f"replacements {sorted(set(on) & set(layout.replacements))} and helpers "
+                f"{sorted(set(on) & set(layout.helpers))} would compute on host {host}'s {cores} CPU core(s) "
+                f"with {want} thread(s): the copies would share the cores, not add any"
+            )
     return None

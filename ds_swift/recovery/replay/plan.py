@@ -17,7 +17,13 @@ import torch.distributed as dist
 from ds_swift.msglog.edge import LogEdge, pipeline_position
 
 __all__ = [
-    "ReplayPlan", "ReplayStats", "plan_of", "plan_replay", "replay_summary", "replay_totals", "unsupported_reasons",
+    "ReplayPlan",
+    "ReplayStats",
+    "plan_of",
+    "plan_replay",
+    "replay_summary",
+    "replay_totals",
+    "unsupported_reasons",
     "unwrap_engine",
 ]
 
@@ -78,7 +84,17 @@ def plan_replay(
     if next_out:
         edges.append(LogEdge.into("grad", stage, dp_rank, tp_rank))
     return ReplayPlan(
-        rank, stage, num_stages, dp_rank, tp_rank, micro_batches, prev_rank, next_rank, tuple(edges), next_out, prev_out,
+        rank,
+        stage,
+        num_stages,
+        dp_rank,
+        tp_rank,
+        micro_batches,
+        prev_rank,
+        next_rank,
+        tuple(edges),
+        next_out,
+        prev_out,
         mine,
     )
 
@@ -87,8 +103,16 @@ def plan_of(engine: Any, group_ranks: set[int] | frozenset[int], share: Sequence
     """:func:`plan_replay` for a DeepSpeed ``PipelineEngine``'s position."""
     pos = pipeline_position(unwrap_engine(engine))
     return plan_replay(
-        pos.rank, pos.stage, pos.num_stages, pos.dp_rank, pos.tp_rank, int(engine.gradient_accumulation_steps()),
-        pos.prev_rank, pos.next_rank, group_ranks, share,
+        pos.rank,
+        pos.stage,
+        pos.num_stages,
+        pos.dp_rank,
+        pos.tp_rank,
+        int(engine.gradient_accumulation_steps()),
+        pos.prev_rank,
+        pos.next_rank,
+        group_ranks,
+        share,
     )
 
 
@@ -143,12 +167,14 @@ def unsupported_reasons(
         mp = _group_ranks(grid.get_model_parallel_group())
         if outside(mp):
             what = [
-                n for n, on in (
+                n
+                for n, on in (
                     (f"ZeRO stage {engine.zero_optimization_stage()}", engine.zero_optimization()),
                     ("fp16", engine.fp16_enabled()),
                     ("bf16", engine.bfloat16_enabled()),
                     (f"gradient_clipping={engine.gradient_clipping()}", engine.gradient_clipping() > 0),
-                ) if on
+                )
+                if on
             ]
             reasons.append(
                 f"rank {me}: the optimizer step ({', '.join(what)}) reduces a global norm/overflow flag over ranks "
@@ -200,8 +226,9 @@ def replay_summary(stats: Any) -> dict[str, Any]:
         "micro_batch_passes": rep.micro_batch_passes,
     }
     if rep is not stats:
-        out.update(mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes,
-                   exchange_s=stats.exchange_s)
+        out.update(
+            mode=stats.mode, share=list(stats.share), exchange_bytes=stats.exchange_bytes, exchange_s=stats.exchange_s
+        )
     return out
 
 

@@ -62,7 +62,12 @@ from ds_swift.recovery.replay.plan import replay_summary, replay_totals
 from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = [
-    "ReplayRuntime", "compute_of_this_rank", "failed_replay_key", "load_start", "parallel_helps", "parallel_layout",
+    "ReplayRuntime",
+    "compute_of_this_rank",
+    "failed_replay_key",
+    "load_start",
+    "parallel_helps",
+    "parallel_layout",
     "run_logging_recovery",
 ]
 
@@ -202,8 +207,9 @@ def run_logging_recovery(
 
     # 1. the check round
     reader, reader_error = _open_reader(rt) if rank in group else (None, None)
-    answers, proposed = check_round(store, generation, rank, engine, plan, reports, reader, reader_error, rt,
-                                     gather_timeout_s)
+    answers, proposed = check_round(
+        store, generation, rank, engine, plan, reports, reader, reader_error, rt, gather_timeout_s
+    )
     problems = [w for r in world for w in answers[r]["why"]]
     if problems:
         reason = "logging-based recovery impossible: " + "; ".join(problems)
@@ -226,8 +232,9 @@ def run_logging_recovery(
         if reader is None:
             fail(LogUnavailable(str(reader_error)))
     if layout is not None:
-        summary = _run_parallel(engine, layout, reader, start, end, rt, records, replayer, rank in group, fail,
-                                before_iteration)
+        summary = _run_parallel(
+            engine, layout, reader, start, end, rt, records, replayer, rank in group, fail, before_iteration
+        )
     elif rank in group:
         summary = _run_sequential(engine, reader, group, start, end, rt, records, fail, before_iteration)
     if replayer:
@@ -240,8 +247,15 @@ def run_logging_recovery(
 
 
 def _await_replayers(
-    store: JobStore, generation: int, group: frozenset[int], layout: ParallelReplayLayout | None,
-    by_rank: dict[int, RankReport], start: int, end: int, source: str, rt: ReplayRuntime,
+    store: JobStore,
+    generation: int,
+    group: frozenset[int],
+    layout: ParallelReplayLayout | None,
+    by_rank: dict[int, RankReport],
+    start: int,
+    end: int,
+    source: str,
+    rt: ReplayRuntime,
 ) -> dict[str, Any]:
     """Step 3: every replayer's summary, read from the store (a replay may outlast a collective's
     timeout); returns the recovery's summary."""
@@ -261,7 +275,10 @@ def _await_replayers(
 
 
 def _load_start_or_fail(
-    engine: Any, ckpt: Any, plan: RecoveryPlan, checkpoint_step: int,
+    engine: Any,
+    ckpt: Any,
+    plan: RecoveryPlan,
+    checkpoint_step: int,
     fail: Callable[[BaseException], NoReturn],
 ) -> None:
     """A replaying rank loads where the replay starts; a failure to do so ends the generation (:func:`_fail`)."""
@@ -272,14 +289,31 @@ def _load_start_or_fail(
 
 
 def _run_sequential(
-    engine: Any, reader: Any, group: frozenset[int], start: int, end: int, rt: ReplayRuntime, records: Any,
-    fail: Callable[[BaseException], NoReturn], before_iteration: Callable[[int], None] | None,
+    engine: Any,
+    reader: Any,
+    group: frozenset[int],
+    start: int,
+    end: int,
+    rt: ReplayRuntime,
+    records: Any,
+    fail: Callable[[BaseException], NoReturn],
+    before_iteration: Callable[[int], None] | None,
 ) -> dict[str, Any]:
     """A rank of the replayed group replays its iterations from the log alone; returns its summary."""
     try:
         with replaying(rt.host), _progress(rt, end - start + 1) as progress:
-            stats = replay(engine, reader, group, start, end, rt.batch_fn, progress, seed=rt.seed,
-                           collectives=records, before_iteration=before_iteration)
+            stats = replay(
+                engine,
+                reader,
+                group,
+                start,
+                end,
+                rt.batch_fn,
+                progress,
+                seed=rt.seed,
+                collectives=records,
+                before_iteration=before_iteration,
+            )
     except (LogUnavailable, ReplayUnsupported) as exc:
         fail(exc)
     return replay_summary(stats)
@@ -310,8 +344,18 @@ def _run_parallel(
             try:
                 with replaying(rt.host), _progress(rt, end - start + 1) as progress:
                     pstats = parallel_replay(
-                        engine, copy, layout, reader, start, end, rt.batch_fn, progress,
-                        mode=rt.mode, seed=rt.seed, collectives=records, before_iteration=before_iteration,
+                        engine,
+                        copy,
+                        layout,
+                        reader,
+                        start,
+                        end,
+                        rt.batch_fn,
+                        progress,
+                        mode=rt.mode,
+                        seed=rt.seed,
+                        collectives=records,
+                        before_iteration=before_iteration,
                     )
             except (LogUnavailable, ReplayUnsupported) as exc:
                 fail(exc)

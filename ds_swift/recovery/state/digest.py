@@ -321,8 +321,9 @@ class StateDigest:
         return hashlib.blake2b("\n".join(self.names).encode(), digest_size=8).hexdigest()
 
     def to_json(self, iteration: int | None = None) -> str:
-        return json.dumps({"iteration": iteration, "names": self.names_hash, "count": len(self.names),
-                           "values": "".join(self.values)})
+        return json.dumps(
+            {"iteration": iteration, "names": self.names_hash, "count": len(self.names), "values": "".join(self.values)}
+        )
 
     def first_difference(self, reference: Mapping[str, Any]) -> str | None:
         """How this (restored) state differs from ``reference`` (a parsed :meth:`to_json`), naming

@@ -82,7 +82,11 @@ def join_chunks(records: Iterable[Mapping[str, Any]]) -> Any:
     chosen = sorted(by_index)[:k]
     shares = [by_index[i]["chunk"].numpy().tobytes() for i in chosen]
     blocks = _zfec().Decoder(k, k + r).decode(shares, chosen)
-    data = torch.frombuffer(bytearray(b"".join(blocks)[:length]), dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
+    data = (
+        torch.frombuffer(bytearray(b"".join(blocks)[:length]), dtype=torch.uint8)
+        if length
+        else torch.empty(0, dtype=torch.uint8)
+    )
     metas = [(torch.Size(shape), decode_dtype(d)) for shape, d in json.loads(manifest)["tensors"]]
     need = sum(shape.numel() * torch.empty(0, dtype=d).element_size() for shape, d in metas)
     if need != length:
@@ -108,8 +112,10 @@ def assign_holders(
     """
     members = list(members)
     n = k + r
-    need = (f"pipechurn.data_chunks={k} + pipechurn.parity_chunks={r} needs {n} machines (failure domains) besides "
-            "each rank's own")
+    need = (
+        f"pipechurn.data_chunks={k} + pipechurn.parity_chunks={r} needs {n} machines (failure domains) besides "
+        "each rank's own"
+    )
     try:
         placement = assign_buddies(members, n, failure_domains)
     except BuddyError as exc:
@@ -119,7 +125,9 @@ def assign_holders(
     for owner, holders in placement.items():
         domains = {domain_ix.get(machine[h], ("m", machine[h])) for h in holders}
         if len(domains) < n:
-            raise BuddyError(f"{need}: rank {owner}'s holders {list(holders)} share a machine; lower them or add machines")
+            raise BuddyError(
+                f"{need}: rank {owner}'s holders {list(holders)} share a machine; lower them or add machines"
+            )
     return placement
 
 
@@ -154,7 +162,11 @@ def erasure_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, list[t
         f"rank {r}: " + (", ".join(f"{len(ch)} at iteration {v}" for v, ch in sorted(vs.items())) or "none")
         for r, vs in sorted(held.items())
     )
-    return None, {}, (
-        f"fewer than k = {k} erasure-coded chunks of a lost rank's state survived at the consensus iteration {c} "
-        f"or one before ({have}; machines {sorted(inputs.failed_machines)} failed)"
+    return (
+        None,
+        {},
+        (
+            f"fewer than k = {k} erasure-coded chunks of a lost rank's state survived at the consensus iteration {c} "
+            f"or one before ({have}; machines {sorted(inputs.failed_machines)} failed)"
+        ),
     )

@@ -186,8 +186,11 @@ class InflightKeeper:
             if self.grads is None:
                 self.unusable = "the gradients cannot be kept"
         if self.unusable is not None:
-            say_here(f"partial recomputation: my {self.passes} passes of iteration {self.iteration} "
-                     f"cannot be kept ({self.unusable}): I redo them", name=__name__)
+            say_here(
+                f"partial recomputation: my {self.passes} passes of iteration {self.iteration} "
+                f"cannot be kept ({self.unusable}): I redo them",
+                name=__name__,
+            )
             self.passes, self.grads = 0, None
 
     def report(self) -> tuple[int, int, int]:
@@ -204,8 +207,10 @@ class InflightKeeper:
             sent = self.sends[kind]
             m = sent[k] if k < len(sent) else self.pending if kind == "grad" and k == len(sent) else None
             if m is None or k >= self.passes:
-                raise RuntimeError(f"no kept {kind} of micro-batch {k} of iteration {iteration} "
-                                   f"({len(sent)} sent, {self.passes} passes held)")  # fmt: skip
+                raise RuntimeError(
+                    f"no kept {kind} of micro-batch {k} of iteration {iteration} "
+                    f"({len(sent)} sent, {self.passes} passes held)"
+                )
             out.append(list(m) if isinstance(m, tuple) else [m])
         return out
 
@@ -221,8 +226,10 @@ class InflightKeeper:
         from ds_swift.patches.deepspeed_grad_accum import accumulator, set_hp_grads
 
         if self.iteration != iteration or self.grads is None or self.passes == 0:
-            raise RuntimeError(f"no copy of iteration {iteration}'s gradients (this rank holds "
-                               f"{self.passes} passes of {self.iteration})")  # fmt: skip
+            raise RuntimeError(
+                f"no copy of iteration {iteration}'s gradients (this rank holds "
+                f"{self.passes} passes of {self.iteration})"
+            )
         params = dict(engine.module.named_parameters())
         missing = sorted(set(self.grads) - set(params))
         if missing:

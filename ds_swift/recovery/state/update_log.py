@@ -138,12 +138,14 @@ def capture_update(engine: Any, undo: Any) -> UpdateRecord:
             if g is None:
                 raise UpdateLogError(f"the gradient of the step of iteration {rec.iteration} is gone")
             grads.append((_index(params, pr.param, "parameter"), g.detach().to("cpu", copy=True)))
-        groups.append({
-            "group": _index(inner.param_groups, grec.group, "parameter group"),
-            "hyper": {k: _plain(v) for k, v in grec.hyper.items()},
-            "kwargs": {k: _plain(v) for k, v in grec.call_kwargs.items()},
-            "grads": grads,
-        })
+        groups.append(
+            {
+                "group": _index(inner.param_groups, grec.group, "parameter group"),
+                "hyper": {k: _plain(v) for k, v in grec.hyper.items()},
+                "kwargs": {k: _plain(v) for k, v in grec.call_kwargs.items()},
+                "grads": grads,
+            }
+        )
     from ds_swift.patches.deepspeed_optim_state import optimizer_scalars
 
     sched = getattr(engine, "lr_scheduler", None)
@@ -199,7 +201,9 @@ def redo_update(inner: torch.optim.Optimizer, record: UpdateRecord) -> None:
         try:
             group = inner.param_groups[call["group"]]
         except IndexError:
-            raise UpdateLogError(f"iteration {record.iteration}: the optimizer has no parameter group {call['group']}") from None
+            raise UpdateLogError(
+                f"iteration {record.iteration}: the optimizer has no parameter group {call['group']}"
+            ) from None
         params = group["params"]
         for p in params:
             p.grad = None

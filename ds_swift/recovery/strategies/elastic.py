@@ -56,12 +56,19 @@ from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 __all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
 
 
-def _agree(resize: Resize, reports: list[RankReport], zero_stage: int,
-           partitioned: bool) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:
+def _agree(
+    resize: Resize, reports: list[RankReport], zero_stage: int, partitioned: bool
+) -> tuple[RecoveryInputs, BuddyTarget | None, str | None]:
     """The consensus over the survivors, and where the lost partitions come from (a shrink)."""
     reports = reports + [
-        RankReport(rank=r, survivor=False, stage=resize.old_coords[r][0], dp=resize.old_coords[r][1],
-                   tp=resize.old_coords[r][2], machine=resize.machine)
+        RankReport(
+            rank=r,
+            survivor=False,
+            stage=resize.old_coords[r][0],
+            dp=resize.old_coords[r][1],
+            tp=resize.old_coords[r][2],
+            machine=resize.machine,
+        )
         for r in resize.lost
     ]
     inputs = RecoveryInputs.agree(reports, forced="lossy_forward", zero_stage=zero_stage, partitioned=partitioned)
@@ -72,8 +79,15 @@ def _agree(resize: Resize, reports: list[RankReport], zero_stage: int,
     return inputs, target, why or None
 
 
-def _verify_resize(store: JobStore, generation: int, engine: Any, parts: Mapping[int, Any], iteration: int,
-                   timeline: RankTimeline, timeout_s: float) -> None:
+def _verify_resize(
+    store: JobStore,
+    generation: int,
+    engine: Any,
+    parts: Mapping[int, Any],
+    iteration: int,
+    timeline: RankTimeline,
+    timeout_s: float,
+) -> None:
     """Every rank's resharded state against the old ranks' digests of ``iteration``, agreed; a
     mismatch stops the job (no checkpoint of the old data-parallel size fits the new one)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,8 +100,11 @@ def _verify_resize(store: JobStore, generation: int, engine: Any, parts: Mapping
         loud(rank, line)
     reason = mismatch_reason(agree(store, generation, rank, world, verdict, timeout_s))
     if reason is not None:
-        loud(rank, f"ELASTIC RESIZE FAILED VERIFICATION: {reason}; the job stops (restart it from the last global "
-                   "checkpoint on the original number of machines)")
+        loud(
+            rank,
+            f"ELASTIC RESIZE FAILED VERIFICATION: {reason}; the job stops (restart it from the last global "
+            "checkpoint on the original number of machines)",
+        )
         raise ResizeRefused(reason)
 
 
@@ -118,11 +135,15 @@ def recover_resized(
     timeline.rank = rank  # its part of the timeline is gathered by the new rank
     _publish_report(store, generation, rank, old_rank, kept, resize, coords[rank])
     gathered = store.gather(generation, "resize_report", sorted(survivor_ranks), gather_timeout_s)
-    inputs, target, why = _agree(resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage,
-                                 resize.partitioned)
+    inputs, target, why = _agree(
+        resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage, resize.partitioned
+    )
     if why:
-        loud(rank, f"ELASTIC {resize.kind.upper()} IMPOSSIBLE: {why}; the job stops (restart it from the last "
-                   "global checkpoint on the original number of machines)")
+        loud(
+            rank,
+            f"ELASTIC {resize.kind.upper()} IMPOSSIBLE: {why}; the job stops (restart it from the last "
+            "global checkpoint on the original number of machines)",
+        )
         raise ResizeRefused(why)
     iteration = target.iteration if target is not None else inputs.consensus
     sources = {r: r for r in inputs.survivors}  # old rank -> old rank whose state (or copy) it is
@@ -133,10 +154,15 @@ def recover_resized(
     if kept is not None and old_rank in undo:
         kept.undo_logged(iteration, timeline)
     # a new rank's module, LR scheduler and counters: from the first survivor of its (stage, tp)
-    donors = {dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
-              for dst in range(world) if dst not in survivor_ranks}
+    donors = {
+        dst: min(r for r in range(world) if r in survivor_ranks and coords[r] == coords[dst])
+        for dst in range(world)
+        if dst not in survivor_ranks
+    }
     first = {dst: survivor_ranks[donors.get(dst, dst)] for dst in range(world)}
-    moves = ResizeMoves(resize, rank, old_rank, kept, iteration, sources, donors, resize_transfers(resize, coords, sources, first))
+    moves = ResizeMoves(
+        resize, rank, old_rank, kept, iteration, sources, donors, resize_transfers(resize, coords, sources, first)
+    )
     moved, owners = moves.run(engine)
     finish_restore(engine)
     if verify:
@@ -158,8 +184,15 @@ def _agreed_resize(store: JobStore, generation: int, rank: int, resize: Resize |
     return resize
 
 
-def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int | None, kept: KeptState | None,
-                    resize: Resize, where: tuple[int, int]) -> None:
+def _publish_report(
+    store: JobStore,
+    generation: int,
+    rank: int,
+    old_rank: int | None,
+    kept: KeptState | None,
+    resize: Resize,
+    where: tuple[int, int],
+) -> None:
     """A survivor's report under its old rank (a new rank of a grow has none to give)."""
     from ds_swift.patches.deepspeed_optim_state import GeometryError
 
@@ -170,35 +203,65 @@ def _publish_report(store: JobStore, generation: int, rank: int, old_rank: int |
     assert old_rank is not None
     stage, dp, tp = resize.old_coords[old_rank]
     if where != (stage, tp):
-        raise GeometryError(f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
-                            f"stage {where[0]} tp {where[1]}: its kept module does not fit")
-    mine = RankReport(rank=old_rank, survivor=True, stage=stage, dp=dp, tp=tp, machine=resize.machine_of(old_rank),
-                      last_stepped=kept.last_stepped, can_undo=kept.can_undo,
-                      buddy_copies=kept.buddy.copies() if kept.buddy is not None else ())
+        raise GeometryError(
+            f"rank {rank} (was {old_rank}) moved from stage {stage} tp {tp} to "
+            f"stage {where[0]} tp {where[1]}: its kept module does not fit"
+        )
+    mine = RankReport(
+        rank=old_rank,
+        survivor=True,
+        stage=stage,
+        dp=dp,
+        tp=tp,
+        machine=resize.machine_of(old_rank),
+        last_stepped=kept.last_stepped,
+        can_undo=kept.can_undo,
+        buddy_copies=kept.buddy.copies() if kept.buddy is not None else (),
+    )
     store.publish(generation, "resize_report", rank, mine.to_json())
 
 
-def _outcome(resize: Resize, target: BuddyTarget | None, iteration: int, undo: list[int],
-             survivor_ranks: Mapping[int, int], donors: Mapping[int, int], moved: int, rank: int,
-             timeline: RankTimeline) -> RecoveryOutcome:
+def _outcome(
+    resize: Resize,
+    target: BuddyTarget | None,
+    iteration: int,
+    undo: list[int],
+    survivor_ranks: Mapping[int, int],
+    donors: Mapping[int, int],
+    moved: int,
+    rank: int,
+    timeline: RankTimeline,
+) -> RecoveryOutcome:
     """The resize as a recovery outcome (its plan in new ranks), its deviation said by rank 0."""
     reason = resize.describe() + f"; iteration {iteration} is the consensus"
     if target is not None:
         pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
         reason += f"; the lost partitions from their buddy copies ({pairs}, old ranks)"
     new_undo = tuple(n for n in (resize.new_rank_of(r) for r in undo) if n is not None)
-    plan = RecoveryPlan(ElasticStrategy.name, reason, iteration, tuple(sorted(survivor_ranks)),
-                        tuple(sorted(donors)), donors=dict(donors), undo=new_undo)
+    plan = RecoveryPlan(
+        ElasticStrategy.name,
+        reason,
+        iteration,
+        tuple(sorted(survivor_ranks)),
+        tuple(sorted(donors)),
+        donors=dict(donors),
+        undo=new_undo,
+    )
     outcome = RecoveryOutcome(plan, iteration + 1, bytes_moved=moved)
     if resize.policy == "keep":
         deviation = f"{resize.describe()}: the same samples and update up to the summation order of the gradients"
     else:
-        deviation = (f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
-                     f"{resize.new_dp} replicas' samples instead of {resize.old_dp}")
+        deviation = (
+            f"{resize.describe()}: from iteration {iteration + 1} on, each update averages "
+            f"{resize.new_dp} replicas' samples instead of {resize.old_dp}"
+        )
     say_deviation(rank, rank == 0, ElasticStrategy.name, outcome, deviation)
     timeline.extra["resize"] = {
-        "kind": resize.kind, "machine": resize.machine, "machines": list(resize.new_layout),
-        "dp": [resize.old_dp, resize.new_dp], "gradient_accumulation_steps": [resize.gas, resize.new_gas],
+        "kind": resize.kind,
+        "machine": resize.machine,
+        "machines": list(resize.new_layout),
+        "dp": [resize.old_dp, resize.new_dp],
+        "gradient_accumulation_steps": [resize.gas, resize.new_gas],
         "global_batch": resize.policy,
     }
     return outcome
@@ -220,6 +283,14 @@ class ElasticStrategy(LossyForwardStrategy):
         return dataclasses.replace(super().plan(inputs), strategy=LossyForwardStrategy.name)
 
     def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
-        return recover_resized(store=ctx.store, generation=ctx.generation, engine=ctx.engine, kept=ctx.kept,
-                               resize=resize, timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
-                               zero_stage=zero_stage, verify=ctx.verify)
+        return recover_resized(
+            store=ctx.store,
+            generation=ctx.generation,
+            engine=ctx.engine,
+            kept=ctx.kept,
+            resize=resize,
+            timeline=ctx.timeline,
+            gather_timeout_s=ctx.gather_timeout_s,
+            zero_stage=zero_stage,
+            verify=ctx.verify,
+        )

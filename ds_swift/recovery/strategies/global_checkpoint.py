@@ -86,8 +86,10 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
                 error = f"{type(exc).__name__}: {exc}"[:300]
         record = json.dumps({"done": done, "error": error, "tried": tried})
         ctx.store.publish(ctx.generation, f"ckpt_load/{attempt}", ctx.rank, record)
-        said = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, f"ckpt_load/{attempt}", ranks,
-                                                                   ctx.gather_timeout_s).items()}
+        said = {
+            r: json.loads(v)
+            for r, v in ctx.store.gather(ctx.generation, f"ckpt_load/{attempt}", ranks, ctx.gather_timeout_s).items()
+        }
         failed = {r: v for r, v in said.items() if v["error"]}
         dones = {v["done"] for v in said.values()}
         any_tried = any(v["tried"] for v in said.values())
@@ -100,10 +102,15 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
         if failed:
             first = min(failed)
             bad = min(v["done"] for v in failed.values())
-            loud(ctx.rank, f"CHECKPOINT {tag_for(bad)} DOES NOT LOAD on ranks {sorted(failed)} (rank {first}: "
-                           f"{failed[first]['error']}): every rank steps back to the complete checkpoint before it")
+            loud(
+                ctx.rank,
+                f"CHECKPOINT {tag_for(bad)} DOES NOT LOAD on ranks {sorted(failed)} (rank {first}: "
+                f"{failed[first]['error']}): every rank steps back to the complete checkpoint before it",
+            )
             nxt = min(nxt, bad - 1)
         if nxt < 0 and any_tried:
-            raise RuntimeError("no global checkpoint loads on every rank, and a failed load may have left part of "
-                               "one in the engine: restart the job from a checkpoint you know is good")
+            raise RuntimeError(
+                "no global checkpoint loads on every rank, and a failed load may have left part of "
+                "one in the engine: restart the job from a checkpoint you know is good"
+            )
         at_most, attempt = nxt, attempt + 1

@@ -98,10 +98,16 @@ class LossyForwardStrategy(RecoveryStrategy):
             return outcome
         iteration = plan.consensus + 1
         outcome.handed.put(GradScale(iteration, lossy_factor(inputs.by_rank[ctx.rank].dp, lost, dp)))
-        announce_deviation(ctx, inputs, self.name, outcome, (
-            f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
-            f"(replicas {sorted(lost)} lost a rank and count as zero)"
-        ))
+        announce_deviation(
+            ctx,
+            inputs,
+            self.name,
+            outcome,
+            (
+                f"iteration {iteration} averaged the gradients of {dp - len(lost)} of {dp} data-parallel replicas "
+                f"(replicas {sorted(lost)} lost a rank and count as zero)"
+            ),
+        )
         return outcome
 
 
@@ -120,7 +126,8 @@ class LossySimulation(SimulatedFailure):
                 f"indices below {dp}, leaving at least one survivor"
             )
         factor = lossy_factor(int(engine.grid.get_data_parallel_id()), lost, dp)
-        self._log(f"simulated failure (lossy forward) at iteration {self.iteration}: replicas {list(lost)} "
-                  f"lost; my gradients x {factor:g}")
+        self._log(
+            f"simulated failure (lossy forward) at iteration {self.iteration}: replicas {list(lost)} "
+            f"lost; my gradients x {factor:g}"
+        )
         return GradScale(self.iteration, factor, self.cfg.upto_layer)
-

@@ -153,11 +153,21 @@ class LoggingStrategy(RecoveryStrategy):
             raise RuntimeError("logging-based recovery chosen without the runtime's replay support")
         step = inputs.checkpoint_step
         # A replaying rank checks its state against the digests it published while alive.
-        check = ReplayCheck(ctx.store, ctx.rank, plan, ctx.engine) if ctx.verify and ctx.rank in plan.replay_ranks else None
+        check = (
+            ReplayCheck(ctx.store, ctx.rank, plan, ctx.engine) if ctx.verify and ctx.rank in plan.replay_ranks else None
+        )
         fallback, outcome.summary = run_logging_recovery(
-            store=ctx.store, generation=ctx.generation, rank=ctx.rank, engine=ctx.engine, plan=plan,
-            reports=list(inputs.reports), checkpoint_step=step, ckpt=ctx.ckpt, rt=rt,
-            timeline=ctx.timeline, gather_timeout_s=ctx.gather_timeout_s,
+            store=ctx.store,
+            generation=ctx.generation,
+            rank=ctx.rank,
+            engine=ctx.engine,
+            plan=plan,
+            reports=list(inputs.reports),
+            checkpoint_step=step,
+            ckpt=ctx.ckpt,
+            rt=rt,
+            timeline=ctx.timeline,
+            gather_timeout_s=ctx.gather_timeout_s,
             before_iteration=check.before_iteration if check is not None else None,
         )
         if fallback is not None:

@@ -100,7 +100,9 @@ class PipeChurnStrategy(RecoveryStrategy):
                 if holder != ctx.rank:
                     continue
                 if holdings is None:
-                    raise RuntimeError(f"rank {ctx.rank} was chosen to send chunk {index} of rank {lost} but holds none")
+                    raise RuntimeError(
+                        f"rank {ctx.rank} was chosen to send chunk {index} of rank {lost} but holds none"
+                    )
                 outcome.bytes_moved += send_state(holdings.state_of(lost, plan.consensus), lost)
         if ctx.rank in sources:
             chunks = [recv_state(holder) for holder, _ in sorted(sources[ctx.rank])]
@@ -129,5 +131,7 @@ def _in_flight(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext, out
         return
     outcome.summary = retrain_summary(inputs, int(ctx.engine.gradient_accumulation_steps()), why)
     if ctx.rank == min(inputs.survivors, default=ctx.rank):
-        loud(ctx.rank, f"pipechurn: no partial recomputation ({why}); every rank trains iteration "
-                       f"{plan.consensus + 1} again")
+        loud(
+            ctx.rank,
+            f"pipechurn: no partial recomputation ({why}); every rank trains iteration {plan.consensus + 1} again",
+        )

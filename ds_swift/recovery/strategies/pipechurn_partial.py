@@ -50,8 +50,10 @@ def partial_reason(inputs: RecoveryInputs) -> str:
     short = {r: n for r, n in short.items() if n < most}
     reason = f"of iteration {in_flight}, only the lost ranks' passes are recomputed"
     if short:
-        reason += (f", and the passes survivors {sorted(short)} had not finished when the failure hit "
-                   f"(they hold {[short[r] for r in sorted(short)]} micro-batches' passes)")  # fmt: skip
+        reason += (
+            f", and the passes survivors {sorted(short)} had not finished when the failure hit "
+            f"(they hold {[short[r] for r in sorted(short)]} micro-batches' passes)"
+        )
     return reason
 
 
@@ -67,7 +69,9 @@ def retrain_summary(inputs: RecoveryInputs, micro_batches: int, why: str) -> dic
     }
 
 
-def _exchange(inputs: RecoveryInputs, ctx: RankContext, micro_batches: int) -> tuple[dict[tuple[str, int], Any], int, list[int], list[int]]:
+def _exchange(
+    inputs: RecoveryInputs, ctx: RankContext, micro_batches: int
+) -> tuple[dict[tuple[str, int], Any], int, list[int], list[int]]:
     """The kept messages each rank's neighbours need, sent before the redo. Returns what this rank
     was served (by kind and micro-batch), the bytes it sent, the ranks it sent to and got from."""
     from ds_swift.recovery.state.inflight import InflightKeeper
@@ -120,7 +124,9 @@ def recompute_lost(plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext)
                 keeper.reseed(True)
         held = f" (kept {mine.kept}{sends})" if mine.kept or sends else ""
         fed = f", fed by ranks {sorted(set(fed_by))} (their kept sends)" if fed_by else ", fed live"
-        ctx.log(f"recomputed my {stats.passes} micro-batch passes of iteration {in_flight} in {stats.wall_s:.2f} s"
-                f"{held}{fed}")  # fmt: skip
+        ctx.log(
+            f"recomputed my {stats.passes} micro-batch passes of iteration {in_flight} in {stats.wall_s:.2f} s"
+            f"{held}{fed}"
+        )
     keeper.restart()  # what it held is spent: a failure from here on redoes the iteration in full
     return redo_summary(inputs, m)

@@ -62,6 +62,7 @@ __all__ = [
     "unflatten",
 ]
 
+
 # ----------------------------------------------------------------------------- the strategy
 def donors_for(inputs: RecoveryInputs) -> tuple[dict[int, int], list[int]]:
     """Each lost rank's donor, a survivor with its pipeline stage and tensor-parallel coordinate (a
@@ -92,8 +93,9 @@ class ReplicationStrategy(RecoveryStrategy):
 
     name = "replication"
     # Buddy copies: a replica under ZeRO-1 holds only its slice; digests check what a donor sends.
-    SERVICES = StrategyServices(buddy_copies=True, digests=True, stage_recovery=frozenset({"replication"}),
-                                sim_kind="replication")
+    SERVICES = StrategyServices(
+        buddy_copies=True, digests=True, stage_recovery=frozenset({"replication"}), sim_kind="replication"
+    )
 
     def can_restore(self, inputs: RecoveryInputs) -> str | None:
         why = inputs.keep_blocker()

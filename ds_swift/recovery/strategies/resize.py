@@ -96,13 +96,34 @@ class Resize:
         return [r for r in range(self.old_world) if self.new_rank_of(r) is None]
 
     @classmethod
-    def plan(cls, *, kind: str, machine: int, old_layout: Sequence[int], new_layout: Sequence[int],
-             old_coords: Sequence[tuple[int, int, int]], gas: int, micro: int, policy: str, min_dp: int,
-             partitioned: bool) -> Resize:
+    def plan(
+        cls,
+        *,
+        kind: str,
+        machine: int,
+        old_layout: Sequence[int],
+        new_layout: Sequence[int],
+        old_coords: Sequence[tuple[int, int, int]],
+        gas: int,
+        micro: int,
+        policy: str,
+        min_dp: int,
+        partitioned: bool,
+    ) -> Resize:
         """Check that the change is possible; ResizeRefused (with the fix) where it is not."""
         per_machine = len(old_coords) // len(old_layout)
-        resize = cls(kind, machine, tuple(old_layout), tuple(new_layout), per_machine,
-                     tuple((int(s), int(d), int(t)) for s, d, t in old_coords), gas, micro, policy, partitioned)
+        resize = cls(
+            kind,
+            machine,
+            tuple(old_layout),
+            tuple(new_layout),
+            per_machine,
+            tuple((int(s), int(d), int(t)) for s, d, t in old_coords),
+            gas,
+            micro,
+            policy,
+            partitioned,
+        )
         model_parallel = resize.old_world // resize.old_dp
         if per_machine % model_parallel:
             raise ResizeRefused(
@@ -118,16 +139,21 @@ class Resize:
         if policy == "keep" and (gas * resize.old_dp) % resize.new_dp:
             raise ResizeRefused(
                 f"elastic.global_batch=keep: {gas * resize.old_dp} micro-batches per iteration do not split over "
-                f"{resize.new_dp} replicas; set elastic.global_batch to \"shrink\", or choose a divisible accumulation"
+                f'{resize.new_dp} replicas; set elastic.global_batch to "shrink", or choose a divisible accumulation'
             )
         return resize
 
     def describe(self) -> str:
-        batch = (f"global batch kept: accumulation {self.gas} -> {self.new_gas} micro-batches per replica"
-                 if self.policy == "keep" else
-                 f"global batch {self.micro * self.gas * self.old_dp} -> {self.micro * self.gas * self.new_dp} samples")
-        what = (f"elastic shrink: machine {self.machine} left for good (no spare)" if self.kind == "shrink"
-                else f"elastic grow: machine {self.machine} is back")
+        batch = (
+            f"global batch kept: accumulation {self.gas} -> {self.new_gas} micro-batches per replica"
+            if self.policy == "keep"
+            else f"global batch {self.micro * self.gas * self.old_dp} -> {self.micro * self.gas * self.new_dp} samples"
+        )
+        what = (
+            f"elastic shrink: machine {self.machine} left for good (no spare)"
+            if self.kind == "shrink"
+            else f"elastic grow: machine {self.machine} is back"
+        )
         return f"{what}; data parallelism {self.old_dp} -> {self.new_dp} on machines {list(self.new_layout)}; {batch}"
 
     def to_json(self) -> str:
@@ -150,15 +176,31 @@ def resized_ds_config(ds_config: Mapping[str, Any], resize: Resize) -> dict[str,
     return out
 
 
-def plan_resize(kind: str, machine: int, old_layout: Sequence[int], new_layout: Sequence[int], old_grid: Grid,
-                policy: Any, rank: int) -> Resize:
+def plan_resize(
+    kind: str,
+    machine: int,
+    old_layout: Sequence[int],
+    new_layout: Sequence[int],
+    old_grid: Grid,
+    policy: Any,
+    rank: int,
+) -> Resize:
     """:meth:`Resize.plan` from the failed generation's grid (:func:`grid_of`) and the ``elastic``
     config section (``policy``); a refusal is said loudly before it is raised."""
     coords, gas, micro, partitioned = old_grid
     try:
-        return Resize.plan(kind=kind, machine=machine, old_layout=old_layout, new_layout=new_layout,
-                           old_coords=coords, gas=gas, micro=micro, policy=policy.global_batch,
-                           min_dp=policy.min_data_parallel, partitioned=partitioned)
+        return Resize.plan(
+            kind=kind,
+            machine=machine,
+            old_layout=old_layout,
+            new_layout=new_layout,
+            old_coords=coords,
+            gas=gas,
+            micro=micro,
+            policy=policy.global_batch,
+            min_dp=policy.min_data_parallel,
+            partitioned=partitioned,
+        )
     except ResizeRefused as exc:
         say(f"ELASTIC {kind.upper()} REFUSED: {exc}", rank, level=logging.WARNING, name=__name__)
         raise
@@ -173,6 +215,9 @@ def grid_of(engine: Any) -> Grid:
     for r in range(topo.world_size()):
         c = topo.get_coord(r)
         coords.append((int(c.pipe), int(c.data), int(getattr(c, "model", 0)) if "model" in axes else 0))
-    return (tuple(coords), int(engine.gradient_accumulation_steps()), int(engine.train_micro_batch_size_per_gpu()),
-            is_partitioned(engine.optimizer))
-
+    return (
+        tuple(coords),
+        int(engine.gradient_accumulation_steps()),
+        int(engine.train_micro_batch_size_per_gpu()),
+        is_partitioned(engine.optimizer),
+    )

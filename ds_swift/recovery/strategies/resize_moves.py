@@ -25,18 +25,22 @@ def grid_coords(engine: Any) -> list[tuple[int, int]]:
     """(stage, tp) of every rank of ``engine``'s grid."""
     topo = pipe_topology(engine)
     has_tp = "model" in topo.get_axis_names()
-    return [(int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0)
-            for r in range(topo.world_size())]
+    return [
+        (int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0) for r in range(topo.world_size())
+    ]
 
 
-def resize_transfers(resize: Resize, coords: list[tuple[int, int]], sources: Mapping[int, int],
-               first: Mapping[int, int]) -> list[tuple[int, int, int]]:
+def resize_transfers(
+    resize: Resize, coords: list[tuple[int, int]], sources: Mapping[int, int], first: Mapping[int, int]
+) -> list[tuple[int, int, int]]:
     """(old owner, source rank, destination rank) of every old optimizer state each new rank needs,
     in one order on every rank (the sends are posted first, then received in it): partitioned, every
     old partition of its (stage, tp); else one whole state, its own or ``first[dst]``'s (an old rank)."""
     out = []
     for dst, (stage, tp) in enumerate(coords):
-        owners = [resize.old_rank_at(stage, q, tp) for q in range(resize.old_dp)] if resize.partitioned else [first[dst]]
+        owners = (
+            [resize.old_rank_at(stage, q, tp) for q in range(resize.old_dp)] if resize.partitioned else [first[dst]]
+        )
         for owner in owners:
             src = resize.new_rank_of(sources[owner])
             assert src is not None  # sources are survivors

@@ -119,16 +119,22 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         rewound = True
         if ctx.kept is not None and ctx.rank in ahead:
             rewound = ctx.kept.rewind_schedule(plan.consensus)
-            ctx.log(f"immediate rollback: keeping the update of iteration {ctx.kept.last_stepped} (no undo); "
-                    f"{'LR schedule and counters back to iteration ' + str(plan.consensus) if rewound else 'LR schedule stays one step ahead (no record of it)'}")
+            ctx.log(
+                f"immediate rollback: keeping the update of iteration {ctx.kept.last_stepped} (no undo); "
+                f"{'LR schedule and counters back to iteration ' + str(plan.consensus) if rewound else 'LR schedule stays one step ahead (no record of it)'}"
+            )
         ctx.keep_state(plan)
         sources, _ = rollback_sources(inputs)
         partitioned = inputs.partitioned or inputs.zero_stage > 0
         donor = plan.donor_of(ctx.rank)
         state, outcome.bytes_moved = hand_over(
-            plan.recipients_of(ctx.rank), lambda lost: self._source_state(ctx, lost, sources[lost][1], partitioned),
-            donor, on_sent=lambda lost, sent: ctx.log(
-                f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)"))
+            plan.recipients_of(ctx.rank),
+            lambda lost: self._source_state(ctx, lost, sources[lost][1], partitioned),
+            donor,
+            on_sent=lambda lost, sent: ctx.log(
+                f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)"
+            ),
+        )
         if donor is not None:
             load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"immediate rollback: took rank {donor}'s state of iteration {sources[ctx.rank][1]}")
@@ -138,8 +144,10 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         if ahead:
             parts.append(f"ranks {ahead} apply it a second time")
         if lagging:
-            parts.append("lost ranks took states of other iterations: "
-                         + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items())))
+            parts.append(
+                "lost ranks took states of other iterations: "
+                + ", ".join(f"rank {r} of iteration {v}" for r, v in sorted(lagging.items()))
+            )
         if not rewound:
             parts.append(f"rank {ctx.rank}'s LR schedule runs one step ahead")
         if ahead or lagging or not rewound:
@@ -192,7 +200,8 @@ class RollbackSimulation(SimulatedFailure):
             set_counters(engine, self.iteration, skipped_steps=saved["skipped_steps"])
         finish_restore(engine)  # the low-precision parameters from the masters (per data-parallel group)
         kept = "kept its update" if saved["state"] is None else "did not apply it"
-        self._log(f"simulated failure (immediate rollback) at iteration {self.iteration}: my stage {kept}; "
-                  "training the mini-batch again")
+        self._log(
+            f"simulated failure (immediate rollback) at iteration {self.iteration}: my stage {kept}; "
+            "training the mini-batch again"
+        )
         return True
-

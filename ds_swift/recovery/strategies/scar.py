@@ -147,10 +147,16 @@ class ScarStrategy(RecoveryStrategy):
         finish_restore(ctx.engine)
         behind = plan.consensus + 1 - max(0, step)
         outcome.checkpoint_step = step if step >= 0 else None
-        announce_deviation(ctx, inputs, self.name, outcome, (
-            f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
-            f"(partial recovery: the job goes on from a state the failure-free run never had)"
-        ))
+        announce_deviation(
+            ctx,
+            inputs,
+            self.name,
+            outcome,
+            (
+                f"ranks {lost} went back {behind} iteration(s) to {checkpoint_source(step)}; the other ranks kept their state "
+                f"(partial recovery: the job goes on from a state the failure-free run never had)"
+            ),
+        )
         return outcome
 
     @staticmethod
@@ -182,8 +188,10 @@ class ScarStrategy(RecoveryStrategy):
         saved = sum(a.saved_blocks for a in ages.values())
         total = sum(a.blocks for a in ages.values())
         newest = max((a.newest for a in ages.values() if a.newest is not None), default=None)
-        ctx.log(f"running checkpoint: {saved} of {total} blocks newer than {checkpoint_source(step)} loaded over it"
-                + (f" (newest of iteration {newest})" if newest is not None else ""))
+        ctx.log(
+            f"running checkpoint: {saved} of {total} blocks newer than {checkpoint_source(step)} loaded over it"
+            + (f" (newest of iteration {newest})" if newest is not None else "")
+        )
 
     @staticmethod
     def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:
@@ -195,6 +203,9 @@ class ScarStrategy(RecoveryStrategy):
         if sched is not None and survivor["schedule"] is not None:
             sched.load_state_dict(survivor["schedule"]["state"])
         elif sched is not None:
-            loud(ctx.rank, "the survivors' LR scheduler state is not plain JSON: this rank's schedule resumes "
-                           "from the checkpoint's, behind the job's")
+            loud(
+                ctx.rank,
+                "the survivors' LR scheduler state is not plain JSON: this rank's schedule resumes "
+                "from the checkpoint's, behind the job's",
+            )
         ctx.log(f"partial recovery: at iteration {plan.consensus + 1} with the checkpoint's weights")

@@ -54,8 +54,10 @@ class TranLogsStrategy(RecoveryStrategy):
         stages = sorted({inputs.by_rank[r].stage for r in inputs.replacements})
         logging = sorted(setup.update_stages) if setup is not None else []
         if not set(stages) <= set(logging):
-            return f"stage(s) {[s for s in stages if s not in logging]} of the lost ranks do not log their updates " \
+            return (
+                f"stage(s) {[s for s in stages if s not in logging]} of the lost ranks do not log their updates "
                 f"(stages logging updates: {logging})"
+            )
         return None
 
     def expected_cost(self, inputs: RecoveryInputs) -> float:

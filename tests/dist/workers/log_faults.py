@@ -34,7 +34,7 @@ def truncate(storage: str, iteration: int, micro_batch: int, src_stage: int | No
             f.truncate(entry.offset + entry.length // 2)
         done = True
         print(f"[test] truncated {path.name} in the record of iteration {iteration} micro-batch {micro_batch}",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
     return done
 
 
@@ -49,7 +49,7 @@ def delete(storage: str, iteration: int, micro_batch: int, src_stage: int | None
         index.unlink(missing_ok=True)
         done = True
         print(f"[test] deleted {path.name} and its index (iteration {iteration} micro-batch {micro_batch})",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
     return done
 
 
@@ -105,5 +105,5 @@ def perturb(storage: str, iteration: int, micro_batch: int, src_stage: int | Non
             index.write_bytes(bytes(idx))
         done = True
         print(f"[test] perturbed the record of iteration {iteration} micro-batch {micro_batch} in {path.name} "
-              "(checksums recomputed)", file=sys.stderr, flush=True)  # fmt: skip
+              "(checksums recomputed)", file=sys.stderr, flush=True)
     return done

@@ -138,7 +138,7 @@ def replay_phase(out: Path, rank: int) -> None:
             result["corrupt"] = {"raised": None}
         except LogUnavailable as exc:
             result["corrupt"] = {"raised": "LogUnavailable", "message": str(exc), "iteration": exc.iteration,
-                                 "micro_batch": exc.micro_batch, "file": exc.file}  # fmt: skip
+                                 "micro_batch": exc.micro_batch, "file": exc.file}
             store.set("replay/abort", "1")
             dist.send(torch.zeros(1), 3)  # the poison: completes rank 3's pending receive
         except RuntimeError as exc:
@@ -155,7 +155,7 @@ def replay_phase(out: Path, rank: int) -> None:
             engine, LogReader(out / "logs"), group, CKPT, ITERATIONS - 1, batch_fn,
             progress=lambda p: progress.append((p.iterations_done, p.iterations_total, p.log_bytes_read)), seed=SEED,
             collectives=records,
-        )  # fmt: skip
+        )
         cpu_s = time.process_time() - c0
         relog.flush(60)
         relog.remove()
@@ -164,7 +164,7 @@ def replay_phase(out: Path, rank: int) -> None:
             k: getattr(stats, k)
             for k in ("iterations", "wall_s", "iteration_s", "messages_from_log", "log_bytes_read", "chunks_loaded",
                       "sends_dropped", "sends_live", "recvs_live", "losses", "log_wait_s", "collectives_substituted")
-        }  # fmt: skip
+        }
         result["progress"] = progress
         result["cpu_s"] = cpu_s
     dist.barrier()  # ranks 0,1: the survivors, waiting for the replay to finish
@@ -201,14 +201,14 @@ def parallel_phase(out: Path, rank: int) -> None:
         stats = parallel_replay(
             engine, copy, layout, LogReader(out / "logs"), CKPT, ITERATIONS - 1, batch_fn,
             mode=mode, seed=SEED, collectives=records,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
         assert stats is not None
         torch.save(final_state(engine if rank in (2, 3) else copy), out / f"parallel_{mode}_rank{rank}.pt")
         result[mode] = {
             "share": list(stats.share), "exchange_bytes": stats.exchange_bytes, "exchange_s": stats.exchange_s,
             "messages_from_log": stats.replay.messages_from_log, "iteration_s": stats.replay.iteration_s,
             "sends_dropped": stats.replay.sends_dropped,
-        }  # fmt: skip
+        }
     if rank in (0, 1):
         torch.save(final_state(engine), out / f"parallel_own_rank{rank}.pt")
     dist.barrier()
