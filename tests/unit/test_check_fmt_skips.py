@@ -22,11 +22,11 @@ def checker() -> ModuleType:
 
 SOURCE = """
 bare = [1,
-        2]
+        2]  # fmt: skip
 # the columns line up with the table below
 above = [1,
-         2]
-same = [1]  # one piece
+         2]  # fmt: skip
+same = [1]  # one piece  # fmt: skip
 after = [1]  # fmt: skip  # one piece
 odd = [1]  # fmt: skip - ruff formats this line anyway
 text = "# fmt: skip inside a string is no pragma"
