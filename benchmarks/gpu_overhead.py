@@ -68,7 +68,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "-undo": ({"enabled": True}, "undo"),
     "-determinism": ({"enabled": True}, "determinism"),
     "-rng": ({"enabled": True}, "rng"),
-    "-priority": ({"enabled": True}, "priority"),
     "ckpt@10": ({"enabled": True, "checkpoint": {"interval": 10}}, ""),
 }
 #: the interval of the ckpt@10 variant

@@ -24,8 +24,6 @@ SWITCHES: Mapping[str, str] = {
     "undo": "update-undo's step records (a survivor ahead then reloads the checkpoint)",
     "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
     "rng": "RNG keying per forward pass (replayed dropout may differ)",
-    "priority": "the background workers' lower CPU priority (they run at the training thread's: "
-    "ds_swift.threadname.lower_os_priority)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
     "reads after every receive and before every iteration",
 }

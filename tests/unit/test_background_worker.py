@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
 
-from ds_swift.runtime.bench_switch import switched_off
-from ds_swift.threadname import BACKGROUND_NICE
 from ds_swift.worker import OnError, Worker
 
 
@@ -138,27 +134,3 @@ def test_a_setup_that_fails_ends_the_worker_and_is_said() -> None:
     assert said == ["no tmp dir"] and w.off == "PermissionError: no tmp dir" and w.stats.items == 0
     with pytest.raises(PermissionError):
         w.check()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
-def test_the_worker_thread_runs_at_a_lower_priority_than_the_thread_that_made_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("SWIFT_BENCH_WITHOUT", raising=False)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: list[int] = []
-    w: Worker[int] = Worker(
-        "ds-swift-test", lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-    )
-    w.submit(1)
-    assert w.wait_idle(10.0) and w.stop()
-    assert seen == [min(19, mine + BACKGROUND_NICE)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is its own
-    # the benchmark's switch keeps it at the caller's (and bench_switch knows the name)
-    monkeypatch.setenv("SWIFT_BENCH_WITHOUT", "priority")
-    assert "priority" in switched_off()
-    seen.clear()
-    w = Worker("ds-swift-test", lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    w.submit(1)
-    assert w.wait_idle(10.0) and w.stop()
-    assert seen == [mine]
