@@ -237,6 +237,17 @@ class JobStore(SignedKV):
         """The key of generation ``generation``'s failure flag (its value: the reason)."""
         return f"gen{generation}/failed"
 
+    @staticmethod
+    def buddy_round_key(generation: int, version: int) -> str:
+        """The prefix of buddy round ``version``'s keys in ``generation``: ``<prefix>/<rank>`` per
+        rank whose copies landed (ds_swift.runtime.buddy_holdings.StoreLanding)."""
+        return f"buddy/{generation}/{version}"
+
+    @staticmethod
+    def buddy_done_key(generation: int, version: int) -> str:
+        """The key set once every rank's copies of buddy round ``version`` landed."""
+        return JobStore.buddy_round_key(generation, version) + "/done"
+
     def failure(self, generation: int) -> str | None:
         """The reason generation ``generation`` failed, or None while it is healthy (or only a
         write not signed with the job secret says otherwise: rejected, see :mod:`.store_auth`)."""

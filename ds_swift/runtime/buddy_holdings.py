@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.strategies.replication import decode, flat_sizes
 
 __all__ = ["BuddyHoldings", "StoreLanding"]
@@ -134,7 +135,10 @@ class StoreLanding:
         self.rank = rank
 
     def _key(self, version: int) -> str:
-        return f"buddy/{self.generation}/{version}"
+        return JobStore.buddy_round_key(self.generation, version)
+
+    def _done(self, version: int) -> str:
+        return JobStore.buddy_done_key(self.generation, version)
 
     def turn_off(self, reason: str) -> None:
         """This rank stopped copying (a copier error): every rank's copier stops too, rather than
@@ -149,12 +153,12 @@ class StoreLanding:
         # Rounds are a step apart (a step waits for the previous round): two back is over everywhere.
         self.store.delete(f"{self._key(version - 2)}/{self.rank}")
         if self.rank != self.LEADER:
-            return self._wait([key + "/done"], stopped)
+            return self._wait([self._done(version)], stopped)
         ranks = [f"{key}/{r}" for r in range(self.world)]
         if not self._wait(ranks, stopped):
             return False
-        self.store.set(key + "/done", "1")
-        self.store.delete(self._key(version - 2) + "/done")
+        self.store.set(self._done(version), "1")
+        self.store.delete(self._done(version - 2))
         return True
 
     def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> bool:

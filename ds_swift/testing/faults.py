@@ -82,6 +82,8 @@ class _Counter(Protocol):
 
     def get(self, key: str) -> str | None: ...
 
+    def wait_value(self, key: str, timeout_s: float) -> str | None: ...
+
 
 #: how long a ``settled`` spec waits for the copies of the iteration before (then fires anyway, saying so)
 SETTLE_TIMEOUT_S = 60.0
@@ -186,9 +188,10 @@ def format_specs(specs: Sequence[FaultSpec]) -> str:
 
 
 def _landed_key(generation: int, iteration: int) -> str:
-    """The key the buddy round of ``iteration`` sets once every rank's copies landed
-    (ds_swift.runtime.buddy_holdings.StoreLanding)."""
-    return f"buddy/{generation}/{iteration}/done"
+    """The key the buddy round of ``iteration`` sets once every rank's copies landed."""
+    from ds_swift.jobstore.membership import JobStore
+
+    return JobStore.buddy_done_key(generation, iteration)
 
 
 def _sigkill_self() -> None:
@@ -245,17 +248,13 @@ class Injector:
 
     def _settle(self, iteration: int) -> None:
         """Wait until the copies of ``iteration - 1`` landed on every rank (a ``settled`` spec)."""
-        key, deadline = _landed_key(self.store.generation(), iteration - 1), time.monotonic() + SETTLE_TIMEOUT_S
-        while self.store.get(key) is None:
-            if time.monotonic() > deadline:
-                say(
-                    f"the copies of iteration {iteration - 1} did not land within {SETTLE_TIMEOUT_S:.0f} s: "
-                    "firing anyway",
-                    name=__name__,
-                    prefix="ds-swift inject",
-                )
-                return
-            time.sleep(0.01)
+        key = _landed_key(self.store.generation(), iteration - 1)
+        if self.store.wait_value(key, SETTLE_TIMEOUT_S) is None:
+            say(
+                f"the copies of iteration {iteration - 1} did not land within {SETTLE_TIMEOUT_S:.0f} s: firing anyway",
+                name=__name__,
+                prefix="ds-swift inject",
+            )
 
     def maybe_fire(self, phase: str, iteration: int) -> None:
         """Fire a spec matching (this machine, ``iteration``, ``phase``) that no rank fired yet."""

@@ -178,6 +178,13 @@ def test_a_settled_spec_fires_only_once_the_copies_of_the_iteration_before_lande
             self.asked += 1
             return "1" if self.asked >= 3 else None
 
+        def wait_value(self, key: str, timeout_s: float) -> str | None:
+            # as JobStore.wait_value: read until the key is set; nothing was killed meanwhile
+            assert kills.count == 0 and timeout_s > 0
+            while (value := self.get(key)) is None:
+                pass
+            return value
+
     store, kills = Landing(), Kills()
     Injector([spec], store, machine=1, rank=1, kill=kills).maybe_fire("forward", 7)
     assert store.asked == 3 and kills.count == 1
