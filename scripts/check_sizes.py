@@ -2,9 +2,10 @@
 
     python scripts/check_sizes.py [--list]
 
-Walks ds_swift/, launch/ and patches/ with ``ast``. The modules and functions that were already
-over the limits when the check came in are listed in ``scripts/size_baseline.txt``: they may
-shrink, never grow, and a new offender fails. ``--list`` prints every offender (to refresh the
+Walks ds_swift/, launch/ and patches/, and the benchmarks, examples, scripts and tests beside them,
+with ``ast``. The modules and functions that were already over the limits when the check came in
+(or reached them) are listed in ``scripts/size_baseline.txt``: they may shrink, never grow, and a
+new offender fails. ``--list`` prints every offender (to refresh the
 baseline after a split: only ever remove lines from it).
 """
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ds_swift", "launch", "patches")
+#: the code beside the packages: the same limits (a 476-line benchmark grew unseen outside the reach)
+BESIDE = ("benchmarks", "examples", "scripts", "tests")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 BASELINE = ROOT / "scripts" / "size_baseline.txt"
@@ -25,7 +28,7 @@ BASELINE = ROOT / "scripts" / "size_baseline.txt"
 def offenders() -> dict[str, int]:
     """``path`` or ``path::qualified.function`` -> its length in lines, for everything over a limit."""
     found: dict[str, int] = {}
-    for pkg in PACKAGES:
+    for pkg in (*PACKAGES, *BESIDE):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             text = path.read_text(encoding="utf-8")
