@@ -47,6 +47,7 @@ __all__ = [
     "check_round",
     "checkpoint_source",
     "loud",
+    "redo_words",
 ]
 
 
@@ -58,6 +59,19 @@ def loud(rank: int, msg: str) -> None:
 def checkpoint_source(checkpoint_step: int) -> str:
     """What a reload starts from: ``global_step<n>``, or the initial state (-1: none complete yet)."""
     return f"global_step{checkpoint_step}" if checkpoint_step >= 0 else "the initial state"
+
+
+def redo_words(summary: Mapping[str, Any] | None, how: str) -> str:
+    """The summary line's words for a restore that redid iterations on the lost ranks from a log
+    (``summary``: its :attr:`RecoveryOutcome.summary`; ``how``: what they did, "replayed")."""
+    if not summary:
+        return ""
+    r = summary
+    par = f", parallel {r['parallel']}" if r.get("parallel") else ""
+    return (
+        f"ranks {r['ranks']} {how} iterations {r['from']}..{r['to']} from {r['source']} in "
+        f"{r['replay_s']:.2f} s, {r['log_bytes_read'] / 1e6:.1f} MB of log{par}"
+    )
 
 
 @dataclass
@@ -201,6 +215,16 @@ class RecoveryStrategy(ABC):
             pp: the bench job's pipeline stages (a variant may depend on them).
         """
         return self.BENCH_VARIANTS
+
+    def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
+        """What this strategy's restore did, in the recovery's summary line after its name
+        (ds_swift.recovery.timeline; "": nothing more to say).
+
+        Args:
+            summary: the restore's :attr:`RecoveryOutcome.summary` (the same on every rank).
+            checkpoint_step: the global checkpoint the restore loaded (None: none).
+        """
+        return ""
 
     def offered(self, inputs: RecoveryInputs) -> bool:
         """Whether to ask this strategy although the config does not name it: under ``auto`` where

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ds_swift.checkpoint.durable import write_atomic
 from ds_swift.jobstore.membership import GenerationFailed
 from ds_swift.logs import say_here
+from ds_swift.recovery import registry
 
 if TYPE_CHECKING:
     from ds_swift.jobstore.membership import JobStore
@@ -204,18 +205,20 @@ def _verification(tl: Timeline) -> str:
     return "".join(f"; restored state {status} on ranks {sorted(ranks)}" for status, ranks in sorted(by_status.items()))
 
 
+def _strategy_words(tl: Timeline) -> str:
+    """What the strategy that recovered says its restore did (its ``summary_words``); nothing for a
+    name the registry does not hold (a timeline of a strategy since renamed)."""
+    strategies = registry.strategies()
+    if tl.strategy not in strategies.names():
+        return ""
+    return strategies.get(tl.strategy).summary_words(tl.replay, tl.checkpoint_step)
+
+
 def summary_line(tl: Timeline) -> str:
     what = tl.strategy
-    if tl.strategy == "checkpoint":
-        what += f" (reload of {'global_step' + str(tl.checkpoint_step) if tl.checkpoint_step is not None else 'the initial state'})"
-    elif tl.strategy in ("logging", "tranlogs") and tl.replay:
-        r = tl.replay
-        par = f", parallel {r['parallel']}" if r.get("parallel") else ""
-        how = "re-applied the updates of" if tl.strategy == "tranlogs" else "replayed"
-        what += (
-            f" (ranks {r['ranks']} {how} iterations {r['from']}..{r['to']} from {r['source']} in "
-            f"{r['replay_s']:.2f} s, {r['log_bytes_read'] / 1e6:.1f} MB of log{par})"
-        )
+    words = _strategy_words(tl)
+    if words:
+        what += f" ({words})"
     if tl.deviation:
         what += f" (APPROXIMATE: {tl.deviation})"
     undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""

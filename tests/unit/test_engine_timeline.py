@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ds_swift.recovery.timeline import RankTimeline, build_timeline, summary_line, write_timeline
+from ds_swift.recovery import registry
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
+from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.timeline import RankTimeline, Timeline, build_timeline, summary_line, write_timeline
 
 
 def ranks() -> list[RankTimeline]:
@@ -126,3 +131,65 @@ def test_written_file_round_trips(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["undo_ranks"] == [1] and data["donors"] == {"2": 0, "3": 1}
     assert RankTimeline.from_json(json.dumps(data["ranks"][1])).undone_from == 7
+
+
+def _timeline(strategy: str, replay: dict[str, Any] | None = None, checkpoint_step: int | None = None) -> Timeline:
+    return build_timeline(
+        ranks(),
+        strategy=strategy,
+        reason="r",
+        consensus=6,
+        t_kill=100.0,
+        t_agent_detected=None,
+        failed_machine=1,
+        undo_ranks=[],
+        donors={},
+        checkpoint_step=checkpoint_step,
+        replay=replay,
+    )
+
+
+REDO = {"ranks": [2, 3], "from": 4, "to": 6, "source": "global_step4", "replay_s": 1.234, "log_bytes_read": 2.5e6}
+
+
+def test_the_recovering_strategy_words_what_its_restore_did() -> None:
+    line = summary_line(_timeline("logging", {**REDO, "parallel": "exact"}, checkpoint_step=4))
+    assert (
+        "logging (ranks [2, 3] replayed iterations 4..6 from global_step4 in 1.23 s, 2.5 MB of log, parallel exact)"
+        in line
+    )
+    line = summary_line(_timeline("tranlogs", REDO, checkpoint_step=4))
+    assert (
+        "tranlogs (ranks [2, 3] re-applied the updates of iterations 4..6 from global_step4 in 1.23 s, 2.5 MB of log)"
+        in line
+    )
+    assert "checkpoint (reload of the initial state);" in summary_line(_timeline("checkpoint"))
+    # Nothing replayed (no rank lost its state), or a strategy with nothing to add: its name alone.
+    assert "): logging; consensus" in summary_line(_timeline("logging"))
+    assert "): replication; consensus" in summary_line(_timeline("replication", REDO))
+
+
+class _Worded(RecoveryStrategy):
+    name = "worded"
+
+    def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
+        return f"redid {(summary or {})['passes']} passes after global_step{checkpoint_step}"
+
+    def can_restore(self, inputs: RecoveryInputs) -> str | None:
+        return None
+
+    def expected_cost(self, inputs: RecoveryInputs) -> float:
+        return 1.0
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        raise NotImplementedError
+
+
+def test_a_new_strategy_s_words_need_no_edit_in_the_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "): worded; consensus" in summary_line(_timeline("worded", {"passes": 3}, 5))  # not registered
+    grown = registry.strategies().copy()
+    grown.register(_Worded())
+    monkeypatch.setattr(registry, "STRATEGIES", grown)
+    assert "): worded (redid 3 passes after global_step5); consensus" in summary_line(
+        _timeline("worded", {"passes": 3}, 5)
+    )

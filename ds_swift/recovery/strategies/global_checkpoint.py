@@ -14,10 +14,11 @@ so training cannot restart from the initial state).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ds_swift.checkpoint.periodic import tag_for
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, loud
+from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, checkpoint_source, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import set_counters
@@ -41,6 +42,9 @@ class GlobalCheckpointStrategy(RecoveryStrategy):
     def expected_cost(self, inputs: RecoveryInputs) -> float:
         # Every rank retrains from the checkpoint to the iteration in flight.
         return float(inputs.consensus + 1 - max(0, inputs.checkpoint_step))
+
+    def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
+        return f"reload of {checkpoint_source(checkpoint_step if checkpoint_step is not None else -1)}"
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         step, ckpt = inputs.checkpoint_step, ctx.ckpt

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
 from ds_swift.recovery.base import (
@@ -31,6 +31,7 @@ from ds_swift.recovery.base import (
     RecoveryStrategy,
     RestoreFailed,
     checkpoint_source,
+    redo_words,
 )
 from ds_swift.recovery.consensus import LoggingSetup, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
@@ -136,6 +137,9 @@ class LoggingStrategy(RecoveryStrategy):
         plan = inputs.plan(self.name, reason, replay_ranks=group, replay_from=start)
         # Survivors in the group roll back by replaying, not by undoing.
         return dataclasses.replace(plan, undo=tuple(r for r in plan.undo if r not in group))
+
+    def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
+        return redo_words(summary, "replayed")
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)

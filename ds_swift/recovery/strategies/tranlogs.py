@@ -23,8 +23,17 @@ lost rank had.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, check_round, checkpoint_source
+from ds_swift.recovery.base import (
+    RankContext,
+    RecoveryOutcome,
+    RecoveryStrategy,
+    check_round,
+    checkpoint_source,
+    redo_words,
+)
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
@@ -73,6 +82,9 @@ class TranLogsStrategy(RecoveryStrategy):
             f"updates of iterations {start}..{inputs.consensus}"
         )
         return inputs.plan(self.name, reason, replay_ranks=inputs.replacements, replay_from=start)
+
+    def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
+        return redo_words(summary, "re-applied the updates of")
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
