@@ -109,9 +109,12 @@ def _live_groups() -> list[Any]:
 
 def _backends(group: Any) -> list[Any]:
     out = []
-    for device in ("cpu", "cuda"):
+    # Only the group's own device types: asking a gloo-only group for its CUDA backend raises, and
+    # the exception cost more than the rest (op_timeout_scope runs this twice per iteration).
+    devices = getattr(group, "_device_types", None) or [torch.device("cpu"), torch.device("cuda")]
+    for device in devices:
         try:
-            backend = group._get_backend(torch.device(device))
+            backend = group._get_backend(device)
         except (RuntimeError, ValueError):
             continue
         if hasattr(backend, "options") and backend not in out:

@@ -112,12 +112,20 @@ class FailureMonitor:
             raise PeerFailure(f"generation {self._generation} failed: {reason}")
 
     def failure_seen(self) -> str | None:
-        """Why the generation in force failed, if it did (None without a job store)."""
+        """Why the generation in force failed, if it did (None without a job store).
+
+        With a watchdog thread running this is its event alone, no store read: the thread reads the
+        flag every ``poll_interval_s``, and a failure it has not seen yet is met inside the
+        iteration (a receive from the lost peer fails, or brings the poison mark, or the op timeout
+        ends it; :meth:`classify`), exactly as a failure in the middle of an iteration is. A store
+        read here cost the training thread a round trip to the store host per iteration: on the
+        tiny CPU GPT (4 ranks on 2 cores) 4-5 ms of wall time per iteration and rank, waiting for
+        the store's thread to be scheduled (benchmarks/gpu_overhead.py, issue 29)."""
         if self.store is None or not self.watch:
             return None
         wd = self._watchdog
-        if wd is not None and wd.failed.is_set():
-            return "failure flag (watchdog)"
+        if wd is not None:
+            return "failure flag (watchdog)" if wd.failed.is_set() else None
         if self.store.failure(self._generation) is not None:
             return "failure flag"
         return None

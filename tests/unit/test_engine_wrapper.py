@@ -265,6 +265,24 @@ def test_a_receive_reads_the_store_only_when_it_carries_the_poison_mark(store: J
     assert reads == [0, 0]
 
 
+def test_with_a_watchdog_running_the_check_before_an_iteration_reads_no_store(store: JobStore) -> None:
+    """The watchdog thread reads the flag; the training thread only looks at its event (a store
+    read per iteration was a round trip to the store host on the critical path)."""
+    monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
+    watchdog = Watchdog(lambda: store, rank=0, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0)
+    monitor._watchdog = watchdog  # not started: its polls are driven here
+    reads: list[int] = []
+    original = store.failure
+    store.failure = lambda g: reads.append(g) or original(g)  # type: ignore[method-assign]
+    assert monitor.failure_seen() is None
+    store.declare_failure(0, "machine 1: rank 3 killed")
+    assert monitor.failure_seen() is None  # the watchdog has not polled yet: met inside the iteration
+    assert reads == []
+    watchdog.poll_once(store)
+    assert monitor.failure_seen() == "failure flag (watchdog)"
+    assert reads == [0]  # the watchdog's one read
+
+
 def test_failure_monitor_checks_the_generation_in_force(store: JobStore) -> None:
     monitor = FailureMonitor(store, generation=0, poll_interval_s=0.01)
     assert monitor.failure_seen() is None
