@@ -119,6 +119,19 @@ def _plain(value: Any) -> bool:
     return isinstance(value, list | tuple) and all(_plain(v) for v in value)
 
 
+def _copy_plain(value: Any) -> Any:
+    """A copy of a :func:`_plain` value: scalars as they are (immutable), tensors cloned, lists and
+    tuples element by element. What ``copy.deepcopy`` gives, at a fraction of its cost per step
+    (the buddy copier captures the scalars after every step, on the training thread)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list):
+        return [_copy_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_plain(v) for v in value)
+    return value
+
+
 def capture_optimizer(opt: Any) -> dict[str, Any]:
     """This rank's optimizer state by reference (masters and the inner optimizer), plus copies of
     the scalars (loss scaler, flags). No collective: safe on broken process groups.
@@ -139,8 +152,8 @@ def optimizer_scalars(opt: Any) -> dict[str, Any]:
     clipping norm: ``flags``), as plain data."""
     kind = kind_of(opt)
     return {
-        "scalers": [{k: copy.deepcopy(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
-        "flags": {k: copy.deepcopy(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
+        "scalers": [{k: _copy_plain(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
+        "flags": {k: _copy_plain(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
     }
 
 

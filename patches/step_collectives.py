@@ -32,7 +32,16 @@ import torch.distributed as dist
 from ds_swift.patches._base import PatchError, PatchHandle, check_version
 from ds_swift.patches.instructions import hook_instructions, schedule
 
-__all__ = ["COLLECTIVES", "SUPPORTED_TORCH", "Wrapper", "call_ranks", "record_step_collectives", "wrap_collectives"]
+__all__ = [
+    "COLLECTIVES",
+    "SUPPORTED_TORCH",
+    "Wrapper",
+    "arg_reader",
+    "call_ranks",
+    "group_ranks",
+    "record_step_collectives",
+    "wrap_collectives",
+]
 
 SUPPORTED_TORCH = ("2.4", "2.14")
 COLLECTIVES = (
@@ -60,10 +69,26 @@ Wrapper = Callable[[str, Callable[..., Any], inspect.Signature], Callable[..., A
 def call_ranks(sig: inspect.Signature, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
     """Bind a collective's arguments; return them with the global ranks of the group it runs over."""
     bound = sig.bind_partial(*args, **kw)
-    group = bound.arguments.get("group")
+    return bound, group_ranks(bound.arguments.get("group"))
+
+
+def arg_reader(sig: inspect.Signature, name: str) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    """Reads argument ``name`` of a call by its position in ``sig`` (or its keyword; None when not
+    given): what :func:`call_ranks` binds, without binding every argument of every call."""
+    names = list(sig.parameters)
+    at = names.index(name) if name in names else 1 << 30  # not a parameter: never positional
+
+    def read(args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        return args[at] if at < len(args) else kw.get(name)
+
+    return read
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None or the world: every rank), sorted."""
     if group is None or group is dist.GroupMember.WORLD:
-        return bound, tuple(range(dist.get_world_size()))
-    return bound, tuple(sorted(dist.get_process_group_ranks(group)))
+        return tuple(range(dist.get_world_size()))
+    return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
 @functools.lru_cache(maxsize=128)
@@ -86,15 +111,11 @@ def _tags(fn: Any) -> set[str]:
     return tags
 
 
-def wrap_collectives(tag: str, make: Wrapper) -> PatchHandle:
-    """Replace every ``torch.distributed`` collective by ``make(name, fn, signature)`` until removed.
+def _originals() -> dict[str, Callable[..., Any]]:
+    return {name: fn for name in COLLECTIVES if (fn := getattr(dist, name, None)) is not None}
 
-    Args:
-        tag: names this wrapping; applying a tag already in force is refused.
-        make: builds each replacement; it should call ``fn`` for what it does not handle itself.
-    """
-    check_version("torch", torch.__version__.split("+")[0], *SUPPORTED_TORCH)
-    originals = {name: fn for name in COLLECTIVES if (fn := getattr(dist, name, None)) is not None}
+
+def _build(tag: str, make: Wrapper, originals: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
     if any(tag in _tags(fn) for fn in originals.values()):
         raise PatchError(f"torch.distributed collectives are already wrapped by ds-swift ({tag!r})")
     wrappers: dict[str, Callable[..., Any]] = {}
@@ -103,6 +124,11 @@ def wrap_collectives(tag: str, make: Wrapper) -> PatchHandle:
         # After functools.wraps, which copies the inner wrapper's __dict__ (and its tag) over.
         setattr(wrapper, _MARK, tag)
         wrappers[name] = wrapper
+    return wrappers
+
+
+def _put_in(tag: str, originals: dict[str, Callable[..., Any]], wrappers: dict[str, Callable[..., Any]]) -> PatchHandle:
+    for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)
 
     def restore() -> None:
@@ -115,18 +141,44 @@ def wrap_collectives(tag: str, make: Wrapper) -> PatchHandle:
     return PatchHandle(f"torch.distributed collectives {tag}", restore)
 
 
-def record_step_collectives(engine: Any, tag: str, make_for_step: Callable[[Any], Wrapper]) -> PatchHandle:
-    """Wrap the collectives with ``make_for_step(engine)`` during each optimizer step of ``engine``.
+def wrap_collectives(tag: str, make: Wrapper) -> PatchHandle:
+    """Replace every ``torch.distributed`` collective by ``make(name, fn, signature)`` until removed.
+
+    Args:
+        tag: names this wrapping; applying a tag already in force is refused.
+        make: builds each replacement; it should call ``fn`` for what it does not handle itself.
+    """
+    check_version("torch", torch.__version__.split("+")[0], *SUPPORTED_TORCH)
+    originals = _originals()
+    return _put_in(tag, originals, _build(tag, make, originals))
+
+
+def record_step_collectives(
+    engine: Any, tag: str, make: Wrapper, begin_step: Callable[[Any], None] | None = None
+) -> PatchHandle:
+    """Wrap the collectives with ``make`` during each optimizer step of ``engine``.
+
+    The wrappers are built once (again only if another wrapping replaced the functions in force
+    since) and swapped in for each step: building 14 of them (``functools.wraps``, the tag check)
+    at every step was most of what recording cost the training thread.
 
     Args:
         engine: a DeepSpeed ``PipelineEngine``.
         tag: the instruction-hook name on the engine and the collectives' wrapping tag.
-        make_for_step: called at the start of each step (``engine.global_steps`` is the iteration)
-            and returns that step's wrapper factory.
+        make: builds each replacement (``make(name, fn, signature)``); what a wrapper keeps per
+            step is the caller's (``begin_step``).
+        begin_step: called at the start of each step (``engine.global_steps`` is the iteration).
     """
+    check_version("torch", torch.__version__.split("+")[0], *SUPPORTED_TORCH)
+    built: list[tuple[dict[str, Callable[..., Any]], dict[str, Callable[..., Any]]]] = []
 
     def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-        with wrap_collectives(tag, make_for_step(eng)):
+        originals = _originals()
+        if not built or built[0][0] != originals:
+            built[:] = [(originals, _build(tag, make, originals))]
+        if begin_step is not None:
+            begin_step(eng)
+        with _put_in(tag, originals, built[0][1]):
             return call_next(**kw)
 
     return hook_instructions(engine, tag, {schedule.OptimizerStep: step})

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -297,12 +298,18 @@ class BuddyCopier:
         return ended
 
 
+#: each module's parameter names (the walk over its modules was a third of a round's hand-over)
+_PARAM_NAMES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
 def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:
     """What a round copies of ``engine``: the optimizer partition (fp32 masters, inner state, loss
     scaler, flags), the LR scheduler, the engine's counters and the module's non-parameter buffers,
     encoded (the tensors are the live ones, flat)."""
     module = engine.module
-    params = {n for n, _ in module.named_parameters()}
+    params = _PARAM_NAMES.get(module)
+    if params is None:  # a module's parameters are fixed once its optimizer holds them
+        params = _PARAM_NAMES[module] = frozenset(n for n, _ in module.named_parameters())
     payload = {
         "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
         "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,

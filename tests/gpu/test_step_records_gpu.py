@@ -27,7 +27,8 @@ def test_recording_a_step_all_reduce_does_not_synchronise(tmp_path: Path) -> Non
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         rec = CollectiveRecorder()
-        make = rec._step_wrapper(SimpleNamespace(global_steps=3))
+        rec._begin_step(SimpleNamespace(global_steps=3))
+        make = rec._make
 
         def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> None:
             tensor.mul_(2.0)  # stands in for NCCL: device work, no host involvement

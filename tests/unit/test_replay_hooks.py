@@ -226,7 +226,8 @@ def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(on
     # The record is a copy taken after the collective (a later in-place change of the tensor does not
     # reach it), made where the tensor lives (no host copy in the step: tests/gpu checks no sync).
     rec = CollectiveRecorder()
-    make = rec._step_wrapper(SimpleNamespace(global_steps=5))
+    rec._begin_step(SimpleNamespace(global_steps=5))
+    make = rec._make
     t = torch.tensor([2.0, 3.0])
     call = make("all_reduce", dist.all_reduce, inspect.signature(dist.all_reduce))
     call(t)
@@ -236,3 +237,19 @@ def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(on
     assert got.name == "all_reduce" and got.ranks == (0,) and got.tensor.tolist() == [2.0, 3.0]
     assert got.tensor.device == t.device and got.tensor.data_ptr() != t.data_ptr()
     assert CollectiveRecorder.from_bytes(rec.to_bytes()).records[(5, 0)].tensor.tolist() == [2.0, 3.0]
+
+
+def test_recorder_numbers_every_step_collective_as_the_replay_guard_does(one_rank_group: Any) -> None:
+    # The guard counts every collective of the step; a record keyed by another count would be
+    # substituted for the wrong collective in a replay.
+    rec = CollectiveRecorder()
+    rec._begin_step(SimpleNamespace(global_steps=2))
+    gather = rec._make("all_gather", dist.all_gather, inspect.signature(dist.all_gather))
+    reduce = rec._make("all_reduce", dist.all_reduce, inspect.signature(dist.all_reduce))
+    out = [torch.zeros(1)]
+    gather(out, torch.ones(1))
+    reduce(torch.tensor([4.0]), group=dist.group.WORLD)
+    assert list(rec.records) == [(2, 1)] and rec.records[(2, 1)].ranks == (0,)
+    rec._begin_step(SimpleNamespace(global_steps=3))
+    reduce(torch.tensor([5.0]))
+    assert list(rec.records) == [(2, 1), (3, 0)]

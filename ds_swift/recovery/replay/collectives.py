@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ds_swift.patches._base import PatchHandle
-from ds_swift.patches.step_collectives import Wrapper, call_ranks, record_step_collectives
+from ds_swift.patches.step_collectives import arg_reader, call_ranks, group_ranks, record_step_collectives
 from ds_swift.recovery.replay.log import LogUnavailable
 from ds_swift.recovery.replay.plan import unwrap_engine
 
@@ -70,36 +70,43 @@ class CollectiveRecorder:
 
     def __init__(self, records: dict[tuple[int, int], CollectiveRecord] | None = None) -> None:
         self.records: dict[tuple[int, int], CollectiveRecord] = dict(records or {})
+        self._iteration, self._thread, self._seq = -1, threading.get_ident(), 0
+        self._ranks: dict[int, tuple[int, ...]] = {}
 
     def install(self, engine: Any) -> PatchHandle:
         """Record ``engine``'s optimizer-step collectives; returns the handle that stops it."""
-        return record_step_collectives(unwrap_engine(engine), self.HOOK_NAME, self._step_wrapper)
+        return record_step_collectives(unwrap_engine(engine), self.HOOK_NAME, self._make, self._begin_step)
 
-    def _step_wrapper(self, eng: Any) -> Wrapper:
+    def _begin_step(self, eng: Any) -> None:
         # Only the training thread's collectives, numbered in call order within the step.
-        iteration, me, seq = int(eng.global_steps), threading.get_ident(), 0
+        self._iteration, self._thread, self._seq = int(eng.global_steps), threading.get_ident(), 0
+        self._ranks = {}  # by group id, for this step only: no reference to a group outlives it
 
-        def make(name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
-            def call(*args: Any, **k: Any) -> Any:
-                nonlocal seq
-                if threading.get_ident() != me:
-                    return fn(*args, **k)
-                n, seq = seq, seq + 1
-                out = fn(*args, **k)
-                if name in SUBSTITUTABLE:
-                    bound, ranks = call_ranks(sig, args, k)
-                    if bound.arguments.get("async_op") and out is not None:
-                        out.wait()  # NCCL: the current stream waits for the collective's, not the host
-                    # A copy where the tensor lives, on the current stream: a copy to the host here
-                    # would make the training thread wait for the GPU in the middle of every step.
-                    # Records leave the device only when they are sent (to_bytes).
-                    result = bound.arguments["tensor"].detach().clone()
-                    self.records[(iteration, n)] = CollectiveRecord(name, ranks, result)
+    def _make(self, name: str, fn: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
+        tensor_of, group_of, async_of = (arg_reader(sig, a) for a in ("tensor", "group", "async_op"))
+        keep = name in SUBSTITUTABLE  # only results a record can stand in for; every call is numbered
+
+        def call(*args: Any, **k: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                return fn(*args, **k)
+            n, self._seq = self._seq, self._seq + 1
+            out = fn(*args, **k)
+            if not keep:
                 return out
+            group = group_of(args, k)
+            ranks = self._ranks.get(id(group))
+            if ranks is None:
+                ranks = self._ranks[id(group)] = group_ranks(group)
+            if async_of(args, k) and out is not None:
+                out.wait()  # NCCL: the current stream waits for the collective's, not the host
+            # A copy where the tensor lives, on the current stream: a copy to the host here
+            # would make the training thread wait for the GPU in the middle of every step.
+            # Records leave the device only when they are sent (to_bytes).
+            result = tensor_of(args, k).detach().clone()
+            self.records[(self._iteration, n)] = CollectiveRecord(name, ranks, result)
+            return out
 
-            return call
-
-        return make
+        return call
 
     def discard_before(self, iteration: int) -> None:
         """Forget iterations before ``iteration`` (a global checkpoint of it completed)."""
