@@ -174,6 +174,21 @@ class MachineAgent(FailureHandling):
         if self._pool is not None:
             self._pool.signal_all(sig)
 
+    def stop_warm(self) -> None:
+        """The job ended: this spare's idle warm workers have nothing left to take over. SIGKILLed
+        here and reaped by :meth:`alive`: they wait on their pipe until the launcher exits, so the
+        launcher's reap of a finished job otherwise waited its whole timeout (10 s) for them."""
+        if self._pool is None or not self._pool.procs:
+            return
+        pids = [wp.pid for wp in self._pool.procs.values()]
+        self._pool.close()
+        self.events(
+            f"{self.name}: {len(pids)} idle warm worker(s) stopped at the job's end (pids {' '.join(map(str, pids))})",
+            event="warm_stopped",
+            node=self.node,
+            pids=pids,
+        )
+
     def alive(self) -> list[Any]:
         """Workers (warm ones included) not reaped yet (reaps the ones that ended)."""
         warm = self._pool.alive() if self._pool is not None else []

@@ -172,6 +172,8 @@ class Supervisor:
         if code != 0:
             for agent in self.agents:
                 agent.signal_all(signal.SIGKILL)
+        for agent in self.agents:
+            agent.stop_warm()  # a spare never taken over: its warm workers would outwait the reap
         self.events(message, event="end", exit_code=code, **fields)
         self._reap(timeout_s=10.0)
         self._linger()

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ds_swift.gc_pause import collector_paused
+
 __all__ = ["eager_jit_fuser", "import_deepspeed_muon", "import_megatron_core"]
 
 #: DeepSpeed's module that wraps Muon's kernels in ``torch.compile`` when it is imported.
@@ -80,8 +82,9 @@ def import_deepspeed_muon() -> bool:
 def import_megatron_core() -> Any:
     """``megatron.core``, imported under :func:`eager_jit_fuser`; DeepSpeed's Muon module too
     (:func:`import_deepspeed_muon`)."""
-    with eager_jit_fuser():
-        import megatron.core
+    with collector_paused():  # start-up time: see ds_swift.gc_pause
+        with eager_jit_fuser():
+            import megatron.core
 
-    import_deepspeed_muon()
+        import_deepspeed_muon()
     return megatron.core

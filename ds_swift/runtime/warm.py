@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ds_swift.gc_pause import collector_paused
 from ds_swift.logs import say
 
 __all__ = ["ASSIGNED_AT_ENV", "WARM_ENV", "WarmTarget", "preload", "read_assignment", "run_assigned", "script_imports"]
@@ -129,7 +130,7 @@ def preload(modules: Iterable[str]) -> list[str]:
     """
     modules = list(modules)
     loaded = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), collector_paused():
         warnings.simplefilter("ignore")
         if MEGATRON_IMPORT in modules and any(m.split(".")[:2] == ["megatron", "core"] for m in modules):
             # The script imports megatron-core through import_megatron_core (examples/pretrain_gpt.py):

@@ -22,6 +22,13 @@ BF16_ITERS = 12
 #: fp32 (ZeRO-0), the same GPT and plan
 FP32 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
 FP32_ITERS = 15
+#: fp32 pp 4 over 2 machines of 2 ranks (one replica) with the README's swift section (strategy
+#: auto, a storage budget), dropout 0.1: the GPT the logging tests replay
+PP4_BUDGET = ROOT / "configs" / "gpt_tiny_pp4_budget.json"
+PP4_ITERS = 20
+PP4_MODEL_ARGS = ("--dropout", "0.1")
+#: the example with test hooks; without a fault it runs the example unchanged
+FAULT_WORKER = ROOT / "tests" / "dist" / "workers" / "gpt_fault_worker.py"
 
 
 @pytest.fixture(scope="session")
@@ -67,4 +74,18 @@ def fp32_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
                    swift={"checkpoint": {"interval": 1}})
     run = run_job(tmp_path_factory.mktemp("fp32_baseline"), spec, 150.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def pp4_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
+    """The failure-free run of :data:`PP4_BUDGET` (20 iterations, a global checkpoint every 8) that
+    test_logging_budget.py (its reference: the logging plan it prints, the logs it writes) and
+    test_recovery_logging.py (``configs/gpt_tiny_pp4.json``: the same DeepSpeed config and model, a
+    swift section that changes no number) compare with: one run for both. Through the fault worker,
+    which says whenever DeepSpeed loads a checkpoint: no rank may here."""
+    spec = JobSpec(FAULT_WORKER, PP4_BUDGET, PP4_ITERS, (), PP4_MODEL_ARGS, swift={"parallel_recovery_force": True})
+    run = run_job(tmp_path_factory.mktemp("pp4_baseline"), spec, 240.0)
+    assert run.code == 0 and not run.timelines(), run.output[-6000:]
+    assert ": load_checkpoint " not in run.output, run.output[-6000:]
     return run

@@ -46,9 +46,10 @@ def loaded(job: JobRun) -> list[str]:
 
 @pytest.fixture(scope="module")
 def slow_save_reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
-    """The failure-free run, with rank 1 taking 3 x the op timeout to write its first checkpoint."""
+    """The failure-free run, with rank 1 taking twice the op timeout to write its first checkpoint
+    (long enough: any op of its peers that waited on it under the op timeout would have failed)."""
     swift = {**FORCED, "watchdog": {"op_timeout_s": OP_TIMEOUT_S}, "checkpoint": {"interval": 4, "save_timeout_s": SAVE_TIMEOUT_S}}
-    spec = JobSpec(SLOW_SAVE_WORKER, BF16, ITERS, [], swift=swift, env={"SLOW_SAVE_S": str(3 * OP_TIMEOUT_S)}, nproc_per_node=2)
+    spec = JobSpec(SLOW_SAVE_WORKER, BF16, ITERS, [], swift=swift, env={"SLOW_SAVE_S": str(2 * OP_TIMEOUT_S)}, nproc_per_node=2)
     return run_job(tmp_path_factory.mktemp("reference"), spec, JOB_DEADLINE_S)
 
 

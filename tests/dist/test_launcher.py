@@ -109,6 +109,29 @@ def test_two_machines_run_to_completion(tmp_path: Path) -> None:
     assert "job finished" in out
 
 
+def test_a_spare_never_taken_over_has_its_warm_workers_stopped_at_the_end(tmp_path: Path) -> None:
+    """The idle warm workers wait on their pipe for an assignment that never comes: the launcher
+    stops them at the job's end, before it returns (it used to wait out its reap timeout for them)."""
+    run_dir = tmp_path / "run"
+    with ProcessSet(tmp_path / "logs") as procs:
+        procs.spawn("launcher", launcher_argv(run_dir, ["--nnodes", "1", "--nproc-per-node", "2", "--spares", "1"],
+                                              ["--iters", "2"]), env=worker_env())
+        try:
+            code = procs.wait("launcher", WAIT_S)
+            ev = events(tmp_path)
+            warm = [p for e in ev if e.get("event") == "warm_started" for p in e["pids"]]
+            still_alive = [p for p in warm if _alive(p)]  # right as the launcher returned: no grace
+        finally:
+            pids = spawned_pids(run_dir)
+        output = procs.log("launcher")
+    assert_gone(pids, output)
+    assert code == 0 and "job finished" in output, output
+    assert len(warm) == 2, ev
+    (stopped,) = [e for e in ev if e.get("event") == "warm_stopped"]
+    assert sorted(stopped["pids"]) == sorted(warm) and ev[-1]["event"] == "end", ev
+    assert still_alive == [], output
+
+
 def test_spare_replaces_a_killed_machine(tmp_path: Path) -> None:
     code, out = run_launcher(
         tmp_path,

@@ -6,7 +6,8 @@ global checkpoint every 8 iterations. Nothing in a DeepSpeed config sizes the pi
 so the engine logs its first iteration at every machine boundary, measures what it logged, plans
 the machine groups under the budget, prints the plan once and keeps logging by it. Jobs:
 
-- reference: failure-free; logging stays on and the plan is printed once;
+- reference: failure-free (tests/dist/conftest.py's ``pp4_baseline``, shared with
+  test_recovery_logging.py); logging stays on and the plan is printed once;
 - killed: machine 1 killed in iteration 12's backward pass (after the first checkpoint); the
   recovery replays from the message log (parallel, exact) and ends bitwise equal to the reference;
 - grouped: the same job on 4 machines of one rank with a budget that holds one boundary out of
@@ -34,7 +35,7 @@ from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 BUDGET = ROOT / "configs" / "gpt_tiny_pp4_budget.json"
-ITERS = 14
+ITERS = 20  # as the shared failure-free run (tests/dist/conftest.py's pp4_baseline)
 MODEL_ARGS = ["--dropout", "0.1"]
 JOB_DEADLINE_S = 240.0
 PLAN_LINE = re.compile(
@@ -95,11 +96,11 @@ def assert_replayed(job: JobRun, machine: int, group: list[int], helpers: list[i
 
 # --------------------------------------------------------------------------- jobs (one run each)
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    job = launch(tmp_path_factory.mktemp("reference"), [])
-    assert job.code == 0, job.output[-6000:]
-    assert not job.timelines() and not loads(job)
-    return job
+def reference(pp4_baseline: JobRun) -> JobRun:
+    """The failure-free run of this job (its config, iterations, model and forced parallel recovery)."""
+    assert pp4_baseline.iterations == ITERS and pp4_baseline.config["swift"]["logging"]["storage_budget_gb"] == 500
+    assert not pp4_baseline.timelines() and not loads(pp4_baseline)
+    return pp4_baseline
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +143,11 @@ def test_the_readme_config_keeps_logging_on_and_prints_the_plan_once(reference: 
     assert verdict, reference.output[-4000:]
     assert "message logging not installed" not in reference.output
     assert "topology analysis unavailable" not in reference.output
-    # logged after the plan was made too: the chunk of iterations 10..14 of the machine boundary
+    # logged after the plan was made too: the chunk of iterations 15..19 of the machine boundary (the
+    # older ones went with the global checkpoint of iteration 16)
     logs = reference.dir / "swift-logs"
-    assert (logs / "act_s001-s002_dp0000_tp000_it0000000010-0000000015.swlog").exists(), sorted(logs.iterdir())
-    assert (logs / "grad_s002-s001_dp0000_tp000_it0000000010-0000000015.swlog").exists()
+    assert (logs / "act_s001-s002_dp0000_tp000_it0000000015-0000000020.swlog").exists(), sorted(logs.iterdir())
+    assert (logs / "grad_s002-s001_dp0000_tp000_it0000000015-0000000020.swlog").exists()
 
 
 def test_a_killed_machine_recovers_by_logging_bitwise(

@@ -12,7 +12,9 @@ Each kill lands at iteration 7's optimizer step (no survivor can step it: the gr
 all-reduces the norm over every stage), after the global checkpoint of iteration 4: the
 lost stage's ranks load it and get back to iteration 6 from their stage's log (re-applied updates
 for stage 1, a replay of the logged gradients for stage 0); the survivors keep their state; the
-end is bitwise equal to the failure-free run, optimizer state included.
+end is bitwise equal to the failure-free run, optimizer state included: the shared one of the bf16
+tests (tests/dist/conftest.py's ``bf16_baseline``: the same DeepSpeed config and iterations; neither
+the rank order, the buddy copies nor the logging changes a number).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
-ITERS = 9
+ITERS = 12  # as the shared failure-free run (tests/dist/conftest.py's bf16_baseline)
 JOB_DEADLINE_S = 420.0
 SWIFT: dict[str, Any] = {
     "machines": {"rank_order": "tp-dp-pp"},
@@ -45,19 +47,20 @@ def launch(tmp: Path, launcher_args: list[str]) -> JobRun:
 
 
 def test_one_job_logs_messages_on_one_stage_and_updates_on_the_other_and_recovers_each_bitwise(
-    tmp_path: Path, warm_deepspeed: None
+    tmp_path: Path, bf16_baseline: JobRun
 ) -> None:
-    ref = launch(tmp_path / "reference", [])
-    assert ref.code == 0, ref.output[-6000:]
-    # the choice, once, at start-up, with the measured sizes
-    (line,) = [ln for ln in ref.output.splitlines() if "per-stage logging (measured in iteration 0" in ln]
-    assert "stage 0: messages (logging.kinds=messages: inbound messages" in line, line
-    assert "stage 1: updates (logging.kinds=updates: updates" in line, line
-    reference = checkpoint_tensors(ref.final_tag)
+    assert bf16_baseline.iterations == ITERS and bf16_baseline.config["bf16"]["enabled"]
+    reference = checkpoint_tensors(bf16_baseline.final_tag)
     assert any("optim" in k for k in reference), sorted(reference)[:20]  # fp32 masters and moments compared
     for machine, strategy in ((1, "tranlogs"), (0, "logging")):
-        job = launch(tmp_path / f"kill{machine}", ["--spares", "1", "--inject", f"machine={machine},iteration=7,phase=step"])
+        job = launch(
+            tmp_path / f"kill{machine}", ["--spares", "1", "--inject", f"machine={machine},iteration=7,phase=step"]
+        )
         assert job.code == 0, job.output[-8000:]
+        # the choice, once, at start-up, with the measured sizes (the replacements take it from the store)
+        (line,) = [ln for ln in job.output.splitlines() if "per-stage logging (measured in iteration 0" in ln]
+        assert "stage 0: messages (logging.kinds=messages: inbound messages" in line, line
+        assert "stage 1: updates (logging.kinds=updates: updates" in line, line
         (tl,) = job.timelines()
         assert tl["strategy"] == strategy, tl["reason"]
         assert tl["failed_machine"] == machine and tl["consensus"] == 6 and tl["checkpoint_step"] == 4

@@ -6,7 +6,8 @@ between stage 1 and stage 2 are logged. A lost machine's stages have no replica:
 replacements load the last global checkpoint and replay the iterations since from the message
 log, while the survivors keep their state and never load a checkpoint. Every job trains 20
 iterations with dropout 0.1 (so the RNG keying is tested too) and must end bitwise equal to one
-failure-free run of the same job (module-scoped, shared by every test). Three jobs besides it:
+failure-free run of the same model and DeepSpeed config (tests/dist/conftest.py's ``pp4_baseline``,
+shared with test_logging_budget.py, whose swift section changes no number). Three jobs:
 
 - sequential: machine 1 killed in iteration 12's backward pass (the issue's acceptance run);
 - parallel (exact): the same kill, then a rank of machine 1 killed as the checkpoint of iteration 16
@@ -127,12 +128,11 @@ def assert_logging(
 
 # --------------------------------------------------------------------------- jobs (one run each)
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """One failure-free run of the job, shared by every test."""
-    job = launch(tmp_path_factory.mktemp("reference"), [])
-    assert job.code == 0, job.output[-6000:]
-    assert not job.timelines() and not loads(job) and not loads(job, "replacement")
-    return final_tensors(job)
+def reference(pp4_baseline: JobRun) -> dict[str, torch.Tensor]:
+    """The failure-free run, shared by every test (and test_logging_budget.py's)."""
+    assert pp4_baseline.iterations == ITERS and pp4_baseline.config["pipeline"] == {"stages": 4}
+    assert not pp4_baseline.timelines() and not loads(pp4_baseline) and not loads(pp4_baseline, "replacement")
+    return final_tensors(pp4_baseline)
 
 
 @pytest.fixture(scope="module")

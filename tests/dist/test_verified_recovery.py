@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 PP4 = ROOT / "configs" / "gpt_tiny_pp4.json"
-ITERS = 14
+ITERS = 20  # as the shared failure-free run (tests/dist/conftest.py's pp4_baseline)
 KILL_MACHINE_1 = "machine=1,iteration=12,phase=backward"
 #: A whole job: 4 workers start (~15 s on 2 busy cores), train, lose a machine, wait for the
 #: replacement's start (~7 s), recover, finish. A hang shows up as this deadline.
@@ -62,11 +62,11 @@ def assert_bitwise_equal(reference: dict[str, torch.Tensor], got: dict[str, torc
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> dict[str, torch.Tensor]:
-    """The failure-free pp 4 run (logging), shared by the logging tests."""
-    job = launch(tmp_path_factory.mktemp("reference"), PP4, None)
-    assert job.code == 0 and not job.timelines(), job.output[-6000:]
-    return checkpoint_tensors(job.final_tag)
+def reference(pp4_baseline: JobRun) -> dict[str, torch.Tensor]:
+    """The failure-free pp 4 run of tests/dist/conftest.py, shared with the other logging tests (the same
+    DeepSpeed config, model and iterations; its swift section changes no number)."""
+    assert pp4_baseline.iterations == ITERS and pp4_baseline.config["pipeline"] == {"stages": 4}
+    return checkpoint_tensors(pp4_baseline.final_tag)
 
 
 def test_a_replay_is_verified_against_the_digests_the_lost_ranks_published(
