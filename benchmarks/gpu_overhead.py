@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_s_on": runs.median("defaults"),
         "step_s_off": runs.median("off"),
         "ratio": runs.ratio("defaults", "off"),
+        "round_ratios": runs.round_ratios("defaults", "off"),
         "steps_timed": {"on": len(runs.steps["defaults"]), "off": len(runs.steps["off"])},
         "cpu_ms_per_iteration": {n: _cpu_ms(runs, n) for n in names},
         "breakdown": [_row(runs, n) for n in names] if args.breakdown else [],
@@ -218,6 +219,8 @@ def table(out: dict[str, Any]) -> None:
     print(f"swift on (defaults): {out['step_s_on']:.4f} s/iteration (median of {out['steps_timed']['on']})")
     print(f"swift off          : {out['step_s_off']:.4f} s/iteration (median of {out['steps_timed']['off']})")
     print(f"ratio on/off       : {out['ratio']:.3f} ({out['ranks']} rank(s) on {out['device']})")
+    if len(out["round_ratios"]) > 1:  # the spread says how much of a difference these rounds can see
+        print(f"  round by round   : {' '.join(f'{r:.3f}' for r in out['round_ratios'])}")
     cpu = out["cpu_ms_per_iteration"]
     if cpu.get("defaults") and cpu.get("off"):
         print("CPU ms per iteration (all ranks, and the launcher with its job store), defaults / off:")

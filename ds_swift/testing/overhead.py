@@ -84,9 +84,17 @@ class Interleaved:
     cpu: dict[str, list[dict[tuple[str, str], float]]] = field(default_factory=lambda: defaultdict(list))
     """Per job of the variant: CPU seconds per iteration by (role, thread name)."""
     last: dict[str, JobRun] = field(default_factory=dict)
+    job_medians: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Per job of the variant, in round order: its median step time."""
 
     def median(self, name: str) -> float:
         return statistics.median(self.steps[name])
+
+    def round_ratios(self, name: str, base: str) -> list[float]:
+        """Round by round: ``name``'s job median step / ``base``'s. Their spread is the noise the
+        machine adds between jobs (which cores the ranks share, what else runs): a difference
+        between variants smaller than it is not measured by these rounds."""
+        return [a / b for a, b in zip(self.job_medians[name], self.job_medians[base], strict=False)]
 
     def ratio(self, name: str, base: str) -> float:
         """Median step time of ``name`` / that of ``base`` (1.0: no overhead)."""
@@ -120,7 +128,10 @@ def interleave(
             job = run_job(work / f"round{r}-{name}", spec, timeout_s=timeout_s, on_poll=window)
             if job.code != 0:
                 raise SystemExit(f"job {name} failed ({job.code}):\n{job.output[-3000:]}")
-            out.steps[name] += step_times(job, warmup)
+            steps = step_times(job, warmup)
+            out.steps[name] += steps
+            if steps:
+                out.job_medians[name].append(statistics.median(steps))
             cpu = window.result()
             if cpu is not None:
                 out.cpu[name].append(cpu)
