@@ -9,25 +9,16 @@ import pytest
 from ds_swift.bench.variants import bench_strategies, has_spare, strategy_overrides
 from ds_swift.config import strategy_names
 from ds_swift.recovery import registry
-from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, RecoveryStrategy
-from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.base import BenchVariant
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.sim.profile_rows import default_kind
+from ds_swift.testing.stub_strategy import StubStrategy
 
 
-class _NewStrategy(RecoveryStrategy):
+class _NewStrategy(StubStrategy):
     name = "brand_new"
     SERVICES = StrategyServices(sim_kind="logging")
     BENCH_VARIANTS = {"brand_new_shrunk": BenchVariant({"brand_new": {"fast": True}}, spare=False)}
-
-    def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        return None
-
-    def expected_cost(self, inputs: RecoveryInputs) -> float:
-        return 1.0
-
-    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
-        raise NotImplementedError
 
 
 def test_the_registered_strategies_declare_the_bench_variants() -> None:

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from ds_swift.recovery import registry
-from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
-from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.timeline import RankTimeline, Timeline, build_timeline, summary_line, write_timeline
+from ds_swift.testing.stub_strategy import StubStrategy
 
 
 def ranks() -> list[RankTimeline]:
@@ -169,20 +168,11 @@ def test_the_recovering_strategy_words_what_its_restore_did() -> None:
     assert "): replication; consensus" in summary_line(_timeline("replication", REDO))
 
 
-class _Worded(RecoveryStrategy):
+class _Worded(StubStrategy):
     name = "worded"
 
     def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
         return f"redid {(summary or {})['passes']} passes after global_step{checkpoint_step}"
-
-    def can_restore(self, inputs: RecoveryInputs) -> str | None:
-        return None
-
-    def expected_cost(self, inputs: RecoveryInputs) -> float:
-        return 1.0
-
-    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
-        raise NotImplementedError
 
 
 def test_a_new_strategy_s_words_need_no_edit_in_the_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
