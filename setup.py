@@ -69,7 +69,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ds-swift=ds_swift.cli:main",
-            "ds-swift-launch=ds_swift.launch.cli:main",
+            "ds-swift-launch=ds_swift.launch.cli:entry",
         ]
     },
 )

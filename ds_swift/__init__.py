@@ -9,13 +9,13 @@ Turn it on with a ``"swift"`` section in the DeepSpeed JSON config, and two call
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from ds_swift.config import ConfigError, SwiftConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "SwiftConfig", "__version__", "init_distributed", "initialize"]
+__all__ = ["ConfigError", "SwiftConfig", "__version__", "exit_process", "init_distributed", "initialize"]
 
 
 def initialize(engine: Any, ds_config: Any = None, **kwargs: Any) -> Any:
@@ -30,3 +30,11 @@ def init_distributed(ds_config: Any = None, **kwargs: Any) -> Any:
     from ds_swift.runtime.context import init_distributed as _init
 
     return _init(ds_config, **kwargs)
+
+
+def exit_process(code: int | str | None = 0) -> NoReturn:
+    """End a finished training process without the interpreter's teardown; see
+    :func:`ds_swift.interpreter.exit_process`."""
+    from ds_swift.interpreter import exit_process as _exit
+
+    _exit(code)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from .args import LaunchUsageError, parse_args
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,5 +36,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(args)
 
 
+def entry() -> None:
+    """The ``ds-swift-launch`` command: :func:`main`, then the process ends without the
+    interpreter's teardown of torch (ds_swift.exit_process: the job's end is its launcher's)."""
+    from ds_swift.interpreter import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

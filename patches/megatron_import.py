@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ds_swift.gc_pause import collector_paused
+from ds_swift.interpreter import collector_paused
 
 __all__ = ["eager_jit_fuser", "import_deepspeed_muon", "import_megatron_core"]
 
@@ -82,7 +82,7 @@ def import_deepspeed_muon() -> bool:
 def import_megatron_core() -> Any:
     """``megatron.core``, imported under :func:`eager_jit_fuser`; DeepSpeed's Muon module too
     (:func:`import_deepspeed_muon`)."""
-    with collector_paused():  # start-up time: see ds_swift.gc_pause
+    with collector_paused():  # start-up time: see ds_swift.interpreter
         with eager_jit_fuser():
             import megatron.core
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ds_swift.gc_pause import collector_paused
+from ds_swift.interpreter import collector_paused
 from ds_swift.logs import say
 
 __all__ = ["ASSIGNED_AT_ENV", "WARM_ENV", "WarmTarget", "preload", "read_assignment", "run_assigned", "script_imports"]

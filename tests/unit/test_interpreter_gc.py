@@ -1,4 +1,4 @@
-"""ds_swift.gc_pause: the collector is off inside, and back as it was after (an error included)."""
+"""ds_swift.interpreter: the collector is off inside, and back as it was after (an error included)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ds_swift.gc_pause import collector_paused
+from ds_swift.interpreter import collector_paused
 
 
 @pytest.fixture(autouse=True)
