@@ -58,7 +58,9 @@ def exit_process(code: int | str | None = 0) -> NoReturn:
         sys.exit(code)
     atexit._run_exitfuncs()
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(), not isinstance(): isinstance reads each object's __class__, and some objects
+        # warn on any attribute read (torch.distributed.reduce_op's deprecation warning).
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
