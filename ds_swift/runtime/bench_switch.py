@@ -25,7 +25,7 @@ SWITCHES: Mapping[str, str] = {
     "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
     "rng": "RNG keying per forward pass (replayed dropout may differ)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
-    "reads after every receive and before every iteration",
+    "checks after every receive and before every iteration",
 }
 
 

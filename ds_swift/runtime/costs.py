@@ -162,8 +162,8 @@ def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
             if "watchdog" in without
             else f"a watchdog thread reads the failure flag every {wd.poll_interval_s:g} s (one job-store round trip) and "
             f"writes its heartbeat, and reads its pipeline neighbours', every {beat:g} s{hang}; the training thread "
-            "reads the flag before every iteration (one round trip), and after a pipeline receive only when the "
-            "buffer carries the poison mark (a look at its first 4 bytes)"
+            "looks at the watchdog's event before every iteration (no store read), and reads the flag after a "
+            "pipeline receive only when the buffer carries the poison mark (a look at its first 4 bytes)"
         ),
         "  update-undo: "
         + (
