@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -85,7 +86,7 @@ class Interleaved:
     """Per job of the variant: CPU seconds per iteration by (role, thread name)."""
     last: dict[str, JobRun] = field(default_factory=dict)
     job_medians: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    """Per job of the variant, in round order: its median step time."""
+    """Per job of the variant, in round order: its median step time (NaN: no step timed)."""
 
     def median(self, name: str) -> float:
         return statistics.median(self.steps[name])
@@ -94,7 +95,7 @@ class Interleaved:
         """Round by round: ``name``'s job median step / ``base``'s. Their spread is the noise the
         machine adds between jobs (which cores the ranks share, what else runs): a difference
         between variants smaller than it is not measured by these rounds."""
-        return [a / b for a, b in zip(self.job_medians[name], self.job_medians[base], strict=False)]
+        return [a / b for a, b in zip(self.job_medians[name], self.job_medians[base], strict=True)]
 
     def ratio(self, name: str, base: str) -> float:
         """Median step time of ``name`` / that of ``base`` (1.0: no overhead)."""
@@ -130,8 +131,8 @@ def interleave(
                 raise SystemExit(f"job {name} failed ({job.code}):\n{job.output[-3000:]}")
             steps = step_times(job, warmup)
             out.steps[name] += steps
-            if steps:
-                out.job_medians[name].append(statistics.median(steps))
+            # NaN for a job with no timed steps: round r's medians stay paired with round r's.
+            out.job_medians[name].append(statistics.median(steps) if steps else math.nan)
             cpu = window.result()
             if cpu is not None:
                 out.cpu[name].append(cpu)
