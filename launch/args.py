@@ -55,6 +55,8 @@ class LaunchArgs:
     spares: int = 0
     cold_spares: bool = False
     """Spares start their workers at a failure instead of keeping warm ones (slower; for comparison)."""
+    fork_server: bool = False
+    """Workers are forked from one pre-imported interpreter per launcher process (``launch/forkserver.py``)."""
     restart_delay_s: float | None = None
     """Restart a failed machine's ranks on the same agent after this delay (None: never)."""
     max_failures: int = DEFAULT_MAX_FAILURES
@@ -197,12 +199,15 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     except SecretError as exc:
         raise LaunchUsageError(str(exc)) from exc
 
+    if ns.fork_server and command.no_python:
+        raise LaunchUsageError("--fork-server forks a Python interpreter: it cannot run a --no_python command")
     return LaunchArgs(
         command=command,
         nnodes=nnodes,
         nproc_per_node=nproc,
         spares=spares,
         cold_spares=ns.cold_spares,
+        fork_server=ns.fork_server,
         restart_delay_s=ns.restart_delay,
         max_failures=ns.max_failures,
         elastic=ns.elastic,

@@ -109,6 +109,16 @@ def _add_machine_flags(p: argparse.ArgumentParser) -> None:
         "workers started and imported, waiting, and hands them the failed machine's ranks)",
     )
     p.add_argument(
+        "--fork-server",
+        "--fork_server",
+        dest="fork_server",
+        action="store_true",
+        help="fork every worker from one interpreter that imported the script's modules once, instead "
+        "of starting a fresh python per rank (saves the imports of torch, DeepSpeed and megatron-core "
+        "per rank: CPU hosts with fewer cores than ranks, tests); the interpreter must not start a "
+        "thread or CUDA before it forks (it checks, and stops the job saying so)",
+    )
+    p.add_argument(
         "--restart-delay",
         "--restart_delay",
         dest="restart_delay",

@@ -33,6 +33,7 @@ from ds_swift.logs import say
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs
 from .control import EventLog, JobControl
+from .forkserver import ForkServer
 from .liveness import AgentLiveness
 
 __all__ = ["Supervisor", "run"]
@@ -312,7 +313,14 @@ def run(args: LaunchArgs) -> int:
             launch=launch,
             why=why,
         )
-    agents = [MachineAgent(node, job, store, events) for node in nodes]
+    # --fork-server: one pre-imported interpreter forks every worker of this process's agents.
+    server = ForkServer(args.command) if args.fork_server else None
+    if server is None:
+        agents = [MachineAgent(node, job, store, events) for node in nodes]
+    else:
+        agents = [
+            MachineAgent(node, job, store, events, spawn=server.spawn, warm_start=server.spawn_warm) for node in nodes
+        ]
     liveness = None
     if args.node_rank is not None:
         liveness = AgentLiveness(store, nodes, args.num_agents, args.agent_timeout_s)
@@ -327,4 +335,8 @@ def run(args: LaunchArgs) -> int:
         liveness=liveness,
         clear_after=clear_after,
     )
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    finally:
+        if server is not None:
+            server.close()

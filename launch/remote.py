@@ -207,6 +207,7 @@ def agent_argv(args: LaunchArgs, store_url: str, token: str, secret_file: str) -
         argv += ["--inject", str(spec)]
     cmd = args.command
     argv += ["--cold-spares"] if args.cold_spares else []
+    argv += ["--fork-server"] if args.fork_server else []
     argv += ["--no_local_rank"] if not cmd.local_rank_arg else []
     argv += ["--module"] if cmd.module else []
     argv += ["--no_python"] if cmd.no_python else []

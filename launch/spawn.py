@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import IO, Protocol
 
 from ds_swift.jobstore.membership import WorkerEnv
 
@@ -24,6 +25,8 @@ from .args import Command
 
 __all__ = [
     "Worker",
+    "WarmWorkerProcess",
+    "WorkerProcess",
     "assign_warm",
     "describe_exit",
     "signal_group",
@@ -99,6 +102,27 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+class WorkerProcess(Protocol):
+    """What an agent uses of a worker's process: a ``subprocess.Popen``, or a worker that the fork
+    server forked (:class:`launch.forkserver.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class WarmWorkerProcess(WorkerProcess, Protocol):
+    """A warm spare's worker: also the pipe its assignment is written to."""
+
+    stdin: IO[bytes] | None
+
+
 @dataclass
 class Worker:
     """One rank's process, as its agent sees it."""
@@ -106,7 +130,7 @@ class Worker:
     rank: int
     local_rank: int
     generation: int
-    proc: subprocess.Popen[bytes]
+    proc: WorkerProcess
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -122,7 +146,7 @@ class Worker:
         signal_group(self.proc, sig)
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def signal_group(proc: WorkerProcess, sig: int) -> None:
     """Send ``sig`` to the process group ``proc`` leads (``start_new_session``); a no-op once it is reaped."""
     if proc.returncode is not None:
         # Reaped: its pid may be reused, and a process group outliving its leader is left to PDEATHSIG.
@@ -200,7 +224,7 @@ def spawn_warm(
 
 
 def assign_warm(
-    proc: subprocess.Popen[bytes],
+    proc: WarmWorkerProcess,
     wenv: WorkerEnv,
     nproc_per_node: int,
     op_timeout_s: float | None = None,

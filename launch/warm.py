@@ -11,14 +11,13 @@ without a pool.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ds_swift.jobstore.membership import WorkerEnv
 
-from .spawn import Worker, assign_warm, describe_exit, signal_group
+from .spawn import WarmWorkerProcess, Worker, WorkerProcess, assign_warm, describe_exit, signal_group
 
 __all__ = ["WarmPool", "WarmProcess"]
 
@@ -29,7 +28,7 @@ QUICK_DEATH_S = 30.0
 @dataclass
 class WarmProcess:
     local_rank: int
-    proc: subprocess.Popen[bytes]
+    proc: WorkerProcess
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -56,7 +55,7 @@ class WarmPool:
     def __init__(
         self,
         nproc_per_node: int,
-        start: Callable[[int], subprocess.Popen[bytes]],
+        start: Callable[[int], WarmWorkerProcess],
         assign: Callable[..., Worker | None] = assign_warm,
         max_restarts: int = 3,
     ) -> None:

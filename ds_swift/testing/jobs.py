@@ -14,6 +14,7 @@ workers, replacements) is SIGKILLed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -26,6 +27,7 @@ from ds_swift.recovery.verify import OWN_COPY
 from ds_swift.testing.procs import ProcessSet, worker_env
 
 __all__ = [
+    "FORK_SERVER_ENV",
     "JobRun",
     "JobSpec",
     "JobTimeout",
@@ -34,6 +36,10 @@ __all__ = [
     "deepspeed_shm_op_built",
     "run_job",
 ]
+
+
+#: "1": jobs run with ``--fork-server`` unless their spec says otherwise (tests/dist/conftest.py sets it)
+FORK_SERVER_ENV = "SWIFT_TEST_FORK_SERVER"
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class JobSpec:
     """Pass ``--save <dir>/final``: the final state is written as a checkpoint tag."""
     loss_log: bool = False
     """Pass ``--loss-log <dir>/loss.jsonl``."""
+    fork_server: bool = field(default_factory=lambda: os.environ.get(FORK_SERVER_ENV) == "1")
+    """Pass ``--fork-server`` (ranks forked from one pre-imported interpreter: about half the CPU of a
+    job's start-up). Default: on where ``SWIFT_TEST_FORK_SERVER=1`` (the multi-process tests set it)."""
 
 
 @dataclass
@@ -140,6 +149,7 @@ def launcher_argv(spec: JobSpec, job: JobRun, config_path: Path) -> list[str]:
         str(spec.nnodes),
         "--nproc-per-node",
         str(spec.nproc_per_node),
+        *(["--fork-server"] if spec.fork_server else []),
         *spec.launcher_args,
         str(spec.script),
         "--deepspeed_config",

@@ -9,11 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.testing.jobs import JobRun, JobSpec, build_deepspeed_shm_op, run_job
+from ds_swift.testing.jobs import FORK_SERVER_ENV, JobRun, JobSpec, build_deepspeed_shm_op, run_job
 
 # Strict transport mode in every process these tests start (they inherit the environment): a host
 # tensor that ds-swift sends on a group that would be NCCL on a GPU cluster fails here, on CPU.
 os.environ.setdefault("SWIFT_STRICT_TRANSPORT", "1")
+# Their jobs' ranks are forked from one pre-imported interpreter (ds-swift-launch --fork-server): on
+# 2 cores, 4 to 12 ranks each importing torch, DeepSpeed and megatron-core took half of a job's time.
+# The ranks of tests/dist/test_launcher.py and test_multihost.py, and warm spares, start as processes
+# of their own. SWIFT_TEST_FORK_SERVER=0 runs every job that way.
+os.environ.setdefault(FORK_SERVER_ENV, "1")
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the configuration users run, on the tiny GPT: bf16 + ZeRO-1, pp 2 x dp 2 on 2 machines of 2 ranks

@@ -87,6 +87,12 @@ def test_bad_numbers_are_argparse_errors(argv: list[str], flag: str, capsys: pyt
     assert flag in capsys.readouterr().err
 
 
+def test_fork_server_is_off_by_default_and_needs_python() -> None:
+    assert not parse("t.py").fork_server and parse("--fork-server", "t.py").fork_server
+    with pytest.raises(LaunchUsageError, match="--fork-server forks a Python interpreter"):
+        parse("--fork-server", "--no_python", "--no_local_rank", "./train.sh")
+
+
 def test_module_and_no_python_rules() -> None:
     assert parse("-m", "pkg.train").command.module
     with pytest.raises(LaunchUsageError, match="--no_python needs --no_local_rank"):

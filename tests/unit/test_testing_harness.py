@@ -40,6 +40,11 @@ def test_launcher_argv_passes_save_loss_log_and_script_args_last(tmp_path: Path)
     )
     assert argv[-2:] == ["--dropout", "0.1"]
     assert "--save" not in launcher_argv(JobSpec(Path("t.py"), PP4, 5, save=False), job, tmp_path / "c.json")
+    # --fork-server where the spec asks (its default: SWIFT_TEST_FORK_SERVER=1, set by tests/dist/conftest.py)
+    assert "--fork-server" in launcher_argv(JobSpec(Path("t.py"), PP4, 5, fork_server=True), job, tmp_path / "c.json")
+    assert "--fork-server" not in launcher_argv(
+        JobSpec(Path("t.py"), PP4, 5, fork_server=False), job, tmp_path / "c.json"
+    )
     assert job.final_tag == tmp_path / "final" / "global_step5"
 
 

@@ -1,0 +1,193 @@
+"""A fork server: one interpreter that imports what the script needs once, then forks every worker.
+
+Started by ``ds-swift-launch --fork-server`` (``launch/forkserver.py``) as
+``python -m ds_swift.runtime.forkserver --requests FD --reports FD [--module] SCRIPT``. A rank started
+cold spends most of its start-up importing torch, DeepSpeed and megatron-core (~6 CPU-seconds each):
+on a host with fewer cores than ranks (CPU tests, CI) every rank and warm spare pays it at once.
+Here they are imported once (what :mod:`ds_swift.runtime.warm` imports for a warm spare), and each
+worker is a ``fork()`` of this process that runs the script as ``__main__`` with its own environment
+and arguments. A warm spare's worker is forked too: it then waits for its assignment on the pipe
+the request came with, exactly as :mod:`ds_swift.runtime.warm` does on its stdin.
+
+Fork safety: this process starts no thread (the fork would copy a lock another thread holds) and
+never touches CUDA (a CUDA context does not survive a fork; a warm spare's worker creates its own
+after the fork): it checks both before it serves, and refuses with a message otherwise.
+
+Protocol. Requests, one JSON message each on the ``--requests`` socket (``SOCK_SEQPACKET``: one
+message, one request): ``{"id": N, "args": [...], "env": {...}, "warm": false}``; a warm request
+carries the read end of its assignment pipe (``SCM_RIGHTS``). Reports on the ``--reports`` pipe, one
+line each: ``pid ID PID`` once request ID is forked, ``exit PID CODE`` once worker PID ended (CODE as
+``subprocess`` gives it: negative for a signal). When the launcher closes its end of the socket this
+process exits, and every worker still running dies with it (``PR_SET_PDEATHSIG``), as a worker dies
+with its launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from ds_swift.logs import say
+from ds_swift.runtime.warm import (
+    BASE_MODULES,
+    WarmTarget,
+    _detach_stdin,
+    _warm_device,
+    preload,
+    read_assignment,
+    run_assigned,
+    script_imports,
+)
+
+__all__ = ["main"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Server:
+    """The serving loop's state: the request socket, the report pipe, the SIGCHLD wake-up pipe."""
+
+    def __init__(self, requests: int, reports: int) -> None:
+        self.requests = socket.socket(fileno=requests)
+        self.reports = reports
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        # A worker's death wakes the loop at once (the launcher sees it within its own tick).
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+
+    def report(self, line: str) -> None:
+        os.write(self.reports, line.encode() + b"\n")
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.report(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+    def serve(self) -> dict[str, object] | None:
+        """Fork a worker per request. Returns the request in the forked worker; None in this
+        process once the launcher closed its end of the request socket."""
+        while True:
+            self.reap()
+            ready, _, _ = select.select([self.requests.fileno(), self.wake_r], [], [], 1.0)
+            if self.wake_r in ready:
+                while _read_some(self.wake_r):
+                    pass
+            if self.requests.fileno() not in ready:
+                continue
+            message, fds, _, _ = socket.recv_fds(self.requests, 1 << 20, 1)
+            if not message:
+                return None
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                self.become_worker(fds[0] if fds else None)
+                return dict(request)
+            for fd in fds:  # the worker's now
+                os.close(fd)
+            self.report(f"pid {request['id']} {pid}")
+
+    def become_worker(self, stdin: int | None) -> None:
+        """In the forked child: its own session (the agent kills the machine by process group), death
+        with this server, none of the server's pipes or signal handling; stdin the assignment pipe
+        (a warm spare's worker), else /dev/null as a cold worker's."""
+        os.setsid()
+        parent = os.getppid()
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the server died between the fork and the prctl
+            os._exit(111)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.requests.close()
+        for fd in (self.reports, self.wake_r, self.wake_w):
+            os.close(fd)
+        if stdin is None:
+            _detach_stdin()
+        else:
+            os.dup2(stdin, 0)
+            os.close(stdin)
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def _fork_unsafe() -> str | None:
+    """Why this process must not fork its workers (None: it may)."""
+    if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
+        return "the imports started a thread (a fork copies the locks it holds)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "the imports initialised CUDA (a CUDA context does not survive a fork)"
+    return None
+
+
+def _run_request(target: WarmTarget, request: dict[str, object]) -> int:
+    """In a forked worker: run the script with the request's environment and arguments; a warm spare's
+    worker first waits for its assignment, as :func:`ds_swift.runtime.warm.main` does."""
+    env = request["env"]
+    assert isinstance(env, dict) and isinstance(request["args"], list)
+    os.environ.clear()  # the worker's whole environment, nothing of the server's
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    target = WarmTarget(target.script, tuple(str(a) for a in request["args"]), target.module)
+    if not request.get("warm"):
+        return run_assigned(target, {})
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
+        _warm_device(local_rank)
+    say(
+        f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): forked; waiting for an assignment",
+        name=__name__,
+    )
+    assignment = read_assignment(sys.stdin.buffer)
+    if assignment is None:
+        return 0  # the agent closed the pipe: the pool is being shut down
+    _detach_stdin()
+    return run_assigned(target, assignment)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_swift.runtime.forkserver")
+    p.add_argument("--requests", type=int, required=True, help="the fd of the socket requests come on")
+    p.add_argument("--reports", type=int, required=True, help="the fd of the pipe the launcher reads reports from")
+    p.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    p.add_argument("script")
+    ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    target = WarmTarget(ns.script, (), ns.module)
+    if not target.module:
+        # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
+        sys.path[0] = str(Path(target.script).resolve().parent)
+    source = target.source()
+    preload([*BASE_MODULES, *(script_imports(source) if source else [])])
+    why = _fork_unsafe()
+    if why is not None:
+        say(f"fork server: cannot fork workers here: {why}; run without --fork-server", name=__name__)
+        return 1
+    gc.freeze()  # the imported objects stay shared with the workers instead of copied by the collector
+    request = _Server(ns.requests, ns.reports).serve()
+    return 0 if request is None else _run_request(target, request)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

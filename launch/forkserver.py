@@ -1,0 +1,216 @@
+"""``--fork-server``: the launcher's workers forked from one pre-imported interpreter.
+
+:class:`ForkServer` starts :mod:`ds_swift.runtime.forkserver` once per launcher process (all the
+agents of a simulated job share it) and asks it for each worker it would otherwise start as a fresh
+``python``: the imports of torch, DeepSpeed and megatron-core are paid once, not per rank. A spare's
+warm workers (:mod:`.warm`) are forked too, each with a pipe for its assignment as its stdin. The
+agent sees a forked worker as it sees any other (:class:`ForkedProcess` has what it uses of a
+``Popen``): its own process group, killed with ``killpg``; its exit code comes from the server,
+which is its parent and reaps it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO
+
+from ds_swift.jobstore.membership import WorkerEnv
+
+from .args import Command
+from .spawn import _PDEATHSIG_BOOTSTRAP, Worker, warm_environ, worker_argv, worker_environ
+
+__all__ = ["ForkServer", "ForkedProcess"]
+
+#: how long the first worker may wait for the server's imports (a busy host of 2 cores: ~10 s)
+READY_TIMEOUT_S = 300.0
+
+
+class ForkedProcess:
+    """A worker the fork server forked, as its agent sees it (``pid``, ``poll``, ``returncode``, ``send_signal``)."""
+
+    def __init__(self, server: ForkServer, pid: int, stdin: IO[bytes] | None = None) -> None:
+        self._server = server
+        self.pid = pid
+        self.stdin = stdin
+        """A warm spare's worker: the pipe its assignment is written to (:func:`.spawn.assign_warm`)."""
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None:
+            self._code = self._server.exit_code(self.pid)
+        return self._code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class ForkServer:
+    """The fork server of one launcher process, for ``command`` (a Python script or module)."""
+
+    def __init__(self, command: Command, base_env: Mapping[str, str] | None = None) -> None:
+        if command.no_python:
+            raise ValueError("--fork-server forks a Python interpreter: it cannot run a --no_python command")
+        self.command = command
+        env = dict(os.environ if base_env is None else base_env)
+        env.setdefault("OMP_NUM_THREADS", "1")  # read when torch is imported, as in worker_environ
+        env["PYTHONUNBUFFERED"] = "1"
+        for key in WorkerEnv.ENV_KEYS:
+            env.pop(key, None)  # no rank yet: each worker gets its whole environment with its request
+        self._env = env
+        self.proc: subprocess.Popen[bytes] | None = None  # started at the first worker
+        self._requests: socket.socket | None = None
+        self._reports = -1
+        self._pending = b""
+        self._next_id = 0
+        self._forked: dict[int, int] = {}  # request id -> pid
+        self._exits: dict[int, int] = {}  # pid -> exit code
+        self._gone = False  # the server ended: its workers died with it (PR_SET_PDEATHSIG)
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        # One message, one request (SOCK_SEQPACKET), and a warm spare's assignment pipe with it.
+        self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        reports_r, reports_w = os.pipe()
+        argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
+        argv += ["--reports", str(reports_w), *(["--module"] if self.command.module else []), self.command.script]
+        if sys.platform.startswith("linux"):
+            argv = [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), reports_w),
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+            os.close(reports_w)
+        self._reports = reports_r
+        os.set_blocking(reports_r, False)
+        return proc
+
+    # ------------------------------------------------------------------ reports
+    def _pump(self, timeout_s: float = 0.0) -> None:
+        """Read what the server reported (waiting up to ``timeout_s`` for something)."""
+        if self._gone or self._reports < 0:
+            return
+        if timeout_s > 0:
+            select.select([self._reports], [], [], timeout_s)
+        while True:
+            try:
+                chunk = os.read(self._reports, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._gone = True
+                break
+            self._pending += chunk
+        while b"\n" in self._pending:
+            line, self._pending = self._pending.split(b"\n", 1)
+            kind, a, b = line.decode().split()
+            if kind == "pid":
+                self._forked[int(a)] = int(b)
+            else:
+                self._exits[int(a)] = int(b)
+
+    def exit_code(self, pid: int) -> int | None:
+        """Worker ``pid``'s exit code once it ended, else None."""
+        self._pump()
+        if pid in self._exits:
+            return self._exits[pid]
+        if self._gone:
+            # The server is gone and cannot reap: its workers got SIGKILL with it; wait for the kernel.
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -signal.SIGKILL
+        return None
+
+    # ------------------------------------------------------------------ workers
+    def _fork(self, command: Command, request: dict[str, object], stdin: int | None = None) -> int:
+        """Send one request; wait for its pid (the first waits for the server's imports). OSError if none comes."""
+        if command != self.command:
+            raise ValueError(f"this fork server runs {self.command.script}, not {command.script}")
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        server = self.proc = self.proc or self._start()
+        assert self._requests is not None
+        try:
+            socket.send_fds(
+                self._requests, [json.dumps({"id": request_id, **request}).encode()], [] if stdin is None else [stdin]
+            )
+        except OSError as exc:
+            raise OSError(f"the fork server (pid {server.pid}) is gone: {exc}") from None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while request_id not in self._forked:
+            if self._gone or server.poll() is not None or time.monotonic() > deadline:
+                code = server.poll()
+                why = f"exited with code {code}" if code is not None else f"forked nothing in {READY_TIMEOUT_S:.0f} s"
+                raise OSError(f"the fork server (pid {server.pid}) {why}; see its message above")
+            self._pump(timeout_s=0.5)
+        return self._forked.pop(request_id)
+
+    @staticmethod
+    def _script_args(command: Command, local_rank: int) -> list[str]:
+        argv = worker_argv(command, local_rank)  # [python, -u, (-m,) script, args...]
+        return argv[4:] if command.module else argv[3:]
+
+    def spawn(
+        self,
+        command: Command,
+        wenv: WorkerEnv,
+        nproc_per_node: int,
+        op_timeout_s: float | None = None,
+        base_env: Mapping[str, str] | None = None,
+    ) -> Worker:
+        """Fork one rank's worker (what :func:`.spawn.spawn_worker` starts). Raises OSError if it cannot."""
+        env = worker_environ(wenv, nproc_per_node, op_timeout_s, base_env)
+        pid = self._fork(command, {"args": self._script_args(command, wenv.local_rank), "env": env})
+        return Worker(
+            rank=wenv.rank, local_rank=wenv.local_rank, generation=wenv.generation, proc=ForkedProcess(self, pid)
+        )
+
+    def spawn_warm(
+        self, command: Command, local_rank: int, nproc_per_node: int, base_env: Mapping[str, str] | None = None
+    ) -> ForkedProcess:
+        """Fork a warm spare's worker for ``local_rank`` (what :func:`.spawn.spawn_warm` starts): it waits
+        for the assignment that :func:`.spawn.assign_warm` writes to its ``stdin``."""
+        env = warm_environ(local_rank, nproc_per_node, base_env)
+        theirs, ours = os.pipe()
+        try:
+            request = {"args": self._script_args(command, local_rank), "env": env, "warm": True}
+            pid = self._fork(command, request, stdin=theirs)
+        except BaseException:
+            os.close(ours)
+            raise
+        finally:
+            os.close(theirs)
+        return ForkedProcess(self, pid, stdin=os.fdopen(ours, "wb"))
+
+    def close(self) -> None:
+        """End the server (its workers, if any still ran, die with it) and reap it."""
+        if self.proc is None or self._requests is None:
+            return
+        self._requests.close()
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._reports)
+        self._reports, self._gone = -1, True

@@ -1,0 +1,123 @@
+"""``ds-swift-launch --fork-server`` (launch/forkserver.py, ds_swift/runtime/forkserver.py): workers
+forked from one pre-imported interpreter behave as the agent expects of a worker process: each runs
+the script as ``__main__`` with its own arguments and whole environment (nothing of the server's
+left over), in a process group of its own (the agent kills a machine with ``killpg``), stdin at
+/dev/null, and its exit code, or the signal that killed it, comes back as ``Popen`` gives it. A warm
+spare's worker is forked too, and runs the script once its agent hands it a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_swift.jobstore.worker_env import WorkerEnv
+from ds_swift.launch.args import Command
+from ds_swift.launch.forkserver import ForkServer
+from ds_swift.launch.spawn import assign_warm
+from ds_swift.runtime.forkserver import _fork_unsafe
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out = os.environ["FS_OUT"] + "." + os.environ["RANK"]
+    info = {"name": __name__, "argv": sys.argv, "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+            "stdin": sys.stdin.read(), "leftover": os.environ.get("FS_SERVER_ONLY"), "rank": os.environ["RANK"],
+            "torch": "torch" in sys.modules}
+    with open(out + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.rename(out + ".tmp", out)
+    if os.environ["RANK"] == "1":
+        time.sleep(60)  # killed by the test
+    sys.exit(int(os.environ["RANK"]) + 3)
+    """
+)
+
+
+def wenv(rank: int) -> WorkerEnv:
+    return WorkerEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        machine=0,
+        num_machines=1,
+        generation=0,
+        replacement=False,
+        store_addr="127.0.0.1",
+        store_port=1,
+        token="t",
+        run_dir="",
+        inject="",
+    )
+
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def test_forked_workers_get_their_own_args_environment_group_and_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    command = Command(str(script), ("--flag", "x"))
+    server = ForkServer(command, base_env={**os.environ, "FS_SERVER_ONLY": "1"})
+    workers = []
+    try:
+        base = {**os.environ, "FS_OUT": str(tmp_path / "out")}
+        workers += [server.spawn(command, wenv(r), 2, None, base_env=base) for r in (0, 1)]
+        infos = [wait_for(tmp_path / f"out.{r}") for r in (0, 1)]
+        for r, (w, info) in enumerate(zip(workers, infos, strict=True)):
+            assert info["name"] == "__main__" and info["argv"] == [str(script), f"--local_rank={r}", "--flag", "x"]
+            assert info["pid"] == w.pid == info["pgid"] == info["sid"] != os.getpid(), info
+            assert info["stdin"] == "" and info["leftover"] is None and info["rank"] == str(r), info
+            assert info["torch"], "the server imports torch once, before it forks"
+        deadline = time.monotonic() + 60
+        while workers[0].poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert workers[0].poll() == 3 and workers[1].poll() is None
+        workers[1].signal_group(signal.SIGKILL)
+        while workers[1].poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert workers[1].poll() == -signal.SIGKILL
+        # A warm spare's worker (local rank 1) waits for its assignment, then is rank 2's worker.
+        warm = server.spawn_warm(command, 1, 2, base_env=base)
+        assert warm.poll() is None and not (tmp_path / "out.2").exists()
+        worker = assign_warm(warm, wenv(2), 2, None, base_env=base)
+        assert worker is not None
+        workers.append(worker)
+        info = wait_for(tmp_path / "out.2")
+        assert info["argv"] == [str(script), "--local_rank=1", "--flag", "x"] and info["rank"] == "2", info
+        assert info["pid"] == warm.pid == info["pgid"] and info["stdin"] == "" and info["leftover"] is None, info
+        while worker.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert worker.poll() == 5
+    finally:
+        for w in workers:
+            w.signal_group(signal.SIGKILL)
+        server.close()
+    assert server.proc is not None and server.proc.returncode == 0
+
+
+def test_a_server_with_a_thread_refuses_to_fork() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert "started a thread" in str(_fork_unsafe())
+    finally:
+        stop.set()
+        thread.join()
