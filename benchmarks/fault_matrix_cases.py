@@ -251,8 +251,10 @@ def _state_cases() -> list[Case]:
 
 
 def _bad_value_cases() -> list[Case]:
-    """One bad value per config section: the job must stop naming the field."""
+    """One bad value per config section: the job must stop naming the field. No spare: the job stops
+    before training, and a spare's warm workers would only import torch for nothing (nor would a
+    replacement, failing the same way, change the verdict)."""
     out: list[Case] = []
     for swift, name in BAD_VALUES:
-        out.append(Case("replication", f"bad {name}", None, swift=swift, bad_field=name))
+        out.append(Case("replication", f"bad {name}", None, swift=swift, spares=0, bad_field=name))
     return out

@@ -31,8 +31,10 @@ def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(tmp
     # more: the peers whose ops timed out wait the longer of them for a verdict before they declare
     # the stall (ds_swift.detect.classify), and the test waits with them.
     swift = {"watchdog": {"op_timeout_s": 4.0, "heartbeat_timeout_s": 15.0, "hang_timeout_s": 16.0}}
-    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1", "--max-failures", "2"], swift=swift, nnodes=2,
-                   nproc_per_node=2, loss_log=True, env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"})
+    # The spare is there as in a real job, cold: none is to be taken over (asserted below), so warm
+    # workers would only import torch for nothing.
+    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1", "--cold-spares", "--max-failures", "2"], swift=swift,
+                   nnodes=2, nproc_per_node=2, loss_log=True, env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"})
     job = run_job(tmp_path, spec, 420.0)
     out = job.output
     assert job.code == 0, out[-6000:]
