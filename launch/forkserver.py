@@ -81,6 +81,7 @@ class ForkServer:
         self._forked: dict[int, int] = {}  # request id -> pid
         self._exits: dict[int, int] = {}  # pid -> exit code
         self._gone = False  # the server ended: its workers died with it (PR_SET_PDEATHSIG)
+        self._ready = False  # it imported, and serves
 
     def _start(self) -> subprocess.Popen[bytes]:
         # One message, one request (SOCK_SEQPACKET), and a warm spare's assignment pipe with it.
@@ -124,7 +125,9 @@ class ForkServer:
         while b"\n" in self._pending:
             line, self._pending = self._pending.split(b"\n", 1)
             kind, a, b = line.decode().split()
-            if kind == "pid":
+            if kind == "ready":
+                self._ready = True
+            elif kind == "pid":
                 self._forked[int(a)] = int(b)
             else:
                 self._exits[int(a)] = int(b)
@@ -141,6 +144,18 @@ class ForkServer:
             except ProcessLookupError:
                 return -signal.SIGKILL
         return None
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start the server and wait for its imports: before the agents' first tick, so that no agent
+        stops beating its liveness counter (multi-host) for that long. OSError if it does not serve."""
+        server = self.proc = self.proc or self._start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            if self._gone or server.poll() is not None or time.monotonic() > deadline:
+                code = server.poll()
+                why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
+                raise OSError(f"the fork server (pid {server.pid}) {why}; see its message above")
+            self._pump(timeout_s=0.5)
 
     # ------------------------------------------------------------------ workers
     def _fork(self, command: Command, request: dict[str, object], stdin: int | None = None) -> int:

@@ -315,6 +315,13 @@ def run(args: LaunchArgs) -> int:
         )
     # --fork-server: one pre-imported interpreter forks every worker of this process's agents.
     server = ForkServer(args.command) if args.fork_server else None
+    if server is not None:
+        try:
+            server.wait_ready()
+        except OSError as exc:
+            print(f"ds-swift-launch: error: --fork-server: {exc}", file=sys.stderr)
+            server.close()
+            return 1
     if server is None:
         agents = [MachineAgent(node, job, store, events) for node in nodes]
     else:

@@ -16,7 +16,7 @@ after the fork): it checks both before it serves, and refuses with a message oth
 Protocol. Requests, one JSON message each on the ``--requests`` socket (``SOCK_SEQPACKET``: one
 message, one request): ``{"id": N, "args": [...], "env": {...}, "warm": false}``; a warm request
 carries the read end of its assignment pipe (``SCM_RIGHTS``). Reports on the ``--reports`` pipe, one
-line each: ``pid ID PID`` once request ID is forked, ``exit PID CODE`` once worker PID ended (CODE as
+line each: ``ready 0 0`` once it imported, ``pid ID PID`` once request ID is forked, ``exit PID CODE`` once worker PID ended (CODE as
 ``subprocess`` gives it: negative for a signal). When the launcher closes its end of the socket this
 process exits, and every worker still running dies with it (``PR_SET_PDEATHSIG``), as a worker dies
 with its launcher.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
 import json
 import os
 import select
@@ -184,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         say(f"fork server: cannot fork workers here: {why}; run without --fork-server", name=__name__)
         return 1
-    gc.freeze()  # the imported objects stay shared with the workers instead of copied by the collector
-    request = _Server(ns.requests, ns.reports).serve()
+    # No gc.freeze() before the forks: it would spare each worker's collector the imported objects,
+    # so that a forked rank's pauses (and its timing against its own background threads) would differ
+    # from a cold one's. The tests are to see the timing users get.
+    server = _Server(ns.requests, ns.reports)
+    server.report("ready 0 0")
+    request = server.serve()
     return 0 if request is None else _run_request(target, request)
 
 

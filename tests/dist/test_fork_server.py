@@ -74,6 +74,7 @@ def test_forked_workers_get_their_own_args_environment_group_and_exit_code(tmp_p
     server = ForkServer(command, base_env={**os.environ, "FS_SERVER_ONLY": "1"})
     workers = []
     try:
+        server.wait_ready()  # what the launcher does before its agents' first tick
         base = {**os.environ, "FS_OUT": str(tmp_path / "out")}
         workers += [server.spawn(command, wenv(r), 2, None, base_env=base) for r in (0, 1)]
         infos = [wait_for(tmp_path / f"out.{r}") for r in (0, 1)]
