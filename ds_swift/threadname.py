@@ -64,7 +64,7 @@ def yield_on_wakeup() -> bool:
     set; False where the OS has no such policy or refuses it (the thread then runs as before: this
     is about where the work runs, never whether)."""
     batch = getattr(os, "SCHED_BATCH", None)
-    if batch is None or not sys.platform.startswith("linux"):
+    if batch is None or not sys.platform.startswith("linux") or _bench_without_it():
         return False
     try:
         os.sched_setscheduler(0, batch, os.sched_param(0))  # 0: the calling thread (Linux)
@@ -80,7 +80,12 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
     own policy is back on leaving. Yields whether it applied: only from ``SCHED_OTHER``, the one
     policy an unprivileged thread can always return to."""
     batch = getattr(os, "SCHED_BATCH", None)
-    if batch is None or not sys.platform.startswith("linux") or os.sched_getscheduler(0) != os.SCHED_OTHER:
+    if (
+        batch is None
+        or not sys.platform.startswith("linux")
+        or _bench_without_it()
+        or os.sched_getscheduler(0) != os.SCHED_OTHER
+    ):
         yield False
         return
     if not yield_on_wakeup():
@@ -90,3 +95,9 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
         yield True
     finally:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _bench_without_it() -> bool:
+    """benchmarks/gpu_overhead.py's ``-wakeup`` variant (``SWIFT_BENCH_WITHOUT=wakeup``, see
+    ds_swift.runtime.bench_switch, which this leaf module does not import) measures what it buys."""
+    return "wakeup" in (n.strip() for n in os.environ.get("SWIFT_BENCH_WITHOUT", "").split(","))
