@@ -68,6 +68,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "-undo": ({"enabled": True}, "undo"),
     "-determinism": ({"enabled": True}, "determinism"),
     "-rng": ({"enabled": True}, "rng"),
+    "-wakeup": ({"enabled": True}, "wakeup"),
     "ckpt@10": ({"enabled": True, "checkpoint": {"interval": 10}}, ""),
 }
 #: the interval of the ckpt@10 variant

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ds_swift.threadname import name_os_thread
+from ds_swift.threadname import name_os_thread, yield_on_wakeup
 
 __all__ = ["OnError", "Worker", "WorkerStats"]
 
@@ -209,6 +209,7 @@ class Worker(Generic[T]):
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
+        yield_on_wakeup()  # a hand-over must not stop the training thread while this one runs
         try:
             if self._setup is not None:
                 self._setup()

@@ -31,7 +31,7 @@ from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.progress import Progress
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
-from ds_swift.threadname import name_os_thread
+from ds_swift.threadname import name_os_thread, yield_on_wakeup
 
 __all__ = [
     "BEATS_PER_TIMEOUT",
@@ -166,6 +166,9 @@ class Watchdog:
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
+        # Its ten polls a second must not preempt the training thread; under SCHED_BATCH it still
+        # runs within milliseconds of waking (the running thread's time slice), against a heartbeat timeout of seconds.
+        yield_on_wakeup()
         store = self._store_factory()
         while not self._stop.is_set():
             try:

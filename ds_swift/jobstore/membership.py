@@ -45,6 +45,7 @@ from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grow_key, grown_layou
 from ds_swift.jobstore.signed_kv import SignedKV, new_launch_id
 from ds_swift.jobstore.url import StoreCredentials, StoreURL
 from ds_swift.jobstore.worker_env import MembershipError, WorkerEnv
+from ds_swift.threadname import threads_yield_on_wakeup
 
 # The layout keys live in ds_swift.jobstore.layout; they stay importable from here too.
 __all__ = [
@@ -102,15 +103,20 @@ class JobStore(SignedKV):
         secret: str | None = None,
         launch: str | None = None,
     ) -> JobStore:
-        """Serve the job's store in this process (the agent of machine 0). ``port=0`` picks a free port."""
-        store = dist.TCPStore(
-            addr,
-            port,
-            is_master=True,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            use_libuv=True,
-        )
+        """Serve the job's store in this process (the agent of machine 0). ``port=0`` picks a free port.
+
+        The server's thread answers every rank's heartbeats, flag reads and buddy-round keys; started
+        under SCHED_BATCH (ds_swift.threadname), it answers them on a free core instead of preempting a
+        training rank of its machine whenever a request comes in."""
+        with threads_yield_on_wakeup():
+            store = dist.TCPStore(
+                addr,
+                port,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
         js = cls(store, token, secret)
         js.begin(launch or new_launch_id())
         return js

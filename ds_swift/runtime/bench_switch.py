@@ -24,6 +24,8 @@ SWITCHES: Mapping[str, str] = {
     "undo": "update-undo's step records (a survivor ahead then reloads the checkpoint)",
     "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
     "rng": "RNG keying per forward pass (replayed dropout may differ)",
+    "wakeup": "SCHED_BATCH for ds-swift's background threads and its transport's gloo threads (they preempt "
+    "the training thread when they wake, as before; ds_swift.threadname)",
     "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
     "checks after every receive and before every iteration",
 }

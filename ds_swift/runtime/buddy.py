@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +54,7 @@ from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
 from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
 from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding
+from ds_swift.runtime.module_buffers import persistent_buffers
 from ds_swift.worker import OnError, Worker
 
 __all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
@@ -298,23 +298,15 @@ class BuddyCopier:
         return ended
 
 
-#: each module's parameter names (the walk over its modules was a third of a round's hand-over)
-_PARAM_NAMES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
-
-
 def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:
     """What a round copies of ``engine``: the optimizer partition (fp32 masters, inner state, loss
     scaler, flags), the LR scheduler, the engine's counters and the module's non-parameter buffers,
     encoded (the tensors are the live ones, flat)."""
-    module = engine.module
-    params = _PARAM_NAMES.get(module)
-    if params is None:  # a module's parameters are fixed once its optimizer holds them
-        params = _PARAM_NAMES[module] = frozenset(n for n, _ in module.named_parameters())
     payload = {
         "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
         "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
         "counters": counters_of(engine),
-        "buffers": {k: v for k, v in module.state_dict().items() if k not in params},
+        "buffers": persistent_buffers(engine.module),  # state_dict's, without its walk per step
     }
     manifest, tensors = encode(payload)
     return manifest, [t.detach().reshape(-1) for t in tensors]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift.threadname import threads_yield_on_wakeup
 from ds_swift.transport.teardown import parse_backends
 
 __all__ = [
@@ -142,9 +143,13 @@ class Transport:
         a counter): right after the world is initialised, before DeepSpeed creates any group."""
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         world = dist.distributed_c10d._get_default_group()
-        groups = {
-            name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}") for name in CHANNELS
-        }
+        # The groups' gloo threads (a loop and two workers each, started here) carry the buddy copies
+        # beside training: they must not preempt the training thread whenever a message comes in.
+        with threads_yield_on_wakeup():
+            groups = {
+                name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}")
+                for name in CHANNELS
+            }
         return cls(world, groups, parse_backends(str(dist.get_backend(world))))
 
     # ------------------------------------------------------------------ routing

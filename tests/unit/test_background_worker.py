@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -134,3 +135,31 @@ def test_a_setup_that_fails_ends_the_worker_and_is_said() -> None:
     assert said == ["no tmp dir"] and w.off == "PermissionError: no tmp dir" and w.stats.items == 0
     with pytest.raises(PermissionError):
         w.check()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_worker_thread_does_not_preempt_on_wakeup_and_the_submitter_keeps_its_policy() -> None:
+    """The worker runs under SCHED_BATCH (a hand-over must not stop the training thread while the
+    worker runs on its core), with its nice value unchanged; the thread that submits is untouched."""
+    before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[tuple[int, int]] = []
+    w: Worker[int] = Worker(
+        "ds-swift-test",
+        lambda i: seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))),
+    )
+    assert w.submit(0)
+    assert w.wait_idle(10.0)
+    w.stop(10.0)
+    assert seen == [(os.SCHED_BATCH, before[1])]
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_overhead_benchmarks_wakeup_switch_leaves_the_worker_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SWIFT_BENCH_WITHOUT=wakeup`` (gpu_overhead.py's ``-wakeup`` row) measures what SCHED_BATCH buys."""
+    monkeypatch.setenv("SWIFT_BENCH_WITHOUT", "logging,wakeup")
+    seen: list[int] = []
+    w: Worker[int] = Worker("ds-swift-test", lambda i: seen.append(os.sched_getscheduler(0)))
+    assert w.submit(0) and w.wait_idle(10.0)
+    w.stop(10.0)
+    assert seen == [os.SCHED_OTHER]

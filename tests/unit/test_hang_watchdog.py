@@ -3,6 +3,8 @@ that makes a hung or stopped machine's agent kill it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ds_swift.config import ConfigError, SwiftConfig
@@ -94,3 +96,17 @@ def test_the_hang_timeout_must_exceed_the_op_timeout() -> None:
     assert (
         SwiftConfig.from_dict({"enabled": True, "watchdog": {"hang_timeout_s": None}}).watchdog.hang_timeout_s is None
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_watchdog_thread_does_not_preempt_the_training_thread_on_wakeup(store: JobStore) -> None:
+    wd = watchdog(store, rank=0)
+    seen: list[int] = []
+    wd.on_failure = lambda _: seen.append(os.sched_getscheduler(0))  # runs on the watchdog's thread
+    wd.start()
+    try:
+        store.declare_failure(0, "probe")
+        assert wd.failed.wait(30)
+    finally:
+        wd.stop()
+    assert seen == [os.SCHED_BATCH] and os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -8,6 +8,7 @@ written again later (a replay), or a counter bumped without the secret, must be 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Iterator
 
@@ -168,3 +169,13 @@ def test_a_buddy_round_done_key_created_without_the_secret_does_not_end_the_wait
     finally:
         first.join(60)
     assert results == [True]  # ended by the last rank's signed key
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_store_servers_thread_does_not_preempt_a_training_rank_on_wakeup() -> None:
+    before = set(os.listdir("/proc/self/task"))
+    job = JobStore.host(TOKEN, secret=SECRET)
+    started = set(os.listdir("/proc/self/task")) - before
+    job.set("probe", "1")
+    assert started and {os.sched_getscheduler(int(t)) for t in started} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the launcher's own thread, whose children are the ranks

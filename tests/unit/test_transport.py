@@ -4,6 +4,7 @@ ending a generation on gloo and on NCCL (NCCL cannot run here: its branch is dri
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,29 @@ def one_rank() -> Iterator[Transport]:
         transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_transports_gloo_threads_do_not_preempt_on_wakeup_and_the_caller_keeps_its_policy() -> None:
+    """The threads gloo starts for ds-swift's groups (they carry the buddy copies beside training)
+    run under SCHED_BATCH; the rank's own thread, and threads it starts later, do not."""
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
+    )
+    try:
+        before = set(os.listdir("/proc/self/task"))
+        transport.open_generation(20.0, generation=0)
+        started = set(os.listdir("/proc/self/task")) - before
+        assert started  # gloo's loop and work threads of the transport's groups
+        assert {os.sched_getscheduler(int(tid)) for tid in started} == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        before = set(os.listdir("/proc/self/task"))
+        dist.new_group(backend="gloo")  # DeepSpeed's groups, made after: as the job's own
+        later = set(os.listdir("/proc/self/task")) - before
+        assert later and {os.sched_getscheduler(int(tid)) for tid in later} == {os.SCHED_OTHER}
+    finally:
+        transport.close()
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- routing

@@ -9,6 +9,7 @@ transport and :func:`load_state` puts back into an engine.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -122,12 +123,18 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), tensors
 
 
+@functools.lru_cache(maxsize=16)
+def _tensor_metas(manifest: bytes) -> tuple[tuple[torch.dtype, int], ...]:
+    """(dtype, elements) of each tensor ``manifest`` lists. A buddy round reads its manifest's list
+    several times on each end (buffers, views, wire order): parsed once."""
+    return tuple((_DTYPES[name], int(torch.Size(shape).numel())) for shape, name in json.loads(manifest)["tensors"])
+
+
 def flat_views(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor of ``manifest``, in order, as a 1-D view of its dtype's flat buffer in ``flats``."""
     offsets = dict.fromkeys(flats, 0)
     views = []
-    for shape, name in json.loads(manifest.decode())["tensors"]:
-        dtype, n = _DTYPES[name], int(torch.Size(shape).numel())
+    for dtype, n in _tensor_metas(manifest):
         views.append(flats[dtype][offsets[dtype] : offsets[dtype] + n])
         offsets[dtype] += n
     return views
@@ -148,9 +155,8 @@ def decode_dtype(name: str) -> torch.dtype:
 def flat_sizes(manifest: bytes) -> dict[torch.dtype, int]:
     """Elements per dtype of the flat buffers that go with ``manifest`` (in sending order)."""
     sizes: dict[torch.dtype, int] = {}
-    for shape, dtype in json.loads(manifest.decode())["tensors"]:
-        d = _DTYPES[dtype]
-        sizes[d] = sizes.get(d, 0) + int(torch.Size(shape).numel())
+    for d, n in _tensor_metas(manifest):
+        sizes[d] = sizes.get(d, 0) + n
     return sizes
 
 
