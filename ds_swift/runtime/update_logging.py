@@ -5,13 +5,17 @@
 The training thread copies the step's gradient to host memory (what the next backward would
 overwrite) and hands the record over; a background thread serialises it and puts it into
 ``logging.storage`` with its checksum, off the critical path; the next optimizer step waits until
-it is stored (the writer had that whole iteration), so a rank that dies loses at most the record of
-the iteration in flight, which no survivor stepped either. At most ``MAX_QUEUED`` records wait:
-a store slower than the steps makes the training thread wait rather than hold ever more host
-memory. A write that fails (full disk, unreachable store) stops update logging on this rank for
-the rest of the job, loudly, and training goes on: a later failure of this rank then finds its
-records missing and recovers from the global checkpoint (said then too). Records before the newest
-complete global checkpoint are deleted after each checkpoint.
+it is stored (the writer had that whole iteration). So a rank lost at or after its step of ``t + 1``
+has every record the survivors stepped. A rank lost earlier in iteration ``t + 1`` (in its forward
+or backward passes) may not have stored its record of ``t`` yet, though every survivor stepped
+``t``: its updates then go only to ``t - 1``, and the recovery falls back to the global checkpoint,
+loudly (the survivors would have to go back a step too, which they cannot do bit for bit from their
+own records today). At most ``MAX_QUEUED`` records wait: a store slower than the steps makes the
+training thread wait rather than hold ever more host memory. A write that fails (full disk,
+unreachable store) stops update logging on this rank for the rest of the job, loudly, and training
+goes on: a later failure of this rank then finds its records missing and recovers from the global
+checkpoint (said then too). Records before the newest complete global checkpoint are deleted after
+each checkpoint.
 """
 
 from __future__ import annotations
@@ -91,8 +95,9 @@ class UpdateLogger:
 
         def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
             # The previous step's record is stored before this step runs: a rank lost from here on
-            # has every record up to the consensus (no survivor steps past this iteration without
-            # it). The writer had the whole iteration for it, so this rarely waits.
+            # has every record the survivors stepped (one lost earlier in this iteration may lack
+            # the previous one: see the module docstring). The writer had the whole iteration for
+            # it, so this rarely waits.
             if self._worker.alive and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
                 self._log(f"update log: the previous record was not stored within {STORED_BEFORE_STEP_S:g} s")
             out = call_next(**kw)

@@ -115,13 +115,13 @@ def test_tranlogs_reloads_only_the_lost_ranks_and_re_applies_their_updates_bitwi
     tmp_path: Path, baseline: JobRun
 ) -> None:
     swift = {"strategy": "tranlogs", "checkpoint": {"interval": 3}}
-    # Ranks started as processes of their own, not forked (--fork-server): rank 3's record of
-    # iteration 7 is stored in the background until its step of 8, and this kill in 8's first
-    # backward pass (~50 ms after step 7 on the last stage) races with that write. Started cold the
-    # writer has won so far; forked, it lost in about half the runs (then every rank falls back to
-    # the checkpoint, loudly, and this test fails): a race of the test's kill point, not of the server.
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift,
-                 fork_server=False)
+    # Killed at the step of iteration 8: the rank that fires has stored its record of 7 (its step
+    # hook waits for it first), and its machine's other rank, past the same data-parallel gradient
+    # reduction, had the whole iteration to store its own. A kill earlier in 8, while a record of 7
+    # may still be on its way, falls back to the checkpoint, loudly (ds_swift/runtime/update_logging.py):
+    # this test killed in 8's first backward pass once, and lost that race in about half the runs
+    # once ranks started faster (--fork-server).
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=step"], swift)
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "tranlogs", tl["reason"]
