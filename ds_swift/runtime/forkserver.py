@@ -25,7 +25,6 @@ with its launcher.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -41,9 +40,8 @@ from ds_swift.runtime.warm import (
     BASE_MODULES,
     WarmTarget,
     _detach_stdin,
-    _warm_device,
+    await_assignment,
     preload,
-    read_assignment,
     run_assigned,
     script_imports,
 )
@@ -152,18 +150,7 @@ def _run_request(target: WarmTarget, request: dict[str, object]) -> int:
     target = WarmTarget(target.script, tuple(str(a) for a in request["args"]), target.module)
     if not request.get("warm"):
         return run_assigned(target, {})
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
-        _warm_device(local_rank)
-    say(
-        f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): forked; waiting for an assignment",
-        name=__name__,
-    )
-    assignment = read_assignment(sys.stdin.buffer)
-    if assignment is None:
-        return 0  # the agent closed the pipe: the pool is being shut down
-    _detach_stdin()
-    return run_assigned(target, assignment)
+    return await_assignment(target, "forked")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,6 +188,24 @@ def run_assigned(target: WarmTarget, env: Mapping[str, str]) -> int:
     return 0
 
 
+def await_assignment(target: WarmTarget, ready: str) -> int:
+    """A warm spare's worker with its imports done (``ready`` says how: imported here, or forked by
+    ds_swift.runtime.forkserver): ready the device, say so, wait for the agent's assignment on stdin,
+    then run the script as the assigned rank. 0 when the pool is shut down first."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
+        _warm_device(local_rank)
+    say(
+        f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): {ready}; waiting for an assignment",
+        name=__name__,
+    )
+    env = read_assignment(sys.stdin.buffer)
+    if env is None:
+        return 0  # the agent closed the pipe: the pool is being shut down
+    _detach_stdin()
+    return run_assigned(target, env)
+
+
 def _detach_stdin() -> None:
     # A cold worker's stdin is /dev/null; the script must not see the agent's pipe.
     with open(os.devnull, "rb") as devnull:
@@ -202,19 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     source = target.source()
     loaded = preload([*BASE_MODULES, *(script_imports(source) if source else [])])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    with contextlib.suppress(Exception):  # no GPU, or a broken driver: the script will say so itself
-        _warm_device(local_rank)
-    say(
-        f"warm spare worker (local rank {local_rank}, pid {os.getpid()}): {len(loaded)} modules "
-        f"imported in {time.monotonic() - t0:.1f} s; waiting for an assignment",
-        name=__name__,
-    )
-    env = read_assignment(sys.stdin.buffer)
-    if env is None:
-        return 0  # the agent closed the pipe: the pool is being shut down
-    _detach_stdin()
-    return run_assigned(target, env)
+    return await_assignment(target, f"{len(loaded)} modules imported in {time.monotonic() - t0:.1f} s")
 
 
 if __name__ == "__main__":
