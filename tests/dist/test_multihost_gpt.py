@@ -80,7 +80,7 @@ def stalled(log: Path, rank: int) -> bool:
 
 def test_machine_0_killed_with_its_agent_recovers_bitwise(
     tmp_path: Path,
-    standins: Path,
+    standins: Path,  # noqa: F811 - the fixture imported above
     etcd: Etcd,
     fp32_baseline: JobRun,  # noqa: F811
 ) -> None:
