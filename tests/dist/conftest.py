@@ -48,9 +48,7 @@ def small_log_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MB tmpfs for a log store: full after a few iterations (created here, removed after)."""
     mount = tmp_path / "logfs"
     mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {done.stderr.strip()}")
     try:
@@ -65,16 +63,8 @@ def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
     that the bf16 tests of 2 machines compare with (test_checkpoint_strategies.py, test_elastic.py,
     test_recovery_bf16.py, test_hang_detection.py, ...): one run for all. Every iteration's checkpoint
     is there for the undo checks (``undo_ulp``: a resumed state against the step it stepped back to)."""
-    spec = JobSpec(
-        ROOT / "examples" / "pretrain_gpt.py",
-        BF16,
-        BF16_ITERS,
-        (),
-        nnodes=2,
-        nproc_per_node=2,
-        swift={"checkpoint": {"interval": 1}},
-        loss_log=True,
-    )
+    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
+                   swift={"checkpoint": {"interval": 1}}, loss_log=True)
     run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run
@@ -85,15 +75,8 @@ def fp32_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
     """The failure-free run of :data:`FP32` (15 iterations, a checkpoint after every one) that
     test_recovery_gpt.py (its end, and every iteration for the undo checks) and test_multihost_gpt.py
     (its checkpoint after 8 iterations) compare with: one run for both."""
-    spec = JobSpec(
-        ROOT / "examples" / "pretrain_gpt.py",
-        FP32,
-        FP32_ITERS,
-        (),
-        nnodes=2,
-        nproc_per_node=2,
-        swift={"checkpoint": {"interval": 1}},
-    )
+    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", FP32, FP32_ITERS, (), nnodes=2, nproc_per_node=2,
+                   swift={"checkpoint": {"interval": 1}})
     run = run_job(tmp_path_factory.mktemp("fp32_baseline"), spec, 150.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run

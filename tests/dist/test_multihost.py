@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 # Each host's command runs in its own session; its pid is written to $STANDIN_DIR/<host>.pid so
 # that the test can kill that "machine". Exit code: the largest of the hosts' (like pdsh -S).
-_COMMON = """
+_COMMON = '''
 import os, signal, subprocess, sys
 standin = os.environ["STANDIN_DIR"]
 procs = []
@@ -54,11 +54,9 @@ def finish():
     with open(os.path.join(standin, "codes.json"), "w") as f:
         f.write(repr(codes).replace("(", "[").replace(")", "]"))
     sys.exit(max(abs(c) for c in codes))
-"""
+'''
 
-SRUN = (
-    _COMMON
-    + """
+SRUN = _COMMON + '''
 # srun [options] command...: options end at the first word that is not one.
 args = sys.argv[1:]
 while args and args[0].startswith("-"):
@@ -71,12 +69,9 @@ for i, host in enumerate(hosts):
                SLURM_STEP_NUM_TASKS=n, SLURM_NTASKS=n)
     start(host, args, env)
 finish()
-"""
-)
+'''
 
-PDSH = (
-    _COMMON
-    + """
+PDSH = _COMMON + '''
 # pdsh -S -f N -w host1,host2 command: the command is one shell line with %h for the host.
 args = sys.argv[1:]
 hosts = None
@@ -101,12 +96,9 @@ def expand(host):  # pdsh's own rules (src/common/pipecmd.c): %h, %u, %n, and %%
 for host in hosts:
     start(host, ["bash", "-c", expand(host)], dict(os.environ, STANDIN_HOST=host))
 finish()
-"""
-)
+'''
 
-SSH = (
-    _COMMON
-    + """
+SSH = _COMMON + '''
 # ssh [-o OPTION]... [--] host command: one host per call; the command is one shell line.
 args = sys.argv[1:]
 while args and args[0] == "-o":
@@ -117,8 +109,7 @@ assert not args[0].startswith("-"), f"ssh would read the host {args[0]!r} as an 
 host, command = args[0], " ".join(args[1:])
 start(host, ["bash", "-c", command], dict(os.environ, STANDIN_HOST=host))
 finish()
-"""
-)
+'''
 
 
 @pytest.fixture
@@ -160,19 +151,13 @@ def host_env(tmp_path: Path, standin: Path, extra: dict[str, str] | None = None)
     return env
 
 
-def slurm_env(
-    tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, extra: dict[str, str] | None = None
-) -> dict[str, str]:
+def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, extra: dict[str, str] | None = None
+              ) -> dict[str, str]:
     """What sbatch gives the batch script (srun adds the per-task variables)."""
     env = host_env(tmp_path, standin, extra)
     # As examples/slurm/train_gpt.sbatch does: srun passes the job secret on to every task.
-    env.update(
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST=nodelist,
-        SLURM_NNODES=str(len(hosts)),
-        STANDIN_HOSTS=",".join(hosts),
-        SWIFT_JOB_SECRET=JOB_SECRET,
-    )
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(len(hosts)),
+               STANDIN_HOSTS=",".join(hosts), SWIFT_JOB_SECRET=JOB_SECRET)
     return env
 
 
@@ -225,15 +210,7 @@ def assert_gone(pids: set[int], output: str) -> None:
 
 
 def store_worker_args(run_dir: Path, iters: int, iter_sleep: float = 0.0) -> list[str]:
-    return [
-        str(WORKER),
-        "--iters",
-        str(iters),
-        "--iter-sleep",
-        str(iter_sleep),
-        "--result",
-        str(run_dir / "result.json"),
-    ]
+    return [str(WORKER), "--iters", str(iters), "--iter-sleep", str(iter_sleep), "--result", str(run_dir / "result.json")]
 
 
 # ---------------------------------------------------------------------- the etcd store itself
@@ -278,24 +255,9 @@ def test_srun_agents_and_a_spare_taking_over_a_killed_machine(tmp_path: Path, st
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]")
-    argv = [
-        "srun",
-        "--ntasks-per-node=1",
-        sys.executable,
-        "-m",
-        "ds_swift.launch.cli",
-        "--run-dir",
-        str(run_dir),
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "--inject",
-        "machine=1,iteration=3,phase=backward",
-        *store_worker_args(run_dir, iters=6),
-    ]
+    argv = ["srun", "--ntasks-per-node=1", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir),
+            "--nnodes", "2", "--nproc-per-node", "2", "--master_port", str(free_port()),
+            "--inject", "machine=1,iteration=3,phase=backward", *store_worker_args(run_dir, iters=6)]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
@@ -325,9 +287,8 @@ def secure_etcd(tmp_path: Path) -> Iterator[Etcd]:
         server.stop()
 
 
-def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(
-    tmp_path: Path, standins: Path, secure_etcd: Etcd
-) -> None:
+def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path,
+                                                                 secure_etcd: Etcd) -> None:
     """Machine 0 dies whole (agent included). The store is etcd (TLS, client certificates and users on:
     srun hands every agent SWIFT_STORE_*, and agents hand their workers the same), so it survives;
     agent 1 or the spare sees agent 0's liveness counter stop, fails machine 0 for it, and the spare
@@ -336,26 +297,11 @@ def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     token = "etcd-test-token"
-    env = slurm_env(
-        tmp_path, standins, hosts, "127.0.0.[2-4]", {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")}
-    )
-    argv = [
-        "srun",
-        sys.executable,
-        "-m",
-        "ds_swift.launch.cli",
-        "--run-dir",
-        str(run_dir),
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--store",
-        etcd.url,
-        "--agent-timeout",
-        "2",
-        *store_worker_args(run_dir, iters=12, iter_sleep=0.1),
-    ]
+    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
+                    {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")})
+    argv = ["srun", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", "2",
+            "--nproc-per-node", "1", "--store", etcd.url, "--agent-timeout", "2",
+            *store_worker_args(run_dir, iters=12, iter_sleep=0.1)]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
@@ -405,26 +351,9 @@ def test_hostfile_launcher_starts_one_agent_per_host(tmp_path: Path, standins: P
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.2 slots=2\n127.0.0.5 slots=2\n127.0.0.3 slots=2\n127.0.0.4 slots=2\n")
     (tmp_path / ".deepspeed_env").write_text("OMP_NUM_THREADS=3\n")
-    argv = [
-        sys.executable,
-        "-m",
-        "ds_swift.launch.cli",
-        "--launcher",
-        launcher,
-        "--hostfile",
-        str(hostfile),
-        "--exclude",
-        "127.0.0.5",
-        "--spares",
-        "1",
-        "--master_addr",
-        "127.0.0.1",
-        "--run-dir",
-        str(run_dir),
-        "--inject",
-        "machine=1,iteration=2,phase=forward",
-        *store_worker_args(run_dir, iters=5),
-    ]
+    argv = [sys.executable, "-m", "ds_swift.launch.cli", "--launcher", launcher, "--hostfile", str(hostfile),
+            "--exclude", "127.0.0.5", "--spares", "1", "--master_addr", "127.0.0.1", "--run-dir", str(run_dir),
+            "--inject", "machine=1,iteration=2,phase=forward", *store_worker_args(run_dir, iters=5)]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("launcher", argv, env=host_env(tmp_path, standins), cwd=tmp_path)
         try:

@@ -100,10 +100,7 @@ def run_variants(rank: int) -> dict[str, Any]:
             clip=0.05,
             optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         )
-        cfg["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
-        }
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
         return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
     results["zero1_adamw"] = exercise(adamw, run_iteration(torch.float32), partial_backward=partial_backward)
@@ -125,10 +122,7 @@ def run_variants(rank: int) -> dict[str, Any]:
     def adamw_zero0() -> Any:
         m = model()
         cfg = config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
-        cfg["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
-        }
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
         return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
     results["zero0_detach"] = exercise_detach(adamw_zero0, run_iteration(torch.float32))

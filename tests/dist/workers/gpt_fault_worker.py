@@ -101,6 +101,7 @@ def _once(key: str) -> bool:
     return ctx is not None and ctx.store is not None and ctx.store.add(f"test/{key}", 1) == 1
 
 
+
 def _patch_logging_recovery(rank: int) -> None:
     import deepspeed
 
@@ -115,12 +116,9 @@ def _patch_logging_recovery(rank: int) -> None:
     deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
     kill = _spec("SWIFT_TEST_KILL_IN_REPLAY")
     corrupt, change = {}, log_faults.corrupt
-    for name, how in (
-        ("SWIFT_TEST_CORRUPT_LOG", log_faults.corrupt),
-        ("SWIFT_TEST_PERTURB_LOG", log_faults.perturb),
-        ("SWIFT_TEST_TRUNCATE_LOG", log_faults.truncate),
-        ("SWIFT_TEST_MISSING_LOG", log_faults.delete),
-    ):
+    for name, how in (("SWIFT_TEST_CORRUPT_LOG", log_faults.corrupt), ("SWIFT_TEST_PERTURB_LOG", log_faults.perturb),
+                      ("SWIFT_TEST_TRUNCATE_LOG", log_faults.truncate),
+                      ("SWIFT_TEST_MISSING_LOG", log_faults.delete)):
         if _spec(name):
             corrupt, change = _spec(name), how
     if corrupt and corrupt["rank"] == rank:
@@ -153,11 +151,8 @@ def _patch_logging_recovery(rank: int) -> None:
 
         def save_or_die(self: Any, engine: Any) -> str:
             if int(engine.global_steps) == in_save["iteration"] and _once("kill_in_save"):
-                print(
-                    f"[test] rank {rank}: SIGKILL in the checkpoint of iteration {in_save['iteration']}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"[test] rank {rank}: SIGKILL in the checkpoint of iteration {in_save['iteration']}",
+                      file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return save(self, engine)
 
@@ -185,14 +180,12 @@ def _patch_state_transfer(rank: int) -> None:
     if recv and recv["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") == "1":
         recv_state = buddy.recv_state
         buddy.recv_state = lambda src, group=None, recv=None: recv_state(  # type: ignore[assignment]
-            src, group, dying(recv or transport.recv, "receiving")
-        )
+            src, group, dying(recv or transport.recv, "receiving"))
     send = _spec("SWIFT_TEST_KILL_IN_SEND_STATE")
     if send and send["rank"] == rank and os.environ.get("SWIFT_REPLACEMENT") != "1":
         send_state = buddy.send_state
         buddy.send_state = lambda state, dst, group=None, send=None: send_state(  # type: ignore[assignment]
-            state, dst, group, dying(send or transport.send, "sending")
-        )
+            state, dst, group, dying(send or transport.send, "sending"))
 
 
 def _patch_log_write(rank: int) -> None:
@@ -208,12 +201,8 @@ def _patch_log_write(rank: int) -> None:
         if header.iteration == spec["iteration"]:
             record = header.pack(0) + payload.numpy().tobytes()
             os.write(self.fd, record[: len(record) // 2])
-            print(
-                f"[test] rank {rank}: SIGKILL in the middle of writing a log record of iteration "
-                f"{header.iteration} to {self.path.name}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"[test] rank {rank}: SIGKILL in the middle of writing a log record of iteration "
+                  f"{header.iteration} to {self.path.name}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return append(self, header, payload)
 
@@ -226,11 +215,8 @@ def _pause_hook(rank: int, iteration: int, seconds: int) -> Any:
     def pause_hook(eng: Any, call_next: Any, **kw: Any) -> Any:
         if int(eng.global_steps) == iteration and not paused[0]:
             paused[0] = True
-            print(
-                f"[test] rank {rank}: stopped (SIGSTOP) for {seconds} s at iteration {iteration}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"[test] rank {rank}: stopped (SIGSTOP) for {seconds} s at iteration {iteration}", file=sys.stderr,
+                  flush=True)
             # The waker is a separate process: a stopped process runs nothing of its own.
             subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -247,20 +233,12 @@ def _hold_hook(iteration: int) -> Any:
         import torch.distributed as dist
 
         ctx = current_context()
-        if (
-            int(eng.global_steps) == iteration
-            and dist.get_rank() == 0
-            and ctx is not None
-            and ctx.store is not None
-            and not held[0]
-        ):
+        if (int(eng.global_steps) == iteration and dist.get_rank() == 0 and ctx is not None and ctx.store is not None
+                and not held[0]):
             held[0] = True
             g = ctx.store.generation()
-            print(
-                f"[test] rank 0: holding at iteration {iteration} until generation {g} ends",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"[test] rank 0: holding at iteration {iteration} until generation {g} ends", file=sys.stderr,
+                  flush=True)
             deadline = time.monotonic() + 300
             while ctx.store.failure(g) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -329,11 +307,8 @@ def main() -> None:
         if hold and installs[0] == 2 and os.environ.get("SWIFT_REPLACEMENT") != "1":
             self.add(hook_instructions(engine, "test.hold", {schedule.ForwardPass: _hold_hook(hold["iteration"])}))
         if nan and nan["rank"] == rank and (installs[0] > 1 or os.environ.get("SWIFT_REPLACEMENT") == "1"):
-            self.add(
-                hook_instructions(
-                    engine, "test.nan", {schedule.ForwardPass: _nan_hook(rank, nan["iteration"], nan_fired)}
-                )
-            )
+            self.add(hook_instructions(engine, "test.nan", {schedule.ForwardPass: _nan_hook(rank, nan["iteration"],
+                                                                                            nan_fired)}))
         if os.environ.get("SWIFT_REPLACEMENT") == "1" or installs[0] > 1:
             return  # generation 0 only: later engines are rebuilt after a recovery
         hooks = {}
@@ -341,11 +316,8 @@ def main() -> None:
 
             def stall_hook(eng: Any, call_next: Any, **kw: Any) -> Any:
                 if int(eng.global_steps) == stall["iteration"]:
-                    print(
-                        f"[test] rank {rank}: stalling before ReduceGrads of iteration {stall['iteration']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"[test] rank {rank}: stalling before ReduceGrads of iteration {stall['iteration']}",
+                          file=sys.stderr, flush=True)
                     time.sleep(300)
                 return call_next(**kw)
 
@@ -358,11 +330,8 @@ def main() -> None:
                 iteration = int(eng.global_steps)
                 result = call_next(**kw)
                 if iteration == kill["iteration"]:
-                    print(
-                        f"[test] rank {rank}: SIGKILL after the step of iteration {iteration}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"[test] rank {rank}: SIGKILL after the step of iteration {iteration}",
+                          file=sys.stderr, flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 return result
 

@@ -137,13 +137,8 @@ def replay_phase(out: Path, rank: int) -> None:
             )
             result["corrupt"] = {"raised": None}
         except LogUnavailable as exc:
-            result["corrupt"] = {
-                "raised": "LogUnavailable",
-                "message": str(exc),
-                "iteration": exc.iteration,
-                "micro_batch": exc.micro_batch,
-                "file": exc.file,
-            }
+            result["corrupt"] = {"raised": "LogUnavailable", "message": str(exc), "iteration": exc.iteration,
+                                 "micro_batch": exc.micro_batch, "file": exc.file}
             store.set("replay/abort", "1")
             dist.send(torch.zeros(1), 3)  # the poison: completes rank 3's pending receive
         except RuntimeError as exc:
@@ -157,14 +152,8 @@ def replay_phase(out: Path, rank: int) -> None:
         progress: list[tuple[int, int, int]] = []
         c0 = time.process_time()
         stats = replay(
-            engine,
-            LogReader(out / "logs"),
-            group,
-            CKPT,
-            ITERATIONS - 1,
-            batch_fn,
-            progress=lambda p: progress.append((p.iterations_done, p.iterations_total, p.log_bytes_read)),
-            seed=SEED,
+            engine, LogReader(out / "logs"), group, CKPT, ITERATIONS - 1, batch_fn,
+            progress=lambda p: progress.append((p.iterations_done, p.iterations_total, p.log_bytes_read)), seed=SEED,
             collectives=records,
         )
         cpu_s = time.process_time() - c0
@@ -173,20 +162,8 @@ def replay_phase(out: Path, rank: int) -> None:
         torch.save(final_state(engine), out / f"replay_rank{rank}.pt")
         result["stats"] = {
             k: getattr(stats, k)
-            for k in (
-                "iterations",
-                "wall_s",
-                "iteration_s",
-                "messages_from_log",
-                "log_bytes_read",
-                "chunks_loaded",
-                "sends_dropped",
-                "sends_live",
-                "recvs_live",
-                "losses",
-                "log_wait_s",
-                "collectives_substituted",
-            )
+            for k in ("iterations", "wall_s", "iteration_s", "messages_from_log", "log_bytes_read", "chunks_loaded",
+                      "sends_dropped", "sends_live", "recvs_live", "losses", "log_wait_s", "collectives_substituted")
         }
         result["progress"] = progress
         result["cpu_s"] = cpu_s
@@ -222,25 +199,14 @@ def parallel_phase(out: Path, rank: int) -> None:
             engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
         transfer_state(engine, copy, layout, CKPT)
         stats = parallel_replay(
-            engine,
-            copy,
-            layout,
-            LogReader(out / "logs"),
-            CKPT,
-            ITERATIONS - 1,
-            batch_fn,
-            mode=mode,
-            seed=SEED,
-            collectives=records,  # type: ignore[arg-type]
+            engine, copy, layout, LogReader(out / "logs"), CKPT, ITERATIONS - 1, batch_fn,
+            mode=mode, seed=SEED, collectives=records,  # type: ignore[arg-type]
         )
         assert stats is not None
         torch.save(final_state(engine if rank in (2, 3) else copy), out / f"parallel_{mode}_rank{rank}.pt")
         result[mode] = {
-            "share": list(stats.share),
-            "exchange_bytes": stats.exchange_bytes,
-            "exchange_s": stats.exchange_s,
-            "messages_from_log": stats.replay.messages_from_log,
-            "iteration_s": stats.replay.iteration_s,
+            "share": list(stats.share), "exchange_bytes": stats.exchange_bytes, "exchange_s": stats.exchange_s,
+            "messages_from_log": stats.replay.messages_from_log, "iteration_s": stats.replay.iteration_s,
             "sends_dropped": stats.replay.sends_dropped,
         }
     if rank in (0, 1):
