@@ -63,11 +63,10 @@ def yield_on_wakeup() -> bool:
     on a core when it wakes up, with the same share of the CPU (see the module docstring). True when
     set; False where the OS has no such policy or refuses it (the thread then runs as before: this
     is about where the work runs, never whether)."""
-    batch = getattr(os, "SCHED_BATCH", None)
-    if batch is None or not sys.platform.startswith("linux") or _bench_without_it():
+    if not _batch_available():
         return False
     try:
-        os.sched_setscheduler(0, batch, os.sched_param(0))  # 0: the calling thread (Linux)
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread (Linux)
     except OSError:
         return False
     return True
@@ -79,16 +78,7 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
     when it is created) run under ``SCHED_BATCH``, which a new thread inherits; the calling thread's
     own policy is back on leaving. Yields whether it applied: only from ``SCHED_OTHER``, the one
     policy an unprivileged thread can always return to."""
-    batch = getattr(os, "SCHED_BATCH", None)
-    if (
-        batch is None
-        or not sys.platform.startswith("linux")
-        or _bench_without_it()
-        or os.sched_getscheduler(0) != os.SCHED_OTHER
-    ):
-        yield False
-        return
-    if not yield_on_wakeup():
+    if not _batch_available() or os.sched_getscheduler(0) != os.SCHED_OTHER or not yield_on_wakeup():
         yield False
         return
     try:
@@ -97,7 +87,9 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
-def _bench_without_it() -> bool:
-    """benchmarks/gpu_overhead.py's ``-wakeup`` variant (``SWIFT_BENCH_WITHOUT=wakeup``, see
-    ds_swift.runtime.bench_switch, which this leaf module does not import) measures what it buys."""
-    return "wakeup" in (n.strip() for n in os.environ.get("SWIFT_BENCH_WITHOUT", "").split(","))
+def _batch_available() -> bool:
+    """Linux with ``SCHED_BATCH``, and not benchmarks/gpu_overhead.py's ``-wakeup`` variant
+    (``SWIFT_BENCH_WITHOUT=wakeup``, see ds_swift.runtime.bench_switch, which this leaf module does not
+    import), which measures what it buys."""
+    without = (n.strip() for n in os.environ.get("SWIFT_BENCH_WITHOUT", "").split(","))
+    return hasattr(os, "SCHED_BATCH") and sys.platform.startswith("linux") and "wakeup" not in without

@@ -19,13 +19,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO
 
 from ds_swift.jobstore.membership import WorkerEnv
 
 from .args import Command
-from .spawn import _PDEATHSIG_BOOTSTRAP, Worker, warm_environ, worker_argv, worker_environ
+from .spawn import Worker, dies_with_us, warm_environ, worker_argv, worker_environ
 
 __all__ = ["ForkServer", "ForkedProcess"]
 
@@ -89,11 +89,9 @@ class ForkServer:
         reports_r, reports_w = os.pipe()
         argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
         argv += ["--reports", str(reports_w), *(["--module"] if self.command.module else []), self.command.script]
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
         try:
             proc = subprocess.Popen(
-                argv,
+                dies_with_us(argv),
                 env=self._env,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), reports_w),
@@ -148,12 +146,19 @@ class ForkServer:
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start the server and wait for its imports: before the agents' first tick, so that no agent
         stops beating its liveness counter (multi-host) for that long. OSError if it does not serve."""
-        server = self.proc = self.proc or self._start()
+        self.proc = self.proc or self._start()
+        self._wait_until(lambda: self._ready, timeout_s, "not ready")
+
+    def _wait_until(self, done: Callable[[], bool], timeout_s: float, missed: str) -> None:
+        """Read the server's reports until ``done()``. OSError once the server ended, or after
+        ``timeout_s`` (``missed`` says what did not happen)."""
+        server = self.proc
+        assert server is not None
         deadline = time.monotonic() + timeout_s
-        while not self._ready:
+        while not done():
             if self._gone or server.poll() is not None or time.monotonic() > deadline:
                 code = server.poll()
-                why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
+                why = f"exited with code {code}" if code is not None else f"{missed} in {timeout_s:.0f} s"
                 raise OSError(f"the fork server (pid {server.pid}) {why}; see its message above")
             self._pump(timeout_s=0.5)
 
@@ -171,13 +176,7 @@ class ForkServer:
             )
         except OSError as exc:
             raise OSError(f"the fork server (pid {server.pid}) is gone: {exc}") from None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while request_id not in self._forked:
-            if self._gone or server.poll() is not None or time.monotonic() > deadline:
-                code = server.poll()
-                why = f"exited with code {code}" if code is not None else f"forked nothing in {READY_TIMEOUT_S:.0f} s"
-                raise OSError(f"the fork server (pid {server.pid}) {why}; see its message above")
-            self._pump(timeout_s=0.5)
+        self._wait_until(lambda: request_id in self._forked, READY_TIMEOUT_S, "forked nothing")
         return self._forked.pop(request_id)
 
     @staticmethod

@@ -35,6 +35,7 @@ from .args import LaunchArgs
 from .control import EventLog, JobControl
 from .forkserver import ForkServer
 from .liveness import AgentLiveness
+from .spawn import spawn_warm, spawn_worker
 
 __all__ = ["Supervisor", "run"]
 
@@ -322,12 +323,8 @@ def run(args: LaunchArgs) -> int:
             print(f"ds-swift-launch: error: --fork-server: {exc}", file=sys.stderr)
             server.close()
             return 1
-    if server is None:
-        agents = [MachineAgent(node, job, store, events) for node in nodes]
-    else:
-        agents = [
-            MachineAgent(node, job, store, events, spawn=server.spawn, warm_start=server.spawn_warm) for node in nodes
-        ]
+    spawn, warm_start = (spawn_worker, spawn_warm) if server is None else (server.spawn, server.spawn_warm)
+    agents = [MachineAgent(node, job, store, events, spawn=spawn, warm_start=warm_start) for node in nodes]
     liveness = None
     if args.node_rank is not None:
         liveness = AgentLiveness(store, nodes, args.num_agents, args.agent_timeout_s)

@@ -161,10 +161,16 @@ def signal_group(proc: WorkerProcess, sig: int) -> None:
         proc.send_signal(sig)
 
 
-def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen[bytes]:
+def dies_with_us(argv: list[str]) -> list[str]:
+    """``argv`` started through the PDEATHSIG bootstrap (Linux): the process gets SIGKILL when this
+    one dies."""
     if sys.platform.startswith("linux"):
-        argv = [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
-    return subprocess.Popen(argv, env=env, stdin=stdin, start_new_session=True)
+        return [sys.executable, "-S", "-c", _PDEATHSIG_BOOTSTRAP, str(os.getpid()), *argv]
+    return argv
+
+
+def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(dies_with_us(argv), env=env, stdin=stdin, start_new_session=True)
 
 
 def spawn_worker(

@@ -167,7 +167,8 @@ class Watchdog:
     def _run(self) -> None:
         name_os_thread()  # top -H, py-spy and the overhead benchmark tell it apart
         # Its ten polls a second must not preempt the training thread; under SCHED_BATCH it still
-        # runs within milliseconds of waking (the running thread's time slice), against a heartbeat timeout of seconds.
+        # runs within milliseconds of waking (the running thread's time slice), against a heartbeat
+        # timeout of seconds.
         yield_on_wakeup()
         store = self._store_factory()
         while not self._stop.is_set():
