@@ -142,7 +142,9 @@ def profile(path: str, elements: int, tensors: int, device: torch.device) -> dic
         "sync_ops": sum(names.count(n) for n in SYNC_OPS),
     }
     if device.type == "cuda":
-        out["kernel_launches"] = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
+        # (Triton launches through the driver API's cuLaunchKernelEx)
+        launches = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+        out["kernel_launches"] = sum(n in launches for n in names)
     return out
 
 

@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # torch (the job store) is imported only now: --help and usage errors stay instant.
     from .launcher import run
-    from .preflight import preflight
+    from .preflight import arch_list_warning, preflight
 
     # A configuration the strategy cannot serve is refused before any worker starts (not a hang
     # at the first failure, nor an abort inside the workers).
@@ -32,8 +32,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"ds-swift-launch: error: {why}", file=sys.stderr)
         return 2
+    arch = arch_list_warning(os.environ, _installed("deepspeed"))
+    if arch is not None:
+        print(f"ds-swift-launch: warning: {arch}", file=sys.stderr)
 
     return run(args)
+
+
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def entry() -> None:

@@ -11,6 +11,7 @@ section is reported here too, before the job starts, rather than by every worker
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 
 from .args import LaunchArgs
 
-__all__ = ["check_job", "preflight", "script_namespace"]
+__all__ = ["arch_list_warning", "check_job", "preflight", "script_namespace"]
 
 
 def script_namespace(script_args: Sequence[str]) -> argparse.Namespace:
@@ -69,3 +70,29 @@ def preflight(args: LaunchArgs) -> str | None:
         return str(exc)
     whys = check_job(ds_config, args.command.args, args.nnodes, args.nproc_per_node, args.elastic)
     return "; ".join(whys) if whys else None
+
+
+_SUFFIXED_ARCH = re.compile(r"^\d+\.\d+[A-Za-z]")
+
+
+def arch_list_warning(environ: Mapping[str, str], deepspeed_version: str | None) -> str | None:
+    """Why the workers' DeepSpeed may fail to build its ops (None: no reason seen).
+
+    DeepSpeed 0.19's op builder reads each ``TORCH_CUDA_ARCH_LIST`` entry as numbers: one with an
+    architecture suffix such as ``9.0a`` (GPU images set such lists) makes every op it JIT-builds,
+    FusedAdam at ``deepspeed.initialize`` included, fail with "invalid literal for int() with base
+    10: '0a'" (seen on an H100 image with DeepSpeed 0.19.8). Pre-built ops are not affected: a
+    warning, not an error."""
+    value = environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value or deepspeed_version is None or not deepspeed_version.startswith("0.19."):
+        return None
+    entries = [e for e in re.split(r"[;\s,]+", value.strip()) if e]
+    bad = [e for e in entries if _SUFFIXED_ARCH.match(e)]
+    if not bad:
+        return None
+    plain = ";".join(re.sub(r"^(\d+\.\d+)[A-Za-z]+", r"\1", e) for e in entries)
+    return (
+        f"TORCH_CUDA_ARCH_LIST={value!r} has entries DeepSpeed {deepspeed_version}'s op builder cannot parse "
+        f'({", ".join(bad)}): an op it builds at start-up (FusedAdam) fails with "invalid literal for int()"; '
+        f"set TORCH_CUDA_ARCH_LIST='{plain}' (the same list without the suffixes), unless DeepSpeed's ops are pre-built"
+    )

@@ -11,6 +11,7 @@ syncs. Skipped without CUDA or Triton.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ def _state(seed: int, t: float) -> tuple[torch.Tensor, ...]:
 REPLAY_CASES = [
     (torch.optim.AdamW, {"weight_decay": 0.1}, True),
     (torch.optim.AdamW, {"weight_decay": 0.1, "maximize": True}, False),
+    (torch.optim.AdamW, {"weight_decay": 0.1}, False),
     (torch.optim.AdamW, {"weight_decay": 0.0}, True),
     (torch.optim.Adam, {"weight_decay": 0.1}, True),
     (torch.optim.Adam, {"weight_decay": 0.1, "maximize": True}, False),
@@ -53,24 +55,27 @@ REPLAY_CASES = [
 
 @pytest.mark.parametrize(("cls", "kwargs", "foreach"), REPLAY_CASES)
 def test_the_kernels_replay_is_torchs_cuda_step_bit_for_bit(cls: type, kwargs: dict[str, Any], foreach: bool) -> None:
-    t = 7.0
-    x, grad, m, v = _state(1, t)
-    p = torch.nn.Parameter(x.clone())
-    p.grad = grad.clone()
-    opt = cls([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=foreach, **kwargs)
-    opt.state[p] = {"step": torch.tensor(t - 1), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-    opt.step()
-    h = opt.param_groups[0]
-    xs, ms, vs = x.clone(), m.clone(), v.clone()
-    flavour = triton_adam.CUDA_FOREACH if foreach else triton_adam.CUDA_SINGLE
-    triton_adam_replay.adam_forward(xs, grad, ms, vs, h, t, flavour=flavour)
-    diffs = {
-        "exp_avg": int((ms != opt.state[p]["exp_avg"]).sum()),
-        "exp_avg_sq": int((vs != opt.state[p]["exp_avg_sq"]).sum()),
-        "param": int((xs != p.detach()).sum()),
-    }
-    print(f"replay vs torch CUDA {cls.__name__} {'foreach' if foreach else 'single'} {kwargs}: {diffs} of {N} differ")
-    assert diffs == {"exp_avg": 0, "exp_avg_sq": 0, "param": 0}
+    # Several steps: the scalars (bias corrections, their reciprocals) round differently from step to
+    # step; t = 1, 3 and 5 once showed a reciprocal rounded twice (foreach=False), t = 7 did not.
+    for t in (1.0, 3.0, 5.0, 7.0):
+        x, grad, m, v = _state(1, t)
+        p = torch.nn.Parameter(x.clone())
+        p.grad = grad.clone()
+        opt = cls([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, foreach=foreach, **kwargs)
+        opt.state[p] = {"step": torch.tensor(t - 1), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        opt.step()
+        h = opt.param_groups[0]
+        xs, ms, vs = x.clone(), m.clone(), v.clone()
+        flavour = triton_adam.CUDA_FOREACH if foreach else triton_adam.CUDA_SINGLE
+        triton_adam_replay.adam_forward(xs, grad, ms, vs, h, t, flavour=flavour)
+        diffs = {
+            "exp_avg": int((ms != opt.state[p]["exp_avg"]).sum()),
+            "exp_avg_sq": int((vs != opt.state[p]["exp_avg_sq"]).sum()),
+            "param": int((xs != p.detach()).sum()),
+        }
+        kind = "foreach" if foreach else "single"
+        print(f"replay vs torch CUDA {cls.__name__} {kind} {kwargs} step {t:g}: {diffs} of {N} differ")
+        assert diffs == {"exp_avg": 0, "exp_avg_sq": 0, "param": 0}, t
 
 
 @pytest.mark.parametrize("foreach", [None, False], ids=["default_foreach", "single"])
@@ -78,6 +83,8 @@ def test_fused_undo_on_cuda_is_exact_where_the_fast_path_is_and_never_syncs(fore
     results: dict[str, list[torch.Tensor]] = {}
     before: list[torch.Tensor] = []
     post: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    h: dict[str, Any] = {}
     for path in ("fast", "fused"):
         g = torch.Generator(device="cuda").manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=g) * 0.02) for n in (N, 4097, 33, 1)]
@@ -88,8 +95,10 @@ def test_fused_undo_on_cuda_is_exact_where_the_fast_path_is_and_never_syncs(fore
                 q.grad = torch.randn(q.shape, device="cuda", generator=g) * 1e-3
             if it == 2:
                 before = _flat(inner, params)
+                grads = [q.grad.clone() for q in params if q.grad is not None]
             opt.step()
         post = _flat(inner, params)
+        h = dict(inner.param_groups[0])
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -97,19 +106,32 @@ def test_fused_undo_on_cuda_is_exact_where_the_fast_path_is_and_never_syncs(fore
         finally:
             torch.cuda.set_sync_debug_mode("default")
         results[path] = _flat(inner, params)
+    # The kernel's model of the step that ran (the refinement's premise): its replay of step 3 from the
+    # state before it is torch's step 3, bit for bit, in every tensor.
+    flavour = triton_adam.CUDA_SINGLE if foreach is False else triton_adam.CUDA_FOREACH
+    k = len(grads)
+    for i in range(k):
+        x, m, v = before[i].clone(), before[k + i].clone(), before[2 * k + i].clone()
+        triton_adam_replay.adam_forward(x, grads[i], m, v, h, 3.0, flavour=flavour)
+        diffs = [int((a != b).sum()) for a, b in ((x, post[i]), (m, post[k + i]), (v, post[2 * k + i]))]
+        print(f"replay of step 3, tensor {i}: p/m/v elements differing from torch's step {diffs}")
+        assert diffs == [0, 0, 0], (i, diffs)
     for path, restored in results.items():
         for i, (r, b, q) in enumerate(zip(restored, before, post, strict=True)):
             err, exact = ulp_error(r, b, q), float((r == b).double().mean())
             print(f"{path} undo, tensor {i} ({r.numel()} elements): {err:.2f} ulp, {100 * exact:.3f}% bitwise")
             assert err <= 2.0, (path, i, err)
     # A share of the elements cannot be restored bit for bit by anyone (the step merged pre-images).
-    # The fused path replays the foreach step as it ran; the fast path's replay divides as a single
-    # tensor op does, so it fails to refine where the two differ. Where several pre-images exist the
-    # two may pick different ones (their float64 estimates differ in the last bits): a little slack.
+    # The fused path replays the step as it ran; the fast path's replay divides as a single tensor op
+    # does, so under foreach it fails to refine where the two differ. Where several pre-images exist
+    # the two may pick different ones (their float64 estimates differ in the last bits): a slack of
+    # three standard deviations of that coin flip over the elements neither restores for sure.
     for i, (f, s, b) in enumerate(zip(results["fused"], results["fast"], before, strict=True)):
-        fused_exact, fast_exact = int((f == b).sum()), int((s == b).sum())
-        print(f"tensor {i}: bit for bit fused {fused_exact}, fast {fast_exact} of {f.numel()}")
-        assert fused_exact >= fast_exact - max(1, f.numel() // 100_000), i
+        fused_exact, fast_exact, n = int((f == b).sum()), int((s == b).sum()), f.numel()
+        q = 1 - max(fused_exact, fast_exact) / n
+        slack = 1 + int(3 * math.sqrt(n * q * (1 - q)))
+        print(f"tensor {i}: bit for bit fused {fused_exact}, fast {fast_exact} of {n} (slack {slack})")
+        assert fused_exact >= fast_exact - slack, i
 
 
 def _flat(inner: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.config.feasible import JobShape, check_feasible, infeasible
 from ds_swift.launch.args import parse_args
 from ds_swift.launch.cli import main
-from ds_swift.launch.preflight import preflight
+from ds_swift.launch.preflight import arch_list_warning, preflight
 
 LOSSY = {"enabled": True, "strategy": "lossy_forward"}
 ELASTIC = {"enabled": True, "strategy": "elastic"}
@@ -131,3 +131,25 @@ def test_the_launcher_refuses_pipechurn_on_too_few_machines_and_reads_megatron_f
     plain = ["--nnodes", "2", "examples/pretrain_gpt.py"]
     assert preflight(parse_args(plain)) is None
     assert "--deepspeed_config" in (preflight(parse_args(["--elastic", *plain])) or "")
+
+
+@pytest.mark.parametrize(
+    ("value", "fixed"),
+    [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.0 9.0a+PTX", "8.0;9.0+PTX"), ("10.0f;12.0a", "10.0;12.0")],
+)
+def test_an_arch_list_deepspeeds_op_builder_cannot_parse_is_named_with_its_fix(value: str, fixed: str) -> None:
+    why = arch_list_warning({"TORCH_CUDA_ARCH_LIST": value}, "0.19.8")
+    assert why is not None and f"TORCH_CUDA_ARCH_LIST='{fixed}'" in why and "0.19.8" in why
+
+
+@pytest.mark.parametrize(
+    ("environ", "version"),
+    [
+        ({"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}, "0.19.8"),  # plain entries parse
+        ({}, "0.19.8"),
+        ({"TORCH_CUDA_ARCH_LIST": "9.0a"}, None),  # no DeepSpeed installed as a distribution
+        ({"TORCH_CUDA_ARCH_LIST": "9.0a"}, "0.20.0"),  # not a version this was seen on
+    ],
+)
+def test_no_arch_list_warning_without_cause(environ: dict[str, str], version: str | None) -> None:
+    assert arch_list_warning(environ, version) is None
