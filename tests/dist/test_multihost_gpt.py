@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from etcd_server import Etcd
-from test_multihost import host_logs, slurm_env, standins  # noqa: F401 - standins is a fixture
+from standin_hosts import host_logs, slurm_env
 
 from ds_swift.testing.checkpoints import compare_checkpoints
 from ds_swift.testing.jobs import JobRun
@@ -59,8 +59,15 @@ def ds_config(tmp: Path) -> Path:
 
 
 def script_args(tmp: Path, script: Path) -> list[str]:
-    return [str(script), "--deepspeed_config", str(ds_config(tmp)), "--train-iters", str(ITERS),
-            "--save", str(tmp / "final")]
+    return [
+        str(script),
+        "--deepspeed_config",
+        str(ds_config(tmp)),
+        "--train-iters",
+        str(ITERS),
+        "--save",
+        str(tmp / "final"),
+    ]
 
 
 def final(tmp: Path) -> Path:
@@ -72,7 +79,10 @@ def stalled(log: Path, rank: int) -> bool:
 
 
 def test_machine_0_killed_with_its_agent_recovers_bitwise(
-    tmp_path: Path, standins: Path, etcd: Etcd, fp32_baseline: JobRun  # noqa: F811
+    tmp_path: Path,
+    standins: Path,
+    etcd: Etcd,
+    fp32_baseline: JobRun,
 ) -> None:
     # The failure-free run: tests/dist/conftest.py's (the same config), its checkpoint after ITERS iterations.
     base = fp32_baseline.ckpt_dir / f"global_step{ITERS}"
@@ -81,12 +91,35 @@ def test_machine_0_killed_with_its_agent_recovers_bitwise(
     job.mkdir()
     run_dir = job / "run"
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-    env = slurm_env(tmp_path, standins, hosts, "127.0.0.[2-4]",
-                    {"SWIFT_JOB_TOKEN": "gpt-etcd", "SWIFT_TEST_STALL_RANKS": f"0,1:{STALL_AT}",
-                     **etcd.env(tmp_path / "etcd.password")})
-    argv = ["srun", "--ntasks-per-node=1", sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir),
-            "--nnodes", "2", "--nproc-per-node", "2", "--store", etcd.url, "--agent-timeout", "3",
-            *script_args(job, WORKER)]
+    env = slurm_env(
+        tmp_path,
+        standins,
+        hosts,
+        "127.0.0.[2-4]",
+        {
+            "SWIFT_JOB_TOKEN": "gpt-etcd",
+            "SWIFT_TEST_STALL_RANKS": f"0,1:{STALL_AT}",
+            **etcd.env(tmp_path / "etcd.password"),
+        },
+    )
+    argv = [
+        "srun",
+        "--ntasks-per-node=1",
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--run-dir",
+        str(run_dir),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--store",
+        etcd.url,
+        "--agent-timeout",
+        "3",
+        *script_args(job, WORKER),
+    ]
     host0_log = standins / "127.0.0.2.log"
     with ProcessSet(job / "logs") as procs:
         procs.spawn("srun", argv, env=env, cwd=job)
