@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -48,108 +51,145 @@ def worker(out: Path) -> None:
         write(out, rank, run_variants(rank))
 
 
-def run_variants(rank: int) -> dict[str, Any]:
+def _model() -> torch.nn.Module:
+    import torch
+
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _config(zero: int, bf16: bool = False, clip: float = 0.0, optimizer: dict | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "zero_optimization": {"stage": zero},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+    if optimizer is not None:
+        cfg["optimizer"] = optimizer
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _run_iteration(rank: int, dtype: torch.dtype) -> Any:
+    """One training iteration (GAS micro-batches of this rank's data) in ``dtype``; ``overflow``
+    makes every loss infinite (the fp16 overflow variant)."""
+    import torch
+
+    def run(engine: Any, it: int, overflow: bool = False) -> None:
+        for mb in range(GAS):
+            g = torch.Generator().manual_seed(1000 * it + 10 * mb + rank)
+            x = torch.randn(MICRO, 16, generator=g).to(dtype)
+            y = torch.sin(x[:, :4])
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            if overflow:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+
+    return run
+
+
+def _partial_backward(engine: Any, it: int) -> None:
+    import torch
+
+    x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(it))
+    x = x.to(next(engine.module.parameters()).dtype)
+    engine.backward(engine(x).float().pow(2).mean())
+
+
+# The variants' engines: each builds its model afresh (the same seed) and a DeepSpeed engine on it.
+def _adamw_zero1() -> Any:
+    import deepspeed
+
+    m = _model()
+    cfg = _config(
+        1,
+        clip=0.05,
+        optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+    )
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+    }
+    return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+
+
+def _bf16_sgd() -> Any:
     import deepspeed
     import torch
-    from test_undo_common import exercise, exercise_detach, exercise_overflow
 
-    def model() -> torch.nn.Module:
-        torch.manual_seed(7)
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return deepspeed.initialize(model=m, optimizer=opt, config=_config(1, bf16=True))[0]
 
-    def config(zero: int, bf16: bool = False, clip: float = 0.0, optimizer: dict | None = None) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": GAS,
-            "zero_optimization": {"stage": zero},
-            "zero_allow_untested_optimizer": True,
-            "gradient_clipping": clip,
-            "steps_per_print": 10**9,
-        }
-        if optimizer is not None:
-            cfg["optimizer"] = optimizer
-        if bf16:
-            cfg["bf16"] = {"enabled": True}
-        return cfg
 
-    def run_iteration(dtype: torch.dtype) -> Any:
-        def run(engine: Any, it: int, overflow: bool = False) -> None:
-            for mb in range(GAS):
-                g = torch.Generator().manual_seed(1000 * it + 10 * mb + rank)
-                x = torch.randn(MICRO, 16, generator=g).to(dtype)
-                y = torch.sin(x[:, :4])
-                loss = torch.nn.functional.mse_loss(engine(x), y)
-                if overflow:
-                    loss = loss * float("inf")
-                engine.backward(loss)
-                engine.step()
+def _adagrad() -> Any:
+    import deepspeed
+    import torch
 
-        return run
+    m = _model()
+    opt = torch.optim.Adagrad(m.parameters(), lr=0.05)
+    return deepspeed.initialize(model=m, optimizer=opt, config=_config(0))[0]
 
-    def partial_backward(engine: Any, it: int) -> None:
-        x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(it))
-        x = x.to(next(engine.module.parameters()).dtype)
-        engine.backward(engine(x).float().pow(2).mean())
 
-    results: dict[str, Any] = {}
+def _adamw_zero0() -> Any:
+    import deepspeed
 
-    def adamw() -> Any:
-        m = model()
-        cfg = config(
-            1,
-            clip=0.05,
-            optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        )
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
-        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+    m = _model()
+    cfg = _config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+    }
+    return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
-    results["zero1_adamw"] = exercise(adamw, run_iteration(torch.float32), partial_backward=partial_backward)
 
-    def bf16_sgd() -> Any:
-        m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-        return deepspeed.initialize(model=m, optimizer=opt, config=config(1, bf16=True))[0]
+def _fp16_adam() -> Any:
+    import deepspeed
 
-    results["zero1_bf16_sgd"] = exercise(bf16_sgd, run_iteration(torch.bfloat16), refresh=False)
+    m = _model()
+    cfg = _config(1, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}})
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
-    def adagrad() -> Any:
-        m = model()
-        opt = torch.optim.Adagrad(m.parameters(), lr=0.05)
-        return deepspeed.initialize(model=m, optimizer=opt, config=config(0))[0]
 
-    results["zero0_adagrad"] = exercise(adagrad, run_iteration(torch.float32), partial_backward=partial_backward)
-
-    def adamw_zero0() -> Any:
-        m = model()
-        cfg = config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
-        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
-
-    results["zero0_detach"] = exercise_detach(adamw_zero0, run_iteration(torch.float32))
-
-    def fp16_adam() -> Any:
-        m = model()
-        cfg = config(1, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}})
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-        return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
-
-    results["zero1_fp16"] = exercise(fp16_adam, run_iteration(torch.float16))
+def _zero2_refusal() -> dict[str, Any]:
+    """ZeRO-2: attach_to_engine must refuse it (with a message naming the strategy to use) and leave it as it was."""
+    import deepspeed
 
     from ds_swift.undo import NotInvertibleError, attach_to_engine
 
-    m = model()
+    m = _model()
     zero2 = deepspeed.initialize(
         model=m,
         model_parameters=m.parameters(),
-        config=config(2, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}),
+        config=_config(2, optimizer={"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}),
     )[0]
     try:
         attach_to_engine(zero2)
-        results["zero2_refused"] = ""
+        refused = ""
     except NotInvertibleError as e:
-        results["zero2_refused"] = str(e)
-    results["zero2_untouched"] = "_take_model_step" not in vars(zero2)
-    results["zero1_fp16_overflow"] = exercise_overflow(fp16_adam, run_iteration(torch.float16))
+        refused = str(e)
+    return {"zero2_refused": refused, "zero2_untouched": "_take_model_step" not in vars(zero2)}
+
+
+def run_variants(rank: int) -> dict[str, Any]:
+    import torch
+    from test_undo_common import exercise, exercise_detach, exercise_overflow
+
+    fp32, bf16, fp16 = (_run_iteration(rank, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16))
+    results: dict[str, Any] = {}
+    results["zero1_adamw"] = exercise(_adamw_zero1, fp32, partial_backward=_partial_backward)
+    results["zero1_bf16_sgd"] = exercise(_bf16_sgd, bf16, refresh=False)
+    results["zero0_adagrad"] = exercise(_adagrad, fp32, partial_backward=_partial_backward)
+    results["zero0_detach"] = exercise_detach(_adamw_zero0, fp32)
+    results["zero1_fp16"] = exercise(_fp16_adam, fp16)
+    results.update(_zero2_refusal())
+    results["zero1_fp16_overflow"] = exercise_overflow(_fp16_adam, fp16)
     return results
 
 
