@@ -90,17 +90,81 @@ def train(out: Path, rank: int) -> None:
     (out / f"train_rank{rank}.json").write_text(json.dumps({"losses": losses, "iteration_s": times, "cpu_s": cpu}))
 
 
+#: the fields of the intact replay's stats that go to the test
+_STATS_FIELDS = (
+    "iterations",
+    "wall_s",
+    "iteration_s",
+    "messages_from_log",
+    "log_bytes_read",
+    "chunks_loaded",
+    "sends_dropped",
+    "sends_live",
+    "recvs_live",
+    "losses",
+    "log_wait_s",
+    "collectives_substituted",
+)
+
+
+def _replay_corrupt(engine: Any, out: Path, rank: int, group: set[int], records: Any, store: Any) -> dict[str, Any]:
+    """Ranks 2, 3 replay the corrupt log from the checkpoint: what this rank raised (``result["corrupt"]``)."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_swift.msglog import LogReader
+    from ds_swift.patches.deepspeed_rebuild import patch_recv_check
+    from ds_swift.patches.step_collectives import wrap_collectives
+    from ds_swift.recovery.replay.collectives import CollectiveGuard
+    from ds_swift.recovery.replay.engine import replay
+    from ds_swift.recovery.replay.log import LogUnavailable
+
+    def aborted(received: Any = None) -> None:
+        if store.check(["replay/abort"]):
+            raise RuntimeError("replay aborted by a peer")
+
+    # Loading a DeepSpeed checkpoint must not need the survivors: any collective leaving {2, 3} raises here.
+    with wrap_collectives("test.load", CollectiveGuard(frozenset(group), None).make):
+        engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
+    check = patch_recv_check(aborted) if rank == 3 else None
+    try:
+        replay(
+            engine,
+            LogReader(out / "logs_corrupt"),
+            group,
+            CKPT,
+            ITERATIONS - 1,
+            batch_fn,
+            seed=SEED,
+            collectives=records,
+        )
+        return {"raised": None}
+    except LogUnavailable as exc:
+        raised = {
+            "raised": "LogUnavailable",
+            "message": str(exc),
+            "iteration": exc.iteration,
+            "micro_batch": exc.micro_batch,
+            "file": exc.file,
+        }
+        store.set("replay/abort", "1")
+        dist.send(torch.zeros(1), 3)  # the poison: completes rank 3's pending receive
+        return raised
+    except RuntimeError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    finally:
+        if check is not None:
+            check.remove()
+
+
 def replay_phase(out: Path, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
     from ds_swift.config import SwiftConfig
     from ds_swift.msglog import LogReader, MachineBoundaryPlan, install_message_logging
-    from ds_swift.patches.deepspeed_rebuild import patch_recv_check
-    from ds_swift.patches.step_collectives import wrap_collectives
-    from ds_swift.recovery.replay.collectives import CollectiveGuard, CollectiveRecorder
+    from ds_swift.recovery.replay.collectives import CollectiveRecorder
     from ds_swift.recovery.replay.engine import replay
-    from ds_swift.recovery.replay.log import LogUnavailable
 
     engine = build_engine()
     store = dist.distributed_c10d._get_default_store()
@@ -116,55 +180,28 @@ def replay_phase(out: Path, rank: int) -> None:
         relog = install_message_logging(engine, MachineBoundaryPlan(GPUS_PER_NODE), cfg, native=False)
 
         # 1. a corrupt record: rank 2 fails loudly, then wakes rank 3 the way the runtime does.
-        def aborted(received: Any = None) -> None:
-            if store.check(["replay/abort"]):
-                raise RuntimeError("replay aborted by a peer")
-
-        # Loading a DeepSpeed checkpoint must not need the survivors: any collective leaving {2, 3} raises here.
-        with wrap_collectives("test.load", CollectiveGuard(frozenset(group), None).make):
-            engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
-        check = patch_recv_check(aborted) if rank == 3 else None
-        try:
-            replay(
-                engine,
-                LogReader(out / "logs_corrupt"),
-                group,
-                CKPT,
-                ITERATIONS - 1,
-                batch_fn,
-                seed=SEED,
-                collectives=records,
-            )
-            result["corrupt"] = {"raised": None}
-        except LogUnavailable as exc:
-            result["corrupt"] = {"raised": "LogUnavailable", "message": str(exc), "iteration": exc.iteration,
-                                 "micro_batch": exc.micro_batch, "file": exc.file}
-            store.set("replay/abort", "1")
-            dist.send(torch.zeros(1), 3)  # the poison: completes rank 3's pending receive
-        except RuntimeError as exc:
-            result["corrupt"] = {"raised": type(exc).__name__, "message": str(exc)}
-        finally:
-            if check is not None:
-                check.remove()
+        result["corrupt"] = _replay_corrupt(engine, out, rank, group, records, store)
 
         # 2. the intact log, from the checkpoint again.
         engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
         progress: list[tuple[int, int, int]] = []
         c0 = time.process_time()
         stats = replay(
-            engine, LogReader(out / "logs"), group, CKPT, ITERATIONS - 1, batch_fn,
-            progress=lambda p: progress.append((p.iterations_done, p.iterations_total, p.log_bytes_read)), seed=SEED,
+            engine,
+            LogReader(out / "logs"),
+            group,
+            CKPT,
+            ITERATIONS - 1,
+            batch_fn,
+            progress=lambda p: progress.append((p.iterations_done, p.iterations_total, p.log_bytes_read)),
+            seed=SEED,
             collectives=records,
         )
         cpu_s = time.process_time() - c0
         relog.flush(60)
         relog.remove()
         torch.save(final_state(engine), out / f"replay_rank{rank}.pt")
-        result["stats"] = {
-            k: getattr(stats, k)
-            for k in ("iterations", "wall_s", "iteration_s", "messages_from_log", "log_bytes_read", "chunks_loaded",
-                      "sends_dropped", "sends_live", "recvs_live", "losses", "log_wait_s", "collectives_substituted")
-        }
+        result["stats"] = {k: getattr(stats, k) for k in _STATS_FIELDS}
         result["progress"] = progress
         result["cpu_s"] = cpu_s
     dist.barrier()  # ranks 0,1: the survivors, waiting for the replay to finish
@@ -199,14 +236,25 @@ def parallel_phase(out: Path, rank: int) -> None:
             engine.load_checkpoint(str(out / "ckpt"), tag=f"global_step{CKPT}")
         transfer_state(engine, copy, layout, CKPT)
         stats = parallel_replay(
-            engine, copy, layout, LogReader(out / "logs"), CKPT, ITERATIONS - 1, batch_fn,
-            mode=mode, seed=SEED, collectives=records,  # type: ignore[arg-type]
+            engine,
+            copy,
+            layout,
+            LogReader(out / "logs"),
+            CKPT,
+            ITERATIONS - 1,
+            batch_fn,
+            mode=mode,
+            seed=SEED,
+            collectives=records,  # type: ignore[arg-type]
         )
         assert stats is not None
         torch.save(final_state(engine if rank in (2, 3) else copy), out / f"parallel_{mode}_rank{rank}.pt")
         result[mode] = {
-            "share": list(stats.share), "exchange_bytes": stats.exchange_bytes, "exchange_s": stats.exchange_s,
-            "messages_from_log": stats.replay.messages_from_log, "iteration_s": stats.replay.iteration_s,
+            "share": list(stats.share),
+            "exchange_bytes": stats.exchange_bytes,
+            "exchange_s": stats.exchange_s,
+            "messages_from_log": stats.replay.messages_from_log,
+            "iteration_s": stats.replay.iteration_s,
             "sends_dropped": stats.replay.sends_dropped,
         }
     if rank in (0, 1):
