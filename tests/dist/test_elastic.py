@@ -35,11 +35,20 @@ SWIFT = {"strategy": "elastic", "watchdog": {"op_timeout_s": 90.0}}
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
-def launch(tmp: Path, launcher_args: list[str], env: dict[str, str] | None = None,
-           swift: dict[str, Any] | None = None) -> JobRun:
-    spec = JobSpec(WORKER, BF16, ITERS, launcher_args, swift={**SWIFT, **(swift or {})}, nnodes=2, nproc_per_node=2,
-                   loss_log=True,
-                   env={"SWIFT_TEST_DUMP_DIR": str(tmp / "dumps"), **(env or {})})
+def launch(
+    tmp: Path, launcher_args: list[str], env: dict[str, str] | None = None, swift: dict[str, Any] | None = None
+) -> JobRun:
+    spec = JobSpec(
+        WORKER,
+        BF16,
+        ITERS,
+        launcher_args,
+        swift={**SWIFT, **(swift or {})},
+        nnodes=2,
+        nproc_per_node=2,
+        loss_log=True,
+        env={"SWIFT_TEST_DUMP_DIR": str(tmp / "dumps"), **(env or {})},
+    )
     return run_job(tmp, spec, 300.0)
 
 
@@ -100,14 +109,21 @@ def test_no_spare_lossy_forward_shrinks_to_dp1_and_finishes(tmp_path: Path, refe
     assert sorted(int(r) for r, _ in verified) == [0, 1], job.output[-6000:]
     assert tl["verification"] == {"0": "verified", "1": "verified"}, tl["verification"]
     # what the shrunk job resumed from: bitwise the failure-free state after 5 iterations
-    resumed, want = fp32_masters(tmp_path / "dumps" / "recovered_gen1"), fp32_masters(reference.ckpt_dir / "global_step5")
+    resumed, want = (
+        fp32_masters(tmp_path / "dumps" / "recovered_gen1"),
+        fp32_masters(reference.ckpt_dir / "global_step5"),
+    )
     assert all(torch.equal(resumed[s], want[s]) for s in want), "the resharded state is not the consensus state"
     assert_near(reference, job, 1e-3)  # measured 1.3e-4 and 5.1e-4
 
 
 def test_the_machine_comes_back_and_the_job_grows_back_to_dp2(tmp_path: Path, reference: JobRun) -> None:
-    job = launch(tmp_path, ["--elastic", "--restart-delay", "1", "--inject", "machine=0,iteration=3,phase=backward"],
-                 {"SWIFT_TEST_HOLD_FOR_GROW": "iteration=6"}, {"checkpoint": {"interval": 1}})
+    job = launch(
+        tmp_path,
+        ["--elastic", "--restart-delay", "1", "--inject", "machine=0,iteration=3,phase=backward"],
+        {"SWIFT_TEST_HOLD_FOR_GROW": "iteration=6"},
+        {"checkpoint": {"interval": 1}},
+    )
     assert job.code == 0, job.output[-8000:]
     shrink, grow = sorted(job.timelines(), key=lambda t: t["consensus"])
     assert shrink["resize"]["kind"] == "shrink" and shrink["resize"]["dp"] == [2, 1], shrink

@@ -42,12 +42,15 @@ def etcd(tmp_path: Path) -> Iterator[Etcd]:
 
 
 def _client(etcd: Etcd, tls: bool, credentials: StoreCredentials) -> EtcdStore:
-    return EtcdStore([("127.0.0.1", etcd.port)], timeout=datetime.timedelta(seconds=2), tls=tls, credentials=credentials)
+    return EtcdStore(
+        [("127.0.0.1", etcd.port)], timeout=datetime.timedelta(seconds=2), tls=tls, credentials=credentials
+    )
 
 
 def test_tls_and_auth_keep_out_a_client_without_credentials(secure_etcd: Etcd) -> None:
-    job = JobStore.open(secure_etcd.url, TOKEN, timeout_s=10, create=True, secret=SECRET,
-                        credentials=secure_etcd.credentials)
+    job = JobStore.open(
+        secure_etcd.url, TOKEN, timeout_s=10, create=True, secret=SECRET, credentials=secure_etcd.credentials
+    )
     job.declare_failure(0, "machine 1 died")
     key = job.prefix + "gen0/failed"
     full = secure_etcd.credentials
@@ -57,11 +60,17 @@ def test_tls_and_auth_keep_out_a_client_without_credentials(secure_etcd: Etcd) -
         "CA, no client certificate": _client(secure_etcd, True, StoreCredentials(ca=full.ca)),
         "client certificate, no user": _client(secure_etcd, True, dataclasses.replace(full, user="", password="")),
         "client certificate, wrong password": _client(secure_etcd, True, dataclasses.replace(full, password="guess")),
-        "user and password, no client certificate": _client(secure_etcd, True, dataclasses.replace(full, cert="", key="")),
+        "user and password, no client certificate": _client(
+            secure_etcd, True, dataclasses.replace(full, cert="", key="")
+        ),
     }
     for what, client in outsiders.items():
-        attempts = {"read": lambda c: c.check([key]), "write": lambda c: c.set(key, "forged"),
-                    "list": lambda c: c.keys("swift/"), "delete": lambda c: c.delete_prefix("swift/")}
+        attempts = {
+            "read": lambda c: c.check([key]),
+            "write": lambda c: c.set(key, "forged"),
+            "list": lambda c: c.keys("swift/"),
+            "delete": lambda c: c.delete_prefix("swift/"),
+        }
         for name, attempt in attempts.items():
             with pytest.raises(RuntimeError):
                 attempt(client)
@@ -100,7 +109,10 @@ def test_a_new_launch_collects_the_keys_dead_launches_left(etcd: Etcd) -> None:
     fresh = launch()
     assert sorted(launch_id for launch_id, _ in fresh.collected) == sorted([ended.launch, "forged"]), fresh.collected
     assert {k.split("/")[2] for k in raw.keys(fresh.root_prefix + "L.")} == {
-        f"L.{crashed.launch}", f"L.{running.launch}", f"L.{fresh.launch}"}
+        f"L.{crashed.launch}",
+        f"L.{running.launch}",
+        f"L.{fresh.launch}",
+    }
     # A launch whose record has not been refreshed for STALE_S is dead (a crash); a live one refreshes it.
     running.write_record()
     assert fresh.collect_leftovers(now=time.time() + STALE_S / 2) == []

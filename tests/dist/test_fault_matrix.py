@@ -39,13 +39,25 @@ def test_bad_values_a_full_checkpoint_disk_and_a_kill_mid_transfer(
     assert set(bad) <= {field for _, field in fm.BAD_VALUES}
     # The full checkpoint disk with asynchronous saves (global_checkpoint); the benchmark also runs
     # it with synchronous ones (replication).
-    chosen = [*(f"replication/bad {field}" for field in bad), "replication/recv_state m1",
-              "global_checkpoint/full_ckpt_disk m1"]
+    chosen = [
+        *(f"replication/bad {field}" for field in bad),
+        "replication/recv_state m1",
+        "global_checkpoint/full_ckpt_disk m1",
+    ]
     # The reference of both configs (one DeepSpeed config): the shared failure-free run of the bf16
     # tests (tests/dist/conftest.py; its checkpoint interval does not change the final state).
     assert bf16_baseline.iterations == fm.ITERS and bf16_baseline.config["bf16"]["enabled"]
-    code = fm.main(["--cases", ",".join(chosen), "--keep", str(tmp_path / "matrix"), "--reference",
-                    str(bf16_baseline.dir), "--json"])
+    code = fm.main(
+        [
+            "--cases",
+            ",".join(chosen),
+            "--keep",
+            str(tmp_path / "matrix"),
+            "--reference",
+            str(bf16_baseline.dir),
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     doc = fm.json.loads(out.strip().splitlines()[-1])

@@ -25,9 +25,16 @@ def test_a_nan_after_a_restore_steps_every_rank_back_to_the_checkpoint_once(
     tmp_path: Path, bf16_baseline: JobRun
 ) -> None:
     # Checkpoints every 5 iterations (the config): global_step5 is complete before the kill in 6.
-    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1", "--inject", "machine=1,iteration=6,phase=backward"],
-                   nnodes=2, nproc_per_node=2, loss_log=True,
-                   env={"SWIFT_TEST_NAN_LOSS": "rank=1,iteration=8"})
+    spec = JobSpec(
+        FAULT_WORKER,
+        BF16,
+        ITERS,
+        ["--spares", "1", "--inject", "machine=1,iteration=6,phase=backward"],
+        nnodes=2,
+        nproc_per_node=2,
+        loss_log=True,
+        env={"SWIFT_TEST_NAN_LOSS": "rank=1,iteration=8"},
+    )
     job = run_job(tmp_path, spec, 180.0)
     assert job.code == 0, job.output[-6000:]
     assert job.output.count("[test] rank 1: NaN loss at iteration 8") == 1, job.output[-6000:]

@@ -37,8 +37,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
 def launch(tmp: Path, env: dict[str, str] | None = None, on_poll=None) -> JobRun:  # type: ignore[no-untyped-def]
-    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1"], swift={"watchdog": WATCHDOG},
-                   env=env or {}, loss_log=True)
+    spec = JobSpec(
+        FAULT_WORKER, BF16, ITERS, ["--spares", "1"], swift={"watchdog": WATCHDOG}, env=env or {}, loss_log=True
+    )
     return run_job(tmp, spec, JOB_DEADLINE_S, on_poll=on_poll)
 
 
@@ -75,8 +76,10 @@ class StopRank:
             return
         trained = len(job.loss_log.read_text().splitlines())
         log = job.proc_logs / "launcher.log"
-        started = re.search(rf"machine {self.machine}: ranks (\d+)\.\.\d+ started by agent \d+ \(pids ([\d ]+)\)",
-                            log.read_text(errors="replace") if log.exists() else "")
+        started = re.search(
+            rf"machine {self.machine}: ranks (\d+)\.\.\d+ started by agent \d+ \(pids ([\d ]+)\)",
+            log.read_text(errors="replace") if log.exists() else "",
+        )
         if trained < self.after or started is None:
             return
         self.pid = int(started.group(2).split()[self.rank - int(started.group(1))])
@@ -99,22 +102,24 @@ def test_a_stopped_worker_is_a_failed_machine(tmp_path: Path, reference: Baselin
         stop.kill()
     assert stop.pid is not None, "the job ended before rank 2 was stopped"
     assert job.code == 0, job.output[-8000:]
-    hung = re.search(r"machine 1: hung \(rank 2: no heartbeat for [\d.]+ s, last in (\w+) of iteration (\d+)",
-                     job.output)
+    hung = re.search(
+        r"machine 1: hung \(rank 2: no heartbeat for [\d.]+ s, last in (\w+) of iteration (\d+)", job.output
+    )
     assert hung, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["failed_machine"] == 1 and tl["strategy"] == "buddy", tl["reason"]
     assert_recovered(reference, job, tl, dump)
 
 
-def test_a_stalled_training_thread_is_declared_hung_by_its_own_watchdog(
-    tmp_path: Path, reference: Baseline
-) -> None:
+def test_a_stalled_training_thread_is_declared_hung_by_its_own_watchdog(tmp_path: Path, reference: Baseline) -> None:
     dump = tmp_path / "recovered"
     job = launch(tmp_path, env={"SWIFT_TEST_STALL": "rank=2,iteration=5", "SWIFT_TEST_DUMP_DIR": str(dump)})
     assert job.code == 0, job.output[-8000:]
-    hung = re.search(r"machine 1: hung \(rank 2 hung: no progress for [\d.]+ s in (\w+) of iteration 5 "
-                     r"\(watchdog.hang_timeout_s=14\)", job.output)
+    hung = re.search(
+        r"machine 1: hung \(rank 2 hung: no progress for [\d.]+ s in (\w+) of iteration 5 "
+        r"\(watchdog.hang_timeout_s=14\)",
+        job.output,
+    )
     assert hung, job.output[-6000:]
     (tl,) = job.timelines()
     assert tl["failed_machine"] == 1, tl

@@ -63,8 +63,16 @@ def test_a_failure_flag_forged_without_the_secret_is_rejected_and_training_goes_
     secret_file = tmp_path / "job.secret"
     write_secret_file(str(secret_file), SECRET)
     port = free_port()
-    launcher_args = ["--spares", "1", "--master_port", str(port), "--job-token", TOKEN,
-                     "--job-secret-file", str(secret_file)]
+    launcher_args = [
+        "--spares",
+        "1",
+        "--master_port",
+        str(port),
+        "--job-token",
+        TOKEN,
+        "--job-secret-file",
+        str(secret_file),
+    ]
     intruder = Intruder(port)
     spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", CONFIG, ITERS, launcher_args)
     job = run_job(tmp_path / "job", spec, timeout_s=200.0, on_poll=intruder)

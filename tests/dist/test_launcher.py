@@ -29,8 +29,16 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 def launcher_argv(run_dir: Path, launcher_args: list[str], worker_args: list[str] | None = None) -> list[str]:
     return [
-        sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(run_dir), *launcher_args,
-        str(WORKER), "--result", str(run_dir / "result.json"), *(worker_args or []),
+        sys.executable,
+        "-m",
+        "ds_swift.launch.cli",
+        "--run-dir",
+        str(run_dir),
+        *launcher_args,
+        str(WORKER),
+        "--result",
+        str(run_dir / "result.json"),
+        *(worker_args or []),
     ]
 
 
@@ -91,7 +99,9 @@ def events(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_two_machines_run_to_completion(tmp_path: Path) -> None:
-    code, out = run_launcher(tmp_path, ["--nnodes", "2", "--nproc-per-node", "2", "--op-timeout", "7"], ["--iters", "4"])
+    code, out = run_launcher(
+        tmp_path, ["--nnodes", "2", "--nproc-per-node", "2", "--op-timeout", "7"], ["--iters", "4"]
+    )
     assert code == 0, out
     res = result(tmp_path)
     assert res["final_generation"] == 0
@@ -114,8 +124,11 @@ def test_a_spare_never_taken_over_has_its_warm_workers_stopped_at_the_end(tmp_pa
     stops them at the job's end, before it returns (it used to wait out its reap timeout for them)."""
     run_dir = tmp_path / "run"
     with ProcessSet(tmp_path / "logs") as procs:
-        procs.spawn("launcher", launcher_argv(run_dir, ["--nnodes", "1", "--nproc-per-node", "2", "--spares", "1"],
-                                              ["--iters", "2"]), env=worker_env())
+        procs.spawn(
+            "launcher",
+            launcher_argv(run_dir, ["--nnodes", "1", "--nproc-per-node", "2", "--spares", "1"], ["--iters", "2"]),
+            env=worker_env(),
+        )
         try:
             code = procs.wait("launcher", WAIT_S)
             ev = events(tmp_path)
@@ -145,7 +158,11 @@ def test_spare_replaces_a_killed_machine(tmp_path: Path) -> None:
     for rank in (2, 3):
         env = res["envs"][f"1/{rank}"]
         assert (env["RANK"], env["SWIFT_MACHINE"], env["SWIFT_GENERATION"], env["SWIFT_REPLACEMENT"]) == (
-            str(rank), "1", "1", "1")
+            str(rank),
+            "1",
+            "1",
+            "1",
+        )
         assert env["SWIFT_INJECT"] == "machine=1,iteration=3,phase=backward"
     assert tl["gen0/failed_machine"] == "1"
     assert "SIGKILL" in tl["gen0/failed"]
@@ -158,8 +175,10 @@ def test_spare_replaces_a_killed_machine(tmp_path: Path) -> None:
     assert "test/seen/0/0" in tl and "test/seen/0/1" in tl
     takeover = [e for e in events(tmp_path) if e.get("event") == "takeover"]
     assert [(e["node"], e["machine"]) for e in takeover] == [(2, 1)]
-    print(f"\ndetection: SIGKILL -> agent saw it {1e3 * (t_detected - t_fire):.1f} ms, -> gen0/failed set "
-          f"{1e3 * (t_declared - t_fire):.1f} ms, -> replacement spawned {1e3 * (t_spawned - t_fire):.1f} ms")
+    print(
+        f"\ndetection: SIGKILL -> agent saw it {1e3 * (t_detected - t_fire):.1f} ms, -> gen0/failed set "
+        f"{1e3 * (t_declared - t_fire):.1f} ms, -> replacement spawned {1e3 * (t_spawned - t_fire):.1f} ms"
+    )
 
 
 def test_no_spare_and_no_restart_fails_the_job(tmp_path: Path) -> None:
@@ -179,7 +198,12 @@ def test_restart_delay_restarts_on_the_same_agent(tmp_path: Path) -> None:
     assert res["final_generation"] == 1
     assert "exited with code 3" in res["timeline"]["gen0/failed"]
     env = res["envs"]["1/1"]
-    assert (env["RANK"], env["SWIFT_GENERATION"], env["SWIFT_REPLACEMENT"], env["SWIFT_MACHINE"]) == ("1", "1", "1", "1")
+    assert (env["RANK"], env["SWIFT_GENERATION"], env["SWIFT_REPLACEMENT"], env["SWIFT_MACHINE"]) == (
+        "1",
+        "1",
+        "1",
+        "1",
+    )
     restarts = [e for e in events(tmp_path) if e.get("event") == "replacement_spawned"]
     assert [(e["node"], e["machine"], e["generation"]) for e in restarts] == [(1, 1, 1)]
 
@@ -248,8 +272,22 @@ def test_multi_host_agents_with_a_spare(tmp_path: Path) -> None:
     """Three launchers (--node-rank 0, 1 and a spare 2) share the store that agent 0 hosts."""
     run_dir = tmp_path / "run"
     port, token = free_port(), "t" * 32
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--spares", "1", "--master_addr", "127.0.0.1",
-              "--master_port", str(port), "--job-token", token, "--inject", "machine=1,iteration=3,phase=forward"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--spares",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--job-token",
+        token,
+        "--inject",
+        "machine=1,iteration=3,phase=forward",
+    ]
     with ProcessSet(tmp_path / "logs") as procs:
         try:
             for node in range(3):

@@ -57,8 +57,9 @@ def launch(
     # Forced: on a CI host with fewer cores than replaying ranks the recovery plan would rightly
     # replay sequentially (parallel recovery cannot help there), and these jobs check the parallel path.
     swift = {"parallel_recovery_force": True, **(swift or {})}
-    spec = JobSpec(FAULT_WORKER, BUDGET, iterations, launcher_args, MODEL_ARGS, swift=swift,
-                   nnodes=nnodes, nproc_per_node=nproc)
+    spec = JobSpec(
+        FAULT_WORKER, BUDGET, iterations, launcher_args, MODEL_ARGS, swift=swift, nnodes=nnodes, nproc_per_node=nproc
+    )
     return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
@@ -128,7 +129,9 @@ def grouped(tmp_path_factory: pytest.TempPathFactory, boundary_bytes: int) -> Jo
     return launch(
         tmp_path_factory.mktemp("grouped"),
         ["--spares", "1", "--inject", "machine=3,iteration=12,phase=backward"],
-        swift={"machines": {"gpus_per_node": 1}, "logging": {"storage_budget_gb": budget}}, nnodes=4, nproc=1,
+        swift={"machines": {"gpus_per_node": 1}, "logging": {"storage_budget_gb": budget}},
+        nnodes=4,
+        nproc=1,
     )
 
 
@@ -137,8 +140,10 @@ def test_the_readme_config_keeps_logging_on_and_prints_the_plan_once(reference: 
     (line,) = plan_lines(reference)  # once, by rank 0
     assert line.group(1) == "500" and (line.group(2), line.group(3)) == ("2", "[[0], [1]]")
     assert int(line.group(4)) > 0
-    assert re.search(r"rank 0: recovery per pipeline stage: \{0: 'logging', 1: 'logging', 2: 'logging', 3: 'logging'\}",
-                     reference.output)
+    assert re.search(
+        r"rank 0: recovery per pipeline stage: \{0: 'logging', 1: 'logging', 2: 'logging', 3: 'logging'\}",
+        reference.output,
+    )
     verdict = re.search(r"rank 0: worth logging: yes: .*iteration time [\d.e-]+ s", reference.output)
     assert verdict, reference.output[-4000:]
     assert "message logging not installed" not in reference.output
@@ -193,12 +198,16 @@ def test_a_full_log_disk_stops_logging_loudly_and_a_later_failure_falls_back(
     are no longer logged, and machine 1's failure in iteration 12 (whose inbound messages are
     gone) recovers from the global checkpoint, announced, bitwise equal to the reference."""
     job = launch(
-        tmp_path / "job", ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
+        tmp_path / "job",
+        ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
         swift={"logging": {"storage": f"file://{small_log_disk}"}},
     )
     assert job.code == 0, job.output[-8000:]
-    stopped = re.findall(r"rank (\d+): message log on rank \d+ lost records: .*No space left on device.*; message "
-                         r"logging of this rank's sends stops, training goes on", job.output)
+    stopped = re.findall(
+        r"rank (\d+): message log on rank \d+ lost records: .*No space left on device.*; message "
+        r"logging of this rank's sends stops, training goes on",
+        job.output,
+    )
     assert {"1", "2"} <= set(stopped), job.output[-6000:]  # both senders across the machine boundary
     (tl,) = job.timelines()
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8, tl

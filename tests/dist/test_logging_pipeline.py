@@ -93,7 +93,14 @@ def log_and_record(out: Path, rank: int) -> None:
     recv_hooks.remove()
     torch.save(received, out / f"received_rank{rank}.pt")
     (out / f"stats_rank{rank}.json").write_text(
-        json.dumps({"records": stats.records, "bytes": stats.bytes, "logged": stats.messages_logged, "edges": sorted(handle.edges)})
+        json.dumps(
+            {
+                "records": stats.records,
+                "bytes": stats.bytes,
+                "logged": stats.messages_logged,
+                "edges": sorted(handle.edges),
+            }
+        )
     )
 
 

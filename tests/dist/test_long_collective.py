@@ -14,8 +14,17 @@ def test_a_long_rank0_collective_before_the_engine_is_no_failure(tmp_path: Path,
     port = str(free_port())
     with ProcessSet(tmp_path) as procs:
         for rank in range(2):
-            env = worker_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "SWIFT_OP_TIMEOUT_S": "1"})
+            env = worker_env(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                    "SWIFT_OP_TIMEOUT_S": "1",
+                }
+            )
             procs.spawn_python(f"rank{rank}", [str(WORKER)], env=env)
         codes = procs.wait_all(180.0, fail_fast=True)
         assert codes == {"rank0": 0, "rank1": 0}, procs.logs_tail()

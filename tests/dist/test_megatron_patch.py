@@ -26,8 +26,17 @@ CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"
 ITERS = 3
 JOB_DEADLINE_S = 180.0
 SCRIPT_ARGS = [
-    "--deepspeed", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
-    "--num-layers", "2", "--hidden-size", "32",
+    "--deepspeed",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    str(ITERS),
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
 ]
 PLANS = {
     "pp2": ["--pipeline-model-parallel-size", "2"],
@@ -80,26 +89,64 @@ def test_patched_script_trains_with_ds_swift_and_changes_no_number(
     script = apply_diff(tmp_path / "patched", "patch" if shutil.which("patch") else "git")
     ds_config = json.loads(CONFIG.read_text())
     swift = ds_config.pop("swift")  # ds-swift comes from --swift --swift-config, not the DeepSpeed config
-    swift.update(enabled=False, machines={"gpus_per_node": 2}, run_dir=str(tmp_path / "run"),
-                 checkpoint={"dir": str(tmp_path / "swift-ckpt"), "interval": 2})
+    swift.update(
+        enabled=False,
+        machines={"gpus_per_node": 2},
+        run_dir=str(tmp_path / "run"),
+        checkpoint={"dir": str(tmp_path / "swift-ckpt"), "interval": 2},
+    )
     (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
     (tmp_path / "swift.json").write_text(json.dumps({"swift": swift}))
     common = [*SCRIPT_ARGS, *PLANS[plan], "--deepspeed_config", str(tmp_path / "ds_config.json")]
 
     with ProcessSet(tmp_path / "logs") as procs:
-        procs.spawn("swift", [
-            sys.executable, "-m", "ds_swift.launch.cli", "--run-dir", str(tmp_path / "run"), "--nnodes", "1",
-            "--nproc-per-node", "2", str(script), *common, "--swift", "--swift-config", str(tmp_path / "swift.json"),
-            "--loss-log", str(tmp_path / "swift-loss.jsonl"), "--save", str(tmp_path / "final"),
-        ], env=worker_env(), cwd=tmp_path)
+        procs.spawn(
+            "swift",
+            [
+                sys.executable,
+                "-m",
+                "ds_swift.launch.cli",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                str(script),
+                *common,
+                "--swift",
+                "--swift-config",
+                str(tmp_path / "swift.json"),
+                "--loss-log",
+                str(tmp_path / "swift-loss.jsonl"),
+                "--save",
+                str(tmp_path / "final"),
+            ],
+            env=worker_env(),
+            cwd=tmp_path,
+        )
         code = procs.wait("swift", JOB_DEADLINE_S)
         output = procs.log("swift")
         assert code == 0, output[-6000:]
         # The unpatched script, as users run it today (torchrun: ds-swift-launch's store would clash).
-        procs.spawn("plain", [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(PRE_SWIFT), *common, "--loss-log", str(tmp_path / "plain-loss.jsonl"),
-        ], env=worker_env(), cwd=tmp_path)
+        procs.spawn(
+            "plain",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(PRE_SWIFT),
+                *common,
+                "--loss-log",
+                str(tmp_path / "plain-loss.jsonl"),
+            ],
+            env=worker_env(),
+            cwd=tmp_path,
+        )
         plain_code = procs.wait("plain", JOB_DEADLINE_S)
         assert plain_code == 0, procs.log("plain")[-6000:]
 

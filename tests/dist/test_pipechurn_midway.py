@@ -41,14 +41,26 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 def test_pipechurn_recomputes_only_the_passes_a_mid_iteration_failure_lost_bitwise(
     tmp_path: Path, bf16_baseline: JobRun
 ) -> None:
-    swift = {"strategy": "pipechurn", "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
-             "machines": {"gpus_per_node": 1}, "checkpoint": {"interval": 100}}
+    swift = {
+        "strategy": "pipechurn",
+        "pipechurn": {"data_chunks": 2, "parity_chunks": 1},
+        "machines": {"gpus_per_node": 1},
+        "checkpoint": {"interval": 100},
+    }
     # settled=1: each kill waits for the erasure-coded copies of the iteration before to land (they
     # travel in the background during the iteration; one step behind, the survivors would undo it
     # and the plan would be the full retrain, by design).
     kills = "machine=0,iteration=5,phase=backward,settled=1;machine=1,iteration=9,phase=forward,settled=1"
-    spec = JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, ITERS, ["--spares", "2", "--inject", kills],
-                   swift=swift, nnodes=4, nproc_per_node=1, loss_log=True)
+    spec = JobSpec(
+        ROOT / "examples" / "pretrain_gpt.py",
+        BF16,
+        ITERS,
+        ["--spares", "2", "--inject", kills],
+        swift=swift,
+        nnodes=4,
+        nproc_per_node=1,
+        loss_log=True,
+    )
     job = run_job(tmp_path, spec, 180.0)
     assert job.code == 0, job.output[-6000:]
     assert "checkpoint fallback" not in job.output and "FULL RETRAIN" not in job.output, job.output[-6000:]
@@ -64,8 +76,11 @@ def test_pipechurn_recomputes_only_the_passes_a_mid_iteration_failure_lost_bitwi
     by = backward["replay"]["passes_by_rank"]
     assert (by["0"], by["1"]) == (4, 2) and backward["replay"]["micro_batch_passes"] < 16, backward["replay"]
     assert "survivors [1" in backward["reason"], backward["reason"]
-    assert re.search(r"rank 1: recomputed my 2 micro-batch passes of iteration 5 .*\(kept 2; [0-9.]+ MB of kept "
-                     r"sends to the lost ranks\)", job.output), job.output[-3000:]
+    assert re.search(
+        r"rank 1: recomputed my 2 micro-batch passes of iteration 5 .*\(kept 2; [0-9.]+ MB of kept "
+        r"sends to the lost ranks\)",
+        job.output,
+    ), job.output[-3000:]
     assert re.search(r"rank 0: recomputed my 4 micro-batch passes of iteration 5 .* fed by ranks \[1\]", job.output)
     # Killed at its forward: rank 0 ran two forwards and no backward; replica 0 redoes everything.
     by = forward["replay"]["passes_by_rank"]

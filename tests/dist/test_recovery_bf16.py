@@ -27,8 +27,14 @@ BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 12
 JOB_DEADLINE_S = 180.0
 #: fp16 with a loss scale that overflows now and then: grows every 2 clean steps, from 2^14
-FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 14, "loss_scale_window": 2, "hysteresis": 1,
-        "min_loss_scale": 1}
+FP16 = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 14,
+    "loss_scale_window": 2,
+    "hysteresis": 1,
+    "min_loss_scale": 1,
+}
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -51,8 +57,9 @@ def launch(
     script: Path = EXAMPLE,
     script_args: tuple[str, ...] = (),
 ) -> JobRun:
-    spec = JobSpec(script, config, ITERS, launcher_args, script_args, swift=swift or {}, nnodes=nnodes,
-                   nproc_per_node=4 // nnodes)
+    spec = JobSpec(
+        script, config, ITERS, launcher_args, script_args, swift=swift or {}, nnodes=nnodes, nproc_per_node=4 // nnodes
+    )
     return run_job(tmp, spec, JOB_DEADLINE_S)
 
 

@@ -87,9 +87,11 @@ def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline
     """Machine 1 dies in a forward pass; later its replacement's partner, machine 0, dies at a step."""
     dump = tmp_path / "recovered"
     job = launch(
-        tmp_path, PP2_DP2,
+        tmp_path,
+        PP2_DP2,
         ["--spares", "2", "--inject", "machine=1,iteration=3,phase=forward;machine=0,iteration=10,phase=step"],
-        script=FAULT_WORKER, env={"SWIFT_TEST_DUMP_DIR": str(dump)},
+        script=FAULT_WORKER,
+        env={"SWIFT_TEST_DUMP_DIR": str(dump)},
     )
     first, second = assert_ok(job, recoveries=2)
     assert first["strategy"] == second["strategy"] == "replication"
@@ -114,9 +116,15 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     the inverse update (within 2 ulp), and the recovery says it is approximate."""
     dump = tmp_path / "recovered"
     job = launch(
-        tmp_path, PP2_DP2, ["--spares", "1"], script=FAULT_WORKER,
-        env={"SWIFT_TEST_STALL": "rank=2,iteration=7", "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
-             "SWIFT_TEST_DUMP_DIR": str(dump)},
+        tmp_path,
+        PP2_DP2,
+        ["--spares", "1"],
+        script=FAULT_WORKER,
+        env={
+            "SWIFT_TEST_STALL": "rank=2,iteration=7",
+            "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
+            "SWIFT_TEST_DUMP_DIR": str(dump),
+        },
     )
     (tl,) = assert_ok(job, recoveries=1, injected=False)
     assert tl["strategy"] == "replication", tl["reason"]
@@ -128,8 +136,10 @@ def test_undo_when_only_one_stage_stepped(tmp_path: Path, baseline: Baseline) ->
     assert "APPROXIMATE RECOVERY (strategy replication)" in job.output
     ulp = undo_ulp(baseline, dump / "recovered_gen1", consensus=6)
     drift = compare_tensors(baseline.final, checkpoint_tensors(job.final_tag)).max_gap
-    print(f"undo: resumed state within {ulp} ulp of the failure-free run; after 8 more iterations "
-          f"the largest difference is {drift:.3g}")
+    print(
+        f"undo: resumed state within {ulp} ulp of the failure-free run; after 8 more iterations "
+        f"the largest difference is {drift:.3g}"
+    )
     assert ulp <= 2
 
 
@@ -140,10 +150,16 @@ def test_immediate_rollback_keeps_the_partial_update_and_replays(tmp_path: Path,
     state as it is; stage 0 (rank 0 did not step) replays exactly. The LR schedule is rewound."""
     dump = tmp_path / "recovered"
     job = launch(
-        tmp_path, PP2_DP2, ["--spares", "1"], script=FAULT_WORKER,
+        tmp_path,
+        PP2_DP2,
+        ["--spares", "1"],
+        script=FAULT_WORKER,
         swift={"strategy": "immediate_rollback"},
-        env={"SWIFT_TEST_STALL": "rank=2,iteration=7", "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
-             "SWIFT_TEST_DUMP_DIR": str(dump)},
+        env={
+            "SWIFT_TEST_STALL": "rank=2,iteration=7",
+            "SWIFT_TEST_KILL_AFTER_STEP": "rank=3,iteration=7",
+            "SWIFT_TEST_DUMP_DIR": str(dump),
+        },
     )
     (tl,) = assert_ok(job, recoveries=1, injected=False)
     assert tl["strategy"] == "immediate_rollback", tl["reason"]

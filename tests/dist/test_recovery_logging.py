@@ -56,8 +56,17 @@ def launch(
     nproc: int = 2,
 ) -> JobRun:
     """One job of the GPT example (through the fault worker) on its own checkpoint and log dirs."""
-    spec = JobSpec(FAULT_WORKER, PP4, ITERS, launcher_args, MODEL_ARGS, swift=swift or {}, env=env or {},
-                   nnodes=nnodes, nproc_per_node=nproc)
+    spec = JobSpec(
+        FAULT_WORKER,
+        PP4,
+        ITERS,
+        launcher_args,
+        MODEL_ARGS,
+        swift=swift or {},
+        env=env or {},
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+    )
     return run_job(tmp, spec, JOB_DEADLINE_S)
 
 
@@ -150,8 +159,14 @@ def parallel(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     iteration 18's optimizer step, and the replacement of rank 0 dies while replaying iteration 17."""
     return launch(
         tmp_path_factory.mktemp("parallel"),
-        ["--spares", "4", "--max-failures", "4", "--inject",
-         "machine=1,iteration=12,phase=backward;machine=0,iteration=18,phase=step"],
+        [
+            "--spares",
+            "4",
+            "--max-failures",
+            "4",
+            "--inject",
+            "machine=1,iteration=12,phase=backward;machine=0,iteration=18,phase=step",
+        ],
         swift={"parallel_recovery": True, "parallel_recovery_mode": "exact", "parallel_recovery_force": True},
         env={"SWIFT_TEST_KILL_IN_REPLAY": "rank=0,iteration=17", "SWIFT_TEST_KILL_IN_SAVE": "rank=3,iteration=16"},
     )
@@ -166,10 +181,18 @@ def four_machines(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     record in the log its replacement needs."""
     return launch(
         tmp_path_factory.mktemp("four_machines"),
-        ["--spares", "5", "--max-failures", "5", "--inject",
-         "machine=1+2,iteration=10,phase=step;machine=1+3,iteration=14,phase=step;"
-         "machine=2,iteration=18,phase=forward"],
-        swift={"machines": {"gpus_per_node": 1}}, nnodes=4, nproc=1,
+        [
+            "--spares",
+            "5",
+            "--max-failures",
+            "5",
+            "--inject",
+            "machine=1+2,iteration=10,phase=step;machine=1+3,iteration=14,phase=step;"
+            "machine=2,iteration=18,phase=forward",
+        ],
+        swift={"machines": {"gpus_per_node": 1}},
+        nnodes=4,
+        nproc=1,
         env={"SWIFT_TEST_CORRUPT_LOG": "rank=2,iteration=17,micro_batch=1,src=1"},
     )
 
@@ -222,7 +245,9 @@ def test_a_failure_during_the_replay_restarts_the_recovery(parallel: JobRun) -> 
     assert replacement[0] == replacement[1] == ["global_step16", "global_step16"]  # both attempts loaded it
 
 
-def test_two_simultaneous_failures_adjacent_then_apart(four_machines: JobRun, reference: dict[str, torch.Tensor]) -> None:
+def test_two_simultaneous_failures_adjacent_then_apart(
+    four_machines: JobRun, reference: dict[str, torch.Tensor]
+) -> None:
     adjacent, apart, _ = assert_recovered(four_machines, 3)
     for tl, machines, consensus in ((adjacent, [1, 2], 9), (apart, [1, 3], 13)):
         assert tl["strategy"] == "logging", tl["reason"]
@@ -246,8 +271,11 @@ def test_corrupt_record_falls_back_to_the_global_checkpoint_loudly(four_machines
     assert "logging-based recovery from global_step16 failed before" in tl["reason"]
     loud = re.search(r"rank 2: LOGGING-BASED RECOVERY FAILED: LogUnavailable: .*", four_machines.output)
     assert loud, four_machines.output[-6000:]
-    assert re.search(r"act_s001-s002_dp0000_tp000_it0000000016-0000000020\.swlog: record #\d+ .*iteration 17, "
-                     r"micro-batch 1.*checksum", loud.group(0)), loud.group(0)
+    assert re.search(
+        r"act_s001-s002_dp0000_tp000_it0000000016-0000000020\.swlog: record #\d+ .*iteration 17, "
+        r"micro-batch 1.*checksum",
+        loud.group(0),
+    ), loud.group(0)
     assert "ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT (global_step16)" in loud.group(0)
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback" in four_machines.output
@@ -266,8 +294,16 @@ def _reports(lost: set[int], stages: int = 4, per_machine: int = 2, last: int = 
     from ds_swift.recovery.consensus import RankReport
 
     return [
-        RankReport(rank=r, survivor=r // per_machine not in lost, stage=r, dp=0, tp=0, machine=r // per_machine,
-                   last_stepped=-1 if r // per_machine in lost else last, can_undo=True)
+        RankReport(
+            rank=r,
+            survivor=r // per_machine not in lost,
+            stage=r,
+            dp=0,
+            tp=0,
+            machine=r // per_machine,
+            last_stepped=-1 if r // per_machine in lost else last,
+            can_undo=True,
+        )
         for r in range(stages)
     ]
 
@@ -319,7 +355,9 @@ def test_plan_falls_back_to_the_checkpoint_and_says_why() -> None:
     for why, setup in cases.items():
         plan = plan_recovery(reports, logging=setup)
         assert plan.strategy == "checkpoint" and why in plan.reason, (why, plan.reason)
-    assert plan_recovery(reports, forced="checkpoint", logging=LoggingSetup(frozenset(range(4)))).strategy == "checkpoint"
+    assert (
+        plan_recovery(reports, forced="checkpoint", logging=LoggingSetup(frozenset(range(4)))).strategy == "checkpoint"
+    )
 
 
 def test_plan_refuses_an_undo_next_to_a_replay_of_partitioned_state() -> None:

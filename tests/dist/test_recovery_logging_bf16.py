@@ -49,8 +49,14 @@ def fp16_config(tmp: Path) -> Path:
     """The same job in fp16 with a loss scale that overflows now and then (grows every 2 clean steps)."""
     cfg = json.loads(CONFIG.read_text())
     del cfg["bf16"]
-    cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 14, "loss_scale_window": 2,
-                   "hysteresis": 1, "min_loss_scale": 1}
+    cfg["fp16"] = {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 14,
+        "loss_scale_window": 2,
+        "hysteresis": 1,
+        "min_loss_scale": 1,
+    }
     path = tmp / "gpt_tiny_pp4_fp16_zero1_budget.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -108,8 +114,11 @@ def test_bf16_zero1_kill_at_backward_replays_from_the_log_bitwise(
 
 
 def test_bf16_zero1_parallel_recovery_forced_is_bitwise(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
-    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
-                 swift={"parallel_recovery_force": True})
+    job = launch(
+        tmp_path,
+        ["--spares", "1", "--inject", "machine=1,iteration=12,phase=backward"],
+        swift={"parallel_recovery_force": True},
+    )
     assert_replayed_bitwise(job, reference)
     (tl,) = job.timelines()
     assert tl["replay"]["parallel"] == "exact" and tl["replay"]["ranks"] == [0, 1, 2, 3], tl["replay"]
@@ -124,8 +133,11 @@ def test_fp16_zero1_with_a_skipped_step_in_the_replay_is_bitwise(tmp_path: Path,
     ref = launch(tmp_path / "reference", [], config, swift={"checkpoint": {"interval": 4}})
     assert ref.code == 0, ref.output[-6000:]
     skipped = [
-        int(torch.load(ref.ckpt_dir / f"global_step{n}" / "mp_rank_00_model_states.pt", weights_only=False)[
-            "skipped_steps"])
+        int(
+            torch.load(ref.ckpt_dir / f"global_step{n}" / "mp_rank_00_model_states.pt", weights_only=False)[
+                "skipped_steps"
+            ]
+        )
         for n in (8, 12)
     ]
     assert skipped[1] > skipped[0], f"no overflow among the replayed iterations: skipped_steps {skipped}"

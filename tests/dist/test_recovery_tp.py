@@ -31,8 +31,11 @@ FAULT_WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 7
 JOB_DEADLINE_S = 420.0
-SWIFT = {"machines": {"gpus_per_node": 4, "rank_order": "tp-pp-dp"}, "watchdog": {"op_timeout_s": 30.0},
-         "checkpoint": {"interval": 4}}
+SWIFT = {
+    "machines": {"gpus_per_node": 4, "rank_order": "tp-pp-dp"},
+    "watchdog": {"op_timeout_s": 30.0},
+    "checkpoint": {"interval": 4},
+}
 #: a small model (8 ranks share 2 cores), split over 2 tensor-parallel ranks
 SCRIPT = ("--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2")
 
@@ -49,8 +52,12 @@ def test_tp2_pp2_dp2_bf16_kill_at_backward_recovers_bitwise(tmp_path: Path, warm
     assert reference.code == 0, reference.output[-6000:]
     assert "plan: tp=2 pp=2 dp=2" in reference.output
     want = checkpoint_tensors(reference.final_tag)
-    job = launch(tmp_path / "killed", ["--spares", "1", "--inject", "machine=1,iteration=5,phase=backward"],
-                 FAULT_WORKER, {"SWIFT_TEST_DEAF_RECV": "rank=3"})
+    job = launch(
+        tmp_path / "killed",
+        ["--spares", "1", "--inject", "machine=1,iteration=5,phase=backward"],
+        FAULT_WORKER,
+        {"SWIFT_TEST_DEAF_RECV": "rank=3"},
+    )
     assert job.code == 0, job.output[-8000:]
     (tl,) = job.timelines()
     # Every survivor, rank 3 included, was out of the failed generation well before its op timeout.

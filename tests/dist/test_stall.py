@@ -24,8 +24,9 @@ ITERS = 12
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
-def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(tmp_path: Path,
-                                                                             bf16_baseline: JobRun) -> None:
+def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(
+    tmp_path: Path, bf16_baseline: JobRun
+) -> None:
     # The 8 s stop outlasts the op timeout (4 s), not the heartbeat or hang timeouts: past those a
     # stopped machine is, rightly, a dead or a hung one. Those are a few seconds above the stop, not
     # more: the peers whose ops timed out wait the longer of them for a verdict before they declare
@@ -33,8 +34,17 @@ def test_a_rank_stopped_past_the_op_timeout_is_a_stall_and_the_job_trains_on(tmp
     swift = {"watchdog": {"op_timeout_s": 4.0, "heartbeat_timeout_s": 15.0, "hang_timeout_s": 16.0}}
     # The spare is there as in a real job, cold: none is to be taken over (asserted below), so warm
     # workers would only import torch for nothing.
-    spec = JobSpec(FAULT_WORKER, BF16, ITERS, ["--spares", "1", "--cold-spares", "--max-failures", "2"], swift=swift,
-                   nnodes=2, nproc_per_node=2, loss_log=True, env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"})
+    spec = JobSpec(
+        FAULT_WORKER,
+        BF16,
+        ITERS,
+        ["--spares", "1", "--cold-spares", "--max-failures", "2"],
+        swift=swift,
+        nnodes=2,
+        nproc_per_node=2,
+        loss_log=True,
+        env={"SWIFT_TEST_PAUSE": "rank=0,iteration=7,seconds=8"},
+    )
     job = run_job(tmp_path, spec, 420.0)
     out = job.output
     assert job.code == 0, out[-6000:]

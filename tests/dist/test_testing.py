@@ -15,9 +15,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def test_run_ranks_sets_the_rank_environment(tmp_path: Path) -> None:
-    code = ("import os, pathlib, sys; e = os.environ; "
-            "pathlib.Path(sys.argv[1], e['RANK']).write_text(' '.join(e[k] for k in "
-            "('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')))")
+    code = (
+        "import os, pathlib, sys; e = os.environ; "
+        "pathlib.Path(sys.argv[1], e['RANK']).write_text(' '.join(e[k] for k in "
+        "('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')))"
+    )
     run_ranks(3, ["-c", code, str(tmp_path)], tmp_path / "logs", timeout_s=60)
     seen = {int(p.name): p.read_text().split() for p in tmp_path.iterdir() if p.name.isdigit()}
     assert sorted(seen) == [0, 1, 2]

@@ -25,4 +25,3 @@ def test_strict_mode_catches_a_host_tensor_sent_over_the_world_group(tmp_path: P
         assert r["agreed"] == [{"ok": True, "rank": 0}, {"ok": False, "rank": 1}]
     assert "recv:host:cpu" in ranks[1]["routes"] and "send:host:cpu" in ranks[0]["routes"]
     assert {"isend:foreign:cpu", "send:foreign:cpu"} <= set(ranks[0]["routes"])
-

@@ -70,9 +70,7 @@ def compare(before: dict[str, Any], post: dict[str, Any], after: dict[str, Any])
         "counters_ok": after["counters"] == before["counters"],
         "sched_ok": after["sched"] == before["sched"],
         "lrs_ok": after["lrs"] == before["lrs"],
-        "changed_by_step": any(
-            not torch.equal(before["module"][n], post["module"][n]) for n in before["module"]
-        ),
+        "changed_by_step": any(not torch.equal(before["module"][n], post["module"][n]) for n in before["module"]),
     }
 
 
@@ -143,7 +141,9 @@ def exercise(
     return out
 
 
-def exercise_overflow(make_engine: Callable[[], Any], run_iteration: Callable[[Any, int, bool], None]) -> dict[str, Any]:
+def exercise_overflow(
+    make_engine: Callable[[], Any], run_iteration: Callable[[Any, int, bool], None]
+) -> dict[str, Any]:
     """fp16: iteration 2 overflows (the loss is made inf), DeepSpeed skips the step and the
     loss scaler reacts; undoing it must restore counters and scaler and leave the rest."""
     import torch
@@ -195,9 +195,12 @@ def exercise_detach(make_engine: Callable[[], Any], run_iteration: Callable[[Any
     inv = handle.detach()
     restored = sorted(k for k in ("_take_model_step", "backward") if k in vars(engine)) == []
     rec = inv.undo()
-    worst = max(ulp_error(p.detach(), b, q) for p, b, q in zip(
-        (p for g in inner.param_groups for p in g["params"]), before["masters"], post["masters"], strict=True
-    ))
+    worst = max(
+        ulp_error(p.detach(), b, q)
+        for p, b, q in zip(
+            (p for g in inner.param_groups for p in g["params"]), before["masters"], post["masters"], strict=True
+        )
+    )
     return {
         "engine_restored": restored and "step" not in vars(inner) and handle.engine is None,
         "iteration": rec.iteration,

@@ -55,9 +55,7 @@ def run_variant(variant: str) -> dict[str, Any]:
         torch.manual_seed(11)
         layers = [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(2 * pp - 1)]
         layers.append(LayerSpec(torch.nn.Linear, HIDDEN, 2))
-        model = PipelineModule(
-            layers=layers, num_stages=pp, loss_fn=torch.nn.MSELoss(), partition_method="uniform"
-        )
+        model = PipelineModule(layers=layers, num_stages=pp, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
         dp = WORLD // pp
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": MICRO,
@@ -71,7 +69,10 @@ def run_variant(variant: str) -> dict[str, Any]:
             opt = Lamb(model.parameters(), lr=1e-2, weight_decay=0.01)
             return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+        }
         return deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
 
     def run_iteration(engine: Any, it: int) -> None:

@@ -75,8 +75,12 @@ def test_a_replay_is_verified_against_the_digests_the_lost_ranks_published(
     job = launch(tmp_path, PP4, KILL_MACHINE_1)  # the default: a digest every iteration
     tl = one_timeline(job)
     assert tl["strategy"] == "logging" and (tl["replay"]["from"], tl["replay"]["to"]) == (8, 11), tl["reason"]
-    assert_verified(tl, [2, 3], r"state replayed to iteration 11 bitwise equal to the digest rank [23] published "
-                                r"\(\d+ tensors\)$")
+    assert_verified(
+        tl,
+        [2, 3],
+        r"state replayed to iteration 11 bitwise equal to the digest rank [23] published "
+        r"\(\d+ tensors\)$",
+    )
     # The replayed ranks (and any survivor that went back a step by its own copy).
     found = re.search(r"restored state verified on ranks \[([0-9, ]*)\]", job.output)
     assert found and {2, 3} <= {int(r) for r in found.group(1).split(",")}, job.output[-4000:]
@@ -94,13 +98,16 @@ def test_a_perturbed_replay_is_caught_and_falls_back_naming_the_tensor(
     # the log reader accepted it (no LogUnavailable): the replay ran to its end on the wrong message
     assert "LOGGING-BASED RECOVERY FAILED" not in job.output
     assert tl["strategy"] == "checkpoint" and tl["checkpoint_step"] == 8 and tl["consensus"] == 11
-    assert tl["reason"].startswith("restored state failed verification: rank 2: the state replayed to iteration 10 "
-                                   "differs from the digest rank 2 published then: tensor "), tl["reason"]
+    assert tl["reason"].startswith(
+        "restored state failed verification: rank 2: the state replayed to iteration 10 "
+        "differs from the digest rank 2 published then: tensor "
+    ), tl["reason"]
     named = re.search(r"tensor (\S+) differs \(reference digest [0-9a-f]{16}, restored [0-9a-f]{16}\)", tl["reason"])
     assert named and named.group(1).startswith(("module/", "optimizer/")), tl["reason"]
     assert tl["verification"] == {"2": "mismatch", "3": "mismatch"}  # rank 3 ran on rank 2's wrong output
-    loud = re.findall(r"rank (\d): restored state failed verification: .*ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT",
-                      job.output)
+    loud = re.findall(
+        r"rank (\d): restored state failed verification: .*ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT", job.output
+    )
     assert sorted(set(loud)) == ["0", "1", "2", "3"], job.output[-6000:]
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback (restored state failed verification" in job.output

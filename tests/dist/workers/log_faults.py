@@ -21,8 +21,11 @@ def corrupt(storage: str, iteration: int, micro_batch: int, src_stage: int | Non
         data[entry.offset + entry.length - 7] ^= 0x04
         path.write_bytes(bytes(data))
         done = True
-        print(f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[test] corrupted the record of iteration {iteration} micro-batch {micro_batch} in {path.name}",
+            file=sys.stderr,
+            flush=True,
+        )
     return done
 
 
@@ -33,8 +36,11 @@ def truncate(storage: str, iteration: int, micro_batch: int, src_stage: int | No
         with open(path, "r+b") as f:
             f.truncate(entry.offset + entry.length // 2)
         done = True
-        print(f"[test] truncated {path.name} in the record of iteration {iteration} micro-batch {micro_batch}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[test] truncated {path.name} in the record of iteration {iteration} micro-batch {micro_batch}",
+            file=sys.stderr,
+            flush=True,
+        )
     return done
 
 
@@ -48,8 +54,11 @@ def delete(storage: str, iteration: int, micro_batch: int, src_stage: int | None
         path.unlink()
         index.unlink(missing_ok=True)
         done = True
-        print(f"[test] deleted {path.name} and its index (iteration {iteration} micro-batch {micro_batch})",
-              file=sys.stderr, flush=True)
+        print(
+            f"[test] deleted {path.name} and its index (iteration {iteration} micro-batch {micro_batch})",
+            file=sys.stderr,
+            flush=True,
+        )
     return done
 
 
@@ -104,6 +113,10 @@ def perturb(storage: str, iteration: int, micro_batch: int, src_stage: int | Non
                     idx[off : off + INDEX_ENTRY_SIZE] = dataclasses.replace(e, payload_crc=crc).pack()
             index.write_bytes(bytes(idx))
         done = True
-        print(f"[test] perturbed the record of iteration {iteration} micro-batch {micro_batch} in {path.name} "
-              "(checksums recomputed)", file=sys.stderr, flush=True)
+        print(
+            f"[test] perturbed the record of iteration {iteration} micro-batch {micro_batch} in {path.name} "
+            "(checksums recomputed)",
+            file=sys.stderr,
+            flush=True,
+        )
     return done

@@ -37,10 +37,24 @@ def barrier(store: JobStore, generation: int, name: str, world: int) -> None:
 
 
 def record_env(store: JobStore, env: WorkerEnv, local_rank_arg: int | None) -> None:
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SWIFT_MACHINE", "SWIFT_NUM_MACHINES", "SWIFT_GENERATION",
-            "SWIFT_REPLACEMENT", "SWIFT_INJECT", "SWIFT_RUN_DIR", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
-            "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "SWIFT_OP_TIMEOUT_S",
-            "TORCHELASTIC_USE_AGENT_STORE")
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "SWIFT_MACHINE",
+        "SWIFT_NUM_MACHINES",
+        "SWIFT_GENERATION",
+        "SWIFT_REPLACEMENT",
+        "SWIFT_INJECT",
+        "SWIFT_RUN_DIR",
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_WORLD_SIZE",
+        "SWIFT_OP_TIMEOUT_S",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    )
     info: dict[str, object] = {k: os.environ.get(k) for k in keys}
     info.update(pid=os.getpid(), local_rank_arg=local_rank_arg)
     store.set(f"test/env/{env.generation}/{env.rank}", json.dumps(info))
@@ -81,11 +95,18 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--iter-sleep", type=float, default=0.0)
     p.add_argument("--result", default=None)
-    p.add_argument("--block", action="store_true",
-                   help="after start-up, block without touching the store (a rank stuck in a collective): "
-                        "only a signal ends it, not the job store going away")
-    p.add_argument("--crash-once", default=None, metavar="MACHINE:ITERATION:CODE",
-                   help="exit with CODE at ITERATION on MACHINE, once per job (a crash, not a signal)")
+    p.add_argument(
+        "--block",
+        action="store_true",
+        help="after start-up, block without touching the store (a rank stuck in a collective): "
+        "only a signal ends it, not the job store going away",
+    )
+    p.add_argument(
+        "--crash-once",
+        default=None,
+        metavar="MACHINE:ITERATION:CODE",
+        help="exit with CODE at ITERATION on MACHINE, once per job (a crash, not a signal)",
+    )
     args = p.parse_args()
 
     env = WorkerEnv.from_env()
