@@ -286,7 +286,7 @@ class Rebuilder(SurvivorSteps):
             self.protect.forget_holdings()
             return outcome
         if kept is not None and self.updates is not None:
-            self.updates.give_back_gradients(kept)  # before the report says whether it can undo
+            self.updates.offer_gradients(kept)  # before the report says whether it can undo
         return run_recovery(
             ctx,
             world_size=env.world_size,

@@ -203,25 +203,35 @@ class UpdateLogger:
             self._log(f"update log {self.storage} not listable for the recovery report: {type(exc).__name__}: {exc}")
             return None
 
-    def give_back_gradients(self, kept: KeptState) -> None:
+    def offer_gradients(self, kept: KeptState) -> None:
         """A survivor whose update-undo record lost its gradients (the next iteration's backward
-        passes overwrote them) takes them back from its own update record of that step, so that it
-        can still undo the step: what a recovery landing one iteration earlier needs (a lost rank
-        without its record of that step: ds_swift.recovery.strategies.tranlogs.update_target)."""
-        if kept.undo is None or kept.can_undo or self.lost is not None or kept.last_stepped < 0:
+        passes overwrote them) can take them back from its own update record of that step, if it was
+        stored: then it can still undo the step, which a recovery landing one iteration earlier needs
+        (a lost rank without its record of that step: ds_swift.recovery.strategies.tranlogs). Only
+        looked up here (one store request); read only if an undo comes (KeptState.gradients_back)."""
+        undo, it = kept.undo, kept.last_stepped
+        if undo is None or kept.can_undo or self.lost is not None or it < 0:
             return
-        it = kept.last_stepped
+        if not getattr(undo, "undoable_but_for_gradients", False):
+            return
         try:
-            record = load_record(open_store(self.storage), self.rank, it)
-            n = kept.undo.restore_gradients(record_gradients(kept.undo.optimizer, record))
-        except Exception as exc:  # noqa: BLE001 - then it cannot undo, as before: the report says so
-            self._log(
-                f"the gradients of iteration {it} not taken back from the update log: {type(exc).__name__}: {exc}"
-            )
+            stored = open_store(self.storage).exists(record_name(self.rank, it))
+        except Exception as exc:  # noqa: BLE001 - then it cannot undo, as before: its report says so
+            self._log(f"update log {self.storage} not readable for the recovery report: {type(exc).__name__}: {exc}")
             return
-        self._log(
-            f"took the gradients of iteration {it} back from its update record ({n} tensors): its step can be undone"
-        )
+        if stored:
+            kept.gradients_back = lambda: self._give_back_gradients(undo, it)
+
+    def _give_back_gradients(self, undo: Any, iteration: int) -> bool:
+        """:meth:`offer_gradients`' read: this rank's record of ``iteration``, its gradients to ``undo``."""
+        try:
+            record = load_record(open_store(self.storage), self.rank, iteration)
+            n = undo.restore_gradients(record_gradients(undo.optimizer, record))
+        except Exception as exc:  # noqa: BLE001 - the undo then fails, naming this
+            self._log(f"the gradients of iteration {iteration} not taken back from the update log: {exc}")
+            return False
+        self._log(f"took the gradients of iteration {iteration} back from its update record ({n} tensors) to undo it")
+        return bool(undo.can_undo)
 
     def _lose(self, why: str) -> None:
         if self.lost is None:

@@ -330,6 +330,19 @@ class InvertibleOptimizer:
                         "(another step, or a load)"
                     )
 
+    @property
+    def undoable_but_for_gradients(self) -> bool:
+        """The last step could be undone with its gradients given back (:meth:`restore_gradients`):
+        nothing changed its parameters since, and the step did not write into its gradients."""
+        rec = self._record
+        if rec is None:
+            return False
+        return all(
+            pr.param._version == pr.param_version and not (pr.grad_mutated and not self.rule.mutates_grad_ok)
+            for g in rec.groups
+            for pr in g.params
+        )
+
     def restore_gradients(self, grads: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Give the last step's record back the gradients g_t it read, as ``(parameter, gradient)``
         pairs, where they were overwritten since (the next backward pass reuses DeepSpeed's flat

@@ -26,7 +26,7 @@ def test_gradients_given_back_make_an_overwritten_step_undoable() -> None:
     for p in params:  # the next iteration's backward pass accumulates into the same buffers
         assert p.grad is not None
         p.grad.add_(torch.randn(p.shape, generator=g))
-    assert not opt.can_undo
+    assert not opt.can_undo and opt.undoable_but_for_gradients
     with pytest.raises(UndoError, match="modified in place"):
         opt.undo()
     assert opt.restore_gradients([(params[0], used[0])]) == 1
@@ -35,3 +35,14 @@ def test_gradients_given_back_make_an_overwritten_step_undoable() -> None:
     opt.undo()
     for p, b, a in zip(params, before, after, strict=True):
         assert ulp_error(p.detach(), b, a) <= 2.0
+
+
+def test_a_step_whose_parameters_changed_since_cannot_be_undone_with_gradients_given_back() -> None:
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = InvertibleOptimizer(torch.optim.AdamW([p], lr=1e-3), retain_grads=True)
+    p.grad = torch.full((8,), 1e-3)
+    opt.step()
+    assert opt.undoable_but_for_gradients
+    with torch.no_grad():
+        p.add_(1.0)  # a load, or another step, after it
+    assert not opt.undoable_but_for_gradients
