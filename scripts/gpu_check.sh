@@ -43,7 +43,10 @@ want probe && { python3 scripts/gpu_probe.py 2>&1 | tee "$out/probe.txt" || rc=1
 # The failure-free cost of ds-swift's defaults: 1 rank through ds-swift-launch, GPT 8 x 1024, seq 512,
 # global batch 32, bf16 + ZeRO-1 + FusedAdam, 40 iterations, on/off interleaved (about 3 minutes with
 # FusedAdam's first JIT build, which the tests below then find built).
-want overhead && { timeout 270 python3 benchmarks/gpu_overhead.py --rounds 2 --dir "${GPU_CHECK_WORK:-/tmp/gpu-check-work}/overhead" 2>&1 | tee "$out/overhead.txt" || rc=1; }
+# GPU_CHECK_OVERHEAD_ARGS replaces "--rounds 2", e.g. "--rounds 2 --breakdown off,defaults,-digests,-watchdog"
+# (each variant adds about a minute a round: give the call the time).
+# shellcheck disable=SC2086  # a list of arguments
+want overhead && { timeout "${GPU_CHECK_OVERHEAD_S:-270}" python3 benchmarks/gpu_overhead.py ${GPU_CHECK_OVERHEAD_ARGS:---rounds 2} --dir "${GPU_CHECK_WORK:-/tmp/gpu-check-work}/overhead" 2>&1 | tee "$out/overhead.txt" || rc=1; }
 # ---- undo figures (issue 29 item 3): 256M AdamW fp32 elements in 16 tensors, the fused Triton kernel
 # against the fast path: undo vs step vs the HBM bound, ulp, % bitwise, launches (about 1 minute; the
 # reference path's 3.5 s undo is left out for time: add ",reference" to --paths to see it). The kernel's

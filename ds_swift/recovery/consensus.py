@@ -61,6 +61,10 @@ class RankReport:
     inflight_forwards: int = 0
     """Of ``inflight``, the forward passes that ran before the failure (those beyond
     ``inflight_passes`` lost their autograd graphs with the engine: redone)."""
+    logged_update: int | None = None
+    """A replacement whose rank logged its updates (strategy tranlogs): the newest iteration its
+    rank's update record was stored for (-1: none); None: not looked up (a survivor, no update log,
+    or the log store could not be listed)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

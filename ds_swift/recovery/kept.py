@@ -13,6 +13,8 @@ from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_o
 from ds_swift.recovery.state.transfer import load_state, set_counters
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ds_swift.recovery.timeline import RankTimeline
     from ds_swift.undo.engine import EngineUndoHandle
 
@@ -49,6 +51,10 @@ class KeptState:
     restored: dict[str, Any] | None = None
     """The own copy an undo took back (optimizer payload, LR scheduler, counters, buffers), loaded
     in place of the kept optimizer state; None: the kept state is loaded as it is."""
+    gradients_back: Callable[[], bool] | None = None
+    """Where the last step's gradients were overwritten since (the next backward pass), what gives
+    them back to ``undo`` from a copy taken at the step (the update log's record: set by
+    ds_swift.runtime.update_logging.UpdateLogger.offer_gradients), called only by an undo."""
 
     @classmethod
     def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None) -> KeptState:
@@ -102,7 +108,9 @@ class KeptState:
 
     @property
     def can_undo(self) -> bool:
-        return self.undo_exact or (self.undo is not None and bool(getattr(self.undo, "can_undo", True)))
+        if self.undo_exact:
+            return True
+        return self.undo is not None and (bool(getattr(self.undo, "can_undo", True)) or self.gradients_back is not None)
 
     @property
     def undo_exact(self) -> bool:
@@ -151,6 +159,8 @@ class KeptState:
             return "own copy"
         if self.undo is None or iteration != self.last_stepped - 1:
             raise RuntimeError(f"cannot undo from iteration {self.last_stepped} back to {iteration}")
+        if self.gradients_back is not None and not self.undo.can_undo and not self.gradients_back():
+            raise RuntimeError(f"cannot undo iteration {self.last_stepped}: its gradients could not be given back")
         rec = self.undo.undo()
         self._restore_step_scalars(getattr(rec, "engine_state", None) or {})
         self.last_stepped = iteration

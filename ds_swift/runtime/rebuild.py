@@ -285,12 +285,15 @@ class Rebuilder(SurvivorSteps):
             self.resize = None
             self.protect.forget_holdings()
             return outcome
+        if kept is not None and self.updates is not None:
+            self.updates.offer_gradients(kept)  # before the report says whether it can undo
         return run_recovery(
             ctx,
             world_size=env.world_size,
             report=dataclasses.replace(
                 self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
                 log_lost=self._hooks.logs.coverage_lost,
+                logged_update=self.updates.newest_stored() if self.updates is not None and kept is None else None,
             ),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),

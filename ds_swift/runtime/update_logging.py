@@ -8,9 +8,10 @@ overwrite) and hands the record over; a background thread serialises it and puts
 it is stored (the writer had that whole iteration). So a rank lost at or after its step of ``t + 1``
 has every record the survivors stepped. A rank lost earlier in iteration ``t + 1`` (in its forward
 or backward passes) may not have stored its record of ``t`` yet, though every survivor stepped
-``t``: its updates then go only to ``t - 1``, and the recovery falls back to the global checkpoint,
-loudly (the survivors would have to go back a step too, which they cannot do bit for bit from their
-own records today). At most ``MAX_QUEUED`` records wait: a store slower than the steps makes the
+``t``: its replacement reports the newest record it finds (:meth:`UpdateLogger.newest_stored`), and
+the recovery agrees on ``t - 1`` instead, the survivors undoing their step of ``t`` (bitwise from
+their own copies where they hold them, else by update-undo's inverse update, announced: see
+ds_swift.recovery.strategies.tranlogs). At most ``MAX_QUEUED`` records wait: a store slower than the steps makes the
 training thread wait rather than hold ever more host memory. A write that fails (full disk,
 unreachable store) stops update logging on this rank for the rest of the job, loudly, and training
 goes on: a later failure of this rank then finds its records missing and recovers from the global
@@ -26,12 +27,24 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_swift.logs import say
-from ds_swift.recovery.state.update_log import UpdateLogError, capture_update, record_name, records_before, save_record
+from ds_swift.recovery.state.update_log import (
+    UpdateLogError,
+    capture_update,
+    load_record,
+    newest_record,
+    record_gradients,
+    record_name,
+    records_before,
+    save_record,
+)
 from ds_swift.storage import open_store
 from ds_swift.worker import OnError, Worker
+
+if TYPE_CHECKING:
+    from ds_swift.recovery.kept import KeptState
 
 __all__ = ["UpdateLogger"]
 
@@ -179,6 +192,46 @@ class UpdateLogger:
                 os.unlink(path)
         self.records += 1
         self.write_s += time.perf_counter() - t0
+
+    def newest_stored(self) -> int | None:
+        """A replacement's look, for its recovery report: the newest iteration this rank's record was
+        stored for before the rank was lost (-1: none); None where the log store cannot be listed
+        (the recovery's check round then names what is missing)."""
+        try:
+            return newest_record(open_store(self.storage).names(), self.rank)
+        except Exception as exc:  # noqa: BLE001 - unreachable, unlistable: looked up again in the restore
+            self._log(f"update log {self.storage} not listable for the recovery report: {type(exc).__name__}: {exc}")
+            return None
+
+    def offer_gradients(self, kept: KeptState) -> None:
+        """A survivor whose update-undo record lost its gradients (the next iteration's backward
+        passes overwrote them) can take them back from its own update record of that step, if it was
+        stored: then it can still undo the step, which a recovery landing one iteration earlier needs
+        (a lost rank without its record of that step: ds_swift.recovery.strategies.tranlogs). Only
+        looked up here (one store request); read only if an undo comes (KeptState.gradients_back)."""
+        undo, it = kept.undo, kept.last_stepped
+        if undo is None or kept.can_undo or self.lost is not None or it < 0:
+            return
+        if not getattr(undo, "undoable_but_for_gradients", False):
+            return
+        try:
+            stored = open_store(self.storage).exists(record_name(self.rank, it))
+        except Exception as exc:  # noqa: BLE001 - then it cannot undo, as before: its report says so
+            self._log(f"update log {self.storage} not readable for the recovery report: {type(exc).__name__}: {exc}")
+            return
+        if stored:
+            kept.gradients_back = lambda: self._give_back_gradients(undo, it)
+
+    def _give_back_gradients(self, undo: Any, iteration: int) -> bool:
+        """:meth:`offer_gradients`' read: this rank's record of ``iteration``, its gradients to ``undo``."""
+        try:
+            record = load_record(open_store(self.storage), self.rank, iteration)
+            n = undo.restore_gradients(record_gradients(undo.optimizer, record))
+        except Exception as exc:  # noqa: BLE001 - the undo then fails, naming this
+            self._log(f"the gradients of iteration {iteration} not taken back from the update log: {exc}")
+            return False
+        self._log(f"took the gradients of iteration {iteration} back from its update record ({n} tensors) to undo it")
+        return bool(undo.can_undo)
 
     def _lose(self, why: str) -> None:
         if self.lost is None:

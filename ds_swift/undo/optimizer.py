@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -329,6 +329,38 @@ class InvertibleOptimizer:
                         f"cannot undo iteration {rec.iteration}: a parameter was modified after the step "
                         "(another step, or a load)"
                     )
+
+    @property
+    def undoable_but_for_gradients(self) -> bool:
+        """The last step could be undone with its gradients given back (:meth:`restore_gradients`):
+        nothing changed its parameters since, and the step did not write into its gradients."""
+        rec = self._record
+        if rec is None:
+            return False
+        return all(
+            pr.param._version == pr.param_version and not (pr.grad_mutated and not self.rule.mutates_grad_ok)
+            for g in rec.groups
+            for pr in g.params
+        )
+
+    def restore_gradients(self, grads: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Give the last step's record back the gradients g_t it read, as ``(parameter, gradient)``
+        pairs, where they were overwritten since (the next backward pass reuses DeepSpeed's flat
+        fp32 buffers): from a copy taken at the step (strategy tranlogs' update record). Each
+        becomes the gradient the undo reads. Returns how many of the record's parameters got one."""
+        rec = self._record
+        if rec is None:
+            return 0
+        given = {id(p): g for p, g in grads}
+        n = 0
+        for grec in rec.groups:
+            for pr in grec.params:
+                g = given.get(id(pr.param))
+                if g is not None:
+                    pr.grad_ref = g.to(device=pr.param.device, copy=True)
+                    pr.grad_version = pr.grad_ref._version
+                    n += 1
+        return n
 
     def undo(self) -> StepRecord:
         """Restore parameters, optimizer state and LR scheduler to before the last step."""

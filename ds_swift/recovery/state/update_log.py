@@ -38,6 +38,8 @@ __all__ = [
     "UpdateRecord",
     "capture_update",
     "load_record",
+    "newest_record",
+    "record_gradients",
     "record_name",
     "records_before",
     "redo_update",
@@ -62,6 +64,11 @@ def parse_name(name: str) -> tuple[int, int] | None:
     """``(rank, iteration)`` of a record name; None for any other object of the store."""
     m = _NAME.match(os.path.basename(name))
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def newest_record(names: Iterable[str], rank: int) -> int:
+    """The newest iteration among ``rank``'s records in ``names`` (a log store's names; -1: none)."""
+    return max((p[1] for n in names if (p := parse_name(n)) is not None and p[0] == rank), default=-1)
 
 
 def records_before(names: Iterable[str], iteration: int) -> list[str]:
@@ -189,6 +196,11 @@ def load_record(store: Any, rank: int, iteration: int) -> UpdateRecord:
     if record.iteration != iteration:
         raise UpdateLogError(f"update record {store.url}/{name} holds iteration {record.iteration}")
     return record
+
+
+def record_gradients(inner: torch.optim.Optimizer, record: UpdateRecord) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter of inner, the gradient the step read)`` for every gradient ``record`` holds."""
+    return [(inner.param_groups[call["group"]]["params"][i], g) for call in record.groups for i, g in call["grads"]]
 
 
 def redo_update(inner: torch.optim.Optimizer, record: UpdateRecord) -> None:

@@ -9,6 +9,8 @@ re-applies its rank's logged updates from there to the consensus (ds_swift.recov
 no forward or backward pass is recomputed and no survivor rolls back. Exact: bitwise the state the
 lost rank had.
 
+0. the agreed iteration: the consensus, or one before it where a lost rank was lost before its
+   record of the consensus was stored (:func:`update_target`): the survivors then undo that step;
 1. the replacements load the checkpoint (without the survivors: a collective leaving them raises)
    and re-apply the records, one per iteration, in order;
 2. a check round: every rank says whether its part worked; any failure (a record missing because
@@ -40,7 +42,29 @@ from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.state.update_log import UpdateLogStore, load_record, redo_update, restore_after
 from ds_swift.recovery.verify import check_published
 
-__all__ = ["TranLogsStrategy"]
+__all__ = ["TranLogsStrategy", "update_target"]
+
+
+def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
+    """The iteration every rank lands on, and why where it is not the consensus ``c``.
+
+    A rank's optimizer step waits until its previous record is stored (ds_swift.runtime.update_logging),
+    so a rank lost in the forward or backward passes after its step of ``c`` may lack only its record
+    of ``c``, though every survivor stepped ``c``: then every rank lands on ``c - 1``, the survivors
+    undoing their step of ``c`` (one step back, as they can), and the replacements re-apply their
+    records to ``c - 1`` (a replacement that could not list the log has its records checked there too).
+    Any other gap (a record missing further back, a survivor that cannot undo) stays at ``c``: the
+    check round then finds the missing record and every rank falls back to the global checkpoint,
+    naming it."""
+    c, done = inputs.consensus, inputs.checkpoint_step
+    newest = {r: inputs.by_rank[r].logged_update for r in inputs.replacements}
+    behind = sorted(r for r, n in newest.items() if n is not None and n < c)
+    if not behind or done > c or any(newest[r] != c - 1 for r in behind) or inputs.rebased(c - 1).cannot_undo:
+        return c, ""
+    return c - 1, (
+        f"ranks {behind} were lost before their update records of iteration {c} were stored: every rank lands on "
+        f"iteration {c - 1}, the survivors undoing their step of {c}"
+    )
 
 
 class TranLogsStrategy(RecoveryStrategy):
@@ -77,11 +101,18 @@ class TranLogsStrategy(RecoveryStrategy):
         if not inputs.replacements:
             return inputs.plan(self.name, "no rank lost its state")
         start = max(0, inputs.checkpoint_step)
+        target, behind = update_target(inputs)
+        at = inputs if target == inputs.consensus else inputs.rebased(target)
         reason = (
             f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and re-apply their logged "
-            f"updates of iterations {start}..{inputs.consensus}"
+            f"updates of iterations {start}..{target}"
         )
-        return inputs.plan(self.name, reason, replay_ranks=inputs.replacements, replay_from=start)
+        if behind:
+            exact = [r for r in at.undo if inputs.by_rank[r].undo_exact]
+            inexact = [r for r in at.undo if r not in exact]
+            reason += f"; {behind}" + (f"; survivors {exact} from their own copies of {target}" if exact else "")
+            reason += f"; survivors {inexact} by the inverse update" if inexact else ""
+        return at.plan(self.name, reason, replay_ranks=at.replacements, replay_from=start)
 
     def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
         return redo_words(summary, "re-applied the updates of")
