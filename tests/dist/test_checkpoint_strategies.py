@@ -141,10 +141,9 @@ def test_tranlogs_reloads_only_the_lost_ranks_and_re_applies_their_updates_bitwi
     swift = {"strategy": "tranlogs", "checkpoint": {"interval": 3}}
     # Killed at the step of iteration 8: the rank that fires has stored its record of 7 (its step
     # hook waits for it first), and its machine's other rank, past the same data-parallel gradient
-    # reduction, had the whole iteration to store its own. A kill earlier in 8, while a record of 7
-    # may still be on its way, falls back to the checkpoint, loudly (ds_swift/runtime/update_logging.py):
-    # this test killed in 8's first backward pass once, and lost that race in about half the runs
-    # once ranks started faster (--fork-server).
+    # reduction, had the whole iteration to store its own: every rank lands on 7, bitwise. A kill
+    # earlier in 8, while a record of 7 may still be on its way, lands on 6 instead, the survivors
+    # undoing 7 (tests/dist/test_tranlogs_lagging.py makes that case certain).
     job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=8,phase=step"], swift)
     assert job.code == 0, job.output[-6000:]
     (tl,) = job.timelines()
