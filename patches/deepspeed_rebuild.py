@@ -317,8 +317,11 @@ def release_autograd_groups() -> int:
     collector tracks (a context's attributes sit in a dict the collector does not list, so the
     scan checks the contexts themselves); their groups are cut so the peer fails within a second."""
     count = 0
+    backward = torch.autograd.function.BackwardCFunction
     for obj in gc.get_objects():
-        if isinstance(obj, torch.autograd.function.BackwardCFunction):
+        # type(), not isinstance(): isinstance reads obj.__class__, which some objects answer with a
+        # warning (torch.distributed.reduce_op's deprecation: a FutureWarning at every rebuild).
+        if issubclass(type(obj), backward):
             attrs = getattr(obj, "__dict__", None)
             if not isinstance(attrs, dict):
                 continue
