@@ -101,16 +101,16 @@ class TranLogsStrategy(RecoveryStrategy):
         if not inputs.replacements:
             return inputs.plan(self.name, "no rank lost its state")
         start = max(0, inputs.checkpoint_step)
-        target, behind = update_target(inputs)
+        target, earlier = update_target(inputs)
         at = inputs if target == inputs.consensus else inputs.rebased(target)
         reason = (
             f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and re-apply their logged "
             f"updates of iterations {start}..{target}"
         )
-        if behind:
+        if earlier:
             exact = [r for r in at.undo if inputs.by_rank[r].undo_exact]
             inexact = [r for r in at.undo if r not in exact]
-            reason += f"; {behind}" + (f"; survivors {exact} from their own copies of {target}" if exact else "")
+            reason += f"; {earlier}" + (f"; survivors {exact} from their own copies of {target}" if exact else "")
             reason += f"; survivors {inexact} by the inverse update" if inexact else ""
         return at.plan(self.name, reason, replay_ranks=at.replacements, replay_from=start)
 
