@@ -89,6 +89,10 @@ class UpdateLogger:
             teardown=self._remove_tmp,
         )
         self._store: Any = None
+        self._stored: set[int] = set()
+        """Iterations whose record this process stored and has not deleted yet."""
+        self._listed = False
+        """Whether a deletion of old records listed the store (done once: see _collect)."""
         self.lost: str | None = None
         """Why this rank stopped logging updates (None: it logs)."""
         self.records = 0
@@ -174,9 +178,7 @@ class UpdateLogger:
         if self._store is None:
             self._store = open_store(self.storage)
         if kind == "gc":
-            for name in records_before(self._store.names(), arg):
-                if name.startswith(f"upd_r{self.rank:05d}_"):
-                    self._store.delete(name)
+            self._collect(arg)
             return
         name = record_name(self.rank, arg.iteration)
         path = os.path.join(tmp, name)
@@ -185,6 +187,7 @@ class UpdateLogger:
             self._store.put_file(path, name)
             self.bytes += nbytes
             self.iteration_bytes[arg.iteration] = nbytes
+            self._stored.add(arg.iteration)
             for old in sorted(self.iteration_bytes)[:-8]:
                 del self.iteration_bytes[old]
         finally:
@@ -192,6 +195,23 @@ class UpdateLogger:
                 os.unlink(path)
         self.records += 1
         self.write_s += time.perf_counter() - t0
+
+    def _collect(self, iteration: int) -> None:
+        """Delete this rank's records of the steps before ``iteration``: by name, those this process
+        stored; the first time also those of a listing of the store (an earlier process of this rank,
+        lost, left its own). A listing is of every rank's records since the last checkpoint (up to
+        ranks x checkpoint interval names): once per process, not at every checkpoint."""
+        assert self._store is not None
+        if not self._listed:
+            mine = f"upd_r{self.rank:05d}_"
+            for name in records_before(self._store.names(), iteration):
+                if name.startswith(mine):
+                    self._store.delete(name)
+            self._listed = True
+            self._stored = {i for i in self._stored if i >= iteration}  # deleted with the listed ones
+        for it in sorted(i for i in self._stored if i < iteration):
+            self._store.delete(record_name(self.rank, it))
+            self._stored.discard(it)
 
     def newest_stored(self) -> int | None:
         """A replacement's look, for its recovery report: the newest iteration this rank's record was

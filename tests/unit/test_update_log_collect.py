@@ -1,0 +1,57 @@
+"""The update logger's deletion of records a complete checkpoint made unneeded
+(UpdateLogger._collect): its own records by name, and the store listed only once per process (for
+what an earlier, lost process of the same rank left): a listing is of every rank's records, up to
+ranks x checkpoint interval names, too many to read at every checkpoint on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds_swift.recovery.state.update_log import UpdateRecord, parse_name, record_name, save_record
+from ds_swift.runtime import update_logging
+from ds_swift.runtime.update_logging import UpdateLogger
+from ds_swift.storage import open_store
+
+
+def record(iteration: int) -> UpdateRecord:
+    return UpdateRecord(iteration=iteration, skipped=False, groups=[], counters={}, scheduler=None, scalars=None)
+
+
+def test_records_before_a_checkpoint_go_by_name_after_one_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"file://{tmp_path / 'log'}"
+    store = open_store(url)
+    for rank in (0, 1):  # a lost process of rank 1, and rank 0, left these
+        save_record(record(2), tmp_path / "r.pt")
+        store.put_file(tmp_path / "r.pt", record_name(rank, 2))
+    listings = [0]
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def names(self) -> list[str]:
+            listings[0] += 1
+            return list(self.inner.names())
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(update_logging, "open_store", lambda u: Counting(open_store(u)))
+    logger = UpdateLogger(1, url, undo=lambda: None)
+    logger._make_tmp()
+    try:
+        for it in (3, 4, 5, 6):
+            logger._do(("record", record(it)))
+        logger._do(("gc", 5))
+        logger._do(("record", record(7)))
+        logger._do(("gc", 7))
+    finally:
+        logger._remove_tmp()
+    left = sorted(p for n in store.names() if (p := parse_name(n)) is not None)
+    assert left == [(0, 2), (1, 7)], left
+    assert listings[0] == 1
