@@ -293,7 +293,7 @@ class Rebuilder(SurvivorSteps):
             report=dataclasses.replace(
                 self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
                 log_lost=self._hooks.logs.coverage_lost,
-                logged_update=self.updates.newest_stored() if self.updates is not None and kept is None else None,
+                logged_update=self._newest_update() if kept is None else None,
             ),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
@@ -301,6 +301,14 @@ class Rebuilder(SurvivorSteps):
             partitioned=is_partitioned(engine.optimizer),
             logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
         )
+
+    def _newest_update(self) -> int | None:
+        """A replacement's newest update record (strategy tranlogs), probed from the newest complete
+        checkpoint (its records run from there); None without an update log."""
+        if self.updates is None:
+            return None
+        found = self._ckpt.latest(None) if self._ckpt is not None else None
+        return self.updates.newest_stored(found[0] if found is not None else 0)
 
     @property
     def machines(self) -> list[int] | None:

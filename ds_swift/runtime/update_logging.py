@@ -34,7 +34,7 @@ from ds_swift.recovery.state.update_log import (
     UpdateLogError,
     capture_update,
     load_record,
-    newest_record,
+    newest_in_run,
     record_gradients,
     record_name,
     records_before,
@@ -213,14 +213,17 @@ class UpdateLogger:
             self._store.delete(record_name(self.rank, it))
             self._stored.discard(it)
 
-    def newest_stored(self) -> int | None:
+    def newest_stored(self, since: int) -> int | None:
         """A replacement's look, for its recovery report: the newest iteration this rank's record was
-        stored for before the rank was lost (-1: none); None where the log store cannot be listed
-        (the recovery's check round then names what is missing)."""
+        stored for before the rank was lost, probed from ``since`` (the newest complete checkpoint's
+        iterations done: its records run from there without a gap; a few store requests, not a
+        listing of every rank's records); ``since - 1`` where none is; None where the log store
+        cannot be read (the recovery's check round then names what is missing)."""
         try:
-            return newest_record(open_store(self.storage).names(), self.rank)
-        except Exception as exc:  # noqa: BLE001 - unreachable, unlistable: looked up again in the restore
-            self._log(f"update log {self.storage} not listable for the recovery report: {type(exc).__name__}: {exc}")
+            store = open_store(self.storage)
+            return newest_in_run(lambda it: bool(store.exists(record_name(self.rank, it))), since)
+        except Exception as exc:  # noqa: BLE001 - unreachable, unreadable: looked up again in the restore
+            self._log(f"update log {self.storage} not readable for the recovery report: {type(exc).__name__}: {exc}")
             return None
 
     def offer_gradients(self, kept: KeptState) -> None:

@@ -24,7 +24,7 @@ import io
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ __all__ = [
     "UpdateRecord",
     "capture_update",
     "load_record",
-    "newest_record",
+    "newest_in_run",
     "record_gradients",
     "record_name",
     "records_before",
@@ -66,9 +66,25 @@ def parse_name(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def newest_record(names: Iterable[str], rank: int) -> int:
-    """The newest iteration among ``rank``'s records in ``names`` (a log store's names; -1: none)."""
-    return max((p[1] for n in names if (p := parse_name(n)) is not None and p[0] == rank), default=-1)
+def newest_in_run(stored: Callable[[int], bool], since: int) -> int:
+    """The newest iteration ``n`` such that ``stored(i)`` for every ``since <= i <= n``, in O(log n)
+    calls (``since - 1`` where ``since`` is not stored). A rank's records run without a gap from
+    the newest complete checkpoint: older ones are deleted, newer ones stored in order (a logger
+    that fails stops for good), so probing finds the newest without listing every rank's records."""
+    if not stored(since):
+        return since - 1
+    lo, step = since, 1  # lo: stored
+    while stored(lo + step):
+        lo += step
+        step *= 2
+    hi = lo + step  # not stored
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if stored(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def records_before(names: Iterable[str], iteration: int) -> list[str]:
