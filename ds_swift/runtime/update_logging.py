@@ -91,8 +91,10 @@ class UpdateLogger:
         self._store: Any = None
         self._stored: set[int] = set()
         """Iterations whose record this process stored and has not deleted yet."""
+        self._first: int | None = None
+        """The first iteration whose record this process stored."""
         self._listed = False
-        """Whether a deletion of old records listed the store (done once: see _collect)."""
+        """Whether a listing found every record a lost predecessor left (see _collect)."""
         self.lost: str | None = None
         """Why this rank stopped logging updates (None: it logs)."""
         self.records = 0
@@ -188,6 +190,7 @@ class UpdateLogger:
             self.bytes += nbytes
             self.iteration_bytes[arg.iteration] = nbytes
             self._stored.add(arg.iteration)
+            self._first = arg.iteration if self._first is None else self._first
             for old in sorted(self.iteration_bytes)[:-8]:
                 del self.iteration_bytes[old]
         finally:
@@ -198,16 +201,19 @@ class UpdateLogger:
 
     def _collect(self, iteration: int) -> None:
         """Delete this rank's records of the steps before ``iteration``: by name, those this process
-        stored; the first time also those of a listing of the store (an earlier process of this rank,
-        lost, left its own). A listing is of every rank's records since the last checkpoint (up to
-        ranks x checkpoint interval names): once per process, not at every checkpoint."""
+        stored; and, until a deletion's bound passes the first record this process stored, also
+        those a listing of the store finds (what an earlier, lost process of this rank left: its
+        records run up to this process's first). A listing reads every rank's records since the last
+        checkpoint (up to ranks x checkpoint interval names): so once or twice per process, not at
+        every checkpoint."""
         assert self._store is not None
         if not self._listed:
             mine = f"upd_r{self.rank:05d}_"
             for name in records_before(self._store.names(), iteration):
                 if name.startswith(mine):
                     self._store.delete(name)
-            self._listed = True
+            # Done once the bound passed this process's first record: every older one was below it.
+            self._listed = self._first is not None and iteration > self._first
             self._stored = {i for i in self._stored if i >= iteration}  # deleted with the listed ones
         for it in sorted(i for i in self._stored if i < iteration):
             self._store.delete(record_name(self.rank, it))

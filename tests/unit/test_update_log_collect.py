@@ -1,7 +1,8 @@
 """The update logger's deletion of records a complete checkpoint made unneeded
-(UpdateLogger._collect): its own records by name, and the store listed only once per process (for
-what an earlier, lost process of the same rank left): a listing is of every rank's records, up to
-ranks x checkpoint interval names, too many to read at every checkpoint on every rank."""
+(UpdateLogger._collect): its own records by name, and the store listed only until a deletion's bound
+passes the first record the process stored (what an earlier, lost process of the same rank left
+lies below it): a listing is of every rank's records, up to ranks x checkpoint interval names, too
+many to read at every checkpoint on every rank."""
 
 from __future__ import annotations
 
@@ -55,3 +56,21 @@ def test_records_before_a_checkpoint_go_by_name_after_one_listing(
     left = sorted(p for n in store.names() if (p := parse_name(n)) is not None)
     assert left == [(0, 2), (1, 7)], left
     assert listings[0] == 1
+    # This process lost; its replacement loads the checkpoint after 7 iterations (a deletion before
+    # it stored anything), resumes at 8 and stores 8 and 9: the predecessor's record of 7 goes at
+    # the next checkpoint, found by a second listing (the first could not: it was not below 7 yet).
+    listings[0] = 0
+    replacement = UpdateLogger(1, url, undo=lambda: None)
+    replacement._make_tmp()
+    try:
+        replacement._do(("gc", 7))
+        for it in (8, 9):
+            replacement._do(("record", record(it)))
+        replacement._do(("gc", 9))
+        replacement._do(("record", record(10)))
+        replacement._do(("gc", 10))
+    finally:
+        replacement._remove_tmp()
+    left = sorted(p for n in store.names() if (p := parse_name(n)) is not None)
+    assert left == [(0, 2), (1, 10)], left
+    assert listings[0] == 2
