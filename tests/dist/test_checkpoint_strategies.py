@@ -161,7 +161,7 @@ def test_tranlogs_reloads_only_the_lost_ranks_and_re_applies_their_updates_bitwi
     # Records older than the newest complete checkpoint are collected, the last time when the
     # engine closes after global_step12: every record a rank wrote is gone.
     assert [done for done, _ in complete_checkpoints(job.ckpt_dir)][-1] == ITERS
-    kept = sorted({int(p.name[14:24]) for p in (job.dir / "swift-logs").glob("upd_r*")})  # uploads, sidecars
+    kept = sorted({int(p.name[13:23]) for p in (job.dir / "swift-logs").glob("upd_r*")})  # uploads, sidecars
     assert kept == [], kept
     assert_bitwise(baseline, job)
 
