@@ -1,7 +1,7 @@
 """TranLogs when a lost rank's last update record never reached the log (bf16 + ZeRO-1, pp 2 x dp 2).
 
 Machine 1 (ranks 2 and 3) is killed in iteration 8's first backward pass while their records of
-iteration 7 are still unstored (held by tests/dist/workers/held_record_worker.py: the race that a
+iteration 7 are still unstored (held by tests/dist/workers/gpt_fault_worker.py: the race that a
 kill soon after a step loses). The survivors stepped 7. The replacements report their newest
 record, 6; every rank lands on 6 instead of falling back to the global checkpoint: the survivors
 undo their step of 7, the replacements load global_step6 and re-apply their record of 6, and the
@@ -19,7 +19,7 @@ from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).parent / "workers" / "held_record_worker.py"
+WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
 ITERS = 12
 
@@ -39,7 +39,7 @@ def test_a_record_lost_with_its_rank_lands_every_rank_one_iteration_earlier(
         nnodes=2,
         nproc_per_node=2,
         loss_log=True,
-        env={"SWIFT_TEST_HOLD_RECORD": "ranks=2+3,iteration=7"},
+        env={"SWIFT_TEST_HOLD_RECORD": "machine=1,iteration=7"},
     )
     job = run_job(tmp_path, spec, 180.0)
     assert job.code == 0, job.output[-6000:]

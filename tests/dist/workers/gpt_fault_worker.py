@@ -37,7 +37,7 @@ later: whether the second rank finished its all-reduce by then is a race.
 
 The faults of a recovery's own path (a corrupt, perturbed, cut or missing message log, a rank
 killed in its replay, in a state transfer, in a log write or in a checkpoint save, a corrupt or
-missing checkpoint file) and the ``load_checkpoint`` line every rank prints: see
+missing checkpoint file, an update record never stored) and the ``load_checkpoint`` line every rank prints: see
 tests/dist/workers/recovery_faults.py.
 """
 
@@ -58,6 +58,7 @@ from recovery_faults import (  # tests/dist/workers/recovery_faults.py: this scr
     patch_log_write,
     patch_logging_recovery,
     patch_state_transfer,
+    patch_update_record_hold,
 )
 
 from ds_swift.patches.instructions import hook_instructions, schedule
@@ -193,6 +194,7 @@ def main() -> None:
     patch_logging_recovery(rank)
     patch_state_transfer(rank)
     patch_log_write(rank)
+    patch_update_record_hold(rank)
     original = EngineHooks.install
     installs = [0]
 

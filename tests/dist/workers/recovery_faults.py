@@ -28,7 +28,12 @@ logging-based recovery (tests/dist/test_recovery_logging.py):
   writing the first record of iteration I to its message log (half the record on disk: a torn
   tail its replacement's writer must cut off before it logs again);
 - ``SWIFT_TEST_KILL_IN_SAVE="rank=R,iteration=I"``: rank R SIGKILLs itself when the periodic global
-  checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save.
+  checkpoint after I iterations starts (once per job), leaving the others in DeepSpeed's save;
+- ``SWIFT_TEST_HOLD_RECORD="machine=M,iteration=I"`` (strategy tranlogs): in generation 0, the
+  update-log writer of each rank of machine M blocks on its record of iteration I until the rank is
+  killed, so the record is never stored. A rank lost in iteration I + 1's forward or backward passes
+  (its step, which waits for the record, never comes) then lacks the record of I every survivor
+  stepped: the race ds_swift/runtime/update_logging.py describes, made certain.
 
 The worker imports this module from its own directory and installs these faults (``patch_*``,
 ``corrupt_on_load``) before the example starts.
@@ -178,6 +183,30 @@ def patch_log_write(rank: int) -> None:
         return append(self, header, payload)
 
     writer.ChunkWriter.append = append_or_die  # type: ignore[method-assign]
+
+
+def patch_update_record_hold(rank: int) -> None:
+    spec = fault_spec("SWIFT_TEST_HOLD_RECORD")
+    if not spec or int(os.environ["SWIFT_MACHINE"]) != spec["machine"] or os.environ.get("SWIFT_REPLACEMENT") == "1":
+        return
+    import threading
+
+    from ds_swift.runtime.update_logging import UpdateLogger
+
+    write, never = UpdateLogger._do, threading.Event()
+
+    def held(self: UpdateLogger, item: tuple[str, Any]) -> None:
+        kind, arg = item
+        if kind == "record" and arg.iteration == spec["iteration"]:
+            print(
+                f"[test] rank {rank}: holding the update record of iteration {arg.iteration}",
+                file=sys.stderr,
+                flush=True,
+            )
+            never.wait()
+        write(self, item)
+
+    UpdateLogger._do = held  # type: ignore[method-assign]
 
 
 def corrupt_on_load(rank: int, iteration: int, delete: bool) -> None:
