@@ -241,6 +241,17 @@ class RecoveryInputs:
     def by_rank(self) -> dict[int, RankReport]:
         return {r.rank: r for r in self.reports}
 
+    def undo_words(self) -> str:
+        """How the survivors of ``undo`` get back to the consensus, for a plan's reason ("" where
+        none undoes): bitwise from their own copies, or by update-undo's inverse update."""
+        by_rank = self.by_rank
+        exact = [r for r in self.undo if by_rank[r].undo_exact]
+        inexact = [r for r in self.undo if r not in exact]
+        words = f"; survivors {exact} undo to iteration {self.consensus} from their own copies of it" if exact else ""
+        return words + (
+            f"; survivors {inexact} undo to iteration {self.consensus} by the inverse update" if inexact else ""
+        )
+
     def lost_log_senders(self, group: Collection[int]) -> list[tuple[int, str]]:
         """``(rank, why)`` of the pipeline neighbours outside ``group`` whose message log stopped
         covering their sends: the messages a replay of ``group`` needs from them are missing."""

@@ -49,9 +49,11 @@ def test_a_record_of_the_consensus_missing_lands_one_earlier_and_the_survivors_u
     plan, chosen = STRATEGIES.choose(inputs)
     assert chosen.name == "tranlogs" and plan.consensus == 8 and plan.undo == (0, 1), plan
     assert plan.replay_ranks == (2, 3) and list(plan.replay_iterations) == [6, 7, 8]
-    assert plan.reason.endswith("; survivors [0, 1] by the inverse update"), plan.reason
+    assert plan.reason.endswith("; survivors [0, 1] undo to iteration 8 by the inverse update"), plan.reason
     exact, _ = STRATEGIES.choose(agree({2: 8, 3: 8}, exact=True))
-    assert exact.consensus == 8 and exact.reason.endswith("; survivors [0, 1] from their own copies of 8"), exact.reason
+    assert exact.consensus == 8 and exact.reason.endswith(
+        "; survivors [0, 1] undo to iteration 8 from their own copies of it"
+    ), exact.reason
 
 
 def test_other_gaps_stay_at_the_consensus_for_the_check_round() -> None:

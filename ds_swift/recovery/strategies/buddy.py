@@ -121,14 +121,7 @@ class BuddyStrategy(RecoveryStrategy):
         pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
         reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target.iteration} ({pairs})"
         at = inputs.rebased(target.iteration)
-        by_rank = inputs.by_rank
-        exact = [r for r in at.undo if by_rank[r].undo_exact]
-        if exact:
-            reason += f"; survivors {exact} undo to iteration {target.iteration} from their own copies of it"
-        if len(exact) < len(at.undo):
-            inexact = [r for r in at.undo if r not in exact]
-            reason += f"; survivors {inexact} undo to iteration {target.iteration} by the inverse update"
-        return at.plan(self.name, reason, donors=target.holders)
+        return at.plan(self.name, reason + at.undo_words(), donors=target.holders)
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)

@@ -108,10 +108,7 @@ class TranLogsStrategy(RecoveryStrategy):
             f"updates of iterations {start}..{target}"
         )
         if earlier:
-            exact = [r for r in at.undo if inputs.by_rank[r].undo_exact]
-            inexact = [r for r in at.undo if r not in exact]
-            reason += f"; {earlier}" + (f"; survivors {exact} from their own copies of {target}" if exact else "")
-            reason += f"; survivors {inexact} by the inverse update" if inexact else ""
+            reason += f"; {earlier}" + at.undo_words()
         return at.plan(self.name, reason, replay_ranks=at.replacements, replay_from=start)
 
     def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
