@@ -70,6 +70,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "-rng": ({"enabled": True}, "rng"),
     "-wakeup": ({"enabled": True}, "wakeup"),
     "ckpt@10": ({"enabled": True, "checkpoint": {"interval": 10}}, ""),
+    "buddy@2": ({"enabled": True, "buddy": {"interval": 2}}, ""),
+    "buddy@5": ({"enabled": True, "buddy": {"interval": 5}}, ""),
+    "buddy@10": ({"enabled": True, "buddy": {"interval": 10}}, ""),
 }
 #: the interval of the ckpt@10 variant
 CKPT_EVERY = 10

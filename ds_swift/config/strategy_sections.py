@@ -27,6 +27,13 @@ class BuddyConfig:
     replication_factor: int = 1
     """How many buddies, each on another machine (and failure domain), hold each partition."""
 
+    interval: int = 1
+    """Copy after the steps of every ``interval``-th iteration only (iterations divisible by it).
+    A copy per step costs a host copy and a send of the whole partition per iteration; with an
+    interval, a lost rank's copy is up to ``interval`` steps old, and every rank then goes back to
+    it (survivors bitwise, from their own copies of that iteration) and trains the iterations since
+    again: fewer bytes per iteration, more iterations recomputed after a failure."""
+
     def __post_init__(self) -> None:
         _check_type("buddy.enabled", self.enabled, bool, "true or false")
         _check_type("buddy.replication_factor", self.replication_factor, int, "a positive integer")
@@ -34,6 +41,9 @@ class BuddyConfig:
             raise _fail(
                 "buddy.replication_factor", self.replication_factor, "a positive integer (disable with enabled: false)"
             )
+        _check_type("buddy.interval", self.interval, int, "a positive number of iterations")
+        if self.interval < 1:
+            raise _fail("buddy.interval", self.interval, "a positive number of iterations (1: a copy after every step)")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ of the fp32 master weights plus the optimizer state of that share::
 
     partition bytes = params per rank / dp x (4 master + 4 x moments) bytes
 
-(params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After every
-step each rank sends that payload to each of its ``replication_factor`` buddies (network bytes per
-rank per iteration) and holds the newest two complete copies of each partition it is buddy of
+(params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After the
+step of every ``buddy.interval``-th iteration each rank sends that payload to each of its
+``replication_factor`` buddies (network bytes per rank per iteration: that over the interval) and holds the newest two complete copies of each partition it is buddy of
 (host memory per rank: 2 x factor x partition bytes on average), plus its own copy of its last two
 steps, staged before sending (2 x partition bytes): what makes a survivor's undo bitwise.
 """
@@ -33,6 +33,8 @@ class BuddyCost:
     """Copies are made (enabled in the config and the optimizer state is partitioned)."""
     why: str
     factor: int
+    interval: int = 1
+    """Iterations between copies (``buddy.interval``)."""
     partition_bytes: int | None = None
     """One rank's payload: fp32 master share plus its optimizer state (None: parameters unknown)."""
     network_bytes_per_rank_per_iteration: int | None = None
@@ -48,8 +50,9 @@ class BuddyCost:
         if self.partition_bytes is None:
             return [("buddy copies", f"on ({self.why}); bytes unknown: give --num-params")]
         net, host = self.network_bytes_per_rank_per_iteration or 0, self.host_bytes_per_rank or 0
+        every = "every iteration" if self.interval == 1 else f"every {self.interval} iterations"
         return [
-            ("buddy copies", f"on, {self.factor} buddy(ies) per rank ({self.why})"),
+            ("buddy copies", f"on, {self.factor} buddy(ies) per rank, {every} ({self.why})"),
             ("buddy network / rank / iteration", f"{net / 1e9:.3f} GB ({net} bytes)"),
             (
                 "buddy host memory / rank",
@@ -86,9 +89,10 @@ def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, n
     why = _partitioned_by(ds, layout)
     if why is None:
         return BuddyCost(False, "the optimizer state is not partitioned: a data-parallel replica holds it", factor)
+    every = swift.buddy.interval
     if num_params is None:
-        return BuddyCost(True, why, factor)
+        return BuddyCost(True, why, factor, every)
     opt = str((ds.get("optimizer") or {}).get("type", "adamw")).lower()
     per_param = 4 + 4 * _MOMENTS.get(opt, 2)
     part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
-    return BuddyCost(True, why, factor, part, part * factor, 2 * (factor + 1) * part)
+    return BuddyCost(True, why, factor, every, part, part * factor // every, 2 * (factor + 1) * part)

@@ -7,7 +7,8 @@ further agreement round is needed:
 
 - the consensus pre-failure iteration is the newest iteration every survivor stepped
   (``min`` of their last stepped iterations); survivors ahead of it undo (SWIFT section 4);
-- which of those survivors cannot undo (no record, or more than one step ahead).
+- which of those survivors cannot undo (no own copy of the consensus iteration, and no record or
+  more than one step ahead).
 
 Which strategy restores the lost ranks is each strategy's own question
 (:meth:`~ds_swift.recovery.base.RecoveryStrategy.can_restore`); the registry
@@ -51,6 +52,9 @@ class RankReport:
     undo_exact: bool = False
     """That undo would be bitwise (the rank holds its own copy of the iteration before; otherwise
     update-undo's inverse update gets within 2 ulp of it, and the recovery says so)."""
+    own_copies: tuple[int, ...] = ()
+    """The iterations of this survivor's own complete copies of its optimizer partition (the buddy
+    copier's, ds_swift.runtime.buddy): it can go back to any of them, bitwise, however many steps."""
     inflight: int = -1
     """The iteration in flight this rank holds a copy of (PipeChurn's partial recomputation,
     ds_swift.recovery.state.inflight; -1: none)."""
@@ -74,6 +78,7 @@ class RankReport:
         doc = json.loads(text)
         doc["buddy_copies"] = tuple((int(o), int(v)) for o, v in doc.get("buddy_copies", ()))
         doc["ec_chunks"] = tuple((int(o), int(v), int(i)) for o, v, i in doc.get("ec_chunks", ()))
+        doc["own_copies"] = tuple(int(v) for v in doc.get("own_copies", ()))
         return cls(**doc)
 
 
@@ -156,7 +161,8 @@ class RecoveryInputs:
         survivors: the ranks that kept their state across the failure.
         replacements: the ranks that lost it (their machine failed): the lost ranks to restore.
         undo: the survivors ahead of the consensus, which undo their last step.
-        cannot_undo: those of ``undo`` that cannot (no undo record, or more than one step ahead).
+        cannot_undo: those of ``undo`` that cannot (no own copy of the consensus iteration, and no
+            undo record or more than one step ahead).
         checkpoint_step: the newest global checkpoint complete for every rank (-1: none yet).
         logging: what logging-based recovery may use (None: no message log).
         forced: the config's ``strategy``: "auto", or the name of the one strategy allowed (the
@@ -207,7 +213,11 @@ class RecoveryInputs:
             consensus = min((r.last_stepped for r in ahead), default=-1)
         undo = tuple(r.rank for r in ahead if r.last_stepped > consensus)
         cannot = tuple(
-            r.rank for r in ahead if r.last_stepped > consensus and (not r.can_undo or r.last_stepped - consensus > 1)
+            r.rank
+            for r in ahead
+            if r.last_stepped > consensus
+            and consensus not in r.own_copies
+            and (not r.can_undo or r.last_stepped - consensus > 1)
         )
         return cls(
             ordered,
@@ -241,11 +251,17 @@ class RecoveryInputs:
     def by_rank(self) -> dict[int, RankReport]:
         return {r.rank: r for r in self.reports}
 
+    def undoes_exactly(self, rank: int, to: int | None = None) -> bool:
+        """Survivor ``rank`` gets back to iteration ``to`` (default: the consensus; a plan's, where a
+        strategy rebased it) bitwise: it holds its own copy of that iteration (otherwise it undoes
+        one step by update-undo's inverse update, within 2 ulp)."""
+        r, to = self.by_rank[rank], self.consensus if to is None else to
+        return to in r.own_copies or (r.undo_exact and r.last_stepped - 1 == to)
+
     def undo_words(self) -> str:
         """How the survivors of ``undo`` get back to the consensus, for a plan's reason ("" where
         none undoes): bitwise from their own copies, or by update-undo's inverse update."""
-        by_rank = self.by_rank
-        exact = [r for r in self.undo if by_rank[r].undo_exact]
+        exact = [r for r in self.undo if self.undoes_exactly(r)]
         inexact = [r for r in self.undo if r not in exact]
         words = f"; survivors {exact} undo to iteration {self.consensus} from their own copies of it" if exact else ""
         return words + (

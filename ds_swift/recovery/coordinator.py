@@ -88,6 +88,7 @@ def rank_report(
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
         undo_exact=kept is not None and kept.undo_exact,
+        own_copies=kept.own_copies if kept is not None else (),
         inflight=held[0],
         inflight_passes=held[1],
         inflight_forwards=held[2],
@@ -235,8 +236,7 @@ def _agree_on_errors(
 def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:
     """Survivors that undid by the inverse update (no own copy of the iteration before) resume from a
     state within 2 ulp of the failure-free run's, not on it: an approximate recovery, said aloud."""
-    by_rank = inputs.by_rank
-    inexact = [r for r in plan.undo if not by_rank[r].undo_exact]
+    inexact = [r for r in plan.undo if not inputs.undoes_exactly(r, plan.consensus)]
     if not inexact:
         return
     what = (
@@ -254,7 +254,7 @@ def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
     that iteration while it trained (where digests are published): a wrong copy (staged from
     buffers a later round refilled, say) would otherwise train on unnoticed."""
     rank = ctx.rank
-    if rank not in plan.undo or rank in plan.replay_ranks or not inputs.by_rank[rank].undo_exact:
+    if rank not in plan.undo or rank in plan.replay_ranks or not inputs.undoes_exactly(rank, plan.consensus):
         return None
     verdict = check_published(ctx.store, rank, ctx.engine, plan.consensus, OWN_COPY)
     # No digest of that iteration: they are published only where a replay may happen, every

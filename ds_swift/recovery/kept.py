@@ -123,6 +123,13 @@ class KeptState:
             and (self.last_stepped - 1) in self.buddy.own_versions()
         )
 
+    @property
+    def own_copies(self) -> tuple[int, ...]:
+        """The iterations this survivor can go back to bitwise (its own copies, below its last step)."""
+        if self.optimizer is None or self.buddy is None:
+            return ()
+        return tuple(v for v in self.buddy.own_versions() if v < self.last_stepped)
+
     def undo_blocker(self) -> str | None:
         """Why this survivor cannot undo its last step (None if it can)."""
         if self.optimizer is None:
@@ -144,13 +151,15 @@ class KeptState:
         return "the update-undo record cannot be undone"
 
     def undo_to(self, iteration: int) -> str:
-        """Undo the last step so that ``iteration`` is the last one applied (one step back at most):
-        bitwise from this rank's own copy of ``iteration`` where it holds one, else by update-undo's
-        inverse update (within 2 ulp). Returns how ("own copy", "inverse update"; "" if nothing to undo)."""
+        """Go back so that ``iteration`` is the last step applied: bitwise from this rank's own copy
+        of ``iteration`` where it holds one (any number of steps back: copies every
+        ``buddy.interval`` iterations), else by update-undo's inverse update of the last step (one
+        step back at most, within 2 ulp). Returns how ("own copy", "inverse update"; "" if nothing
+        to undo)."""
         if iteration >= self.last_stepped:
             return ""
         own = self.buddy.own_state(iteration) if self.buddy is not None and self.optimizer is not None else None
-        if own is not None and iteration == self.last_stepped - 1:
+        if own is not None:
             self.restored = own
             if self.counters is not None:
                 self.counters["skipped_steps"] = int((own.get("counters") or {}).get("skipped_steps", 0))

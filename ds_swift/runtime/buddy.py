@@ -106,7 +106,7 @@ class _Worker:
         if self.rounds == 2:  # the first round after a step: what every later one costs
             say_here(
                 f"{'buddy copies' if self.split is None else 'erasure-coded chunks'}: {sent} bytes per "
-                f"iteration to rank(s) {list(self.buddies)} (iteration {item[0]})",
+                f"copy to rank(s) {list(self.buddies)} (iteration {item[0]})",
                 name=__name__,
             )
 
@@ -161,6 +161,8 @@ class BuddyCopier:
     Args:
         factor: buddies per rank (``buddy.replication_factor``).
         failure_domains: machines that fail together (``machines.failure_domains``).
+        interval: copy after the steps of iterations divisible by it only (``buddy.interval``), and
+            at :meth:`start`.
     """
 
     def __init__(
@@ -168,9 +170,11 @@ class BuddyCopier:
         factor: int,
         failure_domains: tuple[tuple[int, ...], ...],
         erasure: tuple[int, int] | None = None,
+        interval: int = 1,
     ) -> None:
         self.factor = factor if erasure is None else sum(erasure)
         self.erasure = erasure
+        self.interval = interval
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
         self._worker: _Worker | None = None
@@ -223,8 +227,13 @@ class BuddyCopier:
         self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
-        say(f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}", rank, name=__name__)
-        self.after_step(engine)
+        every = f", after the steps of every {self.interval}th iteration" if self.interval > 1 else ""
+        say(
+            f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}{every}",
+            rank,
+            name=__name__,
+        )
+        self.after_step(engine, always=True)
         return True
 
     def before_step(self, check: Callable[[], None] | None = None) -> None:
@@ -269,11 +278,14 @@ class BuddyCopier:
             "or the global checkpoint)",
         )
 
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, engine: Any, always: bool = False) -> None:
         """Hand this rank's state after the step just taken (iteration ``global_steps - 1``) to the
-        copier thread; returns at once."""
+        copier thread, if that iteration is a multiple of the interval (or ``always``); returns at once."""
         w = self._worker
         if w is None:
+            return
+        version = int(engine.global_steps) - 1
+        if not always and version % self.interval:
             return
         manifest, tensors = state_payload(engine)
         ready = None
@@ -281,7 +293,7 @@ class BuddyCopier:
             ready = torch.cuda.Event()
             ready.record()
         w.landed.clear()
-        if not w.worker.submit((int(engine.global_steps) - 1, manifest, tensors, ready)):
+        if not w.worker.submit((version, manifest, tensors, ready)):
             w.landed.set()  # the copier stopped on an error: the next step's wait reports it
 
     def stop(self, finish_s: float = 0.2) -> bool:

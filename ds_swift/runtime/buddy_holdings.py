@@ -133,6 +133,8 @@ class StoreLanding:
 
             rank = dist.get_rank()
         self.rank = rank
+        self._rounds: list[int] = []
+        """The rounds this rank counted itself in, newest last (the keys of two rounds back go)."""
 
     def _key(self, version: int) -> str:
         return JobStore.buddy_round_key(self.generation, version)
@@ -150,15 +152,20 @@ class StoreLanding:
         ``stopped()`` (False)."""
         key = self._key(version)
         self.store.set(f"{key}/{self.rank}", "1")
-        # Rounds are a step apart (a step waits for the previous round): two back is over everywhere.
-        self.store.delete(f"{self._key(version - 2)}/{self.rank}")
+        # A step waits for the previous round, so the round two back is over everywhere (rounds are
+        # ``buddy.interval`` iterations apart: the same rounds on every rank).
+        self._rounds.append(version)
+        old = self._rounds.pop(0) if len(self._rounds) > 2 else None
+        if old is not None:
+            self.store.delete(f"{self._key(old)}/{self.rank}")
         if self.rank != self.LEADER:
             return self._wait([self._done(version)], stopped)
         ranks = [f"{key}/{r}" for r in range(self.world)]
         if not self._wait(ranks, stopped):
             return False
         self.store.set(self._done(version), "1")
-        self.store.delete(self._done(version - 2))
+        if old is not None:
+            self.store.delete(self._done(old))
         return True
 
     def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> bool:

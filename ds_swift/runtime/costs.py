@@ -98,10 +98,12 @@ def protection_costs(
         lines.append("  buddy copies: none (one machine: no other machine to hold them): 0")
     elif buddy is not None:
         part, counted = buddy_round_bytes(engine)
-        per = part * buddy.factor
+        every = int(getattr(buddy, "interval", 1))
+        per = part * buddy.factor // every
+        when = "after every step" if every == 1 else f"after every {every}th step ({part * buddy.factor} bytes each)"
         lines.append(
             f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
-            f"machines after every step in a background thread ({counted}; the training thread waits only if the "
+            f"machines {when} in a background thread ({counted}; the training thread waits only if the "
             "previous round is still sending; measured totals at the end)"
         )
     else:

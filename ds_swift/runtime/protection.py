@@ -59,7 +59,9 @@ class Protections:
             erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
             self.buddy = BuddyCopier(1, cfg.machines.failure_domains, erasure=erasure)
         elif cfg.buddy.enabled and services.buddy_copies:
-            self.buddy = BuddyCopier(cfg.buddy.replication_factor, cfg.machines.failure_domains)
+            self.buddy = BuddyCopier(
+                cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.interval
+            )
         elif cfg.buddy.enabled and (ctx.env is None or ctx.env.rank == 0):
             # A strategy that never reads buddy copies does not pay for them.
             ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")

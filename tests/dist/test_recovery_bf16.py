@@ -102,6 +102,27 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
+def test_buddy_copies_at_an_interval_take_every_rank_back_to_the_newest_copy_bitwise(
+    tmp_path: Path, baseline: JobRun
+) -> None:
+    """``buddy.interval`` 4: copies after the steps of iterations 0, 4 and 8 only. Machine 1 is killed
+    in iteration 11's backward pass (both survivors stepped 10): the lost ranks' newest copies are of
+    8, so every rank goes back to 8 (the survivors bitwise from their own copies of 8, two steps
+    back) and trains 9 and 10 again. The job ends bitwise equal to the failure-free run."""
+    inject = ["--spares", "1", "--inject", "machine=1,iteration=11,phase=backward"]
+    job = launch(tmp_path, BF16, inject, {"buddy": {"interval": 4}, "verify": {"digest_interval": 4}})
+    tl = one_recovery(job)
+    assert tl["strategy"] == "buddy" and tl["consensus"] == 8 and tl["undo_ranks"] == [0, 1], tl["reason"]
+    assert "iterations 9..10 are trained again" in tl["reason"], tl["reason"]
+    assert "survivors [0, 1] undo to iteration 8 from their own copies of it" in tl["reason"], tl["reason"]
+    assert tl["deviation"] is None and "APPROXIMATE RECOVERY" not in job.output
+    assert job.output.count("undo: last stepped iteration 10 -> consensus 8 (own copy)") == 2, job.output[-4000:]
+    assert "after the steps of every 4th iteration" in job.output
+    # Each survivor checked its state undone from its own copy against its digest of iteration 8.
+    assert_verified(tl, [0, 1, 2, 3], r"(my own copy \(iteration 8\)|my optimizer partition) bitwise equal")
+    assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
+
+
 # The same kill as the test above, the script feeding train_batch(data_iter=...): in CI the engine's
 # rewind of a ResumableIterator is tests/unit/test_data_iter.py's, the recovery the test above.
 @pytest.mark.slow

@@ -91,6 +91,58 @@ def test_a_copy_too_far_behind_or_without_undo_falls_back_loudly() -> None:
     assert plan_recovery(rs, zero_stage=1, partitioned=True).strategy == "checkpoint"
 
 
+def interval_reports(own: dict[int, tuple[int, ...]]) -> list[RankReport]:
+    """Copies every 4 iterations (0, 4, 8): survivors 0 and 1 stepped 10, machine 1 lost."""
+    copies = {0: [(2, 4), (2, 8)], 1: [(3, 4), (3, 8)]}
+    return [
+        RankReport(
+            rank=r,
+            survivor=r < 2,
+            stage=r % 2,
+            dp=r // 2,
+            tp=0,
+            machine=r // 2,
+            last_stepped=10 if r < 2 else -1,
+            can_undo=True,
+            buddy_copies=tuple(copies.get(r, ())),
+            own_copies=own.get(r, ()),
+        )
+        for r in range(4)
+    ]
+
+
+def test_copies_at_an_interval_take_every_rank_back_to_the_newest_common_copy() -> None:
+    plan = plan_recovery(interval_reports({0: (4, 8), 1: (4, 8)}), zero_stage=1, partitioned=True)
+    assert plan.strategy == "buddy" and plan.consensus == 8 and plan.undo == (0, 1), plan.reason
+    assert plan.donors == {2: 0, 3: 1}
+    assert "iterations 9..10 are trained again" in plan.reason
+    assert "survivors [0, 1] undo to iteration 8 from their own copies of it" in plan.reason
+    # A survivor whose own copy of 8 is gone (only 4 held) takes everyone back to 4.
+    plan = plan_recovery(interval_reports({0: (4, 8), 1: (4,)}), zero_stage=1, partitioned=True)
+    assert plan.strategy == "buddy" and plan.consensus == 4, plan.reason
+    assert "iterations 5..10 are trained again" in plan.reason
+
+
+def test_copies_at_an_interval_without_own_copies_fall_back_saying_why() -> None:
+    """Two steps back is beyond update-undo: without own copies, the global checkpoint."""
+    plan = plan_recovery(interval_reports({0: (4, 8)}), zero_stage=1, partitioned=True)
+    assert plan.strategy == "checkpoint", plan.reason
+    assert "do not reach the consensus iteration 10" in plan.reason and "rank 0: [4, 8]" in plan.reason
+
+
+def test_an_exact_undo_is_judged_at_the_plans_iteration() -> None:
+    inputs = RecoveryInputs.agree(interval_reports({0: (4, 8), 1: (8,)}), zero_stage=1, partitioned=True)
+    assert inputs.consensus == 10 and inputs.undo == ()
+    at8 = inputs.rebased(8)
+    assert at8.undo == (0, 1) and at8.cannot_undo == ()
+    assert at8.undoes_exactly(0) and at8.undoes_exactly(1)
+    assert inputs.undoes_exactly(1, 8) and not inputs.undoes_exactly(1, 4) and inputs.undoes_exactly(0, 4)
+    assert inputs.rebased(4).cannot_undo == (1,)
+    assert inputs.rebased(9).cannot_undo == ()  # one step back: update-undo's inverse update
+    assert not inputs.undoes_exactly(0, 9)
+    assert inputs.rebased(7).cannot_undo == (0, 1)  # three back, and no own copy of 7
+
+
 def test_losing_a_rank_and_its_only_buddy_says_why() -> None:
     rs = reports({0: 6, 1: 6}, {0: [(1, 6)], 1: [(0, 6)]})  # copies of survivors only
     plan = plan_recovery(rs, zero_stage=1, partitioned=True)
@@ -119,7 +171,7 @@ def test_unpartitioned_optimizers_stay_with_replication() -> None:
 
 
 def test_report_round_trips_buddy_copies() -> None:
-    r = RankReport(1, True, 0, 0, 0, 0, 5, True, ((2, 4), (2, 5)))
+    r = RankReport(1, True, 0, 0, 0, 0, 5, True, ((2, 4), (2, 5)), own_copies=(0, 4))
     assert RankReport.from_json(r.to_json()) == r
 
 
@@ -189,6 +241,17 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
     assert not off.active and "buddy.enabled is false" in off.lines()[0][1]
     replicated = buddy_cost({"optimizer": {"type": "AdamW"}}, SwiftConfig(), layout, 8e6)
     assert not replicated.active and "not partitioned" in replicated.why
+    spaced = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"replication_factor": 2, "interval": 4}}), layout, 8e6)
+    assert spaced.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes // 4
+    assert spaced.host_bytes_per_rank == cost.host_bytes_per_rank and "every 4 iterations" in spaced.lines()[0][1]
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4"])
+def test_a_bad_buddy_interval_is_an_error_naming_the_field(bad: object) -> None:
+    from ds_swift.config import ConfigError, SwiftConfig
+
+    with pytest.raises(ConfigError, match=r"buddy\.interval="):
+        SwiftConfig.from_dict({"buddy": {"interval": bad}})
 
 
 def test_immediate_rollback_takes_the_newest_copy_and_undoes_nothing() -> None:

@@ -80,15 +80,25 @@ def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
     for t in threads.values():
         t.join(30)
     assert results == {0: True, 1: True}
+
     # The next rounds clean up two back: the store holds a bounded number of landing keys.
-    for version in (8, 9):
-        done = [threading.Thread(target=lambda r=r, v=version: ranks[r](v, lambda: False)) for r in range(world)]
-        for t in done:
-            t.start()
-        for t in done:
-            t.join(30)
+    def rounds(*versions: int) -> None:
+        for version in versions:
+            done = [threading.Thread(target=lambda r=r, v=version: ranks[r](v, lambda: False)) for r in range(world)]
+            for t in done:
+                t.start()
+            for t in done:
+                t.join(30)
+
+    rounds(8, 9)
     assert all(store.get(f"buddy/0/7/{r}") is None for r in range(world)) and store.get("buddy/0/7/done") is None
     assert store.get("buddy/0/9/done") is not None
+    # Rounds buddy.interval (5) iterations apart: two rounds back, not two iterations back.
+    rounds(14, 19)
+    for gone in (8, 9):
+        assert all(store.get(f"buddy/0/{gone}/{r}") is None for r in range(world)), gone
+        assert store.get(f"buddy/0/{gone}/done") is None, gone
+    assert store.get("buddy/0/14/done") is not None and store.get("buddy/0/19/done") is not None
 
 
 def test_a_rank_turning_copies_off_ends_every_ranks_wait_for_its_rounds() -> None:

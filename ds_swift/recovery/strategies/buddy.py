@@ -10,14 +10,15 @@ copying, :func:`assign_buddies` (pure) decides who holds whose copy.
 :class:`BuddyStrategy` restores a lost rank's partition from a surviving buddy's copy. A copy is
 the owner's state after some iteration's step; each buddy reports which ones it holds complete
 (:attr:`~ds_swift.recovery.consensus.RankReport.buddy_copies`). The restore must land every rank
-on one iteration: the consensus if every lost rank has a copy of it; one iteration earlier if a
-copy lags by one step and every survivor ahead of it can get back to it; otherwise the strategy
-refuses, and the registry falls back to the global checkpoint, saying why.
+on one iteration: the newest one, at most the consensus, that every lost rank has a copy of and every
+survivor ahead of it can get back to (one step by update-undo; any number to an own copy, where
+``buddy.interval`` spaces the copies: every rank then trains the iterations since again); otherwise
+the strategy refuses, and the registry falls back to the global checkpoint, saying why.
 
 A survivor ahead of the iteration undoes: bitwise, from its own copy of that iteration, which the
 copier staged in its host memory before sending it (ds_swift.runtime.buddy, used by
-ds_swift.recovery.kept); only without one, by update-undo's inverse update, which is exact only to
-2 ulp, and the recovery then says so (an approximate recovery).
+ds_swift.recovery.kept); only without one, by update-undo's inverse update of its last step, which
+is exact only to 2 ulp, and the recovery then says so (an approximate recovery).
 """
 
 from __future__ import annotations
@@ -81,13 +82,19 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
             f"(their buddies were on failed machine(s) {sorted(inputs.failed_machines)})"
         )
     c = inputs.consensus
-    for target in (c, c - 1):
-        if all(target in versions for versions in holders.values()) and not inputs.rebased(target).cannot_undo:
+    common = set.intersection(*(set(versions) for versions in holders.values()))
+    # The newest iteration every lost rank's copy holds that every survivor can get back to: the
+    # consensus, one step back (update-undo or an own copy), or further where buddy.interval spaces
+    # the copies (every survivor's own copy of it).
+    for target in sorted((v for v in common if v <= c), reverse=True):
+        if not inputs.rebased(target).cannot_undo:
             return BuddyTarget(target, _pick(holders, target)), ""
     have = "; ".join(f"rank {r}: iteration(s) {sorted(v)}" for r, v in sorted(holders.items()))
+    own = "; ".join(f"rank {r.rank}: {sorted(r.own_copies)}" for r in inputs.reports if r.survivor and r.own_copies)
     return None, (
-        f"the buddy copies ({have}) do not reach the consensus iteration {c} "
-        f"(survivors can undo at most one step, to {c - 1})"
+        f"the buddy copies ({have}) do not reach the consensus iteration {c}, and no older one is "
+        f"common to every lost rank and reachable by every survivor (one step back by update-undo, "
+        f"or to its own copies: {own or 'none held'})"
     )
 
 
@@ -121,11 +128,18 @@ class BuddyStrategy(RecoveryStrategy):
         pairs = ", ".join(f"{h}->{r}" for r, h in sorted(target.holders.items()))
         reason = f"every lost rank's optimizer partition has a buddy copy of iteration {target.iteration} ({pairs})"
         at = inputs.rebased(target.iteration)
+        if target.iteration < inputs.consensus - 1:
+            reason += (
+                f" (copies every buddy.interval iterations: iterations {target.iteration + 1}.."
+                f"{inputs.consensus} are trained again)"
+            )
         return at.plan(self.name, reason + at.undo_words(), donors=target.holders)
 
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
         ctx.keep_state(plan)
         outcome = RecoveryOutcome(plan, plan.consensus + 1)
+        # Back once the iteration the failure cut short is reached again (an older copy: later).
+        outcome.back_iteration = max(plan.consensus, inputs.consensus) + 1
         holdings = ctx.kept.buddy if ctx.kept is not None else None
 
         def copy_of(owner: int) -> Any:

@@ -141,7 +141,7 @@ class ReplicationStrategy(RecoveryStrategy):
         finish_restore(ctx.engine)
         if donor is not None and ctx.verify:
             transported = check_received(ctx, donor, capture_state(ctx.engine), "the state")
-            if donor in plan.undo and not inputs.by_rank[donor].undo_exact:
+            if donor in plan.undo and not inputs.undoes_exactly(donor, plan.consensus):
                 # The donor went back by update-undo's inverse update (within 2 ulp, announced as an
                 # approximate recovery): its state cannot equal the lost rank's own digest bitwise,
                 # so only the transport is checked, and the verdict says why.
