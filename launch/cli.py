@@ -22,21 +22,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Otherwise every rank would exit 2 and each replacement would too, until --max-failures.
         print(f"ds-swift-launch: error: training script {cmd.script} not found", file=sys.stderr)
         return 2
-    # torch (the job store) is imported only now: --help and usage errors stay instant.
-    from .launcher import run
-    from .preflight import arch_list_warning, preflight
+    # --fork-server: its interpreter imports torch, DeepSpeed and megatron-core while this one
+    # imports torch for the job store (on a small host, seconds off every job's start).
+    server = None
+    if args.fork_server and args.launcher not in ("pdsh", "ssh"):  # pdsh/ssh: each host's agent has its own
+        from .forkserver import ForkServer
 
-    # A configuration the strategy cannot serve is refused before any worker starts (not a hang
-    # at the first failure, nor an abort inside the workers).
-    why = preflight(args)
-    if why is not None:
-        print(f"ds-swift-launch: error: {why}", file=sys.stderr)
-        return 2
-    arch = arch_list_warning(os.environ, _installed("deepspeed"))
-    if arch is not None:
-        print(f"ds-swift-launch: warning: {arch}", file=sys.stderr)
+        server = ForkServer(args.command)
+        server.start()
+    try:
+        # torch (the job store) is imported only now: --help and usage errors stay instant.
+        from .launcher import run
+        from .preflight import arch_list_warning, preflight
 
-    return run(args)
+        # A configuration the strategy cannot serve is refused before any worker starts (not a hang
+        # at the first failure, nor an abort inside the workers).
+        why = preflight(args)
+        if why is not None:
+            print(f"ds-swift-launch: error: {why}", file=sys.stderr)
+            return 2
+        arch = arch_list_warning(os.environ, _installed("deepspeed"))
+        if arch is not None:
+            print(f"ds-swift-launch: warning: {arch}", file=sys.stderr)
+
+        return run(args, server)
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _installed(dist: str) -> str | None:

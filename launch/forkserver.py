@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO
 
-from ds_swift.jobstore.membership import WorkerEnv
+from ds_swift.jobstore.worker_env import WorkerEnv
 
 from .args import Command
 from .spawn import Worker, dies_with_us, warm_environ, worker_argv, worker_environ
@@ -143,10 +143,15 @@ class ForkServer:
                 return -signal.SIGKILL
         return None
 
+    def start(self) -> None:
+        """Start the server, without waiting for its imports (``ds-swift-launch`` starts it before it
+        imports torch itself, for its job store: the two imports overlap)."""
+        self.proc = self.proc or self._start()
+
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start the server and wait for its imports: before the agents' first tick, so that no agent
         stops beating its liveness counter (multi-host) for that long. OSError if it does not serve."""
-        self.proc = self.proc or self._start()
+        self.start()
         self._wait_until(lambda: self._ready, timeout_s, "not ready")
 
     def _wait_until(self, done: Callable[[], bool], timeout_s: float, missed: str) -> None:
@@ -221,6 +226,9 @@ class ForkServer:
         if self.proc is None or self._requests is None:
             return
         self._requests.close()
+        self._requests = None  # closed once: a second close() does nothing
+        if not self._ready and not self._forked:
+            self.proc.kill()  # still importing, and nothing forked: a launcher that stopped early
         try:
             self.proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:

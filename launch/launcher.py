@@ -283,8 +283,11 @@ def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]
     return store, args.master_addr, args.master_port, False
 
 
-def run(args: LaunchArgs) -> int:
-    """Start the job described by ``args``; returns the launcher's exit code."""
+def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
+    """Start the job described by ``args``; returns the launcher's exit code.
+
+    ``server``: the ``--fork-server`` server, already started (ds-swift-launch starts it before it
+    imports torch); None: started here where ``--fork-server`` asks for it."""
     if args.launcher in ("pdsh", "ssh"):
         from .remote import run_remote
 
@@ -315,7 +318,8 @@ def run(args: LaunchArgs) -> int:
             why=why,
         )
     # --fork-server: one pre-imported interpreter forks every worker of this process's agents.
-    server = ForkServer(args.command) if args.fork_server else None
+    if server is None and args.fork_server:
+        server = ForkServer(args.command)
     if server is not None:
         try:
             server.wait_ready()

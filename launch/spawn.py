@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
-from ds_swift.jobstore.membership import WorkerEnv
+from ds_swift.jobstore.worker_env import WorkerEnv
 
 from .args import Command
 

@@ -29,11 +29,12 @@ import json
 import re
 import secrets
 import time
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from ds_swift.jobstore.auth import Sealer
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["BEAT_S", "LAUNCH_ENV", "STALE_S", "SignedKV", "check_launch_id", "new_launch_id"]
 
@@ -68,6 +69,8 @@ class SignedKV:
         self.root_sealer = Sealer(secret)  # the token record belongs to no launch
         # PrefixStore puts a "/" between its prefix and a key: prefix and root_prefix end with it.
         self.root_prefix = f"swift/{self.sealer.namespace(token)}/"
+        import torch.distributed as dist  # here, not at import: the launcher's parser reads LAUNCH_ENV
+
         self.root = dist.PrefixStore(self.root_prefix[:-1], store)
         self._high: dict[str, float] = {}
         self._started = time.time()
@@ -80,6 +83,8 @@ class SignedKV:
         self.launch = launch
         self.sealer.launch = launch
         self.prefix = self.root_prefix + (f"L.{launch}/" if launch else "")
+        import torch.distributed as dist
+
         self.kv = dist.PrefixStore(self.prefix[:-1], self.raw)
 
     # ------------------------------------------------------------------ signed values

@@ -176,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server(ns.requests, ns.reports)
     server.report("ready 0 0")
     request = server.serve()
-    return 0 if request is None else _run_request(target, request)
+    if request is None:  # the launcher closed the socket: the job is over, and the launcher waits
+        from ds_swift.interpreter import exit_process
+
+        exit_process(0)  # for this, not for the teardown of torch and DeepSpeed (seconds)
+    return _run_request(target, request)
 
 
 if __name__ == "__main__":

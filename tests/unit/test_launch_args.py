@@ -6,6 +6,8 @@ The agent's decisions (spare, restart, abort, max failures) are in ``test_agent_
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,3 +230,16 @@ def test_describe_exit() -> None:
 
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(3) == "exited with code 3"
+
+
+def test_parsing_the_command_line_and_starting_the_fork_server_import_no_torch() -> None:
+    """``ds-swift-launch --help`` and usage errors are instant, and the fork server (which imports
+    torch and DeepSpeed) is started before the launcher imports torch for its job store: the two
+    imports overlap. Both need these modules torch-free."""
+    code = (
+        "import sys, ds_swift.launch.args, ds_swift.launch.forkserver, ds_swift.launch.cli; "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "print(bad[:5]); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -89,7 +89,8 @@ def restore(kind: str, store: JobStore, monkeypatch: pytest.MonkeyPatch, arrived
     else:
         stub_transport(monkeypatch, buddy_mod, arrived)
         strategy = buddy_mod.BuddyStrategy()
-    outcome = strategy.restore(plan, None, context(store, engine(seed=99)))
+    # The agreed inputs: only their consensus is read here (no survivor had to go back further).
+    outcome = strategy.restore(plan, SimpleNamespace(consensus=CONSENSUS), context(store, engine(seed=99)))
     assert outcome.verdict is not None
     return outcome.verdict
 
