@@ -385,9 +385,10 @@ def check_round(
     problems = [str(a["why"]) for a in answers.values() if a["why"]]
     if problems:
         reason = f"{what}: " + "; ".join(problems)
-        loud(
-            ctx.rank,
-            f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({checkpoint_source(inputs.checkpoint_step)})",
-        )
+        if ctx.rank == world[0]:  # the same on every rank: said once (each rank's fallback line repeats it)
+            loud(
+                ctx.rank,
+                f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({checkpoint_source(inputs.checkpoint_step)})",
+            )
         raise RestoreFailed(reason)
     return answers

@@ -229,7 +229,8 @@ def _agree_on_errors(
     if not said:
         return None
     reason = "; ".join(said)
-    loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+    if rank == 0:  # agreed, the same on every rank: said once (each rank's fallback line names it again)
+        loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
     return reason
 
 
@@ -275,7 +276,8 @@ def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> No
             ctx.log(line)
     reason = mismatch_reason(verdicts)
     if reason is not None:
-        loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+        if ctx.rank == 0:  # agreed: said once
+            loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
         raise RestoreFailed(reason)
 
 

@@ -105,10 +105,12 @@ def test_a_perturbed_replay_is_caught_and_falls_back_naming_the_tensor(
     named = re.search(r"tensor (\S+) differs \(reference digest [0-9a-f]{16}, restored [0-9a-f]{16}\)", tl["reason"])
     assert named and named.group(1).startswith(("module/", "optimizer/")), tl["reason"]
     assert tl["verification"] == {"2": "mismatch", "3": "mismatch"}  # rank 3 ran on rank 2's wrong output
+    # Agreed on every rank, said once (by rank 0); each rank's fallback line names the reason again.
     loud = re.findall(
         r"rank (\d): restored state failed verification: .*ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT", job.output
     )
-    assert sorted(set(loud)) == ["0", "1", "2", "3"], job.output[-6000:]
+    assert loud == ["0"], job.output[-6000:]
+    assert len(re.findall(r"restored state failed verification: rank 2", job.output)) <= 4 + 2, job.output[-6000:]
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback (restored state failed verification" in job.output
     assert_bitwise_equal(reference, checkpoint_tensors(job.final_tag))  # trained 8..11 again, from global_step8
