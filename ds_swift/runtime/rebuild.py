@@ -253,9 +253,10 @@ class Rebuilder(SurvivorSteps):
         self._monitor.set_generation(generation, watched_peers(self._holder.engine))
         self._monitor.set_armed(True)
         plan = outcome.plan
-        ctx.log(
-            f"generation {generation}: {plan.strategy} ({plan.reason}); resuming at iteration {outcome.resume_iteration}"
-        )
+        # The plan is the same on every rank: its reason is said once, by rank 0 (a thousand ranks
+        # printing it is a thousand copies of one paragraph).
+        why = f" ({plan.reason})" if env.rank == 0 else ""
+        ctx.log(f"generation {generation}: {plan.strategy}{why}; resuming at iteration {outcome.resume_iteration}")
         return Rejoined(outcome, tl, generation)
 
     def _recover(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> RecoveryOutcome:

@@ -303,6 +303,9 @@ def test_scar_reloads_only_the_lost_ranks_and_trains_on_from_the_mixed_state(tmp
     assert 0 < kept < reloaded < 0.0125, (kept, reloaded)
 
 
+# In CI, survivors going back by their own copies (two steps, verified against their digests) is
+# test_recovery_bf16.py's buddy.interval test; the one-step choice is tests/unit/test_buddy.py's.
+@pytest.mark.slow
 def test_survivors_ahead_of_a_lagging_copy_undo_bitwise_from_their_own_copies(tmp_path: Path, baseline: JobRun) -> None:
     """Rank 2 dies right after its step of iteration 7, before its copy of it leaves, and its machine
     with it: the lost ranks' newest copies are of iteration 6, and the survivors (both stepped 7) must

@@ -110,7 +110,9 @@ def test_a_perturbed_replay_is_caught_and_falls_back_naming_the_tensor(
         r"rank (\d): restored state failed verification: .*ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT", job.output
     )
     assert loud == ["0"], job.output[-6000:]
-    assert len(re.findall(r"restored state failed verification: rank 2", job.output)) <= 4 + 2, job.output[-6000:]
+    for rank in (1, 2, 3):  # the others name the reason once: in their own fallback line
+        said = re.findall(rf"rank {rank}: .*restored state failed verification: rank 2", job.output)
+        assert len(said) == 1, said
     for rank in range(4):
         assert f"rank {rank}: checkpoint fallback (restored state failed verification" in job.output
     assert_bitwise_equal(reference, checkpoint_tensors(job.final_tag))  # trained 8..11 again, from global_step8

@@ -67,7 +67,10 @@ def test_a_copier_error_after_the_generation_failed_is_that_failure() -> None:
 def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
     store = JobStore.host("unit-buddy-landing")
     world, results = 3, {}
-    ranks = [StoreLanding(store, 0, world, rank=r) for r in range(world)]
+    # Each rank's copier on a connection of its own, as in a job: threads sharing one client would
+    # queue behind each other's blocking waits.
+    conns = [store] + [JobStore.connect("127.0.0.1", store.port, "unit-buddy-landing", timeout_s=10) for _ in (1, 2)]
+    ranks = [StoreLanding(conns[r], 0, world, rank=r) for r in range(world)]
     threads = {
         r: threading.Thread(target=lambda r=r: results.setdefault(r, ranks[r](7, lambda: False))) for r in (0, 1)
     }
