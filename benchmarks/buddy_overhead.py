@@ -36,7 +36,7 @@ from ds_swift.testing.overhead import alternate, bench_main
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
-_SENT = re.compile(r"buddy copies: (\d+) bytes per iteration")
+_SENT = re.compile(r"buddy copies: (\d+) bytes per copy")
 
 
 def sent_per_rank(job: JobRun) -> list[int]:
