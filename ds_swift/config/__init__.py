@@ -170,6 +170,12 @@ class SwiftConfig:
                 f'strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set "strategy" to '
                 "one of them, or remove checkpoint.running_fraction"
             )
+        if self.buddy.interval != 1 and self.services.erasure_chunks:
+            raise ConfigError(
+                f"swift config: buddy.interval={self.buddy.interval!r} spaces buddy copies, which strategy "
+                f"{self.strategy!r} does not make: it keeps erasure-coded chunks of every rank's state after every "
+                "step (pipechurn section): remove buddy.interval"
+            )
 
     def _check_strategy(self) -> None:
         names = strategy_names()

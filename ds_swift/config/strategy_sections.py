@@ -32,7 +32,8 @@ class BuddyConfig:
     A copy per step costs a host copy and a send of the whole partition per iteration; with an
     interval, a lost rank's copy is up to ``interval`` steps old, and every rank then goes back to
     it (survivors bitwise, from their own copies of that iteration) and trains the iterations since
-    again: fewer bytes per iteration, more iterations recomputed after a failure."""
+    again: fewer bytes per iteration, more iterations recomputed after a failure. Strategy
+    ``pipechurn`` keeps erasure-coded chunks after every step instead and refuses an interval."""
 
     def __post_init__(self) -> None:
         _check_type("buddy.enabled", self.enabled, bool, "true or false")

@@ -254,6 +254,14 @@ def test_a_bad_buddy_interval_is_an_error_naming_the_field(bad: object) -> None:
         SwiftConfig.from_dict({"buddy": {"interval": bad}})
 
 
+def test_a_buddy_interval_with_pipechurn_is_refused_not_ignored() -> None:
+    from ds_swift.config import ConfigError, SwiftConfig
+
+    with pytest.raises(ConfigError, match=r"buddy\.interval=4 .*'pipechurn'.*remove buddy\.interval"):
+        SwiftConfig.from_dict({"strategy": "pipechurn", "buddy": {"interval": 4}})
+    assert SwiftConfig.from_dict({"strategy": "pipechurn"}).buddy.interval == 1
+
+
 def test_immediate_rollback_takes_the_newest_copy_and_undoes_nothing() -> None:
     # Rank 1 stepped iteration 6, rank 0 did not; rank 3's newest copy is of iteration 6, rank 2's of 5.
     rs = reports({0: 5, 1: 6}, {0: [(2, 4), (2, 5)], 1: [(3, 5), (3, 6)]}, can_undo=False)
