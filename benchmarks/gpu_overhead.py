@@ -16,8 +16,8 @@ and 5 % on the tiny CPU GPT.
     # a quick run of the same code on CPU
     python benchmarks/gpu_overhead.py --tiny --rounds 1 --iterations 6 --warmup 2
 
-Each rank prints its protections' costs at start-up (``protection costs``); the last "on" job's
-lines are shown here. Every job's process tree is also sampled for CPU time (ds_swift.testing.
+One rank per pipeline stage prints its protections' costs at start-up (``protection costs``); the
+last "on" job's lines are shown here. Every job's process tree is also sampled for CPU time (ds_swift.testing.
 cpu_sampler): CPU seconds per iteration per thread, summed over the ranks; on a loaded machine the
 wall clock is noisy, CPU time says where the cost is.
 

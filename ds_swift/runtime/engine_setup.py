@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from ds_swift.runtime.logging_wiring import EngineLogging
     from ds_swift.runtime.rebuild import Rebuilder
 
-__all__ = ["check_hang_timeout", "failure_simulation", "log_protection_costs", "running_checkpoints", "write_usage"]
+__all__ = [
+    "check_hang_timeout",
+    "failure_simulation",
+    "log_protection_costs",
+    "running_checkpoints",
+    "speaks_for_stage",
+    "write_usage",
+]
 
 
 def failure_simulation(cfg: SwiftConfig, ctx: SwiftContext) -> FailureSimulation | None:
@@ -63,7 +70,10 @@ def log_protection_costs(
     ckpt: CheckpointManager,
     without: frozenset[str],
 ) -> None:
-    """One start-up line per protection, with its cost."""
+    """One start-up line per protection, with its cost: said (and measured) by one rank per pipeline
+    stage (:func:`speaks_for_stage`), which the stage's other ranks resemble."""
+    if not speaks_for_stage(engine):
+        return
     machines = ctx.env.num_machines if ctx.env is not None else None
     for line in protection_costs(
         engine,
@@ -76,6 +86,17 @@ def log_protection_costs(
         machines=machines,
     ):
         ctx.log(line)
+
+
+def speaks_for_stage(engine: Any) -> bool:
+    """Whether this rank says its stage's start-up costs: data-parallel rank 0, tensor-parallel rank 0
+    of the stage. Every rank saying its own was eight lines per rank, eight thousand on a thousand
+    ranks; a stage's ranks hold the same layers (their costs differ only by a partition's rounding)."""
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return True
+    tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
+    return int(grid.get_data_parallel_id()) == 0 and int(tp) == 0
 
 
 def write_usage(ctx: SwiftContext, engine: Any, logs: EngineLogging, rebuild: Rebuilder) -> None:

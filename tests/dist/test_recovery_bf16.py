@@ -97,6 +97,9 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert tl["failed_machine"] == 1 and (tl["consensus"], tl["undo_ranks"]) in ((6, []), (5, [0, 1])), tl["reason"]
     assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    # The start-up costs: said by one rank per stage (ranks 0 and 1, data-parallel rank 0), not by all.
+    said = sorted(line.split(":")[0] for line in job.output.splitlines() if "protection costs" in line)
+    assert said == ["[ds-swift] rank 0", "[ds-swift] rank 1"], said
     # Verified recovery (issue 16): each partition checked against its holder's digest of the copy.
     assert_verified(tl, [2, 3], r"my optimizer partition bitwise equal to donor rank [01]'s")
     assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
