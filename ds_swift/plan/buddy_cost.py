@@ -7,9 +7,10 @@ of the fp32 master weights plus the optimizer state of that share::
 
 (params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After the
 step of every ``buddy.interval``-th iteration each rank sends that payload to each of its
-``replication_factor`` buddies (network bytes per rank per iteration: that over the interval) and holds the newest two complete copies of each partition it is buddy of
-(host memory per rank: 2 x factor x partition bytes on average), plus its own copy of its last two
-steps, staged before sending (2 x partition bytes): what makes a survivor's undo bitwise.
+``replication_factor`` buddies (network bytes per rank per iteration: that over the interval) and
+holds the newest two complete copies of each partition it is buddy of (host memory per rank: 2 x
+factor x partition bytes on average), plus its own copies of its last two rounds, staged before
+sending (2 x partition bytes): what makes a survivor's undo bitwise.
 """
 
 from __future__ import annotations
