@@ -1,4 +1,5 @@
-"""The buddy copier: after every optimizer step, this rank's optimizer partition goes to its buddies.
+"""The buddy copier: after every optimizer step (or every ``buddy.interval``-th), this rank's optimizer
+partition goes to its buddies.
 
 What is copied: everything the rank's optimizer wrapper holds of its partition (fp32 masters, the
 inner optimizer's state, loss scaler, flags: ds_swift.patches.deepspeed_optim_state), the LR

@@ -1,7 +1,7 @@
 """What a buddy copier keeps and when a round counts (ds_swift.runtime.buddy).
 
 :class:`BuddyHoldings`: the complete copies of other ranks' partitions this rank holds (the newest
-two per owner), and this rank's own copies of its last two steps, kept across generations.
+two per owner), and this rank's own copies of its last two rounds, kept across generations.
 :class:`StoreLanding`: a round has landed once every rank wrote its key for it in the job store.
 """
 
@@ -41,7 +41,7 @@ class BuddyHoldings:
         self._lock = threading.Lock()
         self._copies: dict[int, list[_Copy]] = {}
         self._own: list[_Copy] = []
-        """This rank's own state after its last two steps (see the module's docstring)."""
+        """This rank's own state after its last two rounds (steps, or every ``buddy.interval``-th)."""
 
     def spare(self, owner: int | None, manifest: bytes, pin: bool = False) -> dict[torch.dtype, torch.Tensor]:
         """Buffers to receive ``owner``'s next copy into (None: this rank's own next copy): the oldest
