@@ -49,12 +49,11 @@ class RankReport:
     log_lost: str | None = None
     """Why this rank's message log stopped covering its sends (a write error: full disk,
     unreachable storage), or None: a replay that needs its messages cannot be exact."""
-    undo_exact: bool = False
-    """That undo would be bitwise (the rank holds its own copy of the iteration before; otherwise
-    update-undo's inverse update gets within 2 ulp of it, and the recovery says so)."""
     own_copies: tuple[int, ...] = ()
     """The iterations of this survivor's own complete copies of its optimizer partition (the buddy
-    copier's, ds_swift.runtime.buddy): it can go back to any of them, bitwise, however many steps."""
+    copier's, ds_swift.runtime.buddy): it can go back to any of them, bitwise, however many steps
+    (without one, update-undo's inverse update gets one step back within 2 ulp, and the recovery
+    says so)."""
     inflight: int = -1
     """The iteration in flight this rank holds a copy of (PipeChurn's partial recomputation,
     ds_swift.recovery.state.inflight; -1: none)."""
@@ -255,8 +254,7 @@ class RecoveryInputs:
         """Survivor ``rank`` gets back to iteration ``to`` (default: the consensus; a plan's, where a
         strategy rebased it) bitwise: it holds its own copy of that iteration (otherwise it undoes
         one step by update-undo's inverse update, within 2 ulp)."""
-        r, to = self.by_rank[rank], self.consensus if to is None else to
-        return to in r.own_copies or (r.undo_exact and r.last_stepped - 1 == to)
+        return (self.consensus if to is None else to) in self.by_rank[rank].own_copies
 
     def undo_words(self) -> str:
         """How the survivors of ``undo`` get back to the consensus, for a plan's reason ("" where

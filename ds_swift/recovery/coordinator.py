@@ -87,7 +87,6 @@ def rank_report(
         machine=int(machine),
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
-        undo_exact=kept is not None and kept.undo_exact,
         own_copies=kept.own_copies if kept is not None else (),
         inflight=held[0],
         inflight_passes=held[1],

@@ -117,11 +117,7 @@ class KeptState:
         """An undo of the last step would be bitwise: this rank holds its own copy of the iteration
         before it (the buddy copier's, ds_swift.runtime.buddy), so it takes that back instead of
         computing the inverse update (exact only to 2 ulp)."""
-        return (
-            self.optimizer is not None
-            and self.buddy is not None
-            and (self.last_stepped - 1) in self.buddy.own_versions()
-        )
+        return (self.last_stepped - 1) in self.own_copies
 
     @property
     def own_copies(self) -> tuple[int, ...]:

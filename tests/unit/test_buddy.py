@@ -58,7 +58,7 @@ def reports(
             last_stepped=stepped.get(r, -1),
             can_undo=can_undo,
             buddy_copies=tuple(copies.get(r, ())),
-            undo_exact=exact and r in stepped,
+            own_copies=(stepped[r] - 1,) if exact and r in stepped else (),
         )
         for r in range(4)
     ]

@@ -24,7 +24,7 @@ def reports(newest: dict[int, int | None], last: int = 9, exact: bool = False) -
             machine=r // 2,
             last_stepped=last if r < 2 else -1,
             can_undo=r < 2,
-            undo_exact=exact and r < 2,
+            own_copies=(last - 1,) if exact and r < 2 else (),
             logged_update=newest.get(r),
         )
         for r in range(4)

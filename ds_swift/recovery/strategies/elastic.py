@@ -217,7 +217,6 @@ def _publish_report(
         last_stepped=kept.last_stepped,
         can_undo=kept.can_undo,
         buddy_copies=kept.buddy.copies() if kept.buddy is not None else (),
-        undo_exact=kept.undo_exact,
         own_copies=kept.own_copies,  # buddy.interval: copies older than one step are reached by these
     )
     store.publish(generation, "resize_report", rank, mine.to_json())
