@@ -21,6 +21,17 @@ def record(iteration: int) -> UpdateRecord:
     return UpdateRecord(iteration=iteration, skipped=False, groups=[], counters={}, scheduler=None, scalars=None)
 
 
+def drive(url: str, *items: tuple[str, Any]) -> None:
+    """A new process's update logger of rank 1, handed ``items`` (its writer thread's work) in order."""
+    logger = UpdateLogger(1, url, undo=lambda: None)
+    logger._make_tmp()
+    try:
+        for item in items:
+            logger._do(item)
+    finally:
+        logger._remove_tmp()
+
+
 def test_records_before_a_checkpoint_go_by_name_after_one_listing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -43,16 +54,7 @@ def test_records_before_a_checkpoint_go_by_name_after_one_listing(
             return getattr(self.inner, name)
 
     monkeypatch.setattr(update_logging, "open_store", lambda u: Counting(open_store(u)))
-    logger = UpdateLogger(1, url, undo=lambda: None)
-    logger._make_tmp()
-    try:
-        for it in (3, 4, 5, 6):
-            logger._do(("record", record(it)))
-        logger._do(("gc", 5))
-        logger._do(("record", record(7)))
-        logger._do(("gc", 7))
-    finally:
-        logger._remove_tmp()
+    drive(url, *(("record", record(it)) for it in (3, 4, 5, 6)), ("gc", 5), ("record", record(7)), ("gc", 7))
     left = sorted(p for n in store.names() if (p := parse_name(n)) is not None)
     assert left == [(0, 2), (1, 7)], left
     assert listings[0] == 1
@@ -60,17 +62,7 @@ def test_records_before_a_checkpoint_go_by_name_after_one_listing(
     # it stored anything), resumes at 8 and stores 8 and 9: the predecessor's record of 7 goes at
     # the next checkpoint, found by a second listing (the first could not: it was not below 7 yet).
     listings[0] = 0
-    replacement = UpdateLogger(1, url, undo=lambda: None)
-    replacement._make_tmp()
-    try:
-        replacement._do(("gc", 7))
-        for it in (8, 9):
-            replacement._do(("record", record(it)))
-        replacement._do(("gc", 9))
-        replacement._do(("record", record(10)))
-        replacement._do(("gc", 10))
-    finally:
-        replacement._remove_tmp()
+    drive(url, ("gc", 7), ("record", record(8)), ("record", record(9)), ("gc", 9), ("record", record(10)), ("gc", 10))
     left = sorted(p for n in store.names() if (p := parse_name(n)) is not None)
     assert left == [(0, 2), (1, 10)], left
     assert listings[0] == 2
