@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ds_swift.jobstore.membership import JobStore, MembershipError
 from ds_swift.jobstore.signed_kv import BEAT_S
@@ -33,9 +34,11 @@ from ds_swift.logs import say
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs
 from .control import EventLog, JobControl
-from .forkserver import ForkServer
 from .liveness import AgentLiveness
 from .spawn import spawn_warm, spawn_worker
+
+if TYPE_CHECKING:
+    from .forkserver import ForkServer
 
 __all__ = ["Supervisor", "run"]
 
@@ -286,8 +289,8 @@ def _open_store(args: LaunchArgs, token: str) -> tuple[JobStore, str, int, bool]
 def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
     """Start the job described by ``args``; returns the launcher's exit code.
 
-    ``server``: the ``--fork-server`` server, already started (ds-swift-launch starts it before it
-    imports torch); None: started here where ``--fork-server`` asks for it."""
+    ``server``: the ``--fork-server`` server, already started and owned (closed) by the caller:
+    ds-swift-launch starts it before it imports torch; None: workers are started as processes."""
     if args.launcher in ("pdsh", "ssh"):
         from .remote import run_remote
 
@@ -318,14 +321,11 @@ def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
             why=why,
         )
     # --fork-server: one pre-imported interpreter forks every worker of this process's agents.
-    if server is None and args.fork_server:
-        server = ForkServer(args.command)
     if server is not None:
         try:
             server.wait_ready()
         except OSError as exc:
             print(f"ds-swift-launch: error: --fork-server: {exc}", file=sys.stderr)
-            server.close()
             return 1
     spawn, warm_start = (spawn_worker, spawn_warm) if server is None else (server.spawn, server.spawn_warm)
     agents = [MachineAgent(node, job, store, events, spawn=spawn, warm_start=warm_start) for node in nodes]
@@ -343,8 +343,4 @@ def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
         liveness=liveness,
         clear_after=clear_after,
     )
-    try:
-        return supervisor.run()
-    finally:
-        if server is not None:
-            server.close()
+    return supervisor.run()
