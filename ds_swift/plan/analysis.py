@@ -188,6 +188,10 @@ class Plan:
         }
 
 
+#: what a plan's note says where buddy copies stand in for replicas (``analyze(partition_copies=True)``)
+COPIES_NOTE = "the buddy copies of their optimizer partitions restore them"
+
+
 def analyze(
     layout: ParallelLayout,
     shape: ModelShape | None = None,
@@ -202,6 +206,7 @@ def analyze(
     network_gbps: float | None = None,
     parallel_recovery: bool = False,
     measured: MeasuredSizes | None = None,
+    partition_copies: bool = False,
 ) -> Plan:
     """Plan recovery for ``layout``.
 
@@ -221,6 +226,12 @@ def analyze(
         parallel_recovery: survivors share a failed group's replay (section 5.2).
         measured: instead of ``shape``, the bytes per iteration of each send as a running
             engine measured them (ds_swift.runtime.logging_wiring).
+        partition_copies: every rank's optimizer partition is copied to a buddy on another machine
+            (buddy copies of a ZeRO-1 / BF16_Optimizer partition: ds_swift.runtime.buddy). Under
+            ``auto`` a stage without a data-parallel replica on another machine then recovers from
+            those copies, exactly, as a replicated stage does, and nothing is logged for it: the
+            copies already cover every single-machine failure, and a log would cost a write of each
+            inbound message per iteration for nothing.
     """
     budget, iteration_time, pcie, network = _check_inputs(
         strategy, groups, storage_budget_gb, iteration_time_s, pcie_gbps, network_gbps, checkpoint_interval
@@ -232,6 +243,9 @@ def analyze(
 
     replicated = _replicated_stages(layout)
     candidates = _candidate_stages(strategy, replicated)
+    copied = sorted(candidates) if partition_copies and strategy == "auto" else []
+    if copied:
+        replicated, candidates = [True] * p, set()
     # Cross-machine pipeline sends; a send is a logging candidate if its receiver may replay.
     cross = pipeline_edges(layout, shape, measured)
     candidate_edges = [e for e in cross if e.dst_stage in candidates]
@@ -245,6 +259,12 @@ def analyze(
     )
 
     notes = grouped.notes
+    if copied:
+        notes.append(
+            f"stages {copied} have no data-parallel replica on another machine; {COPIES_NOTE} instead "
+            '(replication), so their inbound messages are not logged (strategy "logging" logs them and '
+            "recovers them from the log instead)"
+        )
     verdict = worth_logging(p, sizing, logged, iteration_time, pcie, checkpoint_interval)
     candidate_bytes = sum(e.bytes_per_iteration for e in logged)
     stage_strategy, logged = _apply_verdict(strategy, verdict[0], stage_strategy, logged, notes)

@@ -27,8 +27,9 @@ from ds_swift.plan.stage_logging import StageDecision, apply_decisions, decide_s
 __all__ = ["budget_error", "budget_plan", "conservative_plan", "decide", "describe", "needs_measuring"]
 
 
-def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig) -> Plan:
-    """The plan before any message was measured: the config's, with its storage budget not yet applied."""
+def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig, partition_copies: bool = False) -> Plan:
+    """The plan before any message was measured: the config's, with its storage budget not yet applied
+    (``partition_copies``: see :func:`ds_swift.plan.analysis.analyze`)."""
     budget = cfg.logging.storage_budget_gb
     plan = analyze(
         layout,
@@ -37,6 +38,7 @@ def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig) -> Plan:
         groups=cfg.logging.groups,
         checkpoint_interval=cfg.checkpoint.interval,
         parallel_recovery=cfg.parallel_recovery,
+        partition_copies=partition_copies,
     )
     if not plan.logged_edges:
         return plan
@@ -56,10 +58,14 @@ def needs_measuring(cfg: SwiftConfig, plan: Plan) -> bool:
     return bool(plan.logged_edges)
 
 
-def decide(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> tuple[Plan, list[StageDecision]]:
+def decide(
+    layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes, partition_copies: bool = False
+) -> tuple[Plan, list[StageDecision]]:
     """The config's plan sized by ``measured``, with each logging stage's kind and worth-logging
     decision applied, and those decisions; raises :func:`budget_error` if the budget cannot be met."""
-    plan = analyze_config(layout, cfg, measured=measured, iteration_time_s=measured.iteration_time_s)
+    plan = analyze_config(
+        layout, cfg, measured=measured, iteration_time_s=measured.iteration_time_s, partition_copies=partition_copies
+    )
     if plan.min_budget_gb is not None:
         raise budget_error(cfg, plan)
     decisions = decide_stages(plan, cfg.logging.kinds, measured)
@@ -87,9 +93,11 @@ def _check_updates_fit(cfg: SwiftConfig, plan: Plan, measured: MeasuredSizes) ->
         )
 
 
-def budget_plan(layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes) -> Plan:
+def budget_plan(
+    layout: ParallelLayout, cfg: SwiftConfig, measured: MeasuredSizes, partition_copies: bool = False
+) -> Plan:
     """The plan of :func:`decide`."""
-    return decide(layout, cfg, measured)[0]
+    return decide(layout, cfg, measured, partition_copies)[0]
 
 
 def budget_error(cfg: SwiftConfig, plan: Plan) -> ConfigError:

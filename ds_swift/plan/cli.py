@@ -156,6 +156,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         stage_compute_s=stage_compute[0] if stage_compute and len(stage_compute) == 1 else stage_compute,
         network_gbps=args.network_gbps,
         parallel_recovery=parallel,
+        # as the engine decides it at start-up (ds_swift.runtime.protection.partition_copies)
+        partition_copies=swift.services.erasure_chunks
+        or (swift.services.buddy_copies and buddy_cost(ds, swift, layout, None).active),
     )
     if deferred is None:
         return plan

@@ -88,6 +88,7 @@ class EngineLogging:
         self._decided = True  # False while the plan waits for the first iteration's measured sizes
         self._t_begin: float | None = None  # when the iteration in progress started
         self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
+        self._copies = False  # buddy copies keep every rank's optimizer partition on another machine
         self.updates: Any = None  # the UpdateLogger (ds_swift.runtime.rebuild), where stages may log updates
         #: False only where a benchmark switched message logging off (ds_swift.runtime.bench_switch)
         self.enabled = True
@@ -99,12 +100,15 @@ class EngineLogging:
             try:
                 from ds_swift.patches.deepspeed_engine import pipe_topology
                 from ds_swift.plan import layout_from_deepspeed_topology
+                from ds_swift.plan.analysis import COPIES_NOTE
                 from ds_swift.plan.budget import conservative_plan, needs_measuring
 
                 self._layout = layout_from_deepspeed_topology(pipe_topology(engine), self.cfg.machines.gpus_per_node)
                 from ds_swift.plan.stage_logging import first_kinds
+                from ds_swift.runtime.protection import partition_copies
 
-                self._plan = conservative_plan(self._layout, self.cfg)
+                self._copies = partition_copies(self.cfg, engine)
+                self._plan = conservative_plan(self._layout, self.cfg, self._copies)
                 self._decided = not needs_measuring(self.cfg, self._plan)
                 self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
@@ -113,6 +117,7 @@ class EngineLogging:
             else:
                 if dist.get_rank() == 0:
                     later = "" if self._decided else "; " + self._plan.notes[-1]
+                    later += "".join("; " + n for n in self._plan.notes if COPIES_NOTE in n)
                     say(
                         f"recovery plan per pipeline stage: {self._plan.stage_strategy} "
                         f"(strategy {self.cfg.strategy!r}){later}",
@@ -141,7 +146,7 @@ class EngineLogging:
         if self.store is not None:
             # Before anything can fail: replacements and cut-short survivors adopt the same plan.
             self.store.set(SIZES_KEY, json.dumps(measured.to_json()))
-        plan, decisions = decide(self._layout, self.cfg, measured)
+        plan, decisions = decide(self._layout, self.cfg, measured, self._copies)
         if dist.get_rank() == 0:
             for line in describe(plan, self.cfg, decisions):
                 say_here(line)
@@ -211,7 +216,7 @@ class EngineLogging:
         from ds_swift.plan.budget import budget_plan
         from ds_swift.plan.sizes import MeasuredSizes
 
-        self._plan = budget_plan(self._layout, self.cfg, MeasuredSizes.from_json(json.loads(raw)))
+        self._plan = budget_plan(self._layout, self.cfg, MeasuredSizes.from_json(json.loads(raw)), self._copies)
         self._decided = True
 
     def _switch(self, plan: Any, suspend: Callable[[], Callable[[], None]]) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ds_swift.config import SwiftConfig
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.recovery.consensus import RankReport
 from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
 from ds_swift.runtime.context import SwiftContext
@@ -24,7 +25,7 @@ from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.runtime.update_logging import UpdateLogger
 
-__all__ = ["Protections"]
+__all__ = ["Protections", "partition_copies"]
 
 
 class Protections:
@@ -160,3 +161,13 @@ class Protections:
                 report, ec_chunks=self.buddy.holdings.chunks(), ec_k=self._cfg.pipechurn.data_chunks
             )
         return dataclasses.replace(report, buddy_copies=self.buddy.holdings.copies())
+
+
+def partition_copies(cfg: SwiftConfig, engine: Any) -> bool:
+    """Whether the copier :class:`Protections` starts keeps every rank's optimizer state on other
+    machines (buddy copies of a partitioned state, or PipeChurn's chunks): the topology analyzer then
+    logs nothing for a stage those copies restore (ds_swift.plan.analysis.analyze)."""
+    services = cfg.services
+    if services.erasure_chunks:
+        return True
+    return cfg.buddy.enabled and services.buddy_copies and is_partitioned(getattr(engine, "optimizer", None))

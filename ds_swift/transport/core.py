@@ -179,11 +179,12 @@ class Transport:
             group = self.group(channel) if device == "cpu" else self.world
         named = self._channel_of(group)
         recorded = named or (DEVICE if group is self.world and device != "cpu" else "foreign")
+        strict = strict_enabled()
         with self._lock:
             self.counts[(op, recorded, device)] += 1
-            if strict_enabled():
+            if strict:
                 self.calls.append(Call(op, recorded, device))
-        if strict_enabled():
+        if strict:
             problem = route_problem(op, device, named)
             if problem is not None:
                 raise StrictTransportError(problem)

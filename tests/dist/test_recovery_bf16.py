@@ -105,6 +105,26 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
 
 
+def test_a_stage_whose_replicas_share_its_machine_is_restored_from_buddy_copies_with_nothing_logged(
+    tmp_path: Path, baseline: JobRun
+) -> None:
+    """Rank order tp-dp-pp: each stage's two data-parallel ranks on one machine, so no stage has a
+    replica on another machine. The buddy copies of the ZeRO-1 partitions (each on the other
+    machine) restore a lost stage exactly, so the topology analyzer logs no message for it (before,
+    every message across the machines was also logged, for nothing). Machine 1 (all of stage 1) dies
+    in iteration 7's backward pass; the job ends bitwise equal to the failure-free run."""
+    inject = ["--spares", "1", "--inject", "machine=1,iteration=7,phase=backward"]
+    job = launch(tmp_path, BF16, inject, {"machines": {"rank_order": "tp-dp-pp"}})
+    tl = one_recovery(job)
+    assert "recovery plan per pipeline stage: {0: 'replication', 1: 'replication'}" in job.output, job.output[-4000:]
+    assert "have no data-parallel replica on another machine; the buddy copies" in job.output
+    assert "logging plan" not in job.output and not list(job.dir.rglob("*.swlog"))  # nothing logged
+    assert tl["strategy"] == "buddy" and tl["failed_machine"] == 1, tl["reason"]
+    assert sorted(tl["donors"]) == ["2", "3"] and set(tl["donors"].values()) <= {0, 1}, tl["donors"]
+    assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    assert_bitwise_equal(checkpoint_tensors(baseline.final_tag), checkpoint_tensors(job.final_tag))
+
+
 def test_buddy_copies_at_an_interval_take_every_rank_back_to_the_newest_copy_bitwise(
     tmp_path: Path, baseline: JobRun
 ) -> None:

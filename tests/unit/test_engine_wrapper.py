@@ -248,6 +248,10 @@ def test_the_poison_mark_is_seen_in_every_dtype_a_pipeline_receives(dtype: torch
         assert not carries_poison(torch.full((6,), float("nan"), dtype=dtype))
         assert not carries_poison(torch.full((6,), float("inf"), dtype=dtype))
     assert not carries_poison(torch.ones(1, dtype=torch.bfloat16))  # smaller than the mark
+    # A receive buffer that is a view into a larger one: the mark is read at the view's start.
+    outer = torch.ones(12, dtype=dtype)
+    outer[4:] = poisoned(dtype, 8)
+    assert carries_poison(outer[4:]) and not carries_poison(outer)
 
 
 def test_a_receive_reads_the_store_only_when_it_carries_the_poison_mark(store: JobStore) -> None:

@@ -51,6 +51,26 @@ def test_megatron_figure2_replicas_on_one_machine_is_logging() -> None:
     assert all(e.src_stage in (1, 2) and abs(e.src_stage - e.dst_stage) == 1 for e in plan.logged_edges)
 
 
+def test_buddy_copies_of_the_partitions_restore_a_stage_without_replicas_and_nothing_is_logged() -> None:
+    """Figure 2's layout under ZeRO-1 with buddy copies: every rank's partition is held on the other
+    machine, so the copies restore any one lost machine exactly; auto logs nothing for it, and says
+    why. A forced ``logging`` still logs (it recovers from the log, not the copies)."""
+    lay = ParallelLayout(tp=2, pp=4, dp=2, gpus_per_node=8, order="tp-dp-pp")
+    shape = ModelShape(hidden=1024, seq_len=128, micro_batch_size=4, micro_batches=8, dtype="bf16")
+    copied = analyze(lay, shape, partition_copies=True)
+    assert copied.stage_strategy == {0: "replication", 1: "replication", 2: "replication", 3: "replication"}
+    assert copied.logged_edges == [] and copied.log_bytes_per_iteration == 0
+    assert any("stages [0, 1, 2, 3] have no data-parallel replica" in n and "buddy copies" in n for n in copied.notes)
+    forced = analyze(lay, shape, strategy="logging", partition_copies=True)
+    assert (
+        set(forced.stage_strategy.values()) == {"logging"}
+        and forced.log_bytes_per_iteration == 8 * 8 * shape.message_bytes
+    )
+    # where data-parallel replicas already spread, the copies change nothing (and say nothing)
+    spread = ParallelLayout(tp=2, pp=4, dp=2, gpus_per_node=8, order="tp-pp-dp")
+    assert analyze(spread, shape, partition_copies=True) == analyze(spread, shape)
+
+
 def test_megatron_figure2_replicas_spread_is_replication() -> None:
     lay = ParallelLayout(tp=2, pp=4, dp=2, gpus_per_node=8, order="tp-pp-dp")
     plan = analyze(lay, BERT)
