@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.plan.buddy_cost import copies_stand_in
 from ds_swift.plan.grouping import Grouping
 from ds_swift.plan.layout import ParallelLayout, positive_float, positive_int
 from ds_swift.plan.machine_groups import UnitChain, choose_groups
@@ -188,10 +189,6 @@ class Plan:
         }
 
 
-#: what a plan's note says where buddy copies stand in for replicas (``analyze(partition_copies=True)``)
-COPIES_NOTE = "the buddy copies of their optimizer partitions restore them"
-
-
 def analyze(
     layout: ParallelLayout,
     shape: ModelShape | None = None,
@@ -215,8 +212,7 @@ def analyze(
         shape: model shape; without it message sizes (and bytes) are unknown (0).
         strategy: ``auto``, or force ``replication`` / ``logging`` / ``checkpoint`` everywhere.
         groups: force this many balanced machine groups (selective logging).
-        storage_budget_gb: instead of ``groups``, the log budget between two checkpoints (GB);
-            the exact optimiser of :mod:`ds_swift.plan.grouping_exact` picks the groups.
+        storage_budget_gb: instead of ``groups``, the log budget between checkpoints (GB; ds_swift.plan.grouping_exact).
         iteration_time_s: failure-free iteration time, for the bubble check of section 5.4.
         pcie_gbps: device-to-host bandwidth in GB/s (1e9 bytes/s), for the same check.
         checkpoint_interval: iterations between global checkpoints (needed with a budget).
@@ -224,14 +220,8 @@ def analyze(
             stage) for the grouping objective; derived from ``iteration_time_s`` if absent.
         network_gbps: inter-machine bandwidth in GB/s for the ``M/B`` term (ignored if None).
         parallel_recovery: survivors share a failed group's replay (section 5.2).
-        measured: instead of ``shape``, the bytes per iteration of each send as a running
-            engine measured them (ds_swift.runtime.logging_wiring).
-        partition_copies: every rank's optimizer partition is copied to a buddy on another machine
-            (buddy copies of a ZeRO-1 / BF16_Optimizer partition: ds_swift.runtime.buddy). Under
-            ``auto`` a stage without a data-parallel replica on another machine then recovers from
-            those copies, exactly, as a replicated stage does, and nothing is logged for it: the
-            copies already cover every single-machine failure, and a log would cost a write of each
-            inbound message per iteration for nothing.
+        measured: instead of ``shape``, each send's bytes per iteration as an engine measured them.
+        partition_copies: every optimizer partition has a buddy copy on another machine (copies_stand_in).
     """
     budget, iteration_time, pcie, network = _check_inputs(
         strategy, groups, storage_budget_gb, iteration_time_s, pcie_gbps, network_gbps, checkpoint_interval
@@ -241,11 +231,10 @@ def analyze(
         raise ConfigError("give the model shape or measured sizes, not both")
     sizing: Sizing | None = shape if shape is not None else measured
 
-    replicated = _replicated_stages(layout)
-    candidates = _candidate_stages(strategy, replicated)
-    copied = sorted(candidates) if partition_copies and strategy == "auto" else []
-    if copied:
-        replicated, candidates = [True] * p, set()
+    spread = _replicated_stages(layout)
+    replicated, candidates, copies_note = copies_stand_in(
+        strategy, spread, _candidate_stages(strategy, spread), partition_copies
+    )
     # Cross-machine pipeline sends; a send is a logging candidate if its receiver may replay.
     cross = pipeline_edges(layout, shape, measured)
     candidate_edges = [e for e in cross if e.dst_stage in candidates]
@@ -257,14 +246,7 @@ def analyze(
     stage_strategy, logged = _assign_strategies(
         layout, strategy, candidates, replicated, candidate_edges, grouped.machines
     )
-
-    notes = grouped.notes
-    if copied:
-        notes.append(
-            f"stages {copied} have no data-parallel replica on another machine; {COPIES_NOTE} instead "
-            '(replication), so their inbound messages are not logged (strategy "logging" logs them and '
-            "recovers them from the log instead)"
-        )
+    notes = grouped.notes + ([copies_note] if copies_note else [])
     verdict = worth_logging(p, sizing, logged, iteration_time, pcie, checkpoint_interval)
     candidate_bytes = sum(e.bytes_per_iteration for e in logged)
     stage_strategy, logged = _apply_verdict(strategy, verdict[0], stage_strategy, logged, notes)

@@ -21,7 +21,7 @@ from typing import Any
 from ds_swift.config import SwiftConfig
 from ds_swift.plan.layout import ParallelLayout
 
-__all__ = ["BuddyCost", "buddy_cost"]
+__all__ = ["COPIES_NOTE", "BuddyCost", "buddy_cost", "copies_stand_in"]
 
 _MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "onebitadam": 2, "sgd": 1, "adagrad": 1}
 
@@ -97,3 +97,33 @@ def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, n
     per_param = 4 + 4 * _MOMENTS.get(opt, 2)
     part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
     return BuddyCost(True, why, factor, every, part, part * factor // every, 2 * (factor + 1) * part)
+
+
+#: what a plan's note says where buddy copies stand in for replicas (:func:`copies_stand_in`)
+COPIES_NOTE = "the buddy copies of their optimizer partitions restore them"
+
+
+def copies_stand_in(
+    strategy: str, replicated: list[bool], candidates: set[int], partition_copies: bool
+) -> tuple[list[bool], set[int], str | None]:
+    """Buddy copies as the replicas of stages that have none (ds_swift.plan.analysis.analyze).
+
+    With every rank's optimizer partition copied to a buddy on another machine (``partition_copies``:
+    buddy copies of a ZeRO-1 / BF16_Optimizer partition, ds_swift.runtime.buddy), a stage without a
+    data-parallel replica on another machine is restored exactly from those copies after any one lost
+    machine, as a replicated stage is. Under ``auto`` it then counts as replicated and is no logging
+    candidate: a message log beside the copies would cost a write of each inbound activation and
+    gradient per iteration that no single-machine failure reads. A forced ``logging`` keeps logging.
+
+    Returns:
+        the stages' replicated flags and logging candidates, and the plan's note (None: no change).
+    """
+    copied = sorted(candidates) if partition_copies and strategy == "auto" else []
+    if not copied:
+        return replicated, candidates, None
+    note = (
+        f"stages {copied} have no data-parallel replica on another machine; {COPIES_NOTE} instead "
+        '(replication), so their inbound messages are not logged (strategy "logging" logs them and '
+        "recovers them from the log instead)"
+    )
+    return [True] * len(replicated), set(), note

@@ -100,7 +100,7 @@ class EngineLogging:
             try:
                 from ds_swift.patches.deepspeed_engine import pipe_topology
                 from ds_swift.plan import layout_from_deepspeed_topology
-                from ds_swift.plan.analysis import COPIES_NOTE
+                from ds_swift.plan.buddy_cost import COPIES_NOTE
                 from ds_swift.plan.budget import conservative_plan, needs_measuring
 
                 self._layout = layout_from_deepspeed_topology(pipe_topology(engine), self.cfg.machines.gpus_per_node)
