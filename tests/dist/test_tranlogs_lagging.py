@@ -3,9 +3,11 @@
 Machine 1 (ranks 2 and 3) is killed in iteration 8's first backward pass while their records of
 iteration 7 are still unstored (held by tests/dist/workers/gpt_fault_worker.py: the race that a
 kill soon after a step loses). The survivors stepped 7. The replacements report their newest
-record, 6; every rank lands on 6 instead of falling back to the global checkpoint: the survivors
-undo their step of 7, the replacements load global_step6 and re-apply their record of 6, and the
-job trains on from 7.
+record, 6; every rank lands on 6 instead of falling back to the global checkpoint. Strategy
+tranlogs makes no buddy copies, so the survivors hold no own copy of 6, and update-undo's inverse
+update would take them back only to within 2 ulp (the digest check then failed the recovery on
+hosts where a rounding differed): they load global_step6 and re-apply their own records of 6, as
+the replacements do theirs, and the job trains on from 7 bitwise equal to the failure-free run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
-from ds_swift.testing.jobs import JobRun, JobSpec, run_job
+from ds_swift.testing.jobs import JobRun, JobSpec, assert_verified, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "gpt_fault_worker.py"
@@ -47,18 +49,14 @@ def test_a_record_lost_with_its_rank_lands_every_rank_one_iteration_earlier(
     (tl,) = job.timelines()
     assert tl["strategy"] == "tranlogs", tl["reason"]
     assert "checkpoint fallback" not in job.output and "FALL BACK" not in job.output, job.output[-6000:]
-    assert tl["consensus"] == 6 and tl["undo_ranks"] == [0, 1] and tl["checkpoint_step"] == 6, tl
+    assert tl["consensus"] == 6 and tl["undo_ranks"] == [] and tl["checkpoint_step"] == 6, tl
     assert "ranks [2, 3] were lost before their update records of iteration 7 were stored" in tl["reason"], tl
+    assert (
+        "survivors [0, 1], with no own copy of it, load global_step6 and re-apply their own records too" in tl["reason"]
+    )
     replay = tl["replay"]
-    assert (replay["from"], replay["to"], replay["records"]) == (6, 6, 2), replay
-    # The survivors' gradients of 7 were overwritten by 8's backward passes: taken back from their records.
-    took = re.findall(r"rank ([01]): took the gradients of iteration 7 back from its update record", job.output)
-    assert sorted(took) == ["0", "1"], job.output[-4000:]
-    assert len(re.findall(r"undo: last stepped iteration 7 -> consensus 6", job.output)) == 2, job.output[-4000:]
+    assert (replay["from"], replay["to"], replay["records"], replay["ranks"]) == (6, 6, 4, [0, 1, 2, 3]), replay
+    assert "undo: last stepped iteration 7" not in job.output and "APPROXIMATE RECOVERY" not in job.output
+    assert_verified(tl, [0, 1, 2, 3], r"the re-applied state \(iteration 6\) bitwise equal")
     diff = compare_tensors(checkpoint_tensors(bf16_baseline.final_tag), checkpoint_tensors(job.final_tag))
-    if "(own copy)" in job.output:  # survivors back from their own copies of 6: bitwise
-        assert diff.bitwise_equal, diff.describe()
-    else:  # by update-undo's inverse update: within 2 ulp at 6, announced
-        assert "APPROXIMATE RECOVERY (strategy tranlogs)" in job.output
-        print(f"tranlogs, survivors undone by the inverse update: largest difference at the end {diff.max_gap:.3g}")
-        assert diff.max_gap < 1e-4, diff.describe()  # 7.45e-09 here; a step more or less moves it by ~1e-3
+    assert diff.bitwise_equal, diff.describe()

@@ -24,6 +24,7 @@ lost rank had.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -51,8 +52,8 @@ def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
     A rank's optimizer step waits until its previous record is stored (ds_swift.runtime.update_logging),
     so a rank lost in the forward or backward passes after its step of ``c`` may lack only its record
     of ``c``, though every survivor stepped ``c``: then every rank lands on ``c - 1``, the survivors
-    undoing their step of ``c`` (one step back, as they can), and the replacements re-apply their
-    records to ``c - 1`` (a replacement that could not list the log has its records checked there too).
+    going back one step (:meth:`TranLogsStrategy.plan` says how) and the replacements re-applying
+    their records to ``c - 1`` (a replacement that could not list the log has its records checked there too).
     Any other gap (a record missing further back, a survivor that cannot undo) stays at ``c``: the
     check round then finds the missing record and every rank falls back to the global checkpoint,
     naming it."""
@@ -63,7 +64,7 @@ def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
         return c, ""
     return c - 1, (
         f"ranks {behind} were lost before their update records of iteration {c} were stored: every rank lands on "
-        f"iteration {c - 1}, the survivors undoing their step of {c}"
+        f"iteration {c - 1}"
     )
 
 
@@ -103,13 +104,21 @@ class TranLogsStrategy(RecoveryStrategy):
         start = max(0, inputs.checkpoint_step)
         target, earlier = update_target(inputs)
         at = inputs if target == inputs.consensus else inputs.rebased(target)
-        reason = (
-            f"ranks {list(inputs.replacements)} load {checkpoint_source(inputs.checkpoint_step)} and re-apply their logged "
-            f"updates of iterations {start}..{target}"
-        )
+        source = checkpoint_source(inputs.checkpoint_step)
+        reason = f"ranks {list(inputs.replacements)} load {source} and re-apply their logged updates of iterations {start}..{target}"
+        # A survivor goes back one step bitwise from its own copy, where it holds one; else it does as
+        # the replacements do from its own records (the inverse update is exact only to within 2 ulp).
+        inexact = [r for r in at.undo if not at.undoes_exactly(r)] if earlier else []
         if earlier:
-            reason += f"; {earlier}" + at.undo_words()
-        return at.plan(self.name, reason, replay_ranks=at.replacements, replay_from=start)
+            exact = [r for r in at.undo if r not in inexact]
+            reason += f"; {earlier}" + (f"; survivors {exact} go back to it from their own copies" if exact else "")
+            if inexact:
+                reason += (
+                    f"; survivors {inexact}, with no own copy of it, load {source} and re-apply their own records too"
+                )
+        replay = tuple(sorted({*at.replacements, *inexact}))
+        plan = at.plan(self.name, reason, replay_ranks=replay, replay_from=start)
+        return dataclasses.replace(plan, undo=tuple(r for r in plan.undo if r not in replay))  # those replay instead
 
     def summary_words(self, summary: Mapping[str, Any] | None, checkpoint_step: int | None) -> str:
         return redo_words(summary, "re-applied the updates of")
