@@ -116,6 +116,28 @@ def test_deepspeed_config_defaults_and_flag_overrides(capsys: pytest.CaptureFixt
     assert js["grouping"]["method"] == "exact"
 
 
+def test_zero1_buddy_copies_stand_in_for_replicas_as_the_engine_decides(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """pp 2 x dp 2, each stage on one machine (tp-dp-pp): with ZeRO-1 and buddy copies (the
+    defaults) no stage is logged, as the engine decides at start-up; without the copies both are."""
+    ds: dict[str, Any] = {
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": True},
+        "swift": {"machines": {"gpus_per_node": 2, "rank_order": "tp-dp-pp"}},
+    }
+    path = tmp_path / "ds.json"
+    argv = ("--deepspeed-config", str(path), "--pp", "2", "--dp", "2", "--hidden", "64", "--seq-len", "32")
+    argv += ("--micro-batch-size", "4", "--micro-batches", "4")
+    for buddy, logged in ((True, False), (False, True)):
+        ds["swift"]["buddy"] = {"enabled": buddy}
+        path.write_text(json.dumps(ds))
+        js = run_json(capsys, *argv)
+        strategies = {s["strategy"] for s in js["stages"]}
+        assert strategies == ({"logging"} if logged else {"replication"}), js["stages"]
+        assert (js["log_bytes_per_iteration"] > 0) is logged, js["log_bytes_per_iteration"]
+
+
 def test_world_size_gives_dp(capsys: pytest.CaptureFixture[str]) -> None:
     js = run_json(capsys, "--tp", "2", "--pp", "4", "--world-size", "32")
     assert js["layout"]["dp"] == 4
