@@ -230,6 +230,9 @@ def table(out: dict[str, Any]) -> None:
         print("CPU ms per iteration (all ranks, and the launcher with its job store), defaults / off:")
         for key in sorted(set(cpu["defaults"]) | set(cpu["off"]), key=lambda k: (k == "total", k)):
             print(f"  {key:24s} {cpu['defaults'].get(key, 0.0):8.1f} {cpu['off'].get(key, 0.0):8.1f}")
+        if cpu["off"].get("total"):
+            # steadier than the wall ratio on a shared host (the same tree's wall ratio moved 0.1 in an hour)
+            print(f"CPU ratio on/off   : {cpu['defaults'].get('total', 0.0) / cpu['off']['total']:.3f}")
     if out["breakdown"]:
         print("variant       median s  mean s  ratio(median/mean)  CPU ms/it  cost (CPU ms/it saved when off)")
         for r in out["breakdown"]:
