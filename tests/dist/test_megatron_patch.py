@@ -148,7 +148,14 @@ def test_patched_script_trains_with_ds_swift_and_changes_no_number(
             cwd=tmp_path,
         )
         plain_code = procs.wait("plain", JOB_DEADLINE_S)
-        assert plain_code == 0, procs.log("plain")[-6000:]
+        plain = procs.log("plain")
+        # Upstream's script ends through the interpreter's teardown, where now and then on gloo a C++
+        # thread still joinable aborts the process after its last iteration ("terminate called
+        # without an active exception", SIGABRT; seen once in three full runs, tp2). That reference
+        # run is complete (its loss log has every iteration, compared below); any other failure is not.
+        log = tmp_path / "plain-loss.jsonl"
+        torn = "terminate called without an active exception" in plain and log.exists() and len(losses(log)) == ITERS
+        assert plain_code == 0 or torn, plain[-6000:]
 
     # ds-swift was active: its planner spoke, and its periodic checkpoint (interval 2) exists.
     assert "[ds-swift] recovery plan per pipeline stage" in output, output[-4000:]
