@@ -21,7 +21,7 @@ from typing import Any
 from ds_swift.config import SwiftConfig
 from ds_swift.plan.layout import ParallelLayout
 
-__all__ = ["COPIES_NOTE", "BuddyCost", "buddy_cost", "copies_stand_in"]
+__all__ = ["COPIES_NOTE", "BuddyCost", "buddy_cost", "copies_kept", "copies_stand_in"]
 
 _MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "onebitadam": 2, "sgd": 1, "adagrad": 1}
 
@@ -97,6 +97,15 @@ def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, n
     per_param = 4 + 4 * _MOMENTS.get(opt, 2)
     part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
     return BuddyCost(True, why, factor, every, part, part * factor // every, 2 * (factor + 1) * part)
+
+
+def copies_kept(swift: SwiftConfig, partitioned: bool) -> bool:
+    """Whether ds-swift's copier keeps every rank's optimizer state on other machines: PipeChurn's
+    erasure-coded chunks (whatever the layout), or buddy copies (``buddy.enabled``, a strategy that
+    uses them) of a ``partitioned`` state. The one rule for the engine at start-up
+    (ds_swift.runtime.protection.partition_copies) and ``ds-swift plan``: :func:`copies_stand_in`."""
+    services = swift.services
+    return services.erasure_chunks or (swift.buddy.enabled and services.buddy_copies and partitioned)
 
 
 #: what a plan's note says where buddy copies stand in for replicas (:func:`copies_stand_in`)

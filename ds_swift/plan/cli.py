@@ -19,7 +19,7 @@ from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.plan.analysis import STRATEGIES, Plan, analyze, config_strategy
-from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost
+from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost, copies_kept
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, ModelShape
 from ds_swift.plan.tables import print_buddy, print_tables
@@ -156,9 +156,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         stage_compute_s=stage_compute[0] if stage_compute and len(stage_compute) == 1 else stage_compute,
         network_gbps=args.network_gbps,
         parallel_recovery=parallel,
-        # as the engine decides it at start-up (ds_swift.runtime.protection.partition_copies)
-        partition_copies=swift.services.erasure_chunks
-        or (swift.services.buddy_copies and buddy_cost(ds, swift, layout, None).active),
+        partition_copies=copies_kept(swift, buddy_cost(ds, swift, layout, None).active),  # as the engine decides
     )
     if deferred is None:
         return plan

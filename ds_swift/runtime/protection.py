@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ds_swift.config import SwiftConfig
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
+from ds_swift.plan.buddy_cost import copies_kept
 from ds_swift.recovery.consensus import RankReport
 from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
 from ds_swift.runtime.context import SwiftContext
@@ -167,7 +168,4 @@ def partition_copies(cfg: SwiftConfig, engine: Any) -> bool:
     """Whether the copier :class:`Protections` starts keeps every rank's optimizer state on other
     machines (buddy copies of a partitioned state, or PipeChurn's chunks): the topology analyzer then
     logs nothing for a stage those copies restore (ds_swift.plan.analysis.analyze)."""
-    services = cfg.services
-    if services.erasure_chunks:
-        return True
-    return cfg.buddy.enabled and services.buddy_copies and is_partitioned(getattr(engine, "optimizer", None))
+    return copies_kept(cfg, is_partitioned(getattr(engine, "optimizer", None)))
