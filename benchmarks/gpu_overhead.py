@@ -11,8 +11,9 @@ and 5 % on the tiny CPU GPT.
     # the GPU figure (issue 29): 1 rank, GPT 8 x 1024, seq 512, global batch 32, bf16 + ZeRO-1 +
     # DeepSpeed's FusedAdam, 40 iterations, s/iteration over iterations 10-40
     python benchmarks/gpu_overhead.py
-    # the CPU acceptance: the tiny GPT, 4 ranks (pp 2 x dp 2), bf16 + ZeRO-1, torch's AdamW
-    python benchmarks/gpu_overhead.py --tiny --nproc 4 --pp 2 --rounds 3 --iterations 30 --warmup 5
+    # the CPU acceptance: the tiny GPT, 4 ranks (pp 2 x dp 2), bf16 + ZeRO-1, torch's AdamW; steps
+    # after iteration 25, past the buddy interval "auto" chooses at iteration 18 (the steady state)
+    python benchmarks/gpu_overhead.py --tiny --nproc 4 --pp 2 --rounds 6 --iterations 50 --warmup 25
     # a quick run of the same code on CPU
     python benchmarks/gpu_overhead.py --tiny --rounds 1 --iterations 6 --warmup 2
 

@@ -170,7 +170,7 @@ class SwiftConfig:
                 f'strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set "strategy" to '
                 "one of them, or remove checkpoint.running_fraction"
             )
-        if self.buddy.interval != 1 and self.services.erasure_chunks:
+        if self.buddy.fixed_interval not in (None, 1) and self.services.erasure_chunks:
             raise ConfigError(
                 f"swift config: buddy.interval={self.buddy.interval!r} spaces buddy copies, which strategy "
                 f"{self.strategy!r} does not make: it keeps erasure-coded chunks of every rank's state after every "

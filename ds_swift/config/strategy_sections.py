@@ -27,13 +27,17 @@ class BuddyConfig:
     replication_factor: int = 1
     """How many buddies, each on another machine (and failure domain), hold each partition."""
 
-    interval: int = 1
+    interval: int | str = "auto"
     """Copy after the steps of every ``interval``-th iteration only (iterations divisible by it).
     A copy per step costs a host copy and a send of the whole partition per iteration; with an
     interval, a lost rank's copy is up to ``interval`` steps old, and every rank then goes back to
     it (survivors bitwise, from their own copies of that iteration) and trains the iterations since
-    again: fewer bytes per iteration, more iterations recomputed after a failure. Strategy
-    ``pipechurn`` keeps erasure-coded chunks after every step instead and refuses an interval."""
+    again: fewer bytes per iteration, more iterations recomputed after a failure. ``"auto"`` (the
+    default): a copy after every step for the first rounds of each generation, then the interval of
+    1, 2, 5, 10, ... that leaves at least half a second, and twice a round's time, between rounds,
+    from the step time rank 0 measured (ds_swift.runtime.buddy_auto): a step of 0.5 s or more keeps
+    a copy after every step. Strategy ``pipechurn`` keeps erasure-coded chunks after every step
+    instead and refuses a number."""
 
     def __post_init__(self) -> None:
         _check_type("buddy.enabled", self.enabled, bool, "true or false")
@@ -42,9 +46,16 @@ class BuddyConfig:
             raise _fail(
                 "buddy.replication_factor", self.replication_factor, "a positive integer (disable with enabled: false)"
             )
-        _check_type("buddy.interval", self.interval, int, "a positive number of iterations")
-        if self.interval < 1:
-            raise _fail("buddy.interval", self.interval, "a positive number of iterations (1: a copy after every step)")
+        allowed = '"auto" or a positive number of iterations (1: a copy after every step)'
+        if self.interval != "auto":
+            _check_type("buddy.interval", self.interval, int, allowed)
+            if int(self.interval) < 1:
+                raise _fail("buddy.interval", self.interval, allowed)
+
+    @property
+    def fixed_interval(self) -> int | None:
+        """The configured interval, or None for ``"auto"``."""
+        return None if self.interval == "auto" else int(self.interval)
 
 
 @dataclass(frozen=True)

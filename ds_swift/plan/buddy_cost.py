@@ -7,7 +7,9 @@ of the fp32 master weights plus the optimizer state of that share::
 
 (params per rank = params / (pp x tp); Adam-family optimizers keep 2 moments, SGD 1). After the
 step of every ``buddy.interval``-th iteration each rank sends that payload to each of its
-``replication_factor`` buddies (network bytes per rank per iteration: that over the interval) and
+``replication_factor`` buddies (network bytes per rank per iteration: that over the interval; under
+``"auto"``, the default, the interval is chosen from the step time once the job runs, so the figure
+is that of a copy after every step, the most it can be) and
 holds the newest two complete copies of each partition it is buddy of (host memory per rank: 2 x
 factor x partition bytes on average), plus its own copies of its last two rounds, staged before
 sending (2 x partition bytes): what makes a survivor's undo bitwise.
@@ -34,8 +36,8 @@ class BuddyCost:
     """Copies are made (enabled in the config and the optimizer state is partitioned)."""
     why: str
     factor: int
-    interval: int = 1
-    """Iterations between copies (``buddy.interval``)."""
+    interval: int | str = 1
+    """Iterations between copies (``buddy.interval``; ``"auto"``: chosen from the measured step time)."""
     partition_bytes: int | None = None
     """One rank's payload: fp32 master share plus its optimizer state (None: parameters unknown)."""
     network_bytes_per_rank_per_iteration: int | None = None
@@ -51,7 +53,9 @@ class BuddyCost:
         if self.partition_bytes is None:
             return [("buddy copies", f"on ({self.why}); bytes unknown: give --num-params")]
         net, host = self.network_bytes_per_rank_per_iteration or 0, self.host_bytes_per_rank or 0
-        every = "every iteration" if self.interval == 1 else f"every {self.interval} iterations"
+        every = {1: "every iteration", "auto": "interval auto (bytes: a copy after every step, the most)"}.get(
+            self.interval, f"every {self.interval} iterations"
+        )
         return [
             ("buddy copies", f"on, {self.factor} buddy(ies) per rank, {every} ({self.why})"),
             ("buddy network / rank / iteration", f"{net / 1e9:.3f} GB ({net} bytes)"),
@@ -96,7 +100,8 @@ def buddy_cost(ds: dict[str, Any], swift: SwiftConfig, layout: ParallelLayout, n
     opt = str((ds.get("optimizer") or {}).get("type", "adamw")).lower()
     per_param = 4 + 4 * _MOMENTS.get(opt, 2)
     part = int(num_params / (layout.pp * layout.tp) / layout.dp * per_param)
-    return BuddyCost(True, why, factor, every, part, part * factor // every, 2 * (factor + 1) * part)
+    per_iteration = part * factor // (swift.buddy.fixed_interval or 1)
+    return BuddyCost(True, why, factor, every, part, per_iteration, 2 * (factor + 1) * part)
 
 
 def copies_kept(swift: SwiftConfig, partitioned: bool) -> bool:

@@ -14,6 +14,11 @@ sends the staged tensors on the copier channel of ds-swift's transport, a gloo g
 a spare buffer and keeps the newest two complete copies per owner, so a copy being overwritten is
 never reported as complete.
 
+How often: after every step, or after the steps of every ``buddy.interval``-th iteration; under
+``"auto"`` (the default) every step for the first rounds of a generation, then the interval rank 0
+chooses from the step time it measured, carried to every rank by the round's landing
+(ds_swift.runtime.buddy_auto).
+
 When a round has landed: after its receives, each rank writes its key for the round in the job store
 (its own connection: a blocking wait must not hold up the heartbeats); the leader waits for every
 rank's key and marks the round done, the others wait for that key (StoreLanding), so ``landed`` says that every rank's copy of the
@@ -47,14 +52,14 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.checkpoint.snapshot import PinnedCopier
 from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
 from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
-from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding
+from ds_swift.runtime.buddy_auto import DECIDE_AFTER, AutoInterval, decided
+from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding, stage, stage_own
 from ds_swift.runtime.module_buffers import persistent_buffers
 from ds_swift.worker import OnError, Worker
 
@@ -74,7 +79,8 @@ class _Worker:
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
-        landing: Callable[[int, Callable[[], bool]], bool] | None = None,
+        landing: Callable[..., bool] | None = None,
+        auto: AutoInterval | None = None,
     ) -> None:
         self.channel = channel
         """The generation's transport (its copier channel); None once stopped."""
@@ -89,9 +95,13 @@ class _Worker:
         self.landed.set()
         self.rounds = 0
         self.bytes_sent = 0
+        self.auto = auto
+        """The leader's measurements under ``buddy.interval: "auto"`` (None on the other ranks)."""
+        self.decided: int | None = None
+        """The interval "auto" chose, from a round's ``done`` key (the training thread adopts it)."""
         # A round that fails stops the copier; the training thread turns copying off, loudly, at its
         # next step (BuddyCopier._turn_off): a copier error must not end a healthy job.
-        self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any]] = Worker(
+        self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any, float]] = Worker(
             "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set()
         )
         self.worker.start()
@@ -101,7 +111,7 @@ class _Worker:
         """What ended the copier (handed to the training thread at its next step)."""
         return self.worker.error
 
-    def _one(self, item: tuple[int, bytes, list[torch.Tensor], Any]) -> None:
+    def _one(self, item: tuple[int, bytes, list[torch.Tensor], Any, float]) -> None:
         sent = self._round(*item)
         self.rounds += 1
         if self.rounds == 2:  # the first round after a step: what every later one costs
@@ -111,13 +121,15 @@ class _Worker:
                 name=__name__,
             )
 
-    def _round(self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None) -> int:
+    def _round(
+        self, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None, submitted: float = 0.0
+    ) -> int:
         t = self.channel
         if t is None:
             raise transport.TransportError("ds-swift buddy copier: stopped before its round began")
         isend = functools.partial(t.isend, channel=transport.COPIER)
         irecv = functools.partial(t.irecv, channel=transport.COPIER)
-        tensors, flats = _stage(self.holdings, version, manifest, live, ready)
+        tensors, flats = stage(self.holdings, version, manifest, live, ready)
         # One part per buddy: the same payload for each (buddy copies: its flat buffers, one message
         # per dtype instead of one per tensor), or chunk j for the j-th (pipechurn's erasure coding,
         # done here on the copier thread).
@@ -151,7 +163,23 @@ class _Worker:
         _wait(works)
         for owner, v, theirs, flats in received:
             self.holdings.put(owner, v, theirs, flats)
-        if self.landing is None or self.landing(version, lambda: self.stopped):
+        if self.landing is None:
+            self.landed.set()
+            return sent
+        note = self.auto.before_landing(version, submitted) if self.auto is not None else None
+        if self.landing(version, lambda: self.stopped, note or "1"):
+            if self.auto is not None:
+                self.auto.after_landing(submitted, time.perf_counter())
+            chosen = decided(getattr(self.landing, "done_value", None))
+            if chosen is not None:
+                self.decided = chosen
+                if self.auto is not None:
+                    say_here(
+                        f"buddy copies: every {chosen} iteration(s) from iteration {version + 1} on (buddy.interval "
+                        f"auto: {self.auto.why}); a failure trains again at most the {chosen - 1} iteration(s) before the one "
+                        "it interrupts",
+                        name=__name__,
+                    )
             self.landed.set()
         return sent
 
@@ -163,7 +191,8 @@ class BuddyCopier:
         factor: buddies per rank (``buddy.replication_factor``).
         failure_domains: machines that fail together (``machines.failure_domains``).
         interval: copy after the steps of iterations divisible by it only (``buddy.interval``), and
-            at :meth:`start`.
+            at :meth:`start`; None: ``"auto"``, chosen in each generation from the measured step time
+            (ds_swift.runtime.buddy_auto).
     """
 
     def __init__(
@@ -171,11 +200,13 @@ class BuddyCopier:
         factor: int,
         failure_domains: tuple[tuple[int, ...], ...],
         erasure: tuple[int, int] | None = None,
-        interval: int = 1,
+        interval: int | None = 1,
     ) -> None:
         self.factor = factor if erasure is None else sum(erasure)
         self.erasure = erasure
-        self.interval = interval
+        self.auto = interval is None
+        self.interval = 1 if interval is None else interval
+        """Iterations between rounds in force (under "auto": 1 until the leader's choice lands)."""
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
         self._worker: _Worker | None = None
@@ -225,10 +256,19 @@ class BuddyCopier:
         rank = dist.get_rank()
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
-        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed)
+        auto = AutoInterval() if self.auto and landed is not None and landed.rank == StoreLanding.LEADER else None
+        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed, auto)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         every = f", after the steps of every {self.interval}th iteration" if self.interval > 1 else ""
+        if self.auto:
+            self.interval = 1
+            every = (
+                f", after every step for {DECIDE_AFTER} rounds, then at the interval rank 0 chooses from the "
+                "measured step time (buddy.interval auto)"
+                if landed is not None
+                else ", after every step (buddy.interval auto needs the job store to agree on an interval)"
+            )
         say(
             f"{what}: rank(s) {list(placement[rank])} hold mine; I hold those of {list(owners)}{every}",
             rank,
@@ -245,6 +285,9 @@ class BuddyCopier:
         round sending to a dead holder waits for gloo's op timeout, and so would training: the
         failure flag ends the wait as soon as the job knows."""
         self._wait(lambda w: w.landed, check)
+        w = self._worker
+        if self.auto and w is not None and w.decided is not None:
+            self.interval = w.decided  # the same round on every rank: each adopts it before this step
 
     def _wait(self, event: Callable[[_Worker], threading.Event], check: Callable[[], None] | None) -> None:
         w = self._worker
@@ -294,7 +337,7 @@ class BuddyCopier:
             ready = torch.cuda.Event()
             ready.record()
         w.landed.clear()
-        if not w.worker.submit((version, manifest, tensors, ready)):
+        if not w.worker.submit((version, manifest, tensors, ready, time.perf_counter())):
             w.landed.set()  # the copier stopped on an error: the next step's wait reports it
 
     def stop(self, finish_s: float = 0.2) -> bool:
@@ -323,34 +366,6 @@ def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:
     }
     manifest, tensors = encode(payload)
     return manifest, [t.detach().reshape(-1) for t in tensors]
-
-
-def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's own copy of a round: the live tensors (flat, in the manifest's order) copied into
-    host buffers (the older own copy's), kept as complete once copied. Returns the staged views: the
-    round sends those, not the live tensors."""
-    return _stage(holdings, version, manifest, live)[0]
-
-
-def _stage(
-    holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None
-) -> tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
-    """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from.
-
-    Device tensors are copied into pinned host buffers on a side stream that first waits for
-    ``ready`` (the step's event; ds_swift.checkpoint.snapshot.PinnedCopier.copy_into, the
-    asynchronous checkpoint's copy): on the training thread's stream, or into pageable memory, the
-    copy of the partition would hold up the next iteration's kernels for its whole PCIe time
-    (hundreds of MB per step on a large model). Only this, the copier thread, waits for it."""
-    flats = holdings.spare(None, manifest, pin=any(t.is_cuda for t in live))
-    staged = flat_views(manifest, flats)
-    _COPIER.copy_into(staged, live, ready)
-    holdings.put(None, version, manifest, flats)
-    return staged, flats
-
-
-#: The buddy copier's side streams (its own: the checkpoint snapshots' copies do not queue behind it).
-_COPIER = PinnedCopier()
 
 
 def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 :class:`BuddyHoldings`: the complete copies of other ranks' partitions this rank holds (the newest
 two per owner), and this rank's own copies of its last two rounds, kept across generations.
 :class:`StoreLanding`: a round has landed once every rank wrote its key for it in the job store.
+:func:`stage`: a round's own copy, staged into host buffers before it is sent.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any
 
 import torch
 
+from ds_swift.checkpoint.snapshot import PinnedCopier
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.recovery.state.transfer import flat_views
 from ds_swift.recovery.strategies.replication import decode, flat_sizes
 
-__all__ = ["BuddyHoldings", "StoreLanding"]
+__all__ = ["BuddyHoldings", "StoreLanding", "stage", "stage_own"]
 
 
 @dataclass
@@ -135,6 +138,9 @@ class StoreLanding:
         self.rank = rank
         self._rounds: list[int] = []
         """The rounds this rank counted itself in, newest last (the keys of two rounds back go)."""
+        self.done_value: str | None = None
+        """What the leader wrote into the last round's ``done`` key: ``"1"``, or the interval
+        ``buddy.interval: "auto"`` chose (ds_swift.runtime.buddy_auto.decision)."""
 
     def _key(self, version: int) -> str:
         return JobStore.buddy_round_key(self.generation, version)
@@ -147,9 +153,11 @@ class StoreLanding:
         wait for its count in every later round."""
         self.store.set(f"buddy/{self.generation}/off", reason)
 
-    def __call__(self, version: int, stopped: Callable[[], bool]) -> bool:
+    def __call__(self, version: int, stopped: Callable[[], bool], note: str = "1") -> bool:
         """Count this rank in for round ``version`` and wait until every rank is in (True), or until
-        ``stopped()`` (False)."""
+        ``stopped()`` (False). The leader writes ``note`` into the round's ``done`` key; every rank
+        finds it in :attr:`done_value`."""
+        self.done_value = None
         key = self._key(version)
         self.store.set(f"{key}/{self.rank}", "1")
         # A step waits for the previous round, so the round two back is over everywhere (rounds are
@@ -159,18 +167,21 @@ class StoreLanding:
         if old is not None:
             self.store.delete(f"{self._key(old)}/{self.rank}")
         if self.rank != self.LEADER:
-            return self._wait([self._done(version)], stopped)
+            values = self._wait([self._done(version)], stopped)
+            self.done_value = values[0] if values is not None else None
+            return values is not None
         ranks = [f"{key}/{r}" for r in range(self.world)]
-        if not self._wait(ranks, stopped):
+        if self._wait(ranks, stopped) is None:
             return False
-        self.store.set(self._done(version), "1")
+        self.store.set(self._done(version), note)
+        self.done_value = note
         if old is not None:
             self.store.delete(self._done(old))
         return True
 
-    def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> bool:
-        """Until every key in ``keys`` holds a value signed with the job secret (True), or until
-        ``stopped()`` (False); raises once another rank turned copying off."""
+    def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> list[str] | None:
+        """Until every key in ``keys`` holds a value signed with the job secret (their values), or
+        until ``stopped()`` (None); raises once another rank turned copying off."""
         off = f"buddy/{self.generation}/off"
         while not stopped():
             try:
@@ -180,9 +191,38 @@ class StoreLanding:
                 if why is not None:
                     raise RuntimeError(f"buddy copies turned off on another rank ({why})") from None
                 continue
-            if all(v is not None for v in self.store.read_present(keys)):
-                return True
+            values = self.store.read_present(keys)
+            if all(v is not None for v in values):
+                return [v for v in values if v is not None]
             # A key exists but is not signed with the job secret (an outsider created it on an
             # etcd anyone can write): wait for the rank's signed one, which overwrites it.
             time.sleep(0.05)
-        return False
+        return None
+
+
+def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's own copy of a round: the live tensors (flat, in the manifest's order) copied into
+    host buffers (the older own copy's), kept as complete once copied. Returns the staged views: the
+    round sends those, not the live tensors."""
+    return stage(holdings, version, manifest, live)[0]
+
+
+def stage(
+    holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor], ready: Any = None
+) -> tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
+    """:func:`stage_own`, also returning the flat buffers (one per dtype) the views are cut from.
+
+    Device tensors are copied into pinned host buffers on a side stream that first waits for
+    ``ready`` (the step's event; ds_swift.checkpoint.snapshot.PinnedCopier.copy_into, the
+    asynchronous checkpoint's copy): on the training thread's stream, or into pageable memory, the
+    copy of the partition would hold up the next iteration's kernels for its whole PCIe time
+    (hundreds of MB per step on a large model). Only this, the copier thread, waits for it."""
+    flats = holdings.spare(None, manifest, pin=any(t.is_cuda for t in live))
+    staged = flat_views(manifest, flats)
+    _COPIER.copy_into(staged, live, ready)
+    holdings.put(None, version, manifest, flats)
+    return staged, flats
+
+
+#: The buddy copier's side streams (its own: the checkpoint snapshots' copies do not queue behind it).
+_COPIER = PinnedCopier()

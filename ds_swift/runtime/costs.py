@@ -18,6 +18,7 @@ import torch
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
 from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors
 from ds_swift.runtime.bench_switch import ENV, SWITCHES
+from ds_swift.runtime.buddy_auto import DECIDE_AFTER, PERIOD_S
 
 __all__ = ["protection_costs", "state_bytes"]
 
@@ -101,6 +102,11 @@ def protection_costs(
         every = int(getattr(buddy, "interval", 1))
         per = part * buddy.factor // every
         when = "after every step" if every == 1 else f"after every {every}th step ({part * buddy.factor} bytes each)"
+        if getattr(buddy, "auto", False):
+            when += (
+                f" for the first {DECIDE_AFTER} rounds, then every k-th (buddy.interval auto: k of 1, 2, 5, 10, ... "
+                f"from the step time rank 0 measures, at least {PERIOD_S:g} s between rounds; said when chosen)"
+            )
         lines.append(
             f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
             f"machines {when} in a background thread ({counted}; the training thread waits only if the "

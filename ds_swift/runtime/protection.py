@@ -62,7 +62,7 @@ class Protections:
             self.buddy = BuddyCopier(1, cfg.machines.failure_domains, erasure=erasure)
         elif cfg.buddy.enabled and services.buddy_copies:
             self.buddy = BuddyCopier(
-                cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.interval
+                cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.fixed_interval
             )
         elif cfg.buddy.enabled and (ctx.env is None or ctx.env.rank == 0):
             # A strategy that never reads buddy copies does not pay for them.

@@ -1,4 +1,4 @@
-"""The buddy copier's staging on the GPU (ds_swift.runtime.buddy._stage): a rank's partition copied
+"""The buddy copier's staging on the GPU (ds_swift.runtime.buddy_holdings.stage): a rank's partition copied
 into pinned host buffers on a side stream that waits for the step's event, so the copy never holds
 up the training stream; the staged copy is the state as the step left it. Skipped without CUDA."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_swift.recovery.state.transfer import encode
-from ds_swift.runtime.buddy import BuddyHoldings, _stage
+from ds_swift.runtime.buddy_holdings import BuddyHoldings, stage
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ def test_the_staged_partition_is_the_state_after_the_step_in_pinned_memory() -> 
         for t in live:  # "the step": queued on the training stream, not finished when staging starts
             t.add_(1)
         ready = torch.cuda.current_stream().record_event()
-        staged, flats = _stage(holdings, version, manifest, live, ready)
+        staged, flats = stage(holdings, version, manifest, live, ready)
         assert all(f.is_pinned() for f in flats.values())
         assert all(torch.equal(s, torch.full_like(s, version + 1)) for s in staged)
     assert holdings.own_versions() == (1, 2)

@@ -235,7 +235,9 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
     layout = ParallelLayout(tp=1, pp=2, dp=4, gpus_per_node=8)
     cost = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"replication_factor": 2}}), layout, 8e6)
     assert cost.active and cost.partition_bytes == 8_000_000 // 2 // 4 * 12
-    assert cost.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes
+    # The default interval, "auto", is chosen once the job runs: the plan gives the most it can cost.
+    assert cost.interval == "auto" and cost.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes
+    assert "interval auto (bytes: a copy after every step, the most)" in cost.lines()[0][1]
     assert cost.host_bytes_per_rank == 2 * (2 + 1) * cost.partition_bytes  # the buddies' copies and two own
     off = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"enabled": False}}), layout, 8e6)
     assert not off.active and "buddy.enabled is false" in off.lines()[0][1]
@@ -246,7 +248,7 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
     assert spaced.host_bytes_per_rank == cost.host_bytes_per_rank and "every 4 iterations" in spaced.lines()[0][1]
 
 
-@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4"])
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4", "Auto", None])
 def test_a_bad_buddy_interval_is_an_error_naming_the_field(bad: object) -> None:
     from ds_swift.config import ConfigError, SwiftConfig
 
@@ -259,7 +261,12 @@ def test_a_buddy_interval_with_pipechurn_is_refused_not_ignored() -> None:
 
     with pytest.raises(ConfigError, match=r"buddy\.interval=4 .*'pipechurn'.*remove buddy\.interval"):
         SwiftConfig.from_dict({"strategy": "pipechurn", "buddy": {"interval": 4}})
-    assert SwiftConfig.from_dict({"strategy": "pipechurn"}).buddy.interval == 1
+    # "auto", the default, and 1 say nothing pipechurn does not do: a copy after every step.
+    for interval in ("auto", 1):
+        assert (
+            SwiftConfig.from_dict({"strategy": "pipechurn", "buddy": {"interval": interval}}).buddy.interval == interval
+        )
+    assert SwiftConfig.from_dict({"strategy": "pipechurn"}).buddy.fixed_interval is None
 
 
 def test_immediate_rollback_takes_the_newest_copy_and_undoes_nothing() -> None:
