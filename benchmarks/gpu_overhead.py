@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_s_off": runs.median("off"),
         "ratio": runs.ratio("defaults", "off"),
         "round_ratios": runs.round_ratios("defaults", "off"),
+        "median_round_ratio": runs.median_round_ratio("defaults", "off"),
         "steps_timed": {"on": len(runs.steps["defaults"]), "off": len(runs.steps["off"])},
         "cpu_ms_per_iteration": {n: _cpu_ms(runs, n) for n in names},
         "breakdown": [_row(runs, n) for n in names] if args.breakdown else [],
@@ -226,6 +227,7 @@ def table(out: dict[str, Any]) -> None:
     print(f"ratio on/off       : {out['ratio']:.3f} ({out['ranks']} rank(s) on {out['device']})")
     if len(out["round_ratios"]) > 1:  # the spread says how much of a difference these rounds can see
         print(f"  round by round   : {' '.join(f'{r:.3f}' for r in out['round_ratios'])}")
+        print(f"  their median     : {out['median_round_ratio']:.3f}")
     cpu = out["cpu_ms_per_iteration"]
     if cpu.get("defaults") and cpu.get("off"):
         print("CPU ms per iteration (all ranks, and the launcher with its job store), defaults / off:")

@@ -97,6 +97,12 @@ class Interleaved:
         between variants smaller than it is not measured by these rounds."""
         return [a / b for a, b in zip(self.job_medians[name], self.job_medians[base], strict=True)]
 
+    def median_round_ratio(self, name: str, base: str) -> float:
+        """The median of :meth:`round_ratios` (rounds with no timed step left out): each round's own
+        comparison, so a job whose machine was slower throughout moves it less than the pooled ratio."""
+        ratios = [r for r in self.round_ratios(name, base) if not math.isnan(r)]
+        return statistics.median(ratios) if ratios else math.nan
+
     def ratio(self, name: str, base: str) -> float:
         """Median step time of ``name`` / that of ``base`` (1.0: no overhead)."""
         return self.median(name) / self.median(base)

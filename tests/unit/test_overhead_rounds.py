@@ -14,4 +14,8 @@ def test_round_ratios_pair_each_rounds_jobs_and_the_pooled_ratio_stays_the_media
             runs.steps[name] += steps
             runs.job_medians[name].append(sorted(steps)[1])
     assert runs.round_ratios("on", "off") == pytest.approx([1.1, 1.1])
+    assert runs.median_round_ratio("on", "off") == pytest.approx(1.1)
+    runs.job_medians["on"] += [4.0, float("nan")]  # a slow round, and one with no timed step (left out)
+    runs.job_medians["off"] += [2.0, 3.0]
+    assert runs.median_round_ratio("on", "off") == pytest.approx(1.1)  # of 1.1, 1.1 and 2.0 (mean: 1.4)
     assert runs.ratio("on", "off") == pytest.approx(1.6 / 1.5)  # medians of the pooled steps
