@@ -79,7 +79,7 @@ class _Worker:
         owners: tuple[int, ...],
         holdings: BuddyHoldings,
         split: Callable[[bytes, list[torch.Tensor]], list[tuple[bytes, list[torch.Tensor]]]] | None = None,
-        landing: Callable[..., bool] | None = None,
+        landing: StoreLanding | None = None,
         auto: AutoInterval | None = None,
     ) -> None:
         self.channel = channel
@@ -170,7 +170,7 @@ class _Worker:
         if self.landing(version, lambda: self.stopped, note or "1"):
             if self.auto is not None:
                 self.auto.after_landing(submitted, time.perf_counter())
-            chosen = decided(getattr(self.landing, "done_value", None))
+            chosen = decided(self.landing.done_value)
             if chosen is not None:
                 self.decided = chosen
                 if self.auto is not None:

@@ -82,8 +82,10 @@ class AutoInterval:
         """A round of ``version``, handed over at ``submitted`` (``time.perf_counter``), is about to
         land: the interval to publish with it (:func:`decision`), once, at the :data:`DECIDE_AFTER`-th
         round; else None."""
+        if self.chosen is not None:
+            return None  # measured once per generation: nothing more is kept (a job may run for weeks)
         self._submitted.append((version, submitted))
-        if self.chosen is not None or len(self._submitted) < DECIDE_AFTER:
+        if len(self._submitted) < DECIDE_AFTER:
             return None
         measured = self._submitted[_SKIP:]
         steps = [b[1] - a[1] for a, b in zip(measured, measured[1:], strict=False) if b[0] - a[0] == 1]
@@ -100,5 +102,5 @@ class AutoInterval:
 
     def after_landing(self, submitted: float, landed: float) -> None:
         """The round handed over at ``submitted`` landed everywhere at ``landed``."""
-        if len(self._submitted) > _SKIP:
+        if self.chosen is None and len(self._submitted) > _SKIP:
             self._landed.append(landed - submitted)

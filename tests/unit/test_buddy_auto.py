@@ -45,6 +45,9 @@ def test_the_leader_chooses_once_at_the_decisive_round_from_the_medians_of_what_
     chosen = [(i, n) for i, n in enumerate(notes) if n is not None]
     assert chosen == [(DECIDE_AFTER - 1, decision(5))], chosen  # 0.5 / 0.12 -> 5, the outliers left out
     assert auto.chosen == 5 and "a step takes 120.0 ms and a round 20.0 ms" in auto.why, auto.why
+    # Once chosen, the later rounds are not recorded: nothing grows over a job of weeks.
+    # (_landed: rounds 5..19 timed, the first 4 skipped, the deciding round's landing came after)
+    assert len(auto._submitted) == DECIDE_AFTER and len(auto._landed) == DECIDE_AFTER - 5
 
 
 def test_a_done_value_carries_an_interval_or_nothing() -> None:
