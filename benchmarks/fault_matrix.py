@@ -8,6 +8,8 @@ training with a message that names the field. Anything else fails the case: a no
 final state that differs, a hang (the job's deadline: its whole process tree is SIGKILLed).
 
 Configs (``CONFIGS``): ``replication`` (bf16 + ZeRO-1, pp 2 x dp 2: buddy copies and replicas),
+``buddy_k5`` (the same with a buddy round every 5th step, the steady state of the default
+``buddy.interval: "auto"`` on a GPU: every rank goes back to the newest round),
 ``logging`` (bf16 + ZeRO-1, pp 4 over 2 machines, a storage budget), ``global_checkpoint`` and
 ``checkfreq`` (asynchronous checkpoints, every rank reloads), ``elastic`` (lossy forward without a
 spare: the job goes on without the failed machine), and the other seed systems' strategies on the
@@ -23,8 +25,9 @@ chunk cut short, its chunk and index deleted: the replay must refuse it and fall
 ``log_write`` (a rank dies in the middle of writing a record: the torn tail is cut off when its
 replacement logs again) and ``full_log_disk`` (the log on a 256 KB tmpfs: logging stops loudly, a
 later failure falls back). Replication: ``two_machines`` (machines 0 and 2 of four die at once),
-``recv_state`` / ``send_state`` (the replacement dies mid-receive of its buddy copy: a second spare
-and a retried recovery; the survivor sending it dies: both machines lost, the checkpoint),
+``recv_state`` / ``send_state``, also for ``buddy_k5`` (the replacement dies mid-receive of its
+buddy copy: a second spare and a retried recovery; the survivor sending it dies: both machines lost,
+the checkpoint),
 ``corrupt_ckpt`` / ``missing_ckpt`` (a checkpoint fallback whose newest checkpoint has a corrupt or
 missing file of one rank: every rank must step back to the one before it). ``full_ckpt_disk`` (the
 checkpoint directory on a 2 MB tmpfs: training goes on, a later failure reloads an older complete

@@ -24,6 +24,9 @@ STALL_WATCHDOG = {"op_timeout_s": 4.0, "heartbeat_timeout_s": 20.0, "hang_timeou
 #: config -> (DeepSpeed JSON, swift overrides)
 CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
     "replication": (BF16, {"checkpoint": {"interval": 4}}),
+    # The steady state of the default buddy.interval "auto" on a GPU (a round every 5th step): a
+    # failure takes every rank back to the newest round and trains the iterations since again.
+    "buddy_k5": (BF16, {"checkpoint": {"interval": 4}, "buddy": {"interval": 5}}),
     "logging": (PP4_BUDGET, {"checkpoint": {"interval": 4}}),
     "global_checkpoint": (BF16, {"strategy": "global_checkpoint", "checkpoint": {"interval": 4}}),
     "checkfreq": (BF16, {"strategy": "checkfreq", "checkfreq": {"profile_at": 3}}),
@@ -184,28 +187,29 @@ def _state_cases() -> list[Case]:
     # A peer vanishing mid-transfer during a replication recovery: the replacement receiving its
     # state (a second spare takes its place; the recovery is retried) or the survivor sending it
     # (both machines lost now: the checkpoint, announced).
-    out.append(
-        Case(
-            "replication",
-            "recv_state",
-            1,
-            inject=f"machine=1,iteration={KILL_AT},phase=backward",
-            spares=2,
-            env={"SWIFT_TEST_KILL_IN_RECV_STATE": "rank=2"},
-            must_say=("in the middle of receiving",),
+    for config in ("replication", "buddy_k5"):  # the newest copy, or one k iterations older
+        out.append(
+            Case(
+                config,
+                "recv_state",
+                1,
+                inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                spares=2,
+                env={"SWIFT_TEST_KILL_IN_RECV_STATE": "rank=2"},
+                must_say=("in the middle of receiving",),
+            )
         )
-    )
-    out.append(
-        Case(
-            "replication",
-            "send_state",
-            1,
-            inject=f"machine=1,iteration={KILL_AT},phase=backward",
-            spares=2,
-            env={"SWIFT_TEST_KILL_IN_SEND_STATE": "rank=0"},
-            must_say=("in the middle of sending", "checkpoint fallback"),
+        out.append(
+            Case(
+                config,
+                "send_state",
+                1,
+                inject=f"machine=1,iteration={KILL_AT},phase=backward",
+                spares=2,
+                env={"SWIFT_TEST_KILL_IN_SEND_STATE": "rank=0"},
+                must_say=("in the middle of sending", "checkpoint fallback"),
+            )
         )
-    )
     out.append(
         Case(
             "replication",

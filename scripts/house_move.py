@@ -123,7 +123,7 @@ TEXT_EDITS: list[tuple[str, str, str]] = [
 
 #: the order in which docs/architecture.md's folder list tells the story (others follow, sorted)
 STORY = [
-    "config.py",
+    "config",
     "plan",
     "jobstore",
     "data",
