@@ -151,6 +151,21 @@ def init_model_parallel(parallel_state: Any, tp: int, pp: int, rank_order: str, 
     )
 
 
+def load(engine: Any, load_dir: str) -> None:
+    """``--load``: DeepSpeed's load, which names the damaged file when it fails; with no checkpoint
+    there, training starts from iteration 0 (the resume-on-every-launch pattern of Megatron's
+    scripts), and says so."""
+    from ds_swift.checkpoint.damage import load_failure_note
+
+    try:
+        loaded, _ = engine.load_checkpoint(load_dir)
+    except Exception as exc:
+        exc.add_note(load_failure_note(load_dir))
+        raise
+    if loaded is None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"--load {load_dir}: no DeepSpeed checkpoint there (no 'latest' file): training starts from iteration 0")
+
+
 def resumable_data(engine: Any, batch_fn: Any) -> ResumableIterator:
     """This replica's micro-batches from any iteration on: what a Megatron script's DataLoader over
     MegatronPretrainingSampler(consumed_samples=iteration * global_batch) gives."""
@@ -211,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     del model  # the engine holds it; a reference here would outlive a failure's teardown
     if args.load:
-        engine.load_checkpoint(args.load)
+        load(engine, args.load)
     swift_engine = ds_swift.initialize(engine, config, model_fn=model_fn, batch_fn=batch_fn, seed=args.seed)
     protected = swift_engine is not engine  # false with "swift": {"enabled": false}: plain DeepSpeed
     engine = swift_engine

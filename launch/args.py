@@ -199,6 +199,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     except SecretError as exc:
         raise LaunchUsageError(str(exc)) from exc
 
+    from .preflight import under_a_file
+
+    if (blocker := under_a_file(ns.run_dir)) is not None:
+        raise LaunchUsageError(
+            f"--run-dir {ns.run_dir}: {blocker} is a file, so the directory cannot be created; give a directory"
+        )
     if ns.fork_server and command.no_python:
         raise LaunchUsageError("--fork-server forks a Python interpreter: it cannot run a --no_python command")
     return LaunchArgs(

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from ds_swift.jobstore.membership import JobStore, MembershipError
 from ds_swift.jobstore.signed_kv import BEAT_S
 from ds_swift.jobstore.url import StoreURL
 from ds_swift.logs import say
+from ds_swift.testing.faults import FaultSpec, unfired
 
 from .agent import JobSpec, MachineAgent
 from .args import LaunchArgs
@@ -63,8 +65,11 @@ class Supervisor:
         poll_s: float = POLL_S,
         liveness: AgentLiveness | None = None,
         clear_after: int = 0,
+        inject: Sequence[FaultSpec] = (),
     ) -> None:
         self.agents = agents
+        self.inject = tuple(inject)
+        """The job's --inject specs, for the line at its end on any that never fired (one launcher says it)."""
         self.store = store
         self.control = JobControl(store)
         self.events = events
@@ -133,6 +138,8 @@ class Supervisor:
             if reason is not None:
                 return self._end(1, f"job failed: {reason}; stopping every worker", reason=reason)
             if self.control.all_done(self.num_machines):
+                if self.inject and (missed := unfired(self.inject, self.store)) is not None:
+                    self.events(missed, event="inject_unfired")
                 return self._end(
                     0,
                     f"job finished: all {self.num_machines} machines' ranks exited 0 (generation "
@@ -342,5 +349,6 @@ def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
         remote_agents=remote,
         liveness=liveness,
         clear_after=clear_after,
+        inject=args.inject if args.node_rank in (None, 0) else (),
     )
     return supervisor.run()

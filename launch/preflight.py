@@ -11,15 +11,17 @@ section is reported here too, before the job starts, rather than by every worker
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
 
 from .args import LaunchArgs
 
-__all__ = ["arch_list_warning", "check_job", "preflight", "script_namespace"]
+__all__ = ["arch_list_warning", "check_job", "directory_problems", "preflight", "script_namespace", "under_a_file"]
 
 
 def script_namespace(script_args: Sequence[str]) -> argparse.Namespace:
@@ -41,16 +43,51 @@ def check_job(
 ) -> list[str]:
     """Every requirement of the job's strategy that this job does not meet, one line each (an
     invalid swift section is one such line)."""
-    from ds_swift.config.feasible import JobShape, infeasible
+    from ds_swift.config.feasible import LAUNCH_REQUIREMENTS, JobShape, infeasible
     from ds_swift.megatron import swift_section
 
     ns = script_namespace(script_args)
     try:
-        cfg = SwiftConfig.from_dict(swift_section(ns, dict(ds_config)))
+        section = swift_section(ns, dict(ds_config))
+        cfg = SwiftConfig.from_dict(section)
     except ConfigError as exc:
         return [str(exc)]
+    if why := left_off(section):
+        return [why]
     shape = JobShape.from_ds_config(ds_config, nnodes, nproc_per_node, elastic, ns.pipeline, ns.tensor)
-    return infeasible(cfg, shape)
+    return infeasible(cfg, shape, LAUNCH_REQUIREMENTS) + (directory_problems(cfg) if cfg.enabled else [])
+
+
+def under_a_file(path: str | os.PathLike[str]) -> str | None:
+    """The file that stands where ``path`` or a directory above it must be (None: nothing does).
+
+    Only this is checked: a directory missing on the launcher's host may exist on the workers'
+    (a file system only they mount), but a file where a directory must be is wrong everywhere."""
+    for p in (Path(path).absolute(), *Path(path).absolute().parents):
+        if p.exists():
+            return None if p.is_dir() else str(p)
+    return None
+
+
+def directory_problems(cfg: SwiftConfig) -> list[str]:
+    """The swift section's directories that cannot be created (a file where one must be), each named
+    with its field: they failed only later, at the first save (the trained iterations lost) or as
+    message logging switched off at start."""
+    from ds_swift.storage.store import local_path_of
+
+    out = []
+    logs = local_path_of(cfg.logging.storage)
+    for field, value, path in (
+        ("checkpoint.dir", cfg.checkpoint.dir, Path(cfg.checkpoint.dir)),
+        ("logging.storage", cfg.logging.storage, logs),
+        ("run_dir", cfg.run_dir, Path(cfg.run_dir)),
+    ):
+        if path is not None and (blocker := under_a_file(path)) is not None:
+            out.append(
+                f"swift config: {field}={value!r} is invalid: {blocker} is a file, so the directory cannot be "
+                f"created; give a directory path"
+            )
+    return out
 
 
 def preflight(args: LaunchArgs) -> str | None:

@@ -67,6 +67,12 @@ class RepoFiles:
             path = self.configs / CONFIGS[name]
         if not path.is_file():
             raise DemoError(f"--config {name}: {path} not found (one of {', '.join(CONFIGS)}, or a JSON file)")
+        from ds_swift.config import ConfigError, load_ds_config
+
+        try:
+            load_ds_config(path)  # before a job starts, not as a traceback from inside it
+        except ConfigError as exc:
+            raise DemoError(f"--config {name}: {exc}") from None
         return path
 
 
@@ -211,17 +217,25 @@ def _plain(console: Any) -> Callable[[str], None]:
     return lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
+def _bad_numbers(args: argparse.Namespace) -> str | None:
+    """The first of the demo's numbers that cannot work, named with what it must be."""
+    if args.iterations < 2:
+        return f"--iterations {args.iterations} must be 2 or more (a failure, then training after it)"
+    if not 0 <= args.kill_iteration < args.iterations:
+        return f"--kill-iteration {args.kill_iteration} must be in [0, --iterations {args.iterations})"
+    if not args.timeout > 0:
+        return f"--timeout {args.timeout:g} must be a positive number of seconds (each job's deadline)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(highlight=False)
-    if not 0 <= args.kill_iteration < args.iterations:
-        _plain(console)(
-            f"ds-swift demo: error: --kill-iteration {args.kill_iteration} must be in [0, --iterations "
-            f"{args.iterations})"
-        )
+    if (why := _bad_numbers(args)) is not None:
+        _plain(console)(f"ds-swift demo: error: {why}")
         return 2
     try:
         repo = find_repo()

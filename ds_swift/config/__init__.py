@@ -71,6 +71,7 @@ __all__ = [
     "SwiftConfig",
     "VerifyConfig",
     "WatchdogConfig",
+    "left_off",
     "load_ds_config",
     "strategy_names",
 ]
@@ -232,6 +233,23 @@ class SwiftConfig:
         if self.checkpoint.async_save is not None:
             return self.checkpoint.async_save
         return gpu or self.services.async_checkpoints
+
+
+def left_off(section: Any) -> str | None:
+    """Why a ``swift`` section leaves ds-swift off although it configures it (None: it does not).
+
+    A section with settings but no ``enabled`` key reads as "turn it on" to most who write it, and
+    ``enabled`` is false by default: the job would train unprotected without a word. Every entry
+    point (``ds_swift.init_distributed``, ``ds_swift.initialize``, the launcher's preflight) refuses
+    it instead; ``"enabled": false`` keeps a section that is meant to be off."""
+    if not isinstance(section, Mapping) or not section or "enabled" in section:
+        return None
+    keys = ", ".join(sorted(map(str, section)))
+    return (
+        f'swift config: the swift section sets {keys} but not "enabled", so ds-swift would be off and the job '
+        'would train unprotected: add "enabled": true to turn it on (in a Megatron script: or pass --swift), '
+        'or "enabled": false to train without it'
+    )
 
 
 def load_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:

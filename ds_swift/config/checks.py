@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "kinds_mismatch", "machines_mismatch"]
 
 
 class ConfigError(ValueError):
@@ -35,4 +35,25 @@ def _is_machine_list(value: Any) -> bool:
         isinstance(value, list | tuple)
         and bool(value)
         and all(isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in value)
+    )
+
+
+def machines_mismatch(gpus_per_node: int, per_machine: int, machines: int) -> str | None:
+    """Why ``machines.gpus_per_node`` disagrees with the ranks the launcher puts on each machine (the
+    plan's replicas, buddies and logged boundaries would count wrong), or None."""
+    if gpus_per_node == per_machine:
+        return None
+    return (
+        f"swift config: machines.gpus_per_node={gpus_per_node} is invalid: ds-swift-launch placed "
+        f"{per_machine} rank(s) on each of {machines} machine(s) (--nproc-per-node); set it to {per_machine}"
+    )
+
+
+def kinds_mismatch(kinds: str | tuple[str, ...], stages: int) -> str | None:
+    """Why a per-stage ``logging.kinds`` list does not fit the pipeline, or None."""
+    if isinstance(kinds, str) or len(kinds) == stages:
+        return None
+    return (
+        f"swift config: logging.kinds has {len(kinds)} entries for {stages} pipeline stages: give one per stage "
+        '(messages or updates), or "auto"'
     )

@@ -17,10 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.config.checks import kinds_mismatch, machines_mismatch
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders
 
-__all__ = ["JobShape", "REQUIREMENTS", "check_feasible", "infeasible"]
+__all__ = [
+    "LAUNCH_REQUIREMENTS",
+    "JobShape",
+    "REQUIREMENTS",
+    "check_feasible",
+    "infeasible",
+]
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,18 @@ def buddies_need_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     return None
 
 
+def machines_match(cfg: SwiftConfig, shape: JobShape) -> str | None:
+    """Under ds-swift-launch, ``machines.gpus_per_node`` is the launcher's ranks per machine."""
+    return machines_mismatch(cfg.machines.gpus_per_node, shape.per_machine, shape.machines) if cfg.enabled else None
+
+
+def kinds_fit_the_pipeline(cfg: SwiftConfig, shape: JobShape) -> str | None:
+    """A per-stage ``logging.kinds`` list has one entry per pipeline stage."""
+    if not cfg.enabled or shape.pipeline is None:
+        return None
+    return kinds_mismatch(cfg.logging.kinds, shape.pipeline)
+
+
 REQUIREMENTS: tuple[Requirement, ...] = (
     elastic_needs_the_config,
     elastic_needs_whole_replicas,
@@ -186,6 +205,11 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     pipechurn_needs_machines,
     buddies_need_machines,
 )
+
+
+#: what the launcher checks (it knows the ranks per machine): the strategies' requirements and the
+#: config's fit to the job (otherwise found by every worker once it runs, the job's ranks started)
+LAUNCH_REQUIREMENTS: tuple[Requirement, ...] = (machines_match, kinds_fit_the_pipeline, *REQUIREMENTS)
 
 
 def infeasible(cfg: SwiftConfig, shape: JobShape, requirements: tuple[Requirement, ...] = REQUIREMENTS) -> list[str]:

@@ -47,6 +47,7 @@ __all__ = [
     "job_error",
     "job_error_key",
     "rank_error_key",
+    "record_job_error",
     "stale_ranks",
 ]
 
@@ -179,7 +180,7 @@ def classify_failure(
         return f"{type(exc).__name__}: {str(exc)[:120]}"
     rank = liveness.rank if liveness is not None else None
     if not is_comm_error(exc):
-        _record_job_error(store, generation, rank, exc)
+        record_job_error(store, generation, rank, exc)
         raise exc
     # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
     # else a dead rank's heartbeat goes stale within the heartbeat timeout. Only a timed-out op can
@@ -197,7 +198,7 @@ def classify_failure(
         own = job_error(store, generation)
         if own is not None:  # a peer's own error closed the connection: the job ends with it
             exc.add_note(f"ds-swift: {own}: the job's own error, which ended generation {generation}")
-            _record_job_error(store, generation, rank, exc)
+            record_job_error(store, generation, rank, exc)
             raise exc
         dead = stale_ranks(store, liveness, beats) if liveness is not None and beats is not None else []
         if dead and liveness is not None:
@@ -221,11 +222,11 @@ def classify_failure(
         f"ds-swift: not a machine failure (no failure declared and every rank heartbeating for "
         f"{patience:.1f} s): raised as the job's own error"
     )
-    _record_job_error(store, generation, rank, exc)
+    record_job_error(store, generation, rank, exc)
     raise exc
 
 
-def _record_job_error(store: JobStore, generation: int, rank: int | None, exc: BaseException) -> None:
+def record_job_error(store: JobStore, generation: int, rank: int | None, exc: BaseException) -> None:
     """Say in the store that ``exc`` is the job's own error (see :func:`job_error_key`)."""
     who = f"rank {rank}" if rank is not None else "a rank"
     what = f"{who} raised {type(exc).__name__}: {str(exc)[:200]}"

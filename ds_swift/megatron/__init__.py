@@ -56,24 +56,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def swift_section(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
     """The swift section in force for these arguments, validated (raises ConfigError)."""
-    section: dict[str, Any] = dict((ds_config or {}).get("swift") or {})
+    section = _section((ds_config or {}).get("swift"), "the DeepSpeed config's")
     path = getattr(args, "swift_config", None)
     if path:
-        other = load_ds_config(path)
+        try:
+            other = load_ds_config(path)
+        except ConfigError as exc:
+            raise ConfigError(f"--swift-config: {exc}") from None
         if "swift" not in other:
             raise ConfigError(f"--swift-config {path!r} has no 'swift' key: write {{\"swift\": {{...}}}}")
-        section = dict(other["swift"])
+        section = _section(other["swift"], f"--swift-config {path!r}:")
     if getattr(args, "swift", False):
         section["enabled"] = True
     save = getattr(args, "save", None)
-    if save and "dir" not in section.get("checkpoint", {}):
+    given = section.get("checkpoint", {})  # anything but an object is named by the check below
+    if save and isinstance(given, dict) and "dir" not in given:
         # Megatron's --save directory holds ds-swift's checkpoints too (same DeepSpeed tags).
-        checkpoint = dict(section.get("checkpoint") or {}, dir=save)
+        checkpoint = dict(given, dir=save)
         if getattr(args, "save_interval", None):
             checkpoint.setdefault("interval", int(args.save_interval))
         section["checkpoint"] = checkpoint
     SwiftConfig.from_dict(section)  # fail before training starts, naming the field
     return section
+
+
+def _section(value: Any, where: str) -> dict[str, Any]:
+    """A swift section as a dict (absent or null: empty); anything but a JSON object is refused."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"swift config: {where} swift must be a JSON object, got {value!r}")
+    return dict(value)
 
 
 def initialize(

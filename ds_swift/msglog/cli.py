@@ -1,7 +1,7 @@
 """``ds-swift logs DIR``: list message-log chunks, verify every checksum, bytes per edge per iteration.
 
 Exit code 0 when every record verifies, 1 when any error was found (each printed with its file
-and record), 2 when the location cannot be read at all.
+and record), 2 when the location cannot be read at all or holds no chunk.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def run(args: argparse.Namespace) -> int:
         report = reader.verify()
     except OSError as exc:
         print(f"ds-swift logs: error: {exc}", file=sys.stderr)
+        return 2
+    if not reader.chunk_names() and not report.errors:
+        print(
+            f"ds-swift logs: error: no message-log chunk in {args.location}: give the directory of a job's "
+            'message log (its swift section\'s "logging": {"storage": ...})',
+            file=sys.stderr,
+        )
         return 2
     chunks: list[dict[str, Any]] = []
     for cn in reader.chunk_names():

@@ -129,7 +129,8 @@ class LogReader:
         self._store: Store | None = None
         local = local_path_of(self.location) if store is None else None
         if local is not None and not local.is_dir():
-            raise FileNotFoundError(f"message log directory {local} does not exist")
+            what = "is a file, not a directory" if local.exists() else "does not exist"
+            raise FileNotFoundError(f"message log directory {local} {what}")
         if local is not None and not _is_store(local):
             # chunks as the writer wrote them (no checksum sidecars): read in place
             self.directory = local

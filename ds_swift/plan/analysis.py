@@ -189,6 +189,15 @@ class Plan:
         }
 
 
+def _nothing_to_log(layout: ParallelLayout) -> ConfigError:
+    return ConfigError(
+        "swift config: strategy='logging' is impossible: no pipeline send crosses a machine boundary "
+        f"(pp {layout.pp}, rank order {layout.order}, {layout.gpus_per_node} ranks per machine: each replica's "
+        "stages share a machine, so a lost stage loses its neighbours too); use strategy auto or replication, "
+        "or a rank order that puts pipeline stages on different machines (machines.rank_order)"
+    )
+
+
 def analyze(
     layout: ParallelLayout,
     shape: ModelShape | None = None,
@@ -239,7 +248,7 @@ def analyze(
     cross = pipeline_edges(layout, shape, measured)
     candidate_edges = [e for e in cross if e.dst_stage in candidates]
     if strategy == "logging" and not candidate_edges:
-        raise ConfigError("strategy='logging' is impossible: no pipeline send crosses a machine boundary")
+        raise _nothing_to_log(layout)
     times, rec_units = stage_times(p, sizing, iteration_time, stage_compute_s)
     units = UnitChain.build(layout, cross, candidate_edges, times, network, checkpoint_interval, parallel_recovery)
     grouped = choose_groups(units, sizing is not None, groups, budget, checkpoint_interval)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ds_swift.config import ConfigError
+from ds_swift.config.checks import kinds_mismatch
 from ds_swift.plan.analysis import Plan
 from ds_swift.plan.sizes import MeasuredSizes, sender_bytes
 
@@ -77,11 +78,8 @@ def first_kinds(kinds: str | Sequence[str], plan: Plan) -> dict[int, set[str]]:
 
 
 def _check_kinds(kinds: str | Sequence[str], pp: int) -> None:
-    if not isinstance(kinds, str) and len(kinds) != pp:
-        raise ConfigError(
-            f"swift config: logging.kinds has {len(kinds)} entries for {pp} pipeline stages: give one per stage "
-            '(messages or updates), or "auto"'
-        )
+    if why := kinds_mismatch(kinds if isinstance(kinds, str) else tuple(kinds), pp):
+        raise ConfigError(why)
 
 
 def _units(plan: Plan) -> list[tuple[int, ...]]:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.config import SwiftConfig, load_ds_config
+from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
+from ds_swift.config.checks import machines_mismatch
 from ds_swift.jobstore.membership import GenerationFailed, JobStore, WorkerEnv
 from ds_swift.logs import say
 
@@ -153,7 +154,10 @@ def init_distributed(
     global _CONTEXT
     import deepspeed
 
-    cfg = SwiftConfig.from_ds_config(load_ds_config(ds_config)) if ds_config is not None else SwiftConfig()
+    config = load_ds_config(ds_config) if ds_config is not None else {}
+    cfg = SwiftConfig.from_ds_config(config)
+    if not cfg.enabled and (why := left_off(config.get("swift"))):
+        raise ConfigError(why)
     backend = _backend()
     if not cfg.enabled:
         if WorkerEnv.present() and not dist.is_initialized():
@@ -244,10 +248,5 @@ def check_machines(cfg: SwiftConfig, env: WorkerEnv | None) -> None:
     if env is None or env.num_machines < 1:
         return
     per_machine = env.world_size // env.num_machines
-    if cfg.machines.gpus_per_node != per_machine:
-        from ds_swift.config import ConfigError
-
-        raise ConfigError(
-            f"swift config: machines.gpus_per_node={cfg.machines.gpus_per_node} is invalid: ds-swift-launch placed "
-            f"{per_machine} rank(s) on each of {env.num_machines} machine(s) (--nproc-per-node); set it to {per_machine}"
-        )
+    if why := machines_mismatch(cfg.machines.gpus_per_node, per_machine, env.num_machines):
+        raise ConfigError(why)

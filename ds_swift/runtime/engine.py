@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ds_swift.checkpoint.periodic import origin_of
 from ds_swift.checkpoint.setup import checkpoint_manager
-from ds_swift.config import SwiftConfig, load_ds_config
+from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
 from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
@@ -87,6 +87,8 @@ def initialize(
     config = load_ds_config(ds_config)
     cfg = SwiftConfig.from_ds_config(config)
     if not cfg.enabled:
+        if why := left_off(config.get("swift")):
+            raise ConfigError(why)
         return engine
     if model_fn is None and engine_fn is None:
         raise ValueError("ds_swift.initialize needs model_fn (or engine_fn) to rebuild the engine after a failure")
@@ -97,9 +99,18 @@ def initialize(
     ctx = current_context()
     if ctx is None:
         raise RuntimeError("call ds_swift.init_distributed(ds_config) instead of deepspeed.init_distributed() first")
-    return SwiftPipelineEngine(
-        engine, config, cfg, ctx, model_fn=model_fn, batch_fn=batch_fn, seed=seed, engine_fn=engine_fn
-    )
+    try:
+        return SwiftPipelineEngine(
+            engine, config, cfg, ctx, model_fn=model_fn, batch_fn=batch_fn, seed=seed, engine_fn=engine_fn
+        )
+    except ConfigError as exc:
+        # A configuration the job cannot serve, found once the engine is known: the job's own error
+        # (its launcher ends the job with this line rather than replacing a sound machine).
+        if ctx.store is not None:
+            from ds_swift.detect.classify import record_job_error
+
+            record_job_error(ctx.store, ctx.generation, dist.get_rank() if dist.is_initialized() else None, exc)
+        raise
 
 
 class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.config import SwiftConfig
+from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say, say_here
@@ -111,6 +111,8 @@ class EngineLogging:
                 self._plan = conservative_plan(self._layout, self.cfg, self._copies)
                 self._decided = not needs_measuring(self.cfg, self._plan)
                 self._first_kinds = first_kinds(self.cfg.logging.kinds, self._plan)
+            except ConfigError:
+                raise  # a configuration the job cannot serve (logging.kinds, strategy logging): stop, naming it
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
                 say_here(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
                 self._plan = False

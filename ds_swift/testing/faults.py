@@ -42,7 +42,17 @@ from ds_swift.logs import say
 if TYPE_CHECKING:
     from ds_swift.jobstore.membership import WorkerEnv
 
-__all__ = ["PHASES", "FaultSpec", "FaultSpecError", "Injector", "format_specs", "group_down_key", "group_kill_key"]
+__all__ = [
+    "PHASES",
+    "FaultSpec",
+    "FaultSpecError",
+    "Injector",
+    "fire_time_key",
+    "format_specs",
+    "group_down_key",
+    "group_kill_key",
+    "unfired",
+]
 
 #: the points of an iteration where a fault can be injected (the worker side calls maybe_fire there)
 PHASES = (
@@ -65,6 +75,23 @@ def group_kill_key(index: int) -> str:
 def group_down_key(index: int) -> str:
     """Counter of group spec ``index``'s machines whose agents killed them."""
     return f"inject/{index}/down"
+
+
+def fire_time_key(index: int) -> str:
+    """Set (``time.time()``) just before spec ``index``'s SIGKILL: absent, the spec never fired."""
+    return f"inject/{index}/t_fire"
+
+
+def unfired(specs: Sequence[FaultSpec], store: _Counter) -> str | None:
+    """What the launcher says at a job's end about specs that never fired (None: all did). A spec
+    past the job's last iteration, or of a phase the job never runs, tests nothing."""
+    missed = [f"#{i} ({s})" for i, s in enumerate(specs) if store.get(fire_time_key(i)) is None]
+    if not missed:
+        return None
+    return (
+        f"--inject {', '.join(missed)} never fired: no rank of the machine reached that iteration and phase "
+        "before the job ended (iterations count from 0; a job of N iterations runs 0..N-1)"
+    )
 
 
 class FaultSpecError(ValueError):
@@ -144,6 +171,8 @@ class FaultSpec:
     @classmethod
     def _parse_one(cls, text: str) -> FaultSpec:
         fields: dict[str, str] = {}
+        if any(len(item.split()) > 1 and item.count("=") > 1 for item in text.split(",")):
+            raise FaultSpecError(f"fault spec {text!r}: separate its fields with commas, not spaces (e.g. {_EXAMPLE})")
         for item in text.split(","):
             key, sep, value = item.partition("=")
             key, value = key.strip().lower(), value.strip()
@@ -269,7 +298,7 @@ class Injector:
                 continue  # a sibling rank fired it, or it fired before this worker was a replacement
             if spec.settled:  # only the rank that fires waits (a replacement redoing the iteration must not)
                 self._settle(iteration)
-            self.store.set(f"inject/{i}/t_fire", repr(time.time()))
+            self.store.set(fire_time_key(i), repr(time.time()))
             if self.rank is not None:
                 self.store.set(f"inject/{i}/rank", str(self.rank))
             if spec.group:  # the agents of every machine of the group kill theirs on this key

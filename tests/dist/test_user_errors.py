@@ -31,3 +31,22 @@ def test_a_users_runtime_error_mentioning_gloo_is_raised_as_its_own(tmp_path: Pa
     assert "raised as the job's own error" in job.output
     assert "comm error, failure declared: user layer" not in job.output, job.output[-6000:]
     assert not job.timelines(), job.output[-4000:]  # no recovery ran for it
+
+
+def test_a_strategy_the_layout_cannot_serve_ends_the_job_at_start_naming_it(
+    tmp_path: Path, warm_deepspeed: None
+) -> None:
+    """strategy "logging" on pp 2 x dp 2 with each replica's stages on one machine (rank order
+    tp-pp-dp): no send to log. Every rank refuses it once its engine is built (the launcher cannot
+    know the engine's topology), it was a warning and a job without logging before; the launcher
+    ends the job with the reason, no spare takes a machine over."""
+    job = run_job(
+        tmp_path,
+        JobSpec(ROOT / "examples" / "pretrain_gpt.py", BF16, 3, ["--spares", "1"], swift={"strategy": "logging"}),
+        240.0,
+    )
+    assert job.code != 0, job.output[-4000:]
+    said = [line for line in job.output.splitlines() if "job failed:" in line]
+    assert len(said) == 1 and "raised ConfigError: swift config: strategy='logging' is impossible" in said[0], said
+    assert "(the job's own error, not a machine failure)" in said[0], said
+    assert "takes over machine" not in job.output and not job.timelines(), job.output[-4000:]

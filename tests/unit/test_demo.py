@@ -46,6 +46,10 @@ def test_find_repo_takes_the_first_checkout(tmp_path: Path) -> None:
     assert found.config("pp2_dp2") == repo / "configs" / "gpt_tiny_pp2_dp2.json"
     with pytest.raises(DemoError, match="pp4"):
         found.config("pp4")  # a name of the table whose file this checkout lacks
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"swift": {"enabled": true,}}')
+    with pytest.raises(DemoError, match=f"--config {broken}: DeepSpeed config '{broken}' is not valid JSON: Expecting"):
+        found.config(str(broken))  # was a JSONDecodeError traceback from inside the first job
 
 
 def test_find_repo_without_checkout_says_how_to_get_one(tmp_path: Path) -> None:
@@ -63,6 +67,12 @@ def test_find_repo_default_finds_this_checkout() -> None:
 def test_demo_rejects_a_kill_after_the_last_iteration(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["demo", "--iterations", "10", "--kill-iteration", "10"]) == 2
     assert "--kill-iteration 10" in capsys.readouterr().out
+    # The number that is wrong is the one named (--iterations 0 blamed --kill-iteration; --timeout 0
+    # started four ranks and killed them at once).
+    assert cli_main(["demo", "--iterations", "0"]) == 2
+    assert "error: --iterations 0 must be 2 or more" in capsys.readouterr().out
+    assert cli_main(["demo", "--timeout", "0"]) == 2
+    assert "error: --timeout 0 must be a positive number of seconds" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- loss logs

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ds_swift.jobstore.membership import WorkerEnv
-from ds_swift.testing.faults import PHASES, FaultSpec, FaultSpecError, Injector, format_specs
+from ds_swift.testing.faults import PHASES, FaultSpec, FaultSpecError, Injector, format_specs, unfired
 
 
 class FakeStore:
@@ -26,6 +26,9 @@ class FakeStore:
     def set(self, key: str, value: str) -> None:
         self.calls += 1
         self.data[key] = value
+
+    def get(self, key: str) -> str | None:
+        return self.data.get(key)
 
 
 class Kills:
@@ -188,3 +191,19 @@ def test_a_settled_spec_fires_only_once_the_copies_of_the_iteration_before_lande
     store, kills = Landing(), Kills()
     Injector([spec], store, machine=1, rank=1, kill=kills).maybe_fire("forward", 7)
     assert store.asked == 3 and kills.count == 1
+
+
+def test_the_launcher_names_a_spec_that_never_fired() -> None:
+    # --inject machine=1,iteration=50 with --train-iters 2 ended "0 machine failure(s)", exit 0, no word.
+    store, kills = FakeStore(), Kills()
+    specs = FaultSpec.parse("machine=1,iteration=1,phase=backward;machine=0,iteration=50")
+    Injector(specs, store, machine=1, kill=kills).maybe_fire("backward", 1)
+    said = unfired(specs, store)
+    assert said is not None and said.startswith("--inject #1 (machine=0,iteration=50") and "#0" not in said
+    Injector(specs, store, machine=0, kill=kills).maybe_fire("forward", 50)
+    assert unfired(specs, store) is None and kills.count == 2
+
+
+def test_fields_separated_by_spaces_are_named_as_such() -> None:
+    with pytest.raises(FaultSpecError, match="separate its fields with commas, not spaces"):
+        FaultSpec.parse("machine=1 iteration=1")  # it said "lacks iteration="

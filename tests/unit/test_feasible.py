@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.config import ConfigError, SwiftConfig, left_off
 from ds_swift.config.feasible import JobShape, check_feasible, infeasible
 from ds_swift.launch.args import parse_args
 from ds_swift.launch.cli import main
+from ds_swift.launch.placement import LaunchUsageError
 from ds_swift.launch.preflight import arch_list_warning, preflight
 
 LOSSY = {"enabled": True, "strategy": "lossy_forward"}
@@ -84,9 +85,11 @@ def test_the_shape_comes_from_the_deepspeed_config_and_megatron_flags() -> None:
     assert (shape.replica, shape.data_parallel, shape.partitioned) == (4, 2, False)
 
 
-def write_config(tmp: Path, swift: dict[str, Any]) -> Path:
+def write_config(tmp: Path, swift: dict[str, Any], stages: int = 2) -> Path:
+    """A DeepSpeed config for 2 ranks a machine (``machines.gpus_per_node`` 2 unless ``swift`` says)."""
     path = tmp / "ds.json"
-    path.write_text(json.dumps({"pipeline": {"stages": 2}, "swift": swift}))
+    swift = {"machines": {"gpus_per_node": 2}, **swift}
+    path.write_text(json.dumps({"pipeline": {"stages": stages}, "swift": swift}))
     return path
 
 
@@ -123,7 +126,9 @@ def test_the_launcher_refuses_pipechurn_on_too_few_machines_and_reads_megatron_f
     assert why is not None and "--nnodes 4" in why
     # --swift-config replaces the section (Megatron's flags, read as the script reads them).
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"swift": {"enabled": True, "strategy": "checkpoint"}}))
+    other.write_text(
+        json.dumps({"swift": {"enabled": True, "strategy": "checkpoint", "machines": {"gpus_per_node": 2}}})
+    )
     assert preflight(parse_args([*launch_argv(churn), "--swift-config", str(other)])) is None
     bad = write_config(tmp_path, {"enabled": True, "strategy": "nope"})
     assert "strategy" in (preflight(parse_args(launch_argv(bad))) or "")
@@ -153,3 +158,67 @@ def test_an_arch_list_deepspeeds_op_builder_cannot_parse_is_named_with_its_fix(v
 )
 def test_no_arch_list_warning_without_cause(environ: dict[str, str], version: str | None) -> None:
     assert arch_list_warning(environ, version) is None
+
+
+def test_a_swift_section_without_enabled_is_refused_not_left_off(tmp_path: Path) -> None:
+    """A section that configures ds-swift but leaves "enabled" out: ds-swift was off and the job
+    trained unprotected without a word. The launcher, ds_swift.init_distributed and
+    ds_swift.initialize refuse it; "enabled": false keeps a section that is meant to be off."""
+    unset = write_config(tmp_path, {"strategy": "auto", "buddy": {"replication_factor": 1}})
+    why = preflight(parse_args(launch_argv(unset)))
+    assert why is not None and why.startswith("swift config: the swift section sets buddy, machines, strategy but")
+    assert 'add "enabled": true to turn it on' in why and '"enabled": false to train without it' in why
+    assert preflight(parse_args(launch_argv(write_config(tmp_path, {"enabled": False, "strategy": "auto"})))) is None
+    assert preflight(parse_args([*launch_argv(unset), "--swift"])) is None  # a Megatron script's --swift
+    assert left_off({}) is None and left_off(None) is None and left_off({"enabled": True}) is None
+
+    import ds_swift
+
+    engine = object()
+    with pytest.raises(ConfigError, match='but not "enabled"'):
+        ds_swift.initialize(engine, {"swift": {"strategy": "auto"}})
+    with pytest.raises(ConfigError, match='but not "enabled"'):
+        ds_swift.init_distributed({"swift": {"checkpoint": {"interval": 10}}})
+    assert ds_swift.initialize(engine, {"swift": {"enabled": False, "strategy": "auto"}}) is engine
+    assert ds_swift.initialize(engine, {"train_batch_size": 4}) is engine  # no section: off, as always
+
+
+def test_the_launcher_refuses_what_every_worker_would_refuse_once_started(tmp_path: Path) -> None:
+    """machines.gpus_per_node against --nproc-per-node, logging.kinds against the pipeline: each was
+    found by every worker after its start (four tracebacks, then "rank 3 exited with code 1")."""
+    eight = write_config(tmp_path, {"enabled": True, "machines": {"gpus_per_node": 8}})
+    assert preflight(parse_args(launch_argv(eight))) == (
+        "swift config: machines.gpus_per_node=8 is invalid: ds-swift-launch placed 2 rank(s) on each of 2 "
+        "machine(s) (--nproc-per-node); set it to 2"
+    )
+    kinds = write_config(tmp_path, {"enabled": True, "logging": {"kinds": ["messages"]}}, stages=4)
+    assert preflight(parse_args(launch_argv(kinds))) == (
+        'swift config: logging.kinds has 1 entries for 4 pipeline stages: give one per stage (messages or updates), or "auto"'
+    )
+    fits = write_config(tmp_path, {"enabled": True, "logging": {"kinds": ["messages"] * 4}}, stages=4)
+    assert preflight(parse_args(launch_argv(fits))) is None
+
+
+def test_a_file_where_a_directory_of_the_config_must_be_is_named_before_the_start(tmp_path: Path) -> None:
+    """checkpoint.dir under a file failed at the first save (every iteration since the start lost),
+    logging.storage under a file switched message logging off at start, --run-dir a file was a
+    FileExistsError traceback."""
+    blocker = tmp_path / "afile.txt"
+    blocker.write_text("not a directory")
+    swift = {
+        "enabled": True,
+        "checkpoint": {"dir": str(blocker / "ckpt")},
+        "logging": {"storage": f"file://{blocker}/logs"},
+        "run_dir": str(tmp_path / "fine" / "run"),  # missing is fine: the job creates it
+    }
+    why = preflight(parse_args(launch_argv(write_config(tmp_path, swift))))
+    assert why == (
+        f"swift config: checkpoint.dir='{blocker}/ckpt' is invalid: {blocker} is a file, so the directory cannot "
+        f"be created; give a directory path; swift config: logging.storage='file://{blocker}/logs' is invalid: "
+        f"{blocker} is a file, so the directory cannot be created; give a directory path"
+    )
+    swift["checkpoint"] = {"dir": str(tmp_path / "ckpt")}
+    swift["logging"] = {"storage": "hdfs://namenode:9870/logs"}  # not a local path: not checked
+    assert preflight(parse_args(launch_argv(write_config(tmp_path, swift)))) is None
+    with pytest.raises(LaunchUsageError, match=f"--run-dir {blocker}: {blocker} is a file"):
+        parse_args(["--run-dir", str(blocker), *launch_argv(tmp_path / "ds.json")])

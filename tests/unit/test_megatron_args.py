@@ -41,3 +41,25 @@ def test_bad_values_fail_before_training(tmp_path) -> None:
     g.write_text(json.dumps({"train_batch_size": 4}))
     with pytest.raises(ConfigError, match="no 'swift' key"):
         swift_section(parse(["--swift-config", str(g)]), {})
+
+
+@pytest.mark.parametrize("section", ["on", 1, [1], [["enabled", True]]])
+def test_a_swift_section_that_is_not_an_object_is_named(tmp_path, section) -> None:
+    # It was a TypeError / ValueError from dict() deep in the launcher's preflight.
+    with pytest.raises(ConfigError, match="the DeepSpeed config's swift must be a JSON object"):
+        swift_section(parse(["--swift"]), {"swift": section})
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"swift": section}))
+    with pytest.raises(ConfigError, match=f"--swift-config '{f}': swift must be a JSON object"):
+        swift_section(parse(["--swift", "--swift-config", str(f)]), {})
+    with pytest.raises(ConfigError, match="--swift-config: DeepSpeed config .* cannot be read"):
+        swift_section(parse(["--swift", "--swift-config", str(tmp_path / "none.json")]), {})
+
+
+@pytest.mark.parametrize(("checkpoint", "allowed"), [(None, "checkpoint must be a JSON object"), (["a"], "checkpoint")])
+def test_a_checkpoint_section_that_is_not_an_object_is_named_beside_save(checkpoint, allowed) -> None:
+    args = parse(["--swift"])
+    args.save = "/ckpt"  # Megatron's --save (its own parser's flag)
+    with pytest.raises(ConfigError, match=allowed):
+        swift_section(args, {"swift": {"checkpoint": checkpoint}})
+    assert swift_section(args, {"swift": {}})["checkpoint"] == {"dir": "/ckpt"}

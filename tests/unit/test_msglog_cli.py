@@ -61,3 +61,15 @@ def test_flipped_byte_is_a_checksum_error_naming_file_and_record(
 def test_unreadable_location_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["logs", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_location_without_chunks_or_a_file_is_an_error_not_ok(
+    logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The parent of a log directory (or an empty one) verified as "0 chunks ... OK", exit 0.
+    assert main(["logs", str(tmp_path)]) == 2
+    assert f"no message-log chunk in {tmp_path}" in capsys.readouterr().err
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    assert main(["logs", str(afile)]) == 2
+    assert f"message log directory {afile} is a file, not a directory" in capsys.readouterr().err
