@@ -18,12 +18,13 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_swift.patches._base import PatchHandle
 from ds_swift.patches.deepspeed_rebuild import _backends, _check_versions, _live_groups
 
-__all__ = ["op_timeout_scope"]
+__all__ = ["job_timeout_after_connect", "op_timeout_scope"]
 
 
 def _own(group: Any) -> bool:
@@ -71,3 +72,28 @@ def op_timeout_scope(
                 c10d._set_pg_timeout(job, g)
 
     return PatchHandle("op_timeout_scope", restore)
+
+
+def job_timeout_after_connect(outside: datetime.timedelta | None) -> None:
+    """Give the world, created with the join timeout, the job's own op timeout.
+
+    Gloo connects every pair of ranks when the world is created, each waiting for its peer's address
+    for the group's timeout: a rank killed between the generation's join and that exchange (a
+    second failure during a recovery) left every other rank there for the job's timeout (torch's
+    default: 30 min). The world is therefore created with the join timeout (ds_swift.runtime.context
+    .join_generation) and gets the job's afterwards: ``outside``, or torch's default for each backend
+    (``default_pg_timeout``; NCCL's ``default_pg_nccl_timeout``), as ``init_process_group`` would have.
+    """
+    _check_versions()
+    c10d = dist.distributed_c10d
+    group = c10d._get_default_group()
+    nccl = getattr(c10d, "default_pg_nccl_timeout", None) or c10d.default_pg_timeout
+    done: list[Any] = []
+    for device, default in (("cpu", c10d.default_pg_timeout), ("cuda", nccl)):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):
+            continue
+        if hasattr(backend, "options") and not any(backend is b for b in done):
+            backend._set_default_timeout(outside if outside is not None else default)
+            done.append(backend)

@@ -114,7 +114,8 @@ def join_generation(
     DeepSpeed creates any group, so every rank (survivor or replacement) creates them in the same
     order. Returns the generation joined. DeepSpeed is attached afterwards by the caller.
 
-    The world gets the job's ``timeout`` (None: torch's default), not the op timeout: ds-swift
+    The world gets the job's ``timeout`` (None: torch's default) once connected (the join timeout
+    bounds its creation), not the op timeout: ds-swift
     applies that only around its own calls (ds_swift.patches.op_timeout); its transport's groups,
     only ever used by ds-swift, keep ``op_timeout_s``.
     """
@@ -131,13 +132,18 @@ def join_generation(
             )
             generation += 1
             continue
+        # Created with the join timeout, which bounds gloo's connection to every peer; then the
+        # job's own (ds_swift.patches.op_timeout.job_timeout_after_connect).
         dist.init_process_group(
             backend,
             store=prefix,
             rank=rank,
             world_size=world_size,
-            timeout=timeout,
+            timeout=datetime.timedelta(seconds=join_timeout_s),
         )
+        from ds_swift.patches.op_timeout import job_timeout_after_connect
+
+        job_timeout_after_connect(timeout)
         if swift:
             transport.open_generation(op_timeout_s, generation)
         return generation

@@ -329,10 +329,16 @@ def local_path_of(url: str) -> Path | None:
 HdfsClientFactory = Callable[[str], Any]
 
 
+#: WebHDFS (connect, read) timeouts in seconds: the hdfs client's default is none, and a namenode
+#: that stops answering hung the rank on it for good (a replay's listing, a log GC on the training
+#: thread, the writer thread whose full queue then blocks the step). Read: between two bytes.
+HDFS_TIMEOUT_S = (10.0, 120.0)
+
+
 def _default_hdfs_client(endpoint: str) -> Any:
     from hdfs import InsecureClient
 
-    return InsecureClient(endpoint, user=os.environ.get("HADOOP_USER_NAME"))
+    return InsecureClient(endpoint, user=os.environ.get("HADOOP_USER_NAME"), timeout=HDFS_TIMEOUT_S)
 
 
 def open_store(url: str | os.PathLike[str], *, hdfs_client_factory: HdfsClientFactory | None = None) -> Store:

@@ -43,3 +43,20 @@ def test_the_op_timeout_applies_inside_and_the_jobs_comes_back(world: None) -> N
     assert timeout_of(rebuilt) == JOB  # not the op timeout outside ds-swift's calls
     assert timeout_of(own) == datetime.timedelta(seconds=3)  # ds-swift's own keep theirs
     assert dist.distributed_c10d.default_pg_timeout != datetime.timedelta(seconds=3)  # nothing process-wide
+
+
+def test_the_world_gets_the_jobs_timeout_once_connected(tmp_path: Path) -> None:
+    """join_generation creates the world with the join timeout (gloo's connection to every peer is
+    bounded by it, not by the job's 30 min), then gives it the job's, or torch's default."""
+    from ds_swift.patches.op_timeout import job_timeout_after_connect
+
+    join = datetime.timedelta(seconds=300)
+    for outside, expected in ((JOB, JOB), (None, dist.distributed_c10d.default_pg_timeout)):
+        store = tmp_path / f"store-{expected.seconds}"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=join)
+        try:
+            assert timeout_of(dist.distributed_c10d._get_default_group()) == join
+            job_timeout_after_connect(outside)
+            assert timeout_of(dist.distributed_c10d._get_default_group()) == expected
+        finally:
+            dist.destroy_process_group()

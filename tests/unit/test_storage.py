@@ -318,3 +318,11 @@ def test_hdfs_sidecar_swap_interrupted_before_its_rename(
     s.put_file(_file(tmp_path, "h.swlog", b"newer"))  # finishes the interrupted rename first
     assert s.get_file("h.swlog", tmp_path / "dl").read_bytes() == b"newer"
     assert s.delete_where(lambda n: True) == ["h.swlog"] and fake_hdfs.files == {}
+
+
+def test_the_webhdfs_client_has_timeouts() -> None:
+    # The hdfs package's default is none: a namenode that stopped answering hung the rank for good.
+    from ds_swift.storage.store import HDFS_TIMEOUT_S, _default_hdfs_client
+
+    client = _default_hdfs_client("http://127.0.0.1:9")
+    assert client._timeout == HDFS_TIMEOUT_S and all(0 < t <= 120 for t in HDFS_TIMEOUT_S)

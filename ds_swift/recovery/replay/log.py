@@ -29,6 +29,7 @@ __all__ = [
     "Message",
     "ProgressFn",
     "ReplayProgress",
+    "await_progressing",
     "chunks_needed",
     "rich_progress",
     "text_progress",
@@ -275,3 +276,34 @@ def rich_progress(description: str = "replay") -> Iterator[ProgressFn]:
             bar.update(task, completed=p.iterations_done, total=p.iterations_total, mb=p.log_bytes_read / 1e6)
 
         yield update
+
+
+def await_progressing(
+    store: Any, generation: int, replayers: Sequence[int], stall_timeout_s: float, timeout_s: float
+) -> dict[int, str]:
+    """Every replayer's ``replayed`` summary, while the replay moves: each window of
+    ``stall_timeout_s`` in which no replayer's ``replay_progress`` changed (after the first: the
+    checkpoint load) ends the generation as stalled, as does ``timeout_s`` in all. A dead replayer
+    ends it sooner through the failure flag (``GenerationFailed`` from the gather)."""
+    from ds_swift.jobstore.membership import GenerationFailed
+
+    deadline = time.monotonic() + timeout_s
+    seen: object = None  # the first window always passes: the replayers load the checkpoint first
+    first = True
+    while True:
+        window = max(0.0, min(stall_timeout_s, deadline - time.monotonic()))
+        try:
+            return store.gather(generation, "replayed", replayers, window)
+        except TimeoutError:
+            now = {r: store.get(f"gen{generation}/replay_progress/{r}") for r in replayers}
+            if (first or now != seen) and time.monotonic() < deadline:
+                seen, first = now, False
+                continue
+            why = (
+                f"the replay made no progress for {stall_timeout_s:.0f} s (iterations done per replaying rank: "
+                f"{ {r: v for r, v in now.items()} }): a replayer stopped without dying"
+                if time.monotonic() < deadline
+                else f"the replay did not finish within {timeout_s:.0f} s"
+            )
+            store.declare_failure(generation, why)
+            raise GenerationFailed(generation, why) from None

@@ -28,6 +28,7 @@ failed, wakes its pipeline neighbours (poison + their receive check) and raises 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -49,7 +50,7 @@ from ds_swift.recovery.host import NullHost, RecoveryHost, replaying
 from ds_swift.recovery.replay.check_round import check_round, records_for, settled_layout
 from ds_swift.recovery.replay.collectives import CollectiveRecorder, ReplayUnsupported
 from ds_swift.recovery.replay.engine import replay
-from ds_swift.recovery.replay.log import LogUnavailable, ProgressFn, rich_progress, text_progress
+from ds_swift.recovery.replay.log import LogUnavailable, ProgressFn, await_progressing, rich_progress, text_progress
 from ds_swift.recovery.replay.parallel import (
     Mode,
     ParallelReplayLayout,
@@ -93,6 +94,12 @@ class ReplayRuntime:
         cache_dir: where a remote store's log chunks are downloaded (default: a temporary directory).
         wait_timeout_s: the longest anyone waits for the replay to finish (a dead replayer is seen
             sooner, through the generation's failure flag).
+        stall_timeout_s: the longest the replay may go without a replayer finishing an iteration
+            (its first after twice this: the checkpoint load comes first) before a waiting rank
+            ends the generation: a replayer that stopped without dying (a hung file system, a
+            stopped process) is not seen by the failure flag, and nobody's watchdog runs meanwhile.
+        published: where a replayer's progress goes besides its display (the job store, for the
+            ranks waiting on it).
     """
 
     batch_fn: BatchFn
@@ -107,7 +114,9 @@ class ReplayRuntime:
     host: RecoveryHost = field(default_factory=NullHost)
     cache_dir: str | None = None
     wait_timeout_s: float = 7 * 24 * 3600.0
+    stall_timeout_s: float = 600.0
     progress: ProgressFn | None = field(default=None, repr=False)
+    published: ProgressFn | None = field(default=None, repr=False)
 
 
 def failed_replay_key(checkpoint_step: int) -> str:
@@ -128,6 +137,18 @@ def _open_reader(rt: ReplayRuntime) -> tuple[Any, str | None]:
 
 @contextmanager
 def _progress(rt: ReplayRuntime, total: int) -> Iterator[ProgressFn]:
+    with _display(rt, total) as show:
+        publish = rt.published or _noop
+
+        def both(p: Any) -> None:
+            show(p)
+            publish(p)
+
+        yield both
+
+
+@contextmanager
+def _display(rt: ReplayRuntime, total: int) -> Iterator[ProgressFn]:
     if rt.progress is not None:
         yield rt.progress
     elif sys.stderr.isatty():
@@ -227,6 +248,10 @@ def run_logging_recovery(
         timeline.extra["checkpoint_loaded"] = checkpoint_step
     stage_dp = by_rank[layout.replacements[role[1]]].dp if layout is not None and role is not None else by_rank[rank].dp
     records = records_for(stage_dp, answers, by_rank) if replayer else None
+    if replayer:
+        rt = dataclasses.replace(
+            rt, published=lambda p: store.publish(generation, "replay_progress", rank, str(p.iterations_done))
+        )
     if replayer and reader is None:
         reader, reader_error = _open_reader(rt)
         if reader is None:
@@ -260,7 +285,7 @@ def _await_replayers(
     """Step 3: every replayer's summary, read from the store (a replay may outlast a collective's
     timeout); returns the recovery's summary."""
     replayers = sorted(group | (set(layout.helpers) if layout is not None else set()))
-    done = store.gather(generation, "replayed", replayers, rt.wait_timeout_s)
+    done = await_progressing(store, generation, replayers, rt.stall_timeout_s, rt.wait_timeout_s)
     per_rank = {r: json.loads(v) for r, v in done.items()}
     return {
         "machines": sorted({by_rank[r].machine for r in group}),
