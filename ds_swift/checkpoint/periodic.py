@@ -232,6 +232,9 @@ class CheckpointManager:
 
         done = int(engine.global_steps)
         tag = tag_for(done)
+        if not self._previous_persisted(writer, tag):
+            self.last_saved = done  # tried again at the next interval, not at every iteration
+            return tag
         stats = writer.begin(
             tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n"
         )
@@ -246,6 +249,28 @@ class CheckpointManager:
         if self.tuner is not None and self.tuner.chosen is None:
             self.tuner.choose(stats, writer)
         return tag
+
+    def _previous_persisted(self, writer: AsyncWriter, tag: str) -> bool:
+        """Whether every rank's previous persist is done (a collective): waits for this rank's at
+        most half of ``save_timeout_s`` (the others wait in the gather for up to all of it). Else
+        every rank skips ``tag``, loudly, and training goes on: a hung file system blocked the
+        training thread here for good, where nothing watches it (outside the iteration)."""
+        if self.save_timeout_s is None:
+            return True  # begin() waits, as long as it takes
+        ready = writer.wait_idle(self.save_timeout_s / 2)
+        everyone = transport.all_gather_json(ready)
+        if all(everyone):
+            return True
+        if self.rank == 0:
+            slow = [r for r, ok in enumerate(everyone) if not ok]
+            say(
+                f"checkpoint {tag} skipped on every rank: ranks {slow} were still writing their previous checkpoint "
+                f"after {self.save_timeout_s / 2:.0f} s (a slow or hung file system under {self.ckpt_dir}); "
+                "training goes on, a recovery loads the last complete checkpoint, the next is tried at its interval",
+                level=logging.WARNING,
+                name=__name__,
+            )
+        return False
 
     def new_generation(self, generation: int) -> None:
         """Saves from now on belong to ``generation`` (their persisted markers say so)."""

@@ -145,3 +145,34 @@ def test_config_fields() -> None:
         SwiftConfig.from_dict({"checkpoint": {"async_save": "yes"}})
     with pytest.raises(ConfigError, match="global_checkpoint, checkfreq"):
         SwiftConfig.from_dict({"strategy": "checkfreqq"})
+
+
+def test_a_persist_that_does_not_end_makes_every_rank_skip_the_next_checkpoint_loudly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The next save waited for this rank's previous persist with no deadline: a hung file system
+    blocked the training thread for good, where no watchdog looks (after the iteration). Now it
+    waits half of save_timeout_s, the ranks agree, and every rank skips the tag together."""
+    from types import SimpleNamespace
+
+    from ds_swift import transport
+
+    class StuckWriter:
+        waited: list[float | None] = []
+
+        def wait_idle(self, timeout_s: float | None = None) -> bool:
+            self.waited.append(timeout_s)
+            return False
+
+        def begin(self, *args: object) -> None:
+            raise AssertionError("a skipped checkpoint starts no snapshot")
+
+    gathered: list[object] = []
+    monkeypatch.setattr(transport, "all_gather_json", lambda v: gathered.append(v) or [True, v, True, True])
+    writer = StuckWriter()
+    manager = CheckpointManager("ckpt", 4, 0, save_timeout_s=1800.0, writer=writer, pending="global_step4")  # type: ignore[arg-type]
+    assert manager.save(SimpleNamespace(global_steps=8)) == "global_step8"
+    assert writer.waited == [900.0] and gathered == [False]
+    assert manager.last_saved == 8 and not manager.due(8) and manager.pending == "global_step4"
+    err = capsys.readouterr().err
+    assert "checkpoint global_step8 skipped on every rank: ranks [1] were still writing their previous" in err
