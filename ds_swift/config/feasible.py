@@ -156,12 +156,13 @@ def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     k, r = cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks
     try:
         assign_holders(shape.members(), k, r, cfg.machines.failure_domains)
-    except BuddyError as exc:
+    except BuddyError:  # (its text names the buddy assignment's fields, which the user did not set)
+        domains = " (grouped by machines.failure_domains)" if cfg.machines.failure_domains else ""
         return (
             f'strategy "{cfg.strategy}" needs k + r + 1 = {k + r + 1} machines in distinct failure domains '
             f"(pipechurn.data_chunks={k}, pipechurn.parity_chunks={r}, and each rank's own), the job has "
-            f"--nnodes {shape.machines}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
-            f"pipechurn.parity_chunks ({exc})"
+            f"--nnodes {shape.machines}{domains}: use --nnodes {k + r + 1} or more, or lower pipechurn.data_chunks / "
+            "pipechurn.parity_chunks"
         )
     return None
 

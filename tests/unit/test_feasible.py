@@ -57,6 +57,7 @@ def test_pipechurn_needs_k_plus_r_plus_one_machines() -> None:
     (why,) = infeasible(churn, pp2(machines=2))
     assert 'strategy "pipechurn" needs k + r + 1 = 4 machines' in why and "--nnodes 4" in why
     assert "pipechurn.parity_chunks=1" in why
+    assert "replication_factor" not in why  # the buddy assignment's field, which the user never set
     assert infeasible(churn, pp2(machines=4)) == []
     wide = cfg(enabled=True, strategy="pipechurn", pipechurn={"data_chunks": 3, "parity_chunks": 2})
     assert "--nnodes 6" in infeasible(wide, pp2(machines=4))[0]
