@@ -57,6 +57,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ class RunningCheckpoint:
         block_elements: int = 65536,
         background: bool = True,
         job: str | None = None,
+        wait_s: float | None = None,
     ) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"RunningCheckpoint fraction={fraction}: must be in (0, 1] (1 saves all every interval)")
@@ -138,6 +140,10 @@ class RunningCheckpoint:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fraction, self.interval, self.block_elements, self.job = fraction, interval, block_elements, job
+        self.wait_s = wait_s
+        """The longest a round waits for the previous round's write (None: as long as it takes);
+        past it the round is skipped (RunningCheckpointError): a hung file system never holds
+        the training thread."""
         self.every = max(1, round(fraction * interval))  # SCAR's rC
         self._groups_arg = check_groups(groups or {})
         self._groups: list[Group] = []  # fixed by the first save
@@ -191,7 +197,7 @@ class RunningCheckpoint:
             RunningCheckpointError: the previous round's write failed (nothing of this round was
                 done; call again), or ``state`` does not fit the layout.
         """
-        self._finish_pending()
+        self._finish_pending(self.wait_s)
         if self._closed:
             raise RunningCheckpointError(f"{self!r} is closed")
         if not self._groups:
@@ -220,11 +226,11 @@ class RunningCheckpoint:
     def close(self) -> None:
         """Finish the round in flight (raising its write error) and stop the writer thread."""
         try:
-            self._finish_pending()
+            self._finish_pending(self.wait_s)
         finally:
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self._pool is not None:  # a write still hung is left to its thread
+                self._pool.shutdown(wait=self._pending is None, cancel_futures=True)
 
     def __enter__(self) -> RunningCheckpoint:
         return self
@@ -298,12 +304,19 @@ class RunningCheckpoint:
             self._last[[g.first + b for b in local]] = iteration
         return picked, pieces
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, timeout_s: float | None = None) -> None:
         if self._pending is None:
             return
         future, job = self._pending
+        try:
+            exc = future.exception(timeout=timeout_s)
+        except FutureTimeout:
+            raise RunningCheckpointError(
+                f"running checkpoint {self.directory}: the round of iteration {job.iteration} is still being "
+                f"written after {timeout_s:.0f} s (a slow or hung file system): this round is skipped, the next "
+                "is tried at its time"
+            ) from None
         self._pending = None
-        exc = future.exception()
         if exc is not None:
             self._failed(job, exc)
 

@@ -48,7 +48,15 @@ def running_checkpoints(
     if fraction is None or ckpt_dir is None:
         return None
     fresh = ctx.env is None or not ctx.env.replacement
-    return RunningCheckpoints(fraction, cfg.checkpoint.interval, ckpt_dir, rank, fresh, job=ckpt.job_id)
+    return RunningCheckpoints(
+        fraction,
+        cfg.checkpoint.interval,
+        ckpt_dir,
+        rank,
+        fresh,
+        job=ckpt.job_id,
+        wait_s=cfg.checkpoint.save_timeout_s / 2,
+    )
 
 
 def check_hang_timeout(cfg: SwiftConfig, ctx: SwiftContext) -> None:

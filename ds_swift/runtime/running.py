@@ -65,6 +65,7 @@ class RunningCheckpoints:
         rank left by an earlier launch is removed (a replacement must not load blocks of a launch
         that went further); another run's is never touched (:func:`claim_running_dir`).
     job: the job id stamped in the running checkpoint (:func:`ds_swift.checkpoint.periodic.job_id_for`).
+    wait_s: the longest a round waits for the previous round's write (then it is skipped, loudly).
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class RunningCheckpoints:
         rank: int,
         fresh: bool,
         job: str | None = None,
+        wait_s: float | None = None,
     ) -> None:
         self.fraction, self.interval, self.rank, self.job = fraction, interval, rank, job
+        self.wait_s = wait_s
         self.directory = running_dir(ckpt_dir, rank, job)
         if fresh:
             claim_running_dir(self.directory, job, rank)
@@ -100,6 +103,7 @@ class RunningCheckpoints:
                 groups=groups,
                 block_elements=block_elements(tensors),
                 job=self.job,
+                wait_s=self.wait_s,
             )
             say(
                 f"running checkpoint: {self._ckpt.fraction:g} of the optimizer state every "
