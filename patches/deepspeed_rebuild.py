@@ -108,14 +108,20 @@ def _live_groups() -> list[Any]:
 
 
 def _backends(group: Any) -> list[Any]:
-    out = []
+    return [backend for _, backend in _device_backends(group)]
+
+
+def _device_backends(group: Any) -> list[tuple[str, Any]]:
+    """``(device, backend)`` of each backend of ``group`` with options, each backend once (the first
+    device that names it: cpu before cuda)."""
+    out: list[tuple[str, Any]] = []
     for device in ("cpu", "cuda"):
         try:
             backend = group._get_backend(torch.device(device))
         except (RuntimeError, ValueError):
             continue
-        if hasattr(backend, "options") and backend not in out:
-            out.append(backend)
+        if hasattr(backend, "options") and all(backend is not b for _, b in out):
+            out.append((device, backend))
     return out
 
 

@@ -18,11 +18,10 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ds_swift.patches._base import PatchHandle
-from ds_swift.patches.deepspeed_rebuild import _backends, _check_versions, _live_groups
+from ds_swift.patches.deepspeed_rebuild import _backends, _check_versions, _device_backends, _live_groups
 
 __all__ = ["job_timeout_after_connect", "op_timeout_scope"]
 
@@ -86,14 +85,9 @@ def job_timeout_after_connect(outside: datetime.timedelta | None) -> None:
     """
     _check_versions()
     c10d = dist.distributed_c10d
-    group = c10d._get_default_group()
-    nccl = getattr(c10d, "default_pg_nccl_timeout", None) or c10d.default_pg_timeout
-    done: list[Any] = []
-    for device, default in (("cpu", c10d.default_pg_timeout), ("cuda", nccl)):
-        try:
-            backend = group._get_backend(torch.device(device))
-        except (RuntimeError, ValueError):
-            continue
-        if hasattr(backend, "options") and not any(backend is b for b in done):
-            backend._set_default_timeout(outside if outside is not None else default)
-            done.append(backend)
+    defaults = {
+        "cpu": c10d.default_pg_timeout,
+        "cuda": getattr(c10d, "default_pg_nccl_timeout", None) or c10d.default_pg_timeout,
+    }
+    for device, backend in _device_backends(c10d._get_default_group()):
+        backend._set_default_timeout(outside if outside is not None else defaults[device])

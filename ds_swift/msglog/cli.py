@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"ds-swift logs: error: {exc}", file=sys.stderr)
         return 2
-    if not reader.chunk_names() and not report.errors:
+    names = reader.chunk_names()
+    if not names and not report.errors:
         print(
             f"ds-swift logs: error: no message-log chunk in {args.location}: give the directory of a job's "
             'message log (its swift section\'s "logging": {"storage": ...})',
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     chunks: list[dict[str, Any]] = []
-    for cn in reader.chunk_names():
+    for cn in names:
         try:
             info = reader.chunk(cn)
         except OSError:

@@ -288,21 +288,21 @@ def await_progressing(
     from ds_swift.jobstore.membership import GenerationFailed
 
     deadline = time.monotonic() + timeout_s
-    seen: object = None  # the first window always passes: the replayers load the checkpoint first
-    first = True
+    seen: object = object()  # unlike any progress: the first window (the checkpoint load) always passes
     while True:
         window = max(0.0, min(stall_timeout_s, deadline - time.monotonic()))
         try:
             return store.gather(generation, "replayed", replayers, window)
         except TimeoutError:
             now = {r: store.get(f"gen{generation}/replay_progress/{r}") for r in replayers}
-            if (first or now != seen) and time.monotonic() < deadline:
-                seen, first = now, False
+            in_time = time.monotonic() < deadline
+            if now != seen and in_time:
+                seen = now
                 continue
             why = (
                 f"the replay made no progress for {stall_timeout_s:.0f} s (iterations done per replaying rank: "
-                f"{ {r: v for r, v in now.items()} }): a replayer stopped without dying"
-                if time.monotonic() < deadline
+                f"{now}): a replayer stopped without dying"
+                if in_time
                 else f"the replay did not finish within {timeout_s:.0f} s"
             )
             store.declare_failure(generation, why)
