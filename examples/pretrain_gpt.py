@@ -155,13 +155,10 @@ def load(engine: Any, load_dir: str) -> None:
     """``--load``: DeepSpeed's load, which names the damaged file when it fails; with no checkpoint
     there, training starts from iteration 0 (the resume-on-every-launch pattern of Megatron's
     scripts), and says so."""
-    from ds_swift.checkpoint.damage import load_failure_note
+    from ds_swift.checkpoint.damage import named_on_failure
 
-    try:
+    with named_on_failure(load_dir):
         loaded, _ = engine.load_checkpoint(load_dir)
-    except Exception as exc:
-        exc.add_note(load_failure_note(load_dir))
-        raise
     if loaded is None and int(os.environ.get("RANK", "0")) == 0:
         print(f"--load {load_dir}: no DeepSpeed checkpoint there (no 'latest' file): training starts from iteration 0")
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ds_swift.checkpoint.trust import complete_checkpoints
 
-__all__ = ["damaged_file", "load_failure_note"]
+__all__ = ["damaged_file", "load_failure_note", "named_on_failure"]
 
 
 def damaged_file(tag_dir: str | os.PathLike[str]) -> tuple[Path, str] | None:
@@ -54,3 +56,14 @@ def load_failure_note(load_dir: str | os.PathLike[str], tag: str | None = None) 
         else "no other complete checkpoint is there: start without loading, or restore the file"
     )
     return f"ds-swift: loading checkpoint {tag} from {root} failed: {what}; {way_out}"
+
+
+@contextmanager
+def named_on_failure(load_dir: str | os.PathLike[str], tag: str | None = None) -> Iterator[None]:
+    """Around a load of ``tag`` from ``load_dir``: an exception it raises carries
+    :func:`load_failure_note`."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(load_failure_note(load_dir, tag))
+        raise

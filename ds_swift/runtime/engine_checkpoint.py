@@ -93,13 +93,10 @@ class CheckpointCalls:
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
         """DeepSpeed's ``load_checkpoint``; the checkpoint loaded becomes the job's origin, which a
         checkpoint fallback may go back to although another launch wrote it."""
-        try:
-            load_path, client_state = self._engine.load_checkpoint(load_dir, tag=tag, **kwargs)
-        except Exception as exc:
-            from ds_swift.checkpoint.damage import load_failure_note
+        from ds_swift.checkpoint.damage import named_on_failure
 
-            exc.add_note(load_failure_note(load_dir, tag))
-            raise
+        with named_on_failure(load_dir, tag):
+            load_path, client_state = self._engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         if load_path is not None:
             # The tag DeepSpeed loaded (its file's directory), not DeepSpeed's 'latest' read again.
             loaded = tag if tag is not None else Path(load_path).parent.name

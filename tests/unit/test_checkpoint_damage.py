@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_swift.checkpoint.damage import damaged_file, load_failure_note
+from ds_swift.checkpoint.damage import damaged_file, load_failure_note, named_on_failure
 from ds_swift.checkpoint.durable import COMPLETE_MARKER
 
 
@@ -31,7 +31,10 @@ def test_a_truncated_file_is_named_with_the_complete_checkpoints_beside_it(tmp_p
     hit.write_bytes(hit.read_bytes()[:100])
     with pytest.raises(RuntimeError, match="failed reading zip archive"):
         torch.load(hit)  # what DeepSpeed's load raises, naming nothing
-    note = load_failure_note(tmp_path)
+    with pytest.raises(RuntimeError, match="failed reading zip archive") as raised, named_on_failure(tmp_path):
+        torch.load(hit)
+    (note,) = raised.value.__notes__  # what a failed load carries
+    assert note == load_failure_note(tmp_path)
     assert note.startswith(f"ds-swift: loading checkpoint global_step8 from {tmp_path} failed: {hit} is truncated")
     assert "complete checkpoints beside it: global_step4" in note
 
