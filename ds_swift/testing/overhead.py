@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -132,13 +134,23 @@ def interleave(
             name = names[(i + r) % len(names)]
             spec = specs[name]
             window = _CpuWindow(warmup, spec.iterations)
-            job = run_job(work / f"round{r}-{name}", spec, timeout_s=timeout_s, on_poll=window)
+            job_dir = work / f"round{r}-{name}"
+            # The example appends to its loss log: a job directory left by an earlier run with the same
+            # --dir would mix that run's lines into this one's step times (seen: 180 s "steps").
+            shutil.rmtree(job_dir, ignore_errors=True)
+            job = run_job(job_dir, spec, timeout_s=timeout_s, on_poll=window)
             if job.code != 0:
                 raise SystemExit(f"job {name} failed ({job.code}):\n{job.output[-3000:]}")
             steps = step_times(job, warmup)
             out.steps[name] += steps
             # NaN for a job with no timed steps: round r's medians stay paired with round r's.
             out.job_medians[name].append(statistics.median(steps) if steps else math.nan)
+            # One line per job as it ends: a run stopped at its time limit still says what it measured.
+            print(
+                f"round {r} {name}: median step {out.job_medians[name][-1]:.4f} s over {len(steps)} steps",
+                file=sys.stderr,
+                flush=True,
+            )
             cpu = window.result()
             if cpu is not None:
                 out.cpu[name].append(cpu)
