@@ -6,7 +6,8 @@ loop once: the training thread :meth:`~Worker.submit`\\ s, a daemon thread named
 (OS name ``sw-<role>``: ds_swift.threadname) calls ``handle(item)`` for each item in order, and
 :meth:`~Worker.wait_idle` says when all of it is done. A bound on queued items or bytes makes a
 producer faster than the handler wait (counted in :attr:`WorkerStats.stall_s`, never hidden)
-instead of holding ever more host memory.
+instead of holding ever more host memory; ``stuck_after_s`` bounds that wait where a handler that
+makes no progress at all (a hung file system) must not hold the training thread for good.
 
 What an error in ``handle`` does is the owner's choice (:class:`OnError`), because it differs by
 what the thread protects: a checkpoint that failed to persist is reported and the next one is
@@ -81,6 +82,10 @@ class Worker(Generic[T]):
         max_items: items queued (not yet handled) beyond which ``submit`` waits; 0: no bound.
         max_bytes: bytes queued or in ``handle`` beyond which ``submit`` waits (an item alone
             always goes); 0: no bound.
+        stuck_after_s: a ``submit`` waiting for room gives up once no item has finished for this
+            long: the worker turns off (``off`` says why), and that submit and every later one
+            return False. A slow handler that still finishes items never trips it. 0: wait as long
+            as it takes.
         setup, teardown: run on the thread before the first item and after the last (teardown also
             after an error stopped it). A setup that raises is an error that ends the worker.
     """
@@ -94,6 +99,7 @@ class Worker(Generic[T]):
         on_error_hook: Callable[[BaseException], None] | None = None,
         max_items: int = 0,
         max_bytes: int = 0,
+        stuck_after_s: float = 0.0,
         setup: Callable[[], None] | None = None,
         teardown: Callable[[], None] | None = None,
     ) -> None:
@@ -103,6 +109,7 @@ class Worker(Generic[T]):
         self._hook = on_error_hook
         self.max_items = max_items
         self.max_bytes = max_bytes
+        self.stuck_after_s = stuck_after_s
         self._setup, self._teardown = setup, teardown
         self.stats = WorkerStats()
         self._queue: queue.SimpleQueue[tuple[object, int]] = queue.SimpleQueue()
@@ -110,6 +117,7 @@ class Worker(Generic[T]):
         self._unfinished = 0  # submitted, not yet handled (or dropped)
         self._queued = 0  # submitted, not yet taken by the thread
         self._bytes = 0  # bytes of the unfinished items
+        self._done = 0  # items finished (handled, failed or dropped): the progress stuck_after_s watches
         self._errors: list[BaseException] = []
         self._raised = 0
         self.off: str | None = None
@@ -134,8 +142,7 @@ class Worker(Generic[T]):
                 return False
             if self._full(nbytes):
                 t0 = time.perf_counter()
-                while self._full(nbytes) and not self._refused():
-                    self._cv.wait(1.0)
+                self._wait_for_room(nbytes, t0)
                 self.stats.stall_s += time.perf_counter() - t0
                 if self._refused():
                     return False
@@ -145,6 +152,22 @@ class Worker(Generic[T]):
             self.stats.max_queued_bytes = max(self.stats.max_queued_bytes, self._bytes)
             self._queue.put((item, nbytes))
         return True
+
+    def _wait_for_room(self, nbytes: int, t0: float) -> None:
+        """Under the lock: until the bound lets ``nbytes`` in, the worker is refused, or (with
+        ``stuck_after_s``) no item has finished for that long, which turns the worker off."""
+        done, since = self._done, t0
+        while self._full(nbytes) and not self._refused():
+            self._cv.wait(1.0 if not self.stuck_after_s else min(1.0, self.stuck_after_s))
+            now = time.perf_counter()
+            if self._done != done:
+                done, since = self._done, now
+            elif self.stuck_after_s and now - since >= self.stuck_after_s:
+                self.off = (
+                    f"{self.name}: no item finished in {now - since:.0f} s while {self._unfinished} wait "
+                    f"({self._bytes} bytes): its handler is stuck (a hung file system or store?)"
+                )
+                self._cv.notify_all()
 
     def _refused(self) -> bool:
         return self.off is not None or self._closed or self._thread is None or not self._thread.is_alive()
@@ -238,6 +261,7 @@ class Worker(Generic[T]):
             self._queued -= queued
             self._unfinished -= 1
             self._bytes -= nbytes
+            self._done += 1
             self._cv.notify_all()
 
     def _drop_queued(self) -> None:

@@ -142,8 +142,12 @@ class MessageLogHandle:
         if self.edges:
             assert appender is not None
             self._native_module = getattr(appender, "_m", None)
+            # A disk that takes no message for op_timeout_s stops logging here (loudly, below) before
+            # the hang detector (hang_timeout_s > op_timeout_s) would take this healthy machine.
             self._writer = WriterThread(
-                LogWriter(self.log_dir, cfg.logging.chunk_iterations, appender), max_inflight_bytes=max_inflight_bytes
+                LogWriter(self.log_dir, cfg.logging.chunk_iterations, appender),
+                max_inflight_bytes=max_inflight_bytes,
+                stuck_after_s=cfg.watchdog.op_timeout_s,
             )
             self._patch = pipe_logging.install(
                 engine, self.HOOK_NAME, self._on_send, self._on_idle, kinds=frozenset(self.edges)
@@ -175,7 +179,10 @@ class MessageLogHandle:
             with self._lock:
                 self._pending.append(msg)
         else:
-            self._stage_and_submit([msg])
+            try:
+                self._stage_and_submit([msg])
+            except OSError as exc:
+                self._lose(exc)
 
     def _on_idle(self, where: str) -> None:
         assert self._writer is not None
@@ -183,17 +190,20 @@ class MessageLogHandle:
             return
         try:
             self._writer.check()
+            self.drain()  # a stopped writer thread raises here (LogWriteError)
         except OSError as exc:
-            what = f"message log on rank {self.position.rank} lost records: {exc}"
-            if self._on_error is None:
-                raise MessageLogError(what) from exc
-            # Logging serves recovery and must never stop training: stop logging, say so.
-            self.lost = what
-            with self._lock:
-                self._pending = []
-            self._on_error(what)
-            return
-        self.drain()
+            self._lose(exc)
+
+    def _lose(self, exc: OSError) -> None:
+        """A write failed or the writer stopped: this log has a hole from here on."""
+        what = f"message log on rank {self.position.rank} lost records: {exc}"
+        if self._on_error is None:
+            raise MessageLogError(what) from exc
+        # Logging serves recovery and must never stop training: stop logging, say so.
+        self.lost = what
+        with self._lock:
+            self._pending = []
+        self._on_error(what)
 
     def drain(self) -> int:
         """Stage every queued message and hand it to the writer; returns how many. Any thread."""
@@ -314,7 +324,8 @@ class MessageLogHandle:
             self._patch.remove()
         if self._writer is not None:
             try:
-                self.flush(timeout_s)
+                if self.lost is None:  # a lost log was said when it was lost: nothing left to flush
+                    self.flush(timeout_s)
             finally:
                 self._writer.close(timeout_s)
 

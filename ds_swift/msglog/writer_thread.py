@@ -96,6 +96,7 @@ class WriterThread:
         max_inflight_bytes: int = 1 << 30,
         name: str = "ds-swift-log-writer",
         nice: int | None = 19,
+        stuck_after_s: float = 0.0,
     ) -> None:
         """
         Args:
@@ -106,6 +107,9 @@ class WriterThread:
                 kernel gives the writer the cores the training ranks leave idle (their bubbles)
                 and only a small share while they compute, and it is never starved outright
                 (SCHED_IDLE could be: then backpressure would stall training).
+            stuck_after_s: a :meth:`submit` waiting for room while no message has been written for
+                this long stops the thread's intake and raises (ds_swift.worker.Worker): a hung
+                disk must not hold the training thread (0: wait as long as it takes).
         """
         self.writer = writer
         self.max_inflight_bytes = max_inflight_bytes
@@ -117,7 +121,7 @@ class WriterThread:
         # A failed write is recorded by _write itself (as a LogWriteError naming the file) and raised
         # by the next check/flush on the training thread; the worker goes on with the next message.
         self._worker: Worker[WriteItem | _Call] = Worker(
-            name, self._one, max_bytes=max_inflight_bytes, setup=self._renice
+            name, self._one, max_bytes=max_inflight_bytes, stuck_after_s=stuck_after_s, setup=self._renice
         )
         self._worker.start()
         # A daemon thread dies silently at interpreter exit; write out what is queued first.
@@ -139,18 +143,22 @@ class WriterThread:
     # ------------------------------------------------------------ producer side
     def submit(self, item: WriteItem) -> None:
         if not self._worker.submit(item, item.nbytes):
-            raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
+            raise self._stopped()
 
     def call(self, fn: Callable[[LogWriter], Any], timeout_s: float) -> Any:
         """Run ``fn(writer)`` on the writer thread after everything queued before it."""
         c = _Call(fn)
         if not self._worker.submit(c):
-            raise LogWriteError(errno.EPIPE, "the message-log writer thread has stopped")
+            raise self._stopped()
         if not c.done.wait(timeout_s):
             raise TimeoutError(f"message-log writer: {self.pending()} items still queued after {timeout_s:.1f} s")
         if c.error is not None:
             raise c.error
         return c.result
+
+    def _stopped(self) -> LogWriteError:
+        why = self._worker.off
+        return LogWriteError(errno.EPIPE, "the message-log writer thread has stopped" + (f": {why}" if why else ""))
 
     def flush(self, timeout_s: float, sync: bool = False) -> None:
         """Wait until everything queued so far is on disk (fsync'd with ``sync``); raise any write error."""
@@ -180,11 +188,15 @@ class WriterThread:
 
     def close(self, timeout_s: float = 60.0) -> None:
         atexit.unregister(self._at_exit)
-        if self._worker.alive:
+        if self._worker.alive and self._worker.off is None:  # off: it takes nothing more
             try:
                 self.call(lambda w: None, timeout_s)
             finally:
                 self._worker.stop(timeout_s)
+        if self._worker.alive:
+            # Still in a write on a hung disk (its intake is off): its files stay open for it, since
+            # a descriptor closed under it could be reused by another file and take its late write.
+            return
         self.writer.close()
 
     # ------------------------------------------------------------ consumer side

@@ -13,8 +13,8 @@ the recovery agrees on ``t - 1`` instead, the survivors undoing their step of ``
 their own copies where they hold them, else by update-undo's inverse update, announced: see
 ds_swift.recovery.strategies.tranlogs). At most ``MAX_QUEUED`` records wait: a store slower than the steps makes the
 training thread wait rather than hold ever more host memory. A write that fails (full disk,
-unreachable store) stops update logging on this rank for the rest of the job, loudly, and training
-goes on: a later failure of this rank then finds its records missing and recovers from the global
+unreachable store), or a record not stored within ``STORED_BEFORE_STEP_S`` (a hung store), stops
+update logging on this rank for the rest of the job, loudly, and training goes on: a later failure of this rank then finds its records missing and recovers from the global
 checkpoint (said then too). Records before the newest complete global checkpoint are deleted after
 each checkpoint.
 """
@@ -118,7 +118,9 @@ class UpdateLogger:
             # the previous one: see the module docstring). The writer had the whole iteration for
             # it, so this rarely waits.
             if self._worker.alive and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
-                self._log(f"update log: the previous record was not stored within {STORED_BEFORE_STEP_S:g} s")
+                # Waiting on would hold every later step (the queue fills, then the hang detector takes
+                # this healthy machine); stepping on with the record unstored breaks the rule above.
+                self._lose(f"the previous update record was not stored within {STORED_BEFORE_STEP_S:g} s")
             out = call_next(**kw)
             self.after_step(eng)
             return out

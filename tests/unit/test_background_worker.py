@@ -163,3 +163,39 @@ def test_the_overhead_benchmarks_wakeup_switch_leaves_the_worker_as_before(monke
     assert w.submit(0) and w.wait_idle(10.0)
     w.stop(10.0)
     assert seen == [os.SCHED_OTHER]
+
+
+def test_a_handler_that_finishes_nothing_turns_the_worker_off_instead_of_holding_the_producer() -> None:
+    hung = threading.Event()
+    w: Worker[int] = Worker("ds-swift-test", lambda i: hung.wait(60.0), max_items=1, stuck_after_s=0.3)
+    try:
+        assert w.submit(0) and w.submit(1)  # the first is in the handler, the second queued
+        assert not w.submit(2)  # waited 0.3 s without one item finished: gives up
+        assert w.off is not None and "no item finished" in w.off and "stuck" in w.off
+        assert not w.submit(3)  # and refuses at once from then on
+    finally:
+        hung.set()
+        w.stop(10.0)
+    assert w.stats.items == 1  # the item in the handler when it gave up ends; the queued one is dropped
+
+
+def test_a_slow_handler_that_still_finishes_items_never_trips_the_bound() -> None:
+    go = threading.Semaphore(0)
+    w: Worker[int] = Worker("ds-swift-test", lambda i: go.acquire(timeout=60.0), max_items=1, stuck_after_s=3.0)
+    stop = threading.Event()
+
+    def release() -> None:  # one item every 0.2 s: 20 items take ~4 s, longer than the bound
+        while not stop.wait(0.2):
+            go.release()
+
+    t = threading.Thread(target=release, daemon=True)
+    t.start()
+    try:
+        assert all(w.submit(i) for i in range(20))
+        assert w.wait_idle(30.0) and w.off is None and w.stats.items == 20
+        assert w.stats.stall_s > 3.0  # the producer did wait, in all, longer than the bound
+    finally:
+        stop.set()
+        for _ in range(20):
+            go.release()
+        w.stop(10.0)

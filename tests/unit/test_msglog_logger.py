@@ -299,6 +299,37 @@ def test_a_failed_write_surfaces_on_the_training_thread(
     h.remove()
 
 
+def test_a_disk_that_takes_nothing_stops_logging_and_training_goes_on(
+    tmp_path: Path, wire: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung disk used to hold the send (the writer's queue full) until the hang detector took this
+    healthy machine; after watchdog.op_timeout_s without one message written, logging stops, loudly."""
+    e = FakeEngine(1)
+    said: list[str] = []
+    config = SwiftConfig.from_dict(
+        {"logging": {"storage": str(tmp_path / "logs"), "chunk_iterations": 2}, "watchdog": {"op_timeout_s": 0.5}}
+    )
+    h = install_message_logging(e, PLAN, config, native=False, max_inflight_bytes=64, on_error=said.append)
+    real, hung = os.writev, threading.Event()
+
+    def writev(fd: int, buffers: list) -> int:
+        hung.wait(60.0)
+        return real(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", writev)
+    try:
+        for mb in range(3):  # 128-byte messages: the first is in writev, the second waits for room
+            e.outputs[0] = torch.full((8, 4), float(mb))
+            e.run(schedule.SendActivation(buffer_id=0))
+            e.run(schedule.RecvGrad(buffer_id=0))  # the idle point drains: returns, it does not hang
+        assert len(said) == 1 and "rank 1 lost records" in said[0] and "no item finished" in said[0]
+        assert h.lost == said[0]
+        e.run(schedule.OptimizerStep())  # training goes on
+    finally:
+        hung.set()
+        h.remove()
+
+
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     with s3_server() as server:

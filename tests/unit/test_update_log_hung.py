@@ -1,0 +1,47 @@
+"""The update logger on a store that takes nothing (a hung mount or a store that stopped answering):
+the step that would wait for the previous record stops update logging instead, loudly, and goes on.
+It used to say so and wait again at every later step until its queue was full, and then block the
+training thread until the hang detector took this healthy machine."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds_swift.patches.instructions import schedule
+from ds_swift.recovery.state.update_log import UpdateRecord
+from ds_swift.runtime import update_logging
+from ds_swift.runtime.update_logging import UpdateLogger
+
+
+def test_a_record_never_stored_stops_update_logging_and_the_step_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hung = threading.Event()
+    monkeypatch.setattr(UpdateLogger, "_do", lambda self, item: hung.wait(60.0))
+    monkeypatch.setattr(update_logging, "STORED_BEFORE_STEP_S", 0.3)
+    said: list[str] = []
+    monkeypatch.setattr(update_logging, "say", lambda msg, *a, **k: said.append(msg))
+    logger = UpdateLogger(1, f"file://{tmp_path / 'log'}", undo=lambda: None)
+    try:
+        rec = UpdateRecord(iteration=3, skipped=False, groups=[], counters={}, scheduler=None, scalars=None)
+        assert logger._worker.submit(("record", rec))  # the previous step's record, never stored
+        stepped: list[Any] = []
+
+        def call_next(**kw: Any) -> str:
+            stepped.append(kw)
+            return "out"
+
+        step = logger.hooks()[schedule.OptimizerStep]
+        assert step(object(), call_next) == "out"
+        assert stepped == [{}]  # the step ran
+        assert logger.lost is not None and "not stored within 0.3 s" in logger.lost
+        assert len(said) == 1 and "update logging stops on this rank, training goes on" in said[0]
+        assert step(object(), lambda **kw: "again") == "again"  # later steps wait for nothing
+        assert len(said) == 1
+    finally:
+        hung.set()
+        logger.stop(10.0)
