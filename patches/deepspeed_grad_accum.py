@@ -6,7 +6,8 @@ sequential run had, bit for bit. Where that sum lives depends on the wrapper (De
 
 - ``torch``, ``zero`` (stage 1), ``fp16``, ``fp16_unfused``: in ``param.grad`` (the low-precision
   parameter's own dtype), summed by autograd's AccumulateGrad over every backward call of the
-  iteration; the step reads it there.
+  iteration; the step reads it there. Not ZeRO-1 with a ``data_types.grad_accum_dtype`` other than
+  the parameters' (fp16 with fp32 accumulation): it sums in ``param.grad_accum``, refused here.
 - ``bf16`` (``BF16_Optimizer``, bf16 with ZeRO-0 or ZeRO-1): in an fp32 buffer per parameter
   (``fp32_groups_gradients``). Without ``bf16.immediate_grad_update`` the pipeline engine zeroes
   ``param.grad`` before each micro-batch's backward and adds it, cast to fp32, to that buffer after
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from ds_swift.patches.deepspeed_wrappers import WrapperKind, kind_of
+from ds_swift.patches.deepspeed_wrappers import UnsupportedWrapper, WrapperKind, kind_of
 
 __all__ = ["Accumulator", "accumulator", "hp_grads", "set_hp_grads"]
 
@@ -49,7 +50,17 @@ class Accumulator:
 def accumulator(opt: Any) -> Accumulator:
     """Where ``opt`` (an engine's optimizer, or None) accumulates gradients; raises UnsupportedWrapper
     for wrappers ds-swift cannot read (ZeRO-2/3, CPU offload)."""
-    if opt is None or kind_of(opt) is not WrapperKind.BF16_OPTIMIZER:
+    if opt is None:
+        return Accumulator("param")
+    kind = kind_of(opt)
+    if kind is WrapperKind.ZERO_STAGE1 and bool(getattr(opt, "use_grad_accum_attribute", False)):
+        # ZeRO-1 whose gradient accumulation dtype is not the parameters' (fp16 or bf16 with
+        # data_types.grad_accum_dtype fp32 outside BF16_Optimizer): the sum lives in param.grad_accum.
+        raise UnsupportedWrapper(
+            f"ZeRO stage 1 with data_types.grad_accum_dtype {opt.gradient_accumulation_dtype} (gradients summed in "
+            "param.grad_accum)"
+        )
+    if kind is not WrapperKind.BF16_OPTIMIZER:
         return Accumulator("param")
     per: Literal["micro_batch", "call"] = "call" if bool(opt.immediate_grad_update) else "micro_batch"
     return Accumulator("hp", per)

@@ -42,6 +42,7 @@ __all__ = [
     "kind_of",
     "load_optimizer",
     "load_optimizer_scalars",
+    "loss_scalers",
     "optimizer_payload",
     "optimizer_scalars",
     "refresh_lp_params",
@@ -68,8 +69,11 @@ def _masters(opt: Any, kind: WrapperKind) -> list[torch.Tensor]:
     return []  # TORCH: the module's parameters are the masters
 
 
-def _scalers(opt: Any, kind: WrapperKind) -> list[Any]:
-    # The same objects, in the same order, as ds_swift.undo.engine's record of the step keeps.
+def loss_scalers(opt: Any, kind: WrapperKind) -> list[Any]:
+    """The wrapper's objects whose ``__dict__`` is loss-scale state (ZeRO-1's ``loss_scaler``, fp16's
+    ``loss_scale_config``). Look them up at each use, never keep them: DeepSpeed's ZeRO load replaces
+    the loss scaler (``_load_global_state``). ds_swift.undo.engine's step record keeps the same
+    objects' state, in the same order."""
     if kind is WrapperKind.ZERO_STAGE1:
         return [opt.loss_scaler]
     if kind.fp16:
@@ -152,7 +156,7 @@ def optimizer_scalars(opt: Any) -> dict[str, Any]:
     clipping norm: ``flags``), as plain data."""
     kind = kind_of(opt)
     return {
-        "scalers": [{k: _copy_plain(v) for k, v in vars(s).items() if _plain(v)} for s in _scalers(opt, kind)],
+        "scalers": [{k: _copy_plain(v) for k, v in vars(s).items() if _plain(v)} for s in loss_scalers(opt, kind)],
         "flags": {k: _copy_plain(getattr(opt, k)) for k in _FLAGS if k in vars(opt) and _plain(getattr(opt, k))},
     }
 
@@ -168,7 +172,7 @@ def flag_bytes_to_come(opt: Any) -> int:
 
 def load_optimizer_scalars(opt: Any, scalars: dict[str, Any]) -> None:
     """Put :func:`optimizer_scalars`' copies back into ``opt``."""
-    for scaler, saved in zip(_scalers(opt, kind_of(opt)), scalars["scalers"], strict=True):
+    for scaler, saved in zip(loss_scalers(opt, kind_of(opt)), scalars["scalers"], strict=True):
         vars(scaler).update(copy.deepcopy(saved))
     for name, value in scalars["flags"].items():
         setattr(opt, name, copy.deepcopy(value))

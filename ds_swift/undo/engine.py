@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch
 
 from ds_swift.patches import deepspeed_step
 from ds_swift.patches.deepspeed_engine import restore_step_state, step_state
-from ds_swift.patches.deepspeed_optim_state import refresh_lp_params
+from ds_swift.patches.deepspeed_optim_state import loss_scalers, refresh_lp_params
 from ds_swift.patches.deepspeed_wrappers import UnsupportedWrapper, WrapperKind, kind_of
 from ds_swift.undo.optimizer import InvertibleOptimizer
 from ds_swift.undo.records import STRATEGY_HINT, NotInvertibleError, StepRecord, UndoError
@@ -55,7 +55,6 @@ class _Kind:
     wrapper: Any  # engine.optimizer
     inner: Any  # the torch optimizer doing the arithmetic
     retain_grads: bool
-    scalers: list[Any] = field(default_factory=list)  # objects whose __dict__ is loss-scale state
 
 
 def _classify(engine: Any) -> _Kind:
@@ -69,11 +68,11 @@ def _classify(engine: Any) -> _Kind:
             f"{exc.what} is not supported by update-undo (ZeRO stages 0 and 1 without offload are); {STRATEGY_HINT}."
         ) from None
     if kind is WrapperKind.ZERO_STAGE1:
-        return _Kind(kind, opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scaler])
+        return _Kind(kind, opt, opt.optimizer, retain_grads=True)
     if kind is WrapperKind.BF16_OPTIMIZER:
         return _Kind(kind, opt, opt.optimizer, retain_grads=True)
     if kind is WrapperKind.FP16_UNFUSED:
-        return _Kind(kind, opt, opt.optimizer, retain_grads=True, scalers=[opt.loss_scale_config])
+        return _Kind(kind, opt, opt.optimizer, retain_grads=True)
     if kind is WrapperKind.FP16_FUSED:
         raise NotInvertibleError(
             f"DeepSpeed's fused FP16_Optimizer (FusedAdam) is not supported by update-undo; {STRATEGY_HINT}."
@@ -196,7 +195,7 @@ class EngineUndoHandle:
         self._step_info = {}
         state = step_state(self.engine)
         wrapper_flags = {n: getattr(self.kind.wrapper, n) for n in _WRAPPER_FLAGS if n in vars(self.kind.wrapper)}
-        scalers = [copy.deepcopy(vars(s)) for s in self.kind.scalers]
+        scalers = [copy.deepcopy(vars(s)) for s in loss_scalers(self.kind.wrapper, self.kind.kind)]
         rec = self.optimizer.begin(self.engine.global_steps)
         rec.engine_state = {"engine": state, "wrapper": wrapper_flags, "scalers": scalers}
         rec.loss_scale = self._loss_scale()
@@ -287,7 +286,7 @@ class EngineUndoHandle:
         restore_step_state(self.engine, st.get("engine", {}))
         for name, value in st.get("wrapper", {}).items():
             setattr(self.kind.wrapper, name, value)
-        for scaler, saved in zip(self.kind.scalers, st.get("scalers", []), strict=False):
+        for scaler, saved in zip(loss_scalers(self.kind.wrapper, self.kind.kind), st.get("scalers", []), strict=False):
             vars(scaler).update(copy.deepcopy(saved))
 
 

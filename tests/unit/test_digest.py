@@ -185,6 +185,24 @@ def test_state_names_and_the_first_difference() -> None:
     assert "holds other tensors" in str(other.first_difference(ref))
 
 
+def test_a_restored_rank_on_another_loss_scale_fails_its_check() -> None:
+    """fp16: a rank whose loss scaler differs unscales every later gradient by another factor."""
+    scaler = {"cur_scale": 256.0, "cur_iter": 3, "last_overflow_iter": -1, "cur_hysteresis": 2, "dynamic": True}
+    state: dict[str, Any] = {
+        "module": {"w": torch.ones(3)},
+        "optimizer": {"masters": [torch.ones(3)], "scalers": [scaler]},
+    }
+    ref = json.loads(digest_state(state).to_json(iteration=3))
+    assert digest_state(state).first_difference(ref) is None
+    for field, value in (("cur_scale", 128.0), ("cur_iter", 2), ("last_overflow_iter", 1), ("cur_hysteresis", 1)):
+        moved = {**state, "optimizer": {**state["optimizer"], "scalers": [{**scaler, field: value}]}}
+        diff = digest_state(moved).first_difference(ref)
+        assert diff is not None and diff.startswith("tensor optimizer/scalers/0 differs"), (field, diff)
+    assert "optimizer/scalers/0" not in named_tensors(
+        {"optimizer": {"masters": [torch.ones(3)], "scalers": []}}
+    )  # bf16
+
+
 # ----------------------------------------------------------------------------- the job store
 @pytest.fixture
 def store() -> JobStore:

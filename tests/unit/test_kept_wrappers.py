@@ -230,6 +230,31 @@ def test_a_survivor_keeps_the_loss_scaler_and_undoes_through_the_wrapper(world: 
     assert fresh.global_steps == 1 and fresh.optimizer.loss_scaler.cur_scale == scale_before
 
 
+def test_an_undo_after_a_checkpoint_load_restores_the_loaded_loss_scaler(world: None, tmp_path: Any) -> None:
+    """DeepSpeed's ZeRO load replaces the loss scaler object: the step record must read the new one
+    (it read the object of before the load, and an undo put that stale scaler's state back)."""
+    from ds_swift.undo import attach_to_engine
+
+    eng = engine("zero_stage1", steps=1)
+    handle = attach_to_engine(eng)
+    eng.save_checkpoint(str(tmp_path), tag="t1")
+
+    def step(i: int) -> None:
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 + i)).half()
+        eng.backward(eng(x).float().pow(2).mean())
+        eng.step()
+
+    step(0)  # the scaler of before the load moves on to cur_iter 2
+    stale = eng.optimizer.loss_scaler
+    eng.load_checkpoint(str(tmp_path), tag="t1")
+    assert eng.optimizer.loss_scaler is not stale and eng.optimizer.loss_scaler.cur_iter == 1
+    step(1)
+    kept = KeptState.capture(eng, handle)
+    assert kept.last_stepped == 1 and kept.can_undo, kept.undo_blocker()
+    kept.undo_to(0)
+    assert kept.optimizer["scalers"][0]["cur_iter"] == 1  # the loaded scaler's, not the stale one's 2
+
+
 def _copy(payload: Any) -> tuple[bytes, dict[torch.dtype, torch.Tensor]]:
     manifest, tensors = encode(payload)
     flats = {d: torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]).clone() for d in flat_sizes(manifest)}

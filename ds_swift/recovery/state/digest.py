@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -58,6 +59,8 @@ DIGEST_HEX = 16
 #: the parts of a captured state that are checked (the RNG is reseeded before every forward pass;
 #: counters and the LR schedule are scalars, set from the agreed iteration)
 _STATE_KEYS = ("module", "optimizer", "buffers")
+#: what of a loss scaler (fp16's dynamic scaling) the next steps depend on
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 # ----------------------------------------------------------------------------- one tensor
@@ -264,7 +267,8 @@ class PendingDigests:
 
 # ----------------------------------------------------------------------------- which tensors
 def named_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor of a captured state's training parts (module, optimizer, buffers), by path."""
+    """Every tensor of a captured state's training parts (module, optimizer, buffers), by path, and
+    the loss scalers' state as tensors (``optimizer/scalers/<i>``)."""
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, x: Any) -> None:
@@ -280,6 +284,14 @@ def named_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     for key in _STATE_KEYS:
         if state.get(key) is not None:
             walk(key, state[key])
+    # A loss scaler's state is numbers, not tensors: one float64 tensor per scaler, so that a rank
+    # restored onto another loss scale (fp16: its gradients unscaled by another factor from then
+    # on) fails its check as a wrong tensor would.
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, Mapping):
+        for i, scaler in enumerate(optimizer.get("scalers") or []):
+            values = [float(scaler.get(k, math.nan)) for k in _SCALER_FIELDS]
+            out[f"optimizer/scalers/{i}"] = torch.tensor(values, dtype=torch.float64)
     return out
 
 

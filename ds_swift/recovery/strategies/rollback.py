@@ -164,6 +164,16 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         return holdings.state_of(lost, version)
 
 
+def _scalars(engine: Any) -> dict[str, Any] | None:
+    """A copy of the optimizer wrapper's loss scalers and flags (None: no wrapper ds-swift reads)."""
+    from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, optimizer_scalars
+
+    try:
+        return optimizer_scalars(engine.optimizer) if engine.optimizer is not None else None
+    except UnsupportedWrapper:
+        return None
+
+
 class RollbackSimulation(SimulatedFailure):
     """The ranks of ``stepped_stages`` had stepped when the simulated failure hit, the others had not;
     then everyone trains the failed mini-batch again. The iteration is trained once, the ranks of the
@@ -185,6 +195,9 @@ class RollbackSimulation(SimulatedFailure):
             "schedule": copy_state(sched.state_dict()) if sched is not None else None,
             "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             "state": None if stepped else copy_state(capture_state(engine)),
+            # fp16: the loss scaler goes back too, as the strategy's rewind puts it back (its
+            # record of the step): else the retrained iteration moves it a second time.
+            "scalars": _scalars(engine) if stepped else None,
         }
 
     def roll_back(self, engine: Any) -> bool:
@@ -198,6 +211,10 @@ class RollbackSimulation(SimulatedFailure):
             if saved["schedule"] is not None:
                 engine.lr_scheduler.load_state_dict(saved["schedule"])
             set_counters(engine, self.iteration, skipped_steps=saved["skipped_steps"])
+            if saved["scalars"] is not None:
+                from ds_swift.patches.deepspeed_optim_state import load_optimizer_scalars
+
+                load_optimizer_scalars(engine.optimizer, saved["scalars"])
         finish_restore(engine)  # the low-precision parameters from the masters (per data-parallel group)
         kept = "kept its update" if saved["state"] is None else "did not apply it"
         self._log(

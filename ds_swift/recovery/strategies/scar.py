@@ -99,6 +99,19 @@ def _schedule(engine: Any) -> dict[str, Any] | None:
     return {"state": state}
 
 
+def _loss_scale(engine: Any) -> list[dict[str, Any]]:
+    """A survivor's loss scalers' numbers (fp16's dynamic scaling; none under bf16): the job's one
+    scale, which the checkpoint's is behind of. JSON: no dtype, no tensor."""
+    from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, kind_of, loss_scalers
+
+    opt = getattr(engine, "optimizer", None)
+    try:
+        scalers = loss_scalers(opt, kind_of(opt)) if opt is not None else []
+    except UnsupportedWrapper:
+        return []
+    return [{k: v for k, v in vars(s).items() if isinstance(v, bool | int | float)} for s in scalers]
+
+
 class ScarStrategy(RecoveryStrategy):
     """Reload the checkpoint on the lost ranks only, keep the survivors' state; approximate."""
 
@@ -140,7 +153,11 @@ class ScarStrategy(RecoveryStrategy):
             except Exception as exc:  # noqa: BLE001 - agreed on below: every rank falls back together
                 why = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         else:
-            mine = {"skipped_steps": int(getattr(ctx.engine, "skipped_steps", 0)), "schedule": _schedule(ctx.engine)}
+            mine = {
+                "skipped_steps": int(getattr(ctx.engine, "skipped_steps", 0)),
+                "schedule": _schedule(ctx.engine),
+                "loss_scale": _loss_scale(ctx.engine),
+            }
         answers = check_round(ctx, inputs, "scar", why, mine, "partial recovery impossible")
         if ctx.rank in lost:
             self._catch_up(ctx, plan, answers)
@@ -195,10 +212,19 @@ class ScarStrategy(RecoveryStrategy):
 
     @staticmethod
     def _catch_up(ctx: RankContext, plan: RecoveryPlan, answers: dict[int, dict[str, Any]]) -> None:
-        """A replacement stands at the consensus's counters and LR schedule (the lowest survivor's)."""
+        """A replacement stands at the consensus's counters, LR schedule and loss scale (the lowest
+        survivor's): a replacement on the checkpoint's loss scale would unscale every later gradient
+        by another factor than its peers."""
+        from ds_swift.patches.deepspeed_optim_state import kind_of, loss_scalers
+
         engine = ctx.engine
         survivor = answers[min(r for r, a in answers.items() if "schedule" in a)]
         set_counters(engine, plan.consensus + 1, skipped_steps=int(survivor["skipped_steps"]))
+        if survivor.get("loss_scale"):
+            for scaler, numbers in zip(
+                loss_scalers(engine.optimizer, kind_of(engine.optimizer)), survivor["loss_scale"], strict=True
+            ):
+                vars(scaler).update(numbers)
         sched = getattr(engine, "lr_scheduler", None)
         if sched is not None and survivor["schedule"] is not None:
             sched.load_state_dict(survivor["schedule"]["state"])
