@@ -371,6 +371,15 @@ class CheckpointManager:
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {where}")
         if int(engine.global_steps) != done:
-            say(f"checkpoint {tag} says global_steps={engine.global_steps}; using {done}", name=__name__)
+            # The marker and the tag count ``done``; DeepSpeed's files another number: the state loaded may
+            # be that other iteration's, and training goes on from it as iteration ``done``.
+            say(
+                f"checkpoint {tag} in {where}: DeepSpeed's files say global_steps={engine.global_steps}, its "
+                f"ds-swift marker {done} iterations done; training resumes as iteration {done} from the state "
+                f"loaded, which may be iteration {engine.global_steps}'s",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )
         self.last_saved = done
         return done
