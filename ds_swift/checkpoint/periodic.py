@@ -371,6 +371,12 @@ class CheckpointManager:
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {where}")
         if int(engine.global_steps) != done:
-            say(f"checkpoint {tag} says global_steps={engine.global_steps}; using {done}", name=__name__)
+            # ds-swift saves a tag at the engine's own count, so DeepSpeed's files count other
+            # iterations only where they are not what was saved there (copied over, another run's):
+            # going on would train from another iteration's state as iteration ``done``.
+            raise RuntimeError(
+                f"checkpoint {tag} in {where}: DeepSpeed's files say global_steps={engine.global_steps}, its ds-swift "
+                f"marker {done} iterations done: not the state of iteration {done}, not used"
+            )
         self.last_saved = done
         return done

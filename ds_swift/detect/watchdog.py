@@ -21,6 +21,7 @@ machine's own agent, reading its ranks' counters on its clock, finds them silent
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -50,6 +51,10 @@ __all__ = [
 #: the watchdog's CPU time and of the store server's on a CPU job (gpu_overhead.py's CPU sampling,
 #: tiny GPT, 4 ranks: the watchdog threads' 6.8 ms per iteration went to 2.7).
 BEATS_PER_TIMEOUT = 10
+
+#: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
+#: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
+STORE_ERRORS = (RuntimeError, OSError)
 
 
 def hung_machine_key(machine: int) -> str:
@@ -131,6 +136,11 @@ class Watchdog:
         self.failed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The thread's failing polls in a row, since when (observer clock), and what was said of them.
+        self._failing = 0
+        self._failing_since = 0.0
+        self._blind_said = False
+        self._bugs_said: set[str] = set()
 
     # ------------------------------------------------------------------ control
     def start(self) -> Watchdog:
@@ -170,13 +180,59 @@ class Watchdog:
         # runs within milliseconds of waking (the running thread's time slice), against a heartbeat
         # timeout of seconds.
         yield_on_wakeup()
-        store = self._store_factory()
+        store: JobStore | None = None
         while not self._stop.is_set():
-            try:
-                self.poll_once(store)
-            except Exception:  # noqa: BLE001 - the store may be unreachable for a moment; keep polling
-                pass
+            store = self.guarded_poll(store)
             self._stop.wait(self.poll_interval_s)
+
+    def guarded_poll(self, store: JobStore | None) -> JobStore | None:
+        """One turn of the thread's loop, which nothing may end (the watchdog must never end a healthy
+        job): a poll on ``store`` (None: opened first, the store may be down at start-up too); returns
+        the connection for the next turn. Polls failing for longer than the heartbeat timeout are
+        said once, as is their end, and an error no store raises (a bug) the first time."""
+        try:
+            if store is None:
+                store = self._store_factory()
+            self.poll_once(store)
+        except Exception as exc:  # noqa: BLE001 - the store may be unreachable for a while; keep polling
+            self._poll_failed(exc)
+            return store
+        if self._blind_said:
+            say(
+                f"watchdog polls succeed again after {self._failing} failed: failure and hang detection on this "
+                "rank are back",
+                self.rank,
+                name=__name__,
+            )
+        self._failing, self._blind_said = 0, False
+        return store
+
+    def _poll_failed(self, exc: Exception) -> None:
+        now = self._beats.clock()
+        if self._failing == 0:
+            self._failing_since = now
+        self._failing += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, STORE_ERRORS) and type(exc).__name__ not in self._bugs_said:
+            self._bugs_said.add(type(exc).__name__)
+            say(
+                f"watchdog poll raised {what}, which no job store raises (a bug?); polling goes on",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )
+        failing_s = now - self._failing_since
+        if not self._blind_said and failing_s > self.heartbeat_timeout_s:
+            self._blind_said = True
+            say(
+                f"watchdog polls have failed for {failing_s:.0f} s ({self._failing} in a row, last {what}): failure "
+                "and hang detection on this rank are blind while it lasts (a declared failure is not read, a hang "
+                "here or a stopped peer is not declared, and with the store down no heartbeat is written: its peers "
+                "may suspect this machine); training goes on",
+                self.rank,
+                level=logging.WARNING,
+                name=__name__,
+            )
 
     def poll_once(self, store: JobStore) -> FailureSeen | None:
         """One poll (public so tests can drive it without a thread)."""
@@ -217,7 +273,13 @@ class Watchdog:
             try:
                 self.on_failure(seen)
             except Exception as exc:  # noqa: BLE001 - the failure is known either way; say why the hook failed
-                say(f"after the failure of generation {g}: {type(exc).__name__}: {exc}", self.rank, name=__name__)
+                say(
+                    f"after the failure of generation {g}: {type(exc).__name__}: {exc}; this rank's communicators "
+                    "were not aborted: a training thread blocked on a dead peer may wait up to watchdog.op_timeout_s",
+                    self.rank,
+                    level=logging.WARNING,
+                    name=__name__,
+                )
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:

@@ -5,8 +5,9 @@ one of them off at a time. The protections with a config field of their own are 
 through it (``verify.enabled``, ``buddy.enabled``, ``checkpoint.interval``); the others have
 none, because a user must not be able to lose them by accident, and are switched off here, by
 the environment variable :data:`ENV` (comma-separated names of :data:`SWITCHES`), which only that
-benchmark sets. A worker that reads it says so in its start-up "protection costs" lines, and a
-recovery in such a job is not what the defaults would have done: never set it for training.
+benchmark sets. Every worker that reads it says so at start-up in a warning (the variable may have
+leaked from a benchmark's shell), and a recovery in such a job is not what the defaults would have
+done: never set it for training.
 """
 
 from __future__ import annotations

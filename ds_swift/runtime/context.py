@@ -71,10 +71,11 @@ class SwiftContext:
     def run_dir(self) -> str:
         return self.env.run_dir if self.env is not None else self.cfg.run_dir
 
-    def log(self, msg: str) -> None:
-        """One line on ds-swift's channel (ds_swift.logs), tagged with this worker's rank."""
+    def log(self, msg: str, level: int = logging.INFO) -> None:
+        """One line on ds-swift's channel (ds_swift.logs), tagged with this worker's rank (``level``:
+        WARNING for a protection turned off)."""
         rank = dist.get_rank() if dist.is_initialized() else (self.env.rank if self.env else -1)
-        say(msg, rank, name=__name__)
+        say(msg, rank, level=level, name=__name__)
 
 
 # One per process: init_distributed runs before the engine exists, initialize() after it.

@@ -20,7 +20,7 @@ from ds_swift.recovery.state.digest import digest_state, engine_state, named_ten
 from ds_swift.runtime.bench_switch import ENV, SWITCHES
 from ds_swift.runtime.buddy_auto import DECIDE_AFTER, PERIOD_S
 
-__all__ = ["protection_costs", "state_bytes"]
+__all__ = ["protection_costs", "state_bytes", "switched_off_line"]
 
 #: pinned device-to-host copy rate assumed for estimates (measured 54.8 GB/s on an H100's PCIe 5;
 #: half of it leaves room for older hosts)
@@ -82,17 +82,15 @@ def protection_costs(
     async_ckpt: bool,
     machines: int | None,
     without: frozenset[str] = frozenset(),
+    undo_off: str | None = None,
 ) -> list[str]:
     """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
     the job's machine count (None: unknown); ``without``: what a benchmark switched off
-    (ds_swift.runtime.bench_switch), said first."""
+    (ds_swift.runtime.bench_switch; every rank says it first, :func:`switched_off_line`);
+    ``undo_off``: why update-undo could not be attached to the engine (None: it is, or ``without`` says)."""
     state = engine_state(engine)
     total, device = state_bytes(state)
     lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
-    if without:
-        lines.append(
-            f"  SWITCHED OFF for a benchmark by {ENV}: " + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
-        )
     lines.append(_digest_line(state, total, device, digests))
     lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
     if buddy is not None and machines == 1:
@@ -114,21 +112,37 @@ def protection_costs(
         )
     else:
         lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
-    logged = logs.possible(engine) if logs is not None else False
-    lines.append(
-        "  message logging: "
-        + (
-            "on: the activations and gradients this rank sends across machines, copied off the device in the "
-            "pipeline's bubbles and written by a background thread (bytes per iteration measured in the logs' "
-            "end-of-job line)"
-            if logged
-            else "off for this rank (no send of its crosses a machine boundary that the plan logs): 0"
-        )
-    )
+    lines.append(_logging_line(engine, logs))
     if cfg.services.inflight_copy:
         lines.append(_inflight_line(engine, cfg, device))
-    lines += _runtime_lines(cfg, without)
+    lines += _runtime_lines(cfg, without, undo_off)
     return lines
+
+
+def switched_off_line(without: frozenset[str]) -> str:
+    """What a benchmark's :data:`~ds_swift.runtime.bench_switch.ENV` switched off, and what that leaves out."""
+    return (
+        f"protections SWITCHED OFF for a benchmark by {ENV} (unset it for training): "
+        + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
+        + "; a failure in this job is recovered without them"
+    )
+
+
+def _logging_line(engine: Any, logs: Any) -> str:
+    if logs is not None and logs.possible(engine):
+        return (
+            "  message logging: on: the activations and gradients this rank sends across machines, copied off the "
+            "device in the pipeline's bubbles and written by a background thread (bytes per iteration measured in "
+            "the logs' end-of-job line)"
+        )
+    if logs is not None and logs.plan_error is not None:
+        return (
+            f"  message logging: off (topology analysis failed: {logs.plan_error}; a failure recovers from the "
+            "global checkpoint): 0"
+        )
+    if logs is not None and not logs.enabled:
+        return f"  message logging: OFF (benchmark: {ENV}): 0"
+    return "  message logging: off for this rank (no send of its crosses a machine boundary that the plan logs): 0"
 
 
 def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
@@ -150,8 +164,9 @@ def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
     )
 
 
-def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
-    """What the runtime itself adds to every iteration: failure detection, the step record, determinism."""
+def _runtime_lines(cfg: Any, without: frozenset[str], undo_off: str | None = None) -> list[str]:
+    """What the runtime itself adds to every iteration: failure detection, the step record, determinism
+    (``undo_off``: why update-undo is not attached; None: it is)."""
     wd = cfg.watchdog
     beat = max(wd.poll_interval_s, wd.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
     hang = f", hang detection after {wd.hang_timeout_s:g} s" if wd.hang_timeout_s is not None else ""
@@ -177,6 +192,8 @@ def _runtime_lines(cfg: Any, without: frozenset[str]) -> list[str]:
         + (
             off
             if "undo" in without
+            else f"off ({undo_off}): a failure with a survivor one step ahead reloads the global checkpoint"
+            if undo_off is not None
             else "a step record per optimizer step, on the training thread (the step's hyper-parameters and per-parameter "
             "bookkeeping: ds_swift.undo)"
         ),

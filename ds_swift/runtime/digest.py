@@ -6,7 +6,8 @@ only takes references to the state's tensors (a copy of the module's buffers, wh
 may change) and hands them to a background thread, which computes the digest on the tensors'
 device (ds_swift.recovery.state.digest: integer sums, a few bytes per tensor come back) and stores it
 through a store connection of its own. A digest that fails (the store unreachable for a moment) is
-reported once and skipped: verification is a safety net and must never stop training.
+skipped, said loudly once per outage (a publish that succeeds again ends it): verification is a
+safety net and must never stop training.
 
 Before the next step changes the tensors, the digest must have read them:
 - on a GPU the thread queues the digest's kernels on a side stream that first waits for the step
@@ -18,6 +19,7 @@ Before the next step changes the tensors, the digest must have read them:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -48,8 +50,8 @@ class DigestPublisher:
         self.rank = rank
         self.interval = interval
         self._store_factory = store_factory
-        # A digest that fails is said once and skipped (a missing digest only makes a later check
-        # fall back): the worker records it and goes on.
+        # A digest that fails is said once per outage and skipped (a missing digest only makes a later
+        # check fall back): the worker records it and goes on.
         self._worker: Worker[Any] = Worker(f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed)
         self._store: JobStore | None = None
         self._iteration = -1  # the digest in hand (the thread's)
@@ -150,13 +152,19 @@ class DigestPublisher:
             publish_digest(self._store, self.rank, self._iteration, self.interval, finish())
         finally:
             self._queued.set()
+        if self._warned:
+            # The outage is over: a later one is said again, not lost behind this one's warning.
+            self._warned = False
+            say(f"state digests are published again (iteration {self._iteration})", self.rank, name=__name__)
 
     def _failed(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
             say(
-                f"state digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})",
+                "state digests are not being published: a recovery's restored state will be unverified: "
+                f"the digest of iteration {self._iteration} not published ({type(exc).__name__}: {exc})",
                 self.rank,
+                level=logging.WARNING,
                 name=__name__,
             )
 

@@ -197,7 +197,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
         self._hooks.install(engine)
-        log_protection_costs(engine, cfg, ctx, self._rebuild, logs, self._ckpt, without)
+        log_protection_costs(engine, cfg, ctx, self._rebuild, logs, self._ckpt, without, self._hooks.undo_off)
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(

@@ -8,12 +8,13 @@ protection with its cost, and the usage record each rank leaves at close (``ds-s
 from __future__ import annotations
 
 import json
+import logging
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.runtime.costs import protection_costs
+from ds_swift.runtime.costs import protection_costs, switched_off_line
 from ds_swift.runtime.running import RunningCheckpoints
 from ds_swift.runtime.simulate import FailureSimulation
 
@@ -77,9 +78,15 @@ def log_protection_costs(
     logs: EngineLogging,
     ckpt: CheckpointManager,
     without: frozenset[str],
+    undo_off: str | None = None,
 ) -> None:
     """One start-up line per protection, with its cost: said (and measured) by one rank per pipeline
-    stage (:func:`speaks_for_stage`), which the stage's other ranks resemble."""
+    stage (:func:`speaks_for_stage`), which the stage's other ranks resemble. ``undo_off``: why
+    update-undo is not attached (None: it is)."""
+    if without:
+        # Every rank, loudly: an environment variable switched protections off, and one a benchmark's
+        # shell leaked into a real job must not hide among one stage's informational lines.
+        ctx.log(switched_off_line(without), level=logging.WARNING)
     if not speaks_for_stage(engine):
         return
     machines = ctx.env.num_machines if ctx.env is not None else None
@@ -92,6 +99,7 @@ def log_protection_costs(
         async_ckpt=ckpt.writer is not None,
         without=without,
         machines=machines,
+        undo_off=undo_off,
     ):
         ctx.log(line)
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,22 +37,27 @@ def make_injector(ctx: SwiftContext) -> Any:
     return Injector.from_env(store, env)
 
 
-def attach_undo(engine: Any) -> Any:
-    """Make ``engine``'s optimizer step undoable; the undo handle, or None where it cannot be."""
+def attach_undo(engine: Any) -> tuple[Any, str | None]:
+    """Make ``engine``'s optimizer step undoable: ``(the undo handle, None)``, or ``(None, why not)``,
+    said loudly (the start-up cost line repeats the why)."""
     try:
         from ds_swift.undo import attach_to_engine
-    except ImportError:
-        return None
-    try:
-        return attach_to_engine(engine)
-    except ImportError:
-        return None  # ds_swift.undo.engine not built yet: recovery without undo falls back loudly
+
+        return attach_to_engine(engine), None
+    except ImportError as exc:
+        # The undo module missing is a build without it; any other ImportError is a broken install
+        # or a bug inside it: both named, never a silent None.
+        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("ds_swift.undo")
+        why = f"{exc.name} is not installed" if missing else f"ImportError: {exc}"
     except Exception as exc:  # noqa: BLE001 - an optimizer without an inverse must not stop training
-        say_here(
-            f"update-undo unavailable for this optimizer ({exc}); a survivor ahead will force a checkpoint reload",
-            name=__name__,
-        )
-        return None
+        why = f"unavailable for this optimizer: {exc}"
+    say_here(
+        f"update-undo is off ({why}); training goes on: a failure with a survivor one step ahead reloads "
+        "the global checkpoint",
+        level=logging.WARNING,
+        name=__name__,
+    )
+    return None, why
 
 
 def with_progress(
@@ -98,6 +104,8 @@ class EngineHooks:
         self.injector = injector
         self.logs = logs
         self._undo: Any = None  # the update-undo handle of the engine in force (None: no undo)
+        #: why update-undo could not be attached to the last engine (None: it was, or a benchmark switched it off)
+        self.undo_off: str | None = None
         self._handles: list[Any] = []
         self._micro = 0
         self._reseed = True  # off while a replay keys the RNG itself
@@ -153,7 +161,7 @@ class EngineHooks:
             hooks = with_progress(self.progress, engine, hooks)
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
-        self._undo = attach_undo(engine) if "undo" not in self.without else None
+        self._undo, self.undo_off = attach_undo(engine) if "undo" not in self.without else (None, None)
         self.logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
         if self.inflight is not None:

@@ -84,6 +84,7 @@ class EngineLogging:
         self.log_error: str | None = None  # why the last flush/upload failed
         self.coverage_lost: str | None = None  # why this rank's sends stopped being logged
         self._plan: Any = None  # the topology plan; False when it could not be made
+        self.plan_error: str | None = None  # why it could not be made (the start-up cost line says it)
         self._layout: Any = None  # the ParallelLayout the plan is of
         self._decided = True  # False while the plan waits for the first iteration's measured sizes
         self._t_begin: float | None = None  # when the iteration in progress started
@@ -114,7 +115,14 @@ class EngineLogging:
             except ConfigError:
                 raise  # a configuration the job cannot serve (logging.kinds, strategy logging): stop, naming it
             except Exception as exc:  # noqa: BLE001 - the plan informs; recovery decides from who survived
-                say_here(f"topology analysis unavailable: {type(exc).__name__}: {exc}")
+                self.plan_error = f"{type(exc).__name__}: {exc}"
+                say_here(
+                    f"topology analysis failed ({self.plan_error}): message logging, update logging by stage and "
+                    "the step-collective records are off on this rank for the rest of the job, training goes on: "
+                    "a failure that logging would have recovered recovers from the global checkpoint",
+                    level=logging.WARNING,
+                    name=__name__,
+                )
                 self._plan = False
             else:
                 if dist.get_rank() == 0:

@@ -5,6 +5,7 @@ the rank, and a replay checked against them."""
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -334,5 +335,35 @@ def test_a_publisher_that_cannot_reach_the_store_says_so_once(
             assert pub.wait(timeout_s=30)
     finally:
         pub.stop()
-    logged = _said(caplog)
-    assert len(logged) == 1 and "not published (ConnectionError: store down)" in logged[0]
+    (warned,) = [r for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+    assert warned.levelno == logging.WARNING
+    assert warned.getMessage().startswith(
+        "state digests are not being published: a recovery's restored state will be unverified: "
+    ) and warned.getMessage().endswith("not published (ConnectionError: store down)")
+
+
+def test_a_second_store_outage_is_said_again(store: JobStore, caplog: pytest.LogCaptureFixture) -> None:
+    down = [False]
+
+    class Flaky:
+        def set(self, key: str, value: str) -> None:
+            if down[0]:
+                raise ConnectionError("store down")
+            store.set(key, value)
+
+    flaky: Any = Flaky()
+    pub = DigestPublisher(1, 1, lambda: flaky)
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), optimizer=None, global_steps=1)
+    try:
+        for outage in (True, True, False, False, True, True):  # two outages, the store back between them
+            down[0] = outage
+            pub.after_step(engine)
+            assert pub.wait(timeout_s=30)
+            engine.global_steps += 1
+    finally:
+        pub.stop()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+    assert [level for level, _ in said[:3]] == [logging.WARNING, logging.INFO, logging.WARNING], said
+    assert "iteration 0 not published" in said[0][1] and said[1][1] == "state digests are published again (iteration 2)"
+    assert "iteration 4 not published" in said[2][1]
+    assert len(said) == 4 and said[3][1].startswith("state digests: 2 published, ")  # the cost, at the end

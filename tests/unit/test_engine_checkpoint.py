@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -109,3 +111,24 @@ def test_the_bound_is_what_every_survivor_trained() -> None:
 
     assert checkpoint_bound([report(0, True, 6), report(1, True, 7), report(2, False, -1)]) == 7
     assert checkpoint_bound([report(0, False, -1)]) is None
+
+
+def test_a_checkpoint_whose_files_count_other_iterations_is_refused(tmp_path: Path) -> None:
+    """Refused (the recovery then steps back to an older checkpoint, or falls back, loudly): it used
+    to be said at INFO and trained on from the loaded state as the marker's iteration."""
+    stamp(tmp_path, 8, "job-mine")
+    engine = SimpleNamespace(global_steps=0)
+
+    def load_checkpoint(where: str, tag: str, **kw: Any) -> tuple[str, dict[str, Any]]:
+        engine.global_steps = 6  # what DeepSpeed's files in global_step8 say
+        return f"{where}/{tag}", {}
+
+    engine.load_checkpoint = load_checkpoint
+    m = CheckpointManager(ckpt_dir=str(tmp_path), interval=4, rank=2, job_id="job-mine")
+    with pytest.raises(RuntimeError) as err:
+        m.load_latest(engine)
+    assert str(err.value) == (
+        f"checkpoint global_step8 in {tmp_path}: DeepSpeed's files say global_steps=6, its ds-swift marker 8 "
+        "iterations done: not the state of iteration 8, not used"
+    )
+    assert m.last_saved != 8

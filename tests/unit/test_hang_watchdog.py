@@ -3,7 +3,9 @@ that makes a hung or stopped machine's agent kill it."""
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any
 
 import pytest
 
@@ -110,3 +112,88 @@ def test_the_watchdog_thread_does_not_preempt_the_training_thread_on_wakeup(stor
     finally:
         wd.stop()
     assert seen == [os.SCHED_BATCH] and os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+class DownStore:
+    """A job store that cannot be reached (torch's store raises a RuntimeError then)."""
+
+    def heartbeat(self, rank: int, note: str) -> None:
+        raise RuntimeError("Connection refused")
+
+    def failure(self, generation: int) -> str | None:
+        raise RuntimeError("Connection refused")
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_swift.detect.watchdog"]
+
+
+def test_polls_failing_past_the_heartbeat_timeout_are_said_once_and_so_is_their_end(
+    store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    wd = watchdog(store, rank=1)  # heartbeat timeout 5 s
+    wd._beats.clock = lambda: now[0]
+    down: Any = DownStore()
+    for t in range(6):  # failing for 0..5 s: not yet past the timeout
+        now[0] = float(t)
+        assert wd.guarded_poll(down) is down
+    assert _said(caplog) == []  # a store away for a moment is not worth a line
+    for t in (5.5, 6.0, 9.0):
+        now[0] = t
+        wd.guarded_poll(down)
+    ((level, msg),) = _said(caplog)
+    assert level == logging.WARNING
+    assert msg.startswith("watchdog polls have failed for 6 s (7 in a row, last RuntimeError: Connection refused)")
+    assert "failure and hang detection on this rank are blind while it lasts" in msg
+    up = wd._store_factory()
+    assert wd.guarded_poll(up) is up and wd.guarded_poll(up) is up
+    assert _said(caplog)[1:] == [
+        (logging.INFO, "watchdog polls succeed again after 9 failed: failure and hang detection on this rank are back")
+    ]
+    for t in (10.0, 16.0):  # a second outage is said again
+        now[0] = t
+        wd.guarded_poll(down)
+    assert [level for level, _ in _said(caplog)] == [logging.WARNING, logging.INFO, logging.WARNING]
+
+
+def test_an_error_no_store_raises_is_said_the_first_time(store: JobStore, caplog: pytest.LogCaptureFixture) -> None:
+    wd = watchdog(store, rank=1)
+    wd._beats.clock = lambda: 0.0  # never failing for long: only the bug is said
+
+    class Buggy(DownStore):
+        def heartbeat(self, rank: int, note: str) -> None:
+            raise TypeError("heartbeat() got an unexpected keyword argument")
+
+    buggy: Any = Buggy()
+    for _ in range(3):
+        wd.guarded_poll(buggy)
+    assert _said(caplog) == [
+        (
+            logging.WARNING,
+            "watchdog poll raised TypeError: heartbeat() got an unexpected keyword argument, which no job store "
+            "raises (a bug?); polling goes on",
+        )
+    ]
+
+
+def test_a_store_down_at_start_up_does_not_end_the_watchdog(store: JobStore) -> None:
+    client = JobStore.connect("127.0.0.1", store.port, TOKEN)
+    opened: list[int] = []
+
+    def factory() -> JobStore:
+        opened.append(1)
+        if len(opened) == 1:
+            raise RuntimeError("Connection refused")  # the thread's first connection fails
+        return client
+
+    wd = Watchdog(factory, rank=0, generation=0, poll_interval_s=0.01, heartbeat_timeout_s=5.0)
+    assert wd.guarded_poll(None) is None  # said nothing, raised nothing: opened again next time
+    assert wd.guarded_poll(None) is client
+    opened.clear()
+    wd.start()
+    try:
+        store.declare_failure(0, "probe")
+        assert wd.failed.wait(30)  # the thread outlived its failed connection and saw the failure
+    finally:
+        wd.stop()

@@ -3,6 +3,7 @@ per iteration, the benchmark's switches and CPU sampler, and the start-up cost l
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.determinism import ScopedDeterminism
 from ds_swift.runtime.bench_switch import ENV, switched_off
-from ds_swift.runtime.costs import _runtime_lines
+from ds_swift.runtime.costs import _logging_line, _runtime_lines
 from ds_swift.testing.cpu_sampler import CpuSample, per_iteration, sample_tree
 from ds_swift.threadname import name_os_thread, os_thread_name
 
@@ -177,3 +178,50 @@ def test_message_logging_switch_makes_no_plan() -> None:
     logs = EngineLogging(SwiftConfig.from_dict({"enabled": True}), {}, lambda i, m: None, 0, "/tmp")
     logs.enabled = False
     assert logs.possible(SimpleNamespace()) is False  # the plan is never made: nothing to hook
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == name and r.levelno == logging.WARNING]
+
+
+def test_a_failed_topology_analysis_says_loudly_what_stops(caplog: pytest.LogCaptureFixture) -> None:
+    from ds_swift.runtime.logging_wiring import EngineLogging
+
+    logs = EngineLogging(SwiftConfig.from_dict({"enabled": True}), {}, lambda i, m: None, 0, "/tmp")
+    engine = SimpleNamespace()  # no grid: the analyzer cannot read its topology
+    assert logs.possible(engine) is False and logs.plan_error is not None
+    (said,) = _warnings(caplog, "ds_swift.runtime.logging_wiring")
+    assert said.startswith("topology analysis failed (") and "message logging, update logging by stage and" in said
+    assert "recovers from the global checkpoint" in said
+    line = _logging_line(engine, logs)  # the start-up line gives the real reason, not "no send crosses"
+    assert f"off (topology analysis failed: {logs.plan_error};" in line, line
+    logs.possible(engine)
+    assert len(_warnings(caplog, "ds_swift.runtime.logging_wiring")) == 1  # said once
+
+
+@pytest.mark.parametrize(
+    ("raised", "why"),
+    [
+        (ValueError("FusedAdam has no inverse"), "unavailable for this optimizer: FusedAdam has no inverse"),
+        (ModuleNotFoundError("no undo", name="ds_swift.undo.engine"), "ds_swift.undo.engine is not installed"),
+        (ImportError("cannot import name 'x' from 'triton'"), "ImportError: cannot import name 'x' from 'triton'"),
+    ],
+)
+def test_update_undo_that_cannot_attach_says_so_loudly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, raised: Exception, why: str
+) -> None:
+    import ds_swift.undo
+    from ds_swift.runtime.hooks import attach_undo
+
+    def attach(engine: Any) -> Any:
+        raise raised
+
+    monkeypatch.setattr(ds_swift.undo, "attach_to_engine", attach)
+    assert attach_undo(SimpleNamespace()) == (None, why)
+    (said,) = _warnings(caplog, "ds_swift.runtime.hooks")
+    assert said == (
+        f"update-undo is off ({why}); training goes on: a failure with a survivor one step ahead reloads the "
+        "global checkpoint"
+    )
+    text = "\n".join(_runtime_lines(SwiftConfig.from_dict({"enabled": True}), frozenset(), why))
+    assert f"update-undo: off ({why}): a failure with a survivor one step ahead reloads" in text, text

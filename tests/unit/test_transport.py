@@ -4,6 +4,7 @@ ending a generation on gloo and on NCCL (NCCL cannot run here: its branch is dri
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 from collections.abc import Iterator
@@ -297,7 +298,9 @@ class FailingStore:
         return "rank 2: process exited"
 
 
-def test_the_watchdog_calls_its_failure_hook_once_and_survives_its_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_watchdog_calls_its_failure_hook_once_and_survives_its_error(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     seen: list[FailureSeen] = []
 
     def hook(s: FailureSeen) -> None:
@@ -310,3 +313,9 @@ def test_the_watchdog_calls_its_failure_hook_once_and_survives_its_error(capsys:
     assert first is not None and wd.failed.is_set() and wd.poll_once(store) == first
     assert [(s.generation, s.reason) for s in seen] == [(5, "rank 2: process exited")]
     assert "after the failure of generation 5: RuntimeError: abort failed" in capsys.readouterr().err
+    (said,) = [r for r in caplog.records if r.name == "ds_swift.detect.watchdog"]
+    assert said.levelno == logging.WARNING
+    assert said.getMessage().endswith(
+        "this rank's communicators were not aborted: a training thread blocked on a dead peer may wait up to "
+        "watchdog.op_timeout_s"
+    )
