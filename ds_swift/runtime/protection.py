@@ -84,6 +84,7 @@ class Protections:
                 cfg.logging.storage,
                 lambda: hooks.undo,
                 enabled=self._logs_updates if services.update_log == "per_stage" else None,
+                hang_timeout_s=cfg.watchdog.hang_timeout_s,
             )
             if services.update_log != "off"
             else None

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["UpdateLogger"]
 
 MAX_QUEUED = 4
-#: how long a step waits for the previous step's record to be stored
+#: how long a step waits for the previous step's record to be stored (at most half of
+#: watchdog.hang_timeout_s: the wait is inside the step, which the hang detector times)
 STORED_BEFORE_STEP_S = 60.0
 
 
@@ -62,6 +63,8 @@ class UpdateLogger:
         undo: returns the update-undo handle of the engine in force (the record comes from it).
         enabled: whether this rank logs the step just taken (None: always); under ``logging.kinds``
             only the ranks of stages the plan has log their updates.
+        hang_timeout_s: ``watchdog.hang_timeout_s``: the wait for the previous record, inside the
+            step, stays under half of it, so a hung store never looks like a hung machine.
     """
 
     def __init__(
@@ -70,8 +73,11 @@ class UpdateLogger:
         storage: str,
         undo: Callable[[], Any],
         enabled: Callable[[], bool] | None = None,
+        hang_timeout_s: float | None = None,
     ) -> None:
         self.rank = rank
+        self.wait_s = STORED_BEFORE_STEP_S if hang_timeout_s is None else min(STORED_BEFORE_STEP_S, hang_timeout_s / 2)
+        """How long a step waits for the previous record before update logging stops."""
         self._enabled = enabled
         self.iteration_bytes: dict[int, int] = {}
         """Bytes stored per iteration, of the last few (the first iteration's size the plan)."""
@@ -117,10 +123,10 @@ class UpdateLogger:
             # has every record the survivors stepped (one lost earlier in this iteration may lack
             # the previous one: see the module docstring). The writer had the whole iteration for
             # it, so this rarely waits.
-            if self._worker.alive and self.lost is None and not self.flush(STORED_BEFORE_STEP_S):
+            if self._worker.alive and self.lost is None and not self.flush(self.wait_s):
                 # Waiting on would hold every later step (the queue fills, then the hang detector takes
                 # this healthy machine); stepping on with the record unstored breaks the rule above.
-                self._lose(f"the previous update record was not stored within {STORED_BEFORE_STEP_S:g} s")
+                self._lose(f"the previous update record was not stored within {self.wait_s:g} s")
             out = call_next(**kw)
             self.after_step(eng)
             return out

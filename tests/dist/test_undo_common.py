@@ -148,6 +148,7 @@ def exercise_overflow(
     loss scaler reacts; undoing it must restore counters and scaler and leave the rest."""
     import torch
 
+    from ds_swift.patches.deepspeed_optim_state import loss_scalers
     from ds_swift.undo import attach_to_engine
 
     engine = make_engine()
@@ -155,15 +156,15 @@ def exercise_overflow(
     run_iteration(engine, 0, False)
     run_iteration(engine, 1, False)
     before = snapshot(engine, handle)
-    scaler_before = {k: repr(v) for k, v in vars(handle.kind.scalers[0]).items()}
+    scaler_before = {k: repr(v) for k, v in vars(loss_scalers(engine.optimizer, handle.kind.kind)[0]).items()}
     run_iteration(engine, 2, True)
     rec = handle.last_record
     assert rec is not None
-    scaler_post = {k: repr(v) for k, v in vars(handle.kind.scalers[0]).items()}
+    scaler_post = {k: repr(v) for k, v in vars(loss_scalers(engine.optimizer, handle.kind.kind)[0]).items()}
     post_counters = {c: getattr(engine, c) for c in COUNTERS}
     handle.undo_to(1)
     after = snapshot(engine, handle)
-    scaler_after = {k: repr(v) for k, v in vars(handle.kind.scalers[0]).items()}
+    scaler_after = {k: repr(v) for k, v in vars(loss_scalers(engine.optimizer, handle.kind.kind)[0]).items()}
     out = {
         "skipped": rec.skipped,
         "iteration": rec.iteration,

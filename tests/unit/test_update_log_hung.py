@@ -22,10 +22,11 @@ def test_a_record_never_stored_stops_update_logging_and_the_step_runs(
 ) -> None:
     hung = threading.Event()
     monkeypatch.setattr(UpdateLogger, "_do", lambda self, item: hung.wait(60.0))
-    monkeypatch.setattr(update_logging, "STORED_BEFORE_STEP_S", 0.3)
     said: list[str] = []
     monkeypatch.setattr(update_logging, "say", lambda msg, *a, **k: said.append(msg))
-    logger = UpdateLogger(1, f"file://{tmp_path / 'log'}", undo=lambda: None)
+    # The wait is inside the step, which the hang detector times: under half of its timeout.
+    logger = UpdateLogger(1, f"file://{tmp_path / 'log'}", undo=lambda: None, hang_timeout_s=0.6)
+    assert logger.wait_s == 0.3
     try:
         rec = UpdateRecord(iteration=3, skipped=False, groups=[], counters={}, scheduler=None, scalars=None)
         assert logger._worker.submit(("record", rec))  # the previous step's record, never stored
@@ -42,6 +43,7 @@ def test_a_record_never_stored_stops_update_logging_and_the_step_runs(
         assert len(said) == 1 and "update logging stops on this rank, training goes on" in said[0]
         assert step(object(), lambda **kw: "again") == "again"  # later steps wait for nothing
         assert len(said) == 1
+        assert UpdateLogger(1, "memory://x", undo=lambda: None).wait_s == update_logging.STORED_BEFORE_STEP_S
     finally:
         hung.set()
         logger.stop(10.0)
