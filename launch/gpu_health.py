@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["GpuHealth", "GpuMonitor", "check_gpus", "ecc_baseline"]
@@ -39,16 +40,32 @@ class GpuHealth:
     reason: str = ""
 
 
-def _load_nvml() -> Any | None:
+#: a device file the NVIDIA driver creates: where it exists, this machine has GPUs to check
+GPU_DEVICE_FILE = Path("/dev/nvidia0")
+
+
+def _open_nvml() -> tuple[Any | None, str]:
+    """NVML initialised, or None and why not."""
     try:
         import pynvml  # nvidia-ml-py
-    except ImportError:
-        return None
+    except ImportError as exc:
+        return None, f"nvidia-ml-py is not installed ({exc})"
     try:
         pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ... : no usable GPU here
-        return None
-    return pynvml
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ... : no usable GPU here
+        return None, f"NVML did not initialise ({type(exc).__name__}: {exc})"
+    return pynvml, ""
+
+
+def _load_nvml() -> Any | None:
+    return _open_nvml()[0]
+
+
+def _gpus_expected(environ: Mapping[str, str]) -> bool:
+    """Whether this machine looks as if it has GPUs for its workers (the driver's device file, or a
+    CUDA_VISIBLE_DEVICES that names some)."""
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    return GPU_DEVICE_FILE.exists() or (spec is not None and bool(_parse_visible(spec)))
 
 
 def _parse_visible(spec: str) -> list[int | str]:
@@ -224,13 +241,21 @@ class GpuMonitor:
         self._ours: dict[str, str] = {}  # UUID -> label of this agent's GPUs, whose Xid events count
         self._events: Any | None = None
         if self.nv is None:
+            if _gpus_expected(self.environ):
+                # A container without the driver's libnvidia-ml mounted, or without nvidia-ml-py:
+                # the machine trains on, unwatched, and that must not go unsaid.
+                log.warning(
+                    "GPU health checks are off on this machine: %s; a GPU with new uncorrectable ECC errors "
+                    "or a critical Xid is not failed by its agent (training goes on)",
+                    _open_nvml()[1] or "NVML not available",
+                )
             return
         self.baseline = ecc_baseline(indices, self.nv, self.environ)
         try:
             self._events = self.nv.nvmlEventSetCreate()
             gpus = _visible_gpus(indices, self.nv, self.environ)
         except Exception as exc:
-            log.debug("Xid event monitoring unavailable: %s", exc)
+            log.warning("Xid event monitoring unavailable (ECC errors are still checked): %s", exc)
             self._events = None
             return
         registered = 0
@@ -245,7 +270,7 @@ class GpuMonitor:
             try:
                 self.nv.nvmlDeviceRegisterEvents(h, self.nv.nvmlEventTypeXidCriticalError, self._events)
             except Exception as exc:
-                log.debug("Xid events of %s unavailable: %s", name, exc)
+                log.warning("Xid events of %s unavailable (its ECC errors are still checked): %s", name, exc)
                 continue
             registered += 1
             if uuid:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -75,11 +76,22 @@ class FakeNvml:
         return SimpleNamespace(eventData=xid, device=device)
 
 
-def test_no_nvml_is_healthy_and_says_it_did_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_nvml_is_healthy_and_says_it_did_not_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # As on a machine without an NVIDIA driver, also where the tests run on one that has it.
     monkeypatch.setattr("ds_swift.launch.gpu_health._load_nvml", lambda: None)
-    h = GpuMonitor(nvml=None).poll()
-    assert h.healthy and not h.checked
+    monkeypatch.setattr("ds_swift.launch.gpu_health.GPU_DEVICE_FILE", tmp_path / "nvidia0")
+    with caplog.at_level(logging.WARNING):
+        h = GpuMonitor(nvml=None, environ=NO_CVD).poll()
+        assert h.healthy and not h.checked
+        assert not caplog.records  # a CPU machine: nothing to watch, nothing to say
+        GpuMonitor(nvml=None, environ={"CUDA_VISIBLE_DEVICES": "0,1"})  # GPUs, but no NVML to watch them
+        (tmp_path / "nvidia0").touch()
+        GpuMonitor(nvml=None, environ=NO_CVD)  # the driver's device file, no NVML
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2 and all(m.startswith("GPU health checks are off on this machine: ") for m in said)
+    assert "is not failed by its agent (training goes on)" in said[0]
 
 
 def test_uncorrectable_ecc_marks_machine_failed() -> None:
