@@ -15,7 +15,7 @@ from typing import Any
 
 from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed
 
-__all__ = ["fsyncing_saves", "saving_through"]
+__all__ = ["commit_decoupled", "fsyncing_saves", "saving_through"]
 
 
 def saving_through(engine: Any, checkpoint_engine: Any) -> PatchHandle:
@@ -66,3 +66,17 @@ def fsyncing_saves(engine: Any, fsync: Callable[[str], None]) -> PatchHandle:
             del ce.save  # the class's method again
 
     return PatchHandle("fsyncing_saves", restore)
+
+
+def commit_decoupled(engine: Any) -> bool:
+    """Wait until a decoupled checkpoint engine (DeepSpeed's writer process: ``checkpoint.writer.
+    decoupled``, DataStates) has written the save just made; DeepSpeed itself commits it only at the
+    next optimizer step, after ds-swift would have marked the tag complete. False, and nothing done,
+    for an engine that writes in its own process (its ``save`` has returned with the files written).
+    """
+    check_deepspeed()
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None or not ce.is_decoupled():
+        return False
+    engine._commit_decoupled_checkpoint()  # what the next step would do; a no-op then
+    return True

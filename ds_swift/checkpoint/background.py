@@ -283,9 +283,10 @@ class AsyncWriter:
 def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
     """A synchronous DeepSpeed save whose files are on disk when the block ends: each fsynced by the
     rank that wrote it, then the tag's directory and its parent (the new names). An engine whose
-    files cannot be followed (a decoupled checkpoint engine) has the tag's directory synced whole."""
+    files cannot be followed (a decoupled checkpoint engine) has the tag's directory synced whole,
+    once its writer process has written them."""
     from ds_swift.patches._base import PatchError
-    from ds_swift.patches.async_checkpoint import fsyncing_saves
+    from ds_swift.patches.async_checkpoint import commit_decoupled, fsyncing_saves
 
     try:
         handle = fsyncing_saves(engine, fsync_file)
@@ -294,6 +295,9 @@ def durable_saves(engine: Any, tag_dir: Path) -> Iterator[None]:
     with handle if handle is not None else nullcontext():
         yield
     if handle is None:
+        # A decoupled writer may still be writing: synced, and then marked complete, before its files
+        # exist, the tag would let the logs older than it go.
+        commit_decoupled(engine)
         fsync_tree(tag_dir)
     else:
         fsync_dir(tag_dir)
