@@ -72,3 +72,20 @@ def test_the_rollback_simulation_puts_a_stepped_stages_loss_scaler_back(world: N
     assert eng.optimizer.loss_scaler.cur_iter == before["cur_iter"] + 1
     assert sim.roll_back(eng)
     assert vars(eng.optimizer.loss_scaler) == before and eng.global_steps == 2
+
+
+def test_immediate_rollback_sends_a_lagging_copy_with_the_jobs_loss_scale(world: None) -> None:  # noqa: F811
+    """A buddy copy of an older iteration carries that iteration's loss scaler: the lost rank gets
+    the sender's, at the consensus, with the copy's weights (the announced approximation)."""
+    from ds_swift.recovery.strategies.rollback import ImmediateRollbackStrategy
+
+    sender = engine("zero_stage1", steps=3)
+    sender.optimizer.loss_scaler.cur_scale = 64.0
+    copy = {"module": {}, "optimizer": {"masters": [], "scalers": [{"cur_scale": 256.0, "cur_iter": 1}]}}
+    holdings = SimpleNamespace(state_of=lambda lost, version: copy)
+    ctx = SimpleNamespace(rank=0, engine=sender, kept=SimpleNamespace(buddy=holdings))
+    sent = ImmediateRollbackStrategy._source_state(ctx, 1, 1, True, 3)  # type: ignore[arg-type]
+    assert (sent["optimizer"]["scalers"][0]["cur_scale"], sent["optimizer"]["scalers"][0]["cur_iter"]) == (64.0, 3)
+    copy["optimizer"]["scalers"] = [{"cur_scale": 256.0, "cur_iter": 3}]
+    same = ImmediateRollbackStrategy._source_state(ctx, 1, 3, True, 3)  # type: ignore[arg-type]
+    assert same["optimizer"]["scalers"][0]["cur_scale"] == 256.0  # a copy of the consensus: as it is

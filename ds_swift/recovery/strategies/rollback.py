@@ -129,7 +129,7 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         donor = plan.donor_of(ctx.rank)
         state, outcome.bytes_moved = hand_over(
             plan.recipients_of(ctx.rank),
-            lambda lost: self._source_state(ctx, lost, sources[lost][1], partitioned),
+            lambda lost: self._source_state(ctx, lost, sources[lost][1], partitioned, plan.consensus),
             donor,
             on_sent=lambda lost, sent: ctx.log(
                 f"immediate rollback: sent my state as it is to rank {lost} ({sent / 1e6:.2f} MB)"
@@ -155,13 +155,21 @@ class ImmediateRollbackStrategy(RecoveryStrategy):
         return outcome
 
     @staticmethod
-    def _source_state(ctx: RankContext, lost: int, version: int, partitioned: bool) -> Any:
+    def _source_state(ctx: RankContext, lost: int, version: int, partitioned: bool, consensus: int) -> Any:
         if not partitioned:
             return capture_state(ctx.engine)
         holdings = ctx.kept.buddy if ctx.kept is not None else None
         if holdings is None:
             raise RuntimeError(f"rank {ctx.rank} was chosen to send rank {lost}'s buddy copy but holds none")
-        return holdings.state_of(lost, version)
+        state = holdings.state_of(lost, version)
+        if version != consensus and state.get("optimizer") is not None:
+            # fp16: a copy of another iteration holds that iteration's loss scaler, and a rank on
+            # another scale than its peers unscales every later gradient by another factor. The
+            # job has one scale: this survivor's, at the consensus (rewound where it stepped ahead).
+            from ds_swift.patches.deepspeed_optim_state import optimizer_scalars
+
+            state["optimizer"]["scalers"] = optimizer_scalars(ctx.engine.optimizer)["scalers"]
+        return state
 
 
 def _scalars(engine: Any) -> dict[str, Any] | None:
