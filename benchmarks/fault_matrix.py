@@ -10,7 +10,9 @@ final state that differs, a hang (the job's deadline: its whole process tree is 
 Configs (``CONFIGS``): ``replication`` (bf16 + ZeRO-1, pp 2 x dp 2: buddy copies and replicas),
 ``buddy_k5`` (the same with a buddy round every 5th step, the steady state of the default
 ``buddy.interval: "auto"`` on a GPU: every rank goes back to the newest round),
-``logging`` (bf16 + ZeRO-1, pp 4 over 2 machines, a storage budget), ``global_checkpoint`` and
+``logging`` (bf16 + ZeRO-1, pp 4 over 2 machines, a storage budget), ``fp16`` (replication in fp16
++ ZeRO-1 with a dynamic loss scale that overflows every few steps: the loss scaler must come back
+too), ``global_checkpoint`` and
 ``checkfreq`` (asynchronous checkpoints, every rank reloads), ``elastic`` (lossy forward without a
 spare: the job goes on without the failed machine), and the other seed systems' strategies on the
 same job: ``tranlogs``, ``pipechurn`` (on 4 machines of one rank: its (2, 1) chunks need 3 other

@@ -13,6 +13,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "workers" / "gpt_fault_worker.py"
 BF16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_bf16_zero1.json"
+#: fp16 + ZeRO-1 with dynamic loss scaling that overflows now and then (grows every 2 clean steps)
+FP16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_fp16_zero1.json"
 FP32 = ROOT / "configs" / "gpt_tiny_pp2_dp2.json"  # fp32, ZeRO-0
 PP4_BUDGET = ROOT / "configs" / "gpt_tiny_pp4_bf16_zero1_budget.json"
 ITERS = 12
@@ -28,6 +30,9 @@ CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
     # failure takes every rank back to the newest round and trains the iterations since again.
     "buddy_k5": (BF16, {"checkpoint": {"interval": 4}, "buddy": {"interval": 5}}),
     "logging": (PP4_BUDGET, {"checkpoint": {"interval": 4}}),
+    # fp16 with dynamic loss scaling: every recovery must also carry the loss scaler (skipped steps,
+    # scale changes), which bf16 has none of.
+    "fp16": (FP16, {"checkpoint": {"interval": 4}}),
     "global_checkpoint": (BF16, {"strategy": "global_checkpoint", "checkpoint": {"interval": 4}}),
     "checkfreq": (BF16, {"strategy": "checkfreq", "checkfreq": {"profile_at": 3}}),
     "elastic": (BF16, {"strategy": "elastic", "checkpoint": {"interval": 4}}),
@@ -47,6 +52,8 @@ CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {
     "scar": (BF16, {"strategy": "scar", "checkpoint": {"interval": 4, "running_fraction": 0.25}}),
     "immediate_rollback": (BF16, {"strategy": "immediate_rollback", "checkpoint": {"interval": 4}}),
 }
+#: environment of every job of a config (fp16 on DeepSpeed's CPU accelerator: ds_swift.patches.cpu_fp16)
+CONFIG_ENV: dict[str, dict[str, str]] = {"fp16": {"SWIFT_TEST_CPU_FP16": "1"}}
 #: configs on more machines than 2 (pipechurn's (k, r) = (2, 1) chunks need 3 other machines)
 NNODES: dict[str, int] = {"pipechurn": 4}
 #: configs whose recoveries are approximate by design: (largest relative distance, must shrink). A

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fault_matrix_cases import APPROXIMATE, CONFIGS, ITERS, LAUNCH, WORKER, Case
+from fault_matrix_cases import APPROXIMATE, CONFIG_ENV, CONFIGS, ITERS, LAUNCH, WORKER, Case
 
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, run_job
@@ -53,7 +53,7 @@ def spec_for(case: Case, config_swift: dict[str, Any] | None = None) -> JobSpec:
         ITERS,
         args,
         swift=merged(merged(swift, case.swift), config_swift or {}),
-        env=case.env,
+        env={**CONFIG_ENV.get(case.config, {}), **case.env},
         nnodes=case.nnodes,
         nproc_per_node=4 // case.nnodes,
     )
