@@ -65,8 +65,17 @@ class CheckpointDiff:
         )
 
 
+#: the step counters a checkpoint holds as numbers: compared as tensors, like the state
+_COUNTERS = ("global_steps", "skipped_steps")
+#: what of a loss scaler (fp16) the next steps depend on
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
 def tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Every tensor in a nest of dicts, lists and tuples, by its path (``file.pt/module/lin.weight``)."""
+    """Every tensor in a nest of dicts, lists and tuples, by its path (``file.pt/module/lin.weight``);
+    also the step counters (``global_steps``, ``skipped_steps``) and a loss scaler's state (fp16:
+    ``.../loss_scaler``), which DeepSpeed keeps as numbers and objects, as tensors, so that a run
+    that ends on another loss scale or step count is not called bitwise equal."""
     import torch
 
     out: dict[str, Any] = {}
@@ -74,8 +83,14 @@ def tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
     def walk(x: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
             out[path] = x
+        elif hasattr(x, "cur_scale") and hasattr(x, "cur_iter"):  # DeepSpeed's (Dynamic)LossScaler
+            values = [float(getattr(x, f, float("nan"))) for f in _SCALER_FIELDS]
+            out[path] = torch.tensor(values, dtype=torch.float64)
         elif isinstance(x, dict):
             for k, v in x.items():
+                if k in _COUNTERS and isinstance(v, int) and not isinstance(v, bool):
+                    out[f"{path}/{k}"] = torch.tensor(v, dtype=torch.int64)
+                    continue
                 walk(v, f"{path}/{k}")
         elif isinstance(x, list | tuple):
             for i, v in enumerate(x):

@@ -68,3 +68,25 @@ def test_relative_distance_is_over_the_layer_files_floating_tensors() -> None:
     assert relative_distance(a, a) == 0.0
     assert relative_distance(a, b, r"^optim") == 8.0
     assert relative_distance(a, b, r"nothing") is None
+
+
+def test_a_run_on_another_loss_scale_or_step_count_is_not_bitwise_equal() -> None:
+    """fp16: DeepSpeed keeps the loss scaler as an object and the counters as numbers; the bitwise
+    comparisons of the recovery tests compare them too."""
+    from types import SimpleNamespace
+
+    def ckpt(scale: float, skipped: int) -> dict[str, torch.Tensor]:
+        scaler = SimpleNamespace(cur_scale=scale, cur_iter=12, last_overflow_iter=9, cur_hysteresis=1)
+        state = {"global_steps": 12, "skipped_steps": skipped, "optimizer_state_dict": {"loss_scaler": scaler}}
+        return tensors_of({**state, "module": {"w": torch.ones(2)}}, "m.pt")
+
+    ref = ckpt(32768.0, 2)
+    assert set(ref) == {
+        "m.pt/global_steps",
+        "m.pt/skipped_steps",
+        "m.pt/optimizer_state_dict/loss_scaler",
+        "m.pt/module/w",
+    }
+    assert compare_tensors(ref, ckpt(32768.0, 2)).bitwise_equal
+    assert [n for n, _ in compare_tensors(ref, ckpt(16384.0, 2)).differing] == ["m.pt/optimizer_state_dict/loss_scaler"]
+    assert [n for n, _ in compare_tensors(ref, ckpt(32768.0, 3)).differing] == ["m.pt/skipped_steps"]
