@@ -89,3 +89,34 @@ def test_immediate_rollback_sends_a_lagging_copy_with_the_jobs_loss_scale(world:
     copy["optimizer"]["scalers"] = [{"cur_scale": 256.0, "cur_iter": 3}]
     same = ImmediateRollbackStrategy._source_state(ctx, 1, 3, True, 3)  # type: ignore[arg-type]
     assert same["optimizer"]["scalers"][0]["cur_scale"] == 256.0  # a copy of the consensus: as it is
+
+
+def test_undoing_a_step_that_grew_the_loss_scale_puts_the_scale_back(world: None) -> None:  # noqa: F811
+    """The other scaler event next to an overflow: a clean step at the end of the scale window
+    doubles the scale; its undo must halve it back (and the window count with it)."""
+    import deepspeed
+
+    from ds_swift.undo import attach_to_engine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 4, "loss_scale_window": 1},
+        "zero_optimization": {"stage": 1},
+    }
+    eng, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+    handle = attach_to_engine(eng)
+
+    def step(i: int) -> None:
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i)).half()
+        eng.backward(eng(x).float().pow(2).mean())
+        eng.step()
+
+    step(0)
+    before = dict(vars(eng.optimizer.loss_scaler))
+    step(1)
+    assert eng.optimizer.loss_scaler.cur_scale == 2 * before["cur_scale"]  # the window of 1 passed: grown
+    handle.undo_to(0)  # iteration 0's step is the last applied one again
+    assert vars(eng.optimizer.loss_scaler) == before and eng.global_steps == 1
