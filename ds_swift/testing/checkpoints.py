@@ -67,8 +67,6 @@ class CheckpointDiff:
 
 #: the step counters a checkpoint holds as numbers: compared as tensors, like the state
 _COUNTERS = ("global_steps", "skipped_steps")
-#: what of a loss scaler (fp16) the next steps depend on
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -78,14 +76,15 @@ def tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
     that ends on another loss scale or step count is not called bitwise equal."""
     import torch
 
+    from ds_swift.recovery.state.digest import loss_scale_tensor
+
     out: dict[str, Any] = {}
 
     def walk(x: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
             out[path] = x
         elif hasattr(x, "cur_scale") and hasattr(x, "cur_iter"):  # DeepSpeed's (Dynamic)LossScaler
-            values = [float(getattr(x, f, float("nan"))) for f in _SCALER_FIELDS]
-            out[path] = torch.tensor(values, dtype=torch.float64)
+            out[path] = loss_scale_tensor(vars(x))  # what a state digest checks of it
         elif isinstance(x, dict):
             for k, v in x.items():
                 if k in _COUNTERS and isinstance(v, int) and not isinstance(v, bool):

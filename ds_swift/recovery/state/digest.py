@@ -38,12 +38,14 @@ import torch
 
 __all__ = [
     "DIGEST_HEX",
+    "SCALER_FIELDS",
     "PendingDigests",
     "StateDigest",
     "Verdict",
     "digest_state",
     "digest_tensors",
     "engine_state",
+    "loss_scale_tensor",
     "named_tensors",
     "partition_state",
     "start_digest",
@@ -60,7 +62,7 @@ DIGEST_HEX = 16
 #: counters and the LR schedule are scalars, set from the agreed iteration)
 _STATE_KEYS = ("module", "optimizer", "buffers")
 #: what of a loss scaler (fp16's dynamic scaling) the next steps depend on
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 # ----------------------------------------------------------------------------- one tensor
@@ -290,9 +292,13 @@ def named_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     optimizer = state.get("optimizer")
     if isinstance(optimizer, Mapping):
         for i, scaler in enumerate(optimizer.get("scalers") or []):
-            values = [float(scaler.get(k, math.nan)) for k in _SCALER_FIELDS]
-            out[f"optimizer/scalers/{i}"] = torch.tensor(values, dtype=torch.float64)
+            out[f"optimizer/scalers/{i}"] = loss_scale_tensor(scaler)
     return out
+
+
+def loss_scale_tensor(scaler: Mapping[str, Any]) -> torch.Tensor:
+    """A loss scaler's :data:`SCALER_FIELDS` (from its ``vars``) as one float64 tensor (NaN: absent)."""
+    return torch.tensor([float(scaler.get(k, math.nan)) for k in SCALER_FIELDS], dtype=torch.float64)
 
 
 def engine_state(engine: Any) -> dict[str, Any]:

@@ -215,16 +215,13 @@ class ScarStrategy(RecoveryStrategy):
         """A replacement stands at the consensus's counters, LR schedule and loss scale (the lowest
         survivor's): a replacement on the checkpoint's loss scale would unscale every later gradient
         by another factor than its peers."""
-        from ds_swift.patches.deepspeed_optim_state import kind_of, loss_scalers
+        from ds_swift.patches.deepspeed_optim_state import load_optimizer_scalars
 
         engine = ctx.engine
         survivor = answers[min(r for r, a in answers.items() if "schedule" in a)]
         set_counters(engine, plan.consensus + 1, skipped_steps=int(survivor["skipped_steps"]))
-        if survivor.get("loss_scale"):
-            for scaler, numbers in zip(
-                loss_scalers(engine.optimizer, kind_of(engine.optimizer)), survivor["loss_scale"], strict=True
-            ):
-                vars(scaler).update(numbers)
+        if survivor.get("loss_scale"):  # the numbers over the replacement's own scalers (dtype stays)
+            load_optimizer_scalars(engine.optimizer, {"scalers": survivor["loss_scale"], "flags": {}})
         sched = getattr(engine, "lr_scheduler", None)
         if sched is not None and survivor["schedule"] is not None:
             sched.load_state_dict(survivor["schedule"]["state"])
