@@ -21,7 +21,15 @@ from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
 
 from .args import LaunchArgs
 
-__all__ = ["arch_list_warning", "check_job", "directory_problems", "preflight", "script_namespace", "under_a_file"]
+__all__ = [
+    "arch_list_warning",
+    "check_job",
+    "directory_problems",
+    "nccl_problems",
+    "preflight",
+    "script_namespace",
+    "under_a_file",
+]
 
 
 def script_namespace(script_args: Sequence[str]) -> argparse.Namespace:
@@ -90,8 +98,20 @@ def directory_problems(cfg: SwiftConfig) -> list[str]:
     return out
 
 
-def preflight(args: LaunchArgs) -> str | None:
+def nccl_problems(environ: Mapping[str, str]) -> list[str]:
+    """The launcher's environment's torch NCCL settings under which the survivors of a failure would
+    be ended by torch or stranded in a communicator's creation (ds_swift.transport.nccl), one line
+    each naming the variable and the fix: every worker inherits them."""
+    from ds_swift.transport.nccl import environment_problems
+
+    return environment_problems(environ)
+
+
+def preflight(args: LaunchArgs, environ: Mapping[str, str] | None = None) -> str | None:
     """The reason this job cannot be served as configured (one line per requirement), or None."""
+    env_problems = nccl_problems(os.environ if environ is None else environ)
+    if env_problems:
+        return "; ".join(env_problems)
     ns = script_namespace(args.command.args)
     if ns.deepspeed_config is None and ns.swift_config is None:
         if args.elastic:

@@ -34,6 +34,7 @@ __all__ = [
     "spawn_worker",
     "supports_warm",
     "warm_argv",
+    "nccl_defaults",
     "warm_environ",
     "worker_argv",
     "worker_environ",
@@ -64,6 +65,17 @@ def worker_argv(command: Command, local_rank: int, python: str = sys.executable)
     return argv
 
 
+def nccl_defaults(env: dict[str, str]) -> None:
+    """torch's NCCL settings under which survivors of a failure live on and every abort reaches the
+    communicators (ds_swift.transport.nccl), where the user left them unset; read by torch in the
+    worker when it creates its NCCL groups (a user value that would end survivors is refused at the
+    launcher's start: :func:`launch.preflight.nccl_problems`)."""
+    from ds_swift.transport.nccl import SETTINGS
+
+    for s in SETTINGS:
+        env.setdefault(s.name, s.value)
+
+
 def worker_environ(
     wenv: WorkerEnv,
     nproc_per_node: int,
@@ -77,6 +89,7 @@ def worker_environ(
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(wenv.to_env())
+    nccl_defaults(env)
     # torch's env:// rendezvous and DeepSpeed read these; they point at the job store, which outlives workers.
     env["MASTER_ADDR"] = wenv.store_addr
     env["MASTER_PORT"] = str(wenv.store_port)
@@ -216,6 +229,7 @@ def warm_environ(local_rank: int, nproc_per_node: int, base: Mapping[str, str] |
     env["LOCAL_RANK"] = str(local_rank)
     env["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
     env["SWIFT_WARM"] = "1"
+    nccl_defaults(env)
     for key in WorkerEnv.ENV_KEYS:
         if key != "LOCAL_RANK":
             env.pop(key, None)  # a launcher started from inside a worker must not leak its job into the spare

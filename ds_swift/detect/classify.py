@@ -13,7 +13,10 @@ Every rank of a generation acts on one agreed verdict, kept in the job store:
    heartbeat timeout, judged on this rank's own clock (:mod:`.beats`: no other host's clock enters it) (a timed-out op also the hang timeout: a hung peer's own watchdog names it first). A
    slow op is not a dead machine: the rank declares the generation failed with a ``stall:`` reason
    (:data:`STALL`), nobody is killed, and every rank re-forms the next generation in-process with
-   the state it holds (a recovery with no rank lost: nothing is lost, nothing is rolled back).
+   the state it holds (a recovery with no rank lost: nothing is lost, nothing is rolled back). On
+   NCCL that holds because no step is applied from collectives an abort may have cut (torch's own
+   watchdog aborts a timed-out one): ds_swift.patches.step_guard refuses it, so what a rank holds is
+   the state after its last whole step.
 
 An error whose *text* merely looks like a comm error (``RuntimeError("... timed out")`` from user
 code) is none of these by its text alone: it waits for evidence of a death like any comm error,
@@ -37,6 +40,7 @@ from ds_swift.jobstore.membership import JobStore
 __all__ = [
     "COMM_ERROR_MARKERS",
     "STALL",
+    "CommunicatorFailure",
     "TIMEOUT_MARKERS",
     "Liveness",
     "PeerFailure",
@@ -98,7 +102,13 @@ def job_error(store: JobStore, generation: int) -> str | None:
 
 
 class PeerFailure(RuntimeError):
-    """Raised after a receive when the generation has failed (the data may be a poison message)."""
+    """Raised after a receive when the generation has failed (the data may be a poison message), or
+    before a step whose collectives ds-swift's abort of the failed generation may have cut."""
+
+
+class CommunicatorFailure(dist.DistBackendError):
+    """Raised before a step whose collectives torch's own NCCL watchdog saw fail or time out (it
+    aborts them itself): a comm error like any, declared on evidence (a dead rank, or a stall)."""
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -214,7 +224,8 @@ def classify_failure(
         said = (
             f"{STALL}rank {liveness.rank}: {type(exc).__name__} ({str(exc)[:160]}) with no rank dead "
             f"(every rank heartbeating for {patience:.1f} s): the next generation is formed by the same "
-            "ranks with the state they hold, nothing lost"
+            "ranks with the state they hold, nothing lost (no rank applied a step after an abort may have cut "
+            "its collectives: the step guard refuses it)"
         )
         first = declare_failure(store, generation, said)
         return f"stall ({'declared' if first else 'already declared'}): {str(exc)[:120]}"

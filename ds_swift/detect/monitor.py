@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 import torch
 
 from ds_swift import transport
-from ds_swift.detect.classify import Liveness, PeerFailure, classify_failure
+from ds_swift.detect.classify import CommunicatorFailure, Liveness, PeerFailure, classify_failure
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
 from ds_swift.jobstore.membership import JobStore, WorkerEnv
+from ds_swift.logs import say_here
 
 __all__ = ["FailureMonitor"]
 
@@ -77,6 +79,12 @@ class FailureMonitor:
         if self._watchdog is not None:
             self._watchdog.set_generation(generation, peers)
 
+    def arm_deadline(self, seconds: float | None, what: str = "") -> None:
+        """The generation in force fails if ``what`` is not done within ``seconds`` (None: disarm);
+        see :meth:`ds_swift.detect.watchdog.Watchdog.set_deadline`. Without a watchdog, nothing."""
+        if self._watchdog is not None:
+            self._watchdog.set_deadline(seconds, what)
+
     def set_armed(self, on: bool) -> None:
         self._armed = on
 
@@ -110,6 +118,26 @@ class FailureMonitor:
             reason = reason or "a poison message from a pipeline neighbour (no failure flag seen)"
         if reason is not None:
             raise PeerFailure(f"generation {self._generation} failed: {reason}")
+
+    def check_step(self, iteration: int) -> None:
+        """Right before the optimizer applies the step of ``iteration`` (ds_swift.patches.step_guard):
+        wait for the device, then raise if an abort may have cut the collectives the step follows, so
+        that the step is never applied (the consensus then counts ``iteration`` as not stepped here).
+
+        Sound because whoever aborts marks first: ds-swift's watchdog marks the generation before
+        its abort, torch's NCCL watchdog records its error before its own (ds_swift.transport.
+        communicators). A mark seen now came before the abort or it came after the wait, which the
+        collectives had passed: either way the answer is right. Not armed-dependent: a replay's
+        steps are checked too."""
+        transport.synchronize_device()
+        taint = transport.step_taint()
+        if taint is None:
+            return
+        what = f"generation {self._generation}: the step of iteration {iteration} is not applied: {taint.why}"
+        say_here(what, level=logging.WARNING, name=__name__)
+        if taint.declared:
+            raise PeerFailure(what)
+        raise CommunicatorFailure(what)
 
     def failure_seen(self) -> str | None:
         """Why the generation in force failed, if it did (None without a job store).

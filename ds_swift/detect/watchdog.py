@@ -141,6 +141,8 @@ class Watchdog:
         self._failing_since = 0.0
         self._blind_said = False
         self._bugs_said: set[str] = set()
+        #: (monotonic time, seconds, what): the generation in force fails if ``what`` is not done by then
+        self._deadline: tuple[float, float, str] | None = None
 
     # ------------------------------------------------------------------ control
     def start(self) -> Watchdog:
@@ -163,6 +165,15 @@ class Watchdog:
             self._watch = list(watch_ranks)
             self._seen = None
             self.failed.clear()
+
+    def set_deadline(self, seconds: float | None, what: str = "") -> None:
+        """Declare the generation in force failed if ``what`` is not done within ``seconds`` (None:
+        done, no deadline). The rebuild's: a generation that cannot create its communicators (a peer
+        lost or stuck while they are created) fails, its communicators are aborted (``on_failure``)
+        and the rank moves on to the next generation, or ends after ds-swift's attempts (a clear
+        exit, never a silent wait)."""
+        with self._lock:
+            self._deadline = None if seconds is None else (time.monotonic() + seconds, seconds, what)
 
     @property
     def generation(self) -> int:
@@ -259,6 +270,8 @@ class Watchdog:
         reason = store.failure(g)
         if reason is None:
             reason = self._hung(store, g)
+        if reason is None:
+            reason = self._past_deadline(store, g)
         if reason is None and beat:  # peers' counters are read as often as this rank writes its own
             reason = self._stale_peer(store, now, watch, g)
         if reason is None:
@@ -336,6 +349,16 @@ class Watchdog:
             f"(watchdog.hang_timeout_s={limit:g})"
         )
         return self._fail_machine(store, g, self.rank, reason)
+
+    def _past_deadline(self, store: JobStore, g: int) -> str | None:
+        with self._lock:
+            d = self._deadline
+            if d is None or time.monotonic() < d[0]:
+                return None
+            self._deadline = None
+        reason = f"rank {self.rank}: {d[2]} not done within {d[1]:g} s (the rebuild deadline)"
+        declare_failure(store, g, reason)
+        return store.failure(g) or reason
 
     def _fail_machine(self, store: JobStore, g: int, rank: int, reason: str) -> str:
         """Declare ``g`` failed for ``reason`` and have ``rank``'s agent kill its machine."""

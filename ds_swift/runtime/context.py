@@ -30,6 +30,7 @@ from ds_swift.logs import say
 __all__ = [
     "SwiftContext",
     "current_context",
+    "eager_device",
     "init_distributed",
     "join_generation",
     "pipeline_topology",
@@ -97,6 +98,17 @@ def op_timeout_from(cfg: SwiftConfig, environ: Mapping[str, str] | None = None) 
     return float(value) if value else float(cfg.watchdog.op_timeout_s)
 
 
+def eager_device(backend: str) -> dict[str, Any]:
+    """``device_id`` for ``init_process_group`` on an NCCL world (empty otherwise): this rank's GPU
+    (``LOCAL_RANK``), so that torch creates the world's communicator at once (eager, in NCCL's
+    non-blocking mode: ds_swift.transport.nccl) instead of at the generation's first collective,
+    and DeepSpeed's groups are split from it; an abort then reaches every communicator of the
+    generation, those still being created included."""
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return {}
+    return {"device_id": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))}
+
+
 def join_generation(
     store: JobStore,
     generation: int,
@@ -111,7 +123,9 @@ def join_generation(
     """Join ``generation`` (or a later one if it fails first) and initialise torch.distributed on it.
 
     With ``swift`` (ds-swift recovers this job), NCCL gets the settings that make aborting a failed
-    generation safe, and ds-swift's transport opens its gloo groups: right after the world, before
+    generation safe (the NCCL and torch versions are checked too), the world's communicator is
+    created eagerly on this rank's GPU (:func:`eager_device`), and ds-swift's transport opens its
+    gloo groups: right after the world, before
     DeepSpeed creates any group, so every rank (survivor or replacement) creates them in the same
     order. Returns the generation joined. DeepSpeed is attached afterwards by the caller.
 
@@ -121,7 +135,10 @@ def join_generation(
     only ever used by ds-swift, keep ``op_timeout_s``.
     """
     if swift and "nccl" in backend:
-        transport.nccl_environment()  # read by torch when the NCCL group is created
+        # Read by torch when each NCCL group is created; refused (naming the variable) where a user
+        # value would end or strand the survivors of a failure, as the NCCL/torch versions are.
+        transport.nccl_environment(nonblocking_timeout_s=join_timeout_s)
+        transport.check_nccl_versions()
     while True:
         try:
             prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
@@ -141,6 +158,7 @@ def join_generation(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=join_timeout_s),
+            **(eager_device(backend) if swift else {}),
         )
         from ds_swift.patches.op_timeout import job_timeout_after_connect
 

@@ -181,6 +181,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         check_hang_timeout(cfg, ctx)
         if ctx.store is not None and cfg.watchdog.hang_timeout_s is not None and self._monitor.watch:
             self._hooks.progress = self._monitor.progress
+        self._hooks.step_check = self._monitor.check_step
         self._timeline = PendingTimeline(ctx)
         self._rebuild = Rebuilder(
             self,

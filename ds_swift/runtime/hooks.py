@@ -4,7 +4,8 @@
   stage) by :func:`ds_swift.data.keyed.key_forward_rng`, the one function training and the replay
   (ds_swift.recovery.replay.engine) both call, so a replayed forward draws the same dropout masks;
 - fault injection (``ds-swift-launch --inject``): the injector fires at the phase it names;
-- the update-undo step record, the step-collective recorder and the message logger
+- the update-undo step record, the step guard (no step applied from collectives an abort may have
+  cut: ds_swift.patches.step_guard), the step-collective recorder and the message logger
   (ds_swift.runtime.logging_wiring), in the order their patches need.
 """
 
@@ -113,6 +114,9 @@ class EngineHooks:
         self.progress: Progress | None = None
         #: the copy of the iteration in flight (PipeChurn's partial recomputation; None: not kept)
         self.inflight = inflight
+        #: called with the iteration right before the optimizer applies a step; raises to refuse it
+        #: (ds_swift.detect.monitor.FailureMonitor.check_step; None: no guard)
+        self.step_check: Callable[[int], None] | None = None
         if inflight is not None:
             inflight.reseed = self.set_reseed  # a redo of kept passes keys the RNG itself
 
@@ -162,11 +166,31 @@ class EngineHooks:
         # Undo first: its step patch replaces the engine's instruction map instead of wrapping the
         # one in force, so hooks installed before it would be lost.
         self._undo, self.undo_off = attach_undo(engine) if "undo" not in self.without else (None, None)
+        self._guard_step(engine)  # after undo: its wrappers wrap undo's
         self.logs.attach_recorder(engine, self._handles)
         self._handles.append(hook_instructions(engine, "ds_swift.runtime", hooks))
         if self.inflight is not None:
             self._handles.extend(self.inflight.install(engine))
         self.logs.attach_log(engine, self._handles)
+
+    def _guard_step(self, engine: Any) -> None:
+        check = self.step_check
+        if check is None:
+            return
+        from ds_swift.patches._base import PatchError
+        from ds_swift.patches.step_guard import guard_step
+
+        try:
+            self._handles.append(guard_step(engine, lambda: check(int(engine.global_steps))))
+        except PatchError as exc:
+            # The wrappers it cannot see into (ZeRO 2/3, offload) are those whose optimizer state a
+            # survivor cannot keep either (the same lookup): their recoveries reload a checkpoint.
+            say_here(
+                f"step guard off ({exc}): survivors keep no optimizer state with this wrapper, so a recovery "
+                "reloads the global checkpoint",
+                level=logging.WARNING,
+                name=__name__,
+            )
 
     @property
     def undo(self) -> Any:

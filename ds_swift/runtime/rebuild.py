@@ -220,6 +220,9 @@ class Rebuilder(SurvivorSteps):
                     )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
+                    # Creating the generation's communicators waits for every member: bounded, and
+                    # a peer lost meanwhile ends it by the abort (ds_swift.transport.nccl).
+                    self._monitor.arm_deadline(2 * ctx.join_timeout_s, f"rebuilding generation {generation}")
                     deepspeed.init_distributed(dist_backend=ctx.backend)
                     # The groups' members include replacements still starting: wait for them as
                     # long as for their join, then the op timeout applies again.
@@ -227,10 +230,12 @@ class Rebuilder(SurvivorSteps):
                         self._holder.engine = self.build_engine()
                     tl.t_rebuilt = time.time()
                     self._hooks.install(self._holder.engine)
+                    self._monitor.arm_deadline(None)
                 tl.failed_generation = generation - 1
                 outcome = self._recover(generation, kept, tl)
                 break
             except (GenerationFailed, RuntimeError, TimeoutError) as exc:
+                self._monitor.arm_deadline(None)
                 if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed):
                     # Declared only on evidence (the flag, a stale heartbeat, an agreed stall), never
                     # for "gloo" or "timed out" in a message; the job's own error is raised.

@@ -12,7 +12,9 @@ is initialised (``ds_swift.runtime.context`` does it: before DeepSpeed creates a
 rank creates its groups in the same order), :func:`current` wherever a call is made, and
 :func:`teardown_world` when the generation ends (``patches/deepspeed_rebuild.py``). Routing and
 strict mode: :mod:`ds_swift.transport.core`; ending a generation on gloo and on NCCL:
-:mod:`ds_swift.transport.teardown`.
+:mod:`ds_swift.transport.teardown`; the device communicators, their abort and what a step trusts
+(:func:`step_taint`): :mod:`ds_swift.transport.communicators`; torch's NCCL settings and the
+versions ds-swift needs: :mod:`ds_swift.transport.nccl`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_swift.transport.communicators import (
+    Taint,
+    abort_device_communicators,
+    device_communicators,
+    use_device_communicators,
+)
 from ds_swift.transport.core import (
     COPIER,
     HOST,
@@ -36,13 +44,12 @@ from ds_swift.transport.core import (
     set_strict,
     strict_enabled,
 )
+from ds_swift.transport.nccl import NcclSettingError, check_nccl_versions, nccl_environment
 from ds_swift.transport.teardown import (
-    abort_device_communicators,
     backends_of,
     carries_poison,
     current_plan,
     execute,
-    nccl_environment,
     poison,
     wake_action,
 )
@@ -52,14 +59,18 @@ __all__ = [
     "HOST",
     "STRICT_ENV",
     "Call",
+    "NcclSettingError",
     "StrictTransportError",
+    "Taint",
     "Transport",
     "TransportError",
     "all_gather_json",
     "barrier",
     "carries_poison",
+    "check_nccl_versions",
     "close",
     "current",
+    "device_communicators",
     "irecv",
     "isend",
     "nccl_environment",
@@ -68,8 +79,11 @@ __all__ = [
     "recv",
     "send",
     "set_strict",
+    "step_taint",
     "strict_enabled",
+    "synchronize_device",
     "teardown_world",
+    "use_device_communicators",
     "wake_neighbours",
 ]
 
@@ -159,6 +173,7 @@ def wake_neighbours(peers: Iterable[int], wait_s: float = 0.02) -> str:
         return "none"
     how = wake_action(backends_of())
     if how == "abort":
+        _mark(_REGISTRY.transport, "this rank left the failed generation")
         abort_device_communicators()
         return how
     # Gloo completes a send only once the peer receives: do not wait long; a neighbour that is
@@ -174,20 +189,51 @@ def wake_neighbours(peers: Iterable[int], wait_s: float = 0.02) -> str:
     return how
 
 
-def on_generation_failed(generation: int) -> int:
-    """The watchdog thread saw ``generation`` fail: on NCCL, abort this rank's communicators at once,
-    so a training thread blocked behind a kernel waiting on a dead peer is released; on gloo nothing
-    (no gloo op can be interrupted from another thread; the training thread's teardown wakes its
-    neighbours). Returns how many communicators were aborted.
+def on_generation_failed(generation: int, why: str = "the generation failed") -> int:
+    """The watchdog thread saw ``generation`` fail: mark it aborted, then abort this rank's device
+    communicators at once, so a training thread blocked behind a kernel waiting on a dead peer is
+    released (on gloo there is nothing to abort: no gloo op can be interrupted from another thread;
+    the training thread's teardown wakes its neighbours). Returns how many communicators were
+    aborted.
+
+    The mark comes first: an abort ends kernels with partial buffers and no error the host sees, so
+    a step that passes :func:`step_taint` after the host waited for the device is one whose
+    collectives landed before any abort (ds_swift.patches.step_guard).
 
     Only ``generation``'s: under the registry's lock, and only while its transport is the one in
     force (the teardown forgets the transport under that lock before it ends the world, and the next
     generation's transport is registered only after), so a late hook never aborts the next world."""
     with _REGISTRY.lock:
         t = _REGISTRY.transport
-        if t is None or t.generation != generation or wake_action(t.world_backends) != "abort":
+        if t is None or t.generation != generation or not device_communicators().present():
             return 0
+        _mark(t, why)
         return abort_device_communicators()
+
+
+def _mark(t: Transport | None, why: str) -> None:
+    if t is not None and t.aborted is None:
+        t.aborted = why
+
+
+def step_taint() -> Taint | None:
+    """Why a step computed now must not be applied (None: it may): ds-swift marked the generation
+    in force aborted, or torch's own NCCL watchdog recorded an error or timeout on one of this
+    rank's communicators (it aborts them itself under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, after
+    recording). Meaningful after :func:`synchronize_device`: the collectives the step follows have
+    then landed, unless an abort (marked first) cut them."""
+    t = _REGISTRY.transport  # one attribute read; the watchdog thread writes the mark before it aborts
+    if t is not None and t.aborted is not None:
+        return Taint(f"ds-swift aborted the generation's communicators ({t.aborted})", declared=True)
+    errors = device_communicators().errors()
+    if errors:
+        return Taint("torch's NCCL watchdog recorded " + "; ".join(errors), declared=False)
+    return None
+
+
+def synchronize_device() -> None:
+    """Wait until the device finished everything enqueued so far (the collectives included)."""
+    device_communicators().synchronize()
 
 
 def teardown_world() -> None:

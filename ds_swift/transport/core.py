@@ -126,9 +126,13 @@ class Transport:
     ) -> None:
         self.world = world
         self.world_backends = world_backends
+        """The world's backends when the transport opened (read once: the watchdog thread asks)."""
         self.generation = -1
         """The generation it serves (-1: none named, e.g. without ds-swift-launch)."""
-        """The world's backends when the transport opened (read once: the watchdog thread asks)."""
+        self.aborted: str | None = None
+        """Why ds-swift aborted (or is about to abort) this generation's device communicators; set
+        before any abort (ds_swift.transport.on_generation_failed), never cleared: the generation's
+        collectives are not trusted from then on."""
         self._groups = dict(groups)
         self._lock = threading.Lock()
         self.calls: collections.deque[Call] = collections.deque(maxlen=4096)

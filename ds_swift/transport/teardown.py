@@ -19,41 +19,33 @@ teardown (:func:`teardown_world`; NCCL's abort is idempotent). Groups without NC
 gloo groups, megatron-core's gloo groups) are still destroyed one by one first, as on CPU, so peers
 blocked on them in gloo fail at once.
 
-The settings that make the abort safe (:func:`nccl_environment`, before the world is created):
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("CleanUpOnly": on an error or timeout torch's own watchdog
-aborts the communicators but does not end the process). torch's default, 3, ends the process on the
-first error it sees, which after an abort (or a dead peer) is every survivor: nobody would be left
-to recover in-process. 0 is accepted too (then only ds-swift aborts; torch's note on
-``_abort_process_group`` recommends it). ``TORCH_NCCL_BLOCKING_WAIT`` stays as the user has it: with
-it, every ``wait()`` (DeepSpeed's pipeline ``recv`` included) blocks the host until the GPU finishes,
-which costs the overlap the step relies on; without it, a host thread blocked behind a hung NCCL
-kernel is released by the abort, and the receive check catches the half-written buffer.
+The settings that make the abort safe (torch's own watchdog never ending a survivor, communicators
+created so that an abort reaches them) and the versions it needs: :mod:`ds_swift.transport.nccl`.
+The abort itself, and what a step checks before it trusts the collectives it follows:
+:mod:`ds_swift.transport.communicators`.
 
 The decisions are plain functions of the groups' backend names (:func:`plan_teardown`,
-:func:`wake_action`, :func:`check_nccl_environment`), tested with fakes: one GPU cannot host a
+:func:`wake_action`), tested with fakes: one GPU cannot host a
 multi-rank NCCL group, so the multi-rank NCCL path is right by construction, not by a run.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ds_swift.transport.communicators import live_groups
+
 __all__ = [
-    "ASYNC_ERROR_HANDLING",
     "POISON_MARK",
     "TeardownPlan",
-    "abort_device_communicators",
     "backends_of",
     "carries_poison",
-    "check_nccl_environment",
-    "nccl_environment",
     "parse_backends",
     "plan_teardown",
     "poison",
@@ -61,8 +53,6 @@ __all__ = [
 ]
 
 NCCL = "nccl"
-ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-_SAFE_HANDLING = ("0", "2")
 
 
 def parse_backends(spec: str) -> frozenset[str]:
@@ -99,64 +89,6 @@ def plan_teardown(groups: Sequence[tuple[Any, frozenset[str]]], world: frozenset
     if NCCL not in world and not any(NCCL in b for _, b in groups):
         return TeardownPlan(destroy_world=True)
     return TeardownPlan(destroy=tuple(g for g, b in groups if NCCL not in b), abort_world=True)
-
-
-def check_nccl_environment(environ: Mapping[str, str]) -> str | None:
-    """Why ``environ`` makes in-process recovery on NCCL impossible (None: it does not)."""
-    value = environ.get(ASYNC_ERROR_HANDLING)
-    if value is None or value.strip() in _SAFE_HANDLING:
-        return None
-    return (
-        f"{ASYNC_ERROR_HANDLING}={value} makes torch end the process on the first NCCL error or timeout it sees, so no "
-        "survivor of a failure would live to recover in-process (and ds-swift's own abort of a failed generation "
-        f"counts as such an error); unset it (ds-swift then sets 2: abort the communicators, keep the process) or set "
-        "it to 2 or 0"
-    )
-
-
-def nccl_environment(environ: MutableMapping[str, str] | None = None) -> None:
-    """Before a world with NCCL is created: the settings that make aborting a failed generation safe
-    (the module's docstring). Raises ValueError naming the variable where the user set one that
-    makes it unsafe."""
-    env = os.environ if environ is None else environ
-    problem = check_nccl_environment(env)
-    if problem is not None:
-        raise ValueError(problem)
-    env.setdefault(ASYNC_ERROR_HANDLING, "2")
-
-
-# ----------------------------------------------------------------------------- effects
-def _live_groups() -> list[Any]:
-    c10d = dist.distributed_c10d
-    return [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
-
-
-def _nccl_backend(group: Any) -> Any:
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except (RuntimeError, ValueError):
-        return None
-    return backend if NCCL in parse_backends(getattr(backend, "name", lambda: "")()) else None
-
-
-def abort_device_communicators() -> int:
-    """Abort the NCCL communicators of every group of this rank, from any thread; torch's registry of
-    groups is left alone (:func:`teardown_world` clears it on the training thread). Returns how many
-    were aborted (0 on a gloo world)."""
-    if not dist.is_initialized():
-        return 0
-    backends = [b for b in (_nccl_backend(g) for g in _live_groups()) if b is not None]
-    if not backends:
-        return 0
-    # torch aborts a world's communicators inside one NCCL group call, so that aborts of different
-    # communicators cannot wait on each other (pytorch/pytorch#119797): the same here.
-    backends[0]._group_start()
-    try:
-        for b in backends:
-            b.abort()
-    finally:
-        backends[0]._group_end()
-    return len(backends)
 
 
 #: The 4 bytes a poison message carries. Gloo lets a receive of N bytes complete with fewer, so a
@@ -207,4 +139,4 @@ def current_plan() -> TeardownPlan:
     """:func:`plan_teardown` of this rank's live groups."""
     if not dist.is_initialized():
         return TeardownPlan()
-    return plan_teardown([(g, backends_of(g)) for g in _live_groups()], backends_of())
+    return plan_teardown([(g, backends_of(g)) for g in live_groups()], backends_of())

@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 import ds_swift.transport as transport
+import ds_swift.transport.communicators as communicators
 import ds_swift.transport.teardown as teardown
 from ds_swift.detect.watchdog import FailureSeen, Watchdog
 from ds_swift.transport.core import Transport, route_problem
 from ds_swift.transport.teardown import (
     TeardownPlan,
-    check_nccl_environment,
-    nccl_environment,
     parse_backends,
     plan_teardown,
     wake_action,
@@ -195,20 +194,6 @@ def test_gloo_destroys_everything_as_before_and_nccl_aborts() -> None:
     assert (wake_action(GLOO), wake_action(NCCL), wake_action(mixed)) == ("poison", "abort", "abort")
 
 
-def test_the_nccl_settings_keep_survivors_alive() -> None:
-    env: dict[str, str] = {}
-    nccl_environment(env)
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    nccl_environment(env)
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
-    for unsafe in ("1", "3"):
-        problem = check_nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": unsafe})
-        assert problem is not None and f"TORCH_NCCL_ASYNC_ERROR_HANDLING={unsafe}" in problem and "2 or 0" in problem
-        with pytest.raises(ValueError, match="no survivor"):
-            nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": unsafe})
-
-
 class FakeBackend:
     def __init__(self, name: str, log: list[str]) -> None:
         self._name, self.log = name, log
@@ -241,9 +226,9 @@ def test_the_watchdogs_abort_touches_nccl_communicators_only(monkeypatch: pytest
         FakeGroup(FakeBackend("gloo", log)),
         FakeGroup(FakeBackend("nccl", log)),
     ]
-    monkeypatch.setattr(teardown.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(teardown, "_live_groups", lambda: groups)
-    assert teardown.abort_device_communicators() == 2
+    monkeypatch.setattr(communicators.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(communicators, "live_groups", lambda: groups)
+    assert communicators.abort_device_communicators() == 2
     assert log == ["group start", "abort nccl", "abort nccl", "group end"]
 
 
@@ -267,6 +252,8 @@ def _registered(monkeypatch: pytest.MonkeyPatch, backends: frozenset[str], gener
     monkeypatch.setattr(transport._REGISTRY, "transport", fake)
     calls: list[str] = []
     monkeypatch.setattr(transport, "abort_device_communicators", lambda: calls.append("abort") or 3)
+    present = "nccl" in backends  # a gloo world has no device communicator to abort
+    monkeypatch.setattr(transport, "device_communicators", lambda: type("C", (), {"present": lambda _: present})())
     monkeypatch.setattr(transport, "poison", lambda peers: calls.append(f"poison {sorted(peers)}") or [])
     return calls
 
