@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_swift.config import ConfigError, SwiftConfig, strategy_names
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.recovery.registry import strategy_names
 
 __all__ = ["CpuRun", "ds_config", "launch_command", "megatron_args", "parse_run", "summary_lines"]
 
