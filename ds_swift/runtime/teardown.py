@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
 from ds_swift.detect.watchdog import wait_failed_machine
 from ds_swift.jobstore.membership import fate_key, grow_key, read_layout
+from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import services_of
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, grid_of, plan_resize, resized_ds_config
@@ -67,18 +68,15 @@ class SurvivorSteps:
             clock[0] = now
 
         poison_neighbours(pipeline_neighbours(self._holder.engine))
-        self._hooks.logs.flush()
-        done("message log flush")
-        self.protect.quiesce()
-        done("copier threads")
+        self.protect.quiesce()  # the message log flushed, the copier threads stopped...
+        done("protections quiesced")
         self._hooks.uninstall()
         engine = self._holder.engine
         if services_of(self._cfg).elastic:
             self._old_grid = grid_of(engine)
-        if self._hooks.inflight is not None:  # the gradients of the passes that ran, before they go
-            self._hooks.inflight.on_teardown(engine)
         kept = KeptState.capture(engine, self._hooks.take_undo())
-        kept.buddy = self.protect.holdings()
+        buddy = self.protect.get(BuddyCopier)
+        kept.buddy = buddy.holdings if buddy is not None else None
         # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy of
         # the state) alive beside the rebuilt one; the user's script may still hold the old module
         # (or engine): cut the groups out of them.

@@ -43,6 +43,7 @@ from ds_swift import transport
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import BuddyHeld, buddy_held
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
@@ -216,8 +217,8 @@ def _publish_report(
         machine=resize.machine_of(old_rank),
         last_stepped=kept.last_stepped,
         can_undo=kept.can_undo,
-        buddy_copies=kept.buddy.copies() if kept.buddy is not None else (),
-        own_copies=kept.own_copies,  # buddy.interval: copies older than one step are reached by these
+        # buddy.interval: copies older than one step are reached by its own copies
+        holdings={BuddyHeld.NAME: buddy_held(kept.buddy, kept.own_copies).to_doc()},
     )
     store.publish(generation, "resize_report", rank, mine.to_json())
 

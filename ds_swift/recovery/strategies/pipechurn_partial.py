@@ -2,7 +2,7 @@
 
 The lost ranks' states are decoded at iteration ``c`` (the consensus); the iteration in flight is
 ``c + 1``. Every survivor holds a copy of its part of ``c + 1`` as far as the failure let it run
-(ds_swift.recovery.state.inflight; ``RankReport.inflight`` and ``inflight_passes``): the
+(ds_swift.recovery.state.inflight; its :class:`~ds_swift.recovery.holdings.InflightHeld` in each report): the
 micro-batches whose backward passes it finished, their sends and the gradients accumulated over
 them. The redo (ds_swift.recovery.strategies.pipechurn_passes decides, pure): the survivors send
 their neighbours the kept messages they need, each rank loads its kept gradients back and runs only
@@ -23,6 +23,7 @@ from typing import Any
 
 from ds_swift.recovery.base import RankContext
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import InflightHeld
 from ds_swift.recovery.strategies.pipechurn_passes import kept_passes, rank_passes, redo_summary, transfers
 
 __all__ = ["partial_blocker", "partial_reason", "recompute_lost", "retrain_summary"]
@@ -35,7 +36,7 @@ def partial_blocker(inputs: RecoveryInputs) -> str | None:
         return "no rank lost its state"
     if inputs.undo:
         return f"ranks {list(inputs.undo)} already stepped iteration {in_flight}"
-    off = [r for r in inputs.survivors if inputs.by_rank[r].inflight_passes < 0]
+    off = [r for r in inputs.survivors if InflightHeld.of(inputs.by_rank[r]).passes < 0]
     if off:
         return f"ranks {off} keep no copy of iteration {in_flight} (pipechurn.partial_recompute off)"
     return None
@@ -44,9 +45,9 @@ def partial_blocker(inputs: RecoveryInputs) -> str | None:
 def partial_reason(inputs: RecoveryInputs) -> str:
     """The plan's words for a partial recomputation (which survivors redo passes of their own)."""
     in_flight = inputs.consensus + 1
-    by = inputs.by_rank
-    most = max((by[r].inflight_passes for r in inputs.survivors if by[r].inflight == in_flight), default=0)
-    short = {r: by[r].inflight_passes if by[r].inflight == in_flight else 0 for r in inputs.survivors}
+    held = {r: InflightHeld.of(inputs.by_rank[r]) for r in inputs.survivors}
+    most = max((h.passes for h in held.values() if h.iteration == in_flight), default=0)
+    short = {r: h.passes if h.iteration == in_flight else 0 for r, h in held.items()}
     short = {r: n for r, n in short.items() if n < most}
     reason = f"of iteration {in_flight}, only the lost ranks' passes are recomputed"
     if short:

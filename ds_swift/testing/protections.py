@@ -1,0 +1,28 @@
+"""A protection site for tests: where a worker's protections are built, without a worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_swift.config import SwiftConfig
+from ds_swift.protect.base import Site
+from ds_swift.recovery.registry import services_of
+
+__all__ = ["site"]
+
+
+def site(cfg: SwiftConfig, ctx: Any, hooks: Any, engine: Any = None, ckpt: Any = None) -> Site:
+    """A :class:`~ds_swift.protect.base.Site` for ``cfg`` (its strategy's services), with ``engine``
+    in force in generation 0 on machine 0."""
+    return Site(
+        cfg=cfg,
+        services=services_of(cfg),
+        ctx=ctx,
+        hooks=hooks,
+        engine=lambda: engine,
+        generation=lambda: 0,
+        machine=lambda: 0,
+        check_after_receive=lambda: None,
+        ckpt=ckpt,
+        host=None,
+    )
