@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ds_swift.config import SimulateConfig, SwiftConfig
     from ds_swift.jobstore.membership import JobStore
     from ds_swift.recovery.kept import KeptState
+    from ds_swift.recovery.membership import MembershipChange, MembershipView
     from ds_swift.recovery.simulated_failure import SimulatedFailure
     from ds_swift.recovery.state.digest import Verdict
     from ds_swift.recovery.timeline import RankTimeline
@@ -262,16 +263,16 @@ class RecoveryStrategy(ABC):
         or None where it has none."""
         return None
 
-    def restore_resized(self, resize: Any, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
-        """Every rank's recovery into a generation with another number of data-parallel replicas
-        (only strategies whose services have ``elastic``: ds_swift.recovery.strategies.elastic).
+    def membership_change(self, view: MembershipView) -> MembershipChange | None:
+        """Before a survivor joins the next generation (and when a new rank joins, ``view.joining``):
+        a change of the job's machines this strategy makes instead of a replacement, which the
+        runtime applies and the protocol restores through (ds_swift.recovery.membership); None: the
+        job keeps its shape (a failed machine is replaced).
 
         Args:
-            resize: the shrink or grow this rank planned (None: a new rank, told by rank 0).
-            ctx: this rank's engine (rebuilt at the new size), store and kept state.
-            zero_stage: the ZeRO stage.
+            view: what the strategy may read (the store, this worker, its kept state, the failed machine).
         """
-        raise NotImplementedError(f"strategy {self.name!r} does not resize the job (its services' elastic is off)")
+        return None
 
     @abstractmethod
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
@@ -341,6 +342,12 @@ class Registry:
             if strategy.auto:
                 out = out.merged(strategy.services(cfg))
         return out
+
+    def membership_change(self, forced: str, view: MembershipView) -> MembershipChange | None:
+        """The membership change the configured strategy makes (``forced``: the config's strategy;
+        under ``auto``, the first any strategy ``auto`` may choose makes), or None."""
+        asked = [s for s in self._strategies if s.auto] if forced == "auto" else [self.get(forced)]
+        return next((c for s in asked if (c := s.membership_change(view)) is not None), None)
 
     def candidates(self, inputs: RecoveryInputs) -> list[RecoveryStrategy]:
         """The strategies to ask, cheapest first (ties: in registration order), the fallback excluded."""

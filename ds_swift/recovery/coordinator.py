@@ -39,6 +39,7 @@ from ds_swift.recovery.base import (
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.holdings import Held
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.membership import MembershipChange
 from ds_swift.recovery.registry import STRATEGIES
 from ds_swift.recovery.replay.runner import failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
@@ -112,6 +113,7 @@ def run_recovery(
     optimizer_wrapper: str | None,
     logging: LogPlan | None = None,
     partitioned: bool = False,
+    change: MembershipChange | None = None,
 ) -> RecoveryOutcome:
     """Run steps 1-5 above in ``ctx.generation`` (already joined; ``ctx.engine`` already rebuilt).
 
@@ -126,7 +128,11 @@ def run_recovery(
         optimizer_wrapper: a DeepSpeed optimizer wrapper survivors cannot keep, or None.
         logging: set where the topology plan logs pipeline sends (logging-based recovery possible).
         partitioned: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
+        change: the membership change the strategy made before this generation formed (an elastic
+            shrink or grow): every rank restores through it instead (ds_swift.recovery.membership).
     """
+    if change is not None:
+        return change.restore(ctx, zero_stage)
     reports, step = _gather(ctx, world_size, report)
     setup = None
     if logging is not None:

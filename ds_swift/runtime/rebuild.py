@@ -28,7 +28,7 @@ from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import watched_peers
 from ds_swift.detect.watchdog import declare_failure
-from ds_swift.jobstore.membership import GenerationFailed, grow_key, read_layout, resumed_key
+from ds_swift.jobstore.membership import GenerationFailed, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.protect.base import Site
 from ds_swift.protect.protections import Protections
@@ -36,8 +36,8 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.membership import MembershipChange
 from ds_swift.recovery.registry import STRATEGIES, services_of
-from ds_swift.recovery.strategies.resize import Resize
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.guard import forced_strategy
@@ -104,11 +104,9 @@ class Rebuilder(SurvivorSteps):
         self._monitor = monitor
         self._ckpt = ckpt
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
-        #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
-        self.resize: Resize | None = None
-        #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
-        self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
-        #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
+        #: the membership change being recovered into (None: the failed machine is replaced)
+        self.change: MembershipChange | None = None
+        #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.membership)
         self._machines: list[int] | None = None
         if ctx.env is not None and ctx.store is not None and services_of(cfg).elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
@@ -159,7 +157,7 @@ class Rebuilder(SurvivorSteps):
         assert store is not None
         if (store.failure(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
-        self._leave_if_my_machine_failed(g)
+        self._before_rejoin(g, kept)
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
@@ -177,6 +175,8 @@ class Rebuilder(SurvivorSteps):
             t_rebuilt=time.time(),
         )
         self._monitor.set_armed(False)
+        if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
+            self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))
         return self.rejoin(generation, None, tl)
 
     # ------------------------------------------------------------------ both
@@ -259,14 +259,10 @@ class Rebuilder(SurvivorSteps):
             verify=self._cfg.verify.enabled,
             lent=self.protect.lend(kept),  # what the protections kept for the strategies
         )
-        if self.resize is not None or self._growing(generation):
-            outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
-                self.resize, ctx, int(engine.zero_optimization_stage())
-            )
-            self.resize = None
-            self.protect.forget()
-            return outcome
-        holdings = self.protect.holdings(kept)  # before the report says whether a survivor can undo
+        change, self.change = self.change, None
+        if change is not None:
+            self.protect.forget()  # what they held is keyed by the old ranks: the new generation starts afresh
+        holdings = self.protect.holdings(kept) if change is None else {}  # before the report says whether it can undo
         return run_recovery(
             ctx,
             world_size=env.world_size,
@@ -276,24 +272,13 @@ class Rebuilder(SurvivorSteps):
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
             logging=self._hooks.logs.log_plan(engine),
+            change=change,
         )
 
     @property
     def machines(self) -> list[int] | None:
         """The job's machines in rank order where an elastic shrink may change them (else None: all)."""
         return self._machines
-
-    def _growing(self, generation: int) -> bool:
-        """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
-        survivors, resharded (ds_swift.recovery.strategies.elastic)."""
-        env, store = self._ctx.env, self._ctx.store
-        return (
-            services_of(self._cfg).elastic
-            and env is not None
-            and env.replacement
-            and store is not None
-            and store.get(grow_key(generation - 1)) is not None
-        )
 
     def _machine(self) -> int:
         env = self._ctx.env

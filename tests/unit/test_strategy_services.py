@@ -18,7 +18,7 @@ import pytest
 import ds_swift.recovery.registry as registry_mod
 from ds_swift.checkpoint.setup import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.plan.analysis import config_strategy
+from ds_swift.plan.analysis import stage_mode
 from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.protect.digest_publisher import DigestPublisher
 from ds_swift.protect.protections import Protections
@@ -73,7 +73,7 @@ def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
         "erasure": s.erasure_chunks,
         "digests": s.digests,
         "updates": s.update_log,
-        "analyzer": config_strategy(cfg),
+        "analyzer": stage_mode(cfg),
         "async": s.async_checkpoints,
         "tuner": s.checkpoint_tuner,
         "running": s.running_checkpoint,
@@ -165,7 +165,7 @@ def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.Mo
     manager = checkpoint_manager(cfg, ctx, rank=0, world_size=1, services=services_of(cfg))
     assert manager.writer is not None and manager.tuner is not None
     manager.writer.close(5.0)
-    assert config_strategy(cfg) == "logging"
+    assert stage_mode(cfg) == "logging"
     # ...and the recovery side: the registry offers it when the config names it.
     assert registry.get("dummy").services(cfg).update_log == "every_rank"
 

@@ -32,7 +32,6 @@ data-parallel size cannot be loaded into another one).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -40,21 +39,22 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.jobstore.membership import JobStore
+from ds_swift.jobstore.membership import JobStore, fate_key, grow_key, read_layout
 from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, loud, say_deviation
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.holdings import BuddyHeld, buddy_held
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.membership import MembershipChange, MembershipView
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
-from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, plan_resize, resized_ds_config
 from ds_swift.recovery.strategies.resize_moves import ResizeMoves, grid_coords, resize_transfers
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 
-__all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
+__all__ = ["ElasticChange", "ElasticStrategy", "recover_resized"]
 
 
 def _agree(
@@ -269,30 +269,79 @@ def _outcome(
     return outcome
 
 
+class ElasticChange(MembershipChange):
+    """A shrink or a grow (``resize``; None: a returning machine's new rank, told by rank 0), and
+    this rank's place in it."""
+
+    strategy = "elastic"
+
+    def __init__(
+        self, resize: Resize | None, rank: int, world: int, ds_config: Mapping[str, Any], machines: list[int]
+    ) -> None:
+        self.resize, self.rank, self.world, self.ds_config, self.machines = resize, rank, world, ds_config, machines
+
+    def describe(self) -> str:
+        return self.resize.describe() if self.resize is not None else "a returning machine's rank joins"
+
+    def restore(self, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
+        return recover_resized(
+            store=ctx.store,
+            generation=ctx.generation,
+            engine=ctx.engine,
+            kept=ctx.kept,
+            resize=self.resize,
+            timeline=ctx.timeline,
+            gather_timeout_s=ctx.gather_timeout_s,
+            zero_stage=zero_stage,
+            verify=ctx.verify,
+        )
+
+
 class ElasticStrategy(LossyForwardStrategy):
     """``"strategy": "elastic"``: a failed machine that a spare replaces is restored as by
     ``lossy_forward``; with no spare left (``ds-swift-launch --elastic``) the job goes on with fewer
-    data-parallel replicas, and takes them back when the machine returns (:func:`recover_resized`).
-    Approximate."""
+    data-parallel replicas, and takes them back when the machine returns (:meth:`membership_change`,
+    :func:`recover_resized`). Approximate."""
 
     name = "elastic"
     SERVICES = StrategyServices(buddy_copies=True, digests=True, elastic=True, sim_kind="elastic")
     # ds-swift bench: with no spare, the job goes on without the failed machine (a shrink)
     BENCH_VARIANTS = {"lossy_forward_elastic": BenchVariant(spare=False)}
 
-    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
-        # A replaced machine's restore is lossy forward's, and is named so in the timeline.
-        return dataclasses.replace(super().plan(inputs), strategy=LossyForwardStrategy.name)
+    def membership_change(self, view: MembershipView) -> ElasticChange | None:
+        """A shrink where the launcher goes on without the failed machine (``launch/fate/<g>/<m>`` =
+        ``shrink``: no spare left, ``--elastic``); a grow where a machine came back
+        (``launch/grow/<g>``, its agent set it before ending the generation); None: a spare replaces it."""
+        store, env, g = view.store, view.env, view.generation
+        if view.joining:  # a new rank of a machine that came back: its state comes from the survivors, resharded
+            if store.get(grow_key(g)) is None:
+                return None
+            return ElasticChange(None, env.rank, env.world_size, view.ds_config, read_layout(store, env.num_machines))
+        back = store.get(grow_key(g))
+        if back is not None:  # not a failure: a machine came back
+            return self._resize(view, "grow", int(back))
+        machine = view.failed_machine()
+        if machine is None or machine == env.machine:
+            return None  # this rank's own machine failed: it leaves the job
+        fate = store.wait_value(fate_key(g, machine), view.join_timeout_s)
+        if fate == "shrink":
+            return self._resize(view, "shrink", machine)
+        if fate is None:
+            view.log(
+                f"the launcher did not say within {view.join_timeout_s:g} s what becomes of "
+                f"machine {machine}: waiting for its replacement"
+            )
+        return None
 
-    def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
-        return recover_resized(
-            store=ctx.store,
-            generation=ctx.generation,
-            engine=ctx.engine,
-            kept=ctx.kept,
-            resize=resize,
-            timeline=ctx.timeline,
-            gather_timeout_s=ctx.gather_timeout_s,
-            zero_stage=zero_stage,
-            verify=ctx.verify,
-        )
+    @staticmethod
+    def _resize(view: MembershipView, kind: str, machine: int) -> ElasticChange:
+        """The launcher goes on without ``machine`` (a shrink) or takes it back (a grow): this rank's
+        place in the new world and the DeepSpeed config with its batch."""
+        env, kept = view.env, view.kept
+        assert kept is not None and kept.grid is not None and view.machines is not None
+        layout = read_layout(view.store, env.num_machines)
+        resize = plan_resize(kind, machine, view.machines, layout, kept.grid, view.cfg.elastic, env.rank)
+        rank = resize.new_rank_of(env.rank)
+        assert rank is not None  # this rank's machine is in the new layout
+        view.log(resize.describe() + f"; rank {env.rank} -> {rank}")
+        return ElasticChange(resize, rank, resize.new_world, resized_ds_config(view.ds_config, resize), layout)
