@@ -227,8 +227,7 @@ def analyze(
     Args:
         layout: the 3D plan and its machines.
         shape: model shape; without it message sizes (and bytes) are unknown (0).
-        strategy: the registered strategy planned for (``auto``, ``replication``, ``logging``,
-            ``buddy``...): its services say what each stage may recover by (:func:`stage_mode`).
+        strategy: the registered strategy planned for; its services say what a stage may recover by.
         groups: force this many balanced machine groups (selective logging).
         storage_budget_gb: instead of ``groups``, the log budget between checkpoints (GB; ds_swift.plan.grouping_exact).
         iteration_time_s: failure-free iteration time, for the bubble check of section 5.4.
@@ -240,17 +239,13 @@ def analyze(
         parallel_recovery: survivors share a failed group's replay (section 5.2).
         measured: instead of ``shape``, each send's bytes per iteration as an engine measured them.
         partition_copies: every optimizer partition has a buddy copy on another machine (copies_stand_in).
-        mode: what to plan per stage (:data:`STAGE_MODES`), where a config's sections change it
-            (:func:`analyze_config`); default: :func:`stage_mode` of ``strategy``.
+        mode: what to plan per stage (:data:`STAGE_MODES`; default: :func:`stage_mode` of ``strategy``).
     """
     budget, iteration_time, pcie, network = _check_inputs(
         strategy, groups, storage_budget_gb, iteration_time_s, pcie_gbps, network_gbps, checkpoint_interval
     )
     mode = stage_mode(SwiftConfig(strategy=strategy)) if mode is None else mode
-    p = layout.pp
-    if shape is not None and measured is not None:
-        raise ConfigError("give the model shape or measured sizes, not both")
-    sizing: Sizing | None = shape if shape is not None else measured
+    p, sizing = layout.pp, _sizing(shape, measured)
 
     spread = _replicated_stages(layout)
     replicated, candidates, copies_note = copies_stand_in(
@@ -289,6 +284,12 @@ def analyze(
         measured=measured,
         min_budget_gb=grouped.min_budget_gb,
     )
+
+
+def _sizing(shape: ModelShape | None, measured: MeasuredSizes | None) -> Sizing | None:
+    if shape is not None and measured is not None:
+        raise ConfigError("give the model shape or measured sizes, not both")
+    return shape if shape is not None else measured
 
 
 def _apply_verdict(
