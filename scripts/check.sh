@@ -15,7 +15,7 @@ python scripts/check_patch_seams.py || exit 1
 python scripts/check_transport.py || exit 1
 # The import graph: recovery/ never imports runtime/, no import circle (contracts in pyproject.toml).
 lint-imports || exit 1
-# No module over 400 lines, no function over 80 (the older offenders are listed and may only shrink).
+# No module over 500 lines, no function over 80 (the older offenders are listed and may only shrink).
 python scripts/check_sizes.py || exit 1
 # The configuration reference is what the config dataclasses' field docs say now (docs/configuration.md).
 python scripts/config_reference.py --check || exit 1

@@ -38,6 +38,7 @@ from ds_swift.plan.sizes import (
     stage_times,
     worth_logging,
 )
+from ds_swift.recovery.registry import services_of
 
 __all__ = ["STRATEGIES", "Plan", "StageStrategy", "analyze", "analyze_config"]
 
@@ -296,7 +297,7 @@ def config_strategy(config: SwiftConfig) -> str:
     """What :func:`analyze` plans for ``config``, from the per-stage recoveries its strategy's services
     allow (ds_swift.recovery.services): both, ``auto``; one, forced everywhere; none, every stage
     recovers by checkpoint (no pipeline message is logged)."""
-    kinds = config.services.stage_recovery
+    kinds = services_of(config).stage_recovery
     if len(kinds) > 1:
         return "auto"
     return next(iter(kinds)) if kinds else "checkpoint"

@@ -24,6 +24,7 @@ from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, ModelShape
 from ds_swift.plan.tables import print_buddy, print_tables
 from ds_swift.plan.update_logging import choose_for_plan, print_choices
+from ds_swift.recovery.registry import checked
 
 __all__ = ["build_plan", "register", "run"]
 
@@ -126,7 +127,7 @@ def _ds_dtype(cfg: dict[str, Any]) -> str:
 def build_plan(args: argparse.Namespace) -> Plan:
     """Resolve flags against the DeepSpeed config and analyse. Raises ConfigError on bad input."""
     ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
-    swift = SwiftConfig.from_dict(ds.get("swift"))
+    swift = checked(SwiftConfig.from_dict(ds.get("swift")))
     for flag in ("tp", "pp", "dp", "world_size", "gpus_per_node", "hidden", "seq_len", "micro_batch_size"):
         _flag_int("--" + flag.replace("_", "-"), getattr(args, flag))
     for flag in ("micro_batches", "groups", "checkpoint_interval"):
@@ -238,7 +239,7 @@ def _stage_compute(text: str | None, pp: int) -> list[float] | None:
 def build_buddy_cost(args: argparse.Namespace) -> BuddyCost:
     """The buddy copies of optimizer partitions the config asks for, and their cost per rank."""
     ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
-    swift = SwiftConfig.from_dict(ds.get("swift"))
+    swift = checked(SwiftConfig.from_dict(ds.get("swift")))
     return buddy_cost(ds, swift, _layout(args, swift, ds), args.num_params)
 
 

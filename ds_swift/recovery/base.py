@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ds_swift.config import SimulateConfig, SwiftConfig
     from ds_swift.jobstore.membership import JobStore
     from ds_swift.recovery.kept import KeptState
-    from ds_swift.recovery.simulated import SimulatedFailure
+    from ds_swift.recovery.simulated_failure import SimulatedFailure
     from ds_swift.recovery.state.digest import Verdict
     from ds_swift.recovery.timeline import RankTimeline
 
@@ -258,7 +258,7 @@ class RecoveryStrategy(ABC):
         return inputs.plan(self.name)
 
     def simulated_failure(self, cfg: SimulateConfig) -> SimulatedFailure | None:
-        """This strategy's failure-simulation mode (``simulate_failure``; ds_swift.recovery.simulated),
+        """This strategy's failure-simulation mode (``simulate_failure``; ds_swift.recovery.simulated_failure),
         or None where it has none."""
         return None
 

@@ -40,7 +40,7 @@ class RankReport:
     """The rank can undo its steps back to one iteration before ``last_stepped``."""
     buddy_copies: tuple[tuple[int, int], ...] = ()
     """(owner rank, iteration) of every complete copy of another rank's optimizer partition this
-    rank holds (ds_swift.runtime.buddy): the owner's state after that iteration's step."""
+    rank holds (ds_swift.protect.buddy): the owner's state after that iteration's step."""
     ec_chunks: tuple[tuple[int, int, int], ...] = ()
     """(owner rank, iteration, chunk index) of every erasure-coded chunk of another rank's state this
     rank holds (strategy pipechurn, ds_swift.recovery.state.erasure)."""
@@ -51,7 +51,7 @@ class RankReport:
     unreachable storage), or None: a replay that needs its messages cannot be exact."""
     own_copies: tuple[int, ...] = ()
     """The iterations of this survivor's own complete copies of its optimizer partition (the buddy
-    copier's, ds_swift.runtime.buddy): it can go back to any of them, bitwise, however many steps
+    copier's, ds_swift.protect.buddy): it can go back to any of them, bitwise, however many steps
     (without one, update-undo's inverse update gets one step back within 2 ulp, and the recovery
     says so)."""
     inflight: int = -1

@@ -47,14 +47,14 @@ class KeptState:
     """Why the optimizer state could not be kept (an unsupported wrapper), or None."""
     buddy: Any = None
     """The buddy copies of other ranks' partitions this rank holds, and its own copies of its last
-    two steps (ds_swift.runtime.buddy.BuddyHoldings)."""
+    two steps (ds_swift.protect.buddy.BuddyHoldings)."""
     restored: dict[str, Any] | None = None
     """The own copy an undo took back (optimizer payload, LR scheduler, counters, buffers), loaded
     in place of the kept optimizer state; None: the kept state is loaded as it is."""
     gradients_back: Callable[[], bool] | None = None
     """Where the last step's gradients were overwritten since (the next backward pass), what gives
     them back to ``undo`` from a copy taken at the step (the update log's record: set by
-    ds_swift.runtime.update_logging.UpdateLogger.offer_gradients), called only by an undo."""
+    ds_swift.protect.update_logger.UpdateLogger.offer_gradients), called only by an undo."""
 
     @classmethod
     def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None) -> KeptState:
@@ -115,7 +115,7 @@ class KeptState:
     @property
     def undo_exact(self) -> bool:
         """An undo of the last step would be bitwise: this rank holds its own copy of the iteration
-        before it (the buddy copier's, ds_swift.runtime.buddy), so it takes that back instead of
+        before it (the buddy copier's, ds_swift.protect.buddy), so it takes that back instead of
         computing the inverse update (exact only to 2 ulp)."""
         return (self.last_stepped - 1) in self.own_copies
 

@@ -7,8 +7,8 @@
 - :mod:`~ds_swift.runtime.rebuild`: a survivor's teardown (:mod:`~ds_swift.runtime.teardown`), rejoining
   generation g+1, the DeepSpeed rebuild, a replacement's start, the call to the recovery protocol;
 - :mod:`~ds_swift.runtime.hooks`: per-instruction hooks (RNG keying, fault injection, undo);
-- :mod:`~ds_swift.runtime.logging_wiring`: the message log and step-collective records;
-- :mod:`~ds_swift.runtime.digest`: this rank's state digest, published for verified replays;
+- :mod:`~ds_swift.protect.message_logging`: the message log and step-collective records;
+- :mod:`~ds_swift.protect.digest_publisher`: this rank's state digest, published for verified replays;
 - :mod:`~ds_swift.recovery.timeline`: the recovery timeline.
 
 Nothing is imported here: ds_swift.recovery uses the timeline and the RNG keying, and the engine

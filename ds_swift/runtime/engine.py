@@ -39,11 +39,12 @@ from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
+from ds_swift.protect.message_logging import EngineLogging, cache_dir_for
+from ds_swift.protect.switches import switched_off
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale
+from ds_swift.recovery.registry import load_config, services_of
 from ds_swift.recovery.state.inflight import FinishIteration, finish_iteration, kept_inflight
-from ds_swift.recovery.timeline import PendingTimeline
-from ds_swift.runtime.bench_switch import switched_off
 from ds_swift.runtime.context import SwiftContext, check_machines, current_context
 from ds_swift.runtime.engine_checkpoint import CheckpointCalls
 from ds_swift.runtime.engine_close import EngineShutdown
@@ -56,8 +57,8 @@ from ds_swift.runtime.engine_setup import (
 )
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
-from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
+from ds_swift.runtime.timeline import PendingTimeline
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
 
@@ -85,7 +86,7 @@ def initialize(
     if ds_config is None:
         raise ValueError("ds_swift.initialize needs the DeepSpeed config (dict or path) with its swift section")
     config = load_ds_config(ds_config)
-    cfg = SwiftConfig.from_ds_config(config)
+    cfg = load_config(config)
     if not cfg.enabled:
         if why := left_off(config.get("swift")):
             raise ConfigError(why)
@@ -170,7 +171,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         without = switched_off()  # empty but in benchmarks/gpu_overhead.py --breakdown
         logs.enabled = "logging" not in without
         on_gpu = any(p.is_cuda for p in engine.module.parameters())
-        self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), gpu=on_gpu)
+        self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), services_of(cfg), gpu=on_gpu)
         self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, without, kept_inflight(cfg, batch_fn, seed))

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
     from ds_swift.detect.monitor import FailureMonitor
     from ds_swift.patches.determinism import ScopedDeterminism
-    from ds_swift.recovery.timeline import PendingTimeline
+    from ds_swift.protect.running_checkpoint import RunningCheckpoints
     from ds_swift.runtime.context import SwiftContext
     from ds_swift.runtime.hooks import EngineHooks
     from ds_swift.runtime.rebuild import Rebuilder
-    from ds_swift.runtime.running import RunningCheckpoints
+    from ds_swift.runtime.timeline import PendingTimeline
 
 __all__ = ["EngineShutdown"]
 

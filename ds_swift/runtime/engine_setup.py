@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.runtime.costs import protection_costs, switched_off_line
-from ds_swift.runtime.running import RunningCheckpoints
-from ds_swift.runtime.simulate import FailureSimulation
+from ds_swift.protect.costs import protection_costs, switched_off_line
+from ds_swift.protect.running_checkpoint import RunningCheckpoints
+from ds_swift.runtime.failure_simulation import FailureSimulation
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
+    from ds_swift.protect.message_logging import EngineLogging
     from ds_swift.runtime.context import SwiftContext
-    from ds_swift.runtime.logging_wiring import EngineLogging
     from ds_swift.runtime.rebuild import Rebuilder
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Rejoin and rebuild: a survivor's teardown, generation g+1, the DeepSpeed rebuild, the recovery.
 
-survivor: wake its pipeline neighbours (poison on gloo, abort on NCCL: ds_swift.transport.teardown)
+survivor: wake its pipeline neighbours (poison on gloo, abort on NCCL: ds_swift.transport.shutdown)
 -> flush its message log -> keep module/optimizer/scheduler references -> drop the engine and end
 every process group (peers blocked on us fail at once) -> leave if its own machine failed -> join
 generation g+1 (and open ds-swift's transport on it) -> ``model_fn()`` +
@@ -31,23 +31,23 @@ from ds_swift.detect.wake import watched_peers
 from ds_swift.detect.watchdog import declare_failure
 from ds_swift.jobstore.membership import GenerationFailed, grow_key, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.digest_publisher import DigestPublisher
+from ds_swift.protect.protections import Protections
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
 from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.registry import STRATEGIES, services_of
 from ds_swift.recovery.state.update_log import UpdateLogStore
 from ds_swift.recovery.strategies.resize import Resize
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.runtime.buddy import BuddyCopier
 from ds_swift.runtime.context import SwiftContext, join_generation
-from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.runtime.protection import Protections
 from ds_swift.runtime.teardown import SurvivorSteps
-from ds_swift.runtime.update_logging import UpdateLogger
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
 
@@ -115,7 +115,7 @@ class Rebuilder(SurvivorSteps):
         self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
         #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
         self._machines: list[int] | None = None
-        if ctx.env is not None and ctx.store is not None and cfg.services.elastic:
+        if ctx.env is not None and ctx.store is not None and services_of(cfg).elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
         #: the strategy's failure-free services (buddy copies, digests, the update log)
         self.protect = Protections(
@@ -321,7 +321,7 @@ class Rebuilder(SurvivorSteps):
         survivors, resharded (ds_swift.recovery.strategies.elastic)."""
         env, store = self._ctx.env, self._ctx.store
         return (
-            self._cfg.services.elastic
+            services_of(self._cfg).elastic
             and env is not None
             and env.replacement
             and store is not None

@@ -18,6 +18,7 @@ from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
 from ds_swift.detect.watchdog import wait_failed_machine
 from ds_swift.jobstore.membership import fate_key, grow_key, read_layout
 from ds_swift.recovery.kept import KeptState
+from ds_swift.recovery.registry import services_of
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, grid_of, plan_resize, resized_ds_config
 
 if TYPE_CHECKING:
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
 
     from ds_swift.config import SwiftConfig
     from ds_swift.detect.monitor import FailureMonitor
+    from ds_swift.protect.protections import Protections
     from ds_swift.runtime.context import SwiftContext
     from ds_swift.runtime.hooks import EngineHooks
-    from ds_swift.runtime.protection import Protections
     from ds_swift.runtime.rebuild import EngineHolder
 
 __all__ = ["SurvivorSteps"]
@@ -72,7 +73,7 @@ class SurvivorSteps:
         done("copier threads")
         self._hooks.uninstall()
         engine = self._holder.engine
-        if self._cfg.services.elastic:
+        if services_of(self._cfg).elastic:
             self._old_grid = grid_of(engine)
         if self._hooks.inflight is not None:  # the gradients of the passes that ran, before they go
             self._hooks.inflight.on_teardown(engine)
@@ -113,7 +114,7 @@ class SurvivorSteps:
         keeps survivors from joining before the agent declared (it would then fail g+1 too)."""
         store, env = self._ctx.store, self._ctx.env
         assert store is not None and env is not None
-        if self._cfg.services.elastic:
+        if services_of(self._cfg).elastic:
             back = store.get(grow_key(g))
             if back is not None:  # not a failure: a machine came back (its agent set the key first)
                 self._resize(g, "grow", int(back))
@@ -122,7 +123,7 @@ class SurvivorSteps:
         if machine == env.machine:
             self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
             os._exit(70)
-        if machine is not None and self._cfg.services.elastic:
+        if machine is not None and services_of(self._cfg).elastic:
             fate = store.wait_value(fate_key(g, machine), self._ctx.join_timeout_s)
             if fate == "shrink":
                 self._resize(g, "shrink", machine)

@@ -276,11 +276,11 @@ def _detached(payload: Any) -> Any:
 @pytest.mark.parametrize("kind", ["bf16_optimizer", "zero_stage1"])
 def test_an_undo_from_the_own_copy_is_bitwise(world: None, kind: str) -> None:
     """A survivor whose step's buddy round had not landed takes back its own copy of the iteration
-    before (ds_swift.runtime.buddy.stage_own): its masters, moments, loss scaler, LR scheduler and
+    before (ds_swift.protect.buddy.stage_own): its masters, moments, loss scaler, LR scheduler and
     (rebuilt from the masters) low-precision parameters are bitwise those of the failure-free run at
     that iteration. Update-undo's inverse update on the same step is measured alongside: on this
     4k-parameter model it leaves elements off by an ulp, which is why the own copy exists."""
-    from ds_swift.runtime.buddy import BuddyHoldings, stage_own, state_payload
+    from ds_swift.protect.buddy import BuddyHoldings, stage_own, state_payload
     from ds_swift.undo import attach_to_engine
 
     def stepped_once_more(holdings: BuddyHoldings | None) -> KeptState:
@@ -336,8 +336,8 @@ def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: N
     from types import SimpleNamespace
 
     from ds_swift.config import SwiftConfig
-    from ds_swift.runtime.buddy import BuddyHoldings, stage_own, state_payload
-    from ds_swift.runtime.costs import buddy_round_bytes, protection_costs
+    from ds_swift.protect.buddy import BuddyHoldings, stage_own, state_payload
+    from ds_swift.protect.costs import buddy_round_bytes, protection_costs
 
     eng = engine(kind, steps=0)
     estimate, how = buddy_round_bytes(eng)

@@ -1,7 +1,7 @@
 """PipeChurn's erasure-coded in-memory checkpoints: the chunks, who holds them, and what survives.
 
 After every optimizer step a rank's state (the payload a buddy copy holds: its optimizer wrapper's
-state, LR scheduler, counters, module buffers; ds_swift.runtime.buddy) is laid out as one byte
+state, LR scheduler, counters, module buffers; ds_swift.protect.buddy) is laid out as one byte
 string and cut into k data chunks, to which zfec (a maintained Reed-Solomon implementation) adds r
 parity chunks. Chunk j goes to the j-th of the rank's k + r holders, each on a machine of its own
 other than the rank's (:func:`assign_holders`). Any k chunks rebuild the state, so any r + 1

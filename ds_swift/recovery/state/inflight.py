@@ -33,6 +33,7 @@ import torch
 
 from ds_swift.data.keyed import BatchFn
 from ds_swift.logs import say_here
+from ds_swift.recovery.registry import services_of
 
 __all__ = ["FinishIteration", "InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
 
@@ -250,7 +251,7 @@ class InflightKeeper:
 def kept_inflight(cfg: Any, batch_fn: BatchFn, seed: int) -> InflightKeeper | None:
     """The keeper the swift config ``cfg`` asks for (its strategy's ``inflight_copy`` service:
     ``pipechurn`` with ``pipechurn.partial_recompute``), or None."""
-    if not cfg.services.inflight_copy:
+    if not services_of(cfg).inflight_copy:
         return None
     return InflightKeeper(batch_fn, seed)
 

@@ -4,7 +4,7 @@ Under ZeRO-1 (and DeepSpeed's BF16_Optimizer, which partitions the fp32 masters 
 rank's fp32 master partition and the optimizer state of that partition exist only on that rank;
 a data-parallel replica holds another slice. So after every step each rank's partition is copied,
 asynchronously, into host memory of ``replication_factor`` buddy ranks on other machines (other
-failure domains where ``machines.failure_domains`` names them): ds_swift.runtime.buddy does the
+failure domains where ``machines.failure_domains`` names them): ds_swift.protect.buddy does the
 copying, :func:`assign_buddies` (pure) decides who holds whose copy.
 
 :class:`BuddyStrategy` restores a lost rank's partition from a surviving buddy's copy. A copy is
@@ -16,7 +16,7 @@ survivor ahead of it can get back to (one step by update-undo; any number to an 
 the strategy refuses, and the registry falls back to the global checkpoint, saying why.
 
 A survivor ahead of the iteration undoes: bitwise, from its own copy of that iteration, which the
-copier staged in its host memory before sending it (ds_swift.runtime.buddy, used by
+copier staged in its host memory before sending it (ds_swift.protect.buddy, used by
 ds_swift.recovery.kept); only without one, by update-undo's inverse update of its last step, which
 is exact only to 2 ulp, and the recovery then says so (an approximate recovery).
 """

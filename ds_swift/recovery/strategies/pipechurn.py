@@ -2,7 +2,7 @@
 erasure-coded chunks other machines hold in memory; no storage, no replay.
 
 After every optimizer step each rank's state goes, as k data and r parity chunks, to k + r holders
-on other machines (ds_swift.runtime.buddy in erasure mode, ds_swift.recovery.state.erasure). After a
+on other machines (ds_swift.protect.buddy in erasure mode, ds_swift.recovery.state.erasure). After a
 failure of at most r + 1 machines (its own among them) every lost rank still has at least k chunks
 on survivors: the
 survivors keep their state (undoing to the agreed iteration), the chosen holders send the lost

@@ -1,6 +1,6 @@
 """TranLogs' recovery as a strategy (``"strategy": "tranlogs"``): checkpoint + re-applied updates.
 
-Every rank logs its update after each optimizer step (ds_swift.runtime.update_logging); under
+Every rank logs its update after each optimizer step (ds_swift.protect.update_logger); under
 ``auto``/``logging`` with ``logging.kinds``, only the ranks of the stages the plan has log their
 updates, and a failure whose lost ranks are all of such stages is restored here. After a
 failure the survivors keep their state (undoing to the consensus where they are ahead, as for
@@ -49,7 +49,7 @@ __all__ = ["TranLogsStrategy", "update_target"]
 def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
     """The iteration every rank lands on, and why where it is not the consensus ``c``.
 
-    A rank's optimizer step waits until its previous record is stored (ds_swift.runtime.update_logging),
+    A rank's optimizer step waits until its previous record is stored (ds_swift.protect.update_logger),
     so a rank lost in the forward or backward passes after its step of ``c`` may lack only its record
     of ``c``, though every survivor stepped ``c``: then every rank lands on ``c - 1``, the survivors
     going back one step (:meth:`TranLogsStrategy.plan` says how) and the replacements re-applying

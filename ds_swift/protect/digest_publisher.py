@@ -1,7 +1,7 @@
 """The digest publisher: every ``verify.digest_interval`` iterations, this rank's state digest goes to
 the job store, where it outlives the rank (ds_swift.recovery.verify reads it to check a replay).
 
-Off the critical path, as the buddy copier (ds_swift.runtime.buddy): the optimizer step's hook
+Off the critical path, as the buddy copier (ds_swift.protect.buddy): the optimizer step's hook
 only takes references to the state's tensors (a copy of the module's buffers, which a forward pass
 may change) and hands them to a background thread, which computes the digest on the tensors'
 device (ds_swift.recovery.state.digest: integer sums, a few bytes per tensor come back) and stores it

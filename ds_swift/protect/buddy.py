@@ -17,7 +17,7 @@ never reported as complete.
 How often: after every step, or after the steps of every ``buddy.interval``-th iteration; under
 ``"auto"`` (the default) every step for the first rounds of a generation, then the interval rank 0
 chooses from the step time it measured, carried to every rank by the round's landing
-(ds_swift.runtime.buddy_auto).
+(ds_swift.protect.buddy_interval).
 
 When a round has landed: after its receives, each rank writes its key for the round in the job store
 (its own connection: a blocking wait must not hold up the heartbeats); the leader waits for every
@@ -54,13 +54,13 @@ import torch.distributed as dist
 from ds_swift import transport
 from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
+from ds_swift.protect.buddy_holdings import BuddyHoldings, StoreLanding, stage, stage_own
+from ds_swift.protect.buddy_interval import DECIDE_AFTER, AutoInterval, decided
+from ds_swift.protect.module_buffers import persistent_buffers
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
 from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
-from ds_swift.runtime.buddy_auto import DECIDE_AFTER, AutoInterval, decided
-from ds_swift.runtime.buddy_holdings import BuddyHoldings, StoreLanding, stage, stage_own
-from ds_swift.runtime.module_buffers import persistent_buffers
 from ds_swift.worker import OnError, Worker
 
 __all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
@@ -192,7 +192,7 @@ class BuddyCopier:
         failure_domains: machines that fail together (``machines.failure_domains``).
         interval: copy after the steps of iterations divisible by it only (``buddy.interval``), and
             at :meth:`start`; None: ``"auto"``, chosen in each generation from the measured step time
-            (ds_swift.runtime.buddy_auto).
+            (ds_swift.protect.buddy_interval).
     """
 
     def __init__(

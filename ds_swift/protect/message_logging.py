@@ -91,7 +91,7 @@ class EngineLogging:
         self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
         self._copies = False  # buddy copies keep every rank's optimizer partition on another machine
         self.updates: Any = None  # the UpdateLogger (ds_swift.runtime.rebuild), where stages may log updates
-        #: False only where a benchmark switched message logging off (ds_swift.runtime.bench_switch)
+        #: False only where a benchmark switched message logging off (ds_swift.protect.switches)
         self.enabled = True
 
     # ------------------------------------------------------------------ the static plan
@@ -106,7 +106,7 @@ class EngineLogging:
 
                 self._layout = layout_from_deepspeed_topology(pipe_topology(engine), self.cfg.machines.gpus_per_node)
                 from ds_swift.plan.stage_logging import first_kinds
-                from ds_swift.runtime.protection import partition_copies
+                from ds_swift.protect.protections import partition_copies
 
                 self._copies = partition_copies(self.cfg, engine)
                 self._plan = conservative_plan(self._layout, self.cfg, self._copies)

@@ -2,8 +2,8 @@
 (:class:`~ds_swift.recovery.services.StrategyServices`), made for the engine in force.
 
 buddy copies of each rank's optimizer partition (or PipeChurn's erasure-coded chunks of its whole
-state, ds_swift.runtime.buddy), state digests (ds_swift.runtime.digest) and the update log
-(ds_swift.runtime.update_logging): each is made here from the strategy's services, never from its
+state, ds_swift.protect.buddy), state digests (ds_swift.protect.digest_publisher) and the update log
+(ds_swift.protect.update_logger): each is made here from the strategy's services, never from its
 name, and hooked into each generation's engine.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -19,12 +19,15 @@ from ds_swift.config import SwiftConfig
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.plan.buddy_cost import copies_kept
+from ds_swift.protect.buddy import BuddyCopier, BuddyHoldings, StoreLanding
+from ds_swift.protect.digest_publisher import DigestPublisher
+from ds_swift.protect.update_logger import UpdateLogger
+
+if TYPE_CHECKING:
+    from ds_swift.runtime.context import SwiftContext
+    from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.recovery.consensus import RankReport
-from ds_swift.runtime.buddy import BuddyCopier, BuddyHoldings, StoreLanding
-from ds_swift.runtime.context import SwiftContext
-from ds_swift.runtime.digest import DigestPublisher
-from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.runtime.update_logging import UpdateLogger
+from ds_swift.recovery.registry import services_of
 
 __all__ = ["Protections", "partition_copies"]
 
@@ -55,7 +58,7 @@ class Protections:
     ) -> None:
         self._engine, self._ctx, self._cfg, self._hooks = engine, ctx, cfg, hooks
         self._generation, self._check_after_receive, self._machine = generation, check_after_receive, machine
-        services = cfg.services
+        services = services_of(cfg)
         self.buddy: BuddyCopier | None = None
         if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
             erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)

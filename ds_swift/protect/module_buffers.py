@@ -1,7 +1,7 @@
 """A module's non-parameter state, as ``state_dict`` gives it, without ``state_dict``'s walk per step.
 
 The buddy copier hands the module's persistent buffers over after every optimizer step, on the
-training thread (ds_swift.runtime.buddy.state_payload). ``module.state_dict()`` gets them by walking
+training thread (ds_swift.protect.buddy.state_payload). ``module.state_dict()`` gets them by walking
 every submodule and building an entry for every parameter too, which the copy then drops: 1.3 ms of
 Python for a 24-layer transformer on this CPU, every step, on the thread that launches the next
 step's kernels (a GPU step is ~100 ms; the protection budget 2 %).

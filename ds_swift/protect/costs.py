@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
+from ds_swift.protect.buddy_interval import DECIDE_AFTER, PERIOD_S
+from ds_swift.protect.switches import ENV, SWITCHES
+from ds_swift.recovery.registry import services_of
 from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors
-from ds_swift.runtime.bench_switch import ENV, SWITCHES
-from ds_swift.runtime.buddy_auto import DECIDE_AFTER, PERIOD_S
 
 __all__ = ["protection_costs", "state_bytes", "switched_off_line"]
 
@@ -37,7 +38,7 @@ def state_bytes(state: Any) -> tuple[int, str]:
 
 
 def buddy_round_bytes(engine: Any) -> tuple[int, str]:
-    """Bytes one buddy round stages of this rank after a step (ds_swift.runtime.buddy.state_payload:
+    """Bytes one buddy round stages of this rank after a step (ds_swift.protect.buddy.state_payload:
     the optimizer partition's fp32 masters and its inner optimizer's state, the LR scheduler, the
     counters, the module's buffers), and how they were counted.
 
@@ -47,7 +48,7 @@ def buddy_round_bytes(engine: Any) -> tuple[int, str]:
     so is the wrapper's gradient norm the first step keeps as a tensor: the figure is a round's
     after the first step. Another optimizer's state to come is not known here: the line says so."""
     from ds_swift.patches.deepspeed_optim_state import capture_optimizer, flag_bytes_to_come
-    from ds_swift.runtime.buddy import state_payload
+    from ds_swift.protect.buddy import state_payload
 
     _, tensors = state_payload(engine)
     now = sum(t.numel() * t.element_size() for t in tensors)
@@ -86,7 +87,7 @@ def protection_costs(
 ) -> list[str]:
     """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
     the job's machine count (None: unknown); ``without``: what a benchmark switched off
-    (ds_swift.runtime.bench_switch; every rank says it first, :func:`switched_off_line`);
+    (ds_swift.protect.switches; every rank says it first, :func:`switched_off_line`);
     ``undo_off``: why update-undo could not be attached to the engine (None: it is, or ``without`` says)."""
     state = engine_state(engine)
     total, device = state_bytes(state)
@@ -113,14 +114,14 @@ def protection_costs(
     else:
         lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
     lines.append(_logging_line(engine, logs))
-    if cfg.services.inflight_copy:
+    if services_of(cfg).inflight_copy:
         lines.append(_inflight_line(engine, cfg, device))
     lines += _runtime_lines(cfg, without, undo_off)
     return lines
 
 
 def switched_off_line(without: frozenset[str]) -> str:
-    """What a benchmark's :data:`~ds_swift.runtime.bench_switch.ENV` switched off, and what that leaves out."""
+    """What a benchmark's :data:`~ds_swift.protect.switches.ENV` switched off, and what that leaves out."""
     return (
         f"protections SWITCHED OFF for a benchmark by {ENV} (unset it for training): "
         + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
@@ -225,7 +226,7 @@ def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
 
 def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
     every = cfg.checkpoint.interval
-    if cfg.services.checkpoint_tuner:
+    if services_of(cfg).checkpoint_tuner:
         return (
             f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
             f"of training time), {_mb(total)} per save, asynchronous"
