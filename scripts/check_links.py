@@ -43,7 +43,7 @@ INSTALLED_AS = {"launch": "launch", "patches": "patches", "cuda_ext": "cuda_ext"
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
-_CODE = re.compile(r"(`+)(.+?)\1")
+_CODE = re.compile(r"(`+)(.+?)\1", re.S)
 _PATH = re.compile(r"^(?:" + "|".join(REPO_DIRS) + r")/[\w./-]*$")
 _MODULE = re.compile(r"^ds_swift(?:\.\w+)+(?:\(.*\))?$")
 
@@ -141,21 +141,38 @@ def code_problem(code: str) -> str | None:
     return f"`{code}`: no such file or folder in the repository"
 
 
+def paragraphs(text: str) -> list[tuple[int, str]]:
+    """``(first line number, text)`` of every paragraph outside fenced code blocks (a code span or a
+    link may run over a line break, never over a blank line)."""
+    out: list[tuple[int, str]] = []
+    last = -1
+    for n, line in prose_lines(text):
+        if not line.strip():
+            continue
+        if out and n == last + 1:
+            out[-1] = (out[-1][0], out[-1][1] + "\n" + line)
+        else:
+            out.append((n, line))
+        last = n
+    return out
+
+
 def problems(page: Path) -> list[str]:
     """Every broken link and every missing repository path or module on ``page``, with its line."""
     rel = page.relative_to(ROOT)
     out = []
-    for n, line in prose_lines(page.read_text(encoding="utf-8")):
-        spans = [m.group(2) for m in _CODE.finditer(line)]
-        outside = _CODE.sub("", line)
-        for target in _LINK.findall(outside):
-            why = link_problem(page, target)
+    for first, para in paragraphs(page.read_text(encoding="utf-8")):
+        found: list[tuple[int, str]] = []
+        for m in _CODE.finditer(para):
+            why = code_problem(" ".join(m.group(2).split()))
             if why:
-                out.append(f"{rel}:{n}: broken link {why}")
-        for code in spans:
-            why = code_problem(code)
+                found.append((m.start(), why))
+        outside = _CODE.sub(lambda m: " " * len(m.group(0)), para)  # offsets kept: line numbers stay right
+        for m in _LINK.finditer(outside):
+            why = link_problem(page, m.group(1))
             if why:
-                out.append(f"{rel}:{n}: {why}")
+                found.append((m.start(), f"broken link {why}"))
+        out += [f"{rel}:{first + para[:at].count(chr(10))}: {why}" for at, why in sorted(found)]
     return out
 
 
