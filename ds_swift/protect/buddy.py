@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.background_thread import BackgroundThread, OnError
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say, say_here
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
@@ -66,14 +67,13 @@ from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
 from ds_swift.recovery.state.transfer import encode, flat_sizes, flat_views
-from ds_swift.worker import OnError, Worker
 
 __all__ = ["BuddyCopier", "partition_copies"]
 
 _HEADER, _MANIFEST, _DATA = 1, 2, 16  # message tags; buffer (or chunk tensor) i of a payload uses _DATA + i
 
 
-class _Worker:
+class _CopierRounds:
     """One generation's copier: its group, placement, queue and thread (a stale thread of a failed
     generation only ever touches its own worker)."""
 
@@ -106,7 +106,7 @@ class _Worker:
         """The interval "auto" chose, from a round's ``done`` key (the training thread adopts it)."""
         # A round that fails stops the copier; the training thread turns copying off, loudly, at its
         # next step (BuddyCopier._turn_off): a copier error must not end a healthy job.
-        self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any, float]] = Worker(
+        self.worker: BackgroundThread[tuple[int, bytes, list[torch.Tensor], Any, float]] = BackgroundThread(
             "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set()
         )
         self.worker.start()
@@ -215,7 +215,7 @@ class BuddyCopier(Protection):
         """Iterations between rounds in force (under "auto": 1 until the leader's choice lands)."""
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
-        self._worker: _Worker | None = None
+        self._worker: _CopierRounds | None = None
         self.off: str | None = None
         """Why copying stopped in this generation (a copier error), or None while it protects."""
         self.wait_s = 0.0
@@ -356,7 +356,7 @@ class BuddyCopier(Protection):
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
         auto = AutoInterval() if self.auto and landed is not None and landed.rank == StoreLanding.LEADER else None
-        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed, auto)
+        self._worker = _CopierRounds(channel, placement[rank], owners, self.holdings, split, landed, auto)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         every = f", after the steps of every {self.interval}th iteration" if self.interval > 1 else ""
@@ -388,7 +388,7 @@ class BuddyCopier(Protection):
         if self.auto and w is not None and w.decided is not None:
             self.interval = w.decided  # the same round on every rank: each adopts it before this step
 
-    def _wait(self, event: Callable[[_Worker], threading.Event], check: Callable[[], None] | None) -> None:
+    def _wait(self, event: Callable[[_CopierRounds], threading.Event], check: Callable[[], None] | None) -> None:
         w = self._worker
         if w is None:
             return
@@ -402,7 +402,7 @@ class BuddyCopier(Protection):
                 check()  # the generation failed: that, not the copier, is what the job must act on
             self._turn_off(w, w.error)
 
-    def _turn_off(self, w: _Worker, error: BaseException) -> None:
+    def _turn_off(self, w: _CopierRounds, error: BaseException) -> None:
         """A copier error (a slow round past its group's op timeout, say) is not the job's: copying
         stops for this generation and the job trains on without it, said loudly (the next recovery
         starts copying again). Raised on the training thread, it would end a healthy job."""

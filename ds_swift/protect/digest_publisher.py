@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from ds_swift.background_thread import BackgroundThread
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
 from ds_swift.protect.base import CostInputs, Protection, Site
 from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
-from ds_swift.worker import Worker
 
 __all__ = ["DigestPublisher"]
 
@@ -54,7 +54,9 @@ class DigestPublisher(Protection):
         self._store_factory = store_factory
         # A digest that fails is said once per outage and skipped (a missing digest only makes a later
         # check fall back): the worker records it and goes on.
-        self._worker: Worker[Any] = Worker(f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed)
+        self._worker: BackgroundThread[Any] = BackgroundThread(
+            f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed
+        )
         self._store: JobStore | None = None
         self._iteration = -1  # the digest in hand (the thread's)
         self._queued = threading.Event()

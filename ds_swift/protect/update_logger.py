@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ds_swift.background_thread import BackgroundThread, OnError
 from ds_swift.logs import say
 from ds_swift.protect.base import CostInputs, Protection, Site
 from ds_swift.recovery.holdings import UpdateLogHeld
@@ -46,7 +47,6 @@ from ds_swift.recovery.state.update_log import (
     save_record,
 )
 from ds_swift.storage import open_store
-from ds_swift.worker import OnError, Worker
 
 if TYPE_CHECKING:
     from ds_swift.recovery.kept import KeptState
@@ -90,7 +90,7 @@ class UpdateLogger(Protection):
         self._undo = undo
         self._tmp: str | None = None
         # A write that fails stops update logging on this rank, loudly (_lose), and training goes on.
-        self._worker: Worker[tuple[str, Any]] = Worker(
+        self._worker: BackgroundThread[tuple[str, Any]] = BackgroundThread(
             f"ds-swift-updlog-{rank}",
             self._do,
             on_error=OnError.OFF,

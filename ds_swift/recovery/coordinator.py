@@ -29,6 +29,7 @@ from ds_swift import transport
 from ds_swift.checkpoint.periodic import CheckpointManager, Origin
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import (
+    MembershipChange,
     RankContext,
     RecoveryOutcome,
     RecoveryStrategy,
@@ -39,7 +40,6 @@ from ds_swift.recovery.base import (
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.holdings import Held
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.membership import MembershipChange
 from ds_swift.recovery.registry import STRATEGIES
 from ds_swift.recovery.replay.runner import failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
@@ -129,7 +129,7 @@ def run_recovery(
         logging: set where the topology plan logs pipeline sends (logging-based recovery possible).
         partitioned: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
         change: the membership change the strategy made before this generation formed (an elastic
-            shrink or grow): every rank restores through it instead (ds_swift.recovery.membership).
+            shrink or grow): every rank restores through it instead (ds_swift.recovery.base).
     """
     if change is not None:
         return change.restore(ctx, zero_stage)

@@ -32,11 +32,10 @@ from ds_swift.jobstore.membership import GenerationFailed, read_layout, resumed_
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
 from ds_swift.protect.base import Site
 from ds_swift.protect.protections import Protections
-from ds_swift.recovery.base import RankContext, RecoveryOutcome
+from ds_swift.recovery.base import MembershipChange, RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.membership import MembershipChange
 from ds_swift.recovery.registry import STRATEGIES, services_of
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
@@ -106,7 +105,7 @@ class Rebuilder(SurvivorSteps):
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
         #: the membership change being recovered into (None: the failed machine is replaced)
         self.change: MembershipChange | None = None
-        #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.membership)
+        #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.base)
         self._machines: list[int] | None = None
         if ctx.env is not None and ctx.store is not None and services_of(cfg).elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)

@@ -3,7 +3,7 @@
 
 Tear the failed engine down and keep its state; after a stall, lengthen the op timeout; take this
 rank's place in the next generation's shape where the strategy changes the job's machines
-(ds_swift.recovery.membership), else leave the job if its own machine failed.
+(ds_swift.recovery.base), else leave the job if its own machine failed.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
 from ds_swift.detect.watchdog import wait_failed_machine
 from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.recovery.base import MembershipChange, MembershipRefused, MembershipView
 from ds_swift.recovery.kept import KeptState, grid_of
-from ds_swift.recovery.membership import MembershipChange, MembershipRefused, MembershipView
 from ds_swift.recovery.registry import STRATEGIES, services_of
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import Member
 from ds_swift.recovery.state.erasure import assign_holders
 from ds_swift.recovery.state.inflight import InflightKeeper, kept_inflight
-from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, retrain_summary
+from ds_swift.recovery.strategies.pipechurn import partial_blocker, retrain_summary
 from ds_swift.recovery.strategies.pipechurn_passes import transfers
 
 

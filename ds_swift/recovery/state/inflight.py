@@ -17,7 +17,7 @@ iteration it is training (and only that one: bounded by one iteration's messages
   inside a backward pass (a half-accumulated buffer: nothing is kept).
 
 The consensus carries what a survivor holds (:class:`~ds_swift.recovery.holdings.InflightHeld`); the
-strategy (ds_swift.recovery.strategies.pipechurn_partial) sends the neighbours the kept messages
+strategy (ds_swift.recovery.strategies.pipechurn) sends the neighbours the kept messages
 they need, each rank loads its kept gradients back (:meth:`InflightKeeper.load_into`) and runs the
 passes it does not hold (ds_swift.recovery.replay.midway), then every rank runs the reductions and
 the step live (:func:`finish_iteration`).

@@ -1,5 +1,5 @@
 """An elastic resize, planned: the same on every rank, from the job's layout before and after (pure:
-no process group). Protocol and strategy: :mod:`ds_swift.recovery.strategies.elastic`.
+no process group). Protocol, state moves and strategy: :mod:`ds_swift.recovery.strategies.elastic`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_swift.logs import say
+from ds_swift.recovery.base import MembershipRefused
 from ds_swift.recovery.kept import Grid
-from ds_swift.recovery.membership import MembershipRefused
 
 __all__ = ["Resize", "ResizeRefused", "plan_resize", "resized_ds_config"]
 
