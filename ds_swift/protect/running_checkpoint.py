@@ -19,12 +19,14 @@ from ds_swift.checkpoint.running import (
     CorruptCheckpointError,
     RunningCheckpoint,
     RunningCheckpointError,
+    block_elements,
     running_checkpoint_job,
+    running_dir,
+    running_state,
 )
 from ds_swift.logs import say
 from ds_swift.protect.base import CostInputs, Protection, Site
 from ds_swift.recovery.base import loud
-from ds_swift.recovery.strategies.scar import block_elements, running_dir, running_state
 
 __all__ = ["RunningCheckpoints", "claim_running_dir"]
 
