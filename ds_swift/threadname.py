@@ -89,7 +89,7 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
 
 def _batch_available() -> bool:
     """Linux with ``SCHED_BATCH``, and not benchmarks/gpu_overhead.py's ``-wakeup`` variant
-    (``SWIFT_BENCH_WITHOUT=wakeup``, see ds_swift.protect.switches, which this leaf module does not
+    (``SWIFT_BENCH_WITHOUT=wakeup``, see ds_swift.protect.costs, which this leaf module does not
     import), which measures what it buys."""
     without = (n.strip() for n in os.environ.get("SWIFT_BENCH_WITHOUT", "").split(","))
     return hasattr(os, "SCHED_BATCH") and sys.platform.startswith("linux") and "wakeup" not in without

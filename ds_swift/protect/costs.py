@@ -1,4 +1,5 @@
-"""What each protection costs per iteration, said once at start-up (one line each).
+"""What each protection costs per iteration, said once at start-up (one line each), and the
+protections a benchmark switches off to measure it (:data:`ENV`).
 
 The budget is 2 % of a step with the defaults (shared/DESIGN.md). Each line says how the figure was
 obtained: the state digest is *measured* once here (one digest of the state, timed to completion
@@ -9,18 +10,18 @@ size and the plan, and the measured totals follow in each protection's end-of-jo
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
 from ds_swift.protect.base import CostInputs
-from ds_swift.protect.switches import ENV, SWITCHES
 from ds_swift.recovery.state.digest import engine_state, named_tensors
 
-__all__ = ["mb", "protection_costs", "state_bytes", "switched_off_line", "timed"]
+__all__ = ["ENV", "SWITCHES", "mb", "protection_costs", "state_bytes", "switched_off", "switched_off_line", "timed"]
 
 #: pinned device-to-host copy rate assumed for estimates (measured 54.8 GB/s on an H100's PCIe 5;
 #: half of it leaves room for older hosts)
@@ -54,7 +55,7 @@ def protection_costs(
     """One line per protection of this rank (what it costs per iteration: time and bytes): the global
     checkpoints, each of ``protections`` (ds_swift.protect.protections.Protections), and what the
     runtime itself adds; ``machines``: the job's machine count (None: unknown); ``without``: what a
-    benchmark switched off (ds_swift.protect.switches; every rank says it first,
+    benchmark switched off (ds_swift.protect.costs; every rank says it first,
     :func:`switched_off_line`); ``undo_off``: why update-undo could not be attached to the engine
     (None: it is, or ``without`` says)."""
     state = engine_state(engine)
@@ -67,7 +68,7 @@ def protection_costs(
 
 
 def switched_off_line(without: frozenset[str]) -> str:
-    """What a benchmark's :data:`~ds_swift.protect.switches.ENV` switched off, and what that leaves out."""
+    """What a benchmark's :data:`~ds_swift.protect.costs.ENV` switched off, and what that leaves out."""
     return (
         f"protections SWITCHED OFF for a benchmark by {ENV} (unset it for training): "
         + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
@@ -155,3 +156,42 @@ def timed(fn: Callable[[], Any], device: str) -> float:
     if device != "cpu":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- protections a benchmark switched off
+# ``benchmarks/gpu_overhead.py --breakdown`` runs the same job with every protection on, then with
+# one of them off at a time. The protections with a config field of their own are switched off
+# through it (``verify.enabled``, ``buddy.enabled``, ``checkpoint.interval``); the others have
+# none, because a user must not be able to lose them by accident, and are switched off here, by
+# the environment variable :data:`ENV` (comma-separated names of :data:`SWITCHES`), which only that
+# benchmark sets. Every worker that reads it says so at start-up in a warning (the variable may have
+# leaked from a benchmark's shell), and a recovery in such a job is not what the defaults would have
+# done: never set it for training.
+
+
+ENV = "SWIFT_BENCH_WITHOUT"
+
+#: name -> what switching it off leaves out
+SWITCHES: Mapping[str, str] = {
+    "logging": "message logging and the step-collective records (logging-based recovery)",
+    "undo": "update-undo's step records (a survivor ahead then reloads the checkpoint)",
+    "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
+    "rng": "RNG keying per forward pass (replayed dropout may differ)",
+    "wakeup": "SCHED_BATCH for ds-swift's background threads and its transport's gloo threads (they preempt "
+    "the training thread when they wake, as before; ds_swift.threadname)",
+    "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
+    "checks after every receive and before every iteration",
+}
+
+
+def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The protections :data:`ENV` names (empty when unset). Raises ValueError on an unknown name."""
+    raw = (os.environ if env is None else env).get(ENV, "")
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - set(SWITCHES))
+    if unknown:
+        raise ValueError(
+            f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
+            "(unset it to keep every protection on)"
+        )
+    return names

@@ -42,7 +42,7 @@ from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say, say_here
 from ds_swift.protect.base import CostInputs, Protection, Site
-from ds_swift.protect.switches import ENV
+from ds_swift.protect.costs import ENV
 from ds_swift.recovery.coordinator import LogPlan
 from ds_swift.recovery.holdings import MessageLogHeld
 from ds_swift.recovery.host import RecoveryHost
@@ -95,7 +95,7 @@ class EngineLogging:
         self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
         self._copies = False  # buddy copies keep every rank's optimizer partition on another machine
         self.updates: Any = None  # the UpdateLogger (ds_swift.protect.update_logger), where stages may log updates
-        #: False only where a benchmark switched message logging off (ds_swift.protect.switches)
+        #: False only where a benchmark switched message logging off (ds_swift.protect.costs)
         self.enabled = True
 
     # ------------------------------------------------------------------ the static plan

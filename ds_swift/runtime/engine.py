@@ -39,8 +39,8 @@ from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
+from ds_swift.protect.costs import switched_off
 from ds_swift.protect.message_logging import EngineLogging, cache_dir_for
-from ds_swift.protect.switches import switched_off
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.registry import load_config, services_of

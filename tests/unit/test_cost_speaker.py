@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ds_swift.protect.switches import ENV
+from ds_swift.protect.costs import ENV
 from ds_swift.runtime.engine_setup import log_protection_costs, speaks_for_stage
 
 

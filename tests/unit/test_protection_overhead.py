@@ -22,9 +22,8 @@ from ds_swift.data.keyed import global_micro_batch, key_forward_rng, rng_seed, s
 from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.determinism import ScopedDeterminism
-from ds_swift.protect.costs import _runtime_lines
+from ds_swift.protect.costs import ENV, _runtime_lines, switched_off
 from ds_swift.protect.message_logging import MessageLogging
-from ds_swift.protect.switches import ENV, switched_off
 from ds_swift.testing.cpu_sampler import CpuSample, per_iteration, sample_tree
 from ds_swift.threadname import name_os_thread, os_thread_name
 

@@ -24,8 +24,7 @@ from ds_swift.recovery.consensus import RankReport
 from ds_swift.recovery.coordinator import rank_report
 from ds_swift.recovery.holdings import Held
 from ds_swift.recovery.kept import KeptState
-from ds_swift.testing.configs import swift_config
-from ds_swift.testing.protections import site
+from ds_swift.testing.configs import site, swift_config
 
 
 @dataclass(frozen=True)

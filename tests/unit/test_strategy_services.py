@@ -27,8 +27,7 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrateg
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.registry import services_of, strategy_names
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.testing.configs import swift_config
-from ds_swift.testing.protections import site
+from ds_swift.testing.configs import site, swift_config
 
 # What the runtime chose by name before this issue (config values as they were then).
 OLD_NAMES = (
