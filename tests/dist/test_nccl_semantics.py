@@ -57,11 +57,13 @@ def assert_no_step_from_the_cut_reduce(job: JobRun) -> dict[str, Any]:
     (tl,) = job.timelines()
     assert tl["failed_machine"] == 1, tl
     # A survivor whose reduce of iteration 7 lost its peer reached the step with its own gradients
-    # only (nothing raised): the guard refused it. (A survivor still in its last backward pass when
-    # the failure flag came raised at its next receive: it never reached the step.)
-    cut = cut_collectives(job)
-    assert cut and cut <= {0, 1}, job.output[-6000:]
-    assert refused_steps(job) == [(r, 7) for r in sorted(cut)], job.output[-6000:]
+    # only (nothing raised): the guard refused it. Which survivors that is depends on the timing: one
+    # that entered its reduce after the abort raised there (as NCCL's aborted communicators do), and
+    # one whose reduce completed before the kill but reached the step after the mark is refused too
+    # (conservatively: the mark cannot tell).
+    cut, refused = cut_collectives(job), refused_steps(job)
+    assert cut <= {r for r, _ in refused} <= {0, 1}, job.output[-6000:]
+    assert {i for _, i in refused} <= {7}, refused
     # No survivor applied 7: the consensus is 6 with nothing to undo.
     assert (tl["consensus"], tl["undo_ranks"]) == (6, []), tl["reason"]
     assert "undo: last stepped iteration 7" not in job.output
