@@ -12,6 +12,7 @@ run. Without the guard the survivors apply the step from the partial reduce.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,20 @@ def test_a_peer_lost_while_the_next_generation_creates_its_communicators_ends_no
     assert "generation 2: buddy" in job.output, job.output[-4000:]
     assert "checkpoint fallback" not in job.output
     assert_bitwise(bf16_baseline, job)
+
+
+def test_fp16_zero1_a_step_refused_after_the_loss_scale_moved_leaves_the_scaler_as_it_was(tmp_path: Path) -> None:
+    """fp16 + ZeRO-1 with a dynamic loss scale that grows every 2 clean steps: DeepSpeed's wrapper
+    updates the loss scaler before its inner step, so a refused step must put it back, or the
+    survivors would go on one scaler step ahead of the replacements and of the failure-free run."""
+    cfg = json.loads(BF16.read_text())
+    del cfg["bf16"]
+    cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 14, "loss_scale_window": 2}
+    config = tmp_path / "gpt_tiny_pp2_dp2_fp16_zero1.json"
+    config.write_text(json.dumps(cfg))
+    env = {"SWIFT_TEST_CPU_FP16": "1"}
+    reference = run_job(tmp_path / "reference", JobSpec(STANDIN_WORKER, config, 12, (), env=env), JOB_DEADLINE_S)
+    assert reference.code == 0, reference.output[-6000:]
+    job = run_job(tmp_path / "killed", JobSpec(STANDIN_WORKER, config, 12, KILL_IN_REDUCE, env=env), JOB_DEADLINE_S)
+    assert_no_step_from_the_cut_reduce(job)
+    assert_bitwise(reference, job)
