@@ -66,7 +66,7 @@ class FailureMonitor:
             hang_timeout_s=hang_timeout_s,
             ranks_per_machine=env.world_size // max(1, len(machines) if machines is not None else env.num_machines),
             machines=machines,
-            on_failure=lambda seen: transport.on_generation_failed(seen.generation),
+            on_failure=lambda seen: transport.on_generation_failed(seen.generation, seen.reason),
         ).start()
 
     @property
