@@ -107,12 +107,14 @@ def test_an_abort_reaches_a_communicator_still_waiting_for_its_peer() -> None:
     code = (
         PRELUDE
         + """
-dist.init_process_group("nccl", store=store, rank=0, world_size=2, device_id=torch.device("cuda", 0))
+t0 = time.monotonic()
 def watchdog():
-    time.sleep(5)
+    while time.monotonic() - t0 < 5 or not dist.is_initialized():
+        time.sleep(0.1)
     print("aborted", transport.device_communicators().abort(), flush=True)
 threading.Thread(target=watchdog, daemon=True).start()
-t0 = time.monotonic()
+dist.init_process_group("nccl", store=store, rank=0, world_size=2, device_id=torch.device("cuda", 0))
+print(f"init returned after {time.monotonic() - t0:.1f} s", flush=True)
 try:
     x = torch.ones(4, device="cuda")
     dist.all_reduce(x)
@@ -124,6 +126,9 @@ print(f"released after {time.monotonic() - t0:.1f} s")
 """
     )
     (out,) = run_ranks(code, [0], 2, timeout_s=90)
+    # init must return while the peer is missing (non-blocking creation), or no abort can reach it
+    init = float(re.search(r"init returned after ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+    assert init < 5, out
     assert "aborted" in out and "released after" in out, out
     released = float(re.search(r"released after ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
     assert released < 60, out  # by the abort, before TORCH_NCCL_NONBLOCKING_TIMEOUT
