@@ -87,6 +87,7 @@ def test_bf16_zero1_a_rank_killed_in_the_gradient_reduce_leaves_no_step_from_the
     assert_bitwise(bf16_baseline, job)
 
 
+@pytest.mark.slow  # a variant of the bf16 case (replicas instead of buddy copies): CI time
 def test_fp32_replicas_never_send_a_step_from_the_partial_reduce(tmp_path: Path, fp32_baseline: JobRun) -> None:
     """fp32 + ZeRO-0 (whole replicas): the consensus is the survivors' last step and the lost ranks
     get their replicas' state. A step applied from the partial reduce would be copied to the
@@ -126,6 +127,7 @@ def test_a_peer_lost_while_the_next_generation_creates_its_communicators_ends_no
     assert_bitwise(bf16_baseline, job)
 
 
+@pytest.mark.slow  # a variant of the bf16 case (the loss scaler put back): CI time
 def test_fp16_zero1_a_step_refused_after_the_loss_scale_moved_leaves_the_scaler_as_it_was(tmp_path: Path) -> None:
     """fp16 + ZeRO-1 with a dynamic loss scale that grows every 2 clean steps: DeepSpeed's wrapper
     updates the loss scaler before its inner step, so a refused step must put it back, or the
