@@ -124,8 +124,9 @@ class Protection:
     def after_checkpoint(self, done: int) -> None:
         """A global checkpoint of ``done`` iterations is complete."""
 
-    def after_step(self, engine: Any) -> None:
-        """An iteration completed (the runtime's own point after the step, not an instruction hook)."""
+    def iteration_done(self, engine: Any) -> None:
+        """An iteration completed (the runtime's own point after the step, not an instruction hook;
+        a protection that acts at the step itself hooks it in :meth:`start_generation`)."""
 
     def forget(self) -> None:
         """After an elastic resize: what it held is keyed by the old ranks; the new generation starts afresh."""

@@ -89,9 +89,9 @@ class Protections:
         """What the strategies may use in this recovery, kept by type."""
         return Handover(*(p.lent(kept) for p in self.running))
 
-    def after_step(self, engine: Any) -> None:
+    def iteration_done(self, engine: Any) -> None:
         for p in self.running:
-            p.after_step(engine)
+            p.iteration_done(engine)
 
     def after_checkpoint(self, done: int) -> None:
         """A global checkpoint of ``done`` iterations is complete: what only older iterations needed goes."""

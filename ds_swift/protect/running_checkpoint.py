@@ -133,7 +133,7 @@ class RunningCheckpoints(Protection):
     def bytes_written(self) -> int:
         return self._ckpt.bytes_written if self._ckpt is not None else 0
 
-    def after_step(self, engine: Any) -> None:
+    def iteration_done(self, engine: Any) -> None:
         """A round, where one is due after the step just taken."""
         done = int(engine.global_steps)
         if self._ckpt is not None and not self._ckpt.due(done):

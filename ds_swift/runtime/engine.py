@@ -310,7 +310,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
     def _after_step(self) -> None:
-        self._rebuild.protect.after_step(self._engine)
+        self._rebuild.protect.iteration_done(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
         if self._ckpt.after_iteration():  # an asynchronous checkpoint just completed

@@ -145,3 +145,38 @@ def test_the_message_log_is_always_built_and_says_why_it_logs_nothing(world: Non
     made = _protections(swift_config({}))
     assert isinstance(made.get(MessageLogging), MessageLogging)
     assert made.holdings(None) == {}  # nothing lost, no copies: the report carries nothing
+
+
+def test_the_runtime_point_after_an_iteration_is_not_a_second_step_hook() -> None:
+    """A protection that acts at the optimizer step hooks the step in start_generation; the runtime's
+    own point after the iteration (``iteration_done``) is another call. A subclass whose step-hook
+    method shared the lifecycle hook's name was called twice per iteration (buddy rounds counted
+    double, and the auto interval was chosen at the 10th iteration instead of the 20th)."""
+    import inspect
+    import re
+
+    hooks = {name for name, _ in inspect.getmembers(Protection, inspect.isfunction) if not name.startswith("_")}
+    for cls in registry.PROTECTIONS:
+        for name in hooks:
+            mine = cls.__dict__.get(name)
+            if mine is None:
+                continue
+            base = getattr(Protection, name)
+            assert list(inspect.signature(mine).parameters) == list(inspect.signature(base).parameters), (
+                f"{cls.__name__}.{name} has another signature than Protection.{name}: a method for "
+                "something else under a lifecycle hook's name is called by the runtime as that hook"
+            )
+        start = cls.__dict__.get("start_generation")
+        if start is not None:  # what the step hook calls must not be what the runtime calls as well
+            called = set(re.findall(r"self\.(\w+)\(", inspect.getsource(start)))
+            assert not called & (hooks - {"start_generation"}), (cls.__name__, called & hooks)
+    calls: list[int] = []
+
+    class Counting(Dummy):
+        def iteration_done(self, engine: Any) -> None:
+            calls.append(int(engine.global_steps))
+
+    protections = Protections.__new__(Protections)
+    protections.running = [Counting()]
+    protections.iteration_done(SimpleNamespace(global_steps=3))
+    assert calls == [3]
