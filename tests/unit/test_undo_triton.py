@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_undo_helpers import PATH_SIZES, Case, step_and_undo, tolerance
+from test_undo_helpers import PATH_SIZES, Case, l2_exp_avg_sq_bound, step_and_undo, tolerance
 
 triton = pytest.importorskip("triton")
 
@@ -46,9 +47,10 @@ def _run(
     steps: int = 3,
     dtype: torch.dtype = torch.float32,
     scale: float = 0.02,
+    last_grads: list[torch.Tensor] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Step ``steps`` times, undo the last; per tensor (before, post, restored)."""
-    return step_and_undo(path, cls, kwargs, seed=7, steps=steps, dtype=dtype, scale=scale)
+    return step_and_undo(path, cls, kwargs, seed=7, steps=steps, dtype=dtype, scale=scale, last_grads=last_grads)
 
 
 @pytest.fixture
@@ -94,7 +96,17 @@ def test_the_kernel_runs_and_restores_most_elements_bit_for_bit(dense: None) -> 
     assert all(torch.equal(out[k][2], fast[k][2]) for k in out)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# CI tries the same examples every run (derandomized): a counterexample found at random would make it flaky.
+# SWIFT_TEST_HYPOTHESIS_EXAMPLES=500 explores that many random examples instead (locally, under the lock).
+EXPLORE = int(os.environ.get("SWIFT_TEST_HYPOTHESIS_EXAMPLES", "0"))
+
+
+@settings(
+    max_examples=EXPLORE or 8,
+    derandomize=not EXPLORE,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     lr=st.floats(1e-5, 3e-2),
     wd=st.sampled_from([0.0, 1e-2, 0.1]),
@@ -104,6 +116,9 @@ def test_the_kernel_runs_and_restores_most_elements_bit_for_bit(dense: None) -> 
     decoupled=st.booleans(),
     maximize=st.booleans(),
     scale=st.sampled_from([1e-4, 0.02, 3.0]),
+)
+@example(  # found by hypothesis: exp_avg_sq 2.375 ulp off at beta2 0.875 with L2 weight decay
+    lr=0.009824974769941125, wd=0.1, beta1=0.5, beta2=0.875, eps=1e-08, decoupled=False, maximize=False, scale=0.02
 )
 def test_fused_equals_fast_for_any_hyper_parameters(
     dense: None,
@@ -119,11 +134,17 @@ def test_fused_equals_fast_for_any_hyper_parameters(
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs = {"lr": lr, "weight_decay": wd, "betas": (beta1, beta2), "eps": eps, "maximize": maximize}
     fast = _run("fast", cls, kwargs, 2, scale=scale)
-    fused = _run("fused", cls, kwargs, 2, scale=scale)
+    grads: list[torch.Tensor] = []
+    fused = _run("fused", cls, kwargs, 2, scale=scale, last_grads=grads)
     case = Case(family="adamw" if decoupled else "adam", kwargs=kwargs, dtype=torch.float32, steps=2, seed=0)
     for key, (before, post, restored) in fused.items():
         assert torch.equal(restored, fast[key][2]), f"{key}: {int((restored != fast[key][2]).sum())} differ"
-        assert ulp_error(restored, before, post) <= tolerance(case, key.rstrip("0123456789")), key
+        kind = key.rstrip("0123456789")
+        i = key[len(kind) :]
+        bound = tolerance(case, kind)
+        if kind == "exp_avg_sq" and not decoupled:  # a parameter restored to a tie's other pre-image moves g'
+            bound = max(bound, l2_exp_avg_sq_bound(kwargs, grads[int(i)], fused[f"param{i}"], fused[key]))
+        assert ulp_error(restored, before, post) <= bound, key
 
 
 def _hyper(**kw: Any) -> dict[str, Any]:
