@@ -130,38 +130,50 @@ class Supervisor:
         for agent in self.agents:
             agent.start()
         while True:
-            if self._signal is not None:
-                return self._stop_on_signal(self._signal)
-            for agent in self.agents:
-                agent.tick()
-            reason = self.control.abort_reason()
-            if reason is not None:
-                return self._end(1, f"job failed: {reason}; stopping every worker", reason=reason)
-            if self.control.all_done(self.num_machines):
-                if self.inject and (missed := unfired(self.inject, self.store)) is not None:
-                    self.events(missed, event="inject_unfired")
-                return self._end(
-                    0,
-                    f"job finished: all {self.num_machines} machines' ranks exited 0 (generation "
-                    f"{self.store.generation()}, {self.control.failures()} machine failure(s))",
-                )
-            for agent in self.agents:
-                agent.poll_store()
-            if self.clear_after and time.monotonic() >= self._record_at:
-                self._record_at = time.monotonic() + BEAT_S
-                self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
-            if self.liveness is not None:
-                for node in self.liveness.step():
-                    if self.liveness.claim(node):
-                        self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
-            self._sleep()
+            code = self.step()
+            if code is not None:
+                return code
+            self._sleep(self.pause_s())
 
-    def _sleep(self) -> None:
-        """Wait one tick, or less if a signal (a child's death, Ctrl-C) arrives."""
+    def step(self) -> int | None:
+        """One turn of the loop: the job's exit code once it ended, else None (benchmarks/scale.py
+        drives the same turns on a fake clock)."""
+        if self._signal is not None:
+            return self._stop_on_signal(self._signal)
+        for agent in self.agents:
+            agent.tick()
+        reason = self.control.abort_reason()
+        if reason is not None:
+            return self._end(1, f"job failed: {reason}; stopping every worker", reason=reason)
+        if self.control.all_done(self.num_machines):
+            if self.inject and (missed := unfired(self.inject, self.store)) is not None:
+                self.events(missed, event="inject_unfired")
+            return self._end(
+                0,
+                f"job finished: all {self.num_machines} machines' ranks exited 0 (generation "
+                f"{self.store.generation()}, {self.control.failures()} machine failure(s))",
+            )
+        for agent in self.agents:
+            agent.poll_store()
+        if self.clear_after and time.monotonic() >= self._record_at:
+            self._record_at = time.monotonic() + BEAT_S
+            self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
+        if self.liveness is not None:
+            for node in self.liveness.step():
+                if self.liveness.claim(node):
+                    self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
+        return None
+
+    def pause_s(self) -> float:
+        """How long the loop waits before its next turn (a signal ends the wait sooner)."""
+        return self.poll_s
+
+    def _sleep(self, pause_s: float) -> None:
+        """Wait ``pause_s``, or less if a signal (a child's death, Ctrl-C) arrives."""
         if self._wake_r is None:
-            time.sleep(self.poll_s)
+            time.sleep(pause_s)
             return
-        readable, _, _ = select.select([self._wake_r], [], [], self.poll_s)
+        readable, _, _ = select.select([self._wake_r], [], [], pause_s)
         if readable:
             try:
                 while self._wake_r.recv(4096):

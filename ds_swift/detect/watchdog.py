@@ -182,8 +182,13 @@ class Watchdog:
         yield_on_wakeup()
         store: JobStore | None = None
         while not self._stop.is_set():
-            store = self.guarded_poll(store)
-            self._stop.wait(self.poll_interval_s)
+            store, pause_s = self.turn(store)
+            self._stop.wait(pause_s)
+
+    def turn(self, store: JobStore | None) -> tuple[JobStore | None, float]:
+        """One turn of the thread: a guarded poll; returns the connection for the next turn and how
+        long to pause before it (benchmarks/scale.py drives the same turns on a fake clock)."""
+        return self.guarded_poll(store), self.poll_interval_s
 
     def guarded_poll(self, store: JobStore | None) -> JobStore | None:
         """One turn of the thread's loop, which nothing may end (the watchdog must never end a healthy

@@ -78,6 +78,9 @@ class EtcdStore(dist.Store):
         credentials: CA, client certificate, user and password (see the module docstring).
     """
 
+    #: a Store written in Python: torch's PrefixStore cannot route delete_key to it (ds_swift.jobstore.signed_kv)
+    python_store = True
+
     def __init__(
         self,
         endpoints: Sequence[tuple[str, int]],

@@ -125,9 +125,9 @@ class SignedKV:
         return value
 
     def delete(self, key: str) -> bool:
-        """Delete ``key``. An etcd store's own method: torch's Python-store bridge has no deleteKey."""
-        if hasattr(self.raw, "delete_prefix"):
-            return bool(self.raw.delete_key(self.prefix + key))  # type: ignore[attr-defined]
+        """Delete ``key``. A Python store's own method: torch's Python-store bridge has no deleteKey."""
+        if getattr(self.raw, "python_store", False):  # a Store written in Python (etcd, a counting wrapper)
+            return bool(self.raw.delete_key(self.prefix + key))
         return bool(self.kv.delete_key(key))
 
     # ------------------------------------------------------------------ signed counters
