@@ -48,7 +48,7 @@ ROUND_TRIPS = {"detect": 4, "join": 4, "groups": 4, "rounds": 30}
 PREDICT = (1024, 16384)
 
 
-def measure(ranks: list[int], lazy_groups: bool) -> dict[str, Any]:
+def measure(ranks: list[int]) -> dict[str, Any]:
     """Steady state, buddy rounds, one recovery and the groups, per N."""
     out: dict[str, Any] = {"steady": {}, "buddy": {}, "recovery": {}, "groups": {}}
     for n in ranks:
@@ -57,16 +57,8 @@ def measure(ranks: list[int], lazy_groups: bool) -> dict[str, Any]:
         out["steady"][n] = steady_state(layout)
         out["buddy"][n] = buddy_round(layout)
         out["recovery"][n] = recovery(layout)
-        groups = group_costs(n, lazy_groups)
-        if groups is not None:
-            out["groups"][n] = groups
+        out["groups"][n] = group_costs(n)
         print(f"[scale] {n} ranks measured in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    measured = {n: g for n, g in out["groups"].items() if g["measured"]}
-    for n in ranks:  # a full mesh too large to open here: the fit of the measured ones
-        if n not in out["groups"] and measured:
-            keys = ("create_requests", "create_bytes", "use_requests", "use_bytes")
-            fits = {k: Poly.fit({m: g[k] for m, g in measured.items()}, 3 if "bytes" in k else 2) for k in keys}
-            out["groups"][n] = {"measured": False, **{k: int(f(n)) for k, f in fits.items()}}
     return out
 
 
@@ -210,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--capacity-from", metavar="FILE", help="a --capacity --json result instead of measuring")
     p.add_argument("--model-out", metavar="FILE", help="write the fitted model (ds-swift simulate's scale_model)")
-    p.add_argument("--lazy-groups", action="store_true", help="measure the transport's groups created lazily")
     p.add_argument("--replacement-start-s", type=float, default=1.0)
     p.add_argument("--state-s", type=float, default=0.5)
     p.add_argument("--nccl-init-s", type=float, default=0.0)
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(n % 8 or n < 16 for n in ranks):
         p.error(f"--ranks {args.ranks}: every count a multiple of 8, at least 16 (machines of 8 ranks)")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import prints on stdout: the JSON stays alone
-        measured = measure(ranks, args.lazy_groups)
+        measured = measure(ranks)
         cap = json.loads(Path(args.capacity_from).read_text()) if args.capacity_from else capacity(2, 2.0, etcd=False)
         out = summary(measured, cap, args)
     if args.model_out:

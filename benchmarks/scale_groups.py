@@ -1,18 +1,17 @@
 """Process groups for ``benchmarks/scale.py``: the job-store requests of ds-swift's transport groups.
 
 Every generation opens ds-swift's transport (ds_swift.transport.core ``Transport.create``): one gloo
-group per channel over the whole world. Here N ranks on threads each create those groups as
+group per channel over the whole world, its pairs of ranks connected lazily
+(ds_swift.transport.core ``lazy_gloo``). Here N ranks on threads each create those groups as
 ``new_group(backend="gloo")`` does (a ``ProcessGroupGloo`` on the generation's store prefix) over a
-counting store, then run what a recovery runs on them (a barrier, an all-gather of a few bytes),
-and the store requests are counted. A full mesh opens N - 1 connections per rank: past
-:data:`MAX_MESH` ranks it is not measured (benchmarks/scale.py fits it from the smaller ones: per
-group N writes, N^2 waits and N^2 reads of two requests each).
+counting store, then run what the first iterations run on them (a barrier, an all-gather of a few
+bytes: ring neighbours), and the store requests are counted. (Created eagerly, before issue 48, a
+group was a full mesh: per group N writes, N^2 waits and N^2 reads of two requests each.)
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 from typing import Any
 
@@ -20,15 +19,12 @@ import torch
 import torch.distributed as dist
 from scale_common import StoreSet, quiet
 
-from ds_swift.transport.core import CHANNELS
+from ds_swift.transport.core import CHANNELS, lazy_gloo
 
-__all__ = ["MAX_MESH", "group_costs"]
-
-#: the most ranks whose groups are measured (a full mesh of 64 is 4,032 connections per group here)
-MAX_MESH = 64
+__all__ = ["group_costs"]
 
 
-def _groups(stores: StoreSet, n: int, lazy: bool) -> dict[str, int]:
+def _groups(stores: StoreSet, n: int) -> dict[str, int]:
     counting = stores.counting("groups")
     errors: list[BaseException] = []
     timeout = datetime.timedelta(seconds=120)
@@ -52,15 +48,8 @@ def _groups(stores: StoreSet, n: int, lazy: bool) -> dict[str, int]:
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"
-    try:
+    with lazy_gloo():  # as Transport.create makes them
         created = _threads(rank_main, n, counting)
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
     used = _threads(use, n, counting)
     if errors:
         raise RuntimeError(f"gloo groups failed: {errors[0]!r}")
@@ -81,10 +70,8 @@ def _threads(fn: Any, n: int, counting: Any) -> Any:
     return counting.take()
 
 
-def group_costs(n: int, lazy: bool) -> dict[str, Any] | None:
-    """Requests and bytes to create the transport's groups (and first use them) for ``n`` ranks; None
-    for a full mesh of more than :data:`MAX_MESH` ranks (not measured)."""
-    if not lazy and n > MAX_MESH:
-        return None
+def group_costs(n: int) -> dict[str, Any]:
+    """Requests and bytes to create the transport's groups (and first use them) for ``n`` ranks,
+    as ds_swift.transport.core creates them (pairs connected lazily: no full mesh)."""
     with quiet():
-        return {"measured": True, **_groups(StoreSet(), n, lazy)}
+        return {"measured": True, **_groups(StoreSet(), n)}

@@ -12,13 +12,12 @@ it (ds_swift.runtime.rebuild ``as_survivor``/``rejoin``/``_recover``, ds_swift.r
   join of g+1 (``JobStore.join``);
 - each replacement, :data:`REPLACEMENT_DELAY_S` later (a warm spare handed its ranks): its store
   connection, the same join, its watchdog's first beat;
-- every rank: the report and checkpoint rounds (coordinator ``_gather``), the consensus and the
-  strategy's plan (``RecoveryInputs.agree``, ``STRATEGIES.choose``: their CPU time is measured), the
-  donors' digests of what they send and the replacements' check of them (ds_swift.recovery.verify
-  ``publish_reference``/``check_received``), the verify and restore-error rounds (``agree``,
-  ``_agree_on_errors``), the digests of undone iterations dropped (``forget_from``), rank 0's
-  ``resumed`` key, the post-recovery guard's round (``LossGuard.after_recovery``) and the timeline
-  (each rank's part, rank 0's ``collect_timeline``).
+- every rank: the recovery protocol itself (ds_swift.recovery.coordinator ``run_recovery``: its
+  rounds, the consensus and the choice of strategy, whose CPU time is measured, verification, the
+  digests of undone iterations dropped), with a restore that does what a replication or buddy
+  restore asks of the store (the donors' digests of what they send, the replacements' check of
+  them: ds_swift.recovery.verify); then rank 0's ``resumed`` key, the post-recovery guard's round
+  (``LossGuard.after_recovery``) and the timeline (each rank's part, rank 0's ``collect_timeline``).
 
 Not here: the state itself (sent on the transport, measured by benchmarks/recovery_time.py) and
 the process groups (gloo rendezvous: :func:`scale_groups.group_costs`). The watchdogs' own polling
@@ -35,7 +34,9 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
+import torch
 from scale_common import LAUNCH, PER_MACHINE, SECRET, TOKEN, Layout, StoreSet, quiet
 from scale_steady import _HealthyGpus, _spawn
 
@@ -47,13 +48,13 @@ from ds_swift.launch.args import Command
 from ds_swift.launch.control import EventLog, JobControl
 from ds_swift.launch.fate import MachineFate
 from ds_swift.launch.job import JobSpec
-from ds_swift.recovery.base import RankContext
-from ds_swift.recovery.consensus import RankReport, RecoveryInputs
-from ds_swift.recovery.coordinator import _agree_on_errors, _gather
+from ds_swift.recovery import coordinator
+from ds_swift.recovery.base import RankContext, RecoveryOutcome
+from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.coordinator import run_recovery
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.timeline import RankTimeline, collect_timeline
-from ds_swift.recovery.verify import agree, forget_from
+from ds_swift.recovery.verify import check_received, publish_reference
 from ds_swift.runtime.guard import LossGuard
 
 __all__ = ["PHASES", "REPLACEMENT_DELAY_S", "recovery"]
@@ -120,30 +121,48 @@ def _report(run: _Run, rank: int) -> RankReport:
     )
 
 
+class _StoreSide:
+    """The registry run_recovery asks, in the harness: the real consensus and choice of strategy,
+    whose restore then does only what a replication or buddy restore asks of the job store (the
+    donor's digest of what it sends, the replacement's check of it); the state moves on the
+    transport, which is not measured here."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def choose(self, inputs: RecoveryInputs) -> tuple[RecoveryPlan, Any]:
+        t0 = time.perf_counter()
+        plan, _ = STRATEGIES.choose(inputs)
+        self.run.consensus_s.append(time.perf_counter() - t0)
+        self.run.plan = plan
+        return plan, self
+
+    def fall_back(self, inputs: RecoveryInputs, reason: str) -> tuple[RecoveryPlan, Any]:
+        raise RuntimeError(f"the harness's recovery fell back: {reason}")
+
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        state = {"module": {"w": torch.zeros(4)}}
+        for recipient, donor in plan.donors.items():
+            if donor == ctx.rank:
+                publish_reference(ctx, recipient, state)
+        verdict = check_received(ctx, plan.donors[ctx.rank], state, "state") if ctx.rank in plan.donors else None
+        return RecoveryOutcome(plan, plan.consensus + 1, verdict=verdict)
+
+
 def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
-    """Every rank, joined into ``generation``: the recovery protocol's store rounds."""
+    """Every rank, joined into ``generation``: the recovery protocol (coordinator.run_recovery), rank
+    0's ``resumed`` key, the post-recovery guard's round and the timeline."""
     now = time.time()
     tl = RankTimeline(rank, "survivor" if rank not in run.lost else "replacement", 0, t_detect=now, t_rebuilt=now)
     ctx = RankContext(store, generation, rank, None, None, None, tl, TIMEOUT_S, verify=True)
-    reports, step = _gather(ctx, run.layout.ranks, _report(run, rank))
-    t0 = time.perf_counter()
-    inputs = RecoveryInputs.agree(reports, checkpoint_step=step, zero_stage=1, partitioned=True)
-    plan, _ = STRATEGIES.choose(inputs)
-    run.consensus_s.append(time.perf_counter() - t0)
-    run.plan = plan
-    for recipient, donor in plan.donors.items():  # verify.publish_reference: the digest of what is sent
-        if donor == rank:
-            store.publish(generation, "digest_sent", recipient, '{"names": "x", "count": 0, "values": ""}')
-    if rank in plan.donors:  # verify.check_received
-        store.gather(generation, "digest_sent", [rank], TIMEOUT_S)
-    verdict = Verdict("verified", "harness") if rank in plan.donors else None
-    agree(store, generation, rank, run.layout.ranks, verdict, TIMEOUT_S)
-    _agree_on_errors(store, generation, rank, run.layout.ranks, None, TIMEOUT_S)
-    forget_from(store, rank, plan.consensus + 1)
+    outcome = run_recovery(
+        ctx, world_size=run.layout.ranks, report=_report(run, rank), strategy="auto", zero_stage=1,
+        optimizer_wrapper=None, partitioned=True,
+    )  # fmt: skip
+    plan = outcome.plan
     if rank == 0:
         store.set(resumed_key(generation), "1")
     engine = SimpleNamespace(global_steps=plan.consensus + 1, skipped_steps=0)
-    outcome = SimpleNamespace(plan=plan)
     LossGuard(20, 2.0, rank, store).after_recovery(engine, outcome, generation, run.layout.ranks, TIMEOUT_S, rank)
     tl.t_back = time.time()
     store.publish(generation, "timeline", rank, tl.to_json())
@@ -154,7 +173,7 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
                 generation=generation,
                 world_size=run.layout.ranks,
                 plan=plan,
-                checkpoint_step=step,
+                checkpoint_step=outcome.latest_checkpoint,
                 run_dir=run.run_dir,
                 inject_specs=0,
                 block=True,
@@ -168,14 +187,14 @@ def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
         time.sleep(0.01)
     ensure_generation_moved(store, 0)
     wait_failed_machine(store, 0, 2.0)
-    clients["join"].join(1, run.layout.ranks, TIMEOUT_S)
+    clients["join"].join(1, rank, run.layout.ranks, TIMEOUT_S)
     _rounds(run, rank, 1, clients["rounds"])
 
 
 def _replacement(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
     time.sleep(REPLACEMENT_DELAY_S)
     store = run.stores.client("join")  # JobStore.from_env: the launch's token read
-    store.join(1, run.layout.ranks, TIMEOUT_S)
+    store.join(1, rank, run.layout.ranks, TIMEOUT_S)
     store.heartbeat(rank)  # its watchdog's first beat (a replacement counts on from its predecessor)
     _rounds(run, rank, 1, clients["rounds"])
 
@@ -202,7 +221,7 @@ def recovery(layout: Layout) -> dict[str, Any]:
     for part in ("setup", *PHASES):
         stores.take(part)
     t0 = time.monotonic()
-    with quiet():
+    with quiet(), mock.patch.object(coordinator, "STRATEGIES", _StoreSide(run)):
         fate = MachineFate(run.failed_machine, job, agents, JobControl(agents), EventLog(None))
         fate.handle(run.failed_machine, f"machine {run.failed_machine}: rank died", time.time(), own=True)
         spare.poll_store()

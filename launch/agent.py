@@ -259,7 +259,7 @@ class MachineAgent(FailureHandling):
                 "(elastic grow); a failure during a grow is not recovered"
             )
             return
-        if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
+        if self.store.arrivals(g + 1) < self.job.nproc_per_node:
             return
         self._grow_pending = None
         self._layout = self.control.return_machine(self.machine, self.job.num_machines)

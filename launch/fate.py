@@ -84,7 +84,7 @@ class MachineFate:
         if generation is not None:
             return generation, self.store.declare_failure(generation, reason)
         g = self.store.generation()
-        if g >= 1 and self.store.add(f"gen{g}/joined", 0) == 0 and self.store.failure(g - 1) is not None:
+        if g >= 1 and self.store.arrivals(g) == 0 and self.store.failure(g - 1) is not None:
             # Nobody joined g yet, so this machine's dead ranks are not in it: g-1's failure covers
             # them (a survivor saw the broken connection first, or another machine died at the same
             # moment, or a replacement died before joining). g can still form, with this machine's

@@ -1,4 +1,4 @@
-"""Failure detection inside a worker: a thread that polls the job's failure flag and heartbeats.
+"""Failure detection inside a worker: a thread that waits on the job's failure flag and heartbeats.
 
 The thread has its own store connection: the main thread may sit in a store call of its own
 (a rendezvous wait) and the watchdog must not queue behind it.
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from ds_swift.detect.beats import CounterClock
 from ds_swift.detect.progress import Progress
+from ds_swift.jobstore.agreement import wake
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
 from ds_swift.threadname import name_os_thread, yield_on_wakeup
@@ -81,14 +82,16 @@ class FailureSeen:
 
 
 class Watchdog:
-    """Polls ``gen<g>/failed`` every ``poll_interval_s``; writes this rank's heartbeat, and checks its
-    watched peers', every :attr:`beat_every_s` (a tenth of the heartbeat timeout, at least a poll).
+    """Waits on ``gen<g>/failed`` (a blocking store wait, woken the moment it is set); writes this
+    rank's heartbeat, and checks its watched peers', every :attr:`beat_every_s` (a tenth of the
+    heartbeat timeout, at least a poll interval), between two waits.
 
     Args:
         store_factory: opens a new connection to the job store (one per thread).
         rank: this worker's rank.
         generation: the generation it trains in (moved on by :meth:`set_generation`).
-        poll_interval_s: seconds between polls.
+        poll_interval_s: the pause after a poll that failed (the store may be down), and the least
+            time between beats.
         heartbeat_timeout_s: a watched peer whose heartbeat is older declares the generation failed.
         watch_ranks: the peers whose heartbeats this worker checks (its pipeline and replica neighbours).
         progress: the training thread's progress (None: not watched).
@@ -186,11 +189,15 @@ class Watchdog:
             self._stop.wait(pause_s)
 
     def turn(self, store: JobStore | None) -> tuple[JobStore | None, float]:
-        """One turn of the thread: a guarded poll; returns the connection for the next turn and how
-        long to pause before it (benchmarks/scale.py drives the same turns on a fake clock)."""
-        return self.guarded_poll(store), self.poll_interval_s
+        """One turn of the thread: a guarded poll that then blocks on the failure flag until the next
+        beat (one request, woken the moment the flag is set); returns the connection for the next
+        turn and how long to pause before it (only after a failed poll: the store may be down).
+        benchmarks/scale.py drives the same turns on a fake clock."""
+        failing = self._failing
+        store = self.guarded_poll(store, wait=True)
+        return store, self.poll_interval_s if self._failing > failing or self._seen is not None else 0.0
 
-    def guarded_poll(self, store: JobStore | None) -> JobStore | None:
+    def guarded_poll(self, store: JobStore | None, wait: bool = False) -> JobStore | None:
         """One turn of the thread's loop, which nothing may end (the watchdog must never end a healthy
         job): a poll on ``store`` (None: opened first, the store may be down at start-up too); returns
         the connection for the next turn. Polls failing for longer than the heartbeat timeout are
@@ -198,7 +205,7 @@ class Watchdog:
         try:
             if store is None:
                 store = self._store_factory()
-            self.poll_once(store)
+            self.poll_once(store, wait=wait)
         except Exception as exc:  # noqa: BLE001 - the store may be unreachable for a while; keep polling
             self._poll_failed(exc)
             return store
@@ -239,19 +246,20 @@ class Watchdog:
                 name=__name__,
             )
 
-    def poll_once(self, store: JobStore) -> FailureSeen | None:
-        """One poll (public so tests can drive it without a thread)."""
+    def poll_once(self, store: JobStore, wait: bool = False) -> FailureSeen | None:
+        """One poll (public so tests can drive it without a thread). ``wait``: the failure flag is
+        waited on until the next beat is due, instead of read (the thread's turns)."""
         beats = self._beats
         now = beats.begin_round()
         try:
-            seen = self._poll(store, now)
+            seen = self._poll(store, now, wait)
         except Exception:
             beats.store_error()  # what this rank reads next says nothing of its peers' past
             raise
         beats.end_round()
         return seen
 
-    def _poll(self, store: JobStore, now: float) -> FailureSeen | None:
+    def _poll(self, store: JobStore, now: float, wait: bool = False) -> FailureSeen | None:
         progress = self.progress
         beat = now >= self._next_beat  # on the clock the peers' silences are judged by
         if beat:
@@ -261,11 +269,16 @@ class Watchdog:
             g, watch = self._generation, list(self._watch)
             if self._seen is not None:
                 return self._seen
-        reason = store.failure(g)
+        reason = None if wait else store.failure(g)
         if reason is None:
             reason = self._hung(store, g)
         if reason is None and beat:  # peers' counters are read as often as this rank writes its own
             reason = self._stale_peer(store, now, watch, g)
+        if reason is None and wait:
+            # A blocking wait, not a poll: a TCPStore wait (an etcd watch) returns the moment the flag
+            # is written, and one that starts after it returns at once, so no failure falls between
+            # two turns. Ten reads a second per rank were most of the job's store traffic.
+            reason = store.wait_for_failure(g, max(0.0, self._next_beat - self._beats.clock()))
         if reason is None:
             return None
         seen = FailureSeen(g, reason, time.time())
@@ -285,6 +298,8 @@ class Watchdog:
                     level=logging.WARNING,
                     name=__name__,
                 )
+        # The rounds of g this process waits in (a join, a recovery round) end now, on every rank.
+        wake(store, g, seen.reason)
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:

@@ -3,7 +3,8 @@
 Survivors and replacements run the same function with the same inputs, in this order:
 
 1. publish a :class:`~ds_swift.recovery.consensus.RankReport` (and the newest complete checkpoint
-   it sees) in the job store and gather everyone's;
+   it sees) in the job store; rank 0 gathers them once and hands every rank all of them (the
+   agreement round of ds_swift.jobstore.agreement: O(N) store requests, no rank reads every rank's key);
 2. agree on the consensus (:class:`~ds_swift.recovery.consensus.RecoveryInputs`) and ask the
    registered strategies (:mod:`ds_swift.recovery.registry`), cheapest first, which can restore
    the lost ranks: the same :class:`~ds_swift.recovery.consensus.RecoveryPlan` on every rank;
@@ -12,21 +13,22 @@ Survivors and replacements run the same function with the same inputs, in this o
    falls back to the global checkpoint, loudly, in this same generation;
 4. verify: every restored rank checked its state against its reference digest
    (:mod:`ds_swift.recovery.verify`); a mismatch anywhere is such a failed restore, naming the tensor;
-5. a barrier, so nobody starts training before every rank holds its state.
+5. a last round, so nobody starts training before every rank holds its state.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_swift import transport
 from ds_swift.checkpoint.periodic import CheckpointManager, Origin
+from ds_swift.jobstore.agreement import agree, pack, round_prefix, unpack
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import (
     RankContext,
@@ -44,13 +46,16 @@ from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.state.inflight import InflightKeeper
 from ds_swift.recovery.verify import (
     OWN_COPY,
-    agree,
+    agree_verdicts,
     check_published,
     forget_from,
     mismatch_reason,
 )
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
+
+#: distinct restore errors named in the agreed reason (the rest are counted)
+NAMED_ERRORS = 8
 
 
 @dataclass(frozen=True)
@@ -168,26 +173,37 @@ def run_recovery(
     if ctx.verify:  # what is trained again is published again; a later replay must not meet the old digests
         forget_from(ctx.store, ctx.rank, outcome.resume_iteration)
     outcome.latest_checkpoint = step
-    transport.barrier()
+    # Nobody trains before every rank holds its state: a round, not a gloo barrier (whose pairs,
+    # connected lazily, would cost every rank log2(N) connections through the store).
+    agree(
+        ctx.store, round_prefix(ctx.generation, "restored"), ctx.rank, "", range(world_size),
+        timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+    )  # fmt: skip
     ctx.timeline.t_restored = time.time()
     ctx.timeline.bytes_moved = outcome.bytes_moved
     return outcome
 
 
 def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list[RankReport], int]:
-    """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none)."""
+    """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none).
+    Two agreement rounds (ds_swift.jobstore.agreement): rank 0 reads the reports and hands every
+    rank all of them in one verdict, then the checkpoint every rank can load."""
     store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
-    store.publish(generation, "report", ctx.rank, report.to_json())
-    reports = [
-        RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), timeout_s).values()
-    ]
+    ranks = range(world_size)
+    said = agree(
+        store, round_prefix(generation, "report"), ctx.rank, report.to_json(), ranks, pack,
+        timeout_s=timeout_s, generation=generation,
+    )  # fmt: skip
+    reports = [RankReport.from_json(v) for v in unpack(said).values()]
     # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
     # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
     latest = _loadable_checkpoint(store, ctx.ckpt, checkpoint_bound(reports)) if ctx.ckpt is not None else None
-    store.publish(generation, "ckpt", ctx.rank, str(latest if latest is not None else -1))
-    ckpts = store.gather(generation, "ckpt", range(world_size), timeout_s)
     # Every rank must load the same tag: the newest one that is complete for all of them.
-    return reports, min(int(v) for v in ckpts.values())
+    step = agree(
+        store, round_prefix(generation, "ckpt"), ctx.rank, str(latest if latest is not None else -1), ranks,
+        lambda tags: str(min(int(v) for v in tags.values())), timeout_s=timeout_s, generation=generation,
+    )  # fmt: skip
+    return reports, int(step)
 
 
 def _restore(
@@ -222,15 +238,28 @@ def _agree_on_errors(
     (a strategy's bug, an op its peer abandoned), and any error makes every rank fall back to the
     global checkpoint together, loudly, naming it (a rank falling back alone would leave its peers
     waiting in the strategy's collectives). Returns the reason, or None when every restore worked."""
-    store.publish(generation, "restore_error", rank, error or "")
-    errors = store.gather(generation, "restore_error", range(world_size), timeout_s)
-    said = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
+    said = json.loads(
+        agree(
+            store, round_prefix(generation, "restore_error"), rank, error or "", range(world_size), _first_errors,
+            timeout_s=timeout_s, generation=generation,
+        )
+    )  # fmt: skip
     if not said:
         return None
     reason = "; ".join(said)
     if rank == 0:  # agreed, the same on every rank: said once (each rank's fallback line names it again)
         loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
     return reason
+
+
+def _first_errors(errors: Mapping[int, str]) -> str:
+    """The restore-error round's verdict: the distinct errors, the lowest ranks' first (at most
+    :data:`NAMED_ERRORS`, then how many more ranks failed: a thousand ranks' errors in one key
+    read by every rank would be a million copies)."""
+    said = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
+    if len(said) > NAMED_ERRORS:
+        said = [*said[:NAMED_ERRORS], f"and {len(said) - NAMED_ERRORS} more ranks' errors"]
+    return json.dumps(said)
 
 
 def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:
@@ -264,7 +293,7 @@ def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
 
 def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:
     """Step 4: every rank's verdict; RestoreFailed (the same on every rank) if any is a mismatch."""
-    verdicts = agree(ctx.store, ctx.generation, ctx.rank, world_size, outcome.verdict, ctx.gather_timeout_s)
+    verdicts = agree_verdicts(ctx.store, ctx.generation, ctx.rank, world_size, outcome.verdict, ctx.gather_timeout_s)
     verdict = outcome.verdict
     if verdict is not None:
         ctx.timeline.extra["verify"] = {"status": verdict.status, "detail": verdict.detail}

@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.logs import say
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.registry import STRATEGIES
@@ -216,14 +217,17 @@ class LossGuard:
         kept = [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
         mine = [x for _, x in kept]
         self.history = deque(kept, maxlen=_KEPT)
-        self.store.publish(generation, "guard_ref", self.rank, ",".join(repr(x) for x in mine))
+        # Survivors hold the same losses (every rank judges the broadcast one); replacements none:
+        # an agreement round whose verdict is the longest list (ds_swift.jobstore.agreement).
         try:
-            said = self.store.gather(generation, "guard_ref", range(world), timeout_s)
+            longest = agree(
+                self.store, round_prefix(generation, "guard_ref"), self.rank, ",".join(repr(x) for x in mine),
+                range(world), _longest, timeout_s=timeout_s, generation=generation,
+            )  # fmt: skip
+            said = True
         except Exception as exc:  # noqa: BLE001 - a timeout or the next failure: the guard must not end the job
             self.log(f"post-recovery guard: the ranks' losses not gathered ({type(exc).__name__}: {exc})")
-            said = {}
-        # Survivors hold the same losses (every rank judges the broadcast one); replacements none.
-        longest = max((v for v in said.values()), key=lambda v: len(v.split(",")) if v else 0, default="")
+            longest, said = "", False
         losses = [float(x) for x in longest.split(",")] if longest else []
         if not losses and not said:
             loud(
@@ -238,3 +242,8 @@ class LossGuard:
             f"post-recovery guard: iterations {resume_iteration}..{resume_iteration + self.iterations - 1} "
             f"watched (non-finite, or above {self.factor:g} x {ref if ref is not None else '-'})"
         )
+
+
+def _longest(lists: Mapping[int, str]) -> str:
+    """The guard round's verdict: the longest of the ranks' loss lists."""
+    return max(lists.values(), key=lambda v: len(v.split(",")) if v else 0, default="")
