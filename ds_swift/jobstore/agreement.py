@@ -42,6 +42,7 @@ __all__ = [
     "BACKSTOP_S",
     "FAILED",
     "LEADER_SLICE_S",
+    "GenerationFailed",
     "RoundTimeout",
     "agree",
     "collect",
@@ -133,12 +134,19 @@ class RoundTimeout(TimeoutError):
         self.pending = list(pending)
 
 
+class GenerationFailed(RuntimeError):
+    """The generation being joined or run has failed; join the next one."""
+
+    def __init__(self, generation: int, reason: str) -> None:
+        super().__init__(f"generation {generation} failed: {reason}")
+        self.generation = generation
+        self.reason = reason
+
+
 def _failed(store: JobStore, generation: int | None) -> None:
     if generation is not None:
         reason = store.failure(generation)
         if reason is not None:
-            from ds_swift.jobstore.membership import GenerationFailed
-
             raise GenerationFailed(generation, reason)
 
 
@@ -278,7 +286,5 @@ def _opened(verdict: str | None, generation: int | None, what: str) -> str:
     if verdict is None:
         raise MembershipError(f"{what}: the verdict cannot be read (not signed with the job secret)")
     if verdict.startswith(FAILED):
-        from ds_swift.jobstore.membership import GenerationFailed
-
         raise GenerationFailed(-1 if generation is None else generation, verdict[len(FAILED) :])
     return verdict

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from ds_swift.jobstore.agreement import RoundTimeout, agree, collect, round_prefix, verdict_key
+from ds_swift.jobstore.agreement import GenerationFailed, RoundTimeout, agree, collect, round_prefix, verdict_key
 from ds_swift.jobstore.auth import SECRET_ENV
 from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.jobstore.signed_kv import SignedKV, new_launch_id
@@ -49,7 +49,8 @@ from ds_swift.jobstore.url import StoreCredentials, StoreURL
 from ds_swift.jobstore.worker_env import MembershipError, WorkerEnv
 from ds_swift.threadname import threads_yield_on_wakeup
 
-# The layout keys live in ds_swift.jobstore.layout; they stay importable from here too.
+# The layout keys live in ds_swift.jobstore.layout, GenerationFailed in ds_swift.jobstore.agreement
+# (whose rounds raise it); they stay importable from here too.
 __all__ = [
     "LAYOUT_KEY",
     "GenerationFailed",
@@ -67,15 +68,6 @@ _NOT_OURS = (
     "does not serve job token {}... with this job's secret: this worker belongs to another job "
     "(or the job ended, or the secret differs)"
 )
-
-
-class GenerationFailed(RuntimeError):
-    """The generation being joined or run has failed; join the next one."""
-
-    def __init__(self, generation: int, reason: str) -> None:
-        super().__init__(f"generation {generation} failed: {reason}")
-        self.generation = generation
-        self.reason = reason
 
 
 class JobStore(SignedKV):

@@ -39,11 +39,11 @@ from ds_swift.recovery.base import (
     RecoveryOutcome,
     RecoveryStrategy,
     announce_deviation,
-    check_round,
     checkpoint_source,
     loud,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.restore_check import check_round
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore, set_counters
 
