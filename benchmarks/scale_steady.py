@@ -26,6 +26,7 @@ from typing import Any
 
 from scale_common import LAUNCH, PER_MACHINE, SECRET, TOKEN, FakeClock, Layout, StoreSet, quiet
 
+from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog
 from ds_swift.launch.agent import MachineAgent
@@ -72,7 +73,14 @@ class _Proc:
         pass
 
 
+#: what the simulated agents leave behind (their ranks' beat directories)
+CLOSE: list[Callable[[], None]] = []
+#: rank -> the environment its agent last started it with (the sim's workers read their beat dirs there)
+SPAWNED: dict[int, Any] = {}
+
+
 def _spawn(command: Any, wenv: Any, nproc: int, op_timeout_s: float | None) -> Worker:
+    SPAWNED[wenv.rank] = wenv
     return Worker(wenv.rank, wenv.local_rank, wenv.generation, _Proc())  # type: ignore[arg-type]
 
 
@@ -93,6 +101,7 @@ def _watchdogs(stores: StoreSet, layout: Layout, cfg: SteadyConfig) -> list[Call
     counting = stores.counting("watchdog")
     for rank in range(layout.ranks):
         client = stores.client("watchdog")
+        beat_dir = SPAWNED[rank].beat_dir  # as FailureMonitor.start_watchdog: the rank beats for its agent
         wd = Watchdog(
             lambda c=client: c,
             rank,
@@ -103,6 +112,7 @@ def _watchdogs(stores: StoreSet, layout: Layout, cfg: SteadyConfig) -> list[Call
             progress=Progress(),
             hang_timeout_s=cfg.hang_timeout_s,
             ranks_per_machine=PER_MACHINE,
+            beat_file=BeatFile(beat_dir, rank, cfg.heartbeat_timeout_s) if beat_dir else None,
         )
         state: dict[str, Any] = {"store": client}
 
@@ -149,6 +159,7 @@ def _launchers(stores: StoreSet, layout: Layout, cfg: SteadyConfig, clock: FakeC
             return sup.pause_s() + (counting.slept_s - before)
 
         turns.append(turn)
+        CLOSE.append(agent.close)
     return turns
 
 
@@ -173,9 +184,10 @@ def steady_state(layout: Layout, cfg: SteadyConfig = SteadyConfig()) -> dict[str
     stores = StoreSet(virtual_waits=True)
     clock = FakeClock()
     with quiet(), clock.installed():
+        launchers = _launchers(stores, layout, cfg, clock)  # first: they start the ranks
         parts = {
             "watchdog": _watchdogs(stores, layout, cfg),
-            "launcher": _launchers(stores, layout, cfg, clock),
+            "launcher": launchers,
             "digests": _digests(stores, layout, cfg),
         }
         for part in parts:
@@ -194,6 +206,8 @@ def steady_state(layout: Layout, cfg: SteadyConfig = SteadyConfig()) -> dict[str
                     stores.take(part)
             pause = turn.run()
             heapq.heappush(queue, _Turn(clock.now + max(pause, 1e-3), next(seq), turn.run))
+        while CLOSE:
+            CLOSE.pop()()
     out: dict[str, Any] = {"ranks": layout.ranks, "machines": layout.machines, "simulated_s": cfg.simulated_s}
     for part in parts:
         tally = stores.take(part)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.beats import BeatFile, CounterClock
 from ds_swift.detect.progress import Progress
 from ds_swift.jobstore.agreement import wake
 from ds_swift.jobstore.membership import JobStore
@@ -100,6 +100,9 @@ class Watchdog:
         machines: the job's machines in rank order (after an elastic shrink, not all of them; None: 0, 1, ...).
         on_failure: called on the watchdog's thread once per failed generation, right after
             ``failed`` is set (ds-swift aborts its NCCL communicators there).
+        beat_file: where this rank beats for its machine's agent (ds-swift-launch: every worker);
+            its peers then beat for theirs too, and are not watched here (their agents judge them
+            on their own clocks). None: this rank beats in the job store and watches ``watch_ranks``.
     """
 
     def __init__(
@@ -115,8 +118,10 @@ class Watchdog:
         ranks_per_machine: int = 1,
         machines: Sequence[int] | None = None,
         on_failure: Callable[[FailureSeen], object] | None = None,
+        beat_file: BeatFile | None = None,
     ) -> None:
         self.on_failure = on_failure
+        self.beat_file = beat_file
         self.machines = tuple(machines) if machines is not None else None
         self._store_factory = store_factory
         self.progress = progress
@@ -264,7 +269,11 @@ class Watchdog:
         beat = now >= self._next_beat  # on the clock the peers' silences are judged by
         if beat:
             self._next_beat = now + self.beat_every_s
-            store.heartbeat(self.rank, progress.note() if progress is not None else "")
+            note = progress.note() if progress is not None else ""
+            if self.beat_file is not None:
+                self.beat_file.beat(note)
+            else:
+                store.heartbeat(self.rank, note)
         with self._lock:
             g, watch = self._generation, list(self._watch)
             if self._seen is not None:
@@ -272,7 +281,7 @@ class Watchdog:
         reason = None if wait else store.failure(g)
         if reason is None:
             reason = self._hung(store, g)
-        if reason is None and beat:  # peers' counters are read as often as this rank writes its own
+        if reason is None and beat and self.beat_file is None:  # peers' counters, as often as this rank beats
             reason = self._stale_peer(store, now, watch, g)
         if reason is None and wait:
             # A blocking wait, not a poll: a TCPStore wait (an etcd watch) returns the moment the flag

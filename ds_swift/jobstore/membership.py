@@ -364,14 +364,14 @@ class JobStore(SignedKV):
         """The value at ``key`` once set, or None after ``timeout_s``: one blocking wait, one read
         (a value not signed with the job secret is waited past, without polling, until the timeout)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self.wait_keys([key], deadline - time.monotonic()):
-                value = self._read(key)
-                if value is not None:
-                    return value
-                time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))  # forged: the real one overwrites it
+        while self.wait_keys([key], deadline - time.monotonic()):  # False: the whole time passed
+            value = self._read(key)
+            if value is not None:
+                return value
+            time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))  # forged: the real one overwrites it
             if time.monotonic() >= deadline:
-                return None
+                break
+        return None
 
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""
