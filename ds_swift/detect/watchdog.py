@@ -53,6 +53,10 @@ __all__ = [
 #: tiny GPT, 4 ranks: the watchdog threads' 6.8 ms per iteration went to 2.7).
 BEATS_PER_TIMEOUT = 10
 
+#: a blocking wait that returns this much before the next beat is due still beats (a wait's own
+#: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
+_EARLY_S = 0.005
+
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
 #: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
 STORE_ERRORS = (RuntimeError, OSError)
@@ -266,7 +270,8 @@ class Watchdog:
 
     def _poll(self, store: JobStore, now: float, wait: bool = False) -> FailureSeen | None:
         progress = self.progress
-        beat = now >= self._next_beat  # on the clock the peers' silences are judged by
+        # on the clock the peers' silences are judged by; a store wait may end a little early
+        beat = now >= self._next_beat - _EARLY_S
         if beat:
             self._next_beat = now + self.beat_every_s
             note = progress.note() if progress is not None else ""

@@ -112,8 +112,10 @@ class SignedKV:
         request however long it blocks (a TCPStore waits on the server; etcd watches)."""
         if not keys:
             return True
+        if timeout_s < 1e-3:  # torch reads a zero timeout as none at all: wait forever
+            return bool(self.kv.check(keys))
         try:
-            self.kv.wait(keys, datetime.timedelta(seconds=max(0.0, timeout_s)))
+            self.kv.wait(keys, datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, LookupError):  # DistStoreError on a TCPStore, LookupError from etcd
             return False
         return True
