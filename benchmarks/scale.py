@@ -100,7 +100,7 @@ def build_model(
         tuple(phases),
         server_requests_per_s=min(tcp["writes_per_s"], tcp["reads_per_s"]),
         server_bytes_per_s=tcp["bytes_per_s"],
-        initialization=("detect", "join", "groups"),
+        initialization=("detect", "join", "groups", "rounds", "consensus"),
         source="benchmarks/scale.py",
     )
 

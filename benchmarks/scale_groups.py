@@ -4,8 +4,8 @@ Every generation opens ds-swift's transport (ds_swift.transport.core ``Transport
 group per channel over the whole world, its pairs of ranks connected lazily
 (ds_swift.transport.core ``lazy_gloo``). Here N ranks on threads each create those groups as
 ``new_group(backend="gloo")`` does (a ``ProcessGroupGloo`` on the generation's store prefix) over a
-counting store, then run what the first iterations run on them (a barrier, an all-gather of a few
-bytes: ring neighbours), and the store requests are counted. (Created eagerly, before issue 48, a
+counting store, then run what a buddy job's generation start runs on them (the buddy placement's
+all-gather, the copies to buddies: ring neighbours), and the store requests are counted. (Created eagerly, before issue 48, a
 group was a full mesh: per group N writes, N^2 waits and N^2 reads of two requests each.)
 """
 
@@ -40,11 +40,13 @@ def _groups(stores: StoreSet, n: int) -> dict[str, int]:
             errors.append(exc)
 
     def use(rank: int) -> None:
+        """What a buddy job's generation start runs on them: the buddy placement's all-gather on
+        the host channel (gloo's ring: two neighbours a rank), the copies on the copier's (a rank
+        and its buddies: played here by a ring too)."""
         try:
-            pg = backends[rank][0]
-            pg.barrier().wait()
-            out = [[torch.zeros(2) for _ in range(n)]]
-            pg.allgather(out, [torch.ones(2)]).wait()
+            for pg in backends[rank]:
+                out = [[torch.zeros(2) for _ in range(n)]]
+                pg.allgather(out, [torch.ones(2)]).wait()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

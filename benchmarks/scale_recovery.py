@@ -7,11 +7,11 @@ it (ds_swift.runtime.rebuild ``as_survivor``/``rejoin``/``_recover``, ds_swift.r
 
 - the failed machine's agent: launch/fate.py ``MachineFate.handle`` (declare, timeline, fate, the
   spare's request); the spare's agent: ``MachineAgent.poll_store`` (claim, replacement started);
-- each survivor: its watchdog's poll that sees the flag (``Watchdog.poll_once``), the generation
+- each survivor: its watchdog's turn that sees the flag (``Watchdog.turn``), the generation
   moved on (``ensure_generation_moved``), the failed machine's name (``wait_failed_machine``), the
   join of g+1 (``JobStore.join``);
 - each replacement, :data:`REPLACEMENT_DELAY_S` later (a warm spare handed its ranks): its store
-  connection, the same join, its watchdog's first beat;
+  connection and the same join;
 - every rank: the recovery protocol itself (ds_swift.recovery.coordinator ``run_recovery``: its
   rounds, the consensus and the choice of strategy, whose CPU time is measured, verification, the
   digests of undone iterations dropped), with a restore that does what a replication or buddy
@@ -40,6 +40,7 @@ import torch
 from scale_common import LAUNCH, PER_MACHINE, SECRET, TOKEN, Layout, StoreSet, quiet
 from scale_steady import _HealthyGpus, _spawn
 
+from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved, wait_failed_machine
 from ds_swift.jobstore.membership import JobStore, resumed_key
@@ -182,9 +183,13 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
 
 def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
     store = clients["detect"]
-    wd = Watchdog(lambda: store, rank, 0, 0.1, 10.0, (), progress=Progress(), ranks_per_machine=PER_MACHINE)
-    while wd.poll_once(store) is None:  # the poll that sees the flag (the harness starts after it is set)
-        time.sleep(0.01)
+    wd = Watchdog(
+        lambda: store, rank, 0, 0.1, 10.0, (), progress=Progress(), ranks_per_machine=PER_MACHINE,
+        beat_file=BeatFile(run.run_dir, rank, 10.0),
+    )  # fmt: skip
+    conn: JobStore | None = store
+    while not wd.failed.is_set():  # its thread's turn that sees the flag (set before the harness starts)
+        conn, _ = wd.turn(conn)
     ensure_generation_moved(store, 0)
     wait_failed_machine(store, 0, 2.0)
     clients["join"].join(1, rank, run.layout.ranks, TIMEOUT_S)
@@ -194,8 +199,7 @@ def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
 def _replacement(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
     time.sleep(REPLACEMENT_DELAY_S)
     store = run.stores.client("join")  # JobStore.from_env: the launch's token read
-    store.join(1, rank, run.layout.ranks, TIMEOUT_S)
-    store.heartbeat(rank)  # its watchdog's first beat (a replacement counts on from its predecessor)
+    store.join(1, rank, run.layout.ranks, TIMEOUT_S)  # its watchdog beats for its agent: no store
     _rounds(run, rank, 1, clients["rounds"])
 
 

@@ -96,7 +96,9 @@ class ScaleModel:
     server_bytes_per_s: float
     rtt_s: float = 2e-4
     initialization: tuple[str, ...] = ()
-    """The phases of the paper's initialization (detection -> replacements joined, groups formed)."""
+    """The phases a strategy's ``restart_s`` stands for: all but moving the lost state and redoing
+    the iteration in flight, which ``ds-swift simulate`` prices itself (``broadcast_s``, ``load_s``,
+    the in-flight redo)."""
     source: str = ""
 
     def phase_s(self, phase: Phase, n: int) -> float:
@@ -111,7 +113,7 @@ class ScaleModel:
         return sum(self.breakdown(n).values())
 
     def initialization_s(self, n: int) -> float:
-        """Detection -> replacements joined and groups formed (a strategy's ``restart_s``)."""
+        """The phases of :attr:`initialization` at ``n`` ranks (a strategy's ``restart_s``)."""
         return sum(self.phase_s(p, n) for p in self.phases if p.name in self.initialization)
 
     def requests(self, n: int) -> float:

@@ -86,7 +86,7 @@ def test_a_failure_of_the_generation_ends_every_wait_at_once() -> None:
             return "woke"
         started.wait()
         try:
-            agree(js, round_prefix(5, "restore_error"), rank, "", range(4), timeout_s=30, generation=5)
+            agree(js, round_prefix(5, "restore"), rank, "", range(4), timeout_s=30, generation=5)
         except GenerationFailed as failed:
             return failed.reason
         return "no failure"

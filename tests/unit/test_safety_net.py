@@ -154,7 +154,7 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     )
     assert outcome.plan.strategy == "checkpoint"
     assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
-    assert store.get("gen1/restore_error/0") is not None  # the agreed error round took place
+    assert store.get("gen1/restore/0") is not None and store.get("gen1/restored/verdict") is not None  # the rounds took place
 
 
 # ------------------------------------------------------------------ checkpoint write errors
