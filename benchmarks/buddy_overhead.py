@@ -1,4 +1,4 @@
-"""Cost of buddy copies of ZeRO-1 / BF16_Optimizer partitions (ds_swift.runtime.buddy), failure-free.
+"""Cost of buddy copies of ZeRO-1 / BF16_Optimizer partitions (ds_swift.protect.buddy), failure-free.
 
 Runs the tiny GPT (``configs/gpt_tiny_pp2_dp2_bf16_zero1.json``: bf16, ZeRO-1, pp 2 x dp 2 on 2
 simulated machines) under ``ds-swift-launch``, alternately with ``buddy.enabled`` on and off

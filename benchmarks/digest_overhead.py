@@ -1,4 +1,4 @@
-"""Cost of verified recovery's state digests (ds_swift.runtime.digest), failure-free.
+"""Cost of verified recovery's state digests (ds_swift.protect.digest_publisher), failure-free.
 
 Runs the tiny GPT under ``ds-swift-launch`` (default ``configs/gpt_tiny_pp4.json``: pp 4 on 2
 simulated machines, message logging on: the strategy whose replays are checked against these

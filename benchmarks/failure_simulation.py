@@ -4,7 +4,7 @@ the model from the failure-free run? (issue 14; shared/papers/nicolae-*.txt, sec
 Runs ``examples/pretrain_gpt.py`` under ``ds-swift-launch`` in the configuration users run
 (``configs/gpt_tiny_pp2_dp2_bf16_zero1.json``: bf16, ZeRO-1, clipping, pp 2 x dp 2 on 2 simulated
 machines), all jobs started from this one process, with the failure-simulation mode
-(``simulate_failure``: nothing is killed; ds_swift.runtime.simulate) at each ``--at`` iteration:
+(``simulate_failure``: nothing is killed; ds_swift.runtime.failure_simulation) at each ``--at`` iteration:
 
 - ``LF-xx%``: lossy forward, replica 1 lost after xx% of the backward pass: the gradients of the
   pipeline layers the backward had not reached count only replica 0's (``upto_layer``); ``LF-0%``

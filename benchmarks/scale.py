@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 from scale_capacity import capacity  # noqa: E402
 from scale_common import Layout  # noqa: E402
+from scale_e2e import end_to_end  # noqa: E402
 from scale_groups import group_costs  # noqa: E402
 from scale_recovery import PHASES as RECOVERY_PHASES  # noqa: E402
 from scale_recovery import recovery  # noqa: E402
@@ -168,6 +170,26 @@ def _model_error(measured: dict[str, Any], cap: dict[str, Any], args: argparse.N
     return {"n": largest, "per_phase": errors, "total": round(abs(total_pred - total) / max(1.0, total), 3)}
 
 
+def e2e_check(model: ScaleModel, e2e: dict[str, Any]) -> dict[str, Any]:
+    """The model against kill -> back measured with real ranks: its parts that no store request
+    explains (a replacement's start, the state's transfer, the redone iteration, the ranks' own
+    work) are taken from the smallest N measured; the model's kill -> back at the largest N is then
+    compared with the one measured there."""
+    sizes = sorted(int(n) for n in e2e)
+    small, large = sizes[0], sizes[-1]
+    store_s = {n: sum(model.phase_s(p, n) - p.fixed_s for p in model.phases) for n in sizes}
+    rest = float(e2e[str(small)]["total_s"]) - store_s[small]
+    predicted = rest + store_s[large]
+    measured = float(e2e[str(large)]["total_s"])
+    return {
+        "measured_total_s": {str(n): e2e[str(n)]["total_s"] for n in sizes},
+        "fixed_from_smallest_s": round(rest, 3),
+        "predicted_total_s_at_largest": round(predicted, 3),
+        "error_at_largest": round((predicted - measured) / measured, 3),
+        "largest": large,
+    }
+
+
 def table(out: dict[str, Any]) -> None:
     print("ranks | steady req/rank/s (control) | protections req/rank/s | recovery requests | per rank")
     for n in out["recovery_requests"]:
@@ -198,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--store-only", action="store_true", help="simulated ranks against counting stores")
     mode.add_argument("--capacity", action="store_true", help="the store servers' capacity alone (TCPStore, etcd)")
+    mode.add_argument("--end-to-end", action="store_true", help="kill -> back with real ranks (--ranks 4,8,16)")
     p.add_argument("--ranks", default="16,64,256", help="comma-separated rank counts (multiples of 8)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--capacity-from", metavar="FILE", help="a --capacity --json result instead of measuring")
     p.add_argument("--model-out", metavar="FILE", help="write the fitted model (ds-swift simulate's scale_model)")
+    p.add_argument("--e2e", metavar="FILE", help="an --end-to-end --json result: the model's error against it")
     p.add_argument("--replacement-start-s", type=float, default=1.0)
     p.add_argument("--state-s", type=float, default=0.5)
     p.add_argument("--nccl-init-s", type=float, default=0.0)
@@ -212,12 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cap, indent=None if args.json else 1))
         return 0
     ranks = sorted({int(x) for x in args.ranks.split(",")})
+    if args.end_to_end:
+        if any(n % 2 or n < 4 for n in ranks):
+            p.error(f"--ranks {args.ranks}: even counts of 4 or more (machines of 2 ranks)")
+        with tempfile.TemporaryDirectory(prefix="ds-swift-scale-e2e-") as tmp:
+            print(json.dumps(end_to_end(Path(tmp), ranks)))
+        return 0
     if any(n % 8 or n < 16 for n in ranks):
         p.error(f"--ranks {args.ranks}: every count a multiple of 8, at least 16 (machines of 8 ranks)")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import prints on stdout: the JSON stays alone
         measured = measure(ranks)
         cap = json.loads(Path(args.capacity_from).read_text()) if args.capacity_from else capacity(2, 2.0, etcd=False)
         out = summary(measured, cap, args)
+        if args.e2e:
+            out["end_to_end"] = e2e_check(build_model(measured, cap, args), json.loads(Path(args.e2e).read_text()))
     if args.model_out:
         Path(args.model_out).write_text(build_model(measured, cap, args).to_json() + "\n")
     if args.json:

@@ -53,10 +53,12 @@ from ds_swift.recovery import coordinator
 from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.coordinator import run_recovery
+from ds_swift.recovery.holdings import BuddyHeld
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.timeline import RankTimeline, collect_timeline
+from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import check_received, publish_reference
 from ds_swift.runtime.guard import LossGuard
+from ds_swift.runtime.timeline import collect_timeline
 
 __all__ = ["PHASES", "REPLACEMENT_DELAY_S", "recovery"]
 
@@ -117,8 +119,9 @@ def _report(run: _Run, rank: int) -> RankReport:
         machine=run.layout.machine(rank),
         last_stepped=ITERATION if survivor else -1,
         can_undo=survivor,
-        buddy_copies=((buddy, ITERATION),) if survivor else (),
-        own_copies=(ITERATION,) if survivor else (),
+        holdings={BuddyHeld.NAME: BuddyHeld(copies=((buddy, ITERATION),), own=(ITERATION,)).to_doc()}
+        if survivor
+        else {},
     )
 
 

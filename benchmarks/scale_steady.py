@@ -36,10 +36,10 @@ from ds_swift.launch.job import JobSpec
 from ds_swift.launch.launcher import Supervisor
 from ds_swift.launch.liveness import AgentLiveness
 from ds_swift.launch.spawn import Worker
+from ds_swift.protect.buddy_holdings import StoreLanding
+from ds_swift.protect.buddy_interval import PERIOD_S
 from ds_swift.recovery.state.digest import StateDigest
 from ds_swift.recovery.verify import publish_digest
-from ds_swift.runtime.buddy_auto import PERIOD_S
-from ds_swift.runtime.buddy_holdings import StoreLanding
 
 __all__ = ["SteadyConfig", "buddy_round", "steady_state"]
 
@@ -220,7 +220,7 @@ def steady_state(layout: Layout, cfg: SteadyConfig = SteadyConfig()) -> dict[str
 
 
 def buddy_round(layout: Layout, rounds: int = 3, cfg: SteadyConfig = SteadyConfig()) -> dict[str, Any]:
-    """Requests per rank of one buddy landing round (ds_swift.runtime.buddy_holdings.StoreLanding,
+    """Requests per rank of one buddy landing round (ds_swift.protect.buddy_holdings.StoreLanding,
     every rank on its own thread, real blocking waits), and per second at the most rounds
     ``buddy.interval: "auto"`` allows (one per PERIOD_S)."""
     stores = StoreSet()

@@ -8,7 +8,7 @@ partition of ``--elements`` fp32 parameters ``--steps`` times with gradients of 
 the share that still differ after stepping the undone state forward again with the same gradient
 (an undone element that is *a* pre-image of the post-step value, though not *the* one, maps back).
 
-Why buddy copies keep an own copy (ds_swift.runtime.buddy): survivors that must go back one step take
+Why buddy copies keep an own copy (ds_swift.protect.buddy): survivors that must go back one step take
 it back instead of undoing, so their state is the failure-free run's bit for bit.
 
     python benchmarks/undo_exactness.py

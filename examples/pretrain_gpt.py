@@ -30,12 +30,13 @@ import torch.distributed as dist
 
 import ds_swift
 import ds_swift.megatron
-from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
+from ds_swift.config import ConfigError, load_ds_config
 from ds_swift.data.keyed import ResumableIterator, micro_batches
 from ds_swift.models.gpt import DATA_SOURCES, GPTConfig, gpt_batch_fn, gpt_pipeline
 from ds_swift.models.training_plan import PlanError, resolve_training_plan
 from ds_swift.patches.megatron_import import import_megatron_core
 from ds_swift.plan import layout_from_deepspeed_topology, layout_from_parallel_state
+from ds_swift.recovery.registry import load_config
 from ds_swift.runtime.context import pipeline_topology
 
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ConfigError, ValueError) as exc:
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
         return 2
-    cfg = SwiftConfig.from_ds_config(config)
+    cfg = load_config(config)
     # Start-up work before joining the job: a replacement's start-up is waited for either way, but
     # what it does after joining counts as the rebuild of every rank.
     parallel_state = import_parallel_state()

@@ -11,7 +11,7 @@ generation failed in the job store. The agent itself survives. Then, in this ord
 
 Replacement workers start in the store's current generation with ``SWIFT_REPLACEMENT=1``. A
 replacement that dies is one more machine failure, handled the same way (a cascading failure).
-A spare keeps a pool of warm workers (:mod:`.warm`, on unless ``--cold-spares``), already imported
+A spare keeps a pool of warm workers (:mod:`.warm_pool`, on unless ``--cold-spares``), already imported
 and waiting: taking over a machine hands them their ranks instead of starting processes.
 
 How the agent reacts when its ranks stop is :mod:`.agent_failures`; what it checks besides their exits
@@ -41,7 +41,7 @@ from .health import MachineHealth
 from .inject_group import GroupKill, PendingFailure
 from .job import JobSpec
 from .spawn import Worker, spawn_warm, spawn_worker, supports_warm
-from .warm import WarmPool
+from .warm_pool import WarmPool
 
 # JobSpec lives in .job (what every agent knows about the job); it stays importable from here.
 __all__ = ["AgentState", "JobSpec", "MachineAgent"]

@@ -56,7 +56,7 @@ class LaunchArgs:
     cold_spares: bool = False
     """Spares start their workers at a failure instead of keeping warm ones (slower; for comparison)."""
     fork_server: bool = False
-    """Workers are forked from one pre-imported interpreter per launcher process (``launch/forkserver.py``)."""
+    """Workers are forked from one pre-imported interpreter per launcher process (``launch/fork_client.py``)."""
     restart_delay_s: float | None = None
     """Restart a failed machine's ranks on the same agent after this delay (None: never)."""
     max_failures: int = DEFAULT_MAX_FAILURES

@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # imports torch for the job store (on a small host, seconds off every job's start).
     server = None
     if args.fork_server and args.launcher not in ("pdsh", "ssh"):  # pdsh/ssh: each host's agent has its own
-        from .forkserver import ForkServer
+        from .fork_client import ForkServer
 
         server = ForkServer(args.command)
         server.start()

@@ -41,7 +41,7 @@ from .liveness import AgentLiveness
 from .spawn import spawn_warm, spawn_worker
 
 if TYPE_CHECKING:
-    from .forkserver import ForkServer
+    from .fork_client import ForkServer
 
 __all__ = ["Supervisor", "run"]
 

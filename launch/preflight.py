@@ -3,7 +3,7 @@
 The launcher reads the training script's DeepSpeed config the way the script will (its
 ``--deepspeed_config``, Megatron's ``--swift``/``--swift-config``/``--save`` through
 :func:`ds_swift.megatron.swift_section`, and its ``--pipeline-model-parallel-size`` /
-``--tensor-model-parallel-size``) and runs the checks of :mod:`ds_swift.config.feasible`. A
+``--tensor-model-parallel-size``) and runs the checks of :mod:`ds_swift.recovery.feasible`. A
 script whose config is not on its command line is not checked (nothing to read); an invalid swift
 section is reported here too, before the job starts, rather than by every worker.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
+from ds_swift.recovery.registry import checked
 
 from .args import LaunchArgs
 
@@ -43,13 +44,13 @@ def check_job(
 ) -> list[str]:
     """Every requirement of the job's strategy that this job does not meet, one line each (an
     invalid swift section is one such line)."""
-    from ds_swift.config.feasible import LAUNCH_REQUIREMENTS, JobShape, infeasible
     from ds_swift.megatron import swift_section
+    from ds_swift.recovery.feasible import LAUNCH_REQUIREMENTS, JobShape, infeasible
 
     ns = script_namespace(script_args)
     try:
         section = swift_section(ns, dict(ds_config))
-        cfg = SwiftConfig.from_dict(section)
+        cfg = checked(SwiftConfig.from_dict(section))
     except ConfigError as exc:
         return [str(exc)]
     if why := left_off(section):

@@ -104,7 +104,7 @@ def describe_exit(returncode: int) -> str:
 
 class WorkerProcess(Protocol):
     """What an agent uses of a worker's process: a ``subprocess.Popen``, or a worker that the fork
-    server forked (:class:`launch.forkserver.ForkedProcess`)."""
+    server forked (:class:`launch.fork_client.ForkedProcess`)."""
 
     @property
     def pid(self) -> int: ...

@@ -15,7 +15,7 @@ Measured on DeepSpeed 0.19.8 + torch 2.13 (shared/NOTES-deepspeed-cpu.md):
 - Gloo's ``abort()`` leaves the sockets open (peers blocked on us keep waiting until our process
   exits); ``destroy_process_group()`` with every reference dropped closes them, and peers raise
   "Connection closed by peer" at once. So :func:`teardown_process_groups` destroys gloo groups,
-  never aborts them (NCCL groups it aborts: ds_swift.transport.teardown).
+  never aborts them (NCCL groups it aborts: ds_swift.transport.shutdown).
 - "Every reference" includes the user's: a training script keeps its ``model`` (the
   ``PipelineModule``, whose ``world_group`` and ``_grid`` hold groups) and maybe the engine.
   Measured: a survivor whose pending op's peer kept its groups alive that way waited the full op
@@ -362,7 +362,7 @@ def release_megatron_groups() -> int:
 
 def teardown_process_groups() -> None:
     """End every process group of this generation so peers blocked on us fail fast: destroyed on
-    gloo, aborted where they have NCCL (ds_swift.transport.teardown says why), then DeepSpeed's
+    gloo, aborted where they have NCCL (ds_swift.transport.shutdown says why), then DeepSpeed's
     references to them released (what ``deepspeed.comm.destroy_process_group`` does after torch's
     destroy, which on NCCL could wait on a dead peer).
 

@@ -1,4 +1,4 @@
-"""No module over 400 lines, no function over 80 (issue 31; STYLE.md habit 1).
+"""No module over 500 lines, no function over 80 (issues 31 and 51; STYLE.md habit 1).
 
     python scripts/check_sizes.py [--list]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ds_swift", "launch", "patches")
 #: the code beside the packages: the same limits (a 476-line benchmark grew unseen outside the reach)
 BESIDE = ("benchmarks", "examples", "scripts", "tests")
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 BASELINE = ROOT / "scripts" / "size_baseline.txt"
 

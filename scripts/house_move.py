@@ -32,84 +32,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: old module -> new module (dotted). A module not named here stays where it is.
 MOVES: dict[str, str] = {
-    # jobstore/: where the job's shared state lives (store, membership, auth, URL, worker env)
-    "ds_swift.membership": "ds_swift.jobstore.membership",
-    "ds_swift.etcd_store": "ds_swift.jobstore.etcd",
-    "ds_swift.signed_kv": "ds_swift.jobstore.signed_kv",
-    "ds_swift.store_auth": "ds_swift.jobstore.auth",
-    "ds_swift.store_url": "ds_swift.jobstore.url",
-    "ds_swift.worker_env": "ds_swift.jobstore.worker_env",
-    # checkpoint/: the job's checkpoints (global, async, CheckFreq's interval, SCAR's running one)
-    "ds_swift.checkpoint": "ds_swift.checkpoint.periodic",
-    "ds_swift.checkpoint_async": "ds_swift.checkpoint.background",
-    "ds_swift.checkfreq": "ds_swift.checkpoint.checkfreq",
-    "ds_swift.running_checkpoint": "ds_swift.checkpoint.running",
-    "ds_swift.durable": "ds_swift.checkpoint.durable",
-    "ds_swift.checkpoint_setup": "ds_swift.checkpoint.setup",
-    "ds_swift.checkpoint_snapshot": "ds_swift.checkpoint.snapshot",
-    # data/: data and randomness keyed by position, the example's corpus
-    "ds_swift.data": "ds_swift.data.keyed",
-    "ds_swift.corpus": "ds_swift.data.corpus",
-    # megatron/: Megatron-DeepSpeed integration
-    # (ds_swift.megatron, the integration users import, becomes the package's __init__: same path)
-    "ds_swift.megatron": "ds_swift.megatron",
-    "ds_swift.megatron_data": "ds_swift.megatron.data",
-    "ds_swift.megatron_patch": "ds_swift.megatron.patch",
-    "ds_swift.megatron_patch_state": "ds_swift.megatron.patch_state",
-    "ds_swift.megatron_cpu": "ds_swift.megatron.cpu",
-    # bench/: `ds-swift bench` and `ds-swift demo`
-    "ds_swift.bench": "ds_swift.bench.run",
-    "ds_swift.bench_jobs": "ds_swift.bench.jobs",
-    "ds_swift.bench_measure": "ds_swift.bench.measure",
-    "ds_swift.bench_profile": "ds_swift.bench.profile",
-    "ds_swift.demo": "ds_swift.bench.demo",
-    "ds_swift.demo_report": "ds_swift.bench.demo_report",
-    # recovery/strategies/: one module per strategy
-    "ds_swift.recovery.replication": "ds_swift.recovery.strategies.replication",
-    "ds_swift.recovery.buddy": "ds_swift.recovery.strategies.buddy",
-    "ds_swift.recovery.logging_strategy": "ds_swift.recovery.strategies.message_logging",
-    "ds_swift.recovery.tranlogs": "ds_swift.recovery.strategies.tranlogs",
-    "ds_swift.recovery.pipechurn": "ds_swift.recovery.strategies.pipechurn",
-    "ds_swift.recovery.scar": "ds_swift.recovery.strategies.scar",
-    "ds_swift.recovery.rollback": "ds_swift.recovery.strategies.rollback",
-    "ds_swift.recovery.lossy": "ds_swift.recovery.strategies.lossy",
-    "ds_swift.recovery.global_checkpoint": "ds_swift.recovery.strategies.global_checkpoint",
-    "ds_swift.recovery.elastic": "ds_swift.recovery.strategies.elastic",
-    # recovery/replay/: the replay from the message log, shared by the logging strategies
-    "ds_swift.recovery.replay": "ds_swift.recovery.replay.engine",
-    "ds_swift.recovery.replay_log": "ds_swift.recovery.replay.log",
-    "ds_swift.recovery.replay_plan": "ds_swift.recovery.replay.plan",
-    "ds_swift.recovery.replay_serve": "ds_swift.recovery.replay.serve",
-    "ds_swift.recovery.parallel": "ds_swift.recovery.replay.parallel",
-    "ds_swift.recovery.collectives": "ds_swift.recovery.replay.collectives",
-    "ds_swift.recovery.logging_recovery": "ds_swift.recovery.replay.runner",
-    "ds_swift.recovery.parallel_plan": "ds_swift.recovery.replay.parallel_plan",
-    "ds_swift.recovery.parallel_combine": "ds_swift.recovery.replay.parallel_combine",
-    # recovery/state/: state mechanics the strategies and their set-up halves share
-    "ds_swift.recovery.digest": "ds_swift.recovery.state.digest",
-    "ds_swift.recovery.erasure": "ds_swift.recovery.state.erasure",
-    "ds_swift.recovery.update_log": "ds_swift.recovery.state.update_log",
-    "ds_swift.recovery.state_transfer": "ds_swift.recovery.state.transfer",
-    "ds_swift.recovery.buddies": "ds_swift.recovery.state.buddies",
-    # down from runtime/ into recovery/, so recovery/ never imports runtime/
-    "ds_swift.runtime.timeline": "ds_swift.recovery.timeline",
-    "ds_swift.runtime.gradmask": "ds_swift.recovery.gradmask",
+    # The third step (issue 51): protect/ is the story's "protect" step, what runs while nothing fails
+    # (earlier steps' moves are in git's history: this script moves what its list names, once).
+    "ds_swift.runtime.protection": "ds_swift.protect.protections",
+    "ds_swift.runtime.buddy": "ds_swift.protect.buddy",
+    "ds_swift.runtime.buddy_auto": "ds_swift.protect.buddy_interval",
+    "ds_swift.runtime.buddy_holdings": "ds_swift.protect.buddy_holdings",
+    "ds_swift.runtime.module_buffers": "ds_swift.protect.buddy_payload",
+    "ds_swift.runtime.digest": "ds_swift.protect.digest_publisher",
+    "ds_swift.runtime.update_logging": "ds_swift.protect.update_logger",
+    "ds_swift.runtime.logging_wiring": "ds_swift.protect.message_logging",
+    "ds_swift.runtime.running": "ds_swift.protect.running_checkpoint",
+    "ds_swift.runtime.costs": "ds_swift.protect.costs",
+    "ds_swift.runtime.bench_switch": "ds_swift.protect.costs",
+    # one name, one meaning: "simulate" is the what-if simulator (sim/); the failure-simulation mode says so
+    "ds_swift.runtime.simulate": "ds_swift.runtime.failure_simulation",
+    "ds_swift.recovery.simulated": "ds_swift.recovery.simulated_failure",
+    # no twin file names across packages (runtime/teardown is a survivor's; this one ends process groups)
+    "ds_swift.transport.teardown": "ds_swift.transport.shutdown",
+    "ds_swift.launch.warm": "ds_swift.launch.warm_pool",
+    "ds_swift.launch.forkserver": "ds_swift.launch.fork_client",
+    # config/ is a leaf: what checks a config against the strategies' needs lives with them
+    "ds_swift.config.feasible": "ds_swift.recovery.feasible",
 }
 
 #: the docstring of each new package's __init__.py
 PACKAGE_DOCS: dict[str, str] = {
-    "ds_swift.jobstore": "The job store: key-value store clients (TCPStore, etcd), membership and generations, the\n"
-    "job secret and signed keys, the store's URL, and what the launcher tells each worker.",
-    "ds_swift.checkpoint": "The job's checkpoints: periodic global checkpoints in DeepSpeed's format (``periodic``;\n"
-    "``background`` writes them off the training thread), CheckFreq's interval (``checkfreq``),\n"
-    "SCAR's running checkpoint (``running``) and crash-safe files (``durable``).",
-    "ds_swift.data": "Data and randomness keyed by position (``keyed``) and the example's offline corpus (``corpus``).",
-    "ds_swift.bench": "``ds-swift bench`` (every strategy on one job, one table) and ``ds-swift demo``.",
-    "ds_swift.recovery.strategies": "One module per recovery strategy; the registered list is ds_swift.recovery.registry.",
-    "ds_swift.recovery.replay": "The replay from the message log that the logging strategies share: its plan, the\n"
-    "re-execution, the log reader's side, the served receives, parallel recovery and the runner.",
-    "ds_swift.recovery.state": "State mechanics the strategies share: state transfer, buddy assignment, digests,\n"
-    "erasure-coded chunks, the update log.",
+    "ds_swift.protect": "Protection: what runs in every worker while nothing fails, so that a failure can be\n"
+    "recovered from (buddy copies, state digests, message and update logging, running checkpoints), one\n"
+    "object per protection with one lifecycle, built from the configured strategy's services.",
 }
 
 #: prose the module mapping cannot rewrite: (file, old text, new text), applied where the old text is
@@ -125,17 +76,18 @@ TEXT_EDITS: list[tuple[str, str, str]] = [
 STORY = [
     "config",
     "plan",
-    "jobstore",
-    "data",
-    "models",
+    "protect",
+    "detect",
+    "recovery",
+    "runtime",
     "undo",
     "msglog",
     "storage",
-    "transport",
-    "runtime",
-    "detect",
     "checkpoint",
-    "recovery",
+    "jobstore",
+    "transport",
+    "data",
+    "models",
     "sim",
     "bench",
     "megatron",
@@ -163,7 +115,14 @@ UNTIL_MOVE = re.compile(r"^# house_move: until .*?^# /house_move\n", re.M | re.S
 INIT_MODULES = {"ds_swift.megatron"}
 
 
+#: top-level folders installed as sub-packages of ds_swift (setup.py's package_dir)
+PACKAGE_DIRS = {"ds_swift.launch": "launch", "ds_swift.patches": "patches", "ds_swift.cuda_ext": "cuda_ext"}
+
+
 def module_file(module: str) -> Path:
+    for pkg, folder in PACKAGE_DIRS.items():
+        if module.startswith(pkg + "."):
+            return ROOT / folder / (module[len(pkg) + 1 :].replace(".", "/") + ".py")
     return ROOT / (module.replace(".", "/") + ".py")
 
 

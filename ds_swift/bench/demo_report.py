@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_swift.config import SwiftConfig
 from ds_swift.recovery.registry import declared_by
 
 __all__ = [
@@ -85,7 +86,7 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
     back = f"back at iteration {tl['pre_failure_iteration']}"
     # What the strategy's recovery does, as the simulator models it (its services' sim_kind).
     strategy = declared_by(tl["strategy"])
-    kind = strategy.SERVICES.sim_kind if strategy is not None else None
+    kind = strategy.services(SwiftConfig()).sim_kind if strategy is not None else None
     if kind == "checkpoint":
         how = f"every rank reloaded {tag} and trained iterations {ckpt or 0}..{tl['consensus']} again"
     elif kind == "logging":

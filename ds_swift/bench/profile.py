@@ -8,6 +8,7 @@ import statistics
 from typing import Any
 
 from ds_swift.bench.measure import loss_series, step_seconds
+from ds_swift.config import SwiftConfig
 from ds_swift.recovery.registry import FALLBACK, GLOBAL_CHECKPOINT, strategies
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.testing.jobs import JobRun
@@ -21,10 +22,11 @@ _CHECKFREQ_CHOICE = re.compile(r"checkfreq: .* a checkpoint every (\d+) iteratio
 PROFILE_NAMES = {FALLBACK[0]: GLOBAL_CHECKPOINT}
 
 
-def services_of(name: str) -> StrategyServices:
-    """The services of the registered strategy ``name`` (none for a bench variant's own name)."""
+def _services_named(name: str) -> StrategyServices:
+    """The services of the registered strategy ``name`` under the default config (none for a bench
+    variant's own name)."""
     try:
-        return strategies().get(name).SERVICES
+        return strategies().get(name).services(SwiftConfig())
     except KeyError:
         return StrategyServices()
 
@@ -32,7 +34,7 @@ def services_of(name: str) -> StrategyServices:
 def sim_kind(used: str) -> str:
     """The simulator's recovery model of what the recovery timeline says happened: the services'
     ``sim_kind`` of the strategy it names (ds_swift.recovery.services)."""
-    return services_of(used).sim_kind
+    return _services_named(used).sim_kind
 
 
 def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
@@ -52,7 +54,7 @@ def checkpoint_stall_s(job: JobRun, interval: int, warmup: int = 2) -> float:
 
 def profile_row(detail: dict[str, Any], failed: JobRun, clean: JobRun, interval: int) -> dict[str, Any]:
     """A row of the bench profile (``ds_swift.sim.profile.BenchRow``'s fields, nothing else)."""
-    chosen = _CHECKFREQ_CHOICE.search(clean.output) if services_of(detail["strategy"]).checkpoint_tuner else None
+    chosen = _CHECKFREQ_CHOICE.search(clean.output) if _services_named(detail["strategy"]).checkpoint_tuner else None
     interval = int(chosen.group(1)) if chosen else interval  # CheckFreq chose its own
     timelines = failed.timelines()
     used = timelines[-1]["strategy"] if timelines else FALLBACK[0]

@@ -60,7 +60,7 @@ from ds_swift.bench.measure import PeakRss, final_loss, loss_series, shrunk_thro
 from ds_swift.bench.profile import bench_profile, profile_row
 from ds_swift.bench.table import fmt_mb, fmt_value, format_table, plot_loss_vs_time
 from ds_swift.bench.variants import REFERENCE, bench_strategies, has_spare, strategy_overrides
-from ds_swift.config import strategy_names
+from ds_swift.recovery.registry import strategy_names
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors, relative_distance
 from ds_swift.testing.faults import PHASES
 from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job

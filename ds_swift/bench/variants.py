@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ds_swift.bench.jobs import BenchError
-from ds_swift.config import strategy_names
 from ds_swift.recovery.base import BenchVariant
-from ds_swift.recovery.registry import strategies
+from ds_swift.recovery.registry import strategies, strategy_names
 
 __all__ = ["REFERENCE", "bench_strategies", "bench_variants", "has_spare", "strategy_overrides"]
 

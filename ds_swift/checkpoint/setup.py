@@ -11,20 +11,28 @@ from ds_swift.checkpoint.background import AsyncWriter
 from ds_swift.checkpoint.checkfreq import CheckFreqTuner
 from ds_swift.checkpoint.periodic import CheckpointManager, job_id_for
 
-__all__ = ["checkpoint_manager"]
+__all__ = ["asynchronous", "checkpoint_manager"]
 
 
-def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, gpu: bool = False) -> Any:
+def checkpoint_manager(cfg: Any, ctx: Any, rank: int, world_size: int, services: Any, gpu: bool = False) -> Any:
     """The engine's :class:`~ds_swift.checkpoint.periodic.CheckpointManager` for a ``swift`` config: with an
-    :class:`AsyncWriter` where checkpoints are asynchronous (``gpu``: the state is on GPUs, where
-    they are by default), and CheckFreq's tuner where the strategy's services have one."""
+    :class:`AsyncWriter` where checkpoints are asynchronous (:func:`asynchronous`), and CheckFreq's tuner
+    where the strategy's ``services`` (ds_swift.recovery.registry.services_of) have one."""
     job_id = job_id_for(ctx.env.token if ctx.env is not None else None)
     manager = CheckpointManager(
         cfg.checkpoint.dir, cfg.checkpoint.interval, rank, job_id=job_id, save_timeout_s=cfg.checkpoint.save_timeout_s
     )
-    if cfg.async_checkpoints_for(gpu):
+    if asynchronous(cfg, services, gpu):
         manager.writer = AsyncWriter(rank, world_size, cfg.checkpoint.save_timeout_s)
         manager.new_generation(ctx.generation)
-    if cfg.services.checkpoint_tuner:
+    if services.checkpoint_tuner:
         manager.tuner = CheckFreqTuner(cfg.checkfreq.max_overhead, cfg.checkfreq.profile_at, rank, store=ctx.store)
     return manager
+
+
+def asynchronous(cfg: Any, services: Any, gpu: bool) -> bool:
+    """Whether periodic checkpoints are asynchronous for a state on GPUs (``gpu``) or on CPU: as
+    ``checkpoint.async_save`` says, else on GPUs and where the strategy's ``services`` want them."""
+    if cfg.checkpoint.async_save is not None:
+        return bool(cfg.checkpoint.async_save)
+    return gpu or bool(services.async_checkpoints)

@@ -45,7 +45,7 @@ class PinnedCopier:
     The buffers of one save are reused by the next (same dtype and size; at most one snapshot is in
     host memory at a time): pinning host memory costs far more than the copy. Host tensors are
     cloned. :meth:`finish` waits for the copies of this save. :meth:`copy_into` is the same side-stream
-    copy into buffers the caller holds (the buddy copier's flat buffers, ds_swift.runtime.buddy).
+    copy into buffers the caller holds (the buddy copier's flat buffers, ds_swift.protect.buddy).
     """
 
     def __init__(self) -> None:

@@ -17,22 +17,23 @@ path from ``swift``), the value and what is allowed. Unknown keys are errors: a 
 ``"chunk_iteration"`` silently falling back to a default would only show months later, when a
 recovery does not do what the user thought they had configured.
 
-``strategy`` is ``auto`` or the name of a registered recovery strategy
-(:mod:`ds_swift.recovery.registry`); what it runs while nothing fails is its
-:attr:`SwiftConfig.services`.
+``strategy`` is ``auto`` or the name of a registered recovery strategy. This package is a leaf (it
+imports nothing of ds_swift but itself): what can be checked against the registered strategies (a
+``strategy`` or ``simulate_failure.strategy`` that names none, a field only another strategy reads)
+and what a strategy runs while nothing fails are :func:`ds_swift.recovery.registry.checked` and
+:func:`ds_swift.recovery.registry.services_of`, which every entry point calls
+(``ds_swift.initialize``, ``ds_swift.init_distributed``, the launcher's preflight, ``ds-swift plan``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from ds_swift.config.checks import ConfigError, _check_type, _fail
 from ds_swift.config.sections import (
@@ -51,10 +52,6 @@ from ds_swift.config.strategy_sections import (
     PipeChurnConfig,
     SimulateConfig,
 )
-from ds_swift.recovery.registry import registered_names, strategies
-
-if TYPE_CHECKING:
-    from ds_swift.recovery.services import StrategyServices
 
 __all__ = [
     "LOG_KINDS",
@@ -73,15 +70,9 @@ __all__ = [
     "WatchdogConfig",
     "left_off",
     "load_ds_config",
-    "strategy_names",
 ]
 
 ParallelRecoveryMode = Literal["exact", "fast"]
-
-
-def strategy_names() -> tuple[str, ...]:
-    """The values ``strategy`` may take: ``auto`` and every registered recovery strategy's name."""
-    return ("auto", *registered_names())
 
 
 @dataclass(frozen=True)
@@ -143,7 +134,7 @@ class SwiftConfig:
     """Nicolae et al.'s failure-simulation mode (off unless its ``iteration`` is set)."""
 
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    """Elastic shrink with no spare left (strategy ``lossy_forward``)."""
+    """Elastic shrink with no spare left (strategy ``elastic``)."""
 
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""
@@ -153,7 +144,7 @@ class SwiftConfig:
             if not isinstance(getattr(self, name), sub):
                 raise _fail(name, getattr(self, name), f"a {sub.__name__} (use SwiftConfig.from_dict for JSON)")
         _check_type("enabled", self.enabled, bool, "true or false")
-        self._check_strategy()
+        _check_type("strategy", self.strategy, str, "auto or a registered strategy's name")
         _check_type("parallel_recovery", self.parallel_recovery, bool, "true or false")
         if self.parallel_recovery_mode not in get_args(ParallelRecoveryMode):
             raise _fail("parallel_recovery_mode", self.parallel_recovery_mode, "exact or fast")
@@ -164,54 +155,6 @@ class SwiftConfig:
                 '(parallel_recovery=false): set "parallel_recovery": true, or drop parallel_recovery_force'
             )
         _check_type("run_dir", self.run_dir, str, "a directory path")
-        if self.checkpoint.running_fraction is not None and not self.services.running_checkpoint:
-            readers = self._strategies_with("running_checkpoint")
-            raise ConfigError(
-                f"swift config: checkpoint.running_fraction={self.checkpoint.running_fraction!r} is read only by "
-                f'strategy {readers} (prioritized running checkpoints), not {self.strategy!r}: set "strategy" to '
-                "one of them, or remove checkpoint.running_fraction"
-            )
-        if self.buddy.fixed_interval not in (None, 1) and self.services.erasure_chunks:
-            raise ConfigError(
-                f"swift config: buddy.interval={self.buddy.interval!r} spaces buddy copies, which strategy "
-                f"{self.strategy!r} does not make: it keeps erasure-coded chunks of every rank's state after every "
-                "step (pipechurn section): remove buddy.interval"
-            )
-
-    def _check_strategy(self) -> None:
-        names = strategy_names()
-        if self.strategy not in names:
-            raise _fail("strategy", self.strategy, f"one of {', '.join(names)}")
-        if not self.elastic.enabled or self.services.elastic:
-            return
-        elastic = self._strategies_with("elastic")
-        if self.strategy == "lossy_forward" and elastic:
-            # The configs written before elastic was a strategy of its own: still served, with a warning.
-            warnings.warn(
-                f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
-                f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
-                FutureWarning,
-                stacklevel=4,
-            )
-            object.__setattr__(self, "strategy", elastic[0])
-            self.__dict__.pop("services", None)
-            return
-        raise ConfigError(
-            f"swift config: elastic.enabled=true is read only by strategy {elastic} (the job goes on with fewer "
-            f'data-parallel replicas when no spare is left), not {self.strategy!r}: set "strategy" to one of '
-            "them, or remove elastic.enabled"
-        )
-
-    @staticmethod
-    def _strategies_with(service: str) -> list[str]:
-        """The registered strategies whose services have ``service`` (for an error to name them)."""
-        registry = strategies()  # imports every strategy (torch, DeepSpeed): only where a check needs it
-        return [n for n in registry.names() if getattr(registry.get(n).SERVICES, service)]
-
-    @functools.cached_property
-    def services(self) -> StrategyServices:
-        """What the job runs while nothing fails under this ``strategy`` (its set-up half)."""
-        return strategies().services_for(self)  # imports every strategy (torch, DeepSpeed): on first use
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -227,12 +170,6 @@ class SwiftConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def async_checkpoints_for(self, gpu: bool) -> bool:
-        """Whether periodic checkpoints are asynchronous for a state on GPUs (``gpu``) or on CPU."""
-        if self.checkpoint.async_save is not None:
-            return self.checkpoint.async_save
-        return gpu or self.services.async_checkpoints
 
 
 def left_off(section: Any) -> str | None:

@@ -5,14 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_swift.config.checks import _check_type, _fail
-from ds_swift.recovery.registry import registered_names, strategies
 
 __all__ = ["BuddyConfig", "CheckFreqConfig", "ElasticConfig", "PipeChurnConfig", "SimulateConfig"]
-
-
-def _simulated_strategies() -> list[str]:
-    """The registered strategies with a failure-simulation mode (imports every strategy: torch, DeepSpeed)."""
-    return strategies().simulated_names()
 
 
 @dataclass(frozen=True)
@@ -21,8 +15,9 @@ class BuddyConfig:
     without the checkpoint when a partition's machine fails (ds_swift.recovery.strategies.buddy)."""
 
     enabled: bool = True
-    """Copy each rank's partition to its buddies after every step (asynchronously, in host
-    memory). Has no effect where the optimizer state is not partitioned (a replica holds it)."""
+    """Copy each rank's partition to its buddies after its step (every step, or every ``interval``-th:
+    asynchronously, into their host memory). Has no effect where the optimizer state is not
+    partitioned (a replica holds it)."""
 
     replication_factor: int = 1
     """How many buddies, each on another machine (and failure domain), hold each partition."""
@@ -35,7 +30,7 @@ class BuddyConfig:
     again: fewer bytes per iteration, more iterations recomputed after a failure. ``"auto"`` (the
     default): a copy after every step for the first rounds of each generation, then the interval of
     1, 2, 5, 10, ... that leaves at least half a second, and twice a round's time, between rounds,
-    from the step time rank 0 measured (ds_swift.runtime.buddy_auto): a step of 0.5 s or more keeps
+    from the step time rank 0 measured (ds_swift.protect.buddy_interval): a step of 0.5 s or more keeps
     a copy after every step. Strategy ``pipechurn`` keeps erasure-coded chunks after every step
     instead and refuses a number."""
 
@@ -91,7 +86,7 @@ class PipeChurnConfig:
 class SimulateConfig:
     """Nicolae et al.'s failure-simulation mode: a failure at ``iteration`` is simulated without
     killing anything, to measure an approximate strategy's effect on the model cheaply
-    (ds_swift.runtime.simulate). Off while ``iteration`` is null."""
+    (ds_swift.runtime.failure_simulation). Off while ``iteration`` is null."""
 
     iteration: int | None = None
     """The iteration the simulated failure hits (null: off)."""
@@ -118,10 +113,8 @@ class SimulateConfig:
             _check_type("simulate_failure.iteration", self.iteration, int, "null or an iteration number >= 0")
             if self.iteration < 0:
                 raise _fail("simulate_failure.iteration", self.iteration, "null or an iteration number >= 0")
-        # The registered names are cheap to check; which of them simulate, only once the mode is on.
-        simulated = _simulated_strategies() if self.iteration is not None else registered_names()
-        if self.strategy not in simulated:
-            raise _fail("simulate_failure.strategy", self.strategy, f"one of {', '.join(simulated)}")
+        # Whether it names a strategy with a simulation mode: ds_swift.recovery.registry.checked.
+        _check_type("simulate_failure.strategy", self.strategy, str, "a registered strategy's name")
         if self.upto_layer is not None:
             _check_type("simulate_failure.upto_layer", self.upto_layer, int, "null or a pipeline layer index >= 0")
         for name in ("casualties", "stepped_stages"):

@@ -30,7 +30,7 @@ class FailureMonitor:
 
     def __init__(self, store: JobStore | None, generation: int, poll_interval_s: float, watch: bool = True) -> None:
         self.store = store
-        #: False only where a benchmark switched failure detection off (ds_swift.runtime.bench_switch):
+        #: False only where a benchmark switched failure detection off (ds_swift.protect.costs):
         #: no watchdog thread, and no failure-flag reads after receives and before iterations
         self.watch = watch
         self._generation = generation
@@ -102,7 +102,7 @@ class FailureMonitor:
         generation failed (the buffer may be poison).
 
         A receive reads no job store unless the buffer carries the poison mark
-        (ds_swift.transport.teardown.POISON_MARK): every poison is sent after the failure flag is
+        (ds_swift.transport.shutdown.POISON_MARK): every poison is sent after the failure flag is
         set, and a device buffer is never poisoned (NCCL is aborted, and the watchdog sets its event
         before it aborts). A store read per receive cost a round trip to the store host per
         micro-batch: on a GPU step of ~100 ms with 8 micro-batches, 1-3 % of the step."""

@@ -35,6 +35,6 @@ def watched_peers(engine: Any) -> list[int]:
 
 def poison_neighbours(peers: list[int]) -> str:
     """Wake ``peers`` blocked in a receive from us (they then see the flag and raise): a poison
-    message on gloo, an abort of this rank's communicators on NCCL (ds_swift.transport.teardown).
+    message on gloo, an abort of this rank's communicators on NCCL (ds_swift.transport.shutdown).
     Returns which it was."""
     return transport.wake_neighbours(peers)

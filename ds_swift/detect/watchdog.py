@@ -7,7 +7,7 @@ What the watchdog does *not* do on gloo is unblock the main thread. Nothing in g
 a pending op from another thread (shared/NOTES-deepspeed-cpu.md); a worker blocked on a peer is
 woken by that peer (poison message, or its process group being destroyed) or by the op
 timeout. On NCCL it does: its ``on_failure`` hook aborts this rank's communicators
-(ds_swift.transport.teardown), which releases a main thread blocked behind a kernel that waits on
+(ds_swift.transport.shutdown), which releases a main thread blocked behind a kernel that waits on
 a dead peer. The watchdog's job is to make the failure known: the ``failed`` event lets the main
 thread stop before its next iteration, and the recv check (patches/deepspeed_rebuild.py) reads
 it after every receive.

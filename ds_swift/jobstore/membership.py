@@ -239,7 +239,7 @@ class JobStore(SignedKV):
     @staticmethod
     def buddy_round_key(generation: int, version: int) -> str:
         """The prefix of buddy round ``version``'s keys in ``generation``: ``<prefix>/<rank>`` per
-        rank whose copies landed (ds_swift.runtime.buddy_holdings.StoreLanding)."""
+        rank whose copies landed (ds_swift.protect.buddy_holdings.StoreLanding)."""
         return f"buddy/{generation}/{version}"
 
     @staticmethod

@@ -29,6 +29,7 @@ from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
 from ds_swift.patches._base import PatchHandle
+from ds_swift.recovery.registry import checked
 
 __all__ = [
     "MegatronDeepSpeed",
@@ -76,7 +77,7 @@ def swift_section(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
         if getattr(args, "save_interval", None):
             checkpoint.setdefault("interval", int(args.save_interval))
         section["checkpoint"] = checkpoint
-    SwiftConfig.from_dict(section)  # fail before training starts, naming the field
+    checked(SwiftConfig.from_dict(section))  # fail before training starts, naming the field
     return section
 
 

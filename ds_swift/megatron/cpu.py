@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_swift.config import ConfigError, SwiftConfig, strategy_names
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.recovery.registry import checked, strategy_names
 
 __all__ = ["CpuRun", "ds_config", "launch_command", "megatron_args", "parse_run", "summary_lines"]
 
@@ -177,7 +178,7 @@ def ds_config(run: CpuRun, run_dir: Path) -> dict[str, Any]:
             "hysteresis": 1,
             "min_loss_scale": 1,
         }
-    SwiftConfig.from_dict(config["swift"])  # fail here, naming the field, not in eight workers
+    checked(SwiftConfig.from_dict(config["swift"]))  # fail here, naming the field, not in eight workers
     return config
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ds_swift.config import SwiftConfig
 from ds_swift.plan.layout import ParallelLayout
+from ds_swift.recovery.registry import services_of
 
 __all__ = ["COPIES_NOTE", "BuddyCost", "buddy_cost", "copies_kept", "copies_stand_in"]
 
@@ -108,8 +109,8 @@ def copies_kept(swift: SwiftConfig, partitioned: bool) -> bool:
     """Whether ds-swift's copier keeps every rank's optimizer state on other machines: PipeChurn's
     erasure-coded chunks (whatever the layout), or buddy copies (``buddy.enabled``, a strategy that
     uses them) of a ``partitioned`` state. The one rule for the engine at start-up
-    (ds_swift.runtime.protection.partition_copies) and ``ds-swift plan``: :func:`copies_stand_in`."""
-    services = swift.services
+    (ds_swift.protect.buddy.partition_copies) and ``ds-swift plan``: :func:`copies_stand_in`."""
+    services = services_of(swift)
     return services.erasure_chunks or (swift.buddy.enabled and services.buddy_copies and partitioned)
 
 
@@ -123,7 +124,7 @@ def copies_stand_in(
     """Buddy copies as the replicas of stages that have none (ds_swift.plan.analysis.analyze).
 
     With every rank's optimizer partition copied to a buddy on another machine (``partition_copies``:
-    buddy copies of a ZeRO-1 / BF16_Optimizer partition, ds_swift.runtime.buddy), a stage without a
+    buddy copies of a ZeRO-1 / BF16_Optimizer partition, ds_swift.protect.buddy), a stage without a
     data-parallel replica on another machine is restored exactly from those copies after any one lost
     machine, as a replicated stage is. Under ``auto`` it then counts as replicated and is no logging
     candidate: a message log beside the copies would cost a write of each inbound activation and

@@ -18,12 +18,13 @@ import math
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.plan.analysis import STRATEGIES, Plan, analyze, config_strategy
+from ds_swift.plan.analysis import Plan, analyze, stage_mode
 from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost, copies_kept
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, ModelShape
 from ds_swift.plan.tables import print_buddy, print_tables
 from ds_swift.plan.update_logging import choose_for_plan, print_choices
+from ds_swift.recovery.registry import checked, strategy_names
 
 __all__ = ["build_plan", "register", "run"]
 
@@ -61,7 +62,12 @@ def register(subparsers: Any) -> None:
         "--num-params", type=float, help="model parameters, for the log-size vs model-state check (1.3e9 ok)"
     )
     g = p.add_argument_group("strategy and selective logging")
-    g.add_argument("--strategy", choices=STRATEGIES, help="auto (default) or force one strategy for every stage")
+    g.add_argument(
+        "--strategy",
+        choices=strategy_names(),
+        help="the registered strategy to plan for (default: the config's, else auto); its services say what "
+        "each stage may recover by",
+    )
     excl = g.add_mutually_exclusive_group()
     excl.add_argument("--groups", type=int, help="force K balanced machine groups")
     excl.add_argument("--storage-budget-gb", type=float, help="log budget between two checkpoints: optimise the groups")
@@ -126,7 +132,7 @@ def _ds_dtype(cfg: dict[str, Any]) -> str:
 def build_plan(args: argparse.Namespace) -> Plan:
     """Resolve flags against the DeepSpeed config and analyse. Raises ConfigError on bad input."""
     ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
-    swift = SwiftConfig.from_dict(ds.get("swift"))
+    swift = checked(SwiftConfig.from_dict(ds.get("swift")))
     for flag in ("tp", "pp", "dp", "world_size", "gpus_per_node", "hidden", "seq_len", "micro_batch_size"):
         _flag_int("--" + flag.replace("_", "-"), getattr(args, flag))
     for flag in ("micro_batches", "groups", "checkpoint_interval"):
@@ -147,7 +153,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     plan = analyze(
         layout,
         shape,
-        strategy=args.strategy or config_strategy(swift),
+        strategy=(args.strategy or swift.strategy),
+        mode=stage_mode(dataclasses.replace(swift, strategy=args.strategy) if args.strategy else swift),
         groups=groups,
         storage_budget_gb=budget,
         iteration_time_s=args.iteration_time,
@@ -238,7 +245,7 @@ def _stage_compute(text: str | None, pp: int) -> list[float] | None:
 def build_buddy_cost(args: argparse.Namespace) -> BuddyCost:
     """The buddy copies of optimizer partitions the config asks for, and their cost per rank."""
     ds: dict[str, Any] = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
-    swift = SwiftConfig.from_dict(ds.get("swift"))
+    swift = checked(SwiftConfig.from_dict(ds.get("swift")))
     return buddy_cost(ds, swift, _layout(args, swift, ds), args.num_params)
 
 

@@ -112,7 +112,7 @@ class MeasuredSizes:
     """Parameters of each pipeline stage (one data-parallel replica); empty: not measured."""
     update_bytes: tuple[int, ...] = ()
     """Update-log bytes each stage wrote in the measured iteration (every rank of it), where it
-    logged its updates (ds_swift.runtime.update_logging); empty or 0: not measured."""
+    logged its updates (ds_swift.protect.update_logger); empty or 0: not measured."""
     copy_gbps: float | None = None
     """Device-to-host copy bandwidth in GB/s measured at start-up (the slowest rank's); None on
     CPU, where a logged tensor is never copied off a device."""

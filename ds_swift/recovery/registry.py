@@ -14,22 +14,32 @@ DeepSpeed) are imported where :data:`STRATEGIES` is first used, so that checking
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Iterable
+import os
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.config.checks import _fail
 from ds_swift.recovery.base import RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.services import StrategyServices
 
 __all__ = [
     "FALLBACK",
     "GLOBAL_CHECKPOINT",
     "REGISTERED",
     "STRATEGIES",
+    "checked",
     "declared_by",
+    "load_config",
     "plan_recovery",
     "registered_names",
+    "services_of",
     "strategies",
+    "strategy_names",
 ]
 
 STRATEGIES: Registry
@@ -71,6 +81,11 @@ def registered_names() -> list[str]:
     if isinstance(built, Registry):
         return built.names()
     return [name for name, _ in REGISTERED] + [FALLBACK[0]]
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The values ``strategy`` may take: ``auto`` and every registered recovery strategy's name."""
+    return ("auto", *registered_names())
 
 
 def strategies() -> Registry:
@@ -135,3 +150,71 @@ def plan_recovery(
         partitioned=partitioned,
     )
     return (registry or strategies()).choose(inputs)[0]
+
+
+def services_of(cfg: SwiftConfig) -> StrategyServices:
+    """What the job runs while nothing fails under ``cfg.strategy`` (its set-up half): the one way to
+    read a strategy's services (imports every strategy, torch and DeepSpeed, on first use)."""
+    return strategies().services_for(cfg)
+
+
+def load_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> SwiftConfig:
+    """The ``swift`` section of a DeepSpeed config (a dict or a JSON file's path), parsed and
+    :func:`checked`: what every entry point reads."""
+    return checked(SwiftConfig.from_ds_config(ds_config))
+
+
+def checked(cfg: SwiftConfig) -> SwiftConfig:
+    """``cfg`` checked against the registered strategies (ConfigError naming the field and the fix):
+    ``strategy`` and ``simulate_failure.strategy`` name one, and a field only other strategies read
+    is not set. A config written before ``elastic`` was a strategy of its own comes back rewritten."""
+    names = strategy_names()
+    if cfg.strategy not in names:
+        raise _fail("strategy", cfg.strategy, f"one of {', '.join(names)}")
+    sim = cfg.simulate_failure
+    # The registered names are cheap to check; which of them simulate, only once the mode is on.
+    simulated = strategies().simulated_names() if sim.iteration is not None else list(registered_names())
+    if sim.strategy not in simulated:
+        raise _fail("simulate_failure.strategy", sim.strategy, f"one of {', '.join(simulated)}")
+    cfg = _elastic_renamed(cfg)
+    if cfg.checkpoint.running_fraction is not None and not services_of(cfg).running_checkpoint:
+        raise ConfigError(
+            f"swift config: checkpoint.running_fraction={cfg.checkpoint.running_fraction!r} is read only by "
+            f"strategy {_strategies_with(cfg, 'running_checkpoint')} (prioritized running checkpoints), not "
+            f'{cfg.strategy!r}: set "strategy" to one of them, or remove checkpoint.running_fraction'
+        )
+    if cfg.buddy.fixed_interval not in (None, 1) and services_of(cfg).erasure_chunks:
+        raise ConfigError(
+            f"swift config: buddy.interval={cfg.buddy.interval!r} spaces buddy copies, which strategy "
+            f"{cfg.strategy!r} does not make: it keeps erasure-coded chunks of every rank's state after every "
+            "step (pipechurn section): remove buddy.interval"
+        )
+    return cfg
+
+
+def _elastic_renamed(cfg: SwiftConfig) -> SwiftConfig:
+    """``elastic.enabled`` is read only by a strategy with the elastic service: the configs written
+    before elastic was a strategy of its own (``lossy_forward`` + ``elastic.enabled``) are still
+    served, with a warning; any other strategy beside it is refused."""
+    if not cfg.elastic.enabled or services_of(cfg).elastic:
+        return cfg
+    elastic = _strategies_with(cfg, "elastic")
+    if cfg.strategy == "lossy_forward" and elastic:
+        warnings.warn(
+            f'swift config: "strategy": "lossy_forward" with elastic.enabled=true is deprecated: '
+            f'write "strategy": "{elastic[0]}" (elastic.enabled is then not needed)',
+            FutureWarning,
+            stacklevel=4,
+        )
+        return dataclasses.replace(cfg, strategy=elastic[0])
+    raise ConfigError(
+        f"swift config: elastic.enabled=true is read only by strategy {elastic} (the job goes on with fewer "
+        f'data-parallel replicas when no spare is left), not {cfg.strategy!r}: set "strategy" to one of '
+        "them, or remove elastic.enabled"
+    )
+
+
+def _strategies_with(cfg: SwiftConfig, service: str) -> list[str]:
+    """The registered strategies whose services under ``cfg`` have ``service`` (for an error to name them)."""
+    registry = strategies()
+    return [n for n in registry.names() if getattr(registry.get(n).services(cfg), service)]

@@ -17,7 +17,7 @@ __all__ = ["SimKind", "StageKind", "StrategyServices", "UpdateLog"]
 
 #: What the topology analyzer may plan for a pipeline stage (ds_swift.plan.analysis).
 StageKind = Literal["replication", "logging"]
-#: Which ranks log their optimizer update after each step (ds_swift.runtime.update_logging):
+#: Which ranks log their optimizer update after each step (ds_swift.protect.update_logger):
 #: ``every_rank`` (TranLogs), ``per_stage`` (the stages ``logging.kinds`` says), or ``off``.
 UpdateLog = Literal["off", "per_stage", "every_rank"]
 #: How the what-if simulator models the strategy's recovery (ds_swift.sim.model).
@@ -77,8 +77,3 @@ class StrategyServices:
             else:
                 values[f.name] = a or b
         return StrategyServices(**values)  # type: ignore[arg-type]
-
-    @property
-    def logs_messages(self) -> bool:
-        """Whether any stage may log its inbound pipeline messages (logging-based recovery)."""
-        return "logging" in self.stage_recovery

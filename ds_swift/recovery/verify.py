@@ -13,7 +13,7 @@ The references, by strategy:
   between two of them has no such reference, and its verdict is ``unverified`` (transport checked,
   copy not), said aloud by every restored rank and recorded in the timeline;
 - logging-based replay: each rank publishes its own digest while it trains
-  (ds_swift.runtime.digest: every ``verify.digest_interval`` iterations, in a ring of
+  (ds_swift.protect.digest_publisher: every ``verify.digest_interval`` iterations, in a ring of
   :data:`SLOTS` job-store keys per rank, so that a dead rank's digests outlive it); a replaying
   rank checks its state at the newest iteration of the replay with one (:class:`ReplayCheck`);
 - re-applied update logs (tranlogs) and states decoded from erasure-coded chunks (pipechurn): the

@@ -26,6 +26,7 @@ from ds_swift.config import ConfigError, SwiftConfig, left_off, load_ds_config
 from ds_swift.config.checks import machines_mismatch
 from ds_swift.jobstore.membership import GenerationFailed, JobStore, WorkerEnv
 from ds_swift.logs import say
+from ds_swift.recovery.registry import load_config
 
 __all__ = [
     "SwiftContext",
@@ -167,7 +168,7 @@ def init_distributed(
     import deepspeed
 
     config = load_ds_config(ds_config) if ds_config is not None else {}
-    cfg = SwiftConfig.from_ds_config(config)
+    cfg = load_config(config)
     if not cfg.enabled and (why := left_off(config.get("swift"))):
         raise ConfigError(why)
     backend = _backend()

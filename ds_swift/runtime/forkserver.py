@@ -1,6 +1,6 @@
 """A fork server: one interpreter that imports what the script needs once, then forks every worker.
 
-Started by ``ds-swift-launch --fork-server`` (``launch/forkserver.py``) as
+Started by ``ds-swift-launch --fork-server`` (``launch/fork_client.py``) as
 ``python -m ds_swift.runtime.forkserver --requests FD --reports FD [--module] SCRIPT``. A rank started
 cold spends most of its start-up importing torch, DeepSpeed and megatron-core (~6 CPU-seconds each):
 on a host with fewer cores than ranks (CPU tests, CI) every rank and warm spare pays it at once.

@@ -5,7 +5,7 @@
   (ds_swift.recovery.replay.engine) both call, so a replayed forward draws the same dropout masks;
 - fault injection (``ds-swift-launch --inject``): the injector fires at the phase it names;
 - the update-undo step record, the step-collective recorder and the message logger
-  (ds_swift.runtime.logging_wiring), in the order their patches need.
+  (ds_swift.protect.message_logging), in the order their patches need.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ds_swift.runtime.context import SwiftContext
 if TYPE_CHECKING:
     # Not at run time: the logging wiring imports the replay.
     from ds_swift.detect.progress import Progress
+    from ds_swift.protect.message_logging import EngineLogging
     from ds_swift.recovery.state.inflight import InflightKeeper
-    from ds_swift.runtime.logging_wiring import EngineLogging
 
 __all__ = ["EngineHooks", "attach_undo", "make_injector"]  # key_forward_rng, seed_generators: ds_swift.data.keyed
 
@@ -99,7 +99,7 @@ class EngineHooks:
         inflight: InflightKeeper | None = None,
     ) -> None:
         self.seed = seed
-        #: what a benchmark switched off (ds_swift.runtime.bench_switch): "undo", "rng"
+        #: what a benchmark switched off (ds_swift.protect.costs): "undo", "rng"
         self.without = without
         self.injector = injector
         self.logs = logs

@@ -1,6 +1,6 @@
 """Rejoin and rebuild: a survivor's teardown, generation g+1, the DeepSpeed rebuild, the recovery.
 
-survivor: wake its pipeline neighbours (poison on gloo, abort on NCCL: ds_swift.transport.teardown)
+survivor: wake its pipeline neighbours (poison on gloo, abort on NCCL: ds_swift.transport.shutdown)
 -> flush its message log -> keep module/optimizer/scheduler references -> drop the engine and end
 every process group (peers blocked on us fail at once) -> leave if its own machine failed -> join
 generation g+1 (and open ds-swift's transport on it) -> ``model_fn()`` +
@@ -15,7 +15,6 @@ A failure during any of this (a cascading failure) moves on to the next generati
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,25 +28,20 @@ from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import watched_peers
 from ds_swift.detect.watchdog import declare_failure
-from ds_swift.jobstore.membership import GenerationFailed, grow_key, read_layout, resumed_key
+from ds_swift.jobstore.membership import GenerationFailed, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
-from ds_swift.recovery.base import RankContext, RecoveryOutcome
+from ds_swift.protect.base import Site
+from ds_swift.protect.protections import Protections
+from ds_swift.recovery.base import MembershipChange, RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
-from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.state.update_log import UpdateLogStore
-from ds_swift.recovery.strategies.resize import Resize
+from ds_swift.recovery.registry import STRATEGIES, services_of
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.runtime.buddy import BuddyCopier
 from ds_swift.runtime.context import SwiftContext, join_generation
-from ds_swift.runtime.digest import DigestPublisher
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.runtime.protection import Protections
 from ds_swift.runtime.teardown import SurvivorSteps
-from ds_swift.runtime.update_logging import UpdateLogger
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
 
@@ -109,45 +103,31 @@ class Rebuilder(SurvivorSteps):
         self._monitor = monitor
         self._ckpt = ckpt
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
-        #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
-        self.resize: Resize | None = None
-        #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
-        self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
-        #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
+        #: the membership change being recovered into (None: the failed machine is replaced)
+        self.change: MembershipChange | None = None
+        #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.base)
         self._machines: list[int] | None = None
-        if ctx.env is not None and ctx.store is not None and cfg.services.elastic:
+        if ctx.env is not None and ctx.store is not None and services_of(cfg).elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
-        #: the strategy's failure-free services (buddy copies, digests, the update log)
+        #: what runs while nothing fails (ds_swift.protect), built from the strategy's services
         self.protect = Protections(
-            lambda: self._holder.engine,
-            ctx=ctx,
-            cfg=cfg,
-            hooks=hooks,
-            generation=lambda: self._monitor.generation,
-            check_after_receive=monitor.check_after_receive,
-            machine=self._machine,
+            Site(
+                cfg=cfg,
+                services=services_of(cfg),
+                ctx=ctx,
+                hooks=hooks,
+                engine=lambda: self._holder.engine,
+                generation=lambda: self._monitor.generation,
+                machine=self._machine,
+                check_after_receive=monitor.check_after_receive,
+                ckpt=ckpt,
+                host=holder,
+            )
         )
-
-    # The engine wrapper reads these (ds_swift.runtime.engine).
-    @property
-    def buddy(self) -> BuddyCopier | None:
-        return self.protect.buddy
-
-    @property
-    def digests(self) -> DigestPublisher | None:
-        return self.protect.digests
-
-    @property
-    def updates(self) -> UpdateLogger | None:
-        return self.protect.updates
 
     def start_generation(self) -> None:
         """Every rank, once per generation (see :meth:`Protections.start_generation`)."""
         self.protect.start_generation()
-
-    def after_checkpoint(self, done: int) -> None:
-        """A global checkpoint of ``done`` iterations is complete (see :meth:`Protections.after_checkpoint`)."""
-        self.protect.after_checkpoint(done)
 
     def build_engine(self) -> Any:
         """The DeepSpeed rebuild, on the process groups of the generation just joined."""
@@ -176,7 +156,7 @@ class Rebuilder(SurvivorSteps):
         assert store is not None
         if (store.failure(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
-        self._leave_if_my_machine_failed(g)
+        self._before_rejoin(g, kept)
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
@@ -194,6 +174,8 @@ class Rebuilder(SurvivorSteps):
             t_rebuilt=time.time(),
         )
         self._monitor.set_armed(False)
+        if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
+            self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))
         return self.rejoin(generation, None, tl)
 
     # ------------------------------------------------------------------ both
@@ -275,59 +257,28 @@ class Rebuilder(SurvivorSteps):
             tl,
             self._ctx.join_timeout_s,
             verify=self._cfg.verify.enabled,
-            lent=Handover(
-                self._hooks.inflight,  # what the runtime kept for the strategies
-                UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None,
-            ),
+            lent=self.protect.lend(kept),  # what the protections kept for the strategies
         )
-        if self.resize is not None or self._growing(generation):
-            outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
-                self.resize, ctx, int(engine.zero_optimization_stage())
-            )
-            self.resize = None
-            self.protect.forget_holdings()
-            return outcome
-        if kept is not None and self.updates is not None:
-            self.updates.offer_gradients(kept)  # before the report says whether it can undo
+        change, self.change = self.change, None
+        if change is not None:
+            self.protect.forget()  # what they held is keyed by the old ranks: the new generation starts afresh
+        holdings = self.protect.holdings(kept) if change is None else {}  # before the report says whether it can undo
         return run_recovery(
             ctx,
             world_size=env.world_size,
-            report=dataclasses.replace(
-                self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
-                log_lost=self._hooks.logs.coverage_lost,
-                logged_update=self._newest_update() if kept is None else None,
-            ),
+            report=rank_report(engine, kept, self._machine(), holdings),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
-            logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
+            logging=self._hooks.logs.log_plan(engine),
+            change=change,
         )
-
-    def _newest_update(self) -> int | None:
-        """A replacement's newest update record (strategy tranlogs), probed from the newest complete
-        checkpoint (its records run from there); None without an update log."""
-        if self.updates is None:
-            return None
-        found = self._ckpt.latest(None) if self._ckpt is not None else None
-        return self.updates.newest_stored(found[0] if found is not None else 0)
 
     @property
     def machines(self) -> list[int] | None:
         """The job's machines in rank order where an elastic shrink may change them (else None: all)."""
         return self._machines
-
-    def _growing(self, generation: int) -> bool:
-        """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
-        survivors, resharded (ds_swift.recovery.strategies.elastic)."""
-        env, store = self._ctx.env, self._ctx.store
-        return (
-            self._cfg.services.elastic
-            and env is not None
-            and env.replacement
-            and store is not None
-            and store.get(grow_key(generation - 1)) is not None
-        )
 
     def _machine(self) -> int:
         env = self._ctx.env

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from ds_swift.config import ConfigError
+from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.recovery.registry import declared_by
 from ds_swift.sim.model import RecoveryKind
 
@@ -30,7 +30,7 @@ def default_kind(name: str) -> RecoveryKind | None:
     if name in OTHER_SYSTEMS:
         return OTHER_SYSTEMS[name]
     strategy = declared_by(name)
-    return strategy.SERVICES.sim_kind if strategy is not None else None
+    return strategy.services(SwiftConfig()).sim_kind if strategy is not None else None
 
 
 def _fail(name: str, value: Any, allowed: str) -> ConfigError:

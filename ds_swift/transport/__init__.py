@@ -12,7 +12,7 @@ is initialised (``ds_swift.runtime.context`` does it: before DeepSpeed creates a
 rank creates its groups in the same order), :func:`current` wherever a call is made, and
 :func:`teardown_world` when the generation ends (``patches/deepspeed_rebuild.py``). Routing and
 strict mode: :mod:`ds_swift.transport.core`; ending a generation on gloo and on NCCL:
-:mod:`ds_swift.transport.teardown`.
+:mod:`ds_swift.transport.shutdown`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ds_swift.transport.core import (
     set_strict,
     strict_enabled,
 )
-from ds_swift.transport.teardown import (
+from ds_swift.transport.shutdown import (
     abort_device_communicators,
     backends_of,
     carries_poison,
@@ -154,7 +154,7 @@ def all_gather_json(value: Any) -> list[Any]:
 def wake_neighbours(peers: Iterable[int], wait_s: float = 0.02) -> str:
     """Wake ``peers`` (pipeline neighbours) blocked in a receive from this rank before it leaves a
     failed generation; returns how: "poison" (gloo) or "abort" (NCCL; see
-    :mod:`ds_swift.transport.teardown`). A no-op where torch.distributed is gone already."""
+    :mod:`ds_swift.transport.shutdown`). A no-op where torch.distributed is gone already."""
     if not dist.is_initialized():
         return "none"
     how = wake_action(backends_of())

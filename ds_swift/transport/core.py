@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift.threadname import threads_yield_on_wakeup
-from ds_swift.transport.teardown import parse_backends
+from ds_swift.transport.shutdown import parse_backends
 
 __all__ = [
     "COPIER",

@@ -1,4 +1,4 @@
-"""``ds-swift-launch --fork-server`` (launch/forkserver.py, ds_swift/runtime/forkserver.py): workers
+"""``ds-swift-launch --fork-server`` (launch/fork_client.py, ds_swift/runtime/forkserver.py): workers
 forked from one pre-imported interpreter behave as the agent expects of a worker process: each runs
 the script as ``__main__`` with its own arguments and whole environment (nothing of the server's
 left over), in a process group of its own (the agent kills a machine with ``killpg``), stdin at
@@ -19,7 +19,7 @@ import pytest
 
 from ds_swift.jobstore.worker_env import WorkerEnv
 from ds_swift.launch.args import Command
-from ds_swift.launch.forkserver import ForkServer
+from ds_swift.launch.fork_client import ForkServer
 from ds_swift.launch.spawn import assign_warm
 from ds_swift.runtime.forkserver import _fork_unsafe
 

@@ -2,7 +2,7 @@
 on two machines, ds-swift-launch, a real SIGKILL).
 
 Copies after every step for the first rounds of the generation, then rank 0 chooses the interval
-from the step time it measured (ds_swift.runtime.buddy_auto) and every rank follows it from the
+from the step time it measured (ds_swift.protect.buddy_interval) and every rank follows it from the
 next iteration on. Which interval depends on this machine's speed; the test reads it from rank 0's
 line and checks the recovery against it: every rank goes back to the newest round held, the
 iterations since are trained again, and the job ends bitwise equal to a failure-free run.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_swift.runtime.buddy_auto import DECIDE_AFTER, LADDER
+from ds_swift.protect.buddy_interval import DECIDE_AFTER, LADDER
 from ds_swift.testing.checkpoints import checkpoint_tensors, compare_tensors
 from ds_swift.testing.jobs import JobRun, JobSpec, run_job
 

@@ -1,4 +1,4 @@
-"""The buddy copier's staging on the GPU (ds_swift.runtime.buddy_holdings.stage): a rank's partition copied
+"""The buddy copier's staging on the GPU (ds_swift.protect.buddy_holdings.stage): a rank's partition copied
 into pinned host buffers on a side stream that waits for the step's event, so the copy never holds
 up the training stream; the staged copy is the state as the step left it. Skipped without CUDA."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds_swift.protect.buddy_holdings import BuddyHoldings, stage
 from ds_swift.recovery.state.transfer import encode
-from ds_swift.runtime.buddy_holdings import BuddyHoldings, stage
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""State digests on the GPU (ds_swift.recovery.state.digest, ds_swift.runtime.digest): the same digest as
+"""State digests on the GPU (ds_swift.recovery.state.digest, ds_swift.protect.digest_publisher): the same digest as
 on the host (a donor's host copy and a recipient's device state must agree), computed on a side
 stream that the next step's stream waits for on the device, never the training thread.
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.protect.digest_publisher import DigestPublisher
 from ds_swift.recovery.state.digest import digest_state, digest_tensors, engine_state
 from ds_swift.recovery.verify import published_digests
-from ds_swift.runtime.digest import DigestPublisher
 
 pytestmark = [
     pytest.mark.gpu,

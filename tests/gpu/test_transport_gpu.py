@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.transport.teardown import backends_of
+from ds_swift.transport.shutdown import backends_of
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ds_swift.bench.variants import bench_strategies, has_spare, strategy_overrides
-from ds_swift.config import strategy_names
 from ds_swift.recovery import registry
 from ds_swift.recovery.base import BenchVariant
+from ds_swift.recovery.registry import strategy_names
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.sim.profile_rows import default_kind
 from ds_swift.testing.stub_strategy import StubStrategy

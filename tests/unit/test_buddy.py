@@ -7,12 +7,14 @@ import threading
 import pytest
 import torch
 
+from ds_swift.protect.buddy_holdings import BuddyHoldings
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld, holdings_of
 from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.transfer import encode, flat_views
 from ds_swift.recovery.strategies.buddy import buddy_target
-from ds_swift.runtime.buddy import BuddyHoldings
+from ds_swift.testing.configs import swift_config
 
 
 def pp2_dp2(machines: dict[int, int] | None = None) -> list[Member]:
@@ -57,8 +59,9 @@ def reports(
             machine=r // 2,
             last_stepped=stepped.get(r, -1),
             can_undo=can_undo,
-            buddy_copies=tuple(copies.get(r, ())),
-            own_copies=(stepped[r] - 1,) if exact and r in stepped else (),
+            holdings=holdings_of(
+                BuddyHeld(copies=tuple(copies.get(r, ())), own=(stepped[r] - 1,) if exact and r in stepped else ())
+            ),
         )
         for r in range(4)
     ]
@@ -104,8 +107,7 @@ def interval_reports(own: dict[int, tuple[int, ...]]) -> list[RankReport]:
             machine=r // 2,
             last_stepped=10 if r < 2 else -1,
             can_undo=True,
-            buddy_copies=tuple(copies.get(r, ())),
-            own_copies=own.get(r, ()),
+            holdings=holdings_of(BuddyHeld(copies=tuple(copies.get(r, ())), own=own.get(r, ()))),
         )
         for r in range(4)
     ]
@@ -171,8 +173,9 @@ def test_unpartitioned_optimizers_stay_with_replication() -> None:
 
 
 def test_report_round_trips_buddy_copies() -> None:
-    r = RankReport(1, True, 0, 0, 0, 0, 5, True, ((2, 4), (2, 5)), own_copies=(0, 4))
-    assert RankReport.from_json(r.to_json()) == r
+    r = RankReport(1, True, 0, 0, 0, 0, 5, True, holdings_of(BuddyHeld(copies=((2, 4), (2, 5)), own=(0, 4))))
+    back = RankReport.from_json(r.to_json())
+    assert back == r and BuddyHeld.of(back) == BuddyHeld(copies=((2, 4), (2, 5)), own=(0, 4))
 
 
 def test_holdings_keep_two_complete_copies_and_never_report_one_being_overwritten() -> None:
@@ -211,9 +214,9 @@ def test_holdings_are_thread_safe_enough_for_one_writer_and_readers() -> None:
 
 
 def test_the_buddy_section_of_the_config() -> None:
-    from ds_swift.config import ConfigError, SwiftConfig
+    from ds_swift.config import ConfigError
 
-    cfg = SwiftConfig.from_dict({"buddy": {"replication_factor": 2}, "machines": {"failure_domains": [[0, 1], [2]]}})
+    cfg = swift_config({"buddy": {"replication_factor": 2}, "machines": {"failure_domains": [[0, 1], [2]]}})
     assert cfg.buddy.enabled and cfg.buddy.replication_factor == 2
     assert cfg.machines.failure_domains == ((0, 1), (2,))
     for bad, field in (
@@ -223,7 +226,7 @@ def test_the_buddy_section_of_the_config() -> None:
         ({"machines": {"failure_domains": [[]]}}, "machines.failure_domains"),
     ):
         with pytest.raises(ConfigError, match=field):
-            SwiftConfig.from_dict(bad)
+            swift_config(bad)
 
 
 def test_the_plan_prices_buddy_copies_per_rank() -> None:
@@ -233,40 +236,38 @@ def test_the_plan_prices_buddy_copies_per_rank() -> None:
 
     ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW"}}
     layout = ParallelLayout(tp=1, pp=2, dp=4, gpus_per_node=8)
-    cost = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"replication_factor": 2}}), layout, 8e6)
+    cost = buddy_cost(ds, swift_config({"buddy": {"replication_factor": 2}}), layout, 8e6)
     assert cost.active and cost.partition_bytes == 8_000_000 // 2 // 4 * 12
     # The default interval, "auto", is chosen once the job runs: the plan gives the most it can cost.
     assert cost.interval == "auto" and cost.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes
     assert "interval auto (bytes: a copy after every step, the most)" in cost.lines()[0][1]
     assert cost.host_bytes_per_rank == 2 * (2 + 1) * cost.partition_bytes  # the buddies' copies and two own
-    off = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"enabled": False}}), layout, 8e6)
+    off = buddy_cost(ds, swift_config({"buddy": {"enabled": False}}), layout, 8e6)
     assert not off.active and "buddy.enabled is false" in off.lines()[0][1]
     replicated = buddy_cost({"optimizer": {"type": "AdamW"}}, SwiftConfig(), layout, 8e6)
     assert not replicated.active and "not partitioned" in replicated.why
-    spaced = buddy_cost(ds, SwiftConfig.from_dict({"buddy": {"replication_factor": 2, "interval": 4}}), layout, 8e6)
+    spaced = buddy_cost(ds, swift_config({"buddy": {"replication_factor": 2, "interval": 4}}), layout, 8e6)
     assert spaced.network_bytes_per_rank_per_iteration == 2 * cost.partition_bytes // 4
     assert spaced.host_bytes_per_rank == cost.host_bytes_per_rank and "every 4 iterations" in spaced.lines()[0][1]
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4", "Auto", None])
 def test_a_bad_buddy_interval_is_an_error_naming_the_field(bad: object) -> None:
-    from ds_swift.config import ConfigError, SwiftConfig
+    from ds_swift.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"buddy\.interval="):
-        SwiftConfig.from_dict({"buddy": {"interval": bad}})
+        swift_config({"buddy": {"interval": bad}})
 
 
 def test_a_buddy_interval_with_pipechurn_is_refused_not_ignored() -> None:
-    from ds_swift.config import ConfigError, SwiftConfig
+    from ds_swift.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"buddy\.interval=4 .*'pipechurn'.*remove buddy\.interval"):
-        SwiftConfig.from_dict({"strategy": "pipechurn", "buddy": {"interval": 4}})
+        swift_config({"strategy": "pipechurn", "buddy": {"interval": 4}})
     # "auto", the default, and 1 say nothing pipechurn does not do: a copy after every step.
     for interval in ("auto", 1):
-        assert (
-            SwiftConfig.from_dict({"strategy": "pipechurn", "buddy": {"interval": interval}}).buddy.interval == interval
-        )
-    assert SwiftConfig.from_dict({"strategy": "pipechurn"}).buddy.fixed_interval is None
+        assert swift_config({"strategy": "pipechurn", "buddy": {"interval": interval}}).buddy.interval == interval
+    assert swift_config({"strategy": "pipechurn"}).buddy.fixed_interval is None
 
 
 def test_immediate_rollback_takes_the_newest_copy_and_undoes_nothing() -> None:

@@ -1,4 +1,4 @@
-"""``buddy.interval: "auto"`` (ds_swift.runtime.buddy_auto): the interval rank 0 chooses from the
+"""``buddy.interval: "auto"`` (ds_swift.protect.buddy_interval): the interval rank 0 chooses from the
 step time it measures, and how every rank learns it (the round's ``done`` key)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 
 from ds_swift.config import SwiftConfig
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
-from ds_swift.runtime.buddy_auto import DECIDE_AFTER, AutoInterval, choose_interval, decided, decision
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.buddy_holdings import StoreLanding
+from ds_swift.protect.buddy_interval import DECIDE_AFTER, AutoInterval, choose_interval, decided, decision
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,7 @@ class FakeStore:
 def test_a_replacement_adopts_the_plan_the_others_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    import ds_swift.runtime.logging_wiring as wiring
+    import ds_swift.protect.message_logging as wiring
 
     monkeypatch.setattr(wiring.dist, "get_rank", lambda: 0)
     cfg = config(budget=8 * 2 * BOUNDARY * 1.5 / 1e9)

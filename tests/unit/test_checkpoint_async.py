@@ -13,7 +13,10 @@ import torch
 from ds_swift.checkpoint.background import AsyncWriter, persisted_marker, snapshot
 from ds_swift.checkpoint.checkfreq import CheckFreqTuner, checkfreq_interval
 from ds_swift.checkpoint.periodic import COMPLETE_MARKER, CheckpointManager, complete_checkpoints
+from ds_swift.checkpoint.setup import asynchronous
 from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.recovery.registry import services_of
+from ds_swift.testing.configs import swift_config
 
 
 def test_checkfreq_rule() -> None:
@@ -125,26 +128,28 @@ def test_checkfreq_saves_at_the_profiling_point_then_at_the_chosen_interval() ->
     assert manager.save_id == "job.g1"
 
 
+def _async(cfg: SwiftConfig, gpu: bool) -> bool:
+    return asynchronous(cfg, services_of(cfg), gpu)
+
+
 def test_config_fields() -> None:
-    assert SwiftConfig.from_dict({"strategy": "global_checkpoint"}).async_checkpoints_for(gpu=False)
-    assert SwiftConfig.from_dict({"strategy": "checkfreq"}).services.checkpoint_tuner
-    assert not SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints_for(gpu=False)
+    assert _async(swift_config({"strategy": "global_checkpoint"}), False)
+    assert services_of(swift_config({"strategy": "checkfreq"})).checkpoint_tuner
+    assert not _async(swift_config({"strategy": "auto"}), False)
     # On GPUs every strategy's saves are asynchronous by default (a pinned copy at PCIe speed)...
-    assert SwiftConfig.from_dict({"strategy": "auto"}).async_checkpoints_for(gpu=True)
+    assert _async(swift_config({"strategy": "auto"}), True)
     # ...unless the config says otherwise.
-    assert not SwiftConfig.from_dict({"checkpoint": {"async_save": False}}).async_checkpoints_for(gpu=True)
-    assert SwiftConfig.from_dict({"checkpoint": {"async_save": True}}).async_checkpoints_for(gpu=False)
-    assert not SwiftConfig.from_dict(
-        {"strategy": "checkfreq", "checkpoint": {"async_save": False}}
-    ).async_checkpoints_for(gpu=False)
+    assert not _async(swift_config({"checkpoint": {"async_save": False}}), True)
+    assert _async(swift_config({"checkpoint": {"async_save": True}}), False)
+    assert not _async(swift_config({"strategy": "checkfreq", "checkpoint": {"async_save": False}}), False)
     with pytest.raises(ConfigError, match=r"checkfreq.max_overhead=1.5 is invalid: a fraction in \(0, 1\)"):
-        SwiftConfig.from_dict({"checkfreq": {"max_overhead": 1.5}})
+        swift_config({"checkfreq": {"max_overhead": 1.5}})
     with pytest.raises(ConfigError, match="checkfreq.profile_at=1"):
-        SwiftConfig.from_dict({"checkfreq": {"profile_at": 1}})
+        swift_config({"checkfreq": {"profile_at": 1}})
     with pytest.raises(ConfigError, match="checkpoint.async_save"):
-        SwiftConfig.from_dict({"checkpoint": {"async_save": "yes"}})
+        swift_config({"checkpoint": {"async_save": "yes"}})
     with pytest.raises(ConfigError, match="global_checkpoint, checkfreq"):
-        SwiftConfig.from_dict({"strategy": "checkfreqq"})
+        swift_config({"strategy": "checkfreqq"})
 
 
 def test_a_persist_that_does_not_end_makes_every_rank_skip_the_next_checkpoint_loudly(

@@ -11,19 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.config import STORAGE_SCHEMES, ConfigError, SwiftConfig, load_ds_config
+from ds_swift.testing.configs import swift_config
 
 
 def error_of(section: Any) -> str:
     with pytest.raises(ConfigError) as err:
-        SwiftConfig.from_dict(section)
+        swift_config(section)
     msg = str(err.value)
     assert "\n" not in msg, msg
     return msg
 
 
 def test_defaults() -> None:
-    cfg = SwiftConfig.from_dict(None)
-    assert cfg == SwiftConfig.from_dict({}) == SwiftConfig()
+    cfg = swift_config(None)
+    assert cfg == swift_config({}) == SwiftConfig()
     assert cfg.enabled is False and cfg.strategy == "auto"
     assert cfg.machines.gpus_per_node == 8 and cfg.machines.rank_order == "tp-dp-pp"
     assert cfg.logging.chunk_iterations == 5 and cfg.logging.bubble_only is True
@@ -161,8 +162,8 @@ def test_groups_and_budget_exclude_each_other() -> None:
 
 @pytest.mark.parametrize("scheme", [s for s in STORAGE_SCHEMES if s])
 def test_known_storage_schemes(scheme: str) -> None:
-    assert SwiftConfig.from_dict({"logging": {"storage": f"{scheme}://bucket/logs"}}).logging.storage.startswith(scheme)
-    assert SwiftConfig.from_dict({"logging": {"storage": "/plain/path"}}).logging.storage == "/plain/path"
+    assert swift_config({"logging": {"storage": f"{scheme}://bucket/logs"}}).logging.storage.startswith(scheme)
+    assert swift_config({"logging": {"storage": "/plain/path"}}).logging.storage == "/plain/path"
 
 
 @settings(max_examples=100, deadline=None)
@@ -186,9 +187,9 @@ def test_round_trip(
         "checkpoint": {"interval": interval},
         "parallel_recovery": parallel,
     }
-    cfg = SwiftConfig.from_dict(section)
-    assert SwiftConfig.from_dict(cfg.to_dict()) == cfg
-    assert SwiftConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    cfg = swift_config(section)
+    assert swift_config(cfg.to_dict()) == cfg
+    assert swift_config(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,5 +1,5 @@
 """State digests (ds_swift.recovery.state.digest) and the checks built on them (ds_swift.recovery.verify,
-ds_swift.runtime.digest): exact over the raw bits, position-dependent, published where they outlive
+ds_swift.protect.digest_publisher): exact over the raw bits, position-dependent, published where they outlive
 the rank, and a replay checked against them."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.protect.digest_publisher import DigestPublisher
 from ds_swift.recovery.consensus import RecoveryPlan
 from ds_swift.recovery.state.digest import (
     StateDigest,
@@ -36,7 +37,6 @@ from ds_swift.recovery.verify import (
     publish_digest,
     published_digests,
 )
-from ds_swift.runtime.digest import DigestPublisher
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 CHUNK = 1 << 20  # words per chunk of the device-side sums
@@ -296,7 +296,7 @@ def test_every_rank_agrees_on_the_verdicts(store: JobStore) -> None:
 
 def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
     """What the digest publisher said on ds-swift's logging channel."""
-    return [r.getMessage() for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+    return [r.getMessage() for r in caplog.records if r.name == "ds_swift.protect.digest_publisher"]
 
 
 def test_the_publisher_digests_every_interval_in_the_background(
@@ -335,7 +335,7 @@ def test_a_publisher_that_cannot_reach_the_store_says_so_once(
             assert pub.wait(timeout_s=30)
     finally:
         pub.stop()
-    (warned,) = [r for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+    (warned,) = [r for r in caplog.records if r.name == "ds_swift.protect.digest_publisher"]
     assert warned.levelno == logging.WARNING
     assert warned.getMessage().startswith(
         "state digests are not being published: a recovery's restored state will be unverified: "
@@ -362,7 +362,7 @@ def test_a_second_store_outage_is_said_again(store: JobStore, caplog: pytest.Log
             engine.global_steps += 1
     finally:
         pub.stop()
-    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_swift.runtime.digest"]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_swift.protect.digest_publisher"]
     assert [level for level, _ in said[:3]] == [logging.WARNING, logging.INFO, logging.WARNING], said
     assert "iteration 0 not published" in said[0][1] and said[1][1] == "state digests are published again (iteration 2)"
     assert "iteration 4 not published" in said[2][1]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.recovery.strategies.elastic import Resize, ResizeRefused, resized_ds_config
+from ds_swift.config import ConfigError
+from ds_swift.recovery.registry import services_of
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
+from ds_swift.testing.configs import swift_config
 
 # pp 2 x dp 2, rank order tp-pp-dp: rank = stage + 2 dp; machines of 2 ranks hold whole replicas
 COORDS = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
@@ -62,16 +64,16 @@ def test_refusals_name_the_fix() -> None:
 
 
 def test_the_config_section() -> None:
-    cfg = SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"global_batch": "shrink"}})
-    assert cfg.services.elastic and cfg.elastic.global_batch == "shrink" and cfg.elastic.min_data_parallel == 1
+    cfg = swift_config({"strategy": "elastic", "elastic": {"global_batch": "shrink"}})
+    assert services_of(cfg).elastic and cfg.elastic.global_batch == "shrink" and cfg.elastic.min_data_parallel == 1
     # The configs written before elastic was a strategy: still served, with a warning naming the new spelling.
     with pytest.warns(FutureWarning, match='write "strategy": "elastic"'):
-        old = SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"enabled": True}})
-    assert old.strategy == "elastic" and old.services.elastic
+        old = swift_config({"strategy": "lossy_forward", "elastic": {"enabled": True}})
+    assert old.strategy == "elastic" and services_of(old).elastic
     with pytest.raises(ConfigError, match=r"elastic.enabled=true is read only by strategy \['elastic'\]"):
-        SwiftConfig.from_dict({"elastic": {"enabled": True}})
-    assert not SwiftConfig.from_dict({"strategy": "lossy_forward"}).services.elastic
+        swift_config({"elastic": {"enabled": True}})
+    assert not services_of(swift_config({"strategy": "lossy_forward"})).elastic
     with pytest.raises(ConfigError, match="elastic.global_batch"):
-        SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"global_batch": "half"}})
+        swift_config({"strategy": "elastic", "elastic": {"global_batch": "half"}})
     with pytest.raises(ConfigError, match="elastic.min_data_parallel"):
-        SwiftConfig.from_dict({"strategy": "elastic", "elastic": {"min_data_parallel": 0}})
+        swift_config({"strategy": "elastic", "elastic": {"min_data_parallel": 0}})

@@ -21,7 +21,7 @@ from ds_swift.patches.deepspeed_rebuild import patch_default_timeout, patch_recv
 from ds_swift.runtime.engine import SwiftPipelineEngine, initialize
 from ds_swift.runtime.hooks import key_forward_rng
 from ds_swift.testing.procs import free_port
-from ds_swift.transport.teardown import POISON_MARK, carries_poison
+from ds_swift.transport.shutdown import POISON_MARK, carries_poison
 
 
 class Engine:

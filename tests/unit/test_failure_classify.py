@@ -147,7 +147,7 @@ def test_a_poisoned_receive_waits_for_the_failure_flag_through_the_job_store(sto
     import torch
 
     from ds_swift.detect.monitor import FailureMonitor
-    from ds_swift.transport.teardown import POISON_MARK
+    from ds_swift.transport.shutdown import POISON_MARK
 
     assert JobStore.failed_key(3) == "gen3/failed"
     monitor = FailureMonitor(store, 0, poll_interval_s=0.01)

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from ds_swift.config import ConfigError, SwiftConfig, left_off
-from ds_swift.config.feasible import JobShape, check_feasible, infeasible
 from ds_swift.launch.args import parse_args
 from ds_swift.launch.cli import main
 from ds_swift.launch.placement import LaunchUsageError
 from ds_swift.launch.preflight import arch_list_warning, preflight
+from ds_swift.recovery.feasible import JobShape, check_feasible, infeasible
 
 LOSSY = {"enabled": True, "strategy": "lossy_forward"}
 ELASTIC = {"enabled": True, "strategy": "elastic"}

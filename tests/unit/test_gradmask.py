@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.config import ConfigError
 from ds_swift.recovery.consensus import RankReport
 from ds_swift.recovery.gradmask import lossy_factor, scaled_gradients
 from ds_swift.recovery.registry import plan_recovery
+from ds_swift.testing.configs import swift_config
 
 
 class Stage(torch.nn.Module):
@@ -106,10 +107,10 @@ def test_lossy_forward_with_no_surviving_replica_falls_back() -> None:
 )
 def test_bad_simulation_settings_name_the_field(section: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        SwiftConfig.from_dict({"simulate_failure": section})
+        swift_config({"simulate_failure": section})
 
 
 def test_simulation_is_off_by_default_and_lists_become_tuples() -> None:
-    assert SwiftConfig.from_dict({}).simulate_failure.iteration is None
-    sim = SwiftConfig.from_dict({"simulate_failure": {"iteration": 3, "stepped_stages": [1]}}).simulate_failure
+    assert swift_config({}).simulate_failure.iteration is None
+    sim = swift_config({"simulate_failure": {"iteration": 3, "stepped_stages": [1]}}).simulate_failure
     assert sim.stepped_stages == (1,) and sim.casualties == ()

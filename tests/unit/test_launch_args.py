@@ -237,7 +237,7 @@ def test_parsing_the_command_line_and_starting_the_fork_server_import_no_torch()
     torch and DeepSpeed) is started before the launcher imports torch for its job store: the two
     imports overlap. Both need these modules torch-free."""
     code = (
-        "import sys, ds_swift.launch.args, ds_swift.launch.forkserver, ds_swift.launch.cli; "
+        "import sys, ds_swift.launch.args, ds_swift.launch.fork_client, ds_swift.launch.cli; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "print(bad[:5]); sys.exit(1 if bad else 0)"
     )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_swift.checkpoint.running import MANIFEST, RunningCheckpoint, RunningCheckpointError
-from ds_swift.runtime.running import RunningCheckpoints
+from ds_swift.protect.running_checkpoint import RunningCheckpoints
 
 
 def _running(directory: Path, **kwargs: Any) -> None:

@@ -14,11 +14,12 @@ import pytest
 
 from ds_swift.checkpoint import periodic as checkpoint
 from ds_swift.jobstore.membership import JobStore
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.buddy_holdings import StoreLanding
 from ds_swift.recovery import coordinator
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.runtime.buddy import BuddyCopier, StoreLanding
 
 GLOO_TIMEOUT = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
@@ -154,7 +155,9 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     )
     assert outcome.plan.strategy == "checkpoint"
     assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
-    assert store.get("gen1/restore/0") is not None and store.get("gen1/restored/verdict") is not None  # the rounds took place
+    assert (
+        store.get("gen1/restore/0") is not None and store.get("gen1/restored/verdict") is not None
+    )  # the rounds took place
 
 
 # ------------------------------------------------------------------ checkpoint write errors

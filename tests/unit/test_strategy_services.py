@@ -17,12 +17,17 @@ import pytest
 
 import ds_swift.recovery.registry as registry_mod
 from ds_swift.checkpoint.setup import checkpoint_manager
-from ds_swift.config import ConfigError, SwiftConfig, strategy_names
-from ds_swift.plan.analysis import config_strategy
+from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.plan.analysis import stage_mode
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.digest_publisher import DigestPublisher
+from ds_swift.protect.protections import Protections
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.registry import services_of, strategy_names
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.runtime.protection import Protections
+from ds_swift.testing.configs import site, swift_config
 
 # What the runtime chose by name before this issue (config values as they were then).
 OLD_NAMES = (
@@ -61,13 +66,13 @@ def old_choices(name: str, kinds: Any = "messages") -> dict[str, Any]:
 
 
 def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
-    s = cfg.services
+    s = services_of(cfg)
     return {
         "buddy": s.buddy_copies,
         "erasure": s.erasure_chunks,
         "digests": s.digests,
         "updates": s.update_log,
-        "analyzer": config_strategy(cfg),
+        "analyzer": stage_mode(cfg),
         "async": s.async_checkpoints,
         "tuner": s.checkpoint_tuner,
         "running": s.running_checkpoint,
@@ -77,7 +82,7 @@ def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
 @pytest.mark.parametrize("name", OLD_NAMES)
 @pytest.mark.parametrize("kinds", ["messages", "auto"])
 def test_the_services_are_what_the_names_chose(name: str, kinds: str) -> None:
-    cfg = SwiftConfig.from_dict({"strategy": name, "logging": {"kinds": kinds}})
+    cfg = swift_config({"strategy": name, "logging": {"kinds": kinds}})
     assert new_choices(cfg) == old_choices(name, kinds)
 
 
@@ -86,20 +91,20 @@ def test_the_config_accepts_the_registered_names_only() -> None:
     assert names[0] == "auto" and set(names[1:]) == set(registry_mod.STRATEGIES.names())
     assert {"buddy", "elastic", "checkfreq", "global_checkpoint"} <= set(names)
     with pytest.raises(ConfigError, match=r"strategy='replicaton' is invalid: one of auto, replication, .*elastic"):
-        SwiftConfig.from_dict({"strategy": "replicaton"})
+        swift_config({"strategy": "replicaton"})
     with pytest.raises(ConfigError, match=r"checkpoint.running_fraction=0.5 is read only by strategy \['scar'\]"):
-        SwiftConfig.from_dict({"checkpoint": {"running_fraction": 0.5}})
+        swift_config({"checkpoint": {"running_fraction": 0.5}})
     with pytest.raises(ConfigError, match=r"simulate_failure.strategy='scar' is invalid: one of .*immediate_rollback"):
-        SwiftConfig.from_dict({"simulate_failure": {"iteration": 3, "strategy": "scar"}})
+        swift_config({"simulate_failure": {"iteration": 3, "strategy": "scar"}})
 
 
 def test_the_old_elastic_spelling_still_works_and_says_the_new_one() -> None:
     with pytest.warns(FutureWarning, match='"strategy": "elastic"'):
-        cfg = SwiftConfig.from_dict({"strategy": "lossy_forward", "elastic": {"enabled": True}})
-    assert cfg.strategy == "elastic" and cfg.services.elastic and cfg.services.buddy_copies
+        cfg = swift_config({"strategy": "lossy_forward", "elastic": {"enabled": True}})
+    assert cfg.strategy == "elastic" and services_of(cfg).elastic and services_of(cfg).buddy_copies
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert SwiftConfig.from_dict({"strategy": "elastic"}).services.elastic
+        assert services_of(swift_config({"strategy": "elastic"})).elastic
 
 
 def test_checkpoint_reloads_recover_under_one_name() -> None:
@@ -138,35 +143,28 @@ class _Dummy(RecoveryStrategy):
 
 def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="strategy='dummy' is invalid"):
-        SwiftConfig.from_dict({"strategy": "dummy"})
+        swift_config({"strategy": "dummy"})
     registry = registry_mod.STRATEGIES.copy()
     registry.register(_Dummy())  # the one line
     monkeypatch.setattr(registry_mod, "STRATEGIES", registry)
-    cfg = SwiftConfig.from_dict({"strategy": "dummy", "checkpoint": {"dir": str(tmp_path)}})
-    assert cfg.services == _Dummy.SERVICES
+    cfg = swift_config({"strategy": "dummy", "checkpoint": {"dir": str(tmp_path)}})
+    assert services_of(cfg) == _Dummy.SERVICES
     # The runtime's failure-free services, made from them.
     lines: list[str] = []
     ctx = SimpleNamespace(
         env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0, generation=0
     )
     hooks = SimpleNamespace(logs=SimpleNamespace(updates=None), undo=None)
-    made = Protections(
-        lambda: None,
-        ctx=ctx,
-        cfg=cfg,
-        hooks=hooks,
-        generation=lambda: 0,  # type: ignore[arg-type]
-        check_after_receive=lambda: None,
-        machine=lambda: 0,
-    )
-    assert made.buddy is not None and made.buddy.erasure is None
-    assert made.updates is not None and hooks.logs.updates is made.updates
-    assert made.digests is None  # not in its services
+    made = Protections(site(cfg, ctx, hooks))
+    buddy, updates = made.get(BuddyCopier), made.get(UpdateLogger)
+    assert buddy is not None and buddy.erasure is None
+    assert updates is not None and hooks.logs.updates is updates
+    assert made.get(DigestPublisher) is None  # not in its services
     # The checkpoint set-up and the topology analyzer.
-    manager = checkpoint_manager(cfg, ctx, rank=0, world_size=1)
+    manager = checkpoint_manager(cfg, ctx, rank=0, world_size=1, services=services_of(cfg))
     assert manager.writer is not None and manager.tuner is not None
     manager.writer.close(5.0)
-    assert config_strategy(cfg) == "logging"
+    assert stage_mode(cfg) == "logging"
     # ...and the recovery side: the registry offers it when the config names it.
     assert registry.get("dummy").services(cfg).update_log == "every_rank"
 

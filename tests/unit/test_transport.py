@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import ds_swift.transport as transport
-import ds_swift.transport.teardown as teardown
+import ds_swift.transport.shutdown as teardown
 from ds_swift.detect.watchdog import FailureSeen, Watchdog
 from ds_swift.transport.core import Transport, route_problem
-from ds_swift.transport.teardown import (
+from ds_swift.transport.shutdown import (
     TeardownPlan,
     check_nccl_environment,
     nccl_environment,

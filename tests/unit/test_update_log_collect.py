@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from ds_swift.protect import update_logger as update_logging
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.recovery.state.update_log import UpdateRecord, parse_name, record_name, save_record
-from ds_swift.runtime import update_logging
-from ds_swift.runtime.update_logging import UpdateLogger
 from ds_swift.storage import open_store
 
 

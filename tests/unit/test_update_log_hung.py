@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from ds_swift.patches.instructions import schedule
+from ds_swift.protect import update_logger as update_logging
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.recovery.state.update_log import UpdateRecord
-from ds_swift.runtime import update_logging
-from ds_swift.runtime.update_logging import UpdateLogger
 
 
 def test_a_record_never_stored_stops_update_logging_and_the_step_runs(

@@ -17,7 +17,7 @@ column-weighted sums): the whole chunks of a large lane (weights, masters, momen
 state's bytes) a few kernels per 8 chunks, short pieces (biases, norms: most tensors of a state)
 packed together into batches of 1024 rows; one small transfer to the host ends the whole state's
 digest (no copy of the state leaves the device). :func:`start_digest` queues that work on the
-current stream and returns before it is done (on a GPU, ds_swift.runtime.digest runs it on a side
+current stream and returns before it is done (on a GPU, ds_swift.protect.digest_publisher runs it on a side
 stream).
 
 Names are paths into the state: ``module/<state_dict key>``, ``optimizer/masters/<i>`` (the fp32
@@ -172,7 +172,7 @@ def _batch_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
 class PendingSums:
     """Every lane's sums, under way: the kernels are queued on each lane's device (on the caller's
     current stream) and their few bytes of results are on their way to pinned host memory;
-    :meth:`result` waits for them (ds_swift.runtime.digest queues them on a side stream and waits in
+    :meth:`result` waits for them (ds_swift.protect.digest_publisher queues them on a side stream and waits in
     its own thread). No copy of the state itself leaves the device."""
 
     def __init__(self, lanes: list[torch.Tensor]) -> None:
@@ -255,7 +255,7 @@ def digest_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
 class PendingDigests:
     """:func:`digest_tensors` in two halves: the constructor queues the device work on the current
     stream (and returns at once on a GPU); :meth:`result` waits for it and hashes. The tensors must
-    not change in between (ds_swift.runtime.digest orders the streams)."""
+    not change in between (ds_swift.protect.digest_publisher orders the streams)."""
 
     def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
         self._named = dict(named)
@@ -317,7 +317,7 @@ def engine_state(engine: Any) -> dict[str, Any]:
 
 
 def partition_state(engine: Any) -> dict[str, Any]:
-    """What a buddy copy holds of a rank (ds_swift.runtime.buddy): its optimizer partition and the
+    """What a buddy copy holds of a rank (ds_swift.protect.buddy): its optimizer partition and the
     module's buffers (the parameters come from the all-gather every rank runs)."""
     module = engine.module
     params = {n for n, _ in module.named_parameters()}

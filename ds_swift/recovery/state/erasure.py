@@ -1,7 +1,7 @@
 """PipeChurn's erasure-coded in-memory checkpoints: the chunks, who holds them, and what survives.
 
 After every optimizer step a rank's state (the payload a buddy copy holds: its optimizer wrapper's
-state, LR scheduler, counters, module buffers; ds_swift.runtime.buddy) is laid out as one byte
+state, LR scheduler, counters, module buffers; ds_swift.protect.buddy) is laid out as one byte
 string and cut into k data chunks, to which zfec (a maintained Reed-Solomon implementation) adds r
 parity chunks. Chunk j goes to the j-th of the rank's k + r holders, each on a machine of its own
 other than the rank's (:func:`assign_holders`). Any k chunks rebuild the state, so any r + 1
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ds_swift.recovery.consensus import RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.transfer import decode, decode_dtype
 
@@ -138,7 +139,7 @@ def _held(inputs: RecoveryInputs) -> dict[int, dict[int, dict[int, int]]]:
     for rep in inputs.reports:
         if not rep.survivor or rep.machine in failed:
             continue
-        for owner, version, index in rep.ec_chunks:
+        for owner, version, index in BuddyHeld.of(rep).chunks:
             if owner in lost:
                 out[owner].setdefault(version, {}).setdefault(index, rep.rank)
     return out
@@ -147,7 +148,7 @@ def _held(inputs: RecoveryInputs) -> dict[int, dict[int, dict[int, int]]]:
 def erasure_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, list[tuple[int, int]]], str]:
     """The iteration every rank lands on and, per lost rank, the k ``(holder, chunk index)`` to rebuild
     it from (data chunks first: they decode by concatenation); or ``(None, {}, why not)``."""
-    k = max((r.ec_k for r in inputs.reports), default=0)
+    k = max((BuddyHeld.of(r).k for r in inputs.reports), default=0)
     if k < 1:
         return None, {}, "no rank keeps erasure-coded chunks"
     held = _held(inputs)

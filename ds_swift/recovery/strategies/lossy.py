@@ -25,7 +25,7 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrateg
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.gradmask import GradScale, lossy_factor
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.recovery.simulated import SimulatedFailure
+from ds_swift.recovery.simulated_failure import SimulatedFailure
 from ds_swift.recovery.strategies.buddy import BuddyStrategy
 from ds_swift.recovery.strategies.replication import ReplicationStrategy
 

@@ -8,7 +8,7 @@ outside the groups keep their state. The protocol each rank runs is
 log unusable, every rank falls back to the global checkpoint.
 
 Under a storage budget the groups are those of the plan the engine made from its first iteration's
-measured messages (ds_swift.runtime.logging_wiring), the same on every rank (replacements take it
+measured messages (ds_swift.protect.message_logging), the same on every rank (replacements take it
 from the job store); that first iteration was logged at every machine boundary, a superset of what
 any grouping needs, so a replay that reaches back to it finds every inbound edge of its group.
 

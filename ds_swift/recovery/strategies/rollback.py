@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, announce_deviation
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.recovery.simulated import SimulatedFailure, copy_state
+from ds_swift.recovery.simulated_failure import SimulatedFailure, copy_state
 from ds_swift.recovery.state.transfer import (
     capture_state,
     finish_restore,

@@ -1,6 +1,6 @@
 """TranLogs' recovery as a strategy (``"strategy": "tranlogs"``): checkpoint + re-applied updates.
 
-Every rank logs its update after each optimizer step (ds_swift.runtime.update_logging); under
+Every rank logs its update after each optimizer step (ds_swift.protect.update_logger); under
 ``auto``/``logging`` with ``logging.kinds``, only the ranks of the stages the plan has log their
 updates, and a failure whose lost ranks are all of such stages is restored here. After a
 failure the survivors keep their state (undoing to the consensus where they are ahead, as for
@@ -37,6 +37,7 @@ from ds_swift.recovery.base import (
     redo_words,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import UpdateLogHeld
 from ds_swift.recovery.restore_check import check_round
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
@@ -49,7 +50,7 @@ __all__ = ["TranLogsStrategy", "update_target"]
 def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
     """The iteration every rank lands on, and why where it is not the consensus ``c``.
 
-    A rank's optimizer step waits until its previous record is stored (ds_swift.runtime.update_logging),
+    A rank's optimizer step waits until its previous record is stored (ds_swift.protect.update_logger),
     so a rank lost in the forward or backward passes after its step of ``c`` may lack only its record
     of ``c``, though every survivor stepped ``c``: then every rank lands on ``c - 1``, the survivors
     going back one step (:meth:`TranLogsStrategy.plan` says how) and the replacements re-applying
@@ -58,7 +59,7 @@ def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
     check round then finds the missing record and every rank falls back to the global checkpoint,
     naming it."""
     c, done = inputs.consensus, inputs.checkpoint_step
-    newest = {r: inputs.by_rank[r].logged_update for r in inputs.replacements}
+    newest = {r: UpdateLogHeld.of(inputs.by_rank[r]).newest for r in inputs.replacements}
     behind = sorted(r for r, n in newest.items() if n is not None and n < c)
     if not behind or done > c or any(newest[r] != c - 1 for r in behind) or inputs.rebased(c - 1).cannot_undo:
         return c, ""

@@ -33,7 +33,7 @@ logging-based recovery (tests/dist/test_recovery_logging.py):
   update-log writer of each rank of machine M blocks on its record of iteration I until the rank is
   killed, so the record is never stored. A rank lost in iteration I + 1's forward or backward passes
   (its step, which waits for the record, never comes) then lacks the record of I every survivor
-  stepped: the race ds_swift/runtime/update_logging.py describes, made certain.
+  stepped: the race ds_swift/protect/update_logger.py describes, made certain.
 
 The worker imports this module from its own directory and installs these faults (``patch_*``,
 ``corrupt_on_load``) before the example starts.
@@ -191,7 +191,7 @@ def patch_update_record_hold(rank: int) -> None:
         return
     import threading
 
-    from ds_swift.runtime.update_logging import UpdateLogger
+    from ds_swift.protect.update_logger import UpdateLogger
 
     write, never = UpdateLogger._do, threading.Event()
 

@@ -1,5 +1,5 @@
 """``buddy.interval: "auto"`` (the default): the iterations between buddy rounds, chosen from the
-job's own step time (ds_swift.runtime.buddy).
+job's own step time (ds_swift.protect.buddy).
 
 A round costs about the same whatever its interval: a host copy of the partition, a send per buddy,
 the job-store round that says it landed everywhere. On the tiny CPU GPT (4 ranks on 2 cores, a
@@ -11,7 +11,7 @@ after every 5th step 18. What an interval costs instead is recovery time: a fail
 rank back to the newest round and trains the iterations since again.
 
 So "auto" copies after every step for the first :data:`DECIDE_AFTER` rounds of each generation
-while the landing's leader (rank 0, ds_swift.runtime.buddy_holdings.StoreLanding) measures the step
+while the landing's leader (rank 0, ds_swift.protect.buddy_holdings.StoreLanding) measures the step
 (from one round's submission to the next) and the round (from its submission to its landing on
 every rank); then it picks the smallest interval of the 1-2-5 ladder that
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.config.checks import kinds_mismatch, machines_mismatch
+from ds_swift.recovery.registry import services_of
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders
 
@@ -105,7 +106,7 @@ Requirement = Callable[[SwiftConfig, JobShape], "str | None"]
 
 def elastic_needs_the_config(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """``--elastic`` is served only by workers that know to shrink (a strategy whose services are elastic)."""
-    if not shape.elastic or (cfg.enabled and cfg.services.elastic):
+    if not shape.elastic or (cfg.enabled and services_of(cfg).elastic):
         return None
     if not cfg.enabled:
         return (
@@ -122,7 +123,7 @@ def elastic_needs_the_config(cfg: SwiftConfig, shape: JobShape) -> str | None:
 def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """A shrink drops whole machines: each must hold whole data-parallel replicas (tp x pp ranks)."""
     replica = shape.replica
-    if not shape.elastic or not cfg.services.elastic or replica is None or shape.per_machine % replica == 0:
+    if not shape.elastic or not services_of(cfg).elastic or replica is None or shape.per_machine % replica == 0:
         return None
     return (
         f"--elastic: a machine must hold whole data-parallel replicas for a shrink to drop it, but "
@@ -134,7 +135,13 @@ def elastic_needs_whole_replicas(cfg: SwiftConfig, shape: JobShape) -> str | Non
 def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """After losing one machine at least ``elastic.min_data_parallel`` replicas must remain."""
     replica, dp = shape.replica, shape.data_parallel
-    if not shape.elastic or not cfg.services.elastic or replica is None or dp is None or shape.per_machine % replica:
+    if (
+        not shape.elastic
+        or not services_of(cfg).elastic
+        or replica is None
+        or dp is None
+        or shape.per_machine % replica
+    ):
         return None
     per = shape.per_machine // replica  # replicas per machine
     left, floor = dp - per, max(1, cfg.elastic.min_data_parallel)
@@ -151,7 +158,7 @@ def elastic_needs_a_replica_left(cfg: SwiftConfig, shape: JobShape) -> str | Non
 
 def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """PipeChurn keeps each rank's k + r chunks on k + r machines (failure domains) besides its own."""
-    if not cfg.enabled or not cfg.services.erasure_chunks:
+    if not cfg.enabled or not services_of(cfg).erasure_chunks:
         return None
     k, r = cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks
     try:
@@ -170,7 +177,7 @@ def pipechurn_needs_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
 def buddies_need_machines(cfg: SwiftConfig, shape: JobShape) -> str | None:
     """Buddy copies of a partitioned optimizer state go to ``buddy.replication_factor`` ranks outside
     the owner's machine (failure domain)."""
-    uses = cfg.services.buddy_copies and not cfg.services.erasure_chunks  # else the engine makes none
+    uses = services_of(cfg).buddy_copies and not services_of(cfg).erasure_chunks  # else the engine makes none
     if not cfg.enabled or not cfg.buddy.enabled or not uses or not shape.partitioned:
         return None
     factor = cfg.buddy.replication_factor

@@ -6,7 +6,7 @@ compared with the failure-free run (``benchmarks/failure_simulation.py``). A str
 simulated returns a :class:`SimulatedFailure` from
 :meth:`~ds_swift.recovery.base.RecoveryStrategy.simulated_failure` (``lossy_forward``: the failed
 iteration's gradients; ``immediate_rollback``: the stages that stepped); the runtime calls its
-hooks around the simulated iteration (ds_swift.runtime.simulate).
+hooks around the simulated iteration (ds_swift.runtime.failure_simulation).
 """
 
 from __future__ import annotations

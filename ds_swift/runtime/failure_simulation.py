@@ -2,7 +2,7 @@
 side. What the simulated failure does is the named strategy's
 (:meth:`~ds_swift.recovery.base.RecoveryStrategy.simulated_failure`: ``lossy_forward`` scales the
 failed iteration's gradients, ``immediate_rollback`` puts back the stages that had not stepped and
-trains the iteration again; ds_swift.recovery.simulated says why and how).
+trains the iteration again; ds_swift.recovery.simulated_failure says why and how).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from ds_swift.config import ConfigError, SimulateConfig
 from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.simulated import SimulatedFailure
+from ds_swift.recovery.simulated_failure import SimulatedFailure
 
 __all__ = ["FailureSimulation"]
 

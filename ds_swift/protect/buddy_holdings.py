@@ -1,4 +1,4 @@
-"""What a buddy copier keeps and when a round counts (ds_swift.runtime.buddy).
+"""What a buddy copier keeps and when a round counts (ds_swift.protect.buddy).
 
 :class:`BuddyHoldings`: the complete copies of other ranks' partitions this rank holds (the newest
 two per owner), and this rank's own copies of its last two rounds, kept across generations.
@@ -19,8 +19,7 @@ import torch
 from ds_swift.checkpoint.snapshot import PinnedCopier
 from ds_swift.jobstore.agreement import agree
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.recovery.state.transfer import flat_views
-from ds_swift.recovery.strategies.replication import decode, flat_sizes
+from ds_swift.recovery.state.transfer import decode, flat_sizes, flat_views
 
 __all__ = ["BuddyHoldings", "StoreLanding", "stage", "stage_own"]
 
@@ -141,7 +140,7 @@ class StoreLanding:
         """The rounds this rank counted itself in, newest last (the keys of two rounds back go)."""
         self.done_value: str | None = None
         """What the leader wrote into the last round's verdict: ``"1"``, or the interval
-        ``buddy.interval: "auto"`` chose (ds_swift.runtime.buddy_auto.decision)."""
+        ``buddy.interval: "auto"`` chose (ds_swift.protect.buddy_interval.decision)."""
 
     def turn_off(self, reason: str) -> None:
         """This rank stopped copying (a copier error): every rank's copier stops too, rather than

@@ -3,7 +3,7 @@
 :class:`ForkServer` starts :mod:`ds_swift.runtime.forkserver` once per launcher process (all the
 agents of a simulated job share it) and asks it for each worker it would otherwise start as a fresh
 ``python``: the imports of torch, DeepSpeed and megatron-core are paid once, not per rank. A spare's
-warm workers (:mod:`.warm`) are forked too, each with a pipe for its assignment as its stdin. The
+warm workers (:mod:`ds_swift.runtime.warm`) are forked too, each with a pipe for its assignment as its stdin. The
 agent sees a forked worker as it sees any other (:class:`ForkedProcess` has what it uses of a
 ``Popen``): its own process group, killed with ``killpg``; its exit code comes from the server,
 which is its parent and reaps it.
