@@ -272,7 +272,7 @@ class MachineAgent(FailureHandling):
                 "(elastic grow); a failure during a grow is not recovered"
             )
             return
-        if self.store.arrivals(g + 1) < self.job.nproc_per_node:
+        if not self.store.joined(g + 1, [w.rank for w in self.workers]):
             return
         self._grow_pending = None
         self._layout = self.control.return_machine(self.machine, self.job.num_machines)

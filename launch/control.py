@@ -54,14 +54,27 @@ class JobControl:
 
     def mark_machine_done(self, machine: int) -> None:
         self.store.set(f"launch/done/{machine}", "1")
-        self.store.kv.add(DONE_COUNT, 1)
+        self._count_done(1)
+
+    def _count_done(self, amount: int) -> None:
+        if not hasattr(self.store.raw, "count"):  # etcd counts the marks themselves (done_count)
+            self.store.kv.add(DONE_COUNT, amount)
+
+    def done_count(self) -> int:
+        """How many machines are marked done (unsigned: a hint, see :meth:`all_done`): one request,
+        a TCPStore's atomic counter, or etcd's count of the marks (its add would be a compare-and-swap
+        that machines finishing together retry)."""
+        count = getattr(self.store.raw, "count", None)
+        if count is not None:
+            return int(count(self.store.prefix + "launch/done/"))
+        return int(self.store.kv.add(DONE_COUNT, 0))
 
     def all_done(self, num_machines: int) -> bool:
         """Every machine marked done: one request while the count says not yet (an unsigned hint,
         never trusted alone); then the signed marks, one batched read, so that a count or a mark
         written by someone without the job secret cannot end the job. Reading one mark per machine
         at every look was O(machines) per launcher, O(machines^2) for a multi-host job."""
-        if int(self.store.kv.add(DONE_COUNT, 0)) < num_machines:
+        if self.done_count() < num_machines:
             return False
         keys = [f"launch/done/{m}" for m in range(num_machines)]
         return bool(self.store.kv.check(keys)) and all(v is not None for v in self.store.read_present(keys))
@@ -108,7 +121,7 @@ class JobControl:
         if layout:
             self.store.set(LAYOUT_KEY, json.dumps(layout))
             self.store.set(f"launch/done/{machine}", "removed")
-            self.store.kv.add(DONE_COUNT, 1)
+            self._count_done(1)
         return layout
 
     def return_machine(self, machine: int, num_machines: int) -> list[int]:
@@ -116,7 +129,7 @@ class JobControl:
         layout = grown_layout(read_layout(self.store, num_machines), machine)
         self.store.set(LAYOUT_KEY, json.dumps(layout))
         if self.store.delete(f"launch/done/{machine}"):
-            self.store.kv.add(DONE_COUNT, -1)
+            self._count_done(-1)
         return layout
 
     def claim(self, slot: int) -> bool:

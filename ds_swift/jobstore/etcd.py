@@ -378,6 +378,15 @@ class EtcdStore(dist.Store):
         result = self._post("/kv/deleterange", {"key": _b64(start), "range_end": _b64(_prefix_end(start))})
         return int(result.get("deleted", 0))
 
+    def count(self, sub_prefix: str = "") -> int:
+        """How many keys are under ``prefix + sub_prefix``: one request (a counter without a writer's
+        compare-and-swap: many writers at once would retry each other's)."""
+        start = self._key(sub_prefix)
+        result = self._post(
+            "/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "count_only": True}
+        )
+        return int(result.get("count", 0))
+
     def keys(self, sub_prefix: str = "") -> list[str]:
         """Every key under ``prefix + sub_prefix``, without the store's prefix (names only, no values)."""
         start = self._key(sub_prefix)

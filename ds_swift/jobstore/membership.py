@@ -24,7 +24,6 @@ Keys (relative to the job prefix)::
     gen<g>/failed              reason string, set once when generation g failed
     gen<g>/failed_n            counter making the first declarer unique (counters: signed, CAS)
     gen<g>/joined/<rank>       rank <rank> arrived at g; ``gen<g>/joined/verdict``: "complete" (rank 0)
-    gen<g>/arrived             how many ranks arrived at g (unsigned: a hint for the agents)
     gen<g>/pg/...              torch.distributed's own rendezvous for g
     gen<g>/<topic>/<rank>      values published by ranks during recovery (see publish/gather)
     hb/<rank>                  a rank's heartbeat: its beat count, then what its training thread does
@@ -282,12 +281,10 @@ class JobStore(SignedKV):
         """Arrive at ``generation``; return the store prefix for its process group once all arrived.
 
         An agreement round (ds_swift.jobstore.agreement): each rank writes ``gen<g>/joined/<rank>``,
-        rank 0 waits for all of them and writes the signed ``complete``, which every rank waits on;
-        ``gen<g>/arrived`` counts arrivals (unsigned: a hint for the agents, never trusted for the
-        join). Raises GenerationFailed if the generation fails before everyone arrived (the caller
-        joins the next one) and TimeoutError after ``timeout_s``.
+        rank 0 waits for all of them and writes the signed ``complete``, which every rank waits on.
+        Raises GenerationFailed if the generation fails before everyone arrived (the caller joins
+        the next one) and TimeoutError after ``timeout_s``.
         """
-        self.kv.add(f"gen{generation}/arrived", 1)
         agree(
             self,
             round_prefix(generation, "joined"),
@@ -300,9 +297,10 @@ class JobStore(SignedKV):
         )
         return dist.PrefixStore(f"gen{generation}/pg/", self.kv)
 
-    def arrivals(self, generation: int) -> int:
-        """How many ranks arrived at ``generation``'s join (a hint: unsigned, see :meth:`join`)."""
-        return int(self.kv.add(f"gen{generation}/arrived", 0))
+    def joined(self, generation: int, ranks: Iterable[int]) -> bool:
+        """Whether every rank of ``ranks`` arrived at ``generation``'s join (one request: that their
+        keys exist; the join itself reads them signed)."""
+        return bool(self.kv.check([f"{round_prefix(generation, 'joined')}/{r}" for r in ranks]))
 
     # ------------------------------------------------------------------ exchange
     def publish(self, generation: int, topic: str, rank: int, value: str) -> None:

@@ -157,3 +157,12 @@ def test_gathers_rounds_and_joins_of_more_than_128_ranks(etcd: Etcd) -> None:
     assert said == {"verdict": "3"}
     # The last rank to say its value reads the verdict at once (it is there).
     assert agree(job, round_prefix(2, "ckpt"), n - 1, "4", range(n), timeout_s=10, generation=2) == "3"
+    # The launcher's done count on etcd: the marks counted in one request, no compare-and-swap.
+    from ds_swift.launch.control import JobControl
+
+    control = JobControl(job)
+    for m in range(199):
+        control.mark_machine_done(m)
+    assert control.done_count() == 199 and not control.all_done(200)
+    control.mark_machine_done(199)
+    assert control.all_done(200)
