@@ -1,7 +1,8 @@
 """Steady state of ``benchmarks/scale.py``: the job-store requests per rank per second while nothing fails.
 
 One thread plays the whole job on a fake clock: every rank's real watchdog
-(ds_swift.detect.watchdog, its thread's own turns: ``Watchdog.turn``), every machine's real
+(ds_swift.detect.watchdog, its threads' own turns: ``Watchdog.turn`` waiting on the flag,
+``Watchdog.local_turn`` beating for the agent), every machine's real
 launcher loop (launch/launcher.py's ``Supervisor.step`` with its ``MachineAgent``, its health
 checks and, multi-host, its ``AgentLiveness``), a spare's, and every rank's digest publication
 (ds_swift.recovery.verify.publish_digest) take their turns when their own pacing says: an event
@@ -121,7 +122,11 @@ def _watchdogs(stores: StoreSet, layout: Layout, cfg: SteadyConfig) -> list[Call
             state["store"], pause = wd.turn(state["store"])
             return pause + (counting.slept_s - before)
 
-        turns.append(turn)
+        def beat(wd: Watchdog = wd) -> float:  # its beater thread: the beat file, the hang check
+            wd.local_turn()
+            return wd.beat_every_s
+
+        turns += [turn, beat] if wd.beat_file is not None else [turn]
     return turns
 
 

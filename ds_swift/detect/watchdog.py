@@ -148,6 +148,8 @@ class Watchdog:
         self.failed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beater: threading.Thread | None = None
+        self._hang_store: JobStore | None = None  # the beater's connection, opened to declare a hang
         # The thread's failing polls in a row, since when (observer clock), and what was said of them.
         self._failing = 0
         self._failing_since = 0.0
@@ -159,13 +161,19 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"ds-swift-watchdog-{self.rank}", daemon=True)
             self._thread.start()
+            if self.beat_file is not None:  # the beats and the hang check, beside the thread's long waits
+                self._beater = threading.Thread(target=self._beat_run, name=f"ds-swift-beat-{self.rank}", daemon=True)
+                self._beater.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop both threads; the waiting one may still block in its wait, up to the heartbeat timeout
+        (a daemon thread: it then ends; it declares nothing of a generation gone)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        for thread in (self._beater, self._thread):
+            if thread is not None:
+                thread.join(timeout_s if thread is self._beater else min(timeout_s, 0.1))
+        self._thread = self._beater = None
 
     def set_generation(self, generation: int, watch_ranks: Sequence[int] = ()) -> None:
         """Watch ``generation`` from now on (after a rebuild); clears the failed event."""
@@ -269,36 +277,77 @@ class Watchdog:
         return seen
 
     def _poll(self, store: JobStore, now: float, wait: bool = False) -> FailureSeen | None:
-        progress = self.progress
+        # The thread of a rank that beats for its agent only waits on the flag; its beater beats.
+        local = wait and self.beat_file is not None
         # on the clock the peers' silences are judged by; a store wait may end a little early
-        beat = now >= self._next_beat - _EARLY_S
+        beat = not local and now >= self._next_beat - _EARLY_S
         if beat:
             self._next_beat = now + self.beat_every_s
-            note = progress.note() if progress is not None else ""
-            if self.beat_file is not None:
-                self.beat_file.beat(note)
-            else:
-                store.heartbeat(self.rank, note)
+            self._beat(store)
         with self._lock:
             g, watch = self._generation, list(self._watch)
             if self._seen is not None:
                 return self._seen
         reason = None if wait else store.failure(g)
-        if reason is None:
+        if reason is None and not local:
             reason = self._hung(store, g)
         if reason is None and beat and self.beat_file is None:  # peers' counters, as often as this rank beats
             reason = self._stale_peer(store, now, watch, g)
         if reason is None and wait:
             # A blocking wait, not a poll: a TCPStore wait (an etcd watch) returns the moment the flag
             # is written, and one that starts after it returns at once, so no failure falls between
-            # two turns. Ten reads a second per rank were most of the job's store traffic.
-            reason = store.wait_for_failure(g, max(0.0, self._next_beat - self._beats.clock()))
+            # two turns. Ten reads a second per rank were most of the job's store traffic. A wait that
+            # times out is two requests (the wait, its cancellation): beating for its agent, a rank
+            # waits a whole heartbeat timeout.
+            limit = self.heartbeat_timeout_s if local else self._next_beat - self._beats.clock()
+            reason = store.wait_for_failure(g, max(0.0, limit))
         if reason is None:
             return None
+        return self._handle(store, g, reason)
+
+    def _beat(self, store: JobStore | None) -> None:
+        note = self.progress.note() if self.progress is not None else ""
+        if self.beat_file is not None:
+            self.beat_file.beat(note)
+        else:
+            assert store is not None
+            store.heartbeat(self.rank, note)
+
+    def local_turn(self) -> None:
+        """The beater's turn (a rank that beats for its agent): the beat, in a file on the machine,
+        and the look for a hang of the training thread; the job store only to declare one."""
+        assert self.beat_file is not None
+        self._beat(None)
+        with self._lock:
+            g = self._generation
+            if self._seen is not None:
+                return
+        reason = self._hang_reason()
+        if reason is not None:
+            if self._hang_store is None:
+                self._hang_store = self._store_factory()  # its own: the thread's may be mid-wait
+            self._handle(self._hang_store, g, self._fail_machine(self._hang_store, g, self.rank, reason))
+
+    def _beat_run(self) -> None:
+        name_os_thread()
+        yield_on_wakeup()
+        while not self._stop.is_set():
+            try:
+                self.local_turn()
+            except Exception as exc:  # noqa: BLE001 - a hang declared while the store is down: said, retried
+                self._poll_failed(exc)
+            self._stop.wait(self.beat_every_s)
+
+    def _handle(self, store: JobStore, g: int, reason: str) -> FailureSeen | None:
+        """Generation ``g`` failed for ``reason``: say so once (the event, the hook, the rounds)."""
+        if self._stop.is_set():
+            return None  # stopped (the thread was still in its wait): nothing of this rank is watched now
         seen = FailureSeen(g, reason, time.time())
         with self._lock:
             if self._generation != g:
                 return None  # the main thread moved on while we polled
+            if self._seen is not None:
+                return self._seen  # the other thread of this watchdog saw it first
             self._seen = seen
         self.failed.set()
         if self.on_failure is not None:
@@ -359,17 +408,20 @@ class Watchdog:
 
     def _hung(self, store: JobStore, g: int) -> str | None:
         """This rank's training thread made no progress for ``hang_timeout_s`` mid-iteration."""
+        reason = self._hang_reason()
+        return None if reason is None else self._fail_machine(store, g, self.rank, reason)
+
+    def _hang_reason(self) -> str | None:
         progress, limit = self.progress, self.hang_timeout_s
         if progress is None or limit is None:
             return None
         stuck = progress.stuck_for()
         if stuck <= limit:
             return None
-        reason = (
+        return (
             f"rank {self.rank} hung: no progress for {stuck:.1f} s in {progress.note()} "
             f"(watchdog.hang_timeout_s={limit:g})"
         )
-        return self._fail_machine(store, g, self.rank, reason)
 
     def _fail_machine(self, store: JobStore, g: int, rank: int, reason: str) -> str:
         """Declare ``g`` failed for ``reason`` and have ``rank``'s agent kill its machine."""

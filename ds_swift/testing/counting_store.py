@@ -9,7 +9,8 @@ tests bound them (a gather of N keys costs at most c x N requests).
 
 Requests are counted as a TCPStore server sees them: ``get`` and ``multi_get`` are two each (the
 client waits for the keys, then reads them: torch's TCPStore::doGet), every other call one; a
-``wait`` is one request however long it blocks.
+``wait`` is one request however long it blocks, two when it times out (the client then cancels it:
+``cancel_wait``).
 
 ``virtual_waits``: a ``wait`` on keys that are absent does not block but fails at once as a timed-out
 wait does (``DistStoreError``), and the time it would have blocked is added to :attr:`slept_s`: the
@@ -137,11 +138,16 @@ class CountingStore(dist.Store):
         if self.virtual_waits and not self.inner.check(keys):
             with self._lock:
                 self.slept_s += timeout.total_seconds() if timeout is not None else 0.0
+            self._count("cancel_wait", keys, 0)
             raise dist.DistStoreError("Wait timeout (virtual)")
-        if timeout is None:
-            self.inner.wait(keys)
-        else:
-            self.inner.wait(keys, timeout)
+        try:
+            if timeout is None:
+                self.inner.wait(keys)
+            else:
+                self.inner.wait(keys, timeout)
+        except RuntimeError:
+            self._count("cancel_wait", keys, 0)  # a TCPStore client cancels a wait that timed out
+            raise
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = [bytes(v) for v in self.inner.multi_get(keys)]

@@ -136,19 +136,24 @@ def test_waiting_longer_costs_no_more_requests() -> None:
     assert cost(0.9) <= cost(0.0) + 1  # a slice of the leader's wait (1 s) at most
 
 
-def test_a_watchdog_turn_is_one_blocking_request_and_wakes_at_the_flag(tmp_path: Any) -> None:
+def test_a_watchdog_beats_for_its_agent_and_waits_on_the_flag(tmp_path: Any) -> None:
+    """A rank that beats for its agent: its beats and hang checks touch no store; its thread's turn
+    is one blocking wait on the flag for a whole heartbeat timeout (two requests if it times out),
+    woken the moment the flag is set."""
     store = counting()
     js = JobStore(store, TOKEN)
-    wd = Watchdog(lambda: js, 0, 0, 0.05, 1.0, (1, 2, 3), beat_file=BeatFile(str(tmp_path), 0, 1.0))
-    conn: JobStore | None = js
+    wd = Watchdog(lambda: js, 0, 0, 0.05, 0.3, (1, 2, 3), beat_file=BeatFile(str(tmp_path), 0, 0.3))
     for _ in range(3):
-        conn, _ = wd.turn(conn)  # each blocks until the next beat (0.1 s) on the flag
+        wd.local_turn()  # the beater's turns: no peer reads, no heartbeat in the store
+    assert store.take().total_requests == 0
+    assert (tmp_path / "0").read_text().startswith("3 0.3")  # the beats went to the agent's file
+    t0 = time.monotonic()
+    conn, _ = wd.turn(js)  # no failure: the wait ends after the heartbeat timeout
     tally = store.take()
-    # one blocking wait a turn (a check where under a millisecond was left): no peer reads, no heartbeat
-    assert tally.total_requests == 3 and tally.calls["wait"] + tally.calls["check"] == 3, dict(tally.calls)
-    assert (tmp_path / "0").read_text().startswith("3 ")  # the beats went to the agent's file
+    assert tally.calls["wait"] == 1 and tally.total_requests == 2, dict(tally.calls)
+    assert 0.25 < time.monotonic() - t0 < 5
     threading.Timer(0.05, lambda: JobStore(store, TOKEN).declare_failure(0, "machine 1 died")).start()
-    wd.beat_every_s = 30.0  # a long wait: only the flag ends it
+    wd.heartbeat_timeout_s = 30.0  # a long wait: only the flag ends it
     t0 = time.monotonic()
     conn, _ = wd.turn(conn)
     assert wd.failed.is_set() and time.monotonic() - t0 < 5
