@@ -21,7 +21,10 @@ from scale_common import StoreSet, quiet
 
 from ds_swift.transport.core import CHANNELS, lazy_gloo
 
-__all__ = ["group_costs"]
+__all__ = ["MAX_RANKS", "group_costs"]
+
+#: the most ranks whose groups are measured here (each rank's two groups start gloo threads)
+MAX_RANKS = 256
 
 
 def _groups(stores: StoreSet, n: int) -> dict[str, int]:
@@ -72,8 +75,11 @@ def _threads(fn: Any, n: int, counting: Any) -> Any:
     return counting.take()
 
 
-def group_costs(n: int) -> dict[str, Any]:
+def group_costs(n: int) -> dict[str, Any] | None:
     """Requests and bytes to create the transport's groups (and first use them) for ``n`` ranks,
-    as ds_swift.transport.core creates them (pairs connected lazily: no full mesh)."""
+    as ds_swift.transport.core creates them (pairs connected lazily: no full mesh); None past
+    :data:`MAX_RANKS` (thousands of gloo threads on a few cores: fitted from the smaller ones)."""
+    if n > MAX_RANKS:
+        return None
     with quiet():
         return {"measured": True, **_groups(StoreSet(), n)}
