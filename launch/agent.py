@@ -26,6 +26,7 @@ calls :meth:`MachineAgent.adopt_lost_machine`, which handles that machine's fail
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,6 +119,12 @@ class MachineAgent(FailureHandling):
                 pids=[w.pid for w in self.workers],
             )
 
+    @property
+    def busy(self) -> bool:
+        """Work that wants the launcher's short ticks: a restart's delay running out, the machines of
+        an injected group kill going down, killed workers to reap (else a tick a second will do)."""
+        return self.state is AgentState.RESTARTING or self._pending is not None or bool(self._dying)
+
     def tick(self) -> None:
         """Look at the local ranks (waitpid, no store traffic unless something happened)."""
         self._dying = [w for w in self._dying if w.poll() is None]
@@ -168,6 +175,10 @@ class MachineAgent(FailureHandling):
                 self._spawn_replacement()
                 return
 
+    def close(self) -> None:
+        """The job ended: the ranks' beat files go."""
+        self._health.close()
+
     def signal_all(self, sig: int) -> None:
         for w in [*self.workers, *self._dying]:
             w.signal_group(sig)
@@ -204,6 +215,8 @@ class MachineAgent(FailureHandling):
         """Start the machine's ranks: handed to the warm pool's workers where it has them; True if so."""
         assert self.machine is not None
         wenvs = self.job.worker_envs(self.machine, generation, replacement, self._layout)
+        beats = self._health.fresh_beats([w.rank for w in wenvs])  # a new worker is judged from its first beat
+        wenvs = [dataclasses.replace(w, beat_dir=beats) for w in wenvs]
         self._spawn_generation = generation
         self._spawned_replacements = replacement
         if self._pool is not None:
@@ -259,7 +272,7 @@ class MachineAgent(FailureHandling):
                 "(elastic grow); a failure during a grow is not recovered"
             )
             return
-        if self.store.add(f"gen{g + 1}/joined", 0) < self.job.nproc_per_node:
+        if not self.store.joined(g + 1, [w.rank for w in self.workers]):
             return
         self._grow_pending = None
         self._layout = self.control.return_machine(self.machine, self.job.num_machines)

@@ -84,11 +84,12 @@ class MachineFate:
         if generation is not None:
             return generation, self.store.declare_failure(generation, reason)
         g = self.store.generation()
-        if g >= 1 and self.store.add(f"gen{g}/joined", 0) == 0 and self.store.failure(g - 1) is not None:
-            # Nobody joined g yet, so this machine's dead ranks are not in it: g-1's failure covers
-            # them (a survivor saw the broken connection first, or another machine died at the same
-            # moment, or a replacement died before joining). g can still form, with this machine's
-            # replacement; failing it too would only cost every rank one more round.
+        if g >= 1 and not self.store.joined(g, [0]) and self.store.failure(g - 1) is not None:
+            # The join of g has not begun (its leader, rank 0, has not arrived), so this machine's
+            # dead ranks are not in it: g-1's failure covers them (a survivor saw the broken
+            # connection first, or another machine died at the same moment, or a replacement died
+            # before joining). g can still form, with this machine's replacement; failing it too
+            # would only cost every rank one more round.
             return g - 1, False
         return g, self.store.declare_failure(g, reason)
 

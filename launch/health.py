@@ -3,17 +3,24 @@ GPUs and at its ranks' progress (:class:`MachineHealth`).
 
 A GPU with uncorrectable ECC errors or a critical Xid computes wrong numbers or hangs: as good as a
 dead machine. A rank that is alive but makes no progress is too: a watchdog's verdict in the job
-store says so (ds_swift.detect.watchdog), or one observer's suspicion that this agent confirms on
-its own clock from its ranks' heartbeat counters. Either is a reason to kill the machine's ranks.
+store says so (ds_swift.detect.watchdog), or the rank stops beating: its beat file on this machine
+(ds_swift.detect.beats.BeatFile) has not moved for its heartbeat timeout on this agent's own clock
+(a rank beating in the job store instead: one observer's suspicion that this agent confirms from
+its heartbeat counter). Either is a reason to kill the machine's ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.beats import CounterClock, read_beat
 from ds_swift.detect.watchdog import hung_machine_key, suspect_key
 from ds_swift.jobstore.membership import JobStore
 
@@ -23,8 +30,12 @@ from .spawn import Worker
 
 #: seconds between GPU health polls (NVML queries are cheap, but not free on 8 GPUs)
 GPU_POLL_S = 2.0
-#: seconds between looks at the job store for a watchdog's verdict that a rank here is hung
-HUNG_POLL_S = 0.25
+#: seconds between looks at the job store for a watchdog's verdict that a rank here is hung (the
+#: launcher's look at the store: launch/launcher.py LOOK_S)
+HUNG_POLL_S = 1.0
+
+#: a look at the ranks' beats longer than this after the last one starts every silence afresh
+LOCAL_GAP_S = 5.0
 
 __all__ = ["GPU_POLL_S", "HUNG_POLL_S", "MachineHealth"]
 
@@ -58,6 +69,10 @@ class MachineHealth:
         self._gpu_next = 0.0
         self._hung_next = 0.0
         self._suspicion: tuple[int, CounterClock[int], str] | None = None  # (generation, own clock, by whom)
+        self._beat_dir: str | None = None  # where this machine's ranks beat (made at their first spawn)
+        # The ranks' beats on this agent's clock; a look more than LOCAL_GAP_S after the last (this
+        # agent was descheduled) starts every silence afresh.
+        self._local: CounterClock[int] = CounterClock(math.inf, max_gap_s=LOCAL_GAP_S)
 
     def problem(self, name: str, machine: int | None, spawn_generation: int, workers: Sequence[Worker]) -> str | None:
         """What is wrong with ``machine`` (run by agent ``name``, its ranks started in
@@ -94,7 +109,44 @@ class MachineHealth:
             generation, _, reason = value.partition(" ")
             if int(generation) >= spawn_generation:
                 return f"hung ({reason})"
+        if self._beat_dir is not None:
+            return self._silent_rank(workers)
         return self._suspected_problem(name, machine, spawn_generation, workers)
+
+    # ------------------------------------------------------------------ the ranks' own beats
+    def fresh_beats(self, ranks: Sequence[int]) -> str:
+        """The directory ``ranks`` beat in (made on first use, on this machine: /dev/shm where there
+        is one), their previous workers' beats gone: a new worker is judged from its first beat."""
+        if self._beat_dir is None:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self._beat_dir = tempfile.mkdtemp(prefix=f"ds-swift-beats-{self.node}-", dir=shm)
+        for rank in ranks:
+            self._local.forget(rank)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._beat_dir, str(rank)))
+        return self._beat_dir
+
+    def close(self) -> None:
+        if self._beat_dir is not None:
+            shutil.rmtree(self._beat_dir, ignore_errors=True)
+
+    def _silent_rank(self, workers: Sequence[Worker]) -> str | None:
+        """A rank of this machine whose beat file has not moved for the rank's heartbeat timeout, on
+        this agent's clock: alive (its process did not exit) but stopped, as good as dead. No job
+        store: the ranks beat for their agent alone (ds_swift.detect.beats.BeatFile)."""
+        assert self._beat_dir is not None
+        now = self._local.begin_round()
+        for w in workers:
+            beat = read_beat(os.path.join(self._beat_dir, str(w.rank)))
+            if beat is None:
+                continue  # no beat yet: starting, not stopped
+            count, timeout_s, note = beat
+            silent = self._local.observe(w.rank, count, now)
+            if silent > timeout_s:
+                where = f", last in {note}" if note else ""
+                return f"hung (rank {w.rank}: no heartbeat for {silent:.1f} s{where}, on its agent's clock)"
+        self._local.end_round()
+        return None
 
     def _suspected_problem(
         self, name: str, machine: int, spawn_generation: int, workers: Sequence[Worker]

@@ -39,6 +39,8 @@ class JobSpec:
     launch: str = ""
     """The launch id (:mod:`ds_swift.jobstore.signed_kv`): workers use that launch's keys only."""
     store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
+    agent_timeout_s: float = 10.0
+    """``--agent-timeout``: workers wait that long for a dead agent's machine to be declared."""
 
     @classmethod
     def from_args(
@@ -63,6 +65,7 @@ class JobSpec:
             elastic=args.elastic,
             launch=launch,
             store_credentials=args.store_credentials,
+            agent_timeout_s=args.agent_timeout_s,
         )
 
     @property
@@ -105,6 +108,7 @@ class JobSpec:
                 secret=self.secret,
                 launch=self.launch,
                 store_credentials=self.store_credentials,
+                agent_timeout_s=self.agent_timeout_s,
             )
             for local_rank, rank in enumerate(ranks)
         ]

@@ -1,7 +1,8 @@
 """Runs a job's agents: all of them simulated on one host, or this host's one agent of a multi-host job.
 
-One loop in the main thread ticks every agent each ``poll_s`` (10 ms): a worker's death is seen
-within one tick, with no thread per worker and no race between agents sharing the store client.
+One loop in the main thread ticks every agent: it blocks until a worker dies (SIGCHLD wakes it:
+the death is seen at once) or the next look at the job store is due (every :data:`LOOK_S`), with
+no thread per worker and no race between agents sharing the store client.
 The loop ends when every machine is done (exit 0), when some agent aborted the job (exit 1), or on
 SIGINT/SIGTERM (exit 130/143). Whatever way it ends, every worker is killed and reaped before the
 launcher returns: ``finally`` SIGKILLs each process group that is still alive.
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["Supervisor", "run"]
 
 POLL_S = 0.01
+#: seconds between the loop's looks at the job store (abort, done, spares' requests): the loop
+#: itself blocks until then, woken at once by a worker's death. A look every POLL_S was two store
+#: requests per machine every 10 ms: a thousand machines, 200k requests a second.
+LOOK_S = 1.0
 #: SIGTERM to SIGKILL, for workers on Ctrl-C / SIGTERM of the launcher
 TERM_GRACE_S = 3.0
 #: how long agent 0 keeps the store up for other hosts' agents to read how the job ended
@@ -83,6 +88,7 @@ class Supervisor:
         """External store: the launcher processes of the job; the last of them to end deletes its keys."""
         self._signal: int | None = None
         self._record_at = time.monotonic() + BEAT_S
+        self._look_at = 0.0  # the first turn looks at once
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
 
@@ -118,6 +124,8 @@ class Supervisor:
             return 1
         finally:
             self._kill_everything()
+            for agent in self.agents:
+                agent.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)  # type: ignore[arg-type]
             if self._wake_r is not None:
@@ -130,38 +138,69 @@ class Supervisor:
         for agent in self.agents:
             agent.start()
         while True:
-            if self._signal is not None:
-                return self._stop_on_signal(self._signal)
-            for agent in self.agents:
-                agent.tick()
-            reason = self.control.abort_reason()
-            if reason is not None:
-                return self._end(1, f"job failed: {reason}; stopping every worker", reason=reason)
-            if self.control.all_done(self.num_machines):
-                if self.inject and (missed := unfired(self.inject, self.store)) is not None:
-                    self.events(missed, event="inject_unfired")
-                return self._end(
-                    0,
-                    f"job finished: all {self.num_machines} machines' ranks exited 0 (generation "
-                    f"{self.store.generation()}, {self.control.failures()} machine failure(s))",
-                )
-            for agent in self.agents:
-                agent.poll_store()
-            if self.clear_after and time.monotonic() >= self._record_at:
-                self._record_at = time.monotonic() + BEAT_S
-                self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
-            if self.liveness is not None:
-                for node in self.liveness.step():
-                    if self.liveness.claim(node):
-                        self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
-            self._sleep()
+            code = self.step()
+            if code is not None:
+                return code
+            self._sleep(self.pause_s())
 
-    def _sleep(self) -> None:
-        """Wait one tick, or less if a signal (a child's death, Ctrl-C) arrives."""
+    def step(self) -> int | None:
+        """One turn of the loop: the job's exit code once it ended, else None (benchmarks/scale.py
+        drives the same turns on a fake clock). The agents look at their workers at every turn
+        (waitpid: no store traffic); the job store is read once every :data:`LOOK_S`."""
+        if self._signal is not None:
+            return self._stop_on_signal(self._signal)
+        for agent in self.agents:
+            agent.tick()
+        now = time.monotonic()
+        if now >= self._look_at:
+            self._look_at = now + LOOK_S
+            code = self._look()
+            if code is not None:
+                return code
+        if self.clear_after and time.monotonic() >= self._record_at:
+            self._record_at = time.monotonic() + BEAT_S
+            self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
+        if self.liveness is not None:
+            for node in self.liveness.step():
+                if self.liveness.claim(node):
+                    self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
+        return None
+
+    def _look(self) -> int | None:
+        """The store's side of a turn: the job aborted, or done; a spare's replacement requests."""
+        reason = self.control.abort_reason()
+        if reason is not None:
+            return self._end(1, f"job failed: {reason}; stopping every worker", reason=reason)
+        if self.control.all_done(self.num_machines):
+            if self.inject and (missed := unfired(self.inject, self.store)) is not None:
+                self.events(missed, event="inject_unfired")
+            return self._end(
+                0,
+                f"job finished: all {self.num_machines} machines' ranks exited 0 (generation "
+                f"{self.store.generation()}, {self.control.failures()} machine failure(s))",
+            )
+        for agent in self.agents:
+            agent.poll_store()
+        return None
+
+    def pause_s(self) -> float:
+        """How long the loop waits before its next turn: until the next look at the store or beat,
+        woken sooner by a signal (a worker's death, Ctrl-C); without the wake-up (the loop is not on
+        the main thread) a tick of ``poll_s``, so that a death is still seen within it."""
+        now = time.monotonic()
+        pause = self._look_at - now
+        if self.liveness is not None:
+            pause = min(pause, self.liveness.pause_s())
+        if self._wake_r is None or any(agent.busy for agent in self.agents):
+            pause = min(pause, self.poll_s)
+        return max(0.0, pause)
+
+    def _sleep(self, pause_s: float) -> None:
+        """Wait ``pause_s``, or less if a signal (a child's death, Ctrl-C) arrives."""
         if self._wake_r is None:
-            time.sleep(self.poll_s)
+            time.sleep(pause_s)
             return
-        readable, _, _ = select.select([self._wake_r], [], [], self.poll_s)
+        readable, _, _ = select.select([self._wake_r], [], [], pause_s)
         if readable:
             try:
                 while self._wake_r.recv(4096):
@@ -232,7 +271,7 @@ class Supervisor:
             elif self.remote_agents:
                 deadline = time.monotonic() + timeout_s
                 while self.control.exits() < self.remote_agents and time.monotonic() < deadline:
-                    time.sleep(self.poll_s)
+                    time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the job is over; a vanished store changes nothing
             pass
 

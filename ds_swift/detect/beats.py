@@ -13,16 +13,18 @@ for a while (an error, or a gap between two rounds longer than ``max_gap_s``) st
 silence afresh: no verdict for a full timeout after its own store trouble.
 
 Used by the worker's watchdog (:mod:`ds_swift.detect.watchdog`), the comm-error classifier
-(:mod:`ds_swift.detect.classify`) and the agents' liveness (``launch/liveness.py``).
+(:mod:`ds_swift.detect.classify`), the agents' look at their own ranks (``launch/health.py``,
+which read the ranks' :class:`BeatFile`) and the agents' liveness (``launch/liveness.py``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["CounterClock"]
+__all__ = ["BeatFile", "CounterClock", "read_beat"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -112,3 +114,36 @@ class CounterClock(Generic[K]):
     def reset(self) -> None:
         """Every silence starts again at the next read."""
         self._seen.clear()
+
+
+class BeatFile:
+    """A rank's heartbeat for its machine's agent alone: a small file in a directory on the machine
+    (``SWIFT_BEAT_DIR``, made by the agent), ``"<count> <timeout_s> <note>"``, replaced at each beat.
+
+    The agent reads its ranks' files on its own clock (launch/health.py) and fails its machine when
+    one is silent for the rank's timeout; the job store sees one liveness counter per machine (the
+    agents', launch/liveness.py) instead of one per rank: a rank's beat costs no store request.
+    """
+
+    def __init__(self, directory: str, rank: int, timeout_s: float) -> None:
+        self.path = os.path.join(directory, str(rank))
+        self.timeout_s = timeout_s
+        found = read_beat(self.path)
+        self.count = found[0] if found is not None else 0  # a respawned rank counts on
+
+    def beat(self, note: str = "") -> None:
+        self.count += 1
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{self.count} {self.timeout_s!r} {note}".rstrip())
+        os.replace(tmp, self.path)  # readers see the old beat or the new one, never half of one
+
+
+def read_beat(path: str) -> tuple[int, float, str] | None:
+    """(count, timeout_s, note) of the beat file at ``path``; None before the rank's first beat."""
+    try:
+        with open(path) as f:
+            count, timeout_s, *note = f.read().split(" ", 2)
+        return int(count), float(timeout_s), note[0] if note else ""
+    except (OSError, ValueError):
+        return None

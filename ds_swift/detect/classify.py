@@ -82,6 +82,9 @@ _GLOO_OWN = re.compile(r"gloo/transport/[\w/]+\.cc:\d+\]|Application timeout cau
 
 #: How a stall's failure reason starts (``gen<g>/failed``): a comm error with every rank alive.
 STALL = "stall: "
+#: between two looks at the job's own error and the ranks' heartbeats, a comm error waits at most
+#: this long (and a tenth of the heartbeat timeout) on the failure flag, woken at once when it is set
+CLASSIFY_SLICE_S = 1.0
 
 
 def job_error_key(generation: int) -> str:
@@ -142,6 +145,9 @@ class Liveness:
     hang_timeout_s: float | None = None
     """A hung peer (alive, heartbeating, no progress) is declared by its own watchdog after this
     long: a comm error caused by it waits that long for the verdict too."""
+    agents_timeout_s: float = 0.0
+    """Ranks that beat for their machine's agent (no counter in the store): how long a dead
+    agent's machine takes to be declared by its neighbours; a comm error waits that long too."""
 
 
 def hang_patience(exc: BaseException, liveness: Liveness) -> float:
@@ -196,7 +202,7 @@ def classify_failure(
     # else a dead rank's heartbeat goes stale within the heartbeat timeout. Only a timed-out op can
     # be a hung peer's doing: that one waits for the hung rank's own verdict (the hang timeout).
     patience = (
-        max(liveness.heartbeat_timeout_s, hang_patience(exc, liveness)) + 3 * poll_interval_s
+        max(liveness.heartbeat_timeout_s, liveness.agents_timeout_s, hang_patience(exc, liveness)) + 3 * poll_interval_s
         if liveness is not None
         else 5 * poll_interval_s
     )
@@ -215,9 +221,13 @@ def classify_failure(
             said = ", ".join(f"rank {r} (no heartbeat for {age:.1f} s)" for r, age in dead)
             first = declare_failure(store, generation, f"rank {liveness.rank}: {type(exc).__name__} and {said}")
             return f"comm error ({'declared' if first else 'already declared'}), {said}: {str(exc)[:120]}"
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             break
-        time.sleep(max(0.01, poll_interval_s / 2))
+        # Block on the flag (woken the moment it is set) rather than read it every few milliseconds:
+        # every rank of a stalled job sits here for the whole patience.
+        look = liveness.heartbeat_timeout_s / 10 if liveness is not None else poll_interval_s
+        store.wait_for_failure(generation, min(CLASSIFY_SLICE_S, look, left))
     if is_transport_error(exc) and liveness is not None:
         # A slow op, not a dead machine: every rank is alive. Declared as a stall so that every rank
         # of the generation acts on the same verdict, re-forming the next one with its state.

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from ds_swift import transport
+from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.classify import CommunicatorFailure, Liveness, PeerFailure, classify_failure
 from ds_swift.detect.progress import Progress
 from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
@@ -54,7 +55,17 @@ class FailureMonitor:
         connection of its own. ``machines``: the job's machines in rank order (None: all of them)."""
         if not self.watch:
             return
-        self._liveness = Liveness(range(env.world_size), heartbeat_timeout_s, env.rank, hang_timeout_s)
+        beat_file = BeatFile(env.beat_dir, env.rank, heartbeat_timeout_s) if env.beat_dir else None
+        # Ranks beating for their agents have no counter in the store: a comm error's evidence of a
+        # death is then the agents' declaration, which a dead agent's neighbours make after
+        # --agent-timeout and a beat (launch/liveness.py).
+        self._liveness = Liveness(
+            range(env.world_size) if beat_file is None else (),
+            heartbeat_timeout_s,
+            env.rank,
+            hang_timeout_s,
+            agents_timeout_s=1.2 * env.agent_timeout_s if beat_file is not None else 0.0,
+        )
         self._watchdog = Watchdog(
             lambda: JobStore.from_env(env),
             env.rank,
@@ -67,6 +78,7 @@ class FailureMonitor:
             ranks_per_machine=env.world_size // max(1, len(machines) if machines is not None else env.num_machines),
             machines=machines,
             on_failure=lambda seen: transport.on_generation_failed(seen.generation, seen.reason),
+            beat_file=beat_file,
         ).start()
 
     @property

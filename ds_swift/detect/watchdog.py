@@ -1,4 +1,4 @@
-"""Failure detection inside a worker: a thread that polls the job's failure flag and heartbeats.
+"""Failure detection inside a worker: a thread that waits on the job's failure flag and heartbeats.
 
 The thread has its own store connection: the main thread may sit in a store call of its own
 (a rendezvous wait) and the watchdog must not queue behind it.
@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.beats import BeatFile, CounterClock
 from ds_swift.detect.progress import Progress
+from ds_swift.jobstore.agreement import wake
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
 from ds_swift.threadname import name_os_thread, yield_on_wakeup
@@ -51,6 +52,10 @@ __all__ = [
 #: the watchdog's CPU time and of the store server's on a CPU job (gpu_overhead.py's CPU sampling,
 #: tiny GPT, 4 ranks: the watchdog threads' 6.8 ms per iteration went to 2.7).
 BEATS_PER_TIMEOUT = 10
+
+#: a blocking wait that returns this much before the next beat is due still beats (a wait's own
+#: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
+_EARLY_S = 0.005
 
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
 #: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
@@ -81,14 +86,16 @@ class FailureSeen:
 
 
 class Watchdog:
-    """Polls ``gen<g>/failed`` every ``poll_interval_s``; writes this rank's heartbeat, and checks its
-    watched peers', every :attr:`beat_every_s` (a tenth of the heartbeat timeout, at least a poll).
+    """Waits on ``gen<g>/failed`` (a blocking store wait, woken the moment it is set); writes this
+    rank's heartbeat, and checks its watched peers', every :attr:`beat_every_s` (a tenth of the
+    heartbeat timeout, at least a poll interval), between two waits.
 
     Args:
         store_factory: opens a new connection to the job store (one per thread).
         rank: this worker's rank.
         generation: the generation it trains in (moved on by :meth:`set_generation`).
-        poll_interval_s: seconds between polls.
+        poll_interval_s: the pause after a poll that failed (the store may be down), and the least
+            time between beats.
         heartbeat_timeout_s: a watched peer whose heartbeat is older declares the generation failed.
         watch_ranks: the peers whose heartbeats this worker checks (its pipeline and replica neighbours).
         progress: the training thread's progress (None: not watched).
@@ -97,6 +104,9 @@ class Watchdog:
         machines: the job's machines in rank order (after an elastic shrink, not all of them; None: 0, 1, ...).
         on_failure: called on the watchdog's thread once per failed generation, right after
             ``failed`` is set (ds-swift aborts its NCCL communicators there).
+        beat_file: where this rank beats for its machine's agent (ds-swift-launch: every worker);
+            its peers then beat for theirs too, and are not watched here (their agents judge them
+            on their own clocks). None: this rank beats in the job store and watches ``watch_ranks``.
     """
 
     def __init__(
@@ -112,8 +122,10 @@ class Watchdog:
         ranks_per_machine: int = 1,
         machines: Sequence[int] | None = None,
         on_failure: Callable[[FailureSeen], object] | None = None,
+        beat_file: BeatFile | None = None,
     ) -> None:
         self.on_failure = on_failure
+        self.beat_file = beat_file
         self.machines = tuple(machines) if machines is not None else None
         self._store_factory = store_factory
         self.progress = progress
@@ -136,6 +148,8 @@ class Watchdog:
         self.failed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beater: threading.Thread | None = None
+        self._hang_store: JobStore | None = None  # the beater's connection, opened to declare a hang
         # The thread's failing polls in a row, since when (observer clock), and what was said of them.
         self._failing = 0
         self._failing_since = 0.0
@@ -149,13 +163,19 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"ds-swift-watchdog-{self.rank}", daemon=True)
             self._thread.start()
+            if self.beat_file is not None:  # the beats and the hang check, beside the thread's long waits
+                self._beater = threading.Thread(target=self._beat_run, name=f"ds-swift-beat-{self.rank}", daemon=True)
+                self._beater.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop both threads; the waiting one may still block in its wait, up to the heartbeat timeout
+        (a daemon thread: it then ends; it declares nothing of a generation gone)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        for thread in (self._beater, self._thread):
+            if thread is not None:
+                thread.join(timeout_s if thread is self._beater else min(timeout_s, 0.1))
+        self._thread = self._beater = None
 
     def set_generation(self, generation: int, watch_ranks: Sequence[int] = ()) -> None:
         """Watch ``generation`` from now on (after a rebuild); clears the failed event."""
@@ -193,10 +213,19 @@ class Watchdog:
         yield_on_wakeup()
         store: JobStore | None = None
         while not self._stop.is_set():
-            store = self.guarded_poll(store)
-            self._stop.wait(self.poll_interval_s)
+            store, pause_s = self.turn(store)
+            self._stop.wait(pause_s)
 
-    def guarded_poll(self, store: JobStore | None) -> JobStore | None:
+    def turn(self, store: JobStore | None) -> tuple[JobStore | None, float]:
+        """One turn of the thread: a guarded poll that then blocks on the failure flag until the next
+        beat (one request, woken the moment the flag is set); returns the connection for the next
+        turn and how long to pause before it (only after a failed poll: the store may be down).
+        benchmarks/scale.py drives the same turns on a fake clock."""
+        failing = self._failing
+        store = self.guarded_poll(store, wait=True)
+        return store, self.poll_interval_s if self._failing > failing or self._seen is not None else 0.0
+
+    def guarded_poll(self, store: JobStore | None, wait: bool = False) -> JobStore | None:
         """One turn of the thread's loop, which nothing may end (the watchdog must never end a healthy
         job): a poll on ``store`` (None: opened first, the store may be down at start-up too); returns
         the connection for the next turn. Polls failing for longer than the heartbeat timeout are
@@ -204,7 +233,7 @@ class Watchdog:
         try:
             if store is None:
                 store = self._store_factory()
-            self.poll_once(store)
+            self.poll_once(store, wait=wait)
         except Exception as exc:  # noqa: BLE001 - the store may be unreachable for a while; keep polling
             self._poll_failed(exc)
             return store
@@ -245,41 +274,96 @@ class Watchdog:
                 name=__name__,
             )
 
-    def poll_once(self, store: JobStore) -> FailureSeen | None:
-        """One poll (public so tests can drive it without a thread)."""
+    def poll_once(self, store: JobStore, wait: bool = False) -> FailureSeen | None:
+        """One poll (public so tests can drive it without a thread). ``wait``: the failure flag is
+        waited on until the next beat is due, instead of read (the thread's turns)."""
         beats = self._beats
         now = beats.begin_round()
         try:
-            seen = self._poll(store, now)
+            seen = self._poll(store, now, wait)
         except Exception:
             beats.store_error()  # what this rank reads next says nothing of its peers' past
             raise
         beats.end_round()
         return seen
 
-    def _poll(self, store: JobStore, now: float) -> FailureSeen | None:
-        progress = self.progress
-        beat = now >= self._next_beat  # on the clock the peers' silences are judged by
+    def _poll(self, store: JobStore, now: float, wait: bool = False) -> FailureSeen | None:
+        # The thread of a rank that beats for its agent only waits on the flag; its beater beats.
+        local = wait and self.beat_file is not None
+        # on the clock the peers' silences are judged by; a store wait may end a little early
+        beat = not local and now >= self._next_beat - _EARLY_S
         if beat:
             self._next_beat = now + self.beat_every_s
-            store.heartbeat(self.rank, progress.note() if progress is not None else "")
+            self._beat(store)
         with self._lock:
             g, watch = self._generation, list(self._watch)
             if self._seen is not None:
                 return self._seen
-        reason = store.failure(g)
-        if reason is None:
+        reason = None if wait else store.failure(g)
+        if reason is None and not local:
             reason = self._hung(store, g)
-        if reason is None:
+        if reason is None:  # a rebuild deadline, in either mode
             reason = self._past_deadline(store, g)
-        if reason is None and beat:  # peers' counters are read as often as this rank writes its own
+        if reason is None and beat and self.beat_file is None:  # peers' counters, as often as this rank beats
             reason = self._stale_peer(store, now, watch, g)
+        if reason is None and wait:
+            # A blocking wait, not a poll: a TCPStore wait (an etcd watch) returns the moment the flag
+            # is written, and one that starts after it returns at once, so no failure falls between
+            # two turns. Ten reads a second per rank were most of the job's store traffic. A wait that
+            # times out is two requests (the wait, its cancellation): beating for its agent, a rank
+            # waits a whole heartbeat timeout.
+            limit = self.heartbeat_timeout_s if local else self._next_beat - self._beats.clock()
+            with self._lock:
+                if self._deadline is not None:  # a rebuild deadline is checked when it passes, not a wait later
+                    limit = min(limit, self._deadline[0] - time.monotonic())
+            reason = store.wait_for_failure(g, max(0.0, limit))
         if reason is None:
             return None
+        return self._handle(store, g, reason)
+
+    def _beat(self, store: JobStore | None) -> None:
+        note = self.progress.note() if self.progress is not None else ""
+        if self.beat_file is not None:
+            self.beat_file.beat(note)
+        else:
+            assert store is not None
+            store.heartbeat(self.rank, note)
+
+    def local_turn(self) -> None:
+        """The beater's turn (a rank that beats for its agent): the beat, in a file on the machine,
+        and the look for a hang of the training thread; the job store only to declare one."""
+        assert self.beat_file is not None
+        self._beat(None)
+        with self._lock:
+            g = self._generation
+            if self._seen is not None:
+                return
+        reason = self._hang_reason()
+        if reason is not None:
+            if self._hang_store is None:
+                self._hang_store = self._store_factory()  # its own: the thread's may be mid-wait
+            self._handle(self._hang_store, g, self._fail_machine(self._hang_store, g, self.rank, reason))
+
+    def _beat_run(self) -> None:
+        name_os_thread()
+        yield_on_wakeup()
+        while not self._stop.is_set():
+            try:
+                self.local_turn()
+            except Exception as exc:  # noqa: BLE001 - a hang declared while the store is down: said, retried
+                self._poll_failed(exc)
+            self._stop.wait(self.beat_every_s)
+
+    def _handle(self, store: JobStore, g: int, reason: str) -> FailureSeen | None:
+        """Generation ``g`` failed for ``reason``: say so once (the event, the hook, the rounds)."""
+        if self._stop.is_set():
+            return None  # stopped (the thread was still in its wait): nothing of this rank is watched now
         seen = FailureSeen(g, reason, time.time())
         with self._lock:
             if self._generation != g:
                 return None  # the main thread moved on while we polled
+            if self._seen is not None:
+                return self._seen  # the other thread of this watchdog saw it first
             self._seen = seen
         self.failed.set()
         if self.on_failure is not None:
@@ -293,6 +377,8 @@ class Watchdog:
                     level=logging.WARNING,
                     name=__name__,
                 )
+        # The rounds of g this process waits in (a join, a recovery round) end now, on every rank.
+        wake(store, g, seen.reason)
         return seen
 
     def _stale_peer(self, store: JobStore, now: float, watch: list[int], g: int) -> str | None:
@@ -338,17 +424,20 @@ class Watchdog:
 
     def _hung(self, store: JobStore, g: int) -> str | None:
         """This rank's training thread made no progress for ``hang_timeout_s`` mid-iteration."""
+        reason = self._hang_reason()
+        return None if reason is None else self._fail_machine(store, g, self.rank, reason)
+
+    def _hang_reason(self) -> str | None:
         progress, limit = self.progress, self.hang_timeout_s
         if progress is None or limit is None:
             return None
         stuck = progress.stuck_for()
         if stuck <= limit:
             return None
-        reason = (
+        return (
             f"rank {self.rank} hung: no progress for {stuck:.1f} s in {progress.note()} "
             f"(watchdog.hang_timeout_s={limit:g})"
         )
-        return self._fail_machine(store, g, self.rank, reason)
 
     def _past_deadline(self, store: JobStore, g: int) -> str | None:
         with self._lock:

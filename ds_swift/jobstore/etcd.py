@@ -11,7 +11,9 @@ default and 3.6 removed it), and it lacks ``compare_set``, which the job store's
 counter relies on.
 
 Values live at ``<prefix><key>``; counters (``add``) are decimal strings, as in ``TCPStore``.
-Atomic updates are etcd transactions that compare the key's ``mod_revision``.
+Atomic updates are etcd transactions that compare the key's ``mod_revision``. A transaction holds
+at most :data:`MAX_TXN_OPS` operations (etcd's default ``--max-txn-ops``): reads and checks of more
+keys are split. A blocking ``wait`` watches the missing keys (one streamed request), never polls.
 
 Security (:class:`ds_swift.jobstore.url.StoreCredentials`): ``https`` with a CA file checks the
 servers' certificates; a client certificate answers ``--client-cert-auth``; a user and password
@@ -35,7 +37,8 @@ from ds_swift.jobstore.url import StoreCredentials
 
 __all__ = ["EtcdStore"]
 
-_POLL_S = (0.002, 0.05)  # first and largest wait between polls of a blocking get
+#: etcd's default --max-txn-ops: a transaction with more operations is refused
+MAX_TXN_OPS = 128
 #: per-request HTTP timeout: a member that does not answer within it counts as down
 _REQUEST_TIMEOUT_S = 5.0
 #: a login token older than this is renewed (etcd's simple tokens live 300 s unused by default)
@@ -78,6 +81,9 @@ class EtcdStore(dist.Store):
         credentials: CA, client certificate, user and password (see the module docstring).
     """
 
+    #: a Store written in Python: torch's PrefixStore cannot route delete_key to it (ds_swift.jobstore.signed_kv)
+    python_store = True
+
     def __init__(
         self,
         endpoints: Sequence[tuple[str, int]],
@@ -115,6 +121,7 @@ class EtcdStore(dist.Store):
         self._token_at = 0.0
         self._current = 0
         self._lock = threading.Lock()  # one requests.Session per client: one request at a time
+        self._watcher: Any = None  # the session blocking waits stream their watches on
         self.set_timeout(timeout or datetime.timedelta(seconds=300))
 
     def __reduce__(self) -> Any:  # workers get the URL, not the object; but multiprocessing may pickle it
@@ -242,23 +249,86 @@ class EtcdStore(dist.Store):
         kvs = result.get("responses", [{}])[0].get("response_range", {}).get("kvs")
         return _unb64(kvs[0].get("value")) if kvs else expected
 
+    def _chunks(self, keys: Sequence[str]) -> list[Sequence[str]]:
+        """``keys`` in runs of at most :data:`MAX_TXN_OPS`: etcd refuses a longer transaction."""
+        return [keys[i : i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
+
+    def _present(self, keys: Sequence[str]) -> tuple[list[bool], int]:
+        """Which of ``keys`` exist, and the store's revision when the first batch was read."""
+        present: list[bool] = []
+        revision = -1
+        for chunk in self._chunks(keys):
+            ops = [{"request_range": {"key": _b64(self._key(k)), "count_only": True}} for k in chunk]
+            result = self._txn([], ops, [])
+            if revision < 0:
+                revision = int(result.get("header", {}).get("revision", 0))
+            present += [int(r.get("response_range", {}).get("count", 0)) > 0 for r in result.get("responses", [])]
+        return present, revision
+
     def check(self, keys: list[str]) -> bool:
-        """True if every key exists (one read-only transaction, whatever the number of keys)."""
-        if not keys:
-            return True
-        ops = [{"request_range": {"key": _b64(self._key(k)), "count_only": True}} for k in keys]
-        result = self._txn([], ops, [])
-        return all(int(r.get("response_range", {}).get("count", 0)) > 0 for r in result.get("responses", []))
+        """True if every key exists (one read-only transaction per 128 keys)."""
+        return all(self._present(keys)[0]) if keys else True
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Block until every key exists: one check, then one watch of the missing keys' range that
+        counts them off as they are written (no polling). LookupError after ``timeout``."""
         limit = (timeout or self._timeout()).total_seconds()
         deadline = time.monotonic() + limit
-        delay = _POLL_S[0]
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise LookupError(f"etcd store: keys {keys} not set within {limit:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_S[1])
+        while True:
+            present, revision = self._present(keys)
+            missing = {self._key(k) for k, p in zip(keys, present, strict=True) if not p}
+            if not missing:
+                return
+            if not self._watch_until(missing, revision + 1, deadline):
+                raise LookupError(f"etcd store: keys {sorted(keys)[:4]}... not set within {limit:.0f} s")
+
+    def _watch_until(self, missing: set[bytes], start_revision: int, deadline: float) -> bool:
+        """Watch the range of ``missing`` from ``start_revision`` until every one of them was put
+        (True), or until ``deadline`` (False); False too when the watch ends early (the caller checks again)."""
+        import requests
+
+        lo, hi = min(missing), max(missing)
+        body = {"create_request": {"key": _b64(lo), "range_end": _b64(hi + b"\0"), "start_revision": start_revision}}
+        client = self._clients[self._current]
+        headers = {"Authorization": self._token} if self._token else None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with self._watch_session(client).post(
+                client.get_url("/watch"),
+                json=body,
+                headers=headers,
+                stream=True,
+                timeout=(_REQUEST_TIMEOUT_S, max(0.05, left)),
+                **self._tls_args,
+            ) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        result = json.loads(line).get("result", {})
+                        if result.get("canceled") or result.get("compact_revision"):
+                            return False  # the caller checks again from the revision now
+                        for event in result.get("events", ()):
+                            if event.get("type", "PUT") == "PUT":
+                                missing.discard(_unb64(event["kv"]["key"]))
+                        if not missing:
+                            return True
+                    if time.monotonic() >= deadline:
+                        return False
+        except requests.exceptions.RequestException:
+            pass  # the read timed out (nothing written in time), or the member went: check again
+        return not missing
+
+    def _watch_session(self, client: Any) -> Any:
+        """A session of its own for watches (a watch streams; the client's session serves requests)."""
+        import requests
+
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = requests.Session()
+                self._watcher.verify = client.session.verify
+                self._watcher.cert = client.session.cert
+            return self._watcher
 
     def delete_key(self, key: str) -> bool:
         result = self._post("/kv/deleterange", {"key": _b64(self._key(key))})
@@ -277,11 +347,29 @@ class EtcdStore(dist.Store):
         return None if kv is None else _unb64(kv.get("value"))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        self.wait(keys)
+        values = self.get_many(keys)
+        if any(v is None for v in values):
+            raise LookupError("etcd store: a key of multi_get vanished")
+        return [v for v in values if v is not None]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` now (None where absent): one transaction per 128 keys."""
+        out: list[bytes | None] = []
+        for chunk in self._chunks(keys):
+            result = self._txn([], [{"request_range": {"key": _b64(self._key(k))}} for k in chunk], [])
+            for r in result.get("responses", []):
+                kvs = r.get("response_range", {}).get("kvs")
+                out.append(_unb64(kvs[0].get("value")) if kvs else None)
+        return out
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        ops = [{"request_put": {"key": _b64(self._key(k)), "value": _b64(v)}} for k, v in zip(keys, values)]
-        self._txn([], ops, [])
+        pairs = list(zip(keys, values, strict=True))
+        for i in range(0, len(pairs), MAX_TXN_OPS):
+            ops = [
+                {"request_put": {"key": _b64(self._key(k)), "value": _b64(v)}} for k, v in pairs[i : i + MAX_TXN_OPS]
+            ]
+            self._txn([], ops, [])
 
     # ------------------------------------------------------------------ beyond the Store API
     def delete_prefix(self, sub_prefix: str = "") -> int:
@@ -289,6 +377,15 @@ class EtcdStore(dist.Store):
         start = self._key(sub_prefix)
         result = self._post("/kv/deleterange", {"key": _b64(start), "range_end": _b64(_prefix_end(start))})
         return int(result.get("deleted", 0))
+
+    def count(self, sub_prefix: str = "") -> int:
+        """How many keys are under ``prefix + sub_prefix``: one request (a counter without a writer's
+        compare-and-swap: many writers at once would retry each other's)."""
+        start = self._key(sub_prefix)
+        result = self._post(
+            "/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "count_only": True}
+        )
+        return int(result.get("count", 0))
 
     def keys(self, sub_prefix: str = "") -> list[str]:
         """Every key under ``prefix + sub_prefix``, without the store's prefix (names only, no values)."""

@@ -14,8 +14,8 @@ and every value, counters included, is signed with the secret and the launch id
 Generations. Workers train in generation ``g``. When a machine fails, its agent calls
 :meth:`JobStore.declare_failure` for ``g``: the first caller writes ``gen<g>/failed`` (the
 reason) and moves ``generation`` to ``g + 1``; every worker's watchdog sees the flag within one
-poll. Survivors and replacement workers then :meth:`JobStore.join` generation ``g + 1``: the
-join completes when all ``world_size`` ranks arrived, and raises :class:`GenerationFailed` if
+wait. Survivors and replacement workers then :meth:`JobStore.join` generation ``g + 1``: the
+join completes when all ``world_size`` ranks arrived (an agreement round, rank 0 its leader), and raises :class:`GenerationFailed` if
 ``g + 1`` itself failed meanwhile (a cascading failure), in which case everyone joins ``g + 2``.
 
 Keys (relative to the job prefix)::
@@ -23,7 +23,7 @@ Keys (relative to the job prefix)::
     generation                 current generation (decimal)
     gen<g>/failed              reason string, set once when generation g failed
     gen<g>/failed_n            counter making the first declarer unique (counters: signed, CAS)
-    gen<g>/joined              number of ranks that joined g
+    gen<g>/joined/<rank>       rank <rank> arrived at g; ``gen<g>/joined/verdict``: "complete" (rank 0)
     gen<g>/pg/...              torch.distributed's own rendezvous for g
     gen<g>/<topic>/<rank>      values published by ranks during recovery (see publish/gather)
     hb/<rank>                  a rank's heartbeat: its beat count, then what its training thread does
@@ -36,10 +36,11 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
+from ds_swift.jobstore.agreement import GenerationFailed, RoundTimeout, agree, collect, round_prefix, verdict_key
 from ds_swift.jobstore.auth import SECRET_ENV
 from ds_swift.jobstore.layout import LAYOUT_KEY, fate_key, grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.jobstore.signed_kv import SignedKV, new_launch_id
@@ -47,7 +48,8 @@ from ds_swift.jobstore.url import StoreCredentials, StoreURL
 from ds_swift.jobstore.worker_env import MembershipError, WorkerEnv
 from ds_swift.threadname import threads_yield_on_wakeup
 
-# The layout keys live in ds_swift.jobstore.layout; they stay importable from here too.
+# The layout keys live in ds_swift.jobstore.layout, GenerationFailed in ds_swift.jobstore.agreement
+# (whose rounds raise it); they stay importable from here too.
 __all__ = [
     "LAYOUT_KEY",
     "GenerationFailed",
@@ -61,20 +63,10 @@ __all__ = [
     "resumed_key",
 ]
 
-_POLL_S = 0.02
 _NOT_OURS = (
     "does not serve job token {}... with this job's secret: this worker belongs to another job "
     "(or the job ended, or the secret differs)"
 )
-
-
-class GenerationFailed(RuntimeError):
-    """The generation being joined or run has failed; join the next one."""
-
-    def __init__(self, generation: int, reason: str) -> None:
-        super().__init__(f"generation {generation} failed: {reason}")
-        self.generation = generation
-        self.reason = reason
 
 
 class JobStore(SignedKV):
@@ -251,8 +243,8 @@ class JobStore(SignedKV):
 
     @staticmethod
     def buddy_done_key(generation: int, version: int) -> str:
-        """The key set once every rank's copies of buddy round ``version`` landed."""
-        return JobStore.buddy_round_key(generation, version) + "/done"
+        """The key set once every rank's copies of buddy round ``version`` landed (the round's verdict)."""
+        return verdict_key(JobStore.buddy_round_key(generation, version))
 
     def failure(self, generation: int) -> str | None:
         """The reason generation ``generation`` failed, or None while it is healthy (or only a
@@ -271,6 +263,9 @@ class JobStore(SignedKV):
         and replacements would start into the failed generation. Every later declarer completes
         whatever the first left undone.
         """
+        if self.failure(generation) is not None:  # a stall seen by every rank at once: one read each, no CAS storm
+            self.advance_generation(generation)
+            return False
         first = self.add(f"gen{generation}/failed_n", 1) == 1
         if first or self.failure(generation) is None:
             self._put(self.failed_key(generation), reason)
@@ -282,56 +277,50 @@ class JobStore(SignedKV):
         declarer of an older generation finds another value and changes nothing)."""
         self.advance("generation", generation + 1)
 
-    def join(
-        self,
-        generation: int,
-        world_size: int,
-        timeout_s: float,
-        should_abort: Callable[[], str | None] | None = None,
-    ) -> dist.PrefixStore:
+    def join(self, generation: int, rank: int, world_size: int, timeout_s: float) -> dist.PrefixStore:
         """Arrive at ``generation``; return the store prefix for its process group once all arrived.
 
+        An agreement round (ds_swift.jobstore.agreement): each rank writes ``gen<g>/joined/<rank>``,
+        rank 0 waits for all of them and writes the signed ``complete``, which every rank waits on.
         Raises GenerationFailed if the generation fails before everyone arrived (the caller joins
         the next one) and TimeoutError after ``timeout_s``.
         """
-        self.add(f"gen{generation}/joined", 1)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            reason = self.failure(generation) or (should_abort() if should_abort else None)
-            if reason is not None:
-                raise GenerationFailed(generation, reason)
-            if self.add(f"gen{generation}/joined", 0) >= world_size:
-                return dist.PrefixStore(f"gen{generation}/pg/", self.kv)
-            if time.monotonic() > deadline:
-                arrived = self.add(f"gen{generation}/joined", 0)
-                raise TimeoutError(
-                    f"generation {generation}: {arrived}/{world_size} ranks arrived within {timeout_s:.0f} s"
-                )
-            time.sleep(_POLL_S)
+        agree(
+            self,
+            round_prefix(generation, "joined"),
+            rank,
+            "1",
+            range(world_size),
+            lambda _: "complete",
+            timeout_s=timeout_s,
+            generation=generation,
+        )
+        return dist.PrefixStore(f"gen{generation}/pg/", self.kv)
+
+    def joined(self, generation: int, ranks: Iterable[int]) -> bool:
+        """Whether every rank of ``ranks`` arrived at ``generation``'s join (one request: that their
+        keys exist; the join itself reads them signed)."""
+        return bool(self.kv.check([f"{round_prefix(generation, 'joined')}/{r}" for r in ranks]))
 
     # ------------------------------------------------------------------ exchange
     def publish(self, generation: int, topic: str, rank: int, value: str) -> None:
         self._put(f"gen{generation}/{topic}/{rank}", value)
 
     def gather(self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float) -> dict[int, str]:
-        """Wait for every rank in ``ranks`` to publish ``topic``; GenerationFailed if g fails first."""
+        """Wait for every rank in ``ranks`` to publish ``topic``; GenerationFailed if g fails first.
+        For a few ranks' values (a donor's digest, the replayers' summaries): where every rank must
+        act on every rank's value, an agreement round (:func:`~ds_swift.jobstore.agreement.agree`)."""
         ranks = list(ranks)
         keys = [f"gen{generation}/{topic}/{r}" for r in ranks]
-        deadline = time.monotonic() + timeout_s
-        got: dict[int, str] = {}
-        while True:
-            if self.kv.check(keys):
-                values = {r: self._read(k) for r, k in zip(ranks, keys)}
-                got = {r: v for r, v in values.items() if v is not None}
-                if len(got) == len(ranks):  # a rejected (unsigned) value waits for its rank's own
-                    return got
-            reason = self.failure(generation)
-            if reason is not None:
-                raise GenerationFailed(generation, reason)
-            if time.monotonic() > deadline:
-                missing = [r for r, k in zip(ranks, keys) if r not in got]
-                raise TimeoutError(f"generation {generation}: ranks {missing} did not publish {topic!r}")
-            time.sleep(_POLL_S)
+        try:
+            values = collect(self, keys, timeout_s, generation=generation)
+        except RoundTimeout as late:
+            missing = [r for r, k in zip(ranks, keys, strict=True) if k in set(late.pending)]
+            raise TimeoutError(
+                f"generation {generation}: ranks {missing} did not publish {topic!r} within {timeout_s:g} s"
+            ) from None
+        assert values is not None  # no stopped(): only a value or an exception ends it
+        return dict(zip(ranks, values, strict=True))
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, rank: int, note: str = "") -> None:
@@ -369,14 +358,18 @@ class JobStore(SignedKV):
     def set(self, key: str, value: str) -> None:
         self._put(key, value)
 
-    def wait_value(self, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
-        """The value at ``key`` once set, or None after ``timeout_s``."""
+    def wait_value(self, key: str, timeout_s: float) -> str | None:
+        """The value at ``key`` once set, or None after ``timeout_s``: one blocking wait, one read
+        (a value not signed with the job secret is waited past, without polling, until the timeout)."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while self.wait_keys([key], deadline - time.monotonic()):  # False: the whole time passed
             value = self._read(key)
-            if value is not None or time.monotonic() >= deadline:
+            if value is not None:
                 return value
-            time.sleep(poll_s)
+            time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))  # forged: the real one overwrites it
+            if time.monotonic() >= deadline:
+                break
+        return None
 
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""

@@ -25,6 +25,7 @@ is rejected the same way.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import secrets
@@ -44,6 +45,10 @@ RECORD_KEY = "launch/record"
 BEAT_S = 60.0
 STALE_S = 600.0
 _HIGH_KEYS = 4096  # high-water marks kept per process (oldest dropped first): bounded memory
+# _raw_get's compare_set: an expected value no key ever holds (ds-swift's values never hold a NUL),
+# and what would be written if one did
+_ABSENT = b"\0ds-swift: absent\0"
+_NEVER = b"\0ds-swift: never written\0"
 _LAUNCH_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -92,11 +97,28 @@ class SignedKV:
         self.kv.set(key, self.sealer.seal(key, value))
 
     def _raw_get(self, key: str) -> bytes | None:
-        try_get = getattr(self.raw, "try_get", None)  # etcd: one request instead of three
+        """The raw value at ``key`` now, or None: one request. A TCPStore has no "get if present"
+        (``check`` then ``get`` is three requests: get waits for the key first); a ``compare_set``
+        from a value no key ever holds answers the value, or that value when the key is absent."""
+        try_get = getattr(self.raw, "try_get", None)  # etcd: one range request
         if try_get is not None:
             value: bytes | None = try_get(self.prefix + key)
             return value
-        return bytes(self.kv.get(key)) if self.kv.check([key]) else None
+        got = bytes(self.kv.compare_set(key, _ABSENT, _NEVER))
+        return None if got == _ABSENT else got
+
+    def wait_keys(self, keys: list[str], timeout_s: float) -> bool:
+        """Block until every key in ``keys`` exists (True) or ``timeout_s`` passed (False): one
+        request however long it blocks (a TCPStore waits on the server; etcd watches)."""
+        if not keys:
+            return True
+        if timeout_s < 1e-3:  # torch reads a zero timeout as none at all: wait forever
+            return bool(self.kv.check(keys))
+        try:
+            self.kv.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, LookupError):  # DistStoreError on a TCPStore, LookupError from etcd
+            return False
+        return True
 
     def _read(self, key: str) -> str | None:
         raw = self._raw_get(key)
@@ -104,12 +126,28 @@ class SignedKV:
 
     def read_present(self, keys: list[str]) -> list[str | None]:
         """The signed values at ``keys``, which must all exist (after a wait for them): one request
-        on a TCPStore; None where a value is not signed with the job secret."""
-        if hasattr(self.raw, "try_get"):  # etcd: no batch read through torch's PrefixStore bridge
-            raws = [self._raw_get(k) for k in keys]
+        on a TCPStore, one transaction per 128 keys on etcd; None where a value is not signed with
+        the job secret."""
+        many = getattr(self.raw, "get_many", None)  # etcd: torch's PrefixStore bridge has no multi_get for it
+        if many is not None:
+            raws: list[bytes | None] = list(many([self.prefix + k for k in keys]))
         else:
             raws = [bytes(v) for v in self.kv.multi_get(keys)]
         return [None if raw is None else self.sealer.open(k, raw) for k, raw in zip(keys, raws, strict=True)]
+
+    def claim(self, key: str, value: str) -> str | None:
+        """Set ``key`` to ``value`` unless it holds a signed value already; returns the signed value
+        it holds afterwards (``value`` if this call set it). A value not signed with the job secret
+        is overwritten. Compare-and-swap, so of two callers one wins and both return its value."""
+        desired = self.sealer.seal(key, value).encode()
+        for _ in range(8):
+            raw = self._raw_get(key)
+            text = None if raw is None else self.sealer.open(key, raw)
+            if text is not None:
+                return text
+            if self._swap(key, raw, desired):
+                return value
+        return self._read(key)
 
     def _not_lower(self, key: str, value: float, size: int) -> float:
         """``value``, or the highest value of ``key`` read before if ``value`` is lower (a replay)."""
@@ -125,9 +163,9 @@ class SignedKV:
         return value
 
     def delete(self, key: str) -> bool:
-        """Delete ``key``. An etcd store's own method: torch's Python-store bridge has no deleteKey."""
-        if hasattr(self.raw, "delete_prefix"):
-            return bool(self.raw.delete_key(self.prefix + key))  # type: ignore[attr-defined]
+        """Delete ``key``. A Python store's own method: torch's Python-store bridge has no deleteKey."""
+        if getattr(self.raw, "python_store", False):  # a Store written in Python (etcd, a counting wrapper)
+            return bool(self.raw.delete_key(self.prefix + key))
         return bool(self.kv.delete_key(key))
 
     # ------------------------------------------------------------------ signed counters

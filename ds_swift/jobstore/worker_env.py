@@ -39,6 +39,12 @@ class WorkerEnv:
     """The launch this worker belongs to (:mod:`ds_swift.jobstore.signed_kv`): its keys' namespace."""
     store_credentials: StoreCredentials = field(default_factory=StoreCredentials, repr=False)
     """CA, client certificate, user and password of an etcd store with TLS/auth (environment only)."""
+    beat_dir: str = ""
+    """The directory on this machine where the rank beats for its agent (ds_swift.detect.beats.BeatFile);
+    empty: no agent reads it, the rank beats in the job store."""
+    agent_timeout_s: float = 10.0
+    """How long the agents wait before they take a silent agent for dead (``--agent-timeout``): a
+    comm error waits that long, and a beat more, for a death to be declared (ds_swift.detect.classify)."""
 
     ENV_KEYS = (
         "RANK",
@@ -56,6 +62,8 @@ class WorkerEnv:
         "SWIFT_STORE_URL",
         SECRET_ENV,
         "SWIFT_LAUNCH_ID",
+        "SWIFT_BEAT_DIR",
+        "SWIFT_AGENT_TIMEOUT_S",
         *CREDENTIAL_ENV.values(),
     )
 
@@ -92,6 +100,8 @@ class WorkerEnv:
             secret=env.get(SECRET_ENV, ""),
             launch=env.get("SWIFT_LAUNCH_ID", ""),
             store_credentials=StoreCredentials(**{k: env.get(v, "") for k, v in CREDENTIAL_ENV.items()}),
+            beat_dir=env.get("SWIFT_BEAT_DIR", ""),
+            agent_timeout_s=float(env.get("SWIFT_AGENT_TIMEOUT_S", "10")),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -111,5 +121,7 @@ class WorkerEnv:
             "SWIFT_STORE_URL": self.store_url,
             SECRET_ENV: self.secret,
             "SWIFT_LAUNCH_ID": self.launch,
+            "SWIFT_BEAT_DIR": self.beat_dir,
+            "SWIFT_AGENT_TIMEOUT_S": repr(self.agent_timeout_s),
             **self.store_credentials.to_env(),
         }

@@ -8,9 +8,8 @@ two per owner), and this rank's own copies of its last two rounds, kept across g
 
 from __future__ import annotations
 
-import datetime
+import math
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from ds_swift.checkpoint.snapshot import PinnedCopier
+from ds_swift.jobstore.agreement import agree
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.recovery.state.transfer import decode, flat_sizes, flat_views
 
@@ -110,13 +110,14 @@ class BuddyHoldings:
 
 
 class StoreLanding:
-    """Every rank's copies of a round are held: one key per rank, and a ``done`` key, in the job store.
+    """Every rank's copies of a round are held: an agreement round (ds_swift.jobstore.agreement)
+    under ``buddy/<g>/<version>``.
 
     Each rank writes its own key for the round (one request); the round's leader (rank 0) waits
-    for all of them and writes ``done``; the others wait for ``done``. A shared counter did the same
+    for all of them and writes the verdict; the others wait for it. A shared counter did the same
     with a compare-and-swap per rank per round, which retried whenever ranks finished together:
     quadratic in the ranks at every step (a thousand ranks, ~500k store requests per step), where
-    this is two to three requests per rank and one batch read of ``world`` values for the leader.
+    this is about four requests per rank and one batch read of ``world`` values for the leader.
 
     Args:
         store: a job-store connection of the copier thread's own.
@@ -138,14 +139,8 @@ class StoreLanding:
         self._rounds: list[int] = []
         """The rounds this rank counted itself in, newest last (the keys of two rounds back go)."""
         self.done_value: str | None = None
-        """What the leader wrote into the last round's ``done`` key: ``"1"``, or the interval
+        """What the leader wrote into the last round's verdict: ``"1"``, or the interval
         ``buddy.interval: "auto"`` chose (ds_swift.protect.buddy_interval.decision)."""
-
-    def _key(self, version: int) -> str:
-        return JobStore.buddy_round_key(self.generation, version)
-
-    def _done(self, version: int) -> str:
-        return JobStore.buddy_done_key(self.generation, version)
 
     def turn_off(self, reason: str) -> None:
         """This rank stopped copying (a copier error): every rank's copier stops too, rather than
@@ -154,49 +149,32 @@ class StoreLanding:
 
     def __call__(self, version: int, stopped: Callable[[], bool], note: str = "1") -> bool:
         """Count this rank in for round ``version`` and wait until every rank is in (True), or until
-        ``stopped()`` (False). The leader writes ``note`` into the round's ``done`` key; every rank
-        finds it in :attr:`done_value`."""
+        ``stopped()`` (False). The leader's ``note`` is the round's verdict; every rank finds it in
+        :attr:`done_value`. Raises once another rank turned copying off."""
         self.done_value = None
-        key = self._key(version)
-        self.store.set(f"{key}/{self.rank}", "1")
+        prefix = JobStore.buddy_round_key(self.generation, version)
         # A step waits for the previous round, so the round two back is over everywhere (rounds are
         # ``buddy.interval`` iterations apart: the same rounds on every rank).
         self._rounds.append(version)
         old = self._rounds.pop(0) if len(self._rounds) > 2 else None
+        self.done_value = agree(
+            self.store, prefix, self.rank, "1", range(self.world), lambda _: note,
+            timeout_s=math.inf, stopped=lambda: self._stopped(stopped), leader=self.LEADER,
+        )  # fmt: skip
         if old is not None:
-            self.store.delete(f"{self._key(old)}/{self.rank}")
-        if self.rank != self.LEADER:
-            values = self._wait([self._done(version)], stopped)
-            self.done_value = values[0] if values is not None else None
-            return values is not None
-        ranks = [f"{key}/{r}" for r in range(self.world)]
-        if self._wait(ranks, stopped) is None:
-            return False
-        self.store.set(self._done(version), note)
-        self.done_value = note
-        if old is not None:
-            self.store.delete(self._done(old))
-        return True
+            self.store.delete(f"{JobStore.buddy_round_key(self.generation, old)}/{self.rank}")
+            if self.rank == self.LEADER:
+                self.store.delete(JobStore.buddy_done_key(self.generation, old))
+        return self.done_value is not None
 
-    def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> list[str] | None:
-        """Until every key in ``keys`` holds a value signed with the job secret (their values), or
-        until ``stopped()`` (None); raises once another rank turned copying off."""
-        off = f"buddy/{self.generation}/off"
-        while not stopped():
-            try:
-                self.store.kv.wait(keys, datetime.timedelta(seconds=0.5))
-            except Exception:  # noqa: BLE001 - a wait that timed out; stopped() decides
-                why = self.store.get(off)
-                if why is not None:
-                    raise RuntimeError(f"buddy copies turned off on another rank ({why})") from None
-                continue
-            values = self.store.read_present(keys)
-            if all(v is not None for v in values):
-                return [v for v in values if v is not None]
-            # A key exists but is not signed with the job secret (an outsider created it on an
-            # etcd anyone can write): wait for the rank's signed one, which overwrites it.
-            time.sleep(0.05)
-        return None
+    def _stopped(self, stopped: Callable[[], bool]) -> bool:
+        """Between two waits: this copier was told to stop (True), or another rank turned copying off (raises)."""
+        if stopped():
+            return True
+        why = self.store.get(f"buddy/{self.generation}/off")
+        if why is not None:
+            raise RuntimeError(f"buddy copies turned off on another rank ({why})")
+        return False
 
 
 def stage_own(holdings: BuddyHoldings, version: int, manifest: bytes, live: list[torch.Tensor]) -> list[torch.Tensor]:

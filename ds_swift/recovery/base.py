@@ -15,7 +15,6 @@ checkpoint is its fallback, last and always able. The registered strategies are 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +46,6 @@ __all__ = [
     "Registry",
     "RestoreFailed",
     "announce_deviation",
-    "check_round",
     "checkpoint_source",
     "loud",
     "redo_words",
@@ -380,27 +378,6 @@ class Registry:
     def fall_back(self, inputs: RecoveryInputs, reason: str) -> tuple[RecoveryPlan, RecoveryStrategy]:
         """The fallback's plan after a chosen strategy's restore failed with ``reason``."""
         return dataclasses.replace(self.fallback.plan(inputs), reason=reason), self.fallback
-
-
-def check_round(
-    ctx: RankContext, inputs: RecoveryInputs, key: str, why: str | None, mine: dict[str, object], what: str
-) -> dict[int, dict[str, Any]]:
-    """Every rank says whether its part of the restore worked (on the store, not in a collective a
-    failed rank might skip); any failure makes every rank fall back to the global checkpoint, loudly,
-    naming the rank and why. Returns every rank's answer."""
-    world = sorted(r.rank for r in inputs.reports)
-    ctx.store.publish(ctx.generation, key, ctx.rank, json.dumps({"why": why, **mine}))
-    answers = {r: json.loads(v) for r, v in ctx.store.gather(ctx.generation, key, world, ctx.gather_timeout_s).items()}
-    problems = [str(a["why"]) for a in answers.values() if a["why"]]
-    if problems:
-        reason = f"{what}: " + "; ".join(problems)
-        if ctx.rank == world[0]:  # the same on every rank: said once (each rank's fallback line repeats it)
-            loud(
-                ctx.rank,
-                f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({checkpoint_source(inputs.checkpoint_step)})",
-            )
-        raise RestoreFailed(reason)
-    return answers
 
 
 # ---------------------------------------------------------------- membership changes

@@ -3,7 +3,8 @@
 Survivors and replacements run the same function with the same inputs, in this order:
 
 1. publish a :class:`~ds_swift.recovery.consensus.RankReport` (and the newest complete checkpoint
-   it sees) in the job store and gather everyone's;
+   it sees) in the job store; rank 0 gathers them once and hands every rank all of them (the
+   agreement round of ds_swift.jobstore.agreement: O(N) store requests, no rank reads every rank's key);
 2. agree on the consensus (:class:`~ds_swift.recovery.consensus.RecoveryInputs`) and ask the
    registered strategies (:mod:`ds_swift.recovery.registry`), cheapest first, which can restore
    the lost ranks: the same :class:`~ds_swift.recovery.consensus.RecoveryPlan` on every rank;
@@ -12,11 +13,13 @@ Survivors and replacements run the same function with the same inputs, in this o
    falls back to the global checkpoint, loudly, in this same generation;
 4. verify: every restored rank checked its state against its reference digest
    (:mod:`ds_swift.recovery.verify`); a mismatch anywhere is such a failed restore, naming the tensor;
-5. a barrier, so nobody starts training before every rank holds its state.
+5. one round says 3 and 4 of every rank: nobody starts training before every rank holds its state
+   (after a fallback, a last round once every rank reloaded).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_swift import transport
 from ds_swift.checkpoint.periodic import CheckpointManager, Origin
+from ds_swift.jobstore.agreement import agree, pack, round_prefix, unpack
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import (
     MembershipChange,
@@ -45,13 +48,15 @@ from ds_swift.recovery.replay.runner import failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.verify import (
     OWN_COPY,
-    agree,
     check_published,
     forget_from,
     mismatch_reason,
 )
 
 __all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
+
+#: distinct restore errors named in the agreed reason (the rest are counted)
+NAMED_ERRORS = 8
 
 
 @dataclass(frozen=True)
@@ -161,39 +166,46 @@ def run_recovery(
     if ctx.verify:  # what is trained again is published again; a later replay must not meet the old digests
         forget_from(ctx.store, ctx.rank, outcome.resume_iteration)
     outcome.latest_checkpoint = step
-    transport.barrier()
     ctx.timeline.t_restored = time.time()
     ctx.timeline.bytes_moved = outcome.bytes_moved
     return outcome
 
 
 def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list[RankReport], int]:
-    """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none)."""
+    """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none).
+    Two agreement rounds (ds_swift.jobstore.agreement): rank 0 reads the reports and hands every
+    rank all of them in one verdict, then the checkpoint every rank can load."""
     store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
-    store.publish(generation, "report", ctx.rank, report.to_json())
-    reports = [
-        RankReport.from_json(v) for v in store.gather(generation, "report", range(world_size), timeout_s).values()
-    ]
+    ranks = range(world_size)
+    said = agree(
+        store, round_prefix(generation, "report"), ctx.rank, report.to_json(), ranks, pack,
+        timeout_s=timeout_s, generation=generation,
+    )  # fmt: skip
+    reports = [RankReport.from_json(v) for v in unpack(said).values()]
     # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
     # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
     latest = _loadable_checkpoint(store, ctx.ckpt, checkpoint_bound(reports)) if ctx.ckpt is not None else None
-    store.publish(generation, "ckpt", ctx.rank, str(latest if latest is not None else -1))
-    ckpts = store.gather(generation, "ckpt", range(world_size), timeout_s)
     # Every rank must load the same tag: the newest one that is complete for all of them.
-    return reports, min(int(v) for v in ckpts.values())
+    step = agree(
+        store, round_prefix(generation, "ckpt"), ctx.rank, str(latest if latest is not None else -1), ranks,
+        lambda tags: str(min(int(v) for v in tags.values())), timeout_s=timeout_s, generation=generation,
+    )  # fmt: skip
+    return reports, int(step)
 
 
 def _restore(
     ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan, chosen: RecoveryStrategy
 ) -> tuple[RecoveryOutcome, RecoveryPlan]:
-    """Steps 3-4: the chosen strategy's restore, verified; any rank's failure (agreed on every rank)
-    falls back to the global checkpoint in this same generation."""
+    """Steps 3-5: the chosen strategy's restore, verified; any rank's failure or mismatch (agreed on
+    every rank in one round, which also ends the recovery: every rank holds its state) falls back
+    to the global checkpoint in this same generation, then a last round."""
     error: str | None = None
+    verdict = None
     try:
         outcome = chosen.restore(plan, inputs, ctx)
         if ctx.verify:
-            outcome.verdict = outcome.verdict or _own_copy_verdict(ctx, inputs, plan)
-            _verified(ctx, world_size, outcome)
+            verdict = outcome.verdict = outcome.verdict or _own_copy_verdict(ctx, inputs, plan)
+            _say_verdict(ctx, verdict)
     except RestoreFailed as failed:
         error = failed.reason
     except Exception as exc:  # noqa: BLE001 - any strategy error is agreed on below, then the safety net
@@ -201,29 +213,54 @@ def _restore(
             raise  # the generation failed meanwhile (a cascading failure): the next one recovers
         error = f"rank {ctx.rank}: strategy {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:200]}"
         loud(ctx.rank, error)
-    reason = _agree_on_errors(ctx.store, ctx.generation, ctx.rank, world_size, error, ctx.gather_timeout_s)
+    reason = _agree_on_restores(ctx, world_size, error, verdict)
     if reason is not None:
         plan, chosen = STRATEGIES.fall_back(inputs, reason)
         outcome = chosen.restore(plan, inputs, ctx)
+        # Nobody trains before every rank reloaded: a round, not a gloo barrier (whose pairs, connected
+        # lazily, would cost every rank log2(N) connections through the store).
+        agree(
+            ctx.store, round_prefix(ctx.generation, "restored"), ctx.rank, "", range(world_size),
+            timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+        )  # fmt: skip
     return outcome, plan
 
 
-def _agree_on_errors(
-    store: JobStore, generation: int, rank: int, world_size: int, error: str | None, timeout_s: float
-) -> str | None:
-    """The error round after every rank's restore: each says in the store whether its restore raised
-    (a strategy's bug, an op its peer abandoned), and any error makes every rank fall back to the
-    global checkpoint together, loudly, naming it (a rank falling back alone would leave its peers
-    waiting in the strategy's collectives). Returns the reason, or None when every restore worked."""
-    store.publish(generation, "restore_error", rank, error or "")
-    errors = store.gather(generation, "restore_error", range(world_size), timeout_s)
-    said = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
-    if not said:
-        return None
-    reason = "; ".join(said)
-    if rank == 0:  # agreed, the same on every rank: said once (each rank's fallback line names it again)
-        loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
-    return reason
+def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, verdict: Verdict | None) -> str | None:
+    """The round after every rank's restore: each says whether its restore raised (a strategy's bug,
+    an op its peer abandoned) and its check of the state it restored; any error or mismatch makes
+    every rank fall back to the global checkpoint together, loudly, naming it (a rank falling back
+    alone would leave its peers waiting in the strategy's collectives). Returns the reason, or None
+    when every restore worked: then every rank holds its state, and training may resume."""
+    mine = json.dumps({"error": error or "", "verdict": verdict.to_json() if verdict is not None else None})
+    said = json.loads(
+        agree(
+            ctx.store, round_prefix(ctx.generation, "restore"), ctx.rank, mine, range(world_size), _restores,
+            timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+        )
+    )  # fmt: skip
+    reason = "; ".join(said["errors"]) or mismatch_reason(
+        {int(r): Verdict.from_json(v) for r, v in said["mismatches"].items()}
+    )
+    if reason and ctx.rank == 0:  # agreed, the same on every rank: said once (each fallback line names it again)
+        loud(ctx.rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+    return reason or None
+
+
+def _restores(values: Mapping[int, str]) -> str:
+    """The restore round's verdict: the distinct errors, the lowest ranks' first (at most
+    :data:`NAMED_ERRORS`, then how many more: a thousand ranks' errors in one key read by every rank
+    would be a million copies), and the lowest ranks' mismatches."""
+    said = {r: json.loads(v) for r, v in sorted(values.items())}
+    errors = list(dict.fromkeys(a["error"] for a in said.values() if a["error"]))
+    if len(errors) > NAMED_ERRORS:
+        errors = [*errors[:NAMED_ERRORS], f"and {len(errors) - NAMED_ERRORS} more ranks' errors"]
+    bad = {
+        r: a["verdict"]
+        for r, a in said.items()
+        if a["verdict"] and Verdict.from_json(a["verdict"]).status == "mismatch"
+    }
+    return json.dumps({"errors": errors, "mismatches": dict(list(bad.items())[:NAMED_ERRORS])})
 
 
 def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:
@@ -255,22 +292,16 @@ def _own_copy_verdict(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPl
     return None if verdict.status == "unverified" else verdict
 
 
-def _verified(ctx: RankContext, world_size: int, outcome: RecoveryOutcome) -> None:
-    """Step 4: every rank's verdict; RestoreFailed (the same on every rank) if any is a mismatch."""
-    verdicts = agree(ctx.store, ctx.generation, ctx.rank, world_size, outcome.verdict, ctx.gather_timeout_s)
-    verdict = outcome.verdict
-    if verdict is not None:
-        ctx.timeline.extra["verify"] = {"status": verdict.status, "detail": verdict.detail}
-        line = f"restored state {verdict.status}: {verdict.detail}"
-        if verdict.status == "unverified":
-            loud(ctx.rank, line)  # training resumes on state nothing checked: said aloud
-        else:
-            ctx.log(line)
-    reason = mismatch_reason(verdicts)
-    if reason is not None:
-        if ctx.rank == 0:  # agreed: said once
-            loud(ctx.rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
-        raise RestoreFailed(reason)
+def _say_verdict(ctx: RankContext, verdict: Verdict | None) -> None:
+    """Step 4 on this rank: its check of the state it restored, in its timeline and on its channel."""
+    if verdict is None:
+        return
+    ctx.timeline.extra["verify"] = {"status": verdict.status, "detail": verdict.detail}
+    line = f"restored state {verdict.status}: {verdict.detail}"
+    if verdict.status == "unverified":
+        loud(ctx.rank, line)  # training resumes on state nothing checked: said aloud
+    else:
+        ctx.log(line)
 
 
 ORIGIN_KEY = "ckpt_origin"

@@ -34,6 +34,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.recovery.state.digest import StateDigest, Verdict, digest_state, engine_state
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ __all__ = [
     "OWN_COPY",
     "SLOTS",
     "ReplayCheck",
-    "agree",
+    "agree_verdicts",
     "check_copy",
     "check_published",
     "check_received",
@@ -61,6 +62,8 @@ __all__ = [
 #: digests kept per rank (a ring of job-store keys): a replay checks the newest one up to the
 #: consensus, and a rank publishes at most one past it
 SLOTS = 4
+#: mismatching ranks named in the verify round's verdict (the lowest ones)
+NAMED_MISMATCHES = 16
 
 
 OWN_COPY = "my state undone from my own copy"
@@ -239,13 +242,28 @@ class ReplayCheck:
 
 
 # ----------------------------------------------------------------------------- agreement
-def agree(
+def agree_verdicts(
     store: JobStore, generation: int, rank: int, world_size: int, verdict: Verdict | None, timeout_s: float
 ) -> dict[int, Verdict]:
-    """Every rank's verdict (ranks that restored nothing have none), the same on every rank."""
-    store.publish(generation, "verify", rank, verdict.to_json() if verdict is not None else "null")
-    got = store.gather(generation, "verify", range(world_size), timeout_s)
-    return {r: Verdict.from_json(v) for r, v in sorted(got.items()) if v != "null"}
+    """Every rank's mismatch (ranks whose state matched, or who restored nothing, say nothing), the
+    same on every rank: an agreement round (ds_swift.jobstore.agreement), the lowest
+    :data:`NAMED_MISMATCHES` ranks' named."""
+    said = agree(
+        store,
+        round_prefix(generation, "verify"),
+        rank,
+        verdict.to_json() if verdict is not None else "null",
+        range(world_size),
+        _mismatches,
+        timeout_s=timeout_s,
+        generation=generation,
+    )
+    return {int(r): Verdict.from_json(v) for r, v in json.loads(said).items()}
+
+
+def _mismatches(verdicts: Mapping[int, str]) -> str:
+    bad = {r: v for r, v in sorted(verdicts.items()) if v != "null" and Verdict.from_json(v).status == "mismatch"}
+    return json.dumps(dict(list(bad.items())[:NAMED_MISMATCHES]))
 
 
 def mismatch_reason(verdicts: Mapping[int, Verdict]) -> str | None:

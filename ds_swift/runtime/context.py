@@ -14,7 +14,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +120,7 @@ def join_generation(
     backend: str = "gloo",
     swift: bool = True,
     timeout: datetime.timedelta | None = None,
+    watch: Callable[[int], object] | None = None,
 ) -> int:
     """Join ``generation`` (or a later one if it fails first) and initialise torch.distributed on it.
 
@@ -129,6 +130,8 @@ def join_generation(
     gloo groups: right after the world, before
     DeepSpeed creates any group, so every rank (survivor or replacement) creates them in the same
     order. Returns the generation joined. DeepSpeed is attached afterwards by the caller.
+    ``watch``: called with each generation before it is joined (a survivor's watchdog moves to it,
+    so a failure of it ends the join at once: ds_swift.jobstore.agreement.wake).
 
     The world gets the job's ``timeout`` (None: torch's default) once connected (the join timeout
     bounds its creation), not the op timeout: ds-swift
@@ -141,8 +144,10 @@ def join_generation(
         transport.nccl_environment(nonblocking_timeout_s=join_timeout_s)
         transport.check_nccl_versions()
     while True:
+        if watch is not None:
+            watch(generation)
         try:
-            prefix = store.join(generation, world_size, timeout_s=join_timeout_s)
+            prefix = store.join(generation, rank, world_size, timeout_s=join_timeout_s)
         except GenerationFailed as exc:
             say(
                 f"generation {generation} failed while joining ({exc.reason}); joining {generation + 1}",

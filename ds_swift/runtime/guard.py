@@ -24,12 +24,14 @@ later generation ends the job (the launcher's abort key, then an error on every 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.logs import say
 from ds_swift.recovery.base import loud
 from ds_swift.recovery.registry import STRATEGIES
@@ -188,6 +190,31 @@ class LossGuard:
         self.store.declare_failure(generation, why)
         return why
 
+    def _round(self, generation: int, world: int, timeout_s: float, mine: str) -> dict[str, Any]:
+        """The guard's round (ds_swift.jobstore.agreement): survivors hold the same losses (every rank
+        judges the broadcast one), replacements none: its verdict is the longest list, and the step
+        back the guard asked for and whether it was served, read once by the leader."""
+
+        def decide(lists: Mapping[int, str]) -> str:
+            wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
+            return json.dumps({"losses": _longest(lists), "wanted": wanted, "served": served, "agreed": True})
+
+        try:
+            said: dict[str, Any] = json.loads(
+                agree(
+                    self.store, round_prefix(generation, "guard_ref"), self.rank, mine, range(world), decide,
+                    timeout_s=timeout_s, generation=generation,
+                )
+            )  # fmt: skip
+            return said
+        except Exception as exc:  # noqa: BLE001 - a timeout or the next failure: the guard must not end the job
+            self.log(f"post-recovery guard: the ranks' losses not gathered ({type(exc).__name__}: {exc})")
+        try:
+            wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
+        except Exception:  # noqa: BLE001 - the store too: no step back is known to be pending
+            wanted = served = None
+        return {"losses": "", "wanted": wanted, "served": served, "agreed": False}
+
     def after_recovery(
         self, engine: Any, outcome: Any, generation: int, world: int, timeout_s: float, rank: int | None = None
     ) -> None:
@@ -202,30 +229,24 @@ class LossGuard:
         self._judged = resume_iteration - 1
         if self.iterations <= 0 or self.store is None:
             return
-        wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
-        # Rank 0 may have marked it served already, in this generation: the same answer on every rank.
+        read = [(i, float(x)) for i, x in self.history if i < resume_iteration]
+        kept = [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
+        mine = [x for _, x in kept]
+        self.history = deque(kept, maxlen=_KEPT)
+        said = self._round(generation, world, timeout_s, ",".join(repr(x) for x in mine))
+        wanted, served = said["wanted"], said["served"]
+        # Read once, by the round's leader, before rank 0 marks it served: the same answer on every rank.
         pending = wanted is not None and (
             served is None or served.split(":")[0] != wanted or served == f"{wanted}:{generation}"
         )
         if pending and outcome.plan.strategy == STRATEGIES.fallback.name:
             why = self.store.get(REASON_KEY) or "post-recovery guard"
             outcome.plan = dataclasses.replace(outcome.plan, reason=f"{why} (the guard's step back)")
-            if self.rank == 0:  # after the recovery's last barrier: every rank read the request
+            if self.rank == 0:  # after the recovery's last round: every rank has the request
                 self.store.set(SERVED_KEY, f"{wanted}:{generation}")
-        read = [(i, float(x)) for i, x in self.history if i < resume_iteration]
-        kept = [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
-        mine = [x for _, x in kept]
-        self.history = deque(kept, maxlen=_KEPT)
-        self.store.publish(generation, "guard_ref", self.rank, ",".join(repr(x) for x in mine))
-        try:
-            said = self.store.gather(generation, "guard_ref", range(world), timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a timeout or the next failure: the guard must not end the job
-            self.log(f"post-recovery guard: the ranks' losses not gathered ({type(exc).__name__}: {exc})")
-            said = {}
-        # Survivors hold the same losses (every rank judges the broadcast one); replacements none.
-        longest = max((v for v in said.values()), key=lambda v: len(v.split(",")) if v else 0, default="")
+        longest = said["losses"]
         losses = [float(x) for x in longest.split(",")] if longest else []
-        if not losses and not said:
+        if not losses and not said["agreed"]:
             loud(
                 self.rank,
                 f"post-recovery guard: no rank's losses gathered within {timeout_s:g} s: "
@@ -238,3 +259,8 @@ class LossGuard:
             f"post-recovery guard: iterations {resume_iteration}..{resume_iteration + self.iterations - 1} "
             f"watched (non-finite, or above {self.factor:g} x {ref if ref is not None else '-'})"
         )
+
+
+def _longest(lists: Mapping[int, str]) -> str:
+    """The longest of the ranks' loss lists."""
+    return max(lists.values(), key=lambda v: len(v.split(",")) if v else 0, default="")

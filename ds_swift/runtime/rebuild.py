@@ -199,6 +199,7 @@ class Rebuilder(SurvivorSteps):
                         ctx.join_timeout_s,
                         ctx.backend,
                         timeout=ctx.user_timeout,
+                        watch=self._monitor.set_generation,
                     )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)

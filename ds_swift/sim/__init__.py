@@ -8,6 +8,8 @@ Pure functions on plain data (no processes, no torch):
 - :mod:`ds_swift.sim.recommend`: optimal intervals; :mod:`ds_swift.sim.plan_recommend`:
   ``recommend_for_plan`` for the planner (what it reads of the plan: :mod:`ds_swift.sim.plan_shape`);
 - :mod:`ds_swift.sim.schema`: the YAML input of ``ds-swift simulate`` (``load_sim_config``);
+- :mod:`ds_swift.sim.scale_model`: how a recovery's cost grows with the ranks, fitted from
+  ``benchmarks/scale.py`` (``load_scale_model``: a workload's ``restart_s`` at its size);
 - :mod:`ds_swift.sim.profile`: bench profiles, measured costs for ``--profile`` (``load_profile``;
   their rows: :mod:`ds_swift.sim.profile_rows`);
 - :mod:`ds_swift.sim.study`, :mod:`ds_swift.sim.plots`, :mod:`ds_swift.sim.cli`: the command.
@@ -23,10 +25,12 @@ from typing import Any
 __all__ = [
     "FailureModel",
     "LoggingSpec",
+    "ScaleModel",
     "StrategySpec",
     "Workload",
     "apply_profile",
     "load_profile",
+    "load_scale_model",
     "load_sim_config",
     "optimal_interval",
     "recommend",
@@ -37,10 +41,12 @@ __all__ = [
 _WHERE = {
     "FailureModel": "ds_swift.sim.failures",
     "LoggingSpec": "ds_swift.sim.model",
+    "ScaleModel": "ds_swift.sim.scale_model",
     "StrategySpec": "ds_swift.sim.model",
     "Workload": "ds_swift.sim.model",
     "apply_profile": "ds_swift.sim.profile",
     "load_profile": "ds_swift.sim.profile",
+    "load_scale_model": "ds_swift.sim.scale_model",
     "load_sim_config": "ds_swift.sim.schema",
     "optimal_interval": "ds_swift.sim.recommend",
     "recommend": "ds_swift.sim.recommend",

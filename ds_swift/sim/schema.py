@@ -11,6 +11,8 @@ Schema (times in seconds unless the name says hours, intervals in iterations)::
       median_hours: 12      # exponential | weibull: instead of mtbf_hours
       shape: 0.7            # weibull only
     defaults: {restart_s: 99}                    # strategy fields shared by all workloads
+    scale_model: scale_model.json               # optional: restart_s from a fitted model at each
+                                                # workload's ranks (benchmarks/scale.py --model-out)
     sweeps:                                      # optional, for --plot and --recommend
       interval_points: 25   # points of the checkpoint-interval sweep (Figure 13)
       intervals: [50, 100]  # explicit sweep grid instead (iterations)
@@ -20,6 +22,7 @@ Schema (times in seconds unless the name says hours, intervals in iterations)::
         total_iterations: 500000
         failure_free_hours: 461.1   # or iteration_time_s: 3.32
         machines: 16                # optional (selective-logging groups)
+        ranks: 1024                 # required with scale_model
         pipeline: {stages: 128, micro_batches: 4}   # optional (derived replay fractions)
         failures: {...}             # optional override of the top-level failures
         defaults: {...}             # optional strategy fields for this workload
@@ -64,6 +67,7 @@ from ds_swift.sim.model import (
     recovery_paths,
     shrunk_throughput,
 )
+from ds_swift.sim.scale_model import ScaleModel, load_scale_model
 
 __all__ = ["SimConfig", "SweepSpec", "WorkloadConfig", "load_sim_config", "parse_sim_config"]
 
@@ -165,26 +169,29 @@ def load_sim_config(path: str | Path) -> SimConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"simulation config {str(p)!r} is not valid YAML: {exc}") from exc
-    return parse_sim_config(data, source=p.name)
+    return parse_sim_config(data, source=p.name, base=p.parent)
 
 
-def parse_sim_config(data: Any, source: str = "simulation config") -> SimConfig:
-    """Validate an already-parsed YAML document."""
+def parse_sim_config(data: Any, source: str = "simulation config", base: Path | None = None) -> SimConfig:
+    """Validate an already-parsed YAML document (``base``: where a relative ``scale_model`` path starts)."""
     ctx = _Ctx(source)
-    top = ctx.mapping(data, "", frozenset({"description", "simulation", "failures", "defaults", "sweeps", "workloads"}))
+    top = ctx.mapping(
+        data, "", frozenset({"description", "simulation", "failures", "defaults", "sweeps", "workloads", "scale_model"})
+    )
     sim = ctx.mapping(top.get("simulation", {}), "simulation", frozenset({"repeats", "seed"}))
     repeats = ctx.integer(sim.get("repeats", 10), "simulation.repeats", 1)
     seed = ctx.integer(sim.get("seed", 0), "simulation.seed", 0)
     defaults = _defaults(ctx, top.get("defaults", {}), "defaults")
     failures_default = top.get("failures")
     sweeps = _sweeps(ctx, top.get("sweeps", {}))
+    scale = _scale_model(ctx, top.get("scale_model"), base)
     workloads_raw = top.get("workloads")
     if not isinstance(workloads_raw, list) or not workloads_raw:
         raise ctx.error("workloads", "must be a non-empty list of workloads")
     workloads = []
     names: set[str] = set()
     for i, raw in enumerate(workloads_raw):
-        wl = _workload(ctx, raw, f"workloads[{i}]", defaults, failures_default)
+        wl = _workload(ctx, raw, f"workloads[{i}]", defaults, failures_default, scale)
         if wl.workload.name in names:
             raise ctx.error(f"workloads[{i}].name", f"{wl.workload.name!r} is used twice")
         names.add(wl.workload.name)
@@ -224,10 +231,30 @@ def _failures(ctx: _Ctx, raw: Any, path: str) -> FailureModel:
         raise ctx.error(path, str(exc)) from None
 
 
-def _workload(ctx: _Ctx, raw: Any, path: str, top_defaults: Mapping[str, Any], failures_default: Any) -> WorkloadConfig:
+def _scale_model(ctx: _Ctx, raw: Any, base: Path | None) -> ScaleModel | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw:
+        raise ctx.error("scale_model", f"{raw!r} is invalid: the path of a model benchmarks/scale.py --model-out wrote")
+    path = Path(raw) if base is None or Path(raw).is_absolute() else base / raw
+    try:
+        return load_scale_model(path)
+    except ConfigError as exc:
+        raise ctx.error("scale_model", str(exc)) from None
+
+
+def _workload(
+    ctx: _Ctx,
+    raw: Any,
+    path: str,
+    top_defaults: Mapping[str, Any],
+    failures_default: Any,
+    scale: ScaleModel | None = None,
+) -> WorkloadConfig:
     allowed = frozenset(
         {
             "name",
+            "ranks",
             "description",
             "total_iterations",
             "iteration_time_s",
@@ -270,6 +297,11 @@ def _workload(ctx: _Ctx, raw: Any, path: str, top_defaults: Mapping[str, Any], f
         raise ctx.error(f"{path}.failures", "is required (here or at the top level)")
     failures = _failures(ctx, failures_raw, f"{path}.failures" if "failures" in section else "failures")
     defaults = {**top_defaults, **_defaults(ctx, section.get("defaults", {}), f"{path}.defaults")}
+    if scale is not None:
+        if "ranks" not in section:
+            raise ctx.error(f"{path}.ranks", "is required with scale_model (the model's recovery costs depend on it)")
+        # The model's initialization at this size replaces a constant restart_s (a strategy's own still wins).
+        defaults["restart_s"] = scale.initialization_s(ctx.integer(section["ranks"], f"{path}.ranks", 1))
     strategies_raw = ctx.mapping(section.get("strategies"), f"{path}.strategies")
     if not strategies_raw:
         raise ctx.error(f"{path}.strategies", "must name at least one strategy")

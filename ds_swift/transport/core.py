@@ -4,7 +4,8 @@ Which group a tensor goes on is decided here, from the tensor, never by the call
 
 - a host tensor goes on a gloo group this module created with an explicit ``backend="gloo"``
   (one per channel: :data:`HOST` for the training thread's recoveries and agreements,
-  :data:`COPIER` for the buddy copier thread, so two threads never share one gloo group);
+  :data:`COPIER` for the buddy copier thread, so two threads never share one gloo group), whose
+  pairs of ranks connect lazily, at their first message (:func:`lazy_gloo`: no world-wide full mesh);
 - a device tensor goes on the default group, which ``ds_swift.runtime.context`` makes NCCL
   wherever CUDA is present.
 
@@ -21,11 +22,12 @@ Values are agreed without pickle: JSON bytes in a uint8 tensor after an int64 le
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +103,33 @@ def route_problem(op: str, device_type: str, channel: str | None) -> str | None:
     return None
 
 
+#: torch's switch for gloo groups that connect a pair of ranks at its first message (read when a
+#: gloo group is created)
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def lazy_gloo() -> Iterator[None]:
+    """The gloo groups created inside connect each pair of ranks only when it first exchanges a
+    message. Created eagerly, a world-wide gloo group is a full mesh made at once through the job
+    store: every rank writes its addresses, then waits for and reads every other rank's (3 N^2
+    requests and O(N^3) bytes per group: 1.6 million requests per generation at 512 ranks); lazily,
+    one write per rank, then one wait and read per pair that exchanges (buddies, pipeline neighbours,
+    donor and replacement, a ring's neighbours): O(N). Only ds-swift's own groups: the world and
+    DeepSpeed's keep torch's default (a user's TORCH_GLOO_LAZY_INIT stays as set)."""
+    with _ENV_LOCK:
+        previous = os.environ.get(LAZY_ENV)
+        os.environ[LAZY_ENV] = "1"
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(LAZY_ENV, None)
+            else:
+                os.environ[LAZY_ENV] = previous
+
+
 @dataclass(frozen=True)
 class Call:
     """One recorded transport call."""
@@ -149,7 +178,7 @@ class Transport:
         world = dist.distributed_c10d._get_default_group()
         # The groups' gloo threads (a loop and two workers each, started here) carry the buddy copies
         # beside training: they must not preempt the training thread whenever a message comes in.
-        with threads_yield_on_wakeup():
+        with threads_yield_on_wakeup(), lazy_gloo():
             groups = {
                 name: dist.new_group(backend="gloo", timeout=timeout, group_desc=f"ds_swift_{name}")
                 for name in CHANNELS

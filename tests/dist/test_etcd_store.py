@@ -121,3 +121,48 @@ def test_a_new_launch_collects_the_keys_dead_launches_left(etcd: Etcd) -> None:
     assert fresh.failure(0) is None and fresh.generation() == 0
     fresh.clear()  # a clean end: its keys and the token record go too
     assert raw.keys(fresh.root_prefix) == []
+
+
+def test_gathers_rounds_and_joins_of_more_than_128_ranks(etcd: Etcd) -> None:
+    """etcd refuses a transaction of more than 128 operations (--max-txn-ops): a gather, a check,
+    an agreement round and a join of 300 ranks go through in batches; a wait watches (no polling)."""
+    import threading
+
+    from ds_swift.jobstore.agreement import agree, round_prefix
+
+    n = 300
+    job = JobStore.open(etcd.url, TOKEN, timeout_s=30, create=True, secret=SECRET)
+    for r in range(n):
+        job.publish(1, "report", r, f"rank {r}")
+    assert job.gather(1, "report", range(n), timeout_s=30) == {r: f"rank {r}" for r in range(n)}
+    keys = [f"gen1/report/{r}" for r in range(n)]
+    assert job.kv.check(keys) and not job.kv.check([*keys, "gen1/report/absent"])
+    assert job.read_present(keys)[-1] == f"rank {n - 1}"
+    # A round whose leader waits for 300 keys, 299 of them written while it watches.
+    leader = JobStore.open(etcd.url, TOKEN, timeout_s=30, secret=SECRET)
+    said: dict[str, str] = {}
+
+    def lead() -> None:
+        said["verdict"] = agree(
+            leader, round_prefix(2, "ckpt"), 0, "5", range(n), lambda v: str(min(int(x) for x in v.values())),
+            timeout_s=60, generation=2,
+        )  # fmt: skip
+
+    t = threading.Thread(target=lead, daemon=True)
+    t.start()
+    time.sleep(0.5)  # the leader is watching now
+    for r in range(1, n):
+        job.set(f"{round_prefix(2, 'ckpt')}/{r}", str(3 + r % 2))
+    t.join(60)
+    assert said == {"verdict": "3"}
+    # The last rank to say its value reads the verdict at once (it is there).
+    assert agree(job, round_prefix(2, "ckpt"), n - 1, "4", range(n), timeout_s=10, generation=2) == "3"
+    # The launcher's done count on etcd: the marks counted in one request, no compare-and-swap.
+    from ds_swift.launch.control import JobControl
+
+    control = JobControl(job)
+    for m in range(199):
+        control.mark_machine_done(m)
+    assert control.done_count() == 199 and not control.all_done(200)
+    control.mark_machine_done(199)
+    assert control.all_done(200)

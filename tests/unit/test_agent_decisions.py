@@ -130,7 +130,7 @@ def test_a_replacement_left_behind_by_its_failed_generation_starts_again_in_plac
     assert c.store.failure(2) is None and c.store.generation() == 2
     assert c.agents[2].state is AgentState.RUNNING and c.control.abort_reason() is None
     # An error exit of ranks whose generation is healthy is a machine failure, as before.
-    c.store.add("gen2/joined", 2)  # the survivors are in generation 2
+    c.store.set("gen2/joined/0", "1")  # the survivors are in generation 2
     c.worker(3).rc = 1
     c.step()
     assert "machine 1: rank 3 exited with code 1" in (c.store.failure(2) or "")
@@ -161,12 +161,12 @@ def test_spares_first_then_restart_then_max_failures(tmp_path: Path) -> None:
     c.worker(1).rc = -9  # failure 1: the spare (agent 2) takes machine 1
     c.step()
     assert c.agents[2].machine == 1 and c.spawned[-1].wenv.generation == 1
-    c.store.add("gen1/joined", 2)  # generation 1 formed
+    c.store.set("gen1/joined/0", "1")  # generation 1 formed
     c.worker(1).rc = -9  # failure 2: no spare left, agent 2 restarts it
     c.step()
     c.step()
     assert c.store.generation() == 2 and c.spawned[-1].wenv.generation == 2 and c.control.abort_reason() is None
-    c.store.add("gen2/joined", 2)
+    c.store.set("gen2/joined/0", "1")
     c.worker(0).rc = -9  # failure 3 > --max-failures 2
     c.step()
     assert "failure 3, more than --max-failures 2" in (c.control.abort_reason() or "")
@@ -181,7 +181,7 @@ def test_a_generation_nobody_joined_yet_is_not_failed_again(tmp_path: Path) -> N
     assert c.store.generation() == 1 and c.store.failure(1) is None
     assert c.store.get("gen0/failed_machine") == "1"
     # Once ranks joined generation 1, a death there fails it.
-    c.store.add("gen1/joined", 3)
+    c.store.set("gen1/joined/0", "1")
     c.worker(0).rc = -9
     c.step()
     assert c.store.generation() == 2 and "machine 0" in (c.store.failure(1) or "")

@@ -31,7 +31,7 @@ from ds_swift.recovery.state.digest import (
 from ds_swift.recovery.verify import (
     SLOTS,
     ReplayCheck,
-    agree,
+    agree_verdicts,
     forget_from,
     mismatch_reason,
     publish_digest,
@@ -285,8 +285,8 @@ def test_without_the_last_digest_the_replay_is_checked_before_it(store: JobStore
 
 def test_every_rank_agrees_on_the_verdicts(store: JobStore) -> None:
     bad = Verdict("mismatch", "tensor module/w differs")
-    assert agree(store, 1, 0, 1, bad, timeout_s=5) == {0: bad}
-    assert agree(store, 2, 0, 1, None, timeout_s=5) == {}
+    assert agree_verdicts(store, 1, 0, 1, bad, timeout_s=5) == {0: bad}
+    assert agree_verdicts(store, 2, 0, 1, None, timeout_s=5) == {}
     assert mismatch_reason({0: Verdict("verified", "ok")}) is None
     reason = mismatch_reason({2: bad, 0: Verdict("verified", "ok"), 1: bad})
     assert reason == (

@@ -278,8 +278,9 @@ def test_with_a_watchdog_running_the_check_before_an_iteration_reads_no_store(st
     reads: list[int] = []
     original = store.failure
     store.failure = lambda g: reads.append(g) or original(g)  # type: ignore[method-assign]
-    assert monitor.failure_seen() is None
+    assert monitor.failure_seen() is None and reads == []
     store.declare_failure(0, "machine 1: rank 3 killed")
+    reads.clear()  # the declarer's own look at the flag
     assert monitor.failure_seen() is None  # the watchdog has not polled yet: met inside the iteration
     assert reads == []
     watchdog.poll_once(store)

@@ -163,7 +163,7 @@ def test_from_env_reads_swift_inject() -> None:
 
 
 def test_a_settled_spec_fires_only_once_the_copies_of_the_iteration_before_landed() -> None:
-    """``settled=1``: the buddy round of iteration 6 must have landed (its ``done`` key, generation 2)
+    """``settled=1``: the buddy round of iteration 6 must have landed (its verdict key, generation 2)
     before a kill at iteration 7: a kill early in the iteration otherwise races those copies."""
     (spec,) = FaultSpec.parse("machine=1,iteration=7,phase=forward,settled=1")
     assert spec.settled and FaultSpec.parse(format_specs([spec])) == [spec]
@@ -177,7 +177,7 @@ def test_a_settled_spec_fires_only_once_the_copies_of_the_iteration_before_lande
             return 2
 
         def get(self, key: str) -> str | None:
-            assert key == "buddy/2/6/done"
+            assert key == "buddy/2/6/verdict"
             self.asked += 1
             return "1" if self.asked >= 3 else None
 

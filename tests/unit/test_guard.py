@@ -1,16 +1,17 @@
-"""The post-recovery guard's decisions (issue 30 item 7), without processes: a fake job store and a
+"""The post-recovery guard's decisions (issue 30 item 7), without processes: an in-process job store and a
 fake engine (the guard reads ``global_steps`` and ``skipped_steps`` only)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ds_swift.config import ConfigError, SwiftConfig
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.runtime.guard import (
     FIRST_TRIP_KEY,
     ROLLBACK_KEY,
@@ -22,29 +23,13 @@ from ds_swift.runtime.guard import (
 )
 
 
-class FakeStore:
+class FakeStore(JobStore):
+    """A real job store in this process (torch's HashStore, no secret) that keeps its declarations
+    instead of moving the generation."""
+
     def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
+        super().__init__(dist.HashStore(), "tok")
         self.failures: dict[int, str] = {}
-
-    def get(self, key: str) -> str | None:
-        return self.kv.get(key)
-
-    def set(self, key: str, value: str) -> None:
-        self.kv[key] = value
-
-    def add(self, key: str, amount: int) -> int:
-        self.kv[key] = str(int(self.kv.get(key, "0")) + amount)
-        return int(self.kv[key])
-
-    def publish(self, generation: int, topic: str, rank: int, value: str) -> None:
-        self.kv[f"gen{generation}/{topic}/{rank}"] = value
-
-    def gather(self, generation: int, topic: str, ranks: Iterable[int], timeout_s: float) -> dict[int, str]:
-        got = {r: self.kv.get(f"gen{generation}/{topic}/{r}") for r in ranks}
-        if any(v is None for v in got.values()):
-            raise TimeoutError(f"generation {generation}: {topic} missing")
-        return {r: v for r, v in got.items() if v is not None}
 
     def declare_failure(self, generation: int, reason: str) -> bool:
         first = generation not in self.failures
@@ -102,8 +87,8 @@ def survivor_and_replacement(store: FakeStore) -> tuple[LossGuard, Engine, LossG
 def recover(
     store: FakeStore, generation: int, resume: int, strategy: str, *ranks: tuple[LossGuard, Engine]
 ) -> list[Outcome]:
-    """Every rank's after_recovery; the fake gather needs every value published first (the real one
-    waits): the last rank's (a replacement's: empty) is published ahead."""
+    """Every rank's after_recovery, one after the other: the round's leader (rank 0) waits for every
+    rank's value, so the last rank's (a replacement's: empty) is published ahead."""
     store.publish(generation, "guard_ref", ranks[-1][0].rank, "")
     outcomes = []
     for guard, engine in ranks:

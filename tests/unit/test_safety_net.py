@@ -77,9 +77,9 @@ def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
     }
     for t in threads.values():
         t.start()
-    # Ranks 0 (the leader) and 1 wait for rank 2: their keys are in, done is not.
+    # Ranks 0 (the leader) and 1 wait for rank 2: their keys are in, the verdict is not.
     assert store.wait_value("buddy/0/7/1", 30) is not None and store.wait_value("buddy/0/7/0", 30) is not None
-    assert store.get("buddy/0/7/done") is None and results == {}
+    assert store.get("buddy/0/7/verdict") is None and results == {}
     assert ranks[2](7, lambda: False) is True
     for t in threads.values():
         t.join(30)
@@ -95,14 +95,14 @@ def test_a_buddy_round_lands_only_once_every_rank_wrote_its_key() -> None:
                 t.join(30)
 
     rounds(8, 9)
-    assert all(store.get(f"buddy/0/7/{r}") is None for r in range(world)) and store.get("buddy/0/7/done") is None
-    assert store.get("buddy/0/9/done") is not None
+    assert all(store.get(f"buddy/0/7/{r}") is None for r in range(world)) and store.get("buddy/0/7/verdict") is None
+    assert store.get("buddy/0/9/verdict") is not None
     # Rounds buddy.interval (5) iterations apart: two rounds back, not two iterations back.
     rounds(14, 19)
     for gone in (8, 9):
         assert all(store.get(f"buddy/0/{gone}/{r}") is None for r in range(world)), gone
-        assert store.get(f"buddy/0/{gone}/done") is None, gone
-    assert store.get("buddy/0/14/done") is not None and store.get("buddy/0/19/done") is not None
+        assert store.get(f"buddy/0/{gone}/verdict") is None, gone
+    assert store.get("buddy/0/14/verdict") is not None and store.get("buddy/0/19/verdict") is not None
 
 
 def test_a_rank_turning_copies_off_ends_every_ranks_wait_for_its_rounds() -> None:
@@ -147,7 +147,6 @@ class _Checkpoint(RecoveryStrategy):
 def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     fallback = _Checkpoint()
     monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Broken()], fallback=fallback))
-    monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
     store = JobStore.host("unit-safety-net")
     report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
     ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0)
@@ -156,7 +155,9 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     )
     assert outcome.plan.strategy == "checkpoint"
     assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
-    assert store.get("gen1/restore_error/0") is not None  # the agreed error round took place
+    assert (
+        store.get("gen1/restore/0") is not None and store.get("gen1/restored/verdict") is not None
+    )  # the rounds took place
 
 
 # ------------------------------------------------------------------ checkpoint write errors

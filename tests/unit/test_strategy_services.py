@@ -247,7 +247,6 @@ def test_a_new_strategys_state_needs_no_field_in_the_shared_classes(monkeypatch:
     assert Handover().get(ReplayRuntime) is None and Handover(FinishIteration(3)).get(FinishIteration).iteration == 3  # type: ignore[union-attr]
 
     monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Keeping()], fallback=registry_mod.STRATEGIES.fallback))
-    monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
     keeper = _Keeper([])
     ctx = RankContext(
         JobStore.host("unit-new-strategy-state"),

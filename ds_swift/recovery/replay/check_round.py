@@ -1,7 +1,8 @@
 """Step 1 of the logging-based recovery (:mod:`ds_swift.recovery.replay.runner`): the check round.
 
-Every rank publishes its answer under the store topic ``replay_check`` and reads every rank's: a
-replaying rank says why it cannot replay (nothing in its way, or the log lacks a chunk it needs),
+Every rank says its answer in the agreement round ``replay_check`` (ds_swift.jobstore.agreement;
+rank 0 reads them all, every rank reads what it needs of them: :func:`_needed`): a replaying rank
+says why it cannot replay (nothing in its way, or the log lacks a chunk it needs),
 a survivor outside the replayed group whether its message log reached the store, and its recorded
 optimizer-step collectives (which the replayers then serve from, :func:`records_for`). With
 parallel recovery the layout is proposed before the round and kept only where the ranks' measured
@@ -14,6 +15,7 @@ import base64
 import json
 from typing import TYPE_CHECKING, Any
 
+from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
@@ -110,10 +112,34 @@ def check_round(
         blockers = copy_unsupported_reasons(engine)
         gas = int(engine.gradient_accumulation_steps())
         layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
-    store.publish(generation, "replay_check", rank, json.dumps(answer))
     world = sorted(by_rank)
-    answers = {r: json.loads(v) for r, v in store.gather(generation, "replay_check", world, gather_timeout_s).items()}
-    return answers, layout
+    said = agree(
+        store, round_prefix(generation, "replay_check"), rank, json.dumps(answer), world,
+        lambda values: json.dumps(_needed({r: json.loads(v) for r, v in values.items()}, by_rank)),
+        timeout_s=gather_timeout_s, generation=generation,
+    )  # fmt: skip
+    return {int(r): a for r, a in json.loads(said).items()}, layout
+
+
+def _needed(answers: dict[int, dict[str, Any]], by_rank: dict[int, RankReport]) -> dict[int, dict[str, Any]]:
+    """The check round's verdict: what every rank reads of the answers: each one that says why the
+    replay cannot run, the step-collective records of the lowest rank of each replica that
+    published some (:func:`records_for`), and the ranks' measured compute where parallel recovery
+    weighs it (:func:`settled_layout`); not every survivor's records for every rank."""
+    firsts: dict[int, int] = {}
+    for r in sorted(answers):
+        if answers[r].get("records") and by_rank[r].dp not in firsts:
+            firsts[by_rank[r].dp] = r
+    out = {}
+    for r, a in answers.items():
+        kept = {"why": a["why"]}
+        if a.get("compute"):
+            kept["compute"] = a["compute"]
+        if firsts.get(by_rank[r].dp) == r:
+            kept["records"] = a["records"]
+        if kept["why"] or len(kept) > 1:
+            out[r] = kept
+    return out
 
 
 def settled_layout(
@@ -126,7 +152,7 @@ def settled_layout(
     """Parallel recovery only where the ranks' compute says it helps (or where it is forced); the
     lowest rank says why it is not used."""
     if isinstance(layout, ParallelReplayLayout):
-        why_not = parallel_helps(layout, {r: answers[r].get("compute") or {} for r in world})
+        why_not = parallel_helps(layout, {r: answers.get(r, {}).get("compute") or {} for r in world})
         if why_not is not None and rt.force_parallel:
             if rank == min(world):
                 say(

@@ -233,7 +233,7 @@ def run_logging_recovery(
     answers, proposed = check_round(
         store, generation, rank, engine, plan, reports, reader, reader_error, rt, gather_timeout_s
     )
-    problems = [w for r in world for w in answers[r]["why"]]
+    problems = [w for r in world for w in answers.get(r, {}).get("why", ())]
     if problems:
         reason = "logging-based recovery impossible: " + "; ".join(problems)
         _loud(rank, f"{reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT ({source})")

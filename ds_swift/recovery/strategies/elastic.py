@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.jobstore.agreement import agree, pack, round_prefix, unpack
 from ds_swift.jobstore.membership import JobStore, fate_key, grow_key, read_layout
 from ds_swift.patches.deepspeed_engine import pipe_topology
 from ds_swift.recovery.base import (
@@ -61,7 +62,7 @@ from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
 from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, plan_resize, resized_ds_config
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
+from ds_swift.recovery.verify import agree_verdicts, check_resharded, mismatch_reason
 
 __all__ = ["ElasticChange", "ElasticStrategy", "recover_resized"]
 
@@ -108,7 +109,7 @@ def _verify_resize(
         print(f"[ds-swift] rank {rank}: {line}", flush=True)
     else:
         loud(rank, line)
-    reason = mismatch_reason(agree(store, generation, rank, world, verdict, timeout_s))
+    reason = mismatch_reason(agree_verdicts(store, generation, rank, world, verdict, timeout_s))
     if reason is not None:
         loud(
             rank,
@@ -143,10 +144,14 @@ def recover_resized(
     survivor_ranks = {n: r for r in resize.survivors if (n := resize.new_rank_of(r)) is not None}  # new -> old
     old_rank = survivor_ranks.get(rank)
     timeline.rank = rank  # its part of the timeline is gathered by the new rank
-    _publish_report(store, generation, rank, old_rank, kept, resize, coords[rank])
-    gathered = store.gather(generation, "resize_report", sorted(survivor_ranks), gather_timeout_s)
+    mine = _report_of(rank, old_rank, kept, resize, coords[rank])
+    said = agree(
+        store, round_prefix(generation, "resize_report"), rank, mine, range(world),
+        lambda values: pack({r: v for r, v in values.items() if v}),  # the survivors' reports
+        timeout_s=gather_timeout_s, generation=generation,
+    )  # fmt: skip
     inputs, target, why = _agree(
-        resize, [RankReport.from_json(v) for v in gathered.values()], zero_stage, resize.partitioned
+        resize, [RankReport.from_json(v) for v in unpack(said).values()], zero_stage, resize.partitioned
     )
     if why:
         loud(
@@ -178,7 +183,10 @@ def recover_resized(
     if verify:
         _verify_resize(store, generation, engine, owners or {first[rank]: None}, iteration, timeline, gather_timeout_s)
     outcome = _outcome(resize, target, iteration, undo, survivor_ranks, donors, moved, rank, timeline)
-    transport.barrier()
+    agree(
+        store, round_prefix(generation, "restored"), rank, "", range(world),
+        timeout_s=gather_timeout_s, generation=generation,
+    )  # fmt: skip
     timeline.t_restored = time.time()
     timeline.bytes_moved = moved
     return outcome
@@ -194,22 +202,20 @@ def _agreed_resize(store: JobStore, generation: int, rank: int, resize: Resize |
     return resize
 
 
-def _publish_report(
-    store: JobStore,
-    generation: int,
+def _report_of(
     rank: int,
     old_rank: int | None,
     kept: KeptState | None,
     resize: Resize,
     where: tuple[int, int],
-) -> None:
-    """A survivor's report under its old rank (a new rank of a grow has none to give)."""
+) -> str:
+    """A survivor's report under its old rank ("": a new rank of a grow has none to give)."""
     from ds_swift.patches.deepspeed_optim_state import GeometryError
 
     if kept is None:
         if resize.kind != "grow":
             raise GeometryError(f"rank {rank} kept no state, but only a grow brings new ranks")
-        return
+        return ""
     assert old_rank is not None
     stage, dp, tp = resize.old_coords[old_rank]
     if where != (stage, tp):
@@ -229,7 +235,7 @@ def _publish_report(
         # buddy.interval: copies older than one step are reached by its own copies
         holdings={BuddyHeld.NAME: buddy_held(kept.buddy, kept.own_copies).to_doc()},
     )
-    store.publish(generation, "resize_report", rank, mine.to_json())
+    return mine.to_json()
 
 
 def _outcome(

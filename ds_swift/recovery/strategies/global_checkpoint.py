@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ds_swift.checkpoint.periodic import tag_for
+from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, checkpoint_source, loud
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
@@ -89,14 +90,13 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
             except Exception as exc:  # noqa: BLE001 - reported to every rank, which step back together
                 error = f"{type(exc).__name__}: {exc}"[:300]
         record = json.dumps({"done": done, "error": error, "tried": tried})
-        ctx.store.publish(ctx.generation, f"ckpt_load/{attempt}", ctx.rank, record)
-        said = {
-            r: json.loads(v)
-            for r, v in ctx.store.gather(ctx.generation, f"ckpt_load/{attempt}", ranks, ctx.gather_timeout_s).items()
-        }
-        failed = {r: v for r, v in said.items() if v["error"]}
-        dones = {v["done"] for v in said.values()}
-        any_tried = any(v["tried"] for v in said.values())
+        said = json.loads(
+            agree(
+                ctx.store, round_prefix(ctx.generation, f"ckpt_load/{attempt}"), ctx.rank, record, ranks, _load_verdict,
+                timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+            )
+        )  # fmt: skip
+        failed, dones, any_tried = said["failed"], said["dones"], said["any_tried"]
         if not failed and len(dones) == 1:
             if done >= 0:
                 return done
@@ -104,17 +104,32 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
                 return None  # no checkpoint at all: the rebuilt engine is the initial state
         nxt = min(dones)
         if failed:
-            first = min(failed)
-            bad = min(v["done"] for v in failed.values())
+            first = min(failed, key=int)
             loud(
                 ctx.rank,
-                f"CHECKPOINT {tag_for(bad)} DOES NOT LOAD on ranks {sorted(failed)} (rank {first}: "
-                f"{failed[first]['error']}): every rank steps back to the complete checkpoint before it",
+                f"CHECKPOINT {tag_for(said['bad'])} DOES NOT LOAD on ranks {said['failed_ranks']} (rank {first}: "
+                f"{failed[first]}): every rank steps back to the complete checkpoint before it",
             )
-            nxt = min(nxt, bad - 1)
+            nxt = min(nxt, said["bad"] - 1)
         if nxt < 0 and any_tried:
             raise RuntimeError(
                 "no global checkpoint loads on every rank, and a failed load may have left part of "
                 "one in the engine: restart the job from a checkpoint you know is good"
             )
         at_most, attempt = nxt, attempt + 1
+
+
+def _load_verdict(records: Mapping[int, str]) -> str:
+    """A load attempt's verdict, the same on every rank: the iterations the ranks loaded (or would),
+    whether any tried one, and the ranks whose load failed (the lowest ones' errors named)."""
+    said = {r: json.loads(v) for r, v in records.items()}
+    failed = {r: v for r, v in sorted(said.items()) if v["error"]}
+    return json.dumps(
+        {
+            "dones": sorted({v["done"] for v in said.values()}),
+            "any_tried": any(v["tried"] for v in said.values()),
+            "failed": {r: v["error"] for r, v in list(failed.items())[:8]},
+            "failed_ranks": sorted(failed)[:64],
+            "bad": min((v["done"] for v in failed.values()), default=-1),
+        }
+    )

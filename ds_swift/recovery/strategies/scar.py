@@ -39,11 +39,11 @@ from ds_swift.recovery.base import (
     RecoveryOutcome,
     RecoveryStrategy,
     announce_deviation,
-    check_round,
     checkpoint_source,
     loud,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.restore_check import check_round
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore, set_counters
 
@@ -122,7 +122,11 @@ class ScarStrategy(RecoveryStrategy):
                 "schedule": _schedule(ctx.engine),
                 "loss_scale": _loss_scale(ctx.engine),
             }
-        answers = check_round(ctx, inputs, "scar", why, mine, "partial recovery impossible")
+        # the replacements take the lowest survivor's counters, schedule and scale (_catch_up): only its answer goes round
+        answers = check_round(
+            ctx, inputs, "scar", why, mine, "partial recovery impossible",
+            keep=lambda said: sorted(r for r, a in said.items() if "schedule" in a)[:1],
+        )  # fmt: skip
         if ctx.rank in lost:
             self._catch_up(ctx, plan, answers)
         finish_restore(ctx.engine)

@@ -33,12 +33,12 @@ from ds_swift.recovery.base import (
     RankContext,
     RecoveryOutcome,
     RecoveryStrategy,
-    check_round,
     checkpoint_source,
     redo_words,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.holdings import UpdateLogHeld
+from ds_swift.recovery.restore_check import check_round
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.state.update_log import UpdateLogStore, load_record, redo_update, restore_after

@@ -125,7 +125,7 @@ def main() -> int:
     generation, iteration = env.generation, 0
     while True:
         try:
-            store.join(generation, world, timeout_s=TIMEOUT_S)
+            store.join(generation, env.rank, world, timeout_s=TIMEOUT_S)
             store.publish(generation, "iter", env.rank, str(iteration))
             iteration = max(int(v) for v in store.gather(generation, "iter", range(world), TIMEOUT_S).values())
             while iteration < args.iters:

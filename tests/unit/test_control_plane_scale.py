@@ -1,0 +1,213 @@
+"""The control plane's store traffic grows with the job as issue 48 says: O(1) per rank per second,
+O(N) per round, no polling (a counting store: ds_swift.testing.counting_store)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ds_swift.detect.beats import BeatFile
+from ds_swift.detect.watchdog import Watchdog
+from ds_swift.jobstore.agreement import GenerationFailed, agree, round_prefix, wake
+from ds_swift.jobstore.membership import JobStore
+from ds_swift.testing.counting_store import CountingStore, family_of
+
+TOKEN = "unit-scale"
+
+
+def counting() -> CountingStore:
+    server = dist.HashStore()
+    server.set_timeout(datetime.timedelta(seconds=30))
+    return CountingStore(server)
+
+
+def on_threads(n: int, fn: Callable[[int], Any]) -> dict[int, Any]:
+    """``fn(rank)`` for every rank on a thread of its own (each would be a process); their results."""
+    out: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert len(out) == n, "a rank did not finish"
+    return out
+
+
+def test_family_names_drop_the_namespace_and_the_numbers() -> None:
+    assert family_of("swift/tok.abc/L.x/gen12/report/7") == "gen#/report/#"
+    assert family_of("swift/tok.abc/launch/alive/3") == "launch/alive/#"
+
+
+@pytest.mark.parametrize("n", [8, 64])
+def test_an_agreement_round_costs_a_few_requests_per_rank(n: int) -> None:
+    store = counting()
+    verdicts = on_threads(
+        n,
+        lambda r: agree(
+            JobStore(store, TOKEN), round_prefix(3, "report"), r, f"rank {r}", range(n),
+            lambda values: str(len(values)), timeout_s=30, generation=3,
+        ),
+    )  # fmt: skip
+    assert set(verdicts.values()) == {str(n)}  # the same verdict on every rank
+    tally = store.take()
+    # per rank: its write, a wait for the verdict and one read; the leader: one wait for the N
+    # keys, one batched read, the verdict's compare-and-swap. Every rank reading every rank's key
+    # would be N per rank.
+    assert tally.total_requests <= 4 * n + 8, dict(tally.requests)
+    assert tally.calls["multi_get"] == 1
+
+
+def test_a_failure_of_the_generation_ends_every_wait_at_once() -> None:
+    store = counting()
+    started = threading.Barrier(3)
+
+    def waiter(rank: int) -> str:
+        js = JobStore(store, TOKEN)
+        if rank == 2:  # the watchdog of a rank whose peer died: it sees the flag and wakes the round
+            started.wait()
+            time.sleep(0.2)
+            js.declare_failure(5, "machine 1 died")
+            return "woke"
+        started.wait()
+        try:
+            agree(js, round_prefix(5, "restore"), rank, "", range(4), timeout_s=30, generation=5)
+        except GenerationFailed as failed:
+            return failed.reason
+        return "no failure"
+
+    def wake_on_flag() -> None:
+        js = JobStore(store, TOKEN)
+        reason = js.wait_for_failure(5, 30)
+        assert reason is not None
+        wake(js, 5, reason)
+
+    watchdog = threading.Thread(target=wake_on_flag, daemon=True)
+    watchdog.start()
+    t0 = time.monotonic()
+    said = on_threads(3, waiter)  # rank 3 never comes: only the failure ends the round
+    assert said[1] == "machine 1 died"  # a non-leader, woken through the verdict key
+    assert said[0] == "machine 1 died"  # the leader, at its next slice
+    assert time.monotonic() - t0 < 10  # not the round's timeout of 30 s
+
+
+@pytest.mark.parametrize("n", [8, 64])
+def test_the_join_is_one_key_per_rank_and_rank_0s_complete(n: int) -> None:
+    store = counting()
+    on_threads(n, lambda r: JobStore(store, TOKEN).join(2, r, n, timeout_s=30))
+    tally = store.take()
+    assert tally.total_requests <= 4 * n + 8, dict(tally.requests)
+    assert JobStore(store, TOKEN).joined(2, range(n))
+
+
+def test_waiting_longer_costs_no_more_requests() -> None:
+    """A gather waits on the store (one request) however long the last rank takes: no polling."""
+
+    def cost(delay_s: float) -> int:
+        store = counting()
+        js = JobStore(store, TOKEN)
+
+        def late() -> None:
+            time.sleep(delay_s)
+            JobStore(store, TOKEN).publish(1, "timeline", 1, "x")
+
+        t = threading.Thread(target=late, daemon=True)
+        t.start()
+        js.publish(1, "timeline", 0, "x")
+        assert js.gather(1, "timeline", [0, 1], timeout_s=30) == {0: "x", 1: "x"}
+        t.join()
+        return store.take().total_requests
+
+    assert cost(0.9) <= cost(0.0) + 1  # a slice of the leader's wait (1 s) at most
+
+
+def test_a_watchdog_beats_for_its_agent_and_waits_on_the_flag(tmp_path: Any) -> None:
+    """A rank that beats for its agent: its beats and hang checks touch no store; its thread's turn
+    is one blocking wait on the flag for a whole heartbeat timeout (two requests if it times out),
+    woken the moment the flag is set."""
+    store = counting()
+    js = JobStore(store, TOKEN)
+    wd = Watchdog(lambda: js, 0, 0, 0.05, 0.3, (1, 2, 3), beat_file=BeatFile(str(tmp_path), 0, 0.3))
+    for _ in range(3):
+        wd.local_turn()  # the beater's turns: no peer reads, no heartbeat in the store
+    assert store.take().total_requests == 0
+    assert (tmp_path / "0").read_text().startswith("3 0.3")  # the beats went to the agent's file
+    t0 = time.monotonic()
+    conn, _ = wd.turn(js)  # no failure: the wait ends after the heartbeat timeout
+    tally = store.take()
+    assert tally.calls["wait"] == 1 and tally.total_requests == 2, dict(tally.calls)
+    assert 0.25 < time.monotonic() - t0 < 5
+    threading.Timer(0.05, lambda: JobStore(store, TOKEN).declare_failure(0, "machine 1 died")).start()
+    wd.heartbeat_timeout_s = 30.0  # a long wait: only the flag ends it
+    t0 = time.monotonic()
+    conn, _ = wd.turn(conn)
+    assert wd.failed.is_set() and time.monotonic() - t0 < 5
+
+
+def test_agents_watch_a_bounded_ring_of_neighbours() -> None:
+    from ds_swift.launch.liveness import AgentLiveness
+
+    store = JobStore(counting(), TOKEN)
+    live = AgentLiveness(store, [10], 1000, timeout_s=10.0, clock=lambda: 0.0)
+    assert live.watched() == [8, 9, 11, 12]
+    live._dead |= {11, 12}  # found dead: the watch moves on to the next live agents
+    assert live.watched() == [8, 9, 13, 14]
+    assert AgentLiveness(store, [0], 3, timeout_s=10.0).watched() == [1, 2]
+
+
+def test_all_done_reads_one_count_until_every_machine_is_done() -> None:
+    from ds_swift.launch.control import JobControl
+
+    raw = counting()
+    control = JobControl(JobStore(raw, TOKEN))
+    control.mark_machine_done(0)
+    raw.take()
+    assert not control.all_done(500)
+    assert raw.take().total_requests == 1  # not one read per machine
+    for m in range(1, 500):
+        control.mark_machine_done(m)
+    assert control.all_done(500)
+
+
+def test_ds_swifts_gloo_groups_connect_no_full_mesh() -> None:
+    """Created as Transport.create makes them (lazily), a group costs one write per rank and a
+    connection only where two ranks exchange (a ring here); a full mesh was 3 N^2 requests."""
+    import torch
+
+    from ds_swift.transport.core import lazy_gloo
+
+    n, store = 16, counting()
+    groups: dict[int, Any] = {}
+
+    def create(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(
+            dist.PrefixStore("gen1/pg/host", store), rank, n, datetime.timedelta(seconds=30)
+        )
+
+    with lazy_gloo():
+        on_threads(n, create)
+    assert store.take().total_requests == n
+
+    def ring(rank: int) -> None:
+        out = torch.zeros(1)
+        sent = groups[rank].send([torch.ones(1)], (rank + 1) % n, 0)
+        groups[rank].recv([out], (rank - 1) % n, 0).wait()
+        sent.wait()
+
+    on_threads(n, ring)
+    assert store.take().total_requests <= 3 * 2 * n  # each pair: a wait and a read of its peer's address
