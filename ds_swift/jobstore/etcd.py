@@ -24,6 +24,7 @@ says it expired (simple tokens live ``--auth-token-ttl``, 300 s by default).
 from __future__ import annotations
 
 import base64
+import builtins
 import datetime
 import json
 import threading
@@ -282,7 +283,7 @@ class EtcdStore(dist.Store):
             if not self._watch_until(missing, revision + 1, deadline):
                 raise LookupError(f"etcd store: keys {sorted(keys)[:4]}... not set within {limit:.0f} s")
 
-    def _watch_until(self, missing: set[bytes], start_revision: int, deadline: float) -> bool:
+    def _watch_until(self, missing: builtins.set[bytes], start_revision: int, deadline: float) -> bool:
         """Watch the range of ``missing`` from ``start_revision`` until every one of them was put
         (True), or until ``deadline`` (False); False too when the watch ends early (the caller checks again)."""
         import requests

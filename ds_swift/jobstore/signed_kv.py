@@ -47,8 +47,8 @@ STALE_S = 600.0
 _HIGH_KEYS = 4096  # high-water marks kept per process (oldest dropped first): bounded memory
 # _raw_get's compare_set: an expected value no key ever holds (ds-swift's values never hold a NUL),
 # and what would be written if one did
-_ABSENT = b"\0ds-swift: absent\0"
-_NEVER = b"\0ds-swift: never written\0"
+_ABSENT = "\0ds-swift: absent\0"
+_NEVER = "\0ds-swift: never written\0"
 _LAUNCH_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -105,7 +105,7 @@ class SignedKV:
             value: bytes | None = try_get(self.prefix + key)
             return value
         got = bytes(self.kv.compare_set(key, _ABSENT, _NEVER))
-        return None if got == _ABSENT else got
+        return None if got == _ABSENT.encode() else got
 
     def wait_keys(self, keys: list[str], timeout_s: float) -> bool:
         """Block until every key in ``keys`` exists (True) or ``timeout_s`` passed (False): one

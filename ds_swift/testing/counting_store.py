@@ -25,6 +25,7 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -88,7 +89,8 @@ class CountingStore(dist.Store):
 
     def __init__(self, inner: dist.Store, virtual_waits: bool = False) -> None:
         super().__init__()
-        self.inner = inner
+        # Any: torch's stubs say str where the store takes bytes as well (and a multi_set they omit)
+        self.inner: Any = inner
         self.virtual_waits = virtual_waits
         self.tally = Tally()
         self.slept_s = 0.0
