@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.jobstore.auth import Sealer
+from ds_swift.jobstore.contention import CasBudget
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -141,7 +142,9 @@ class SignedKV:
         """Add ``amount`` to the signed counter at ``key`` (absent: 0); returns the new value.
 
         Compare-and-swap on the whole signed value: the nonce makes each write unique, so the value
-        compare_set returns is ours only if our write won. A forged value is overwritten."""
+        compare_set returns is ours only if our write won. A forged value is overwritten. Raises
+        StoreContention once the retry budget is spent (ds_swift.jobstore.contention)."""
+        budget = CasBudget(key)
         while True:
             raw = self._raw_get(key)
             current = self._count(key, raw)
@@ -152,10 +155,12 @@ class SignedKV:
             if self._swap(key, raw, desired):
                 self._high[key] = new
                 return new
+            budget.lost()
 
     def advance(self, key: str, value: int) -> None:
         """Set the signed decimal at ``key`` to ``value`` unless it holds as much already (never backwards)."""
         desired = self.sealer.seal(key, str(value)).encode()
+        budget = CasBudget(key)
         while True:
             raw = self._raw_get(key)
             text = None if raw is None else self.sealer.open(key, raw)
@@ -163,6 +168,7 @@ class SignedKV:
                 return
             if self._swap(key, raw, desired):
                 return
+            budget.lost()
 
     def _swap(self, key: str, raw: bytes | None, desired: bytes) -> bool:
         """compare_set from exactly ``raw`` (absent: None); True if ``desired`` is what the key holds now.
