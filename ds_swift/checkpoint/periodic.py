@@ -190,11 +190,12 @@ class CheckpointManager:
             # complete while its files are rewritten, also after a crash.
             remove_durable(marker)
         transport.barrier()
-        written = True
+        written, passed = True, False
         try:
             # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
             with durable_saves(engine, Path(self.ckpt_dir) / tag):
                 engine.save_checkpoint(self.ckpt_dir, tag=tag)
+                passed = True  # DeepSpeed's save returns from the barrier it ends with
         except (OSError, RuntimeError) as exc:
             if not _write_error(exc, self.ckpt_dir):
                 raise
@@ -206,9 +207,12 @@ class CheckpointManager:
                 level=logging.WARNING,
                 name=__name__,
             )
-            # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
-            # the other ranks wait in it), which this rank did not reach.
-            dist.barrier()  # transport: ok
+            if not passed:
+                # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world,
+                # where the other ranks wait in it), which this rank did not reach. After it (the
+                # fsync of the tag's directory failed: EIO), every rank is past it already, and one
+                # more barrier would meet the peers' next collective instead, or nothing.
+                dist.barrier()  # transport: ok
         # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
         # rank's, and says whether every rank wrote them.
         everyone = transport.all_gather_json(written)
