@@ -50,7 +50,7 @@ from ds_swift.recovery.verify import (
     mismatch_reason,
 )
 
-__all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
+__all__ = ["FallbackFailed", "LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
 
 
 @dataclass(frozen=True)
@@ -211,24 +211,70 @@ def _restore(
     reason = _agree_on_errors(ctx.store, ctx.generation, ctx.rank, world_size, error, ctx.gather_timeout_s)
     if reason is not None:
         plan, chosen = STRATEGIES.fall_back(inputs, reason)
-        outcome = chosen.restore(plan, inputs, ctx)
+        outcome = _fall_back(ctx, world_size, inputs, plan, chosen)
     return outcome, plan
 
 
+class FallbackFailed(RuntimeError):
+    """The safety net itself failed on some rank: no rank can go on from a state it knows."""
+
+
+def _fall_back(
+    ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan, chosen: RecoveryStrategy
+) -> RecoveryOutcome:
+    """The fallback's restore, with an error round of its own. There is nothing under the safety net:
+    a rank whose reload raised (no checkpoint loads on every rank, a checkpoint directory that cannot
+    be read) cannot train, and its peers, whose reload worked, must not resume and wait for it in
+    their first collective until a timeout calls it a stall. Every rank raises
+    :class:`FallbackFailed` with the agreed reasons, recorded as the job's own error: its launcher
+    ends the job with that line (a spare would load the same checkpoints and fail alike)."""
+    from ds_swift.detect.classify import record_job_error
+
+    error: str | None = None
+    outcome: RecoveryOutcome | None = None
+    try:
+        outcome = chosen.restore(plan, inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then the job ends with it
+        if isinstance(exc, GenerationFailed) or ctx.store.failure(ctx.generation) is not None:
+            raise  # the generation failed meanwhile (a cascading failure): the next one recovers
+        error = f"rank {ctx.rank}: the fallback {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:300]}"
+        loud(ctx.rank, error)
+    reason = _agree_on_errors(
+        ctx.store, ctx.generation, ctx.rank, world_size, error, ctx.gather_timeout_s, round_name="fallback_error"
+    )
+    if reason is None:
+        assert outcome is not None
+        return outcome
+    failed = FallbackFailed(
+        f"recovery of generation {ctx.generation - 1} failed: its fallback to the global checkpoint failed too "
+        f"({reason}); no rank holds a state it can train on. Fix what the error names, then restart the job from "
+        "a checkpoint you know is good"
+    )
+    record_job_error(ctx.store, ctx.generation, ctx.rank, failed)
+    raise failed
+
+
 def _agree_on_errors(
-    store: JobStore, generation: int, rank: int, world_size: int, error: str | None, timeout_s: float
+    store: JobStore,
+    generation: int,
+    rank: int,
+    world_size: int,
+    error: str | None,
+    timeout_s: float,
+    round_name: str = "restore_error",
 ) -> str | None:
     """The error round after every rank's restore: each says in the store whether its restore raised
     (a strategy's bug, an op its peer abandoned), and any error makes every rank fall back to the
     global checkpoint together, loudly, naming it (a rank falling back alone would leave its peers
-    waiting in the strategy's collectives). Returns the reason, or None when every restore worked."""
-    store.publish(generation, "restore_error", rank, error or "")
-    errors = store.gather(generation, "restore_error", range(world_size), timeout_s)
+    waiting in the strategy's collectives). Returns the reason, or None when every restore worked.
+    ``round_name``: the round's keys (the fallback's own round is another)."""
+    store.publish(generation, round_name, rank, error or "")
+    errors = store.gather(generation, round_name, range(world_size), timeout_s)
     said = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
     if not said:
         return None
     reason = "; ".join(said)
-    if rank == 0:  # agreed, the same on every rank: said once (each rank's fallback line names it again)
+    if rank == 0 and round_name == "restore_error":  # agreed, the same on every rank: said once
         loud(rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
     return reason
 

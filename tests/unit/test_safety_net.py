@@ -185,3 +185,28 @@ def test_torchs_zip_writer_error_is_a_write_error_where_the_storage_refuses(
 
     monkeypatch.setattr("builtins.open", full)
     assert checkpoint._write_error(RuntimeError("basic_ios::clear: iostream error"), tmp_path)
+
+
+class _BrokenCheckpoint(_Checkpoint):
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        raise RuntimeError("no global checkpoint loads on every rank")
+
+
+def test_an_error_in_the_fallback_itself_ends_the_job_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload under every strategy raised out of the recovery, on that rank alone: its peers
+    resumed and waited for it in their first collective until a timeout called it a stall."""
+    from ds_swift.detect.classify import job_error, rank_error_key
+
+    monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Broken()], fallback=_BrokenCheckpoint()))
+    monkeypatch.setattr(coordinator.transport, "barrier", lambda *a, **k: None)
+    store = JobStore.host("unit-safety-net-fallback")
+    report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
+    ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0)
+    with pytest.raises(coordinator.FallbackFailed, match="fallback to the global checkpoint failed too") as got:
+        coordinator.run_recovery(
+            ctx, world_size=1, report=report, strategy="auto", zero_stage=1, optimizer_wrapper=None
+        )
+    assert "no global checkpoint loads on every rank" in str(got.value)
+    assert store.get("gen1/fallback_error/0") is not None  # agreed with every rank first
+    said = store.get(rank_error_key(0))  # the job's own error: its launcher ends the job with it
+    assert said is not None and "FallbackFailed" in said and job_error(store, 1) is not None
