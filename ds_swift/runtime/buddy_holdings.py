@@ -124,13 +124,20 @@ class StoreLanding:
         generation: the generation (rounds of an earlier one never count).
         world: ranks taking part.
         rank: this rank (default: torch.distributed's).
+        timeout_s: the longest a round waits for the other ranks' keys (their transfers are bounded
+            by the copier group's op timeout): then it raises, the copier stops, and the training
+            thread turns copying off, loudly. Without it a rank that never wrote its key (its copier
+            died, and the write of the ``off`` key failed too) held every other copier for good.
     """
 
     #: the rank that declares each round done
     LEADER = 0
 
-    def __init__(self, store: Any, generation: int, world: int, rank: int | None = None) -> None:
+    def __init__(
+        self, store: Any, generation: int, world: int, rank: int | None = None, timeout_s: float = 300.0
+    ) -> None:
         self.store, self.generation, self.world = store, generation, world
+        self.timeout_s = timeout_s
         if rank is None:
             import torch.distributed as dist
 
@@ -181,8 +188,9 @@ class StoreLanding:
 
     def _wait(self, keys: list[str], stopped: Callable[[], bool]) -> list[str] | None:
         """Until every key in ``keys`` holds a value signed with the job secret (their values), or
-        until ``stopped()`` (None); raises once another rank turned copying off."""
+        until ``stopped()`` (None); raises once another rank turned copying off, or after ``timeout_s``."""
         off = f"buddy/{self.generation}/off"
+        deadline = time.monotonic() + self.timeout_s
         while not stopped():
             try:
                 self.store.kv.wait(keys, datetime.timedelta(seconds=0.5))
@@ -190,6 +198,12 @@ class StoreLanding:
                 why = self.store.get(off)
                 if why is not None:
                     raise RuntimeError(f"buddy copies turned off on another rank ({why})") from None
+                if time.monotonic() >= deadline:
+                    missing = [k for k in keys if self.store.get(k) is None]
+                    raise TimeoutError(
+                        f"buddy round: {len(missing)} of {len(keys)} ranks' keys not written within "
+                        f"{self.timeout_s:g} s (first: {missing[:3]})"
+                    ) from None
                 continue
             values = self.store.read_present(keys)
             if all(v is not None for v in values):

@@ -59,10 +59,15 @@ class Protections:
         self.buddy: BuddyCopier | None = None
         if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
             erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
-            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, erasure=erasure)
+            self.buddy = BuddyCopier(
+                1, cfg.machines.failure_domains, erasure=erasure, land_timeout_s=_land_timeout_s(cfg, ctx)
+            )
         elif cfg.buddy.enabled and services.buddy_copies:
             self.buddy = BuddyCopier(
-                cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.fixed_interval
+                cfg.buddy.replication_factor,
+                cfg.machines.failure_domains,
+                interval=cfg.buddy.fixed_interval,
+                land_timeout_s=_land_timeout_s(cfg, ctx),
             )
         elif cfg.buddy.enabled and (ctx.env is None or ctx.env.rank == 0):
             # A strategy that never reads buddy copies does not pay for them.
@@ -122,7 +127,7 @@ class Protections:
         generation = self._generation()
 
         def landing(world: int) -> StoreLanding:
-            return StoreLanding(JobStore.from_env(env), generation, world)
+            return StoreLanding(JobStore.from_env(env), generation, world, timeout_s=buddy.land_timeout_s)
 
         if not buddy.start(engine, self._machine(), landing if self._ctx.store is not None else None):
             return
@@ -170,3 +175,12 @@ def partition_copies(cfg: SwiftConfig, engine: Any) -> bool:
     machines (buddy copies of a partitioned state, or PipeChurn's chunks): the topology analyzer then
     logs nothing for a stage those copies restore (ds_swift.plan.analysis.analyze)."""
     return copies_kept(cfg, is_partitioned(getattr(engine, "optimizer", None)))
+
+
+def _land_timeout_s(cfg: SwiftConfig, ctx: SwiftContext) -> float:
+    """How long a step waits for the previous buddy round to land: the round's transfers are bounded by
+    the op timeout and its store round by as much again; under the hang timeout, which the step is
+    inside (a lost round turns copying off, it never makes this healthy rank look hung)."""
+    land = 2 * ctx.op_timeout_s
+    hang = cfg.watchdog.hang_timeout_s
+    return land if hang is None else min(land, 0.9 * hang)

@@ -210,3 +210,51 @@ def test_an_error_in_the_fallback_itself_ends_the_job_with_its_reason(monkeypatc
     assert store.get("gen1/fallback_error/0") is not None  # agreed with every rank first
     said = store.get(rank_error_key(0))  # the job's own error: its launcher ends the job with it
     assert said is not None and "FallbackFailed" in said and job_error(store, 1) is not None
+
+
+# ------------------------------------------------------------------ buddy rounds that never land
+def test_a_round_whose_keys_never_come_ends_its_wait() -> None:
+    """A rank whose copier died without a word (its 'off' key unwritten) held every other rank's
+    landing wait for good: now the wait raises after its timeout, and that copier stops."""
+    store = JobStore.host("unit-buddy-late")
+    leader = StoreLanding(store, 0, 2, rank=0, timeout_s=1.0)
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            leader(3, lambda: False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box[0] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30.0)
+    assert not t.is_alive(), "the landing wait never ends"
+    assert isinstance(box[0], TimeoutError) and "1 of 2 ranks' keys" in str(box[0]), box[0]
+
+
+def test_a_step_waits_for_a_round_at_most_its_deadline_then_copies_go_off_loudly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The training thread's wait for the previous round had no deadline: a round that never landed
+    held the step until the hang detector replaced this healthy machine as hung."""
+
+    class _Landing(StoreLanding):
+        def __init__(self) -> None:
+            self.timeout_s = 0.5
+
+        def turn_off(self, reason: str) -> None:
+            raise ConnectionError("job store unreachable")
+
+    copier = BuddyCopier(1, (), land_timeout_s=0.5)
+    never = threading.Event()
+    worker = SimpleNamespace(landed=never, error=None, stopped=False, channel=object(), landing=_Landing())
+    copier._worker = worker  # type: ignore[assignment]
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (copier.before_step(lambda: None), done.set()), daemon=True)
+    t.start()
+    assert done.wait(30.0), "the step still waits for a round that never lands"
+    assert copier.off is not None and "did not land within 0.5 s" in copier.off
+    assert worker.stopped and worker.channel is None
+    err = capsys.readouterr().err
+    assert "BUDDY COPIES OFF" in err and "could not be told (ConnectionError: job store unreachable)" in err, err
