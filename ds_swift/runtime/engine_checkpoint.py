@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint.periodic import Origin, latest_complete, trusted_origin
+from ds_swift.checkpoint.periodic import Origin, trusted_origin
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS
 
 if TYPE_CHECKING:
@@ -44,17 +44,18 @@ class CheckpointCalls:
     _train_batch: Callable[[Any], Any]
 
     def _save_checkpoint(self) -> None:
+        # Complete once every rank has seen its marker (CheckpointManager.poll, after the next
+        # iteration): the logs it makes unneeded go then (_checkpointed).
         self._ckpt.save(self._engine)
-        self._checkpointed()
 
     def _checkpointed(self) -> None:
-        """A global checkpoint may have completed: the message and update logs older than this job's
-        newest complete one go (another run's newer checkpoint in the directory counts for nothing;
-        rank 0's completion marker may not be there yet: then they go after the next one)."""
-        found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
-        if found is not None:
-            self._hooks.logs.after_checkpoint(found[0])
-            self._rebuild.after_checkpoint(found[0])
+        """A checkpoint this job saved was just seen complete: the message and update logs older than
+        the newest such one go (CheckpointManager.complete: never a newer tag in the directory that
+        another launch of the job wrote, whose logs this launch's recoveries may still need)."""
+        done = self._ckpt.complete
+        if done >= 0:
+            self._hooks.logs.after_checkpoint(done)
+            self._rebuild.after_checkpoint(done)
 
     def save_checkpoint(
         self,

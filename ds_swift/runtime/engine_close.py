@@ -64,8 +64,8 @@ class EngineShutdown:
         if self._rebuild.digests is not None:
             self._rebuild.digests.stop()
         if self._rebuild.updates is not None:
-            if self._ckpt.ckpt_dir is not None:
-                self._checkpointed()  # the last checkpoint may have completed since the last look
+            if self._ckpt.ckpt_dir is not None and self._ckpt.settle():
+                self._checkpointed()  # the last checkpoint completed since the last look
             self._rebuild.updates.stop()
         self._timeline.close()
         self._monitor.stop()
