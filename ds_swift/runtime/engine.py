@@ -109,7 +109,9 @@ def initialize(
         if ctx.store is not None:
             from ds_swift.detect.classify import record_job_error
 
-            record_job_error(ctx.store, ctx.generation, dist.get_rank() if dist.is_initialized() else None, exc)
+            record_job_error(
+                ctx.store, ctx.generation, dist.get_rank() if dist.is_initialized() else None, exc, early=True
+            )
         raise
 
 
@@ -299,7 +301,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                 except GuardTripped:
                     raise  # the second trip: the job ends
                 except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
-                    how = self._monitor.classify(exc)
+                    how = self._monitor.classify(exc, early=not self._ctx.stepped)
                 finally:
                     engine = None
             attempts += 1
@@ -311,6 +313,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
     def _after_step(self) -> None:
+        self._ctx.stepped = True
         if self._running is not None:
             self._running.after_step(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.

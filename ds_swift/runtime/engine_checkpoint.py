@@ -85,7 +85,7 @@ class CheckpointCalls:
                             save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
                         )
                 except Exception as exc:  # noqa: BLE001 - classified, re-raised unless a failure
-                    how = self._monitor.classify(exc)
+                    how = self._monitor.classify(exc, early=not self._ctx.stepped)
             self._recover_as_survivor(how)
             while int(self._engine.global_steps) < target:
                 self._train_batch(None)
