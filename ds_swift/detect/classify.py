@@ -26,9 +26,11 @@ five recoveries.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,6 +53,7 @@ __all__ = [
     "job_error_key",
     "rank_error_key",
     "record_job_error",
+    "record_uncaught",
     "stale_ranks",
 ]
 
@@ -212,3 +215,22 @@ def classify_failure(
     )
     record_job_error(store, generation, rank, exc, early=early)
     raise exc
+
+
+def record_uncaught(store: JobStore, rank: int, state: Any) -> None:
+    """Record an exception that ends this worker outside ds-swift's calls (``deepspeed.initialize``
+    refusing the config, the script's own code between iterations) before the interpreter prints it:
+    its node agent then ends the job with it instead of taking the exit for a crash and spending a
+    spare on it. ``state``: the worker's context (its ``generation`` and ``stepped`` as they are then).
+    Communication errors and ds-swift's own failure signals are not recorded (a failure, not an error)."""
+    from ds_swift.jobstore.membership import GenerationFailed, MembershipError
+
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, Exception) and not isinstance(exc, GenerationFailed | MembershipError):
+            if not is_comm_error(exc):
+                record_job_error(store, int(state.generation), rank, exc, early=not state.stepped)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -19,8 +19,8 @@ exception to the rule is told apart like this:
 
 Each rank records its error in the job store before it exits (:func:`record_job_error`: by the
 runtime's classification, or, for an error raised outside ds-swift's calls, by the interpreter's
-last hook, :func:`record_uncaught`); its node agent reads it when the rank exits
-(``launch/agent_failures.py``). The first error of the job's own in a generation also goes in
+last hook, :func:`ds_swift.detect.classify.record_uncaught`); its node agent reads it when the rank
+exits (``launch/agent_failures.py``). The first error of the job's own in a generation also goes in
 :func:`job_error_key`: a peer failing on the connection it closes raises it too, and the peer's
 agent, finding it there, takes that rank's exit for the same error rather than a machine failure.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,6 @@ __all__ = [
     "job_error_key",
     "rank_error_key",
     "record_job_error",
-    "record_uncaught",
     "signature",
 ]
 
@@ -138,23 +136,3 @@ def record_job_error(
     except Exception:  # noqa: BLE001 - the error itself is what the job must see, not the store's
         pass
     return record
-
-
-def record_uncaught(store: JobStore, rank: int, state: Any) -> None:
-    """Record an exception that ends this worker outside ds-swift's calls (``deepspeed.initialize``
-    refusing the config, the script's own code between iterations) before the interpreter prints it:
-    its node agent then ends the job with it instead of taking the exit for a crash and spending a
-    spare on it. ``state``: the worker's context (its ``generation`` and ``stepped`` as they are then).
-    Communication errors and ds-swift's own failure signals are not recorded (a failure, not an error)."""
-    from ds_swift.detect.classify import is_comm_error
-    from ds_swift.jobstore.membership import GenerationFailed, MembershipError
-
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if isinstance(exc, Exception) and not isinstance(exc, GenerationFailed | MembershipError):
-            if not is_comm_error(exc):
-                record_job_error(store, int(state.generation), rank, exc, early=not state.stepped)
-        previous(exc_type, exc, tb)
-
-    sys.excepthook = hook

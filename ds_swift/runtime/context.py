@@ -215,7 +215,7 @@ def init_distributed(
     ctx.t_joined = time.time()
     # An error that ends this worker outside ds-swift's calls (deepspeed.initialize refusing the
     # config, say) is recorded for its node agent, which then ends the job with it.
-    from ds_swift.detect.job_error import record_uncaught
+    from ds_swift.detect.classify import record_uncaught
 
     record_uncaught(ctx.store, env.rank, ctx)
     # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.
