@@ -58,6 +58,7 @@ from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.logging_wiring import EngineLogging, cache_dir_for
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
+from ds_swift.runtime.warmup import WarmUp
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
 
@@ -139,6 +140,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             "_running",
             "_guard",
             "_finish",
+            "_warmup",
         }
     )
 
@@ -184,6 +186,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         if ctx.store is not None and cfg.watchdog.hang_timeout_s is not None and self._monitor.watch:
             self._hooks.progress = self._monitor.progress
         self._timeline = PendingTimeline(ctx)
+        self._warmup = WarmUp(cfg.watchdog.hang_timeout_s, dist.get_rank())
         self._rebuild = Rebuilder(
             self,
             ctx=ctx,
@@ -211,9 +214,11 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             )
             with self._op_timeouts():
                 if ctx.env.replacement:
-                    self._resume(self._rebuild.as_replacement())
+                    self._resume(self._rebuild.as_replacement(), since=ctx.t_start)
                 else:
                     self._rebuild.start_generation()  # a replacement starts it in its recovery, with the others
+        if not (ctx.env is not None and ctx.env.replacement):
+            self._warmup.start(self._monitor.generation, ctx.t_start, ctx.op_timeout_s, ctx.log)
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ attribute passthrough
@@ -285,7 +290,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                             self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
                         try:
-                            with self._scaled(engine):
+                            with self._scaled(engine), self._warmup.scope(self._ctx.op_timeout_s, self._gen):
                                 loss = finish_iteration(engine) if finishing else engine.train_batch(data_iter=data)
                         finally:
                             self._monitor.progress.arm(False)
@@ -314,6 +319,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
 
     def _after_step(self) -> None:
         self._ctx.stepped = True
+        self._warmup.stepped()
         if self._running is not None:
             self._running.after_step(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.
@@ -329,10 +335,14 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         t_detect = self._monitor.begin_recovery()
         self._ckpt.on_failure()
         self._timeline.abandon()  # a new failure before the last timeline was gathered
-        self._resume(self._rebuild.as_survivor(how, t_detect))
+        self._resume(self._rebuild.as_survivor(how, t_detect), since=t_detect)
 
-    def _resume(self, done: Rejoined) -> None:
-        """Training resumes after a recovery."""
+    def _gen(self) -> int:
+        return self._monitor.generation
+
+    def _resume(self, done: Rejoined, since: float) -> None:
+        """Training resumes after a recovery (``since``: when this rank's part of it began)."""
+        self._warmup.start(done.generation, since, self._ctx.op_timeout_s, self._ctx.log)
         # The same on every rank: a checkpoint a failure cut short is saved again, by everyone.
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)
