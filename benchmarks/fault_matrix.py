@@ -63,7 +63,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fault_matrix_cases import BAD_VALUES, BF16, CONFIGS, ITERS, NNODES, Case, cases  # noqa: E402
-from fault_matrix_run import reference, run_case  # noqa: E402
+from fault_matrix_run import reference, report, run_case  # noqa: E402
 
 from ds_swift.testing.jobs import JobRun, build_deepspeed_shm_op  # noqa: E402
 
@@ -151,17 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         mark = {True: "pass", False: "FAIL", None: "skip"}[row["passed"]]
         print(f"[{mark}] {case.name:36s} {row['how']} ({row['seconds']} s)", file=sys.stderr, flush=True)
-    print(f"\n{'case':36s} {'result':6s} {'seconds':>8s}  how it ended")
-    for r in rows:
-        print(
-            f"{r['case']:36s} {({True: 'pass', False: 'FAIL', None: 'skip'})[r['passed']]:6s} {r['seconds']:8.1f}  {r['how']}"
-        )
-    passed = sum(1 for r in rows if r["passed"])
-    failed = sum(1 for r in rows if r["passed"] is False)
-    print(
-        f"{passed} passed, {failed} failed"
-        + (f", {len(rows) - passed - failed} skipped" if len(rows) > passed + failed else "")
-    )
+    passed, failed = report(rows)
     if args.json:
         print(json.dumps({"cases": rows, "passed": passed, "failed": failed, "dir": str(base)}))
     return 1 if failed else 0

@@ -76,16 +76,36 @@ def judge(case: Case, job: JobRun, ref: JobRun | None) -> tuple[bool, str]:
     missing = [m for m in case.must_say if m not in job.output]
     if missing:
         return False, f"exit 0, but the output lacks {missing}"
-    tls = job.timelines()
-    how = ",".join(t["strategy"] for t in tls) or "no recovery"
-    fallback = "checkpoint fallback" in job.output
     assert ref is not None
-    ref_state, state = checkpoint_tensors(ref.final_tag), checkpoint_tensors(job.final_tag)
+    return verdict(
+        checkpoint_tensors(ref.final_tag),
+        checkpoint_tensors(job.final_tag),
+        job.output,
+        job.timelines(),
+        APPROXIMATE.get(case.config),
+    )
+
+
+def verdict(
+    ref_state: dict[str, Any],
+    state: dict[str, Any],
+    output: str,
+    timelines: list[dict[str, Any]],
+    approximate: tuple[float, bool] | None = None,
+) -> tuple[bool, str]:
+    """(passed, how it ended) of a job that exited 0, from its final state against the failure-free
+    run's: bitwise (after an exact recovery, or a fallback it announced), or, where its strategy is
+    approximate (``approximate``: the largest relative distance, and whether the job must have
+    shrunk), a recovery announced approximate that ends within that distance. Anything else fails:
+    never silently different. Shared by the fault matrix of the example (benchmarks/fault_matrix.py)
+    and of the real Megatron-DeepSpeed script (benchmarks/megatron_matrix.py)."""
+    how = ",".join(t["strategy"] for t in timelines) or "no recovery"
+    fallback = "checkpoint fallback" in output
     diff = compare_tensors(ref_state, state)
-    if case.config in APPROXIMATE and tls and not fallback and (APPROXIMATE[case.config][1] or not diff.bitwise_equal):
-        bound, must_shrink = APPROXIMATE[case.config]
-        shrank = any((t.get("resize") or {}).get("kind") == "shrink" for t in tls)
-        said = "APPROXIMATE RECOVERY" in job.output
+    if approximate is not None and timelines and not fallback and (approximate[1] or not diff.bitwise_equal):
+        bound, must_shrink = approximate
+        shrank = any((t.get("resize") or {}).get("kind") == "shrink" for t in timelines)
+        said = "APPROXIMATE RECOVERY" in output
         distance = relative_distance(ref_state, state) if not diff.bitwise_equal else 0.0
         ok = (shrank or not must_shrink) and said and distance is not None and distance < bound
         shrink = ("shrank, " if shrank else "NO SHRINK, ") if must_shrink else ""
@@ -96,6 +116,20 @@ def judge(case: Case, job: JobRun, ref: JobRun | None) -> tuple[bool, str]:
     if not diff.bitwise_equal:
         return False, f"{how}: NOT bitwise ({diff.describe()[:120]})"
     return True, f"{how}{' (announced fallback)' if fallback else ''}, bitwise"
+
+
+def report(rows: list[dict[str, Any]], width: int = 36) -> tuple[int, int]:
+    """Print the table of a matrix's rows (``case``, ``passed``: True, False or None for skipped,
+    ``seconds``, ``how``) and its last line; returns (passed, failed)."""
+    marks = {True: "pass", False: "FAIL", None: "skip"}
+    print(f"\n{'case':{width}s} {'result':6s} {'seconds':>8s}  how it ended")
+    for r in rows:
+        print(f"{r['case']:{width}s} {marks[r['passed']]:6s} {r['seconds']:8.1f}  {r['how']}")
+    passed = sum(1 for r in rows if r["passed"])
+    failed = sum(1 for r in rows if r["passed"] is False)
+    skipped = len(rows) - passed - failed
+    print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+    return passed, failed
 
 
 def run_case(case: Case, work: Path, ref: JobRun | None, timeout: float) -> dict[str, Any]:

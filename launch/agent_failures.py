@@ -3,9 +3,11 @@ which owns the state named below).
 
 A health problem (a failing GPU, a hung rank: :mod:`.health`) or a non-zero exit fails the whole
 machine: the other local ranks are SIGKILLed, as a crash would, and :mod:`.fate` decides among
-spare, shrink, restart and abort. Not a machine failure: a rank that raised the job's own error
-(the job ends), and replacement ranks left behind by a generation that failed before they joined
-(they start again here). A machine killed with an injected group is declared once the group is down.
+spare, shrink, restart and abort. Not a machine failure: a rank that raised the job's own error,
+or that exited after another rank's (the job ends; how a device error on one machine is told from
+the job's own: ds_swift.detect.job_error), and replacement ranks left behind by a generation that
+failed before they joined (they start again here). A machine killed with an injected group is
+declared once the group is down.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ds_swift.detect.classify import rank_error_key
+from ds_swift.detect.job_error import JobErrorRecord, job_error, rank_error_key
 
 from .spawn import Worker, describe_exit
 
@@ -115,18 +117,60 @@ class FailureHandling:
             )
 
     def _own_error(self, worker: Worker, returncode: int) -> bool:
-        """The rank exited on the job's own error (it said so in the store before raising: a bug, not
-        a dead machine; ds_swift.detect.classify): the job ends with it, as it would without
-        ds-swift; replacing the machine would only run into the same error again."""
+        """The rank exited on the job's own error (it said so in the store before exiting: a bug, a
+        config the job cannot run, not a dead machine; ds_swift.detect.job_error): the job ends with
+        it, as it would without ds-swift; replacing the machine would only run into the same error
+        again, spending the spares. Also True for a rank that exited on a connection another rank's
+        own error closed. False for a crash, and for a device error after the first step on this
+        machine alone: the machine's fault."""
         if returncode <= 0:
             return False
         said = self.store.get(rank_error_key(worker.rank))
         if said is None:
+            # No error of its own: a peer's own error may have closed its connections (recorded
+            # before that peer exited, so before this rank could fail on it).
+            generation = self.store.generation()
+            first = job_error(self.store, generation)
+            if first is None:
+                return False
+            self.events(
+                f"machine {self.machine}: rank {worker.rank} {describe_exit(returncode)} after {first} ended "
+                f"generation {generation}: not a machine failure",
+                event="job_error_followed",
+                node=self.node,
+                machine=self.machine,
+            )
+            self.state = AgentState.RETIRED
+            self._publish_machine()
+            return True
+        record = JobErrorRecord.parse(said)
+        elsewhere = self._same_error_elsewhere(record) if record.sig else []
+        if record.machines_fault and not elsewhere:
+            self.store.delete(rank_error_key(worker.rank))  # acted on: a later exit of this rank is its own
+            self.events(
+                f"machine {self.machine}: {record.what}: a device error after the generation's first step, on this "
+                "machine alone: taken for the machine's fault (the same error on another machine would end the job)",
+                event="device_error",
+                node=self.node,
+                machine=self.machine,
+            )
             return False
-        self.control.abort(f"machine {self.machine}: {said} (the job's own error, not a machine failure)")
+        why = "the job's own error, not a machine failure"
+        if elsewhere:
+            why = f"the same error on the machines of agents {[self.node, *elsewhere]}: the job's own, not a machine failure"
+        self.control.abort(f"machine {self.machine}: {record.what} ({why})")
         self.state = AgentState.RETIRED
         self._publish_machine()
         return True
+
+    def _same_error_elsewhere(self, record: JobErrorRecord) -> list[int]:
+        """The other agents whose machines' ranks raised an error of ``record``'s signature (in any
+        generation): each agent says its own, then looks at every other's (two agents doing so at
+        once: the later one sees both). One read per agent: this runs once per failure."""
+        key = f"job_error/sig/{record.sig}/agent"
+        self.store.set(f"{key}{self.node}", "1")
+        agents = range(self.job.num_machines + self.job.num_spares)
+        return [n for n in agents if n != self.node and self.store.get(f"{key}{n}") is not None]
 
     def _left_behind(self, worker: Worker, returncode: int) -> bool:
         """Replacement ranks whose generation failed before they joined it (the survivors gave up

@@ -11,6 +11,7 @@ are instant.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 from ds_swift.jobstore.auth import SecretError, job_secret
 from ds_swift.jobstore.signed_kv import LAUNCH_ENV, check_launch_id
 from ds_swift.jobstore.url import CREDENTIAL_ENV, StoreCredentials, StoreURL
+from ds_swift.logs import say
 from ds_swift.testing.faults import FaultSpec, FaultSpecError
 
 from .flags import DEFAULT_AGENT_TIMEOUT_S, DEFAULT_MAX_FAILURES, build_parser
@@ -127,9 +129,21 @@ def _store(ns: argparse.Namespace) -> str | None:
     if ns.store is None:
         return None
     try:
-        return str(StoreURL.parse(ns.store))
+        where = StoreURL.parse(ns.store)
     except ValueError as exc:
         raise LaunchUsageError(f"--store: {exc}") from None
+    if where.is_etcd and not where.tls:
+        say(PLAIN_ETCD_RISK, name=__name__, level=logging.WARNING, prefix="ds-swift-launch")
+    return str(where)
+
+
+#: What a plain ``etcd://`` store leaves open, said at every launch that uses one.
+PLAIN_ETCD_RISK = (
+    "--store etcd:// is plain HTTP without authentication: anyone who reaches etcd can read every value, and "
+    "torch's own rendezvous keys (gen<g>/pg/..., written by torch, not signed by ds-swift) can be overwritten "
+    "to break or redirect a process group while it forms. ds-swift's own values stay signed. Use "
+    "etcd+https:// with --store-ca and an etcd user (README: 'Where the job store lives')"
+)
 
 
 def _credentials(ns: argparse.Namespace, env: dict[str, str], store_url: str | None) -> StoreCredentials:

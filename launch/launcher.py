@@ -159,7 +159,8 @@ class Supervisor:
                 return code
         if self.clear_after and time.monotonic() >= self._record_at:
             self._record_at = time.monotonic() + BEAT_S
-            self.store.write_record()  # a record not refreshed for STALE_S marks a dead launch
+            self.store.write_record()  # a record seen unchanged for STALE_S marks a dead launch
+            self._collect()
         if self.liveness is not None:
             for node in self.liveness.step():
                 if self.liveness.claim(node):
@@ -194,6 +195,21 @@ class Supervisor:
         if self._wake_r is None or any(agent.busy for agent in self.agents):
             pause = min(pause, self.poll_s)
         return max(0.0, pause)
+
+    def _collect(self) -> None:
+        """Delete the keys of this job's other launches that are over (seen unchanged since the last beats)."""
+        try:
+            gone = self.store.collect_leftovers()
+        except Exception as exc:  # noqa: BLE001 - garbage left in the store must not end the job
+            self.events(f"collecting dead launches' keys failed: {type(exc).__name__}: {exc}", event="warning")
+            return
+        for launch, why in gone:
+            self.events(
+                f"deleted the keys of dead launch {launch} of this job ({why})",
+                event="launch_collected",
+                launch=launch,
+                why=why,
+            )
 
     def _sleep(self, pause_s: float) -> None:
         """Wait ``pause_s``, or less if a signal (a child's death, Ctrl-C) arrives."""

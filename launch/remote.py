@@ -31,6 +31,7 @@ from .placement import LaunchUsageError
 
 if TYPE_CHECKING:
     from .args import LaunchArgs
+    from .control import EventLog
 
 __all__ = [
     "ENV_FILE",
@@ -122,12 +123,21 @@ def visible_devices_case(args: LaunchArgs) -> list[str | None]:
 def agent_command(agent_argv: Sequence[str], env_file: str, cwd: str, python: str | None = None) -> list[str | None]:
     """What a host runs: cd, source the exports, then the agent; ``None``: the host's name."""
     q = shlex.quote
+    f = q(env_file)
     missing = (
-        f"[ -r {q(env_file)} ] || {{ printf 'ds-swift-launch: %s is not readable on this host: "
-        f"--run-dir must be a folder every host sees at the same path\\n' {q(env_file)} >&2; exit 2; }}; "
+        f"[ -r {f} ] || {{ printf 'ds-swift-launch: %s is not readable on this host: "
+        f"--run-dir must be a folder every host sees at the same path\\n' {f} >&2; exit 2; }}; "
+    )
+    # Sourced, the file runs as shell code with this user's rights: only a regular file this user
+    # owns that nobody else may write (the launch host writes it 0600) is sourced. A file another
+    # user of the shared run directory put there, or made writable, would run their commands here.
+    private = (
+        f'{{ [ -O {f} ] && [ ! -L {f} ] && case "$(ls -ln {f})" in -rw-------*|-r--------*) true;; *) false;; '
+        f"esac; }} || {{ printf 'ds-swift-launch: %s is not a mode-0600 file of this user on this host: not "
+        f"sourced (ls -ln %s)\\n' {f} {f} >&2; exit 2; }}; "
     )
     cli = shlex.join([python or sys.executable, "-u", "-m", "ds_swift.launch.cli", "--node-host"])
-    return [missing, f"cd {q(cwd)} && . {q(env_file)} && exec {cli} ", None, " " + shlex.join(agent_argv)]
+    return [missing, private, f"cd {q(cwd)} && . {f} && exec {cli} ", None, " " + shlex.join(agent_argv)]
 
 
 def render(segments: Segments, host: str | None) -> str:
@@ -217,13 +227,10 @@ def agent_argv(args: LaunchArgs, store_url: str, token: str, secret_file: str) -
 def run_remote(args: LaunchArgs) -> int:
     """Serve the job store here (unless --store names one), start every host's agent, wait for them."""
     import secrets
-    import signal
-    import time
 
     from ds_swift.jobstore.auth import write_secret_file
-    from ds_swift.jobstore.membership import JobStore
 
-    from .control import EventLog, JobControl
+    from .control import EventLog
 
     try:
         exports = deepspeed_env(os.environ)
@@ -233,11 +240,36 @@ def run_remote(args: LaunchArgs) -> int:
     events = EventLog(args.run_dir)
     token = args.job_token or secrets.token_hex(16)
     secret_file = args.job_secret_file
+    written: list[str] = []  # what this launcher wrote into the run directory: deleted when the agents end
     if secret_file is None:
         # pdsh passes no stdin and exports only what is on the command line: a 0600 file in the run
         # directory (shared by the hosts, as DeepSpeed's own launcher assumes of the working directory).
         secret_file = os.path.join(args.run_dir, "job.secret")
         write_secret_file(secret_file, args.job_secret)
+        written.append(secret_file)
+    try:
+        return _serve_agents(args, exports, events, token, secret_file, written)
+    finally:
+        # Every agent read both at its start. Left in the run directory (often kept for the job's
+        # logs, and shared), the secret would let whoever reads it later forge the store's values of
+        # a relaunch with the same secret; the exports may hold tokens.
+        for path in written:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _serve_agents(
+    args: LaunchArgs, exports: dict[str, str], events: EventLog, token: str, secret_file: str, written: list[str]
+) -> int:
+    import signal
+    import time
+
+    from ds_swift.jobstore.membership import JobStore
+
+    from .control import JobControl
+
     if args.store_url is None:
         store = JobStore.host(token, port=args.master_port or 0, addr=args.master_addr, secret=args.job_secret)
         store_url = f"tcp://{args.master_addr}:{store.port}"
@@ -248,6 +280,7 @@ def run_remote(args: LaunchArgs) -> int:
     argv = agent_argv(args, store_url, token, secret_file)
     # Like the secret: the exports may hold tokens (.deepspeed_env), so by file, never on a command line.
     env_file = os.path.join(args.run_dir, ENV_FILE)
+    written.append(env_file)
     write_env_file(env_file, exports)
     command = [*visible_devices_case(args), *agent_command(argv, env_file, os.getcwd())]
     events(
@@ -280,10 +313,6 @@ def run_remote(args: LaunchArgs) -> int:
             p.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:  # every agent has read it: it holds the exports, which may be tokens
-            os.unlink(env_file)
-        except FileNotFoundError:
-            pass
     codes = [p.returncode for p in procs]
     code = max((abs(c) for c in codes), default=1) if not got else 128 + got[0]
     events(f"{args.launcher}: agents ended with exit codes {codes}", event="end", exit_code=code)

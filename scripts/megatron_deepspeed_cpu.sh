@@ -9,7 +9,10 @@
 #     --precision fp32|bf16|fp16 --zero 0|1             precision, ZeRO stage
 #     --strategy auto|replication|logging|...           ds-swift's strategy
 #     --kill-machine M --kill-iteration I --kill-phase forward|backward|step|send|recv
+#     --kill-also M2                                    a second machine killed at the same instant
 #     --iters N --save-interval N                       length, global checkpoint interval
+#     --reference REF_WORK                              compare with REF_WORK's failure-free run (same
+#                                                       shape, precision, length) instead of running one
 #     --untie-embeddings                                Megatron's --untie-embeddings-and-output-weights
 #     --initial-scale-power N                           fp16: first loss scale 2**N (large: skipped steps)
 #     --dry-run                                         print both launch commands, run nothing
@@ -21,7 +24,7 @@ set -euo pipefail
 PY=${PYTHON:-python}
 case " $* " in *" -h "* | *" --help "*) exec "$PY" -m ds_swift.megatron.cpu prepare --help ;; esac
 # Parses and checks the options, writes WORK/ref and WORK/kill's DeepSpeed configs, and sets CHECKOUT,
-# WORK, LOCAL_SIZE, REF_CMD, KILL_CMD, FINAL_TAG, DESCRIBE and DRY_RUN (shell-quoted by the helper).
+# WORK, LOCAL_SIZE, REF_CMD, KILL_CMD, FINAL_TAG, DESCRIBE, DRY_RUN and REF_WORK (shell-quoted by the helper).
 assignments=$("$PY" -m ds_swift.megatron.cpu prepare "$@")
 eval "$assignments"
 # LOCAL_SIZE: DeepSpeed's CPU accelerator's device count per machine (Megatron: local_rank = rank % it)
@@ -57,6 +60,11 @@ run() {  # run NAME COMMAND: one launch from the checkout; prints its iterations
     "$PY" -m ds_swift.megatron.cpu summary "$WORK/$1/log"
 }
 echo "== $DESCRIBE"
-echo "== failure-free"; run ref "$REF_CMD"
+if [ -n "$REF_WORK" ]; then
+    echo "== failure-free: $REF_WORK/ref (--reference)"
+else
+    REF_WORK=$WORK
+    echo "== failure-free"; run ref "$REF_CMD"
+fi
 echo "== with the kill"; run kill "$KILL_CMD"
-"$PY" -W ignore -m ds_swift.megatron.cpu compare "$WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"
+"$PY" -W ignore -m ds_swift.megatron.cpu compare "$REF_WORK/ref/ckpt" "$WORK/kill/ckpt" "$FINAL_TAG"

@@ -23,10 +23,8 @@ own checkpoints trusted, load one at start (the origin) or launch with the same 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +33,7 @@ import torch.distributed as dist
 
 from ds_swift import transport
 from ds_swift.checkpoint.durable import COMPLETE_MARKER, remove_durable, write_atomic
+from ds_swift.checkpoint.fs_calls import FsCalls
 from ds_swift.checkpoint.trust import (
     Origin,
     checkpoint_job,
@@ -47,6 +46,7 @@ from ds_swift.checkpoint.trust import (
     tag_for,
     trusted_origin,
 )
+from ds_swift.checkpoint.write_errors import is_write_error as _write_error
 from ds_swift.logs import say
 
 if TYPE_CHECKING:
@@ -69,58 +69,6 @@ __all__ = [
     "tag_for",
     "trusted_origin",
 ]
-
-#: errnos of a write the storage refused: full disk or quota, storage gone or failing, read-only or
-#: forbidden, file too large. Not a dead peer's (ECONNRESET, ETIMEDOUT, ...): those are failures.
-_WRITE_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in (
-        "ENOSPC",
-        "EDQUOT",
-        "EIO",
-        "EROFS",
-        "EACCES",
-        "EPERM",
-        "EFBIG",
-        "ENXIO",
-        "ESTALE",
-        "ENOENT",
-        "ENOTDIR",
-        "EISDIR",
-        "ENAMETOOLONG",
-    )
-    if hasattr(errno, name)
-)
-
-
-def _write_error(exc: BaseException, directory: str | os.PathLike[str] | None = None) -> bool:
-    """A checkpoint file that could not be written (full disk, storage gone), not a dead peer: by the
-    ``errno`` of the OSError in ``exc``'s chain. torch.save's zip writer raises a RuntimeError without
-    one (on a full disk: "iostream error", then "unexpected pos"): then ``directory`` is probed with a
-    small write of the same kind, whose OSError says what the storage refuses (nothing: not a write error)."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno in _WRITE_ERRNOS
-        e = e.__cause__ or e.__context__
-    if directory is None or not isinstance(exc, RuntimeError):
-        return False
-    probe = Path(directory) / f".swift_write_probe.{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:  # what DeepSpeed's save does: a file under the checkpoint directory
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as probe_error:
-        return probe_error.errno in _WRITE_ERRNOS
-    finally:
-        try:
-            probe.unlink()
-        except OSError:
-            pass
-    return False
 
 
 @dataclass
@@ -151,7 +99,23 @@ class CheckpointManager:
     """The asynchronous checkpoint in flight, until its completion marker is on storage."""
     tuner: CheckFreqTuner | None = None
     """CheckFreq: the interval is chosen from the first checkpoint's measured costs."""
+    fs_deadline_s: float = 30.0
+    """The longest the training thread waits for one of the checkpoint's small file-system calls (rank
+    0's marker removal and write): a hung shared file system must not hold training (ds_swift.checkpoint.fs_calls)."""
+    complete: int = -1
+    """Iterations of the newest checkpoint this process saw complete among the ones its job saved since
+    it started (or since it joined): what the logs are collected against. Never the newest in the
+    directory: a launch restarted from an older checkpoint than the last launch reached needs the logs
+    since its own, which a newer tag of the same job id would have let go."""
     _warned: set[str] = field(default_factory=set, repr=False)
+    _fs: FsCalls | None = field(default=None, repr=False)
+
+    @property
+    def fs(self) -> FsCalls:
+        """The thread that makes this manager's file-system calls for the training thread."""
+        if self._fs is None:
+            self._fs = FsCalls(self.ckpt_dir, self.fs_deadline_s, self.rank)
+        return self._fs
 
     def due(self, iterations_done: int) -> bool:
         if iterations_done <= 0 or iterations_done == self.last_saved:
@@ -185,16 +149,15 @@ class CheckpointManager:
         done = int(engine.global_steps)
         tag = tag_for(done)
         marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
-        if self.rank == 0:
-            # A tag saved again (after a recovery, or by an earlier run in this directory) is not
-            # complete while its files are rewritten, also after a crash.
-            remove_durable(marker)
-        transport.barrier()
-        written = True
+        if not self._old_marker_gone(tag):
+            self.last_saved = done  # tried again at the next interval
+            return tag
+        written, passed = True, False
         try:
             # DeepSpeed closes its files without an fsync: the marker must not reach the disk first.
             with durable_saves(engine, Path(self.ckpt_dir) / tag):
                 engine.save_checkpoint(self.ckpt_dir, tag=tag)
+                passed = True  # DeepSpeed's save returns from the barrier it ends with
         except (OSError, RuntimeError) as exc:
             if not _write_error(exc, self.ckpt_dir):
                 raise
@@ -206,14 +169,19 @@ class CheckpointManager:
                 level=logging.WARNING,
                 name=__name__,
             )
-            # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world, where
-            # the other ranks wait in it), which this rank did not reach.
-            dist.barrier()  # transport: ok
+            if not passed:
+                # DeepSpeed's traffic, not ds-swift's: the barrier its save ends with (on the world,
+                # where the other ranks wait in it), which this rank did not reach. After it (the
+                # fsync of the tag's directory failed: EIO), every rank is past it already, and one
+                # more barrier would meet the peers' next collective instead, or nothing.
+                dist.barrier()  # transport: ok
         # DeepSpeed's save ends in a barrier, but only after *its* files; ours must follow every
         # rank's, and says whether every rank wrote them.
         everyone = transport.all_gather_json(written)
         if self.rank == 0 and all(everyone):
-            write_atomic(marker, json.dumps({"iterations": done, "job": self.job_id}) + "\n")
+            text = json.dumps({"iterations": done, "job": self.job_id}) + "\n"
+            # Past its deadline the write goes on in the background: complete once it lands (poll).
+            self.fs.call(lambda: write_atomic(marker, text), f"writing the completion marker of {tag}")
         elif self.rank == 0:
             bad = [r for r, ok in enumerate(everyone) if not ok]
             say(
@@ -222,7 +190,30 @@ class CheckpointManager:
                 name=__name__,
             )
         self.last_saved = done
+        if all(everyone):
+            self.pending = tag  # complete once every rank has seen its marker (poll)
         return tag
+
+    def _old_marker_gone(self, tag: str) -> bool:
+        """Rank 0 removes ``tag``'s old marker before any rank writes a file of it (a tag saved again,
+        after a recovery or by an earlier run in this directory, is not complete while its files are
+        rewritten, also after a crash): a collective, and False on every rank where the removal did
+        not finish within ``fs_deadline_s`` (the tag is skipped, loudly; a barrier after a removal
+        without a deadline held every rank as long as a hung file system did)."""
+        ok = True
+        if self.rank == 0:
+            marker = Path(self.ckpt_dir) / tag / COMPLETE_MARKER
+            ok, _ = self.fs.call(lambda: remove_durable(marker), f"removing the old completion marker of {tag}")
+        if all(transport.all_gather_json(ok)):
+            return True
+        if self.rank == 0:
+            say(
+                f"checkpoint {tag} skipped on every rank: its old completion marker could not be removed within "
+                f"{self.fs_deadline_s:g} s; training goes on, the next is tried at its interval",
+                level=logging.WARNING,
+                name=__name__,
+            )
+        return False
 
     def _save_async(self, engine: Any, writer: AsyncWriter) -> str:
         """Snapshot now, persist in the background; complete once every rank persisted (see
@@ -235,12 +226,12 @@ class CheckpointManager:
         if not self._previous_persisted(writer, tag):
             self.last_saved = done  # tried again at the next interval, not at every iteration
             return tag
+        if not self._old_marker_gone(tag):  # nobody snapshots before the old marker is gone
+            self.last_saved = done
+            return tag
         stats = writer.begin(
             tag, self.ckpt_dir, self.save_id, json.dumps({"iterations": done, "job": self.job_id}) + "\n"
         )
-        if self.rank == 0:
-            remove_durable(Path(self.ckpt_dir) / tag / COMPLETE_MARKER)
-        transport.barrier()  # nobody snapshots before the old marker is gone
         with saving_through(engine, SnapshotCheckpointEngine(writer)):
             engine.save_checkpoint(self.ckpt_dir, tag=tag, save_latest=False)
         writer.end()
@@ -279,8 +270,8 @@ class CheckpointManager:
             self.tuner.refresh()
 
     def after_iteration(self) -> bool:
-        """Called after each optimizer step: CheckFreq measures; True when the asynchronous
-        checkpoint in flight has just completed (the logs it makes unneeded may go)."""
+        """Called after each optimizer step: CheckFreq measures; True when the checkpoint last saved
+        has just been seen complete (the logs it makes unneeded may go, up to :attr:`complete`)."""
         if self.tuner is not None:
             self.tuner.tick()
         return self.poll()
@@ -291,19 +282,41 @@ class CheckpointManager:
             self.writer.abandon()
 
     def poll(self) -> bool:
-        """True once the asynchronous checkpoint in flight is complete on storage (say each failed
-        persist, once); always False for synchronous saves."""
-        if self.writer is None or self.pending is None:
+        """True once the checkpoint last saved (asynchronous: in flight) is seen complete on storage
+        (say each failed persist, once). Never waits: the marker is read on :attr:`fs`'s thread, and
+        its answer collected at a later poll (a hung file system held the training thread here at
+        every iteration while a save was pending)."""
+        if self.pending is None:
             return False
-        self.writer.report_errors()
-        if is_complete(self.ckpt_dir, self.pending):
+        if self.writer is not None:
+            self.writer.report_errors()
+        tag, where = self.pending, self.ckpt_dir
+        got = self.fs.ask(lambda: (tag, is_complete(where, tag)), f"reading the completion marker of {tag}")
+        if got is None:
+            return False
+        seen, complete = got[1]
+        if not complete:
+            return False
+        self.complete = max(self.complete, int(seen.removeprefix("global_step")))
+        if self.pending == seen:
             self.pending = None
-            return True
-        return False
+        return True
+
+    def settle(self) -> bool:
+        """At the end of training: :meth:`poll`'s answer, waited for (at most ``fs_deadline_s``)."""
+        if self.pending is None:
+            return False
+        tag, where = self.pending, self.ckpt_dir
+        ok, complete = self.fs.call(lambda: is_complete(where, tag), f"reading the completion marker of {tag}")
+        if not (ok and complete):
+            return False
+        self.complete = max(self.complete, int(tag.removeprefix("global_step")))
+        self.pending = None
+        return True
 
     def close(self) -> None:
         """Let the checkpoint in flight land (a job's last one must), then stop the writer."""
-        if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0):
+        if self.writer is not None and not self.writer.close(self.save_timeout_s or 600.0) and self.pending:
             say(
                 f"checkpoint {self.pending} was still being written at exit: it does not count",
                 self.rank,

@@ -7,7 +7,9 @@ Every rank of a generation acts on one agreed verdict, kept in the job store:
    flag was set). The generation is recovered; the dead machine's ranks are replaced;
 2. **the job's own error**: a rank raised an error that is not a comm error: it records it
    (:func:`job_error_key`) before raising, and a peer whose op then fails on the closed connection
-   raises it too, naming that rank, instead of declaring anything;
+   raises it too, naming that rank, instead of declaring anything (the one error that may be its
+   machine's fault instead, a device error on one machine after the generation's first step, is
+   told apart in :mod:`ds_swift.detect.job_error`);
 3. **stall**: a comm error proper (torch.distributed's error types, gloo's own transport errors:
    :func:`is_transport_error`) with no death in evidence: every rank's heartbeat counter moving for the
    heartbeat timeout, judged on this rank's own clock (:mod:`.beats`: no other host's clock enters it) (a timed-out op also the hang timeout: a hung peer's own watchdog names it first). A
@@ -27,13 +29,16 @@ five recoveries.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from ds_swift.detect.beats import CounterClock
+from ds_swift.detect.job_error import job_error, job_error_key, rank_error_key, record_job_error
 from ds_swift.detect.watchdog import declare_failure
 from ds_swift.jobstore.membership import JobStore
 
@@ -52,6 +57,7 @@ __all__ = [
     "job_error_key",
     "rank_error_key",
     "record_job_error",
+    "record_uncaught",
     "stale_ranks",
 ]
 
@@ -85,23 +91,6 @@ STALL = "stall: "
 #: between two looks at the job's own error and the ranks' heartbeats, a comm error waits at most
 #: this long (and a tenth of the heartbeat timeout) on the failure flag, woken at once when it is set
 CLASSIFY_SLICE_S = 1.0
-
-
-def job_error_key(generation: int) -> str:
-    """Job-store key a rank sets to ``"rank <r>: <error>"`` before raising the job's own error in
-    ``generation``: its peers, failing on the connection it closes, raise rather than recover."""
-    return f"gen{generation}/job_error"
-
-
-def rank_error_key(rank: int) -> str:
-    """Job-store key of the job's own error ``rank`` raised (any generation): its node agent reads it
-    when the rank exits, and ends the job rather than replacing a sound machine (launch/agent.py)."""
-    return f"job_error/rank{rank}"
-
-
-def job_error(store: JobStore, generation: int) -> str | None:
-    """The job's own error a rank of ``generation`` raised (see :func:`job_error_key`), or None."""
-    return store.get(job_error_key(generation))
 
 
 class PeerFailure(RuntimeError):
@@ -182,12 +171,14 @@ def classify_failure(
     generation: int,
     poll_interval_s: float,
     liveness: Liveness | None = None,
+    early: bool = False,
 ) -> str:
     """How ``exc`` ended ``generation`` (declaring the failure on evidence of a dead rank);
     re-raises ``exc`` when it is not a failure, or when there is no job store to recover with.
 
     ``liveness``: the ranks whose heartbeats count as evidence; without it (a worker whose
-    watchdog has not started) a possible comm error only waits for the flag."""
+    watchdog has not started) a possible comm error only waits for the flag. ``early``: raised before
+    this rank's first step in ``generation`` (ds_swift.detect.job_error says what that changes)."""
     if store is None:
         raise exc  # no job store, no recovery: fail as DeepSpeed alone would
     if store.failure(generation) is not None:
@@ -196,7 +187,7 @@ def classify_failure(
         return f"{type(exc).__name__}: {str(exc)[:120]}"
     rank = liveness.rank if liveness is not None else None
     if not is_comm_error(exc):
-        record_job_error(store, generation, rank, exc)
+        record_job_error(store, generation, rank, exc, early=early)
         raise exc
     # Let the node agent speak first: a dead peer is usually seen by its agent within ~100 ms;
     # else a dead rank's heartbeat goes stale within the heartbeat timeout. Only a timed-out op can
@@ -214,7 +205,7 @@ def classify_failure(
         own = job_error(store, generation)
         if own is not None:  # a peer's own error closed the connection: the job ends with it
             exc.add_note(f"ds-swift: {own}: the job's own error, which ended generation {generation}")
-            record_job_error(store, generation, rank, exc)
+            record_job_error(store, generation, rank, exc, early=early)
             raise exc
         dead = stale_ranks(store, liveness, beats) if liveness is not None and beats is not None else []
         if dead and liveness is not None:
@@ -243,18 +234,24 @@ def classify_failure(
         f"ds-swift: not a machine failure (no failure declared and every rank heartbeating for "
         f"{patience:.1f} s): raised as the job's own error"
     )
-    record_job_error(store, generation, rank, exc)
+    record_job_error(store, generation, rank, exc, early=early)
     raise exc
 
 
-def record_job_error(store: JobStore, generation: int, rank: int | None, exc: BaseException) -> None:
-    """Say in the store that ``exc`` is the job's own error (see :func:`job_error_key`)."""
-    who = f"rank {rank}" if rank is not None else "a rank"
-    what = f"{who} raised {type(exc).__name__}: {str(exc)[:200]}"
-    try:
-        if store.get(job_error_key(generation)) is None:  # the first one says what ended the generation
-            store.set(job_error_key(generation), what)
-        if rank is not None:
-            store.set(rank_error_key(rank), what)
-    except Exception:  # noqa: BLE001 - the error itself is what the job must see, not the store's
-        pass
+def record_uncaught(store: JobStore, rank: int, state: Any) -> None:
+    """Record an exception that ends this worker outside ds-swift's calls (``deepspeed.initialize``
+    refusing the config, the script's own code between iterations) before the interpreter prints it:
+    its node agent then ends the job with it instead of taking the exit for a crash and spending a
+    spare on it. ``state``: the worker's context (its ``generation`` and ``stepped`` as they are then).
+    Communication errors and ds-swift's own failure signals are not recorded (a failure, not an error)."""
+    from ds_swift.jobstore.membership import GenerationFailed, MembershipError
+
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, Exception) and not isinstance(exc, GenerationFailed | MembershipError):
+            if not is_comm_error(exc):
+                record_job_error(store, int(state.generation), rank, exc, early=not state.stepped)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -170,11 +170,12 @@ class FailureMonitor:
             return "failure flag"
         return None
 
-    def classify(self, exc: BaseException, generation: int | None = None) -> str:
+    def classify(self, exc: BaseException, generation: int | None = None, early: bool = False) -> str:
         """How ``exc`` ended ``generation`` (default: the one in force); re-raises it when it is not
-        a failure (see :func:`~ds_swift.detect.classify.classify_failure`)."""
+        a failure (see :func:`~ds_swift.detect.classify.classify_failure`). ``early``: raised before
+        this rank's first step in the generation."""
         g = self._generation if generation is None else generation
-        return classify_failure(exc, self.store, g, self._poll_interval_s, self._liveness)
+        return classify_failure(exc, self.store, g, self._poll_interval_s, self._liveness, early=early)
 
     def begin_recovery(self) -> float:
         """A survivor starts recovering: the recv check is off and the job's generation moved on.

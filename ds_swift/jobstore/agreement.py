@@ -181,7 +181,10 @@ def collect(
             return None
         _failed(store, generation)
         if time.monotonic() >= deadline:
-            raise RoundTimeout(what or "store keys", timeout_s, pending)
+            # Named: only the keys still missing (the wait above says only "not all"; a request per key,
+            # once, on this error path: a read of many keys would wait for the absent ones).
+            missing = [k for k in pending if store.get(k) is None]
+            raise RoundTimeout(what or "store keys", timeout_s, missing or pending)
 
 
 @overload

@@ -21,12 +21,14 @@ Signing is deterministic, so ``compare_set`` works on signed values.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import stat
+import tempfile
 
 from ds_swift.logs import say
 
@@ -125,6 +127,12 @@ def read_secret_file(path: str) -> str:
         raise SecretError(
             f"--job-secret-file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): run chmod 600 {path}"
         )
+    if st.st_uid != os.geteuid():
+        # Whoever owns the file chose the secret (and can read it): another user's file is theirs.
+        raise SecretError(
+            f"--job-secret-file {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            "write your own (mode 0600)"
+        )
     with open(path) as f:
         secret = f.read().strip()
     if len(secret) < MIN_SECRET_CHARS:
@@ -133,16 +141,26 @@ def read_secret_file(path: str) -> str:
 
 
 def write_secret_file(path: str, secret: str) -> None:
-    """Write ``secret`` to ``path`` with mode 0600 (replacing a file left by an earlier job)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write ``secret`` to ``path`` with mode 0600 (replacing a file left by an earlier job).
+
+    The bytes go to a new temporary file of an unpredictable name, created with ``O_EXCL`` (mkstemp),
+    then renamed over ``path``: a temporary name anyone can guess (``<path>.<pid>.tmp``) let another
+    user of a shared run directory plant a symlink there, which the open followed, writing the secret
+    into a file of theirs (or truncating one of ours)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (secret + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, (secret + "\n").encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def job_secret(secret_file: str | None, environ: dict[str, str], *, multi_host: bool, generate: bool) -> str:

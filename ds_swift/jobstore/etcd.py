@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_swift.jobstore.contention import CasBudget
 from ds_swift.jobstore.url import StoreCredentials
 
 __all__ = ["EtcdStore"]
@@ -217,6 +218,7 @@ class EtcdStore(dist.Store):
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the decimal counter at ``key`` (created at 0); returns the new value."""
         bkey = _b64(self._key(key))
+        budget = CasBudget(key)
         while True:
             kv = self._range(key)
             current = int(_unb64(kv.get("value"))) if kv is not None else 0
@@ -230,7 +232,8 @@ class EtcdStore(dist.Store):
             result = self._txn([cmp], [{"request_put": {"key": bkey, "value": _b64(str(new))}}], [])
             if result.get("succeeded"):
                 return new
-            # Another client updated it between our read and our write: read again.
+            # Another client updated it between our read and our write: read again, within the budget.
+            budget.lost()
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """``TCPStore`` semantics: set ``desired`` if the value is ``expected`` (or the key is absent and

@@ -12,10 +12,15 @@ the same script again) must never read a dead launch's ``gen0/joined``, ``gen0/f
 ``hung/machine/<m>``: the agents would kill machines at once or join stale generations. Each
 launch has its own id (:func:`new_launch_id`, or one every agent derives alike, e.g. from SLURM's
 job, step and restart count); its keys live under it, and the launch id is bound into every MAC,
-so a value copied from another launch's namespace reads as forged. A new launch on an etcd store
-deletes the namespaces of earlier launches whose record says ended, is missing, or has not been
-refreshed for :data:`STALE_S` (the launcher refreshes it every :data:`BEAT_S`); a TCPStore
-cannot list its keys, and lives only as long as the launch that serves it.
+so a value copied from another launch's namespace reads as forged. A launch on an etcd store
+deletes the namespaces of other launches whose record says ended at once, and of those whose
+record (or its absence, or an unsigned one) it has seen unchanged, byte for byte, for
+:data:`STALE_S` on its own monotonic clock (a running launch rewrites its record every
+:data:`BEAT_S`, so a live one never stays unchanged that long); it looks at its start and at every
+beat after. The record's own time is never compared with this host's clock: the launch that wrote it
+ran on another host, whose clock may be minutes off, and a record that merely says an old time is
+no proof that its launch is over. A TCPStore cannot list its keys, and lives only as long as the
+launch that serves it.
 
 Counters are signed values ``<n>:<nonce>`` updated by compare-and-swap: an unsigned bump (``add``
 by a client without the secret) reads as forged. Counters, the generation and heartbeats never go
@@ -30,9 +35,10 @@ import json
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ds_swift.jobstore.auth import Sealer
+from ds_swift.jobstore.contention import CasBudget
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -41,7 +47,7 @@ __all__ = ["BEAT_S", "LAUNCH_ENV", "STALE_S", "SignedKV", "check_launch_id", "ne
 
 LAUNCH_ENV = "SWIFT_LAUNCH_ID"
 RECORD_KEY = "launch/record"
-#: how often a running launch refreshes its record; a record older than STALE_S is a dead launch's
+#: how often a running launch rewrites its record; one seen unchanged for STALE_S is a dead launch's
 BEAT_S = 60.0
 STALE_S = 600.0
 _HIGH_KEYS = 4096  # high-water marks kept per process (oldest dropped first): bounded memory
@@ -79,6 +85,8 @@ class SignedKV:
         self.root = dist.PrefixStore(self.root_prefix[:-1], store)
         self._high: dict[str, float] = {}
         self._started = time.time()
+        self._seen: dict[str, tuple[bytes | None, float]] = {}
+        """Other launches' records as this process last saw them: (raw value, monotonic time first seen)."""
         self.launch = ""
         self.prefix = self.root_prefix
         self.kv = self.root
@@ -179,7 +187,9 @@ class SignedKV:
         """Add ``amount`` to the signed counter at ``key`` (absent: 0); returns the new value.
 
         Compare-and-swap on the whole signed value: the nonce makes each write unique, so the value
-        compare_set returns is ours only if our write won. A forged value is overwritten."""
+        compare_set returns is ours only if our write won. A forged value is overwritten. Raises
+        StoreContention once the retry budget is spent (ds_swift.jobstore.contention)."""
+        budget = CasBudget(key)
         while True:
             raw = self._raw_get(key)
             current = self._count(key, raw)
@@ -190,10 +200,12 @@ class SignedKV:
             if self._swap(key, raw, desired):
                 self._high[key] = new
                 return new
+            budget.lost()
 
     def advance(self, key: str, value: int) -> None:
         """Set the signed decimal at ``key`` to ``value`` unless it holds as much already (never backwards)."""
         desired = self.sealer.seal(key, str(value)).encode()
+        budget = CasBudget(key)
         while True:
             raw = self._raw_get(key)
             text = None if raw is None else self.sealer.open(key, raw)
@@ -201,6 +213,7 @@ class SignedKV:
                 return
             if self._swap(key, raw, desired):
                 return
+            budget.lost()
 
     def _swap(self, key: str, raw: bytes | None, desired: bytes) -> bool:
         """compare_set from exactly ``raw`` (absent: None); True if ``desired`` is what the key holds now.
@@ -233,34 +246,41 @@ class SignedKV:
 
     def collect_leftovers(self, now: float | None = None) -> list[tuple[str, str]]:
         """Delete other launches' namespaces that are over (see the module docstring); returns
-        (launch id, why) for each. A no-op on a store that cannot list its keys (TCPStore)."""
+        (launch id, why) for each. Call it again (every beat): a launch that stopped rewriting its
+        record is over only once this process has seen the record unchanged for STALE_S. ``now``:
+        this process's monotonic clock. A no-op on a store that cannot list its keys (TCPStore)."""
         keys = getattr(self.raw, "keys", None)
         delete_prefix = getattr(self.raw, "delete_prefix", None)
         if keys is None or delete_prefix is None:
             return []
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         start = self.root_prefix + "L."
         launches = {k[len(start) :].partition("/")[0] for k in keys(start)}
+        self._seen = {k: v for k, v in self._seen.items() if k in launches}
         out: list[tuple[str, str]] = []
         for launch in sorted(launches - {self.launch}):
             why = self._launch_over(launch, now)
             if why is not None:
                 delete_prefix(f"{self.root_prefix}L.{launch}/")
+                self._seen.pop(launch, None)
                 out.append((launch, why))
         return out
 
     def _launch_over(self, launch: str, now: float) -> str | None:
-        other = self.sealer.for_launch(launch)
         key = f"{self.root_prefix}L.{launch}/{RECORD_KEY}"
         raw = bytes(self.raw.get(key)) if self.raw.check([key]) else None
-        text = None if raw is None else other.open(RECORD_KEY, raw)
-        if text is None:
-            return "no launch record signed with the job secret"
-        record: dict[str, Any] = json.loads(text)
-        if record.get("ended"):
+        text = None if raw is None else self.sealer.for_launch(launch).open(RECORD_KEY, raw)
+        if text is not None and json.loads(text).get("ended"):
             return "ended"
-        idle = now - float(record.get("beat", 0.0))
-        return f"its record was last refreshed {idle:.0f} s ago" if idle > STALE_S else None
+        seen = self._seen.get(launch)
+        if seen is None or seen[0] != raw:
+            self._seen[launch] = (raw, now)  # new, or rewritten since: alive as far as anyone can tell
+            return None
+        idle = now - seen[1]
+        if idle < STALE_S:
+            return None
+        what = "its record" if text is not None else "no launch record signed with the job secret"
+        return f"{what} unchanged for {idle:.0f} s (a running launch rewrites its record every {BEAT_S:g} s)"
 
     def clear(self) -> None:
         """The launch ended: delete its keys from a store that outlives it (etcd), and the token

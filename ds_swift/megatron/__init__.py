@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "scheduler_loads_by_setting",
+    "scheduler_tokens_from_steps",
     "swift_section",
 ]
 
@@ -170,10 +172,23 @@ class MegatronDeepSpeed:
 
     def prepare(self, engine: Any, args: argparse.Namespace) -> Any:
         """What a Megatron-DeepSpeed engine needs under ds-swift (at start-up and after every
-        rebuild): Megatron's RNG tracker keyed by position, and its state in ds-swift's saves."""
+        rebuild): Megatron's RNG tracker keyed by position, its scheduler's counts kept by its own
+        state, and its state in ds-swift's saves."""
         engine.module.register_forward_pre_hook(key_megatron_rng_tracker)
-        scheduler_loads_by_setting(getattr(engine, "lr_scheduler", None))
+        scheduler = getattr(engine, "lr_scheduler", None)
+        scheduler_loads_by_setting(scheduler)
+        scheduler_tokens_from_steps(scheduler, int(getattr(args, "seq_length", 0) or 0))
         return self.save_megatron_state(engine, args)
+
+    def follow(self, args: argparse.Namespace, iteration: int) -> None:
+        """Megatron's loop after each step (the patched ``train()``): its iteration, consumed samples
+        and tokens are the engine's position's, ``iteration`` iterations done. Counted on by the loop
+        (``+= new_samples``), they went on from before a recovery that went back (a checkpoint
+        reload), into Megatron's logs and the ``args`` its saves keep (what ``--load`` resumes the
+        data from)."""
+        args.iteration = iteration
+        args.consumed_train_samples = self.samples.consumed(iteration)
+        args.consumed_train_tokens = args.consumed_train_samples * int(args.seq_length)
 
     def save_megatron_state(self, engine: Any, args: argparse.Namespace) -> Any:
         """Make ds-swift's periodic saves (``save_checkpoint`` without a client state) carry what
@@ -236,6 +251,38 @@ def scheduler_loads_by_setting(scheduler: Any) -> None:
 def _load_by_setting(self: Any, state_dict: dict[str, Any]) -> None:
     self.num_steps = 0
     type(self).load_state_dict(self, state_dict)
+
+
+def scheduler_tokens_from_steps(scheduler: Any, seq_length: int) -> None:
+    """Make a Megatron ``OptimizerParamScheduler``'s ``step`` count its tokens from its own state.
+
+    DeepSpeed steps it with the global batch size (its ``step(increment)``; Megatron's own call
+    would be the same), and the scheduler then reads the tokens consumed from Megatron's
+    ``args.consumed_train_tokens``, which Megatron's loop updates after ``train_batch`` returns: in
+    an iteration ds-swift trains again inside ``train_batch`` after a recovery that went back, that
+    count is still the one from before the failure, and a token-based schedule
+    (``--lr-warmup-tokens``, ``--lr-decay-tokens``) took another learning rate. The scheduler's
+    ``num_steps`` counts the samples consumed (restored with its state by every recovery), so the
+    tokens are ``num_steps * seq_length``, what the failure-free run's ``args`` say at that step.
+    """
+    if (
+        scheduler is None
+        or type(scheduler).__name__ != "OptimizerParamScheduler"
+        or not hasattr(scheduler, "num_steps")
+        or seq_length <= 0
+        or "token_num" not in inspect.signature(type(scheduler).step).parameters  # megatron-core's counts none
+    ):
+        return
+    if getattr(scheduler.step, "__func__", None) is _step_tokens_from_steps:
+        return
+    scheduler.swift_seq_length = seq_length
+    scheduler.step = types.MethodType(_step_tokens_from_steps, scheduler)
+
+
+def _step_tokens_from_steps(self: Any, increment: int, token_num: int | None = None) -> None:
+    if token_num is None:
+        token_num = int(self.num_steps) * int(self.swift_seq_length)
+    type(self).step(self, increment, token_num)
 
 
 def key_megatron_rng_tracker(module: Any, inputs: Any) -> None:

@@ -56,6 +56,8 @@ class CpuRun:
     """ds-swift's strategy (the swift section's ``strategy``)."""
     kill_machine: int = -1
     """The machine killed; -1: the last one (machine 3 of the default four)."""
+    kill_also: int | None = None
+    """A second machine killed at the same instant (``--inject machine=M+N``), or None."""
     kill_iteration: int = 5
     kill_phase: str = "backward"
     iters: int = 8
@@ -90,6 +92,12 @@ class CpuRun:
             raise ConfigError(f"--strategy {self.strategy!r}: one of {', '.join(strategy_names())}")
         if not 0 <= self.kill_machine < self.machines:
             raise ConfigError(f"--kill-machine {self.kill_machine}: a machine of 0..{self.machines - 1}")
+        if self.kill_also is not None and (
+            not 0 <= self.kill_also < self.machines or self.kill_also == self.kill_machine
+        ):
+            raise ConfigError(
+                f"--kill-also {self.kill_also}: another machine of 0..{self.machines - 1} than --kill-machine"
+            )
         if not 1 <= self.kill_iteration <= self.iters:
             raise ConfigError(f"--kill-iteration {self.kill_iteration}: an iteration of 1..{self.iters} (--iters)")
         if self.kill_phase not in PHASES:
@@ -119,7 +127,8 @@ class CpuRun:
 
     @property
     def inject(self) -> str:
-        return f"machine={self.kill_machine},iteration={self.kill_iteration},phase={self.kill_phase}"
+        machines = str(self.kill_machine) + (f"+{self.kill_also}" if self.kill_also is not None else "")
+        return f"machine={machines},iteration={self.kill_iteration},phase={self.kill_phase}"
 
 
 def _flag(name: str) -> str:
@@ -192,6 +201,8 @@ def launch_command(checkout: Path, work: Path, run: CpuRun | None = None, *, kil
     argv += ["--spares", str(run.spares), "--run-dir", str(run_dir / "run")]
     if kill:
         argv += ["--inject", run.inject]
+    if run.strategy == "elastic":  # the job goes on without a failed machine no spare takes over
+        argv += ["--elastic"]
     if run.precision == "fp16":  # DeepSpeed refuses fp16 on a CPU without fp16 kernels: allowed, for this run
         argv += ["-m", "ds_swift.testing.cpu_fp16_script"]
     argv += [str(checkout / "pretrain_gpt.py"), *megatron_args(run)]
@@ -206,7 +217,12 @@ def describe(run: CpuRun) -> str:
         f"tp {run.tp} x pp {run.pp} x dp {run.dp} over {run.machines} machines of {run.ranks_per_machine} "
         f"rank(s) (+{run.spares} spare), {run.precision}, ZeRO-{run.zero}, strategy {run.strategy}"
         f"{', untied embeddings' if run.untie_embeddings else ''}; "
-        f"machine {run.kill_machine} killed in the {run.kill_phase} phase of iteration {run.kill_iteration}"
+        + (
+            f"machines {run.kill_machine} and {run.kill_also} killed"
+            if run.kill_also is not None
+            else f"machine {run.kill_machine} killed"
+        )
+        + f" in the {run.kill_phase} phase of iteration {run.kill_iteration}"
     )
 
 
@@ -234,6 +250,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         help="ds-swift's recovery strategy (default %(default)s)",
     )
     parser.add_argument("--kill-machine", type=int, default=-1, help="(default: the last machine)")
+    parser.add_argument(
+        "--kill-also", type=int, default=None, help="a second machine killed at the same instant (default: none)"
+    )
     parser.add_argument("--kill-iteration", type=int, default=default.kill_iteration, help="(default %(default)s)")
     parser.add_argument("--kill-phase", choices=PHASES, default=default.kill_phase, help="(default %(default)s)")
     parser.add_argument("--iters", type=int, default=default.iters, help="training iterations (default %(default)s)")
@@ -258,8 +277,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
-    """``(checkout, work, run, dry_run)`` from the script's command line; exits 2 naming a bad option."""
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, CpuRun]:
     parser = argparse.ArgumentParser(
         prog="megatron_deepspeed_cpu.sh",
         description="Train the tiny GPT in the real Megatron-DeepSpeed twice on CPU, failure-free and with a "
@@ -268,6 +286,13 @@ def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
     parser.add_argument("checkout", metavar="PATH_TO_CHECKOUT")
     parser.add_argument("work", metavar="WORK_DIR", nargs="?", default="megatron-swift-run")
     parser.add_argument("--dry-run", action="store_true", help="print the two launch commands and stop")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="REF_WORK",
+        help="a WORK_DIR of an earlier run of the same shape, precision and length: its failure-free run is "
+        "compared with, not run again (a strategy or a kill does not change the failure-free arithmetic)",
+    )
     add_run_options(parser)
     ns = parser.parse_args(argv)
     fields = {k: v for k, v in vars(ns).items() if k in CpuRun.__dataclass_fields__}
@@ -275,12 +300,25 @@ def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
         run = CpuRun(**fields)
     except ConfigError as exc:
         parser.error(str(exc))
+    if ns.reference is not None:
+        ns.reference = Path(ns.reference).resolve()
+        ref = ns.reference / "ref" / "ckpt" / f"global_step{run.iters}"
+        if not ref.is_dir() and not ns.dry_run:
+            parser.error(f"--reference {ns.reference}: no failure-free checkpoint {ref} there")
+    return ns, run
+
+
+def parse_run(argv: list[str]) -> tuple[Path, Path, CpuRun, bool]:
+    """``(checkout, work, run, dry_run)`` from the script's command line; exits 2 naming a bad option."""
+    ns, run = _parse(argv)
     return Path(ns.checkout).resolve(), Path(ns.work).resolve(), run, ns.dry_run
 
 
 def prepare(argv: list[str]) -> int:
-    """Parse the script's options, write each run's DeepSpeed config, print shell assignments."""
-    checkout, work, run, dry_run = parse_run(argv)
+    """Parse the script's options, write each run's DeepSpeed config, print shell assignments
+    (``REF_WORK``: where the failure-free run is, this WORK_DIR unless ``--reference`` names another)."""
+    ns, run = _parse(argv)
+    checkout, work, dry_run = Path(ns.checkout).resolve(), Path(ns.work).resolve(), ns.dry_run
     out = {
         "CHECKOUT": str(checkout),
         "WORK": str(work),
@@ -288,6 +326,7 @@ def prepare(argv: list[str]) -> int:
         "FINAL_TAG": f"global_step{run.iters}",
         "DESCRIBE": describe(run),
         "DRY_RUN": "1" if dry_run else "",
+        "REF_WORK": str(ns.reference or ""),
     }
     for name, kill in (("ref", False), ("kill", True)):
         run_dir = work / name

@@ -181,7 +181,7 @@ class MessageLogHandle:
         else:
             try:
                 self._stage_and_submit([msg])
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the log's own error (see _LOG_ERRORS)
                 self._lose(exc)
 
     def _on_idle(self, where: str) -> None:
@@ -191,10 +191,20 @@ class MessageLogHandle:
         try:
             self._writer.check()
             self.drain()  # a stopped writer thread raises here (LogWriteError)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the log's own error (see _LOG_ERRORS)
             self._lose(exc)
 
-    def _lose(self, exc: OSError) -> None:
+    # _LOG_ERRORS: what the send and idle hooks catch is every Exception (not KeyboardInterrupt or
+    # SystemExit). Nothing they run talks to a peer: they stage the tensors DeepSpeed already sent
+    # (a host or pinned buffer: MemoryError, or torch's RuntimeError "CUDA error: out of memory" when
+    # pinned memory runs out), queue them, and raise what the writer thread recorded (OSError and
+    # its LogWriteError). So any error there is the log's own, a disk, host memory or a bug in the
+    # logger, never a failure of the generation, and the log is a protection: it stops, loudly, and
+    # every recovery hears that this rank's sends are not logged (RankReport.log_lost). Catching
+    # only OSError let the others escape into DeepSpeed's p2p send, where they ended a healthy job
+    # as its own error. A device fault that breaks the copy (a sticky CUDA error) surfaces again at
+    # the training thread's next kernel, where it is judged like any other.
+    def _lose(self, exc: Exception) -> None:
         """A write failed or the writer stopped: this log has a hole from here on."""
         what = f"message log on rank {self.position.rank} lost records: {exc}"
         if self._on_error is None:

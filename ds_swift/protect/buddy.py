@@ -207,8 +207,12 @@ class BuddyCopier(Protection):
         failure_domains: tuple[tuple[int, ...], ...],
         erasure: tuple[int, int] | None = None,
         interval: int | None = 1,
+        land_timeout_s: float = 300.0,
     ) -> None:
         self.factor = factor if erasure is None else sum(erasure)
+        self.land_timeout_s = land_timeout_s
+        """The longest a step waits for the previous round to land (then copying goes off, loudly):
+        under ``watchdog.hang_timeout_s``, so that a lost round never makes this rank look hung."""
         self.erasure = erasure
         self.auto = interval is None
         self.interval = 1 if interval is None else interval
@@ -228,10 +232,13 @@ class BuddyCopier(Protection):
     @classmethod
     def build(cls, site: Site) -> BuddyCopier | str:
         cfg, services = site.cfg, site.services
+        # A step waits for the last round at most its transfers' op timeout and the store round's as much
+        # again, under the hang timeout it runs inside (a lost round turns copying off: never a "hang").
+        hang, land = cfg.watchdog.hang_timeout_s, 2 * site.ctx.op_timeout_s
+        land = land if hang is None else min(land, 0.9 * hang)
         if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
-            copier = cls(
-                1, cfg.machines.failure_domains, erasure=(cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
-            )
+            erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
+            copier = cls(1, cfg.machines.failure_domains, erasure=erasure, land_timeout_s=land)
         elif not cfg.buddy.enabled:
             return "buddy.enabled false"
         elif not services.buddy_copies:
@@ -242,7 +249,12 @@ class BuddyCopier(Protection):
                 )
             return f"strategy {cfg.strategy!r} does not use them"
         else:
-            copier = cls(cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.fixed_interval)
+            copier = cls(
+                cfg.buddy.replication_factor,
+                cfg.machines.failure_domains,
+                interval=cfg.buddy.fixed_interval,
+                land_timeout_s=land,
+            )
         copier._site = site
         return copier
 
@@ -257,7 +269,7 @@ class BuddyCopier(Protection):
         generation = site.generation()
 
         def landing(world: int) -> StoreLanding:
-            return StoreLanding(JobStore.from_env(env), generation, world)
+            return StoreLanding(JobStore.from_env(env), generation, world, timeout_s=self.land_timeout_s)
 
         if not self.start(engine, site.machine(), landing if site.ctx.store is not None else None):
             return
@@ -396,6 +408,12 @@ class BuddyCopier(Protection):
         while not event(w).wait(0.1):
             if check is not None:
                 check()
+            if time.perf_counter() - t0 >= self.land_timeout_s:
+                # A round that never lands (a peer's copier gone without a word) must not hold the
+                # step until the hang detector takes this healthy machine for a hung one.
+                self.wait_s += time.perf_counter() - t0
+                self._turn_off(w, TimeoutError(f"the round in flight did not land within {self.land_timeout_s:g} s"))
+                return
         self.wait_s += time.perf_counter() - t0
         if w.error is not None:
             if check is not None:
@@ -409,16 +427,20 @@ class BuddyCopier(Protection):
         self._worker = None
         w.stopped, w.channel = True, None
         self.off = f"{type(error).__name__}: {str(error)[:200]}"
+        told = ""
         if isinstance(w.landing, StoreLanding):
             try:
                 w.landing.turn_off(f"rank {dist.get_rank() if dist.is_initialized() else -1}: {self.off}")
-            except Exception:  # noqa: BLE001 - the peers' copiers then stop on their own op timeout
-                pass
+            except Exception as exc:  # noqa: BLE001 - said below: the peers then stop at their own deadline
+                told = (
+                    f"; the other ranks could not be told ({type(exc).__name__}: {str(exc)[:120]}): their copiers "
+                    f"stop when this rank's next round key is {w.landing.timeout_s:g} s late"
+                )
         loud(
             dist.get_rank() if dist.is_initialized() else -1,
             f"BUDDY COPIES OFF: the copier failed ({self.off}); training goes on WITHOUT buddy copies of this "
             "rank's optimizer partition until the next recovery (a failure meanwhile recovers from older copies "
-            "or the global checkpoint)",
+            f"or the global checkpoint){told}",
         )
 
     def after_step(self, engine: Any, always: bool = False) -> None:

@@ -8,7 +8,6 @@ two per owner), and this rank's own copies of its last two rounds, kept across g
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,13 +123,20 @@ class StoreLanding:
         generation: the generation (rounds of an earlier one never count).
         world: ranks taking part.
         rank: this rank (default: torch.distributed's).
+        timeout_s: the longest a round waits for the other ranks' keys (their transfers are bounded
+            by the copier group's op timeout): then it raises, the copier stops, and the training
+            thread turns copying off, loudly. Without it a rank that never wrote its key (its copier
+            died, and the write of the ``off`` key failed too) held every other copier for good.
     """
 
     #: the rank that declares each round done
     LEADER = 0
 
-    def __init__(self, store: Any, generation: int, world: int, rank: int | None = None) -> None:
+    def __init__(
+        self, store: Any, generation: int, world: int, rank: int | None = None, timeout_s: float = 300.0
+    ) -> None:
         self.store, self.generation, self.world = store, generation, world
+        self.timeout_s = timeout_s
         if rank is None:
             import torch.distributed as dist
 
@@ -159,7 +165,7 @@ class StoreLanding:
         old = self._rounds.pop(0) if len(self._rounds) > 2 else None
         self.done_value = agree(
             self.store, prefix, self.rank, "1", range(self.world), lambda _: note,
-            timeout_s=math.inf, stopped=lambda: self._stopped(stopped), leader=self.LEADER,
+            timeout_s=self.timeout_s, stopped=lambda: self._stopped(stopped), leader=self.LEADER,
         )  # fmt: skip
         if old is not None:
             self.store.delete(f"{JobStore.buddy_round_key(self.generation, old)}/{self.rank}")

@@ -53,7 +53,7 @@ from ds_swift.recovery.verify import (
     mismatch_reason,
 )
 
-__all__ = ["LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
+__all__ = ["FallbackFailed", "LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
 
 #: distinct restore errors named in the agreed reason (the rest are counted)
 NAMED_ERRORS = 8
@@ -216,14 +216,51 @@ def _restore(
     reason = _agree_on_restores(ctx, world_size, error, verdict)
     if reason is not None:
         plan, chosen = STRATEGIES.fall_back(inputs, reason)
-        outcome = chosen.restore(plan, inputs, ctx)
-        # Nobody trains before every rank reloaded: a round, not a gloo barrier (whose pairs, connected
-        # lazily, would cost every rank log2(N) connections through the store).
-        agree(
-            ctx.store, round_prefix(ctx.generation, "restored"), ctx.rank, "", range(world_size),
-            timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
-        )  # fmt: skip
+        outcome = _fall_back(ctx, world_size, inputs, plan, chosen)
     return outcome, plan
+
+
+class FallbackFailed(RuntimeError):
+    """The safety net itself failed on some rank: no rank can go on from a state it knows."""
+
+
+def _fall_back(
+    ctx: RankContext, world_size: int, inputs: RecoveryInputs, plan: RecoveryPlan, chosen: RecoveryStrategy
+) -> RecoveryOutcome:
+    """The fallback's restore, with an error round of its own. There is nothing under the safety net:
+    a rank whose reload raised (no checkpoint loads on every rank, a checkpoint directory that cannot
+    be read) cannot train, and its peers, whose reload worked, must not resume and wait for it in
+    their first collective until a timeout calls it a stall. Every rank raises
+    :class:`FallbackFailed` with the agreed reasons, recorded as the job's own error: its launcher
+    ends the job with that line (a spare would load the same checkpoints and fail alike)."""
+    from ds_swift.detect.classify import record_job_error
+
+    error: str | None = None
+    outcome: RecoveryOutcome | None = None
+    try:
+        outcome = chosen.restore(plan, inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then the job ends with it
+        if isinstance(exc, GenerationFailed) or ctx.store.failure(ctx.generation) is not None:
+            raise  # the generation failed meanwhile (a cascading failure): the next one recovers
+        error = f"rank {ctx.rank}: the fallback {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:300]}"
+        loud(ctx.rank, error)
+    # Also the barrier after the reload: nobody trains before every rank reloaded (a round, not a gloo
+    # barrier, whose pairs, connected lazily, would cost every rank log2(N) connections through the store).
+    said = agree(
+        ctx.store, round_prefix(ctx.generation, "fallback"), ctx.rank, error or "", range(world_size),
+        lambda values: json.dumps(_distinct(values)), timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+    )  # fmt: skip
+    reason = "; ".join(json.loads(said))
+    if not reason:
+        assert outcome is not None
+        return outcome
+    failed = FallbackFailed(
+        f"recovery of generation {ctx.generation - 1} failed: its fallback to the global checkpoint failed too "
+        f"({reason}); no rank holds a state it can train on. Fix what the error names, then restart the job from "
+        "a checkpoint you know is good"
+    )
+    record_job_error(ctx.store, ctx.generation, ctx.rank, failed)
+    raise failed
 
 
 def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, verdict: Verdict | None) -> str | None:
@@ -252,15 +289,22 @@ def _restores(values: Mapping[int, str]) -> str:
     :data:`NAMED_ERRORS`, then how many more: a thousand ranks' errors in one key read by every rank
     would be a million copies), and the lowest ranks' mismatches."""
     said = {r: json.loads(v) for r, v in sorted(values.items())}
-    errors = list(dict.fromkeys(a["error"] for a in said.values() if a["error"]))
-    if len(errors) > NAMED_ERRORS:
-        errors = [*errors[:NAMED_ERRORS], f"and {len(errors) - NAMED_ERRORS} more ranks' errors"]
+    errors = _distinct({r: a["error"] for r, a in said.items()})
     bad = {
         r: a["verdict"]
         for r, a in said.items()
         if a["verdict"] and Verdict.from_json(a["verdict"]).status == "mismatch"
     }
     return json.dumps({"errors": errors, "mismatches": dict(list(bad.items())[:NAMED_ERRORS])})
+
+
+def _distinct(errors: Mapping[int, str]) -> list[str]:
+    """The distinct non-empty errors, the lowest ranks' first, at most :data:`NAMED_ERRORS` and then
+    how many more (a thousand ranks' errors in one key read by every rank would be a million copies)."""
+    out = list(dict.fromkeys(e for _, e in sorted(errors.items()) if e))
+    if len(out) > NAMED_ERRORS:
+        out = [*out[:NAMED_ERRORS], f"and {len(out) - NAMED_ERRORS} more ranks' errors"]
+    return out
 
 
 def _say_inexact_undo(ctx: RankContext, inputs: RecoveryInputs, plan: RecoveryPlan, outcome: RecoveryOutcome) -> None:

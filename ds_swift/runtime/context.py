@@ -63,6 +63,9 @@ class SwiftContext:
     ``--distributed-timeout-minutes``; None: torch's default). It holds outside ds-swift's calls; the
     op timeout only inside them (ds_swift.patches.op_timeout)."""
     patches: list[Any] = field(default_factory=list)
+    stepped: bool = False
+    """This process finished a step in the generation in force (set by the engine, cleared at each
+    join): an error before it is the job's own whatever it is (ds_swift.detect.job_error)."""
 
     @property
     def launched(self) -> bool:
@@ -234,6 +237,11 @@ def init_distributed(
         ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend, timeout=timeout
     )
     ctx.t_joined = time.time()
+    # An error that ends this worker outside ds-swift's calls (deepspeed.initialize refusing the
+    # config, say) is recorded for its node agent, which then ends the job with it.
+    from ds_swift.detect.classify import record_uncaught
+
+    record_uncaught(ctx.store, env.rank, ctx)
     # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.
     deepspeed.init_distributed(dist_backend=backend)
     _CONTEXT = ctx

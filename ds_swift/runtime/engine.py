@@ -58,6 +58,7 @@ from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS, Rebuilder, Rejoined
 from ds_swift.runtime.timeline import PendingTimeline
+from ds_swift.runtime.warmup import WarmUp
 
 __all__ = ["SwiftPipelineEngine", "initialize"]
 
@@ -109,7 +110,9 @@ def initialize(
         if ctx.store is not None:
             from ds_swift.detect.classify import record_job_error
 
-            record_job_error(ctx.store, ctx.generation, dist.get_rank() if dist.is_initialized() else None, exc)
+            record_job_error(
+                ctx.store, ctx.generation, dist.get_rank() if dist.is_initialized() else None, exc, early=True
+            )
         raise
 
 
@@ -136,6 +139,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             "_simulation",
             "_guard",
             "_finish",
+            "_warmup",
         }
     )
 
@@ -181,6 +185,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             self._hooks.progress = self._monitor.progress
         self._hooks.step_check = self._monitor.check_step
         self._timeline = PendingTimeline(ctx)
+        self._warmup = WarmUp(cfg.watchdog.hang_timeout_s, dist.get_rank())
         self._rebuild = Rebuilder(
             self,
             ctx=ctx,
@@ -208,9 +213,11 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             )
             with self._op_timeouts():
                 if ctx.env.replacement:
-                    self._resume(self._rebuild.as_replacement())
+                    self._resume(self._rebuild.as_replacement(), since=ctx.t_start)
                 else:
                     self._rebuild.start_generation()  # a replacement starts it in its recovery, with the others
+        if not (ctx.env is not None and ctx.env.replacement):
+            self._warmup.start(self._monitor.generation, ctx.t_start, ctx.op_timeout_s, ctx.log)
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ attribute passthrough
@@ -282,7 +289,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                             self._simulation.before(engine)
                         self._monitor.progress.arm(True)  # a hang is watched for while instructions run
                         try:
-                            with self._scaled(engine):
+                            with self._scaled(engine), self._warmup.scope(self._ctx.op_timeout_s, self._gen):
                                 loss = finish_iteration(engine) if finishing else engine.train_batch(data_iter=data)
                         finally:
                             self._monitor.progress.arm(False)
@@ -298,7 +305,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
                 except GuardTripped:
                     raise  # the second trip: the job ends
                 except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless a failure
-                    how = self._monitor.classify(exc)
+                    how = self._monitor.classify(exc, early=not self._ctx.stepped)
                 finally:
                     engine = None
             attempts += 1
@@ -310,6 +317,8 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
     def _after_step(self) -> None:
+        self._ctx.stepped = True
+        self._warmup.stepped()
         self._rebuild.protect.iteration_done(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
@@ -324,10 +333,14 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         t_detect = self._monitor.begin_recovery()
         self._ckpt.on_failure()
         self._timeline.abandon()  # a new failure before the last timeline was gathered
-        self._resume(self._rebuild.as_survivor(how, t_detect))
+        self._resume(self._rebuild.as_survivor(how, t_detect), since=t_detect)
 
-    def _resume(self, done: Rejoined) -> None:
-        """Training resumes after a recovery."""
+    def _gen(self) -> int:
+        return self._monitor.generation
+
+    def _resume(self, done: Rejoined, since: float) -> None:
+        """Training resumes after a recovery (``since``: when this rank's part of it began)."""
+        self._warmup.start(done.generation, since, self._ctx.op_timeout_s, self._ctx.log)
         # The same on every rank: a checkpoint a failure cut short is saved again, by everyone.
         self._ckpt.last_saved = done.outcome.latest_checkpoint
         self._ckpt.new_generation(done.generation)

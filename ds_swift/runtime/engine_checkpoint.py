@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ds_swift.checkpoint.periodic import Origin, latest_complete, trusted_origin
+from ds_swift.checkpoint.periodic import Origin, trusted_origin
 from ds_swift.runtime.rebuild import MAX_ATTEMPTS
 
 if TYPE_CHECKING:
@@ -44,16 +44,17 @@ class CheckpointCalls:
     _train_batch: Callable[[Any], Any]
 
     def _save_checkpoint(self) -> None:
+        # Complete once every rank has seen its marker (CheckpointManager.poll, after the next
+        # iteration): the logs it makes unneeded go then (_checkpointed).
         self._ckpt.save(self._engine)
-        self._checkpointed()
 
     def _checkpointed(self) -> None:
-        """A global checkpoint may have completed: the message and update logs older than this job's
-        newest complete one go (another run's newer checkpoint in the directory counts for nothing;
-        rank 0's completion marker may not be there yet: then they go after the next one)."""
-        found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
-        if found is not None:
-            self._rebuild.protect.after_checkpoint(found[0])
+        """A checkpoint this job saved was just seen complete: the message and update logs older than
+        the newest such one go (CheckpointManager.complete: never a newer tag in the directory that
+        another launch of the job wrote, whose logs this launch's recoveries may still need)."""
+        done = self._ckpt.complete
+        if done >= 0:
+            self._rebuild.protect.after_checkpoint(done)
 
     def save_checkpoint(
         self,
@@ -83,7 +84,7 @@ class CheckpointCalls:
                             save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs
                         )
                 except Exception as exc:  # noqa: BLE001 - classified, re-raised unless a failure
-                    how = self._monitor.classify(exc)
+                    how = self._monitor.classify(exc, early=not self._ctx.stepped)
             self._recover_as_survivor(how)
             while int(self._engine.global_steps) < target:
                 self._train_batch(None)

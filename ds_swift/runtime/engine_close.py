@@ -54,8 +54,12 @@ class EngineShutdown:
         env, store = self._ctx.env, self._ctx.store
         self._write_usage()
         self._ckpt.close()  # the last asynchronous checkpoint lands first
-        if self._ckpt.ckpt_dir is not None and self._rebuild.protect.get(UpdateLogger) is not None:
-            self._checkpointed()  # the last checkpoint may have completed since the last look
+        if (
+            self._ckpt.ckpt_dir is not None
+            and self._rebuild.protect.get(UpdateLogger) is not None
+            and self._ckpt.settle()
+        ):
+            self._checkpointed()  # the last checkpoint completed since the last look
         self._rebuild.protect.close()
         self._timeline.close()
         self._monitor.stop()

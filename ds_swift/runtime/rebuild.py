@@ -203,6 +203,7 @@ class Rebuilder(SurvivorSteps):
                     )
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
+                    ctx.generation, ctx.stepped = generation, False
                     # Creating the generation's communicators waits for every member: bounded, and
                     # a peer lost meanwhile ends it by the abort (ds_swift.transport.nccl).
                     self._monitor.arm_deadline(2 * ctx.join_timeout_s, f"rebuilding generation {generation}")
@@ -222,7 +223,7 @@ class Rebuilder(SurvivorSteps):
                 if isinstance(exc, RuntimeError) and not isinstance(exc, GenerationFailed):
                     # Declared only on evidence (the flag, a stale heartbeat, an agreed stall), never
                     # for "gloo" or "timed out" in a message; the job's own error is raised.
-                    how = self._monitor.classify(exc, generation)
+                    how = self._monitor.classify(exc, generation, early=True)
                 else:  # the generation failed, or a rank did not arrive within the join timeout
                     how = f"{type(exc).__name__}: {exc}"
                     declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")

@@ -380,3 +380,16 @@ def test_lossy_forward_equals_its_failure_simulation(tmp_path: Path, baseline: J
     distance = relative_distance(ref, got)
     print(f"lossy forward: ends {distance:.3g} from the failure-free run")
     assert distance is not None and distance > 0
+
+
+def test_a_reload_of_the_initial_state_retrains_exactly_the_failure_free_run(tmp_path: Path, baseline: JobRun) -> None:
+    """Issue 52, item 2, on the example: a recovery before the job's first complete checkpoint reloads
+    the initial state on every rank (survivors rebuild it through model_fn, the replacements start
+    with it) and retrains from iteration 0 on exactly the failure-free run's data, RNG, schedule and
+    counters: the end is bitwise."""
+    swift = {"strategy": "checkpoint", "checkpoint": {"interval": 4}}
+    job = launch(tmp_path, ["--spares", "1", "--inject", "machine=1,iteration=2,phase=backward"], swift)
+    tl = one_checkpoint_recovery(job)
+    assert tl["checkpoint_step"] in (None, -1), tl
+    assert "reload of the initial state" in job.output, job.output[-4000:]
+    assert_bitwise(baseline, job)

@@ -107,20 +107,24 @@ def test_a_new_launch_collects_the_keys_dead_launches_left(etcd: Etcd) -> None:
     raw = _client(etcd, False, StoreCredentials())
     raw.set(f"{crashed.root_prefix}L.forged/gen0/failed", "x")  # a namespace without a signed record
     fresh = launch()
-    assert sorted(launch_id for launch_id, _ in fresh.collected) == sorted([ended.launch, "forged"]), fresh.collected
+    t0 = time.monotonic()
+    assert [launch_id for launch_id, _ in fresh.collected] == [ended.launch], fresh.collected  # at once
     assert {k.split("/")[2] for k in raw.keys(fresh.root_prefix + "L.")} == {
         f"L.{crashed.launch}",
         f"L.{running.launch}",
         f"L.{fresh.launch}",
+        "L.forged",
     }
-    # A launch whose record has not been refreshed for STALE_S is dead (a crash); a live one refreshes it.
+    # A launch whose record (or its absence) this process sees unchanged for STALE_S on its own clock
+    # is dead (a crash); a live one rewrites its record every BEAT_S.
     running.write_record()
-    assert fresh.collect_leftovers(now=time.time() + STALE_S / 2) == []
-    gone = fresh.collect_leftovers(now=time.time() + STALE_S + 60)
-    assert sorted(launch_id for launch_id, _ in gone) == sorted([crashed.launch, running.launch])
+    assert fresh.collect_leftovers(now=t0 + STALE_S / 2) == []
+    running.write_record()
+    gone = fresh.collect_leftovers(now=t0 + STALE_S + 60)
+    assert sorted(launch_id for launch_id, _ in gone) == sorted([crashed.launch, "forged"]), gone
     assert fresh.failure(0) is None and fresh.generation() == 0
-    fresh.clear()  # a clean end: its keys and the token record go too
-    assert raw.keys(fresh.root_prefix) == []
+    fresh.clear()  # a clean end: its keys and the token record go too; the running launch's stay
+    assert {k.split("/")[2] for k in raw.keys(fresh.root_prefix)} == {f"L.{running.launch}"}
 
 
 def test_gathers_rounds_and_joins_of_more_than_128_ranks(etcd: Etcd) -> None:

@@ -50,3 +50,21 @@ def test_a_strategy_the_layout_cannot_serve_ends_the_job_at_start_naming_it(
     assert len(said) == 1 and "raised ConfigError: swift config: strategy='logging' is impossible" in said[0], said
     assert "(the job's own error, not a machine failure)" in said[0], said
     assert "takes over machine" not in job.output and not job.timelines(), job.output[-4000:]
+
+
+def test_an_error_every_rank_raises_before_the_first_step_ends_the_job_and_takes_no_spare(
+    tmp_path: Path, warm_deepspeed: None
+) -> None:
+    """Issue 52's example: an fp16 config on a host whose DeepSpeed accelerator refuses fp16 (the CPU
+    accelerator here, without the tests' SWIFT_TEST_CPU_FP16): every rank raises ValueError in
+    deepspeed.initialize, outside ds-swift's calls. Each exit was taken for a machine failure: both
+    spares took both machines over, failed alike, and the job ended with "no replacement: all 2
+    spares are in use", the real error buried in the log."""
+    fp16 = ROOT / "configs" / "gpt_tiny_pp2_dp2_fp16_zero1.json"
+    job = run_job(tmp_path, JobSpec(ROOT / "examples" / "pretrain_gpt.py", fp16, 3, ["--spares", "2"]), 240.0)
+    assert job.code != 0, job.output[-4000:]
+    said = [line for line in job.output.splitlines() if "job failed:" in line]
+    assert len(said) == 1 and "raised ValueError: Type fp16 is not supported" in said[0], job.output[-6000:]
+    assert "the job's own error, not a machine failure" in said[0], said
+    assert "spare" not in said[0] and "requested" not in job.output, job.output[-6000:]
+    assert job.output.rstrip().splitlines()[-1] == said[0], job.output[-2000:]  # the job's last line

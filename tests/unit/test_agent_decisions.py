@@ -209,3 +209,66 @@ def test_a_request_is_claimed_by_one_spare_only(tmp_path: Path) -> None:
     owners = [a.node for a in c.agents if a.machine == 0 and a.workers]
     assert len(owners) == 1 and owners[0] in (1, 2, 3)
     assert len(c.spawned) == 2
+
+
+# ---------------------------------------------------------------------- the job's own error or the machine's
+def _record(c: Cluster, rank: int, exc: BaseException, early: bool) -> None:
+    from ds_swift.detect.job_error import record_job_error
+
+    record_job_error(c.store, c.store.generation(), rank, exc, early=early)
+
+
+def test_the_same_error_on_every_machine_before_the_first_step_ends_the_job_and_takes_no_spare(
+    tmp_path: Path,
+) -> None:
+    """The example's fp16 config on an accelerator that refuses fp16: every rank raises in
+    deepspeed.initialize. Each exit was a machine failure: both spares went, then "no replacement"."""
+    c = Cluster(tmp_path, spares=2)
+    for rank in range(4):
+        _record(c, rank, ValueError("Type fp16 is not supported on your device."), early=True)
+        c.worker(rank).rc = 1
+    c.step()
+    reason = c.control.abort_reason() or ""
+    assert "raised ValueError: Type fp16 is not supported on your device." in reason, reason
+    assert "the job's own error, not a machine failure" in reason, reason
+    assert c.control.take_spare() == 1  # no spare was taken before
+    assert c.store.failure(0) is None and len(c.spawned) == 4
+
+
+def test_a_rank_that_exits_after_a_peers_own_error_is_not_a_machine_failure(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, spares=1)
+    _record(c, 0, KeyError("tokens"), early=False)  # machine 0's rank 0: the job's own error
+    c.worker(3).rc = 1  # machine 1's rank 3 failed on the connection rank 0 closed, and exited first
+    c.step()
+    assert c.store.failure(0) is None and len(c.spawned) == 4, c.store.failure(0)
+
+
+def test_a_device_error_on_one_machine_after_the_first_step_is_that_machines_fault(tmp_path: Path) -> None:
+    from ds_swift.launch.agent import AgentState
+
+    c = Cluster(tmp_path, spares=2)
+    ecc = RuntimeError("CUDA error: uncorrectable ECC error encountered")
+    _record(c, 3, ecc, early=False)
+    c.worker(3).rc = 1
+    c.step()
+    assert c.control.abort_reason() is None and c.store.generation() == 1
+    assert c.agents[2].state is AgentState.RUNNING  # a spare took machine 1 over
+    # Its replacement meets the same error: two machines broke alike, so it is the job's.
+    _record(c, 3, RuntimeError("CUDA error: uncorrectable ECC error encountered"), early=False)
+    c.worker(3).rc = 1
+    c.step()
+    reason = c.control.abort_reason() or ""
+    assert "the same error on the machines of agents [2, 1]" in reason, reason
+
+
+def test_a_device_error_before_the_first_step_or_a_device_side_assert_is_the_jobs(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, spares=1)
+    _record(c, 1, RuntimeError("CUDA error: device-side assert triggered"), early=False)
+    c.worker(1).rc = 1
+    c.step()
+    assert "device-side assert" in (c.control.abort_reason() or "")
+    c2 = Cluster(tmp_path / "2", spares=1)
+    _record(c2, 1, RuntimeError("CUDA error: an illegal memory access was encountered"), early=True)
+    c2.worker(1).rc = 1
+    c2.step()
+    assert "illegal memory access" in (c2.control.abort_reason() or "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,42 @@ def test_deepspeeds_latest_without_a_ds_swift_marker_is_not_the_origin(
     (tmp_path / "global_step8" / COMPLETE_MARKER).write_text(json.dumps({"iterations": 8, "job": "job-other"}))
     assert origin_of(engine, rank=0) == Origin(str(tmp_path), "global_step8", 8)
     assert m.latest(at_most=None) == (8, str(tmp_path), "global_step8")
+
+
+class _BarrierEngine(FakeEngine):
+    """DeepSpeed's save, which ends in a barrier on the world."""
+
+    def save_checkpoint(self, save_dir: str, tag: str, **_: Any) -> None:
+        super().save_checkpoint(save_dir, tag)
+        dist.barrier()
+
+
+@pytest.mark.parametrize("where", ["file", "directory"])
+def test_a_write_error_enters_deepspeeds_last_barrier_only_where_the_save_did_not(
+    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Every rank must enter DeepSpeed's closing barrier once. A file's fsync fails before it (this
+    rank owes it); the fsync of the tag's directory after it (an EIO there sent this rank into a
+    second barrier, which no peer matches: the peers are in the marker's gather)."""
+    barriers: list[str] = []
+    real_barrier, real_fsync = dist.barrier, os.fsync
+
+    def barrier(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_globals["__name__"]
+        if not caller.startswith("ds_swift.transport"):  # ds-swift's own barriers are on its own group
+            barriers.append(caller)
+        return real_barrier(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if (where == "file" and path.suffix == ".pt") or (where == "directory" and path.name == "global_step4"):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    m = CheckpointManager(str(tmp_path), interval=4, rank=0, job_id="job-mine")
+    assert m.save(_BarrierEngine(4)) == "global_step4"
+    assert len(barriers) == 1, barriers  # DeepSpeed's own, or the one owed for it: never both
+    assert not (tmp_path / "global_step4" / COMPLETE_MARKER).exists()  # it does not count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,61 @@ def test_a_dead_agents_machine_goes_to_the_spare(tmp_path: Path) -> None:
     agents[2].poll_store()
     assert agents[2].machine == 0 and spawned == [0, 1, 0]
     assert store.get("launch/machine_of/2") == "0"
+
+
+# ---------------------------------------------------------------------- what a host sources and keeps
+def _run_agent_line(tmp_path: Path, env_file: Path) -> subprocess.CompletedProcess[str]:
+    # The host's line as ssh would run it, with /bin/echo in place of python: it shows whether the
+    # exports were sourced and the agent started.
+    line = render(agent_command(["t.py"], str(env_file), str(tmp_path), python="/bin/echo"), "localhost")
+    return subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
+
+
+def test_a_host_sources_the_exports_only_from_a_private_file_of_its_user(tmp_path: Path) -> None:
+    env_file = tmp_path / "agent.env"
+    write_env_file(str(env_file), {"FOO": "bar"})
+    ok = _run_agent_line(tmp_path, env_file)
+    assert ok.returncode == 0 and "ds_swift.launch.cli --node-host localhost t.py" in ok.stdout, ok
+    # Writable by others (a shared run directory): whatever they put in it would run as this user.
+    env_file.chmod(0o666)
+    env_file.write_text("echo PWNED\n")
+    refused = _run_agent_line(tmp_path, env_file)
+    assert refused.returncode == 2 and "PWNED" not in refused.stdout, refused
+    assert "is not a mode-0600 file of this user" in refused.stderr, refused.stderr
+    # A symlink to a private file is not the file the launcher wrote.
+    env_file.unlink()
+    real = tmp_path / "elsewhere.env"
+    write_env_file(str(real), {"FOO": "bar"})
+    env_file.symlink_to(real)
+    assert _run_agent_line(tmp_path, env_file).returncode == 2
+
+
+def test_the_launch_host_deletes_the_secret_and_the_exports_when_its_agents_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ds_swift.launch import remote
+
+    hf = tmp_path / "hostfile"
+    hf.write_text("127.0.0.1 slots=1\n")
+    run = tmp_path / "run"
+    args = parse_args(
+        ["--hostfile", str(hf), "--launcher", "ssh", "--master_addr", "127.0.0.1", "--run-dir", str(run), "t.py"],
+        environ={},
+    )
+    seen: list[list[str]] = []
+
+    def start_agents(launcher: str, hosts: object, command: object, env: object = None) -> list[object]:
+        seen.append(sorted(p.name for p in run.iterdir()))  # what the agents would read at their start
+        return [subprocess.Popen(["true"])]
+
+    monkeypatch.setattr(remote, "start_agents", start_agents)
+    assert remote.run_remote(args) == 0
+    assert len(seen) == 1 and {"agent.env", "job.secret"} <= set(seen[0]), seen
+    assert not (run / "job.secret").exists() and not (run / "agent.env").exists(), sorted(run.iterdir())
+
+
+def test_a_plain_etcd_store_is_said_to_leave_torchs_keys_unsigned(capsys: pytest.CaptureFixture[str]) -> None:
+    parse_args(["--store", "etcd://127.0.0.1:2379", "--nnodes", "1", "t.py"], environ={})
+    assert "torch's own rendezvous keys" in capsys.readouterr().err
+    parse_args(["--store", "etcd+https://127.0.0.1:2379", "--nnodes", "1", "t.py"], environ={})
+    assert "rendezvous keys" not in capsys.readouterr().err

@@ -132,6 +132,8 @@ def test_each_run_logs_under_its_own_directory(tmp_path: Path) -> None:
         (["--zero", "2"], "--zero"),
         (["--strategy", "magic"], "--strategy"),
         (["--dp", "0"], "--dp 0"),
+        (["--kill-machine", "1", "--kill-also", "1"], "--kill-also 1"),
+        (["--reference", "/nowhere"], "--reference"),
     ],
 )
 def test_bad_options_are_refused_by_name(
@@ -199,3 +201,43 @@ def test_script_dry_run_prints_both_commands(tmp_path: Path) -> None:
 
     bad = subprocess.run([*argv[:3], "--zero", "3"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--zero" in bad.stderr and bad.stdout == ""
+
+
+def test_two_machines_at_once_elastic_and_a_shared_reference(tmp_path: Path) -> None:
+    """The Megatron fault matrix's needs (benchmarks/megatron_matrix.py): two machines killed at one
+    instant, the elastic strategy's shrink, and one failure-free run compared with by many cases."""
+    _, _, two, _ = parse_run([str(tmp_path), "--kill-machine", "0", "--kill-also", "3", "--spares", "2"])
+    argv = launch_command(tmp_path / "mds", tmp_path / "w", two)
+    assert option(argv, "--inject") == "machine=0+3,iteration=5,phase=backward" and option(argv, "--spares") == "2"
+    _, _, elastic, _ = parse_run([str(tmp_path), "--strategy", "elastic", "--spares", "0"])
+    assert "--elastic" in launch_command(tmp_path / "mds", tmp_path / "w", elastic)
+    assert "--elastic" not in argv
+    ref = tmp_path / "ref-work"
+    (ref / "ref" / "ckpt" / "global_step8").mkdir(parents=True)
+    import contextlib
+    import io
+
+    from ds_swift.megatron.cpu import prepare
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert prepare([str(tmp_path / "mds"), str(tmp_path / "w"), "--reference", str(ref)]) == 0
+    assert f"REF_WORK={ref}" in out.getvalue().splitlines()
+
+
+def test_the_megatron_matrix_cases_and_their_options() -> None:
+    sys.path.insert(0, str(SCRIPT.parents[1] / "benchmarks"))
+    try:
+        from megatron_matrix import CI_CASES, all_cases
+    finally:
+        sys.path.pop(0)
+    cases = {c.name: c for c in all_cases()}
+    assert len(cases) == 3 * 3 * 6 * 8 and set(CI_CASES) <= set(cases)
+    first = cases["pp2dp2/bf16/checkpoint/first"].options()
+    assert option(first, "--kill-iteration") == "2" and option(first, "--save-interval") == "4"
+    two = cases["tp2pp2dp2/fp16/auto/two"].options()
+    assert (option(two, "--kill-machine"), option(two, "--kill-also"), option(two, "--spares")) == ("0", "3", "2")
+    assert option(two, "--initial-scale-power") == "20"
+    assert option(cases["pp4/fp32/elastic/m0"].options(), "--spares") == "0"
+    for case in cases.values():  # every case is a valid command line of the script
+        parse_run(["/mds", *case.options()])

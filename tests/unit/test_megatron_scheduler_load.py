@@ -77,3 +77,60 @@ def test_other_schedulers_are_left_alone() -> None:
     scheduler_loads_by_setting(sched)
     scheduler_loads_by_setting(None)
     assert sched.load_state_dict == load
+
+
+class OptimizerParamScheduler:
+    """Megatron-DeepSpeed's scheduler as far as its token count goes (megatron/optimizer_param_scheduler.py
+    at the pinned commit): ``step`` reads the tokens consumed from Megatron's args when not given them."""
+
+    def __init__(self, args: object) -> None:
+        self.args, self.num_steps, self.num_tokens = args, 0, 0
+
+    def step(self, increment: int, token_num: int | None = None) -> None:
+        if token_num is None:
+            token_num = self.args.consumed_train_tokens  # type: ignore[attr-defined]
+        self.num_tokens = token_num
+        self.num_steps += increment
+
+
+def test_the_token_count_comes_from_the_schedulers_own_steps() -> None:
+    """In an iteration ds-swift trains again inside train_batch after a recovery that went back,
+    Megatron's args still count the tokens from before the failure: a token-based schedule took
+    another learning rate. The scheduler's own sample count (restored by the recovery) says it."""
+    from types import SimpleNamespace
+
+    from ds_swift.megatron import scheduler_tokens_from_steps
+
+    args = SimpleNamespace(consumed_train_tokens=0)
+    ref, sched = OptimizerParamScheduler(args), OptimizerParamScheduler(args)
+    scheduler_tokens_from_steps(sched, seq_length=32)
+    scheduler_tokens_from_steps(sched, seq_length=32)  # idempotent
+    for it in range(3):  # the failure-free loop: args follow after each step
+        args.consumed_train_tokens = it * 4 * 32
+        ref.step(4)
+        sched.step(4)
+        assert sched.num_tokens == ref.num_tokens == it * 4 * 32
+    sched.num_steps = 4  # a reload of the checkpoint after iteration 1; args still say 3 iterations
+    sched.step(4)
+    assert sched.num_tokens == 4 * 32 and sched.num_steps == 8
+    twin = copy.deepcopy(sched)  # a survivor's kept scheduler
+    twin.step(4)
+    assert twin.num_tokens == 8 * 32 and sched.num_steps == 8
+    core, _ = make_scheduler()  # megatron-core's counts no tokens: left alone
+    step = core.step  # type: ignore[attr-defined]
+    scheduler_tokens_from_steps(core, seq_length=32)
+    assert core.step == step  # type: ignore[attr-defined]
+
+
+def test_megatrons_loop_counters_follow_the_engine_after_a_recovery_that_went_back() -> None:
+    from types import SimpleNamespace
+
+    from ds_swift.megatron import MegatronDeepSpeed
+    from ds_swift.megatron.data import SamplerPosition
+
+    swift = MegatronDeepSpeed(lambda n: (None, None, None), SimpleNamespace(load=None))
+    swift.samples.position = SamplerPosition(micro_batch_size=1, data_parallel_size=2, gas=2)
+    args = SimpleNamespace(iteration=3, consumed_train_samples=12, consumed_train_tokens=384, seq_length=32)
+    args.consumed_train_samples += 4  # the loop's own count after the step retrained after a reload to 0
+    swift.follow(args, 1)
+    assert (args.iteration, args.consumed_train_samples, args.consumed_train_tokens) == (1, 4, 128)

@@ -360,3 +360,31 @@ def test_upload_and_gc_in_the_store(tmp_path: Path, wire: list, scheme: str, req
     left = open_store(url).backend.list()
     assert len(left) == 2 * 2 and all("_it0000000004-" in n for n in left), left
     assert {cn.first_iteration for cn in LogReader(tmp_path / "local").chunk_names()} == {4}
+
+
+@pytest.mark.parametrize("bubble_only", [False, True])
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("CUDA error: out of memory")])
+def test_a_staging_error_stops_logging_loudly_and_training_goes_on(
+    tmp_path: Path, wire: list, monkeypatch: pytest.MonkeyPatch, bubble_only: bool, error: Exception
+) -> None:
+    """Staging a sent tensor (host or pinned memory) can fail with more than an OSError; raised from
+    the hook, it reached DeepSpeed's p2p send and ended a healthy job."""
+    from ds_swift.msglog import logger
+
+    class Failing:
+        def stage(self, tensors: list[torch.Tensor]) -> object:
+            raise error
+
+    monkeypatch.setattr(logger, "make_stager", lambda device, native: Failing())
+    e = FakeEngine(1)
+    said: list[str] = []
+    h = install_message_logging(e, PLAN, cfg(tmp_path, bubble_only=bubble_only), native=False, on_error=said.append)
+    try:
+        e.outputs[0] = torch.zeros(2)
+        e.run(schedule.SendActivation(buffer_id=0))
+        e.run(schedule.RecvGrad(buffer_id=0))
+        e.run(schedule.OptimizerStep())  # training goes on
+        assert len(said) == 1 and "rank 1 lost records" in said[0] and h.lost == said[0], said
+        assert ("out of memory" in said[0]) == isinstance(error, RuntimeError)
+    finally:
+        h.remove()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ds_swift.checkpoint import periodic as checkpoint
+from ds_swift.jobstore.agreement import RoundTimeout, round_prefix, verdict_key
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.protect.buddy_holdings import StoreLanding
@@ -156,7 +157,7 @@ def test_a_strategy_error_falls_back_to_the_global_checkpoint(monkeypatch: pytes
     assert outcome.plan.strategy == "checkpoint"
     assert fallback.reasons and "strategy 'broken' raised KeyError" in fallback.reasons[0]
     assert (
-        store.get("gen1/restore/0") is not None and store.get("gen1/restored/verdict") is not None
+        store.get("gen1/restore/0") is not None and store.get("gen1/fallback/verdict") is not None
     )  # the rounds took place
 
 
@@ -187,3 +188,75 @@ def test_torchs_zip_writer_error_is_a_write_error_where_the_storage_refuses(
 
     monkeypatch.setattr("builtins.open", full)
     assert checkpoint._write_error(RuntimeError("basic_ios::clear: iostream error"), tmp_path)
+
+
+class _BrokenCheckpoint(_Checkpoint):
+    def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
+        raise RuntimeError("no global checkpoint loads on every rank")
+
+
+def test_an_error_in_the_fallback_itself_ends_the_job_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload under every strategy raised out of the recovery, on that rank alone: its peers
+    resumed and waited for it in their first collective until a timeout called it a stall."""
+    from ds_swift.detect.classify import job_error, rank_error_key
+
+    monkeypatch.setattr(coordinator, "STRATEGIES", Registry([_Broken()], fallback=_BrokenCheckpoint()))
+    store = JobStore.host("unit-safety-net-fallback")
+    report = RankReport(rank=0, survivor=True, stage=0, dp=0, tp=0, machine=0, last_stepped=4)
+    ctx = RankContext(store, 1, 0, None, None, None, RankTimeline(rank=0, role="survivor", failed_generation=0), 10.0)
+    with pytest.raises(coordinator.FallbackFailed, match="fallback to the global checkpoint failed too") as got:
+        coordinator.run_recovery(
+            ctx, world_size=1, report=report, strategy="auto", zero_stage=1, optimizer_wrapper=None
+        )
+    assert "no global checkpoint loads on every rank" in str(got.value)
+    assert store.get(verdict_key(round_prefix(1, "fallback"))) is not None  # agreed with every rank first
+    said = store.get(rank_error_key(0))  # the job's own error: its launcher ends the job with it
+    assert said is not None and "FallbackFailed" in said and job_error(store, 1) is not None
+
+
+# ------------------------------------------------------------------ buddy rounds that never land
+def test_a_round_whose_keys_never_come_ends_its_wait() -> None:
+    """A rank whose copier died without a word (its 'off' key unwritten) held every other rank's
+    landing wait for good: now the wait raises after its timeout, and that copier stops."""
+    store = JobStore.host("unit-buddy-late")
+    leader = StoreLanding(store, 0, 2, rank=0, timeout_s=1.0)
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            leader(3, lambda: False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box[0] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30.0)
+    assert not t.is_alive(), "the landing wait never ends"
+    assert isinstance(box[0], RoundTimeout) and len(box[0].pending) == 1, box[0]  # rank 1's key, named
+
+
+def test_a_step_waits_for_a_round_at_most_its_deadline_then_copies_go_off_loudly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The training thread's wait for the previous round had no deadline: a round that never landed
+    held the step until the hang detector replaced this healthy machine as hung."""
+
+    class _Landing(StoreLanding):
+        def __init__(self) -> None:
+            self.timeout_s = 0.5
+
+        def turn_off(self, reason: str) -> None:
+            raise ConnectionError("job store unreachable")
+
+    copier = BuddyCopier(1, (), land_timeout_s=0.5)
+    never = threading.Event()
+    worker = SimpleNamespace(landed=never, error=None, stopped=False, channel=object(), landing=_Landing())
+    copier._worker = worker  # type: ignore[assignment]
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (copier.before_step(lambda: None), done.set()), daemon=True)
+    t.start()
+    assert done.wait(30.0), "the step still waits for a round that never lands"
+    assert copier.off is not None and "did not land within 0.5 s" in copier.off
+    assert worker.stopped and worker.channel is None
+    err = capsys.readouterr().err
+    assert "BUDDY COPIES OFF" in err and "could not be told (ConnectionError: job store unreachable)" in err, err

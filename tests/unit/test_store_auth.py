@@ -92,3 +92,29 @@ def test_a_client_with_another_secret_is_refused(job: JobStore) -> None:
     peer = JobStore.connect("127.0.0.1", job.port, "tok", timeout_s=10, secret=SECRET)
     peer.heartbeat(0, "step")
     assert job.heartbeat_of(0) is not None and job.heartbeat_of(0)[1] == "step"
+
+
+def test_the_secret_never_goes_through_a_file_someone_else_planted(tmp_path: Path) -> None:
+    import os
+
+    path = tmp_path / "job.secret"
+    victim = tmp_path / "victim"
+    victim.write_text("theirs\n")
+    # The temporary name an earlier version used (<path>.<pid>.tmp): anyone could guess it and put a
+    # symlink there, which the open followed (O_TRUNC without O_EXCL).
+    (tmp_path / f"job.secret.{os.getpid()}.tmp").symlink_to(victim)
+    write_secret_file(str(path), SECRET)
+    assert victim.read_text() == "theirs\n" and read_secret_file(str(path)) == SECRET
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["job.secret", f"job.secret.{os.getpid()}.tmp", "victim"]
+    )
+
+
+def test_a_secret_file_of_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    path = tmp_path / "job.secret"
+    write_secret_file(str(path), SECRET)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 1)
+    with pytest.raises(SecretError, match="not to this user"):
+        read_secret_file(str(path))

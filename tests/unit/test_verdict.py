@@ -17,6 +17,7 @@ from ds_swift.detect.classify import (
     job_error,
     rank_error_key,
 )
+from ds_swift.detect.job_error import JobErrorRecord
 from ds_swift.jobstore.membership import JobStore
 
 # gloo's own errors, as torch 2.13 raises them (plain RuntimeErrors).
@@ -75,7 +76,8 @@ def test_a_peers_own_error_is_raised_not_recovered(store: JobStore, alive: None)
     with pytest.raises(ValueError):
         classify_failure(bug, store, 0, 0.01, Liveness(range(4), heartbeat_timeout_s=30.0, rank=3))
     assert (job_error(store, 0) or "").startswith("rank 3 raised ValueError")
-    assert (store.get(rank_error_key(3)) or "").startswith("rank 3 raised")  # its agent ends the job, no spare
+    said = JobErrorRecord.parse(store.get(rank_error_key(3)) or "")  # its agent ends the job, no spare
+    assert said.what.startswith("rank 3 raised") and not said.machines_fault
     # The peer blocked on rank 3 fails on the closed connection: the job's own error, not a stall.
     closed = RuntimeError(GLOO_CLOSED)
     with pytest.raises(RuntimeError) as raised:

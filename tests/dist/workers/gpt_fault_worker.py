@@ -13,6 +13,10 @@ In generation 0 only (replacements never fault):
   (as a rank whose receive returned just before the flag was set): it goes on into the next forward
   pass while its tensor-parallel peer leaves (tests/dist/test_recovery_tp.py).
 
+``SWIFT_TEST_SLOW_START="seconds=S"``: every rank's start-up takes S seconds longer (a sleep where its
+first engine's hooks are installed, inside ds_swift.initialize): a job whose first iteration is
+slow by nature starts slowly too (the warm-up allowance, ds_swift.runtime.warmup).
+
 ``SWIFT_TEST_CPU_FP16=1``: fp16 allowed on DeepSpeed's CPU accelerator (ds_swift.patches.cpu_fp16).
 
 ``SWIFT_TEST_HOLD_FOR_GROW="iteration=I"`` (an elastic grow, tests/dist/test_elastic.py): after the
@@ -201,9 +205,13 @@ def main() -> None:
     hold = fault_spec("SWIFT_TEST_HOLD_FOR_GROW")
     nan, nan_fired = fault_spec("SWIFT_TEST_NAN_LOSS"), [False]
 
+    slow = fault_spec("SWIFT_TEST_SLOW_START")
+
     def install(self: Any, engine: Any) -> None:
         original(self, engine)
         installs[0] += 1
+        if slow and installs[0] == 1:
+            time.sleep(slow["seconds"])
         if hold and installs[0] == 2 and os.environ.get("SWIFT_REPLACEMENT") != "1":
             self.add(hook_instructions(engine, "test.hold", {schedule.ForwardPass: _hold_hook(hold["iteration"])}))
         if nan and nan["rank"] == rank and (installs[0] > 1 or os.environ.get("SWIFT_REPLACEMENT") == "1"):
