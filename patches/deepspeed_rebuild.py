@@ -360,11 +360,13 @@ def release_megatron_groups() -> int:
     return count
 
 
-def teardown_process_groups() -> None:
+def teardown_process_groups(engine_kept: bool = False) -> None:
     """End every process group of this generation so peers blocked on us fail fast: destroyed on
     gloo, aborted where they have NCCL (ds_swift.transport.shutdown says why), then DeepSpeed's
     references to them released (what ``deepspeed.comm.destroy_process_group`` does after torch's
-    destroy, which on NCCL could wait on a dead peer).
+    destroy, which on NCCL could wait on a dead peer). ``engine_kept``: a survivor keeps its engine
+    (ds_swift.patches.group_swap cut its groups, DeepSpeed's and Megatron's module globals included,
+    and puts their successors back): those globals and Megatron's other state stay as they are.
 
     The caller must have dropped its references to the engine (and to any exception traceback
     that holds its frames) first: a process group still referenced is not freed and keeps its
@@ -375,9 +377,11 @@ def teardown_process_groups() -> None:
     from ds_swift import transport
 
     _check_versions()
-    release_megatron_groups()
+    if not engine_kept:
+        release_megatron_groups()
     release_autograd_groups()
     transport.teardown_world()
-    groups._release_process_group_references(group=None)
-    reset_pipeline_globals()
+    if not engine_kept:
+        groups._release_process_group_references(group=None)
+        reset_pipeline_globals()
     gc.collect()

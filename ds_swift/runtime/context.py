@@ -62,6 +62,10 @@ class SwiftContext:
     ``--distributed-timeout-minutes``; None: torch's default). It holds outside ds-swift's calls; the
     op timeout only inside them (ds_swift.patches.op_timeout)."""
     patches: list[Any] = field(default_factory=list)
+    ledger: Any = None
+    """The process groups and ops of this worker's start-up, from joining its generation to
+    ``ds_swift.initialize`` (ds_swift.patches.group_swap.StartupLedger), which a survivor replays to
+    keep its engine (ds_swift.runtime.swap); None: not recorded (not under ds-swift-launch)."""
 
     @property
     def launched(self) -> bool:
@@ -213,6 +217,9 @@ def init_distributed(
     ctx.t_joined = time.time()
     # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.
     deepspeed.init_distributed(dist_backend=backend)
+    from ds_swift.patches.group_swap import StartupLedger
+
+    ctx.ledger = StartupLedger.start(restored=env.replacement)  # closed by ds_swift.initialize
     _CONTEXT = ctx
     return ctx
 

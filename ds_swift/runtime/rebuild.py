@@ -47,6 +47,7 @@ from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
+from ds_swift.runtime.swap import EngineSwap
 from ds_swift.runtime.teardown import SurvivorSteps
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
@@ -109,6 +110,8 @@ class Rebuilder(SurvivorSteps):
         self._monitor = monitor
         self._ckpt = ckpt
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
+        #: whether a survivor keeps its engine through a recovery, and the swap of its groups
+        self.engine_swap = EngineSwap(ctx)
         #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
         self.resize: Resize | None = None
         #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
@@ -172,11 +175,14 @@ class Rebuilder(SurvivorSteps):
         tl = RankTimeline(rank=env.rank, role="survivor", failed_generation=g, t_detect=t_detect, detect_how=how)
         kept = self._tear_down()
         tl.t_torn_down = time.time()
+        tl.extra["teardown_s"] = self.teardown_steps
         store = self._ctx.store
         assert store is not None
         if (store.failure(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
         self._leave_if_my_machine_failed(g)
+        if self.resize is not None and self.engine_swap.active:
+            self._drop_kept_engine(f"the elastic {self.resize.kind} changes the world's shape")
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
@@ -201,7 +207,7 @@ class Rebuilder(SurvivorSteps):
         """Join ``generation``, rebuild, run the recovery protocol; retries on cascading failures."""
         import deepspeed
 
-        from ds_swift.patches.deepspeed_rebuild import patient_group_creation, teardown_process_groups
+        from ds_swift.patches.deepspeed_rebuild import teardown_process_groups
 
         ctx, env, store = self._ctx, self._ctx.env, self._ctx.store
         assert env is not None and store is not None
@@ -221,10 +227,10 @@ class Rebuilder(SurvivorSteps):
                     tl.t_joined = time.time()
                     self._monitor.set_generation(generation)
                     deepspeed.init_distributed(dist_backend=ctx.backend)
-                    # The groups' members include replacements still starting: wait for them as
-                    # long as for their join, then the op timeout applies again.
-                    with patient_group_creation(ctx.join_timeout_s, ctx.op_timeout_s):
-                        self._holder.engine = self.build_engine()
+                    if self.engine_swap.active:
+                        tl.extra["engine_kept_s"] = self.engine_swap.swap_in(self._holder.engine)
+                    else:
+                        self._holder.engine = self._rebuild_engine()
                     tl.t_rebuilt = time.time()
                     self._hooks.install(self._holder.engine)
                 tl.failed_generation = generation - 1
@@ -240,13 +246,19 @@ class Rebuilder(SurvivorSteps):
                     declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
                 ctx.log(f"generation {generation} failed during recovery ({how}); joining {generation + 1}")
                 self._hooks.uninstall()
-                self._holder.engine = None
                 self._hooks.take_undo()  # the rebuilt engine's, dropped with it
-                teardown_process_groups()
+                if self.engine_swap.refused is not None and self.engine_swap.active:
+                    self._drop_kept_engine(self.engine_swap.refused)
+                if self.engine_swap.active:
+                    self.engine_swap.cut(self._holder.engine)
+                else:
+                    self._holder.engine = None
+                teardown_process_groups(engine_kept=self.engine_swap.active)
                 generation += 1
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
+        self.engine_swap.swap = None  # the next failure looks for the groups again
         if env.rank == 0:
             store.set(resumed_key(generation), "1")
         self.start_generation()
@@ -258,6 +270,30 @@ class Rebuilder(SurvivorSteps):
         why = f" ({plan.reason})" if env.rank == 0 else ""
         ctx.log(f"generation {generation}: {plan.strategy}{why}; resuming at iteration {outcome.resume_iteration}")
         return Rejoined(outcome, tl, generation)
+
+    def _rebuild_engine(self) -> Any:
+        """A survivor's new engine on the generation just joined, its start-up recorded for the next
+        failure's swap (ds_swift.runtime.swap)."""
+        from ds_swift.patches.deepspeed_rebuild import patient_group_creation
+        from ds_swift.patches.group_swap import StartupLedger
+
+        # The groups' members include replacements still starting: wait for them as long as for
+        # their join, then the op timeout applies again.
+        with patient_group_creation(self._ctx.join_timeout_s, self._ctx.op_timeout_s):
+            ledger = StartupLedger.start(restored=True)  # its state: the kept one
+            try:
+                engine = self.build_engine()
+            finally:
+                ledger.close()
+        self._ctx.ledger = ledger
+        return engine
+
+    def _drop_kept_engine(self, why: str) -> None:
+        """The survivor rebuilds its engine after all (a resize, a failed replay)."""
+        trouble = self.engine_swap.drop(self._holder.engine, why)
+        if trouble is not None:
+            self._ctx.log(trouble + ": it may stay in memory")
+        self._holder.engine = None
 
     def _recover(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> RecoveryOutcome:
         """The recovery protocol (ds_swift.recovery.coordinator) in ``generation``, joined and rebuilt."""
