@@ -99,7 +99,7 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
     if tl.get("donors"):
         pairs = ", ".join(f"{src}->{dst}" for dst, src in sorted(tl["donors"].items(), key=lambda kv: int(kv[0])))
         moved = sum(int(r.get("bytes_moved", 0)) for r in tl.get("ranks", []))
-        lines.append(f"  state sent donor->replacement: {pairs} ({moved / 1e6:.2f} MB)")
+        lines.append(f"  state sent donor->replacement: {pairs} ({moved / 1e6:.2f} MB{transfer_words(tl)})")
     replay = tl.get("replay")
     if isinstance(replay, dict) and replay.get("iterations") is not None:
         per_rank = replay.get("per_rank") or {}
@@ -191,3 +191,16 @@ def plot_losses(
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def transfer_words(tl: dict[str, Any]) -> str:
+    """The state transfer's achieved bandwidth: the bytes the replacements received over the longest
+    receive (the ranks' ``extra["transfer"]``, ds_swift.recovery.state.transfer.hand_over); "" where
+    no rank timed one."""
+    times = [r.get("extra", {}).get("transfer") for r in tl.get("ranks", [])]
+    got = [t for t in times if isinstance(t, dict) and t.get("received_bytes")]
+    if not got:
+        return ""
+    nbytes = sum(int(t["received_bytes"]) for t in got)
+    seconds = max(float(t["s"]) for t in got)
+    return f", received in {seconds:.2f} s: {nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"
