@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -379,9 +380,19 @@ def teardown_process_groups(engine_kept: bool = False) -> None:
     _check_versions()
     if not engine_kept:
         release_megatron_groups()
-    release_autograd_groups()
-    transport.teardown_world()
-    if not engine_kept:
+        release_autograd_groups()
+        transport.teardown_world()
         groups._release_process_group_references(group=None)
         reset_pipeline_globals()
-    gc.collect()
+        gc.collect()
+        return
+    # A kept engine's groups were cut out of it one by one: a group no one else holds is freed (its
+    # sockets closed) when torch's registry lets go of it. Only one still held somewhere (an autograd
+    # graph of the failed iteration, a cycle) needs the collector's scans, a few tenths of a second
+    # on a loaded heap; the rest of the failed generation's garbage is the collector's to free, on
+    # its own schedule, once training runs again.
+    failed = [weakref.ref(g) for g in _live_groups()] if dist.is_initialized() else []
+    transport.teardown_world()
+    if any(g() is not None for g in failed):
+        release_autograd_groups()
+        gc.collect()

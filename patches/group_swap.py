@@ -309,6 +309,7 @@ class _Slot:
     key: Any
     template: Any
     old: Any
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -419,27 +420,37 @@ class GroupSwap:
         self._find([*roots, *_module_roots(packages)])
 
     def _find(self, roots: list[Any]) -> None:
+        """Every slot reachable from ``roots``: objects in depth; a module's globals one container
+        deep (DeepSpeed's and Megatron's keep groups there, or in a list or dict of them: a deeper
+        walk of every module's globals costs a tenth of a second, and the objects behind them are
+        the engine's, walked from it)."""
         seen: set[int] = set()
-        stack: list[tuple[Any, str]] = [(r, type(r).__name__) for r in roots]
-        module_roots = {id(r) for r in roots if isinstance(r, types.ModuleType)}
+        # (object, where it was found, how many more levels to enter: None for no limit)
+        stack: list[tuple[Any, str, int | None]] = [
+            (r, getattr(r, "__name__", type(r).__name__), 1 if isinstance(r, types.ModuleType) else None) for r in roots
+        ]
         while stack:
-            obj, where = stack.pop()
+            obj, where, depth = stack.pop()
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
             if len(seen) > MAX_OBJECTS:
                 raise SwapRefused(f"the engine reaches more than {MAX_OBJECTS} objects")
-            if isinstance(obj, types.ModuleType) and id(obj) not in module_roots:
-                continue
+            if isinstance(obj, types.ModuleType) and depth is None:
+                continue  # a module found along the way: only the roots' globals are searched
             for container, key, value in _entries(obj):
                 here = f"{where}.{key}" if container is not None and not isinstance(container, list) else where
                 if isinstance(value, dist.ProcessGroup) or _has_group(value):
                     if container is None:
                         raise SwapRefused(f"{here} holds a process group where it cannot be replaced")
-                    self.slots.append(_Slot(container, key, _template(value, self._ledger, here), value))
+                    self.slots.append(_Slot(container, key, _template(value, self._ledger, here), value, here))
                     continue
-                if not _skip(value) and id(value) not in seen:
-                    stack.append((value, here))
+                if _skip(value) or id(value) in seen:
+                    continue
+                if depth is None:
+                    stack.append((value, here, None))
+                elif depth > 0 and isinstance(value, list | dict):
+                    stack.append((value, here, depth - 1))
 
     def cut(self) -> None:
         """Drop every reference (the failed generation's groups can then be freed)."""
