@@ -61,6 +61,8 @@ setup(
             "triton>=3.2; platform_machine == 'x86_64' and sys_platform == 'linux'",
             # the import-graph contracts in pyproject.toml (`lint-imports`, scripts/check.sh)
             "import-linter>=2.1",
+            # the docs site and its link check (`mkdocs build --strict`, scripts/check.sh; the built-in theme)
+            "mkdocs==1.6.1",
         ],
         "s3": ["s3fs>=2024.1"],
         # The fused update-undo kernel (ds_swift.undo.triton_adam); CUDA builds of torch bring it already.

@@ -24,7 +24,7 @@ wall clock is noisy, CPU time says where the cost is.
 
 ``--breakdown`` runs, interleaved, "off", the defaults, and the defaults with one protection
 switched off at a time (through its config field where it has one, else through
-``SWIFT_BENCH_WITHOUT``: ds_swift.protect.switches), plus the defaults with a checkpoint every
+``SWIFT_BENCH_WITHOUT``: ds_swift.protect.costs), plus the defaults with a checkpoint every
 10 iterations (the default interval, 1000, saves none in a short job; its cost is shown per save and
 at the default interval). Each row: the step time (median and mean: a cost that comes every 10th
 iteration, a digest or a save, moves the mean, not the median), the ratio to "off", CPU ms per
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ds_swift.config import SwiftConfig  # noqa: E402
-from ds_swift.protect.switches import ENV as WITHOUT_ENV  # noqa: E402
+from ds_swift.protect.costs import ENV as WITHOUT_ENV  # noqa: E402
 from ds_swift.testing.jobs import JobSpec  # noqa: E402
 from ds_swift.testing.overhead import Interleaved, bench_main, interleave  # noqa: E402
 

@@ -5,11 +5,11 @@ Python 3.11 names a ``threading.Thread`` for Python only: ``top -H``, ``py-spy``
 :func:`name_os_thread` first, so that what it costs can be told apart from the training thread and
 from gloo's (benchmarks/gpu_overhead.py ``--breakdown`` sums CPU time per thread name).
 
-The threads the training thread hands work to (ds_swift.worker: buddy copier, digests, checkpoint
+The threads the training thread hands work to (ds_swift.background_thread: buddy copier, digests, checkpoint
 writers, loggers), and the watchdog, also call :func:`yield_on_wakeup`. Without it, the training
 thread's hand-over woke the worker *onto its own core*: Linux lets a thread that wakes preempt the
 running one, so the training thread stood in ``queue.put`` while the worker ran its share of the
-round (py-spy on the tiny CPU GPT, 4 ranks on 2 cores: ``Worker.submit`` was a fifth of ds-swift's
+round (py-spy on the tiny CPU GPT, 4 ranks on 2 cores: ``BackgroundThread.submit`` was a fifth of ds-swift's
 own samples on the training threads). ``SCHED_BATCH`` keeps the worker's share of the CPU (its nice
 value is unchanged) and only takes away that wake-up preemption, so the work runs where a core is
 free: beside the training thread on a GPU host, in its communication waits on a busy one.
@@ -89,7 +89,7 @@ def threads_yield_on_wakeup() -> Iterator[bool]:
 
 def _batch_available() -> bool:
     """Linux with ``SCHED_BATCH``, and not benchmarks/gpu_overhead.py's ``-wakeup`` variant
-    (``SWIFT_BENCH_WITHOUT=wakeup``, see ds_swift.protect.switches, which this leaf module does not
+    (``SWIFT_BENCH_WITHOUT=wakeup``, see ds_swift.protect.costs, which this leaf module does not
     import), which measures what it buys."""
     without = (n.strip() for n in os.environ.get("SWIFT_BENCH_WITHOUT", "").split(","))
     return hasattr(os, "SCHED_BATCH") and sys.platform.startswith("linux") and "wakeup" not in without

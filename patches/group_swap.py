@@ -29,15 +29,14 @@ Where a swap cannot be proven whole, it says why (:attr:`StartupLedger.why_not`,
 or by another path than ``new_group``), or a group kept where it cannot be replaced (a tuple inside a
 ``functools.partial``, a dict key).
 
-:func:`reachable_groups` walks what the engine reaches by ``gc.get_referents`` (another walk than the
-swap's) and lists the groups found: tests/unit/test_group_swap.py holds every one of them to the
-generation in force after a swap.
+:func:`ds_swift.testing.groups.reachable_groups` walks what the engine reaches by ``gc.get_referents``
+(another walk than the swap's, deeper) and lists the groups found: tests/unit/test_group_swap.py holds
+every one of them to the generation in force after a swap.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import threading
 import types
 import weakref
@@ -50,7 +49,7 @@ import torch.distributed as dist
 
 from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed, check_version
 
-__all__ = ["GroupSwap", "StartupLedger", "SwapRefused", "reachable_groups"]
+__all__ = ["GLOBAL_PACKAGES", "GroupSwap", "StartupLedger", "SwapRefused", "module_roots"]
 
 _TORCH_RANGE = ("2.4", "2.14")
 #: a tensor the ledger keeps by value (a flag, a count, a pipeline engine's first send); larger ones
@@ -317,7 +316,7 @@ class _Ref:
     index: int
 
 
-def _module_roots(packages: Iterable[str]) -> list[types.ModuleType]:
+def module_roots(packages: Iterable[str]) -> list[types.ModuleType]:
     import sys
 
     prefixes = tuple(packages)
@@ -417,7 +416,7 @@ class GroupSwap:
         _check_versions()
         self._ledger = ledger
         self.slots: list[_Slot] = []
-        self._find([*roots, *_module_roots(packages)])
+        self._find([*roots, *module_roots(packages)])
 
     def _find(self, roots: list[Any]) -> None:
         """Every slot reachable from ``roots``: objects in depth; a module's globals one container
@@ -471,40 +470,3 @@ class GroupSwap:
 
     def __len__(self) -> int:
         return len(self.slots)
-
-
-def reachable_groups(roots: Iterable[Any], packages: Iterable[str] = GLOBAL_PACKAGES) -> list[Any]:
-    """Every process group reachable from ``roots`` and the module globals of ``packages``, by
-    ``gc.get_referents`` (which also sees what the swap's walk reads by attribute), without entering
-    modules found along the way, classes or functions' globals."""
-    found: dict[int, Any] = {}
-    seen: set[int] = set()
-    start = [*roots, *_module_roots(packages)]
-    module_roots = {id(r) for r in start if isinstance(r, types.ModuleType)}
-    stack = list(start)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, dist.ProcessGroup):
-            found[id(obj)] = obj
-            continue
-        if isinstance(obj, type) or (isinstance(obj, types.ModuleType) and id(obj) not in module_roots):
-            continue
-        if isinstance(obj, types.ModuleType):
-            refs: Iterable[Any] = list(vars(obj).values())
-        elif isinstance(obj, types.FunctionType):
-            refs = [*(c.cell_contents for c in obj.__closure__ or () if _full(c)), obj.__defaults__]
-        else:
-            refs = gc.get_referents(obj)
-        stack.extend(r for r in refs if id(r) not in seen and not isinstance(r, str | bytes | int | float))
-    return list(found.values())
-
-
-def _full(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - the only way to ask whether a cell is empty
-    except ValueError:
-        return False
-    return True

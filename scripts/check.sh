@@ -17,6 +17,12 @@ python scripts/check_transport.py || exit 1
 lint-imports || exit 1
 # No module over 500 lines, no function over 80 (the older offenders are listed and may only shrink).
 python scripts/check_sizes.py || exit 1
+# The configuration reference is what the config dataclasses' field docs say now (docs/configuration.md).
+python scripts/config_reference.py --check || exit 1
+# Every relative link, anchor and repository path named in README.md and docs/ exists.
+python scripts/check_links.py || exit 1
+# The docs site builds: a broken link or anchor between pages, or a page not in mkdocs.yml's nav, fails.
+mkdocs build --strict || exit 1
 # Tests marked slow (a variant another CI test covers) run with `bash scripts/check.sh -m slow`.
 marker=(-m "not slow")
 for a in "$@"; do [[ $a == -m ]] && marker=(); done

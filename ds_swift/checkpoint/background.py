@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from ds_swift.background_thread import BackgroundThread
 from ds_swift.checkpoint.durable import COMPLETE_MARKER, fsync_dir, fsync_file, fsync_tree, write_atomic
 from ds_swift.checkpoint.snapshot import PinnedCopier, snapshot
 from ds_swift.logs import say
-from ds_swift.worker import Worker
 
 __all__ = [
     "AsyncWriter",
@@ -138,9 +138,9 @@ class AsyncWriter:
         self.copier = PinnedCopier()
         # A failed persist or completion is reported on the training thread (report_errors) and the
         # next checkpoint is tried: each handler records its own error, the workers go on.
-        self._writer: Worker[_Save] = Worker("ds-swift-ckpt-writer", self._write)
-        self._completer: Worker[_Save] | None = (
-            Worker("ds-swift-ckpt-complete", self._completion) if rank == 0 else None
+        self._writer: BackgroundThread[_Save] = BackgroundThread("ds-swift-ckpt-writer", self._write)
+        self._completer: BackgroundThread[_Save] | None = (
+            BackgroundThread("ds-swift-ckpt-complete", self._completion) if rank == 0 else None
         )
         self._writer.start()
         if self._completer is not None:

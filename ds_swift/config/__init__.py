@@ -134,7 +134,7 @@ class SwiftConfig:
     """Nicolae et al.'s failure-simulation mode (off unless its ``iteration`` is set)."""
 
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    """Elastic shrink with no spare left (strategy ``lossy_forward``)."""
+    """Elastic shrink with no spare left (strategy ``elastic``)."""
 
     run_dir: str = "./swift-run"
     """Where recovery timelines and the job's own records are written."""

@@ -15,8 +15,9 @@ class BuddyConfig:
     without the checkpoint when a partition's machine fails (ds_swift.recovery.strategies.buddy)."""
 
     enabled: bool = True
-    """Copy each rank's partition to its buddies after every step (asynchronously, in host
-    memory). Has no effect where the optimizer state is not partitioned (a replica holds it)."""
+    """Copy each rank's partition to its buddies after its step (every step, or every ``interval``-th:
+    asynchronously, into their host memory). Has no effect where the optimizer state is not
+    partitioned (a replica holds it)."""
 
     replication_factor: int = 1
     """How many buddies, each on another machine (and failure domain), hold each partition."""

@@ -29,7 +29,7 @@ class FailureMonitor:
 
     def __init__(self, store: JobStore | None, generation: int, poll_interval_s: float, watch: bool = True) -> None:
         self.store = store
-        #: False only where a benchmark switched failure detection off (ds_swift.protect.switches):
+        #: False only where a benchmark switched failure detection off (ds_swift.protect.costs):
         #: no watchdog thread, and no failure-flag reads after receives and before iterations
         self.watch = watch
         self._generation = generation

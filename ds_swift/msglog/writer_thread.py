@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ds_swift.background_thread import BackgroundThread
 from ds_swift.msglog.writer import LogWriteError, LogWriter, MessageMeta
-from ds_swift.worker import Worker
 
 __all__ = ["HostStaged", "Staged", "WriteItem", "WriterStats", "WriterThread"]
 
@@ -108,7 +108,7 @@ class WriterThread:
                 and only a small share while they compute, and it is never starved outright
                 (SCHED_IDLE could be: then backpressure would stall training).
             stuck_after_s: a :meth:`submit` waiting for room while no message has been written for
-                this long stops the thread's intake and raises (ds_swift.worker.Worker): a hung
+                this long stops the thread's intake and raises (ds_swift.background_thread.Worker): a hung
                 disk must not hold the training thread (0: wait as long as it takes).
         """
         self.writer = writer
@@ -120,7 +120,7 @@ class WriterThread:
         self._raised = 0
         # A failed write is recorded by _write itself (as a LogWriteError naming the file) and raised
         # by the next check/flush on the training thread; the worker goes on with the next message.
-        self._worker: Worker[WriteItem | _Call] = Worker(
+        self._worker: BackgroundThread[WriteItem | _Call] = BackgroundThread(
             name, self._one, max_bytes=max_inflight_bytes, stuck_after_s=stuck_after_s, setup=self._renice
         )
         self._worker.start()

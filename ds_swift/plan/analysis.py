@@ -38,12 +38,14 @@ from ds_swift.plan.sizes import (
     stage_times,
     worth_logging,
 )
-from ds_swift.recovery.registry import services_of
+from ds_swift.recovery.registry import services_of, strategy_names
 
-__all__ = ["STRATEGIES", "Plan", "StageStrategy", "analyze", "analyze_config"]
+__all__ = ["STAGE_MODES", "Plan", "StageStrategy", "analyze", "analyze_config", "stage_mode"]
 
 StageStrategy = Literal["replication", "logging", "checkpoint"]
-STRATEGIES = ("auto", "replication", "logging", "checkpoint")
+#: What the analyzer plans per stage: ``auto`` picks each stage's recovery, the others force one
+#: everywhere (a strategy's services give its mode: :func:`stage_mode`).
+STAGE_MODES = ("auto", "replication", "logging", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,10 @@ class Plan:
     layout: ParallelLayout
     shape: ModelShape | None
     strategy: str
-    """The requested strategy (``auto`` or a forced one)."""
+    """The registered strategy the plan is for (ds_swift.recovery.registry's name: ``auto``,
+    ``buddy``, ``scar``...)."""
+    mode: str
+    """What its services let the analyzer plan per stage (one of :data:`STAGE_MODES`)."""
     stage_strategy: dict[int, StageStrategy]
     groups: list[list[int]]
     """Machine ids of each selective-logging group, in pipeline order."""
@@ -164,6 +169,7 @@ class Plan:
             "shape": shape,
             "measured": self.measured.to_json() if self.measured is not None else None,
             "strategy": self.strategy,
+            "mode": self.mode,
             "stages": stages,
             "groups": self.groups,
             "machine_of_rank": [r // lay.gpus_per_node for r in range(lay.world_size)],
@@ -214,13 +220,14 @@ def analyze(
     parallel_recovery: bool = False,
     measured: MeasuredSizes | None = None,
     partition_copies: bool = False,
+    mode: str | None = None,
 ) -> Plan:
     """Plan recovery for ``layout``.
 
     Args:
         layout: the 3D plan and its machines.
         shape: model shape; without it message sizes (and bytes) are unknown (0).
-        strategy: ``auto``, or force ``replication`` / ``logging`` / ``checkpoint`` everywhere.
+        strategy: the registered strategy planned for; its services say what a stage may recover by.
         groups: force this many balanced machine groups (selective logging).
         storage_budget_gb: instead of ``groups``, the log budget between checkpoints (GB; ds_swift.plan.grouping_exact).
         iteration_time_s: failure-free iteration time, for the bubble check of section 5.4.
@@ -232,38 +239,36 @@ def analyze(
         parallel_recovery: survivors share a failed group's replay (section 5.2).
         measured: instead of ``shape``, each send's bytes per iteration as an engine measured them.
         partition_copies: every optimizer partition has a buddy copy on another machine (copies_stand_in).
+        mode: what to plan per stage (:data:`STAGE_MODES`; default: :func:`stage_mode` of ``strategy``).
     """
     budget, iteration_time, pcie, network = _check_inputs(
         strategy, groups, storage_budget_gb, iteration_time_s, pcie_gbps, network_gbps, checkpoint_interval
     )
-    p = layout.pp
-    if shape is not None and measured is not None:
-        raise ConfigError("give the model shape or measured sizes, not both")
-    sizing: Sizing | None = shape if shape is not None else measured
+    mode = stage_mode(SwiftConfig(strategy=strategy)) if mode is None else mode
+    p, sizing = layout.pp, _sizing(shape, measured)
 
     spread = _replicated_stages(layout)
     replicated, candidates, copies_note = copies_stand_in(
-        strategy, spread, _candidate_stages(strategy, spread), partition_copies
+        mode, spread, _candidate_stages(mode, spread), partition_copies
     )
     # Cross-machine pipeline sends; a send is a logging candidate if its receiver may replay.
     cross = pipeline_edges(layout, shape, measured)
     candidate_edges = [e for e in cross if e.dst_stage in candidates]
-    if strategy == "logging" and not candidate_edges:
+    if mode == "logging" and not candidate_edges:
         raise _nothing_to_log(layout)
     times, rec_units = stage_times(p, sizing, iteration_time, stage_compute_s)
     units = UnitChain.build(layout, cross, candidate_edges, times, network, checkpoint_interval, parallel_recovery)
     grouped = choose_groups(units, sizing is not None, groups, budget, checkpoint_interval)
-    stage_strategy, logged = _assign_strategies(
-        layout, strategy, candidates, replicated, candidate_edges, grouped.machines
-    )
+    stage_strategy, logged = _assign_strategies(layout, mode, candidates, replicated, candidate_edges, grouped.machines)
     notes = grouped.notes + ([copies_note] if copies_note else [])
     verdict = worth_logging(p, sizing, logged, iteration_time, pcie, checkpoint_interval)
     candidate_bytes = sum(e.bytes_per_iteration for e in logged)
-    stage_strategy, logged = _apply_verdict(strategy, verdict[0], stage_strategy, logged, notes)
+    stage_strategy, logged = _apply_verdict(mode, verdict[0], stage_strategy, logged, notes)
     return Plan(
         layout=layout,
         shape=shape,
         strategy=strategy,
+        mode=mode,
         stage_strategy=stage_strategy,
         groups=grouped.machines,
         logged_edges=logged,
@@ -281,6 +286,12 @@ def analyze(
     )
 
 
+def _sizing(shape: ModelShape | None, measured: MeasuredSizes | None) -> Sizing | None:
+    if shape is not None and measured is not None:
+        raise ConfigError("give the model shape or measured sizes, not both")
+    return shape if shape is not None else measured
+
+
 def _apply_verdict(
     strategy: str, worth: bool, stage_strategy: dict[int, StageStrategy], logged: list[Any], notes: list[str]
 ) -> tuple[dict[int, StageStrategy], list[Any]]:
@@ -293,7 +304,7 @@ def _apply_verdict(
     return stage_strategy, logged
 
 
-def config_strategy(config: SwiftConfig) -> str:
+def stage_mode(config: SwiftConfig) -> str:
     """What :func:`analyze` plans for ``config``, from the per-stage recoveries its strategy's services
     allow (ds_swift.recovery.services): both, ``auto``; one, forced everywhere; none, every stage
     recovers by checkpoint (no pipeline message is logged)."""
@@ -309,7 +320,8 @@ def analyze_config(layout: ParallelLayout, config: SwiftConfig, shape: ModelShap
     return analyze(
         layout,
         shape,
-        strategy=config_strategy(config),
+        strategy=config.strategy,
+        mode=stage_mode(config),
         groups=config.logging.groups,
         storage_budget_gb=config.logging.storage_budget_gb,
         checkpoint_interval=config.checkpoint.interval,
@@ -329,8 +341,8 @@ def _check_inputs(
 ) -> tuple[float | None, float | None, float | None, float | None]:
     """Refuse bad arguments of :func:`analyze`, naming them; return the budget, iteration
     time, PCIe and network bandwidths as floats."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy={strategy!r} is invalid: one of {', '.join(STRATEGIES)}")
+    if strategy not in strategy_names():
+        raise ConfigError(f"strategy={strategy!r} is invalid: one of {', '.join(strategy_names())}")
     if groups is not None:
         positive_int("groups", groups)
         if storage_budget_gb is not None:

@@ -109,7 +109,7 @@ def copies_kept(swift: SwiftConfig, partitioned: bool) -> bool:
     """Whether ds-swift's copier keeps every rank's optimizer state on other machines: PipeChurn's
     erasure-coded chunks (whatever the layout), or buddy copies (``buddy.enabled``, a strategy that
     uses them) of a ``partitioned`` state. The one rule for the engine at start-up
-    (ds_swift.protect.protections.partition_copies) and ``ds-swift plan``: :func:`copies_stand_in`."""
+    (ds_swift.protect.buddy.partition_copies) and ``ds-swift plan``: :func:`copies_stand_in`."""
     services = services_of(swift)
     return services.erasure_chunks or (swift.buddy.enabled and services.buddy_copies and partitioned)
 

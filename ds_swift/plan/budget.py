@@ -19,7 +19,7 @@ never a plan that silently logs nothing. Pure functions: no process group.
 from __future__ import annotations
 
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.plan.analysis import Plan, analyze, analyze_config, config_strategy
+from ds_swift.plan.analysis import Plan, analyze, analyze_config, stage_mode
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import GB, MeasuredSizes
 from ds_swift.plan.stage_logging import StageDecision, apply_decisions, decide_stages, describe_stages
@@ -34,7 +34,8 @@ def conservative_plan(layout: ParallelLayout, cfg: SwiftConfig, partition_copies
     plan = analyze(
         layout,
         None,
-        strategy=config_strategy(cfg),
+        strategy=cfg.strategy,
+        mode=stage_mode(cfg),
         groups=cfg.logging.groups,
         checkpoint_interval=cfg.checkpoint.interval,
         parallel_recovery=cfg.parallel_recovery,

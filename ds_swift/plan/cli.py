@@ -18,13 +18,13 @@ import math
 from typing import Any
 
 from ds_swift.config import ConfigError, SwiftConfig, load_ds_config
-from ds_swift.plan.analysis import STRATEGIES, Plan, analyze, config_strategy
+from ds_swift.plan.analysis import Plan, analyze, stage_mode
 from ds_swift.plan.buddy_cost import BuddyCost, buddy_cost, copies_kept
 from ds_swift.plan.layout import ParallelLayout
 from ds_swift.plan.sizes import DTYPE_BYTES, ModelShape
 from ds_swift.plan.tables import print_buddy, print_tables
 from ds_swift.plan.update_logging import choose_for_plan, print_choices
-from ds_swift.recovery.registry import checked
+from ds_swift.recovery.registry import checked, strategy_names
 
 __all__ = ["build_plan", "register", "run"]
 
@@ -62,7 +62,12 @@ def register(subparsers: Any) -> None:
         "--num-params", type=float, help="model parameters, for the log-size vs model-state check (1.3e9 ok)"
     )
     g = p.add_argument_group("strategy and selective logging")
-    g.add_argument("--strategy", choices=STRATEGIES, help="auto (default) or force one strategy for every stage")
+    g.add_argument(
+        "--strategy",
+        choices=strategy_names(),
+        help="the registered strategy to plan for (default: the config's, else auto); its services say what "
+        "each stage may recover by",
+    )
     excl = g.add_mutually_exclusive_group()
     excl.add_argument("--groups", type=int, help="force K balanced machine groups")
     excl.add_argument("--storage-budget-gb", type=float, help="log budget between two checkpoints: optimise the groups")
@@ -148,7 +153,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     plan = analyze(
         layout,
         shape,
-        strategy=args.strategy or config_strategy(swift),
+        strategy=(args.strategy or swift.strategy),
+        mode=stage_mode(dataclasses.replace(swift, strategy=args.strategy) if args.strategy else swift),
         groups=groups,
         storage_budget_gb=budget,
         iteration_time_s=args.iteration_time,

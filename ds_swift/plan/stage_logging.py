@@ -140,7 +140,7 @@ def decide_stages(plan: Plan, kinds: str | Sequence[str], measured: MeasuredSize
             worst = max((b for r, b in sender_bytes(plan.logged_edges).items() if r in senders), default=0)
         pays, verdict = _pays(nbytes, state, worst, bubble_s, measured.copy_gbps)
         reason = f"{why}; {verdict}"
-        if not pays and plan.strategy == "logging":
+        if not pays and plan.mode == "logging":
             pays, reason = True, f'{reason}; "strategy": "logging" keeps it logged'
         out.append(StageDecision(unit, kind if pays else None, msgs, upd, state, worst, reason))
     return out

@@ -52,23 +52,28 @@ import torch
 import torch.distributed as dist
 
 from ds_swift import transport
+from ds_swift.background_thread import BackgroundThread, OnError
+from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say, say_here
-from ds_swift.patches.deepspeed_optim_state import capture_optimizer, is_partitioned, optimizer_payload
-from ds_swift.protect.buddy_holdings import BuddyHoldings, StoreLanding, stage, stage_own
-from ds_swift.protect.buddy_interval import DECIDE_AFTER, AutoInterval, decided
-from ds_swift.protect.module_buffers import persistent_buffers
+from ds_swift.patches.deepspeed_optim_state import is_partitioned
+from ds_swift.plan.buddy_cost import copies_kept
+from ds_swift.protect.base import CostInputs, Protection, Site
+from ds_swift.protect.buddy_holdings import BuddyHoldings, StoreLanding, stage
+from ds_swift.protect.buddy_interval import DECIDE_AFTER, PERIOD_S, AutoInterval, decided
+from ds_swift.protect.buddy_payload import round_bytes, state_payload
 from ds_swift.recovery.base import loud
+from ds_swift.recovery.holdings import BuddyHeld, buddy_held
+from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.state.buddies import Member, assign_buddies
 from ds_swift.recovery.state.erasure import assign_holders, split_payload
-from ds_swift.recovery.state.transfer import counters_of, encode, flat_sizes, flat_views
-from ds_swift.worker import OnError, Worker
+from ds_swift.recovery.state.transfer import encode, flat_sizes, flat_views
 
-__all__ = ["BuddyCopier", "BuddyHoldings", "StoreLanding", "stage_own", "state_payload"]
+__all__ = ["BuddyCopier", "partition_copies"]
 
 _HEADER, _MANIFEST, _DATA = 1, 2, 16  # message tags; buffer (or chunk tensor) i of a payload uses _DATA + i
 
 
-class _Worker:
+class _CopierRounds:
     """One generation's copier: its group, placement, queue and thread (a stale thread of a failed
     generation only ever touches its own worker)."""
 
@@ -101,7 +106,7 @@ class _Worker:
         """The interval "auto" chose, from a round's ``done`` key (the training thread adopts it)."""
         # A round that fails stops the copier; the training thread turns copying off, loudly, at its
         # next step (BuddyCopier._turn_off): a copier error must not end a healthy job.
-        self.worker: Worker[tuple[int, bytes, list[torch.Tensor], Any, float]] = Worker(
+        self.worker: BackgroundThread[tuple[int, bytes, list[torch.Tensor], Any, float]] = BackgroundThread(
             "ds-swift-buddy", self._one, on_error=OnError.STOP, on_error_hook=lambda exc: self.landed.set()
         )
         self.worker.start()
@@ -184,8 +189,9 @@ class _Worker:
         return sent
 
 
-class BuddyCopier:
-    """Keeps this rank's optimizer partition on its buddies; holds its owners' copies.
+class BuddyCopier(Protection):
+    """Keeps this rank's optimizer partition on its buddies; holds its owners' copies (the protection
+    ``buddy``: buddy copies, or PipeChurn's erasure-coded chunks of the whole state).
 
     Args:
         factor: buddies per rank (``buddy.replication_factor``).
@@ -209,11 +215,104 @@ class BuddyCopier:
         """Iterations between rounds in force (under "auto": 1 until the leader's choice lands)."""
         self.failure_domains = failure_domains
         self.holdings = BuddyHoldings()
-        self._worker: _Worker | None = None
+        self._worker: _CopierRounds | None = None
         self.off: str | None = None
         """Why copying stopped in this generation (a copier error), or None while it protects."""
         self.wait_s = 0.0
         """Time the training thread waited for a round's sends before a step (the overhead)."""
+        self._site: Site | None = None  # where it was built (:meth:`build`): what a generation's start needs
+
+    name = "buddy"
+    label = "buddy copies"
+
+    @classmethod
+    def build(cls, site: Site) -> BuddyCopier | str:
+        cfg, services = site.cfg, site.services
+        if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
+            copier = cls(
+                1, cfg.machines.failure_domains, erasure=(cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
+            )
+        elif not cfg.buddy.enabled:
+            return "buddy.enabled false"
+        elif not services.buddy_copies:
+            if site.ctx.env is None or site.ctx.env.rank == 0:
+                # A strategy that never reads buddy copies does not pay for them.
+                site.ctx.log(
+                    f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)"
+                )
+            return f"strategy {cfg.strategy!r} does not use them"
+        else:
+            copier = cls(cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.fixed_interval)
+        copier._site = site
+        return copier
+
+    def start_generation(self, engine: Any) -> None:
+        """Start copying this rank's state to its buddies after every step (collective: every rank)."""
+        from ds_swift.patches.instructions import hook_instructions, schedule
+
+        site = self._site
+        env = site.ctx.env if site is not None else None
+        if site is None or env is None:
+            return
+        generation = site.generation()
+
+        def landing(world: int) -> StoreLanding:
+            return StoreLanding(JobStore.from_env(env), generation, world)
+
+        if not self.start(engine, site.machine(), landing if site.ctx.store is not None else None):
+            return
+        check = site.check_after_receive
+
+        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
+            self.before_step(check)
+            out = call_next(**kw)
+            self.after_step(eng)
+            return out
+
+        site.hooks.add(hook_instructions(engine, "ds_swift.buddy", {schedule.OptimizerStep: step}))
+
+    def quiesce(self, timeout_s: float) -> None:
+        self.stop()  # a round a failure cut short fails with its group: it is not waited for
+
+    def held(self, kept: KeptState | None) -> BuddyHeld:
+        k = self.erasure[0] if self.erasure is not None else 0
+        return buddy_held(self.holdings, kept.own_copies if kept is not None else (), k)
+
+    def forget(self) -> None:
+        self.holdings = BuddyHoldings()
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "buddy_bytes_sent": self.bytes_sent,
+            "buddy_host_bytes": self.holdings.nbytes(),
+            "buddy_off": self.off,  # a copier error stopped the copies
+            "buddy_wait_s": self.wait_s,  # what the training thread waited for: the last round to land
+        }
+
+    def close(self, timeout_s: float) -> None:
+        # Every rank ends its last round (peers send theirs anyway): no exit inside a gloo op.
+        if not self.stop(finish_s=timeout_s) and self._site is not None:
+            self._site.ctx.log(f"buddy copies: the last round did not finish within {timeout_s:g} s")
+
+    def cost_line(self, engine: Any, costs: CostInputs) -> str:
+        if costs.machines == 1:
+            return "  buddy copies: none (one machine: no other machine to hold them): 0"
+        from ds_swift.protect.costs import mb
+
+        part, counted = round_bytes(engine)
+        every = int(self.interval)
+        per = part * self.factor // every
+        when = "after every step" if every == 1 else f"after every {every}th step ({part * self.factor} bytes each)"
+        if self.auto:
+            when += (
+                f" for the first {DECIDE_AFTER} rounds, then every k-th (buddy.interval auto: k of 1, 2, 5, 10, ... "
+                f"from the step time rank 0 measures, at least {PERIOD_S:g} s between rounds; said when chosen)"
+            )
+        return (
+            f"  buddy copies: {mb(per)} ({per} bytes) per iteration sent to {self.factor} buddy rank(s) on other "
+            f"machines {when} in a background thread ({counted}; the training thread waits only if the "
+            "previous round is still sending; measured totals at the end)"
+        )
 
     @property
     def buddies(self) -> tuple[int, ...]:
@@ -257,7 +356,7 @@ class BuddyCopier:
         owners = tuple(sorted(o for o, bs in placement.items() if rank in bs))
         landed = landing(dist.get_world_size()) if landing is not None else None
         auto = AutoInterval() if self.auto and landed is not None and landed.rank == StoreLanding.LEADER else None
-        self._worker = _Worker(channel, placement[rank], owners, self.holdings, split, landed, auto)
+        self._worker = _CopierRounds(channel, placement[rank], owners, self.holdings, split, landed, auto)
         self.off = None
         what = "buddy copies" if self.erasure is None else "erasure-coded chunks (k={}, r={})".format(*self.erasure)
         every = f", after the steps of every {self.interval}th iteration" if self.interval > 1 else ""
@@ -289,7 +388,7 @@ class BuddyCopier:
         if self.auto and w is not None and w.decided is not None:
             self.interval = w.decided  # the same round on every rank: each adopts it before this step
 
-    def _wait(self, event: Callable[[_Worker], threading.Event], check: Callable[[], None] | None) -> None:
+    def _wait(self, event: Callable[[_CopierRounds], threading.Event], check: Callable[[], None] | None) -> None:
         w = self._worker
         if w is None:
             return
@@ -303,7 +402,7 @@ class BuddyCopier:
                 check()  # the generation failed: that, not the copier, is what the job must act on
             self._turn_off(w, w.error)
 
-    def _turn_off(self, w: _Worker, error: BaseException) -> None:
+    def _turn_off(self, w: _CopierRounds, error: BaseException) -> None:
         """A copier error (a slow round past its group's op timeout, say) is not the job's: copying
         stops for this generation and the job trains on without it, said loudly (the next recovery
         starts copying again). Raised on the training thread, it would end a healthy job."""
@@ -354,18 +453,11 @@ class BuddyCopier:
         return ended
 
 
-def state_payload(engine: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """What a round copies of ``engine``: the optimizer partition (fp32 masters, inner state, loss
-    scaler, flags), the LR scheduler, the engine's counters and the module's non-parameter buffers,
-    encoded (the tensors are the live ones, flat)."""
-    payload = {
-        "optimizer": optimizer_payload(capture_optimizer(engine.optimizer)),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
-        "counters": counters_of(engine),
-        "buffers": persistent_buffers(engine.module),  # state_dict's, without its walk per step
-    }
-    manifest, tensors = encode(payload)
-    return manifest, [t.detach().reshape(-1) for t in tensors]
+def partition_copies(cfg: Any, engine: Any) -> bool:
+    """Whether the copier keeps every rank's optimizer state on other machines (buddy copies of a
+    partitioned state, or PipeChurn's chunks): the topology analyzer then logs nothing for a stage
+    those copies restore (ds_swift.plan.analysis.analyze)."""
+    return copies_kept(cfg, is_partitioned(getattr(engine, "optimizer", None)))
 
 
 def _in_order(manifest: bytes, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:

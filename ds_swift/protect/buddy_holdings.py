@@ -19,8 +19,7 @@ import torch
 
 from ds_swift.checkpoint.snapshot import PinnedCopier
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.recovery.state.transfer import flat_views
-from ds_swift.recovery.strategies.replication import decode, flat_sizes
+from ds_swift.recovery.state.transfer import decode, flat_sizes, flat_views
 
 __all__ = ["BuddyHoldings", "StoreLanding", "stage", "stage_own"]
 

@@ -1,4 +1,5 @@
-"""What each protection costs per iteration, said once at start-up (one line each).
+"""What each protection costs per iteration, said once at start-up (one line each), and the
+protections a benchmark switches off to measure it (:data:`ENV`).
 
 The budget is 2 % of a step with the defaults (shared/DESIGN.md). Each line says how the figure was
 obtained: the state digest is *measured* once here (one digest of the state, timed to completion
@@ -9,19 +10,18 @@ size and the plan, and the measured totals follow in each protection's end-of-jo
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ds_swift.detect.watchdog import BEATS_PER_TIMEOUT
-from ds_swift.protect.buddy_interval import DECIDE_AFTER, PERIOD_S
-from ds_swift.protect.switches import ENV, SWITCHES
-from ds_swift.recovery.registry import services_of
-from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors
+from ds_swift.protect.base import CostInputs
+from ds_swift.recovery.state.digest import engine_state, named_tensors
 
-__all__ = ["protection_costs", "state_bytes", "switched_off_line"]
+__all__ = ["ENV", "SWITCHES", "mb", "protection_costs", "state_bytes", "switched_off", "switched_off_line", "timed"]
 
 #: pinned device-to-host copy rate assumed for estimates (measured 54.8 GB/s on an H100's PCIe 5;
 #: half of it leaves room for older hosts)
@@ -37,131 +37,42 @@ def state_bytes(state: Any) -> tuple[int, str]:
     return sum(t.numel() * t.element_size() for t in tensors), device
 
 
-def buddy_round_bytes(engine: Any) -> tuple[int, str]:
-    """Bytes one buddy round stages of this rank after a step (ds_swift.protect.buddy.state_payload:
-    the optimizer partition's fp32 masters and its inner optimizer's state, the LR scheduler, the
-    counters, the module's buffers), and how they were counted.
-
-    At start-up no step has run yet, and Adam creates its moments at the first one: those it will
-    create are counted as it creates them (exp_avg and exp_avg_sq, each as large as the fp32 master
-    partition, max_exp_avg_sq under amsgrad; torch's Adam also a float32 step per parameter), and
-    so is the wrapper's gradient norm the first step keeps as a tensor: the figure is a round's
-    after the first step. Another optimizer's state to come is not known here: the line says so."""
-    from ds_swift.patches.deepspeed_optim_state import capture_optimizer, flag_bytes_to_come
-    from ds_swift.protect.buddy import state_payload
-
-    _, tensors = state_payload(engine)
-    now = sum(t.numel() * t.element_size() for t in tensors)
-    inner = capture_optimizer(engine.optimizer)["inner"]
-    empty = {id(p) for g in inner.param_groups for p in g["params"] if not inner.state.get(p)}
-    if not empty:
-        return now, "measured from the state the copier sends"
-    if "Adam" not in type(inner).__name__:
-        return now, (
-            f"the state the copier sends now; {type(inner).__name__}'s state of {len(empty)} parameter(s) "
-            "is created at the first step and not counted"
-        )
-    torch_step = 4 if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) else 0  # a float32 tensor each
-    to_come = flag_bytes_to_come(engine.optimizer)  # the wrapper's gradient norm, a tensor from the first step
-    for group in inner.param_groups:
-        moments = 3 if group.get("amsgrad") else 2
-        to_come += sum(moments * p.numel() * p.element_size() + torch_step for p in group["params"] if id(p) in empty)
-    return now + to_come, "the state the copier sends, with the Adam moments the first step creates"
-
-
-def _mb(n: float) -> str:
+def mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
 def protection_costs(
     engine: Any,
     cfg: Any,
+    protections: Any,
     *,
-    digests: Any,
-    buddy: Any,
-    logs: Any,
     async_ckpt: bool,
+    checkpoint_tuner: bool,
     machines: int | None,
     without: frozenset[str] = frozenset(),
     undo_off: str | None = None,
 ) -> list[str]:
-    """One line per protection of this rank (what it costs per iteration: time and bytes); ``machines``:
-    the job's machine count (None: unknown); ``without``: what a benchmark switched off
-    (ds_swift.protect.switches; every rank says it first, :func:`switched_off_line`);
-    ``undo_off``: why update-undo could not be attached to the engine (None: it is, or ``without`` says)."""
+    """One line per protection of this rank (what it costs per iteration: time and bytes): the global
+    checkpoints, each of ``protections`` (ds_swift.protect.protections.Protections), and what the
+    runtime itself adds; ``machines``: the job's machine count (None: unknown); ``without``: what a
+    benchmark switched off (ds_swift.protect.costs; every rank says it first,
+    :func:`switched_off_line`); ``undo_off``: why update-undo could not be attached to the engine
+    (None: it is, or ``without`` says)."""
     state = engine_state(engine)
     total, device = state_bytes(state)
-    lines = [f"protection costs (rank state {_mb(total)} on {device}); the budget is 2% of a step:"]
-    lines.append(_digest_line(state, total, device, digests))
-    lines.append(_checkpoint_line(cfg, total, device, async_ckpt))
-    if buddy is not None and machines == 1:
-        lines.append("  buddy copies: none (one machine: no other machine to hold them): 0")
-    elif buddy is not None:
-        part, counted = buddy_round_bytes(engine)
-        every = int(getattr(buddy, "interval", 1))
-        per = part * buddy.factor // every
-        when = "after every step" if every == 1 else f"after every {every}th step ({part * buddy.factor} bytes each)"
-        if getattr(buddy, "auto", False):
-            when += (
-                f" for the first {DECIDE_AFTER} rounds, then every k-th (buddy.interval auto: k of 1, 2, 5, 10, ... "
-                f"from the step time rank 0 measures, at least {PERIOD_S:g} s between rounds; said when chosen)"
-            )
-        lines.append(
-            f"  buddy copies: {_mb(per)} ({per} bytes) per iteration sent to {buddy.factor} buddy rank(s) on other "
-            f"machines {when} in a background thread ({counted}; the training thread waits only if the "
-            "previous round is still sending; measured totals at the end)"
-        )
-    else:
-        lines.append("  buddy copies: off (no partition to copy, or the strategy does not use them): 0")
-    lines.append(_logging_line(engine, logs))
-    if services_of(cfg).inflight_copy:
-        lines.append(_inflight_line(engine, cfg, device))
+    lines = [f"protection costs (rank state {mb(total)} on {device}); the budget is 2% of a step:"]
+    lines.append(_checkpoint_line(cfg, total, device, async_ckpt, checkpoint_tuner))
+    lines += protections.cost_lines(engine, CostInputs(state, total, device, machines, without))
     lines += _runtime_lines(cfg, without, undo_off)
     return lines
 
 
 def switched_off_line(without: frozenset[str]) -> str:
-    """What a benchmark's :data:`~ds_swift.protect.switches.ENV` switched off, and what that leaves out."""
+    """What a benchmark's :data:`~ds_swift.protect.costs.ENV` switched off, and what that leaves out."""
     return (
         f"protections SWITCHED OFF for a benchmark by {ENV} (unset it for training): "
         + "; ".join(f"{n} ({SWITCHES[n]})" for n in sorted(without))
         + "; a failure in this job is recovered without them"
-    )
-
-
-def _logging_line(engine: Any, logs: Any) -> str:
-    if logs is not None and logs.possible(engine):
-        return (
-            "  message logging: on: the activations and gradients this rank sends across machines, copied off the "
-            "device in the pipeline's bubbles and written by a background thread (bytes per iteration measured in "
-            "the logs' end-of-job line)"
-        )
-    if logs is not None and logs.plan_error is not None:
-        return (
-            f"  message logging: off (topology analysis failed: {logs.plan_error}; a failure recovers from the "
-            "global checkpoint): 0"
-        )
-    if logs is not None and not logs.enabled:
-        return f"  message logging: OFF (benchmark: {ENV}): 0"
-    return "  message logging: off for this rank (no send of its crosses a machine boundary that the plan logs): 0"
-
-
-def _inflight_line(engine: Any, cfg: Any, device: str) -> str:
-    """PipeChurn's copy of the iteration in flight (ds_swift.recovery.state.inflight)."""
-    if not cfg.pipechurn.partial_recompute:
-        return "  partial recomputation: off (pipechurn.partial_recompute false: every rank retrains the iteration in flight): 0"
-    from ds_swift.patches.deepspeed_grad_accum import accumulator
-
-    try:
-        hp = accumulator(engine.optimizer).where == "hp"
-    except Exception:  # noqa: BLE001 - an unsupported wrapper: the keeper says so at its first copy
-        hp = False
-    grads = sum(p.numel() * (4 if hp else p.element_size()) for p in engine.module.parameters() if p.requires_grad)
-    rate = PCIE_BYTES_PER_S * 4 if device != "cpu" else HOST_COPY_BYTES_PER_S  # a device-to-device copy
-    return (
-        f"  partial recomputation: a copy of the gradients before their reduction, {_mb(grads)} per iteration "
-        f"(~{grads / rate * 1e3:.2f} ms, estimated at {rate / 1e9:.0f} GB/s), and references to the iteration's "
-        f"sent activations/gradients, both in {device} memory until the next iteration (one iteration's worth)"
     )
 
 
@@ -208,28 +119,12 @@ def _runtime_lines(cfg: Any, without: frozenset[str], undo_off: str | None = Non
     ]
 
 
-def _digest_line(state: Any, total: int, device: str, digests: Any) -> str:
-    if digests is None:
-        return "  state digests: off (verify.enabled false, or no recovery here checks against them): 0"
-    seconds = _timed(lambda: digest_state(state), device)
-    where, wait = (
-        ("in kernels on a side CUDA stream", "the training thread does not wait for them")
-        if device != "cpu"
-        else ("in a background thread", "the next step waits only for one still running")
-    )
-    return (
-        f"  state digests: every {digests.interval} iteration(s), {seconds * 1e3:.1f} ms each {where} (measured "
-        f"at start-up) = {seconds * 1e3 / digests.interval:.2f} ms per iteration; reads {_mb(total)} where it lives "
-        f"per digest, stores {16 * len(named_tensors(state))} bytes in the job store; {wait}"
-    )
-
-
-def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str:
+def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool, tuner: bool) -> str:
     every = cfg.checkpoint.interval
-    if services_of(cfg).checkpoint_tuner:
+    if tuner:
         return (
             f"  global checkpoints: at an interval CheckFreq chooses (at most {cfg.checkfreq.max_overhead:.0%} "
-            f"of training time), {_mb(total)} per save, asynchronous"
+            f"of training time), {mb(total)} per save, asynchronous"
         )
     if async_ckpt:
         rate, how = (
@@ -241,17 +136,17 @@ def _checkpoint_line(cfg: Any, total: int, device: str, async_ckpt: bool) -> str
         return (
             f"  global checkpoints: every {every} iterations, asynchronous: the training thread waits for "
             f"{how}, ~{stall * 1e3:.0f} ms per save (estimated at {rate / 1e9:.0f} GB/s) = "
-            f"{stall * 1e3 / every:.2f} ms per iteration; {_mb(total / every)} per iteration written in the "
+            f"{stall * 1e3 / every:.2f} ms per iteration; {mb(total / every)} per iteration written in the "
             "background"
         )
     return (
         f"  global checkpoints: every {every} iterations, synchronous (training waits while DeepSpeed writes "
-        f"{_mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
-        f"host copy only) = {_mb(total / every)} per iteration"
+        f"{mb(total)} to {cfg.checkpoint.dir}: storage speed; checkpoint.async_save true makes it wait for a "
+        f"host copy only) = {mb(total / every)} per iteration"
     )
 
 
-def _timed(fn: Callable[[], Any], device: str) -> float:
+def timed(fn: Callable[[], Any], device: str) -> float:
     """Seconds ``fn`` takes once warm (its first run allocates and, on a GPU, loads kernels)."""
     fn()
     if device != "cpu":
@@ -261,3 +156,42 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     if device != "cpu":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- protections a benchmark switched off
+# ``benchmarks/gpu_overhead.py --breakdown`` runs the same job with every protection on, then with
+# one of them off at a time. The protections with a config field of their own are switched off
+# through it (``verify.enabled``, ``buddy.enabled``, ``checkpoint.interval``); the others have
+# none, because a user must not be able to lose them by accident, and are switched off here, by
+# the environment variable :data:`ENV` (comma-separated names of :data:`SWITCHES`), which only that
+# benchmark sets. Every worker that reads it says so at start-up in a warning (the variable may have
+# leaked from a benchmark's shell), and a recovery in such a job is not what the defaults would have
+# done: never set it for training.
+
+
+ENV = "SWIFT_BENCH_WITHOUT"
+
+#: name -> what switching it off leaves out
+SWITCHES: Mapping[str, str] = {
+    "logging": "message logging and the step-collective records (logging-based recovery)",
+    "undo": "update-undo's step records (a survivor ahead then reloads the checkpoint)",
+    "determinism": "torch's deterministic algorithms (replays may differ from the first run)",
+    "rng": "RNG keying per forward pass (replayed dropout may differ)",
+    "wakeup": "SCHED_BATCH for ds-swift's background threads and its transport's gloo threads (they preempt "
+    "the training thread when they wake, as before; ds_swift.threadname)",
+    "watchdog": "the watchdog thread (heartbeats, failure-flag polls, hang detection) and the failure-flag "
+    "checks after every receive and before every iteration",
+}
+
+
+def switched_off(env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The protections :data:`ENV` names (empty when unset). Raises ValueError on an unknown name."""
+    raw = (os.environ if env is None else env).get(ENV, "")
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - set(SWITCHES))
+    if unknown:
+        raise ValueError(
+            f"{ENV}={raw!r}: unknown protection(s) {unknown}; known: {', '.join(SWITCHES)} "
+            "(unset it to keep every protection on)"
+        )
+    return names

@@ -27,17 +27,19 @@ from typing import Any
 
 import torch
 
+from ds_swift.background_thread import BackgroundThread
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
-from ds_swift.recovery.state.digest import engine_state, named_tensors, start_digest
+from ds_swift.protect.base import CostInputs, Protection, Site
+from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors, start_digest
 from ds_swift.recovery.verify import publish_digest
-from ds_swift.worker import Worker
 
 __all__ = ["DigestPublisher"]
 
 
-class DigestPublisher:
-    """Publishes this rank's state digest after every ``interval``-th optimizer step.
+class DigestPublisher(Protection):
+    """Publishes this rank's state digest after every ``interval``-th optimizer step (the protection
+    ``digests``).
 
     Args:
         rank: this rank.
@@ -52,7 +54,9 @@ class DigestPublisher:
         self._store_factory = store_factory
         # A digest that fails is said once per outage and skipped (a missing digest only makes a later
         # check fall back): the worker records it and goes on.
-        self._worker: Worker[Any] = Worker(f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed)
+        self._worker: BackgroundThread[Any] = BackgroundThread(
+            f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed
+        )
         self._store: JobStore | None = None
         self._iteration = -1  # the digest in hand (the thread's)
         self._queued = threading.Event()
@@ -66,6 +70,57 @@ class DigestPublisher:
         """Time the training thread waited for a digest before a step."""
         self.handoff_s = 0.0
         """Time the training thread spent handing the state over (references, a copy of the buffers)."""
+        self._site: Site | None = None
+
+    name = "digests"
+    label = "state digests"
+
+    @classmethod
+    def build(cls, site: Site) -> DigestPublisher | str:
+        # Published digests check what is rebuilt without a donor (a replay, re-applied updates, a
+        # state decoded from chunks), and what a donor sends (replication, buddy copies: the donor's
+        # digest proves the transport, the lost rank's own the copy) or an elastic resize reshards.
+        env = site.ctx.env
+        if not site.cfg.verify.enabled:
+            return "verify.enabled false"
+        if not site.services.digests:
+            return f"no recovery of strategy {site.cfg.strategy!r} checks against them"
+        if env is None or site.ctx.store is None:
+            return "no job store to publish them in (not started by ds-swift-launch)"
+        made = cls(env.rank, site.cfg.verify.digest_interval, lambda: JobStore.from_env(env))
+        made._site = site
+        return made
+
+    def start_generation(self, engine: Any) -> None:
+        from ds_swift.patches.instructions import hook_instructions
+
+        if self._site is not None:
+            self._site.hooks.add(hook_instructions(engine, "ds_swift.digest", self.hooks()))
+
+    def quiesce(self, timeout_s: float) -> None:
+        if not self.wait(timeout_s) and self._site is not None:
+            self._site.ctx.log("the state digest of the last step did not finish before the teardown")
+
+    def usage(self) -> dict[str, Any]:
+        return {"digest_wait_s": self.wait_s}  # what the training thread waited for: a digest still running
+
+    def close(self, timeout_s: float) -> None:
+        self.stop()
+
+    def cost_line(self, engine: Any, costs: CostInputs) -> str:
+        from ds_swift.protect.costs import mb, timed
+
+        seconds = timed(lambda: digest_state(costs.state), costs.device)
+        where, wait = (
+            ("in kernels on a side CUDA stream", "the training thread does not wait for them")
+            if costs.device != "cpu"
+            else ("in a background thread", "the next step waits only for one still running")
+        )
+        return (
+            f"  state digests: every {self.interval} iteration(s), {seconds * 1e3:.1f} ms each {where} (measured "
+            f"at start-up) = {seconds * 1e3 / self.interval:.2f} ms per iteration; reads {mb(costs.total_bytes)} "
+            f"where it lives per digest, stores {16 * len(named_tensors(costs.state))} bytes in the job store; {wait}"
+        )
 
     def hooks(self) -> dict[type, Callable[..., Any]]:
         """The optimizer-step hook (ds_swift.patches.instructions) that drives the publisher."""

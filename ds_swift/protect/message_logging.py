@@ -41,11 +41,15 @@ from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.data.keyed import BatchFn
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say, say_here
+from ds_swift.protect.base import CostInputs, Protection, Site
+from ds_swift.protect.costs import ENV
 from ds_swift.recovery.coordinator import LogPlan
+from ds_swift.recovery.holdings import MessageLogHeld
 from ds_swift.recovery.host import RecoveryHost
+from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.replay.runner import ReplayRuntime
 
-__all__ = ["SIZES_KEY", "EngineLogging"]
+__all__ = ["SIZES_KEY", "EngineLogging", "MessageLogging"]
 
 #: Job-store key of the message sizes measured under a storage budget (JSON of MeasuredSizes).
 SIZES_KEY = "logging/measured_sizes"
@@ -90,8 +94,8 @@ class EngineLogging:
         self._t_begin: float | None = None  # when the iteration in progress started
         self._first_kinds: dict[int, set[str]] = {}  # what each logging stage logs before the decision
         self._copies = False  # buddy copies keep every rank's optimizer partition on another machine
-        self.updates: Any = None  # the UpdateLogger (ds_swift.runtime.rebuild), where stages may log updates
-        #: False only where a benchmark switched message logging off (ds_swift.protect.switches)
+        self.updates: Any = None  # the UpdateLogger (ds_swift.protect.update_logger), where stages may log updates
+        #: False only where a benchmark switched message logging off (ds_swift.protect.costs)
         self.enabled = True
 
     # ------------------------------------------------------------------ the static plan
@@ -106,7 +110,7 @@ class EngineLogging:
 
                 self._layout = layout_from_deepspeed_topology(pipe_topology(engine), self.cfg.machines.gpus_per_node)
                 from ds_swift.plan.stage_logging import first_kinds
-                from ds_swift.protect.protections import partition_copies
+                from ds_swift.protect.buddy import partition_copies
 
                 self._copies = partition_copies(self.cfg, engine)
                 self._plan = conservative_plan(self._layout, self.cfg, self._copies)
@@ -323,7 +327,7 @@ class EngineLogging:
 
     def _lose_coverage(self, why: str) -> None:
         """This rank's sends are no longer logged (for the rest of the job): said loudly, once, and
-        reported in every recovery (RankReport.log_lost), where the stages whose inbound messages
+        reported in every recovery (MessageLogHeld), where the stages whose inbound messages
         these were recover from the global checkpoint instead of a replay."""
         if self.coverage_lost is None:
             self.coverage_lost = why
@@ -346,17 +350,16 @@ class EngineLogging:
             self.log_error = f"{type(exc).__name__}: {exc}"
             say_here(f"message log not flushed to {self.cfg.logging.storage}: {self.log_error}")
 
-    def log_plan(
-        self,
-        engine: Any,
-        survivor: bool,
-        host: RecoveryHost,
-    ) -> LogPlan | None:
+    def log_plan(self, engine: Any) -> LogPlan | None:
         """What logging-based recovery may use in this recovery (None where nothing is logged)."""
         if not self.possible(engine):
             return None
         plan = self.static_plan(engine)
-        runtime = ReplayRuntime(
+        return LogPlan(sorted(plan.replay_stages), plan.groups, sorted(plan.update_stages))
+
+    def replay_runtime(self, survivor: bool, host: RecoveryHost) -> ReplayRuntime:
+        """What this worker lends a replay of this recovery (its data, seed, hooks and records)."""
+        return ReplayRuntime(
             batch_fn=self.batch_fn,
             seed=self.seed,
             storage=self.cfg.logging.storage,
@@ -369,7 +372,57 @@ class EngineLogging:
             host=host,
             cache_dir=self.cache_dir,
         )
-        return LogPlan(sorted(plan.replay_stages), plan.groups, runtime, sorted(plan.update_stages))
+
+
+class MessageLogging(Protection):
+    """The message log as a protection (``messages``): the worker's :class:`EngineLogging`, which the
+    runtime's hooks install on every engine in the order the patches need (ds_swift.runtime.hooks)."""
+
+    name = "messages"
+    label = "message logging"
+
+    def __init__(self, logs: EngineLogging, site: Site) -> None:
+        self.logs, self._site = logs, site
+
+    @classmethod
+    def build(cls, site: Site) -> MessageLogging:
+        return cls(site.hooks.logs, site)
+
+    def quiesce(self, timeout_s: float) -> None:
+        self.logs.flush()  # every logged message to the global store: replacements read it
+
+    def held(self, kept: KeptState | None) -> MessageLogHeld | None:
+        lost = self.logs.coverage_lost
+        return MessageLogHeld(lost=lost) if lost is not None else None
+
+    def lent(self, kept: KeptState | None) -> ReplayRuntime | None:
+        engine = self._site.engine()
+        if engine is None or not self.logs.possible(engine):
+            return None
+        return self.logs.replay_runtime(kept is not None, self._site.host)
+
+    def after_checkpoint(self, done: int) -> None:
+        self.logs.after_checkpoint(done)
+
+    def usage(self) -> dict[str, Any]:
+        return {"log_bytes": self.logs.bytes_logged()}
+
+    def cost_line(self, engine: Any, costs: CostInputs) -> str:
+        logs = self.logs
+        if logs.possible(engine):
+            return (
+                "  message logging: on: the activations and gradients this rank sends across machines, copied off "
+                "the device in the pipeline's bubbles and written by a background thread (bytes per iteration "
+                "measured in the logs' end-of-job line)"
+            )
+        if logs.plan_error is not None:
+            return (
+                f"  message logging: off (topology analysis failed: {logs.plan_error}; a failure recovers from the "
+                "global checkpoint): 0"
+            )
+        if not logs.enabled:
+            return f"  message logging: OFF (benchmark: {ENV}): 0"
+        return "  message logging: off for this rank (no send of its crosses a machine boundary that the plan logs): 0"
 
 
 def copy_gbps(engine: Any) -> float | None:

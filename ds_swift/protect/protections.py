@@ -1,175 +1,132 @@
-"""What runs while nothing fails: the configured strategy's services
-(:class:`~ds_swift.recovery.services.StrategyServices`), made for the engine in force.
+"""A worker's protections: every registered :class:`~ds_swift.protect.base.Protection`, built from the
+configured strategy's services, driven through one lifecycle.
 
-buddy copies of each rank's optimizer partition (or PipeChurn's erasure-coded chunks of its whole
-state, ds_swift.protect.buddy), state digests (ds_swift.protect.digest_publisher) and the update log
-(ds_swift.protect.update_logger): each is made here from the strategy's services, never from its
-name, and hooked into each generation's engine.
+The runtime calls the lifecycle here and never a protection by its name: a new protection is one
+class and one line in :data:`PROTECTIONS`, and reaches the recovery report
+(``RankReport.holdings``), the strategies (``RankContext.lent``), the start-up cost lines and the
+usage record with no other edit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import Any, TypeVar
 
-import torch.distributed as dist
-
-from ds_swift.config import SwiftConfig
-from ds_swift.jobstore.membership import JobStore
-from ds_swift.patches.deepspeed_optim_state import is_partitioned
-from ds_swift.plan.buddy_cost import copies_kept
-from ds_swift.protect.buddy import BuddyCopier, BuddyHoldings, StoreLanding
+from ds_swift.protect.base import CostInputs, Protection, Site
+from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.protect.digest_publisher import DigestPublisher
+from ds_swift.protect.inflight_copy import InflightCopy
+from ds_swift.protect.message_logging import MessageLogging
+from ds_swift.protect.running_checkpoint import RunningCheckpoints
 from ds_swift.protect.update_logger import UpdateLogger
+from ds_swift.recovery.handover import Handover
+from ds_swift.recovery.holdings import Held
+from ds_swift.recovery.kept import KeptState
 
-if TYPE_CHECKING:
-    from ds_swift.runtime.context import SwiftContext
-    from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.recovery.consensus import RankReport
-from ds_swift.recovery.registry import services_of
+__all__ = ["PROTECTIONS", "Protections"]
 
-__all__ = ["Protections", "partition_copies"]
+P = TypeVar("P", bound=Protection)
+
+#: Every protection a worker may run, in the order their lifecycle runs (the message log is flushed
+#: first at a teardown, before the copier threads stop) and their cost lines are said.
+PROTECTIONS: tuple[type[Protection], ...] = (
+    MessageLogging,
+    BuddyCopier,
+    DigestPublisher,
+    UpdateLogger,
+    InflightCopy,
+    RunningCheckpoints,
+)
 
 
 class Protections:
-    """The failure-free services of one rank.
+    """The protections of one worker (built once; kept across every recovery).
 
     Args:
-        engine: the engine in force (None during a rebuild).
-        ctx: the distributed context.
-        cfg: the swift config (its ``services``, and the sub-sections they read).
-        hooks: the runtime's per-engine hooks (each service hooks the optimizer step there).
-        generation: the generation in force.
-        check_after_receive: raises where the generation failed while a copy was received.
-        machine: this rank's machine.
+        site: where they are built (config, services, context, hooks, the engine in force...).
     """
 
-    def __init__(
-        self,
-        engine: Callable[[], Any],
-        *,
-        ctx: SwiftContext,
-        cfg: SwiftConfig,
-        hooks: EngineHooks,
-        generation: Callable[[], int],
-        check_after_receive: Callable[[], None],
-        machine: Callable[[], int],
-    ) -> None:
-        self._engine, self._ctx, self._cfg, self._hooks = engine, ctx, cfg, hooks
-        self._generation, self._check_after_receive, self._machine = generation, check_after_receive, machine
-        services = services_of(cfg)
-        self.buddy: BuddyCopier | None = None
-        if services.erasure_chunks:  # the same copier, sending erasure-coded chunks
-            erasure = (cfg.pipechurn.data_chunks, cfg.pipechurn.parity_chunks)
-            self.buddy = BuddyCopier(1, cfg.machines.failure_domains, erasure=erasure)
-        elif cfg.buddy.enabled and services.buddy_copies:
-            self.buddy = BuddyCopier(
-                cfg.buddy.replication_factor, cfg.machines.failure_domains, interval=cfg.buddy.fixed_interval
-            )
-        elif cfg.buddy.enabled and (ctx.env is None or ctx.env.rank == 0):
-            # A strategy that never reads buddy copies does not pay for them.
-            ctx.log(f"buddy copies off: strategy {cfg.strategy!r} does not use them (set strategy auto to use them)")
-        # Published digests check what is rebuilt without a donor (a replay, re-applied updates, a
-        # state decoded from chunks), and what a donor sends (replication, buddy copies: the donor's
-        # digest proves the transport, the lost rank's own the copy) or an elastic resize reshards.
-        env = ctx.env
-        self.digests = (
-            DigestPublisher(env.rank, cfg.verify.digest_interval, lambda: JobStore.from_env(env))
-            if cfg.verify.enabled and services.digests and env is not None and ctx.store is not None
-            else None
-        )
-        # The update log: every rank's update after each step (TranLogs); under a per-stage mix
-        # (logging.kinds) only the ranks of the stages the logging plan has log theirs.
-        self.updates = (
-            UpdateLogger(
-                env.rank if env is not None else dist.get_rank(),
-                cfg.logging.storage,
-                lambda: hooks.undo,
-                enabled=self._logs_updates if services.update_log == "per_stage" else None,
-                hang_timeout_s=cfg.watchdog.hang_timeout_s,
-            )
-            if services.update_log != "off"
-            else None
-        )
-        hooks.logs.updates = self.updates
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.running: list[Protection] = []
+        #: (class, why off) of those that are off, for their cost line
+        self.off: list[tuple[type[Protection], str]] = []
+        for cls in PROTECTIONS:  # read at build time: a test may add one
+            made = cls.build(site)
+            if isinstance(made, Protection):
+                self.running.append(made)
+            elif isinstance(made, str):
+                self.off.append((cls, made))
 
-    def _logs_updates(self) -> bool:
-        engine = self._engine()
-        return engine is not None and self._hooks.logs.logs_updates(engine)
+    def get(self, kind: type[P]) -> P | None:
+        """The running protection of type ``kind``, or None."""
+        return next((p for p in self.running if isinstance(p, kind)), None)
 
     def start_generation(self) -> None:
         """Every rank, once per generation, at the same point (after generation 0's build, after each
-        recovery, never during one): buddy copies, state digests and update logging of the engine in force."""
-        from ds_swift.patches.instructions import hook_instructions
-
-        self.start_buddy()
-        if self.digests is not None:
-            self._hooks.add(hook_instructions(self._engine(), "ds_swift.digest", self.digests.hooks()))
-        if self.updates is not None:
-            self._hooks.add(hook_instructions(self._engine(), "ds_swift.updates", self.updates.hooks()))
-
-    def after_checkpoint(self, done: int) -> None:
-        """A global checkpoint of ``done`` iterations is complete: update records before it go."""
-        if self.updates is not None:
-            self.updates.gc_before(done)
-
-    def start_buddy(self) -> None:
-        """Every rank, once per generation, at the same point (after generation 0's build, after each
-        recovery): start copying this rank's optimizer partition to its buddies after every step."""
-        from ds_swift.patches.instructions import hook_instructions, schedule
-
-        engine, buddy, env = self._engine(), self.buddy, self._ctx.env
-        if buddy is None or env is None:
-            return
-        generation = self._generation()
-
-        def landing(world: int) -> StoreLanding:
-            return StoreLanding(JobStore.from_env(env), generation, world)
-
-        if not buddy.start(engine, self._machine(), landing if self._ctx.store is not None else None):
-            return
-
-        def step(eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
-            buddy.before_step(self._check_after_receive)
-            out = call_next(**kw)
-            buddy.after_step(eng)
-            return out
-
-        hooks = {schedule.OptimizerStep: step}
-        self._hooks.add(hook_instructions(engine, "ds_swift.buddy", hooks))
+        recovery, never during one): every protection hooks into the engine in force."""
+        engine = self.site.engine()
+        for p in self.running:
+            p.start_generation(engine)
 
     def quiesce(self) -> None:
-        """Before the teardown: the copier stops; the last digest and update records finish (or are said lost)."""
-        if self.buddy is not None:
-            self.buddy.stop()
-        if self.digests is not None and not self.digests.wait(self._ctx.op_timeout_s):
-            self._ctx.log("the state digest of the last step did not finish before the teardown")
-        if self.updates is not None and not self.updates.flush(self._ctx.op_timeout_s):
-            self._ctx.log("the update records of the last steps were not all stored before the teardown")
+        """A survivor, before its teardown: what is in flight finishes or is said lost."""
+        for p in self.running:
+            p.quiesce(self.site.ctx.op_timeout_s)
 
-    def holdings(self) -> BuddyHoldings | None:
-        """The copies this rank holds for its buddies (a survivor keeps them across the rebuild)."""
-        return self.buddy.holdings if self.buddy is not None else None
+    def holdings(self, kept: KeptState | None) -> dict[str, Held]:
+        """What this rank's protections hold for the consensus, by name (``kept``: a survivor's kept
+        state, None: a replacement). Called before the report is made: a protection may still help
+        the kept state undo (the update log's gradients)."""
+        out: dict[str, Held] = {}
+        for p in self.running:
+            held = p.held(kept)
+            if held is not None and held != type(held)():  # holding nothing is the default: not carried
+                out[p.name] = held
+        return out
 
-    def forget_holdings(self) -> None:
-        """After an elastic resize: copies keyed by the old ranks; the new generation copies afresh."""
-        if self.buddy is not None:
-            self.buddy.holdings = BuddyHoldings()
+    def lend(self, kept: KeptState | None) -> Handover:
+        """What the strategies may use in this recovery, kept by type."""
+        return Handover(*(p.lent(kept) for p in self.running))
 
-    def report(self, report: RankReport) -> RankReport:
-        """``report`` with the copies or chunks this rank holds for the consensus."""
-        if self.buddy is None:
-            return report
-        if self.buddy.erasure is not None:
-            return dataclasses.replace(
-                report, ec_chunks=self.buddy.holdings.chunks(), ec_k=self._cfg.pipechurn.data_chunks
-            )
-        return dataclasses.replace(report, buddy_copies=self.buddy.holdings.copies())
+    def after_step(self, engine: Any) -> None:
+        for p in self.running:
+            p.after_step(engine)
+
+    def after_checkpoint(self, done: int) -> None:
+        """A global checkpoint of ``done`` iterations is complete: what only older iterations needed goes."""
+        for p in self.running:
+            p.after_checkpoint(done)
+
+    def forget(self) -> None:
+        """After an elastic resize: holdings keyed by the old ranks go; the new generation starts afresh."""
+        for p in self.running:
+            p.forget()
+
+    def cost_lines(self, engine: Any, costs: CostInputs) -> list[str]:
+        """One start-up line per protection, in :data:`PROTECTIONS` order (those off say why)."""
+        lines = [(_index(type(p)), p.cost_line(engine, costs)) for p in self.running]
+        lines += [(_index(cls), cls.off_line(why)) for cls, why in self.off]
+        return [line for _, line in sorted(lines, key=lambda x: x[0])]
+
+    def usage(self) -> dict[str, Any]:
+        """What the protections cost this rank (their figures summed where two give the same one)."""
+        out: dict[str, Any] = {}
+        for p in self.running:
+            for key, value in p.usage().items():
+                both = isinstance(value, int | float) and isinstance(out.get(key), int | float)
+                out[key] = out[key] + value if both else value
+        return out
+
+    def close(self) -> None:
+        """The job ends: each protection finishes within the op timeout (one that raises is said; the others still close)."""
+        for p in self.running:
+            try:
+                p.close(self.site.ctx.op_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - closing one must not leave the others running
+                self.site.ctx.log(f"{p.label}: not closed cleanly: {type(exc).__name__}: {exc}", level=logging.WARNING)
 
 
-def partition_copies(cfg: SwiftConfig, engine: Any) -> bool:
-    """Whether the copier :class:`Protections` starts keeps every rank's optimizer state on other
-    machines (buddy copies of a partitioned state, or PipeChurn's chunks): the topology analyzer then
-    logs nothing for a stage those copies restore (ds_swift.plan.analysis.analyze)."""
-    return copies_kept(cfg, is_partitioned(getattr(engine, "optimizer", None)))
+def _index(cls: type[Protection]) -> int:
+    """``cls``'s place in :data:`PROTECTIONS` (read now: a test may have added one)."""
+    return PROTECTIONS.index(cls) if cls in PROTECTIONS else len(PROTECTIONS)

@@ -13,15 +13,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ds_swift.checkpoint.running import (
     CorruptCheckpointError,
     RunningCheckpoint,
     RunningCheckpointError,
+    block_elements,
     running_checkpoint_job,
+    running_dir,
+    running_state,
 )
 from ds_swift.logs import say
+from ds_swift.protect.base import CostInputs, Protection, Site
 from ds_swift.recovery.base import loud
-from ds_swift.recovery.strategies.scar import block_elements, running_dir, running_state
 
 __all__ = ["RunningCheckpoints", "claim_running_dir"]
 
@@ -55,8 +60,10 @@ def claim_running_dir(directory: Path, job: str | None, rank: int | None = None)
     )
 
 
-class RunningCheckpoints:
-    """Args:
+class RunningCheckpoints(Protection):
+    """This rank's running checkpoint rounds (the protection ``running``).
+
+    Args:
     fraction: SCAR's r (``checkpoint.running_fraction``).
     interval: the global checkpoint interval (SCAR's C).
     ckpt_dir: the global checkpoint directory (the running checkpoints go under it).
@@ -84,6 +91,43 @@ class RunningCheckpoints:
         if fresh:
             claim_running_dir(self.directory, job, rank)
         self._ckpt: RunningCheckpoint | None = None
+
+    name = "running"
+    label = "running checkpoints"
+
+    @classmethod
+    def build(cls, site: Site) -> RunningCheckpoints | str | None:
+        """SCAR's running checkpoint of this rank, where the config asks for one and checkpoints have a directory."""
+        fraction, ckpt = site.cfg.checkpoint.running_fraction, site.ckpt
+        if not site.services.running_checkpoint:
+            return None
+        if fraction is None:
+            return "checkpoint.running_fraction not set: a replacement loads the global checkpoint alone"
+        if ckpt is None or ckpt.ckpt_dir is None:
+            return "checkpoint.dir not set"
+        env = site.ctx.env
+        return cls(
+            fraction,
+            site.cfg.checkpoint.interval,
+            ckpt.ckpt_dir,
+            env.rank if env is not None else dist.get_rank(),
+            env is None or not env.replacement,
+            job=ckpt.job_id,
+            wait_s=site.cfg.checkpoint.save_timeout_s / 2,
+        )
+
+    def usage(self) -> dict[str, Any]:
+        return {"running_bytes": self.bytes_written}
+
+    def cost_line(self, engine: Any, costs: CostInputs) -> str:
+        from ds_swift.protect.costs import mb
+
+        every = max(1, round(self.fraction * self.interval))
+        return (
+            f"  running checkpoints: the most-changed {self.fraction:g} of the optimizer state every {every} "
+            f"iteration(s) to {self.directory}, gathered on the training thread and written by a background "
+            f"thread (the rank state is {mb(costs.total_bytes)}; bytes written in the end-of-job usage)"
+        )
 
     @property
     def bytes_written(self) -> int:
@@ -118,7 +162,7 @@ class RunningCheckpoints:
         except RunningCheckpointError as exc:
             loud(self.rank, f"running checkpoint: {exc} (training goes on; a replacement loads older blocks)")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 0.0) -> None:
         if self._ckpt is None:
             return
         try:

@@ -29,9 +29,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
+from ds_swift.background_thread import BackgroundThread, OnError
 from ds_swift.logs import say
+from ds_swift.protect.base import CostInputs, Protection, Site
+from ds_swift.recovery.holdings import UpdateLogHeld
 from ds_swift.recovery.state.update_log import (
     UpdateLogError,
+    UpdateLogStore,
     capture_update,
     load_record,
     newest_in_run,
@@ -41,7 +47,6 @@ from ds_swift.recovery.state.update_log import (
     save_record,
 )
 from ds_swift.storage import open_store
-from ds_swift.worker import OnError, Worker
 
 if TYPE_CHECKING:
     from ds_swift.recovery.kept import KeptState
@@ -54,8 +59,8 @@ MAX_QUEUED = 4
 STORED_BEFORE_STEP_S = 60.0
 
 
-class UpdateLogger:
-    """Writes this rank's update record after every optimizer step.
+class UpdateLogger(Protection):
+    """Writes this rank's update record after every optimizer step (the protection ``updates``).
 
     Args:
         rank: this rank (records are named by it: its replacement reads them).
@@ -85,7 +90,7 @@ class UpdateLogger:
         self._undo = undo
         self._tmp: str | None = None
         # A write that fails stops update logging on this rank, loudly (_lose), and training goes on.
-        self._worker: Worker[tuple[str, Any]] = Worker(
+        self._worker: BackgroundThread[tuple[str, Any]] = BackgroundThread(
             f"ds-swift-updlog-{rank}",
             self._do,
             on_error=OnError.OFF,
@@ -109,6 +114,77 @@ class UpdateLogger:
         """Training-thread time: copying the gradients and handing the record over."""
         self.write_s = 0.0
         """Background time: serialising and storing."""
+        self._site: Site | None = None
+
+    name = "updates"
+    label = "update log"
+
+    @classmethod
+    def build(cls, site: Site) -> UpdateLogger | str:
+        """Every rank's update after each step (TranLogs); under a per-stage mix (``logging.kinds``)
+        only the ranks of the stages the logging plan has log theirs."""
+        mode, hooks = site.services.update_log, site.hooks
+        if mode == "off":
+            return f"strategy {site.cfg.strategy!r} re-applies no logged updates"
+
+        def logs_updates() -> bool:
+            engine = site.engine()
+            return engine is not None and bool(hooks.logs.logs_updates(engine))
+
+        env = site.ctx.env
+        made = cls(
+            env.rank if env is not None else dist.get_rank(),
+            site.cfg.logging.storage,
+            lambda: hooks.undo,
+            enabled=logs_updates if mode == "per_stage" else None,
+            hang_timeout_s=site.cfg.watchdog.hang_timeout_s,
+        )
+        made._site = site
+        hooks.logs.updates = made  # the message log measures its bytes under a storage budget
+        return made
+
+    def start_generation(self, engine: Any) -> None:
+        from ds_swift.patches.instructions import hook_instructions
+
+        if self._site is not None:
+            self._site.hooks.add(hook_instructions(engine, "ds_swift.updates", self.hooks()))
+
+    def quiesce(self, timeout_s: float) -> None:
+        if not self.flush(timeout_s) and self._site is not None:
+            self._site.ctx.log("the update records of the last steps were not all stored before the teardown")
+
+    def held(self, kept: KeptState | None) -> UpdateLogHeld | None:
+        """A survivor whose undo record lost its gradients may take them back from its record
+        (:meth:`offer_gradients`: called here, before the report says whether it can undo); a
+        replacement reports its rank's newest record, probed from the newest complete checkpoint."""
+        if kept is not None:
+            self.offer_gradients(kept)
+            return None
+        ckpt = self._site.ckpt if self._site is not None else None
+        found = ckpt.latest(None) if ckpt is not None else None
+        return UpdateLogHeld(newest=self.newest_stored(found[0] if found is not None else 0))
+
+    def lent(self, kept: KeptState | None) -> UpdateLogStore:
+        return UpdateLogStore(self.storage)
+
+    def after_checkpoint(self, done: int) -> None:
+        self.gc_before(done)  # the records before it go
+
+    def usage(self) -> dict[str, Any]:
+        return {"log_bytes": self.bytes}
+
+    def close(self, timeout_s: float) -> None:
+        self.stop()
+
+    def cost_line(self, engine: Any, costs: CostInputs) -> str:
+        from ds_swift.protect.costs import mb
+
+        grads = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
+        who = "this rank" if self._enabled is None else "this rank where its stage logs updates (logging.kinds)"
+        return (
+            f"  update log: {who} copies its step's gradients to host memory, {mb(grads)} per iteration, on the "
+            f"training thread, and a background thread stores the record in {self.storage} (measured totals at the end)"
+        )
 
     def _log(self, msg: str) -> None:
         """One line on ds-swift's channel, tagged with this rank."""

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,7 +30,7 @@ from ds_swift.recovery.services import StrategyServices
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
     from ds_swift.config import SimulateConfig, SwiftConfig
-    from ds_swift.jobstore.membership import JobStore
+    from ds_swift.jobstore.membership import JobStore, WorkerEnv
     from ds_swift.recovery.kept import KeptState
     from ds_swift.recovery.simulated_failure import SimulatedFailure
     from ds_swift.recovery.state.digest import Verdict
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BenchVariant",
+    "MembershipChange",
+    "MembershipRefused",
+    "MembershipView",
     "RankContext",
     "RecoveryOutcome",
     "RecoveryStrategy",
@@ -110,8 +113,8 @@ def announce_deviation(
 
 
 def say_deviation(rank: int, lowest: bool, strategy: str, outcome: RecoveryOutcome, deviation: str) -> None:
-    """:func:`announce_deviation` for a recovery outside the strategy registry (an elastic resize):
-    ``lowest`` is whether this rank is the one that says it."""
+    """:func:`announce_deviation` where the reports are not at hand (an elastic resize, whose ranks
+    are renumbered): ``lowest`` is whether this rank is the one that says it."""
     outcome.deviation = deviation
     if lowest:
         loud(rank, f"APPROXIMATE RECOVERY (strategy {strategy}): {deviation}")
@@ -262,16 +265,16 @@ class RecoveryStrategy(ABC):
         or None where it has none."""
         return None
 
-    def restore_resized(self, resize: Any, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
-        """Every rank's recovery into a generation with another number of data-parallel replicas
-        (only strategies whose services have ``elastic``: ds_swift.recovery.strategies.elastic).
+    def membership_change(self, view: MembershipView) -> MembershipChange | None:
+        """Before a survivor joins the next generation (and when a new rank joins, ``view.joining``):
+        a change of the job's machines this strategy makes instead of a replacement, which the
+        runtime applies and the protocol restores through (ds_swift.recovery.base); None: the
+        job keeps its shape (a failed machine is replaced).
 
         Args:
-            resize: the shrink or grow this rank planned (None: a new rank, told by rank 0).
-            ctx: this rank's engine (rebuilt at the new size), store and kept state.
-            zero_stage: the ZeRO stage.
+            view: what the strategy may read (the store, this worker, its kept state, the failed machine).
         """
-        raise NotImplementedError(f"strategy {self.name!r} does not resize the job (its services' elastic is off)")
+        return None
 
     @abstractmethod
     def restore(self, plan: RecoveryPlan, inputs: RecoveryInputs, ctx: RankContext) -> RecoveryOutcome:
@@ -342,6 +345,12 @@ class Registry:
                 out = out.merged(strategy.services(cfg))
         return out
 
+    def membership_change(self, forced: str, view: MembershipView) -> MembershipChange | None:
+        """The membership change the configured strategy makes (``forced``: the config's strategy;
+        under ``auto``, the first any strategy ``auto`` may choose makes), or None."""
+        asked = [s for s in self._strategies if s.auto] if forced == "auto" else [self.get(forced)]
+        return next((c for s in asked if (c := s.membership_change(view)) is not None), None)
+
     def candidates(self, inputs: RecoveryInputs) -> list[RecoveryStrategy]:
         """The strategies to ask, cheapest first (ties: in registration order), the fallback excluded."""
         if inputs.forced == self.fallback.name:
@@ -392,3 +401,76 @@ def check_round(
             )
         raise RestoreFailed(reason)
     return answers
+
+
+# ---------------------------------------------------------------- membership changes
+# A change of the job's machines, made by a strategy instead of replacing a failed one.
+#
+# Between a survivor's teardown and its join of the next generation, the runtime asks the configured
+# strategy (:meth:`~ds_swift.recovery.base.RecoveryStrategy.membership_change`) whether the next
+# generation has another shape: an elastic shrink with no spare left, or a grow when a machine
+# returns (ds_swift.recovery.strategies.elastic). The new ranks of a returning machine are asked too
+# (``joining``). A :class:`MembershipChange` says what the runtime applies before it joins (this rank's
+# new rank, the world's size, the DeepSpeed config, the machines in rank order), and the recovery
+# protocol restores through it (:func:`ds_swift.recovery.coordinator.run_recovery`).
+
+
+class MembershipRefused(RuntimeError):
+    """The job cannot change its shape as the strategy would (the reason says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class MembershipView:
+    """What a strategy may read to decide a membership change.
+
+    Args:
+        store: the job store.
+        generation: the generation that ended (a survivor's) or the one being joined, less one (a new rank's).
+        env: this worker's environment (rank, machine, the job's machines).
+        cfg: the swift config.
+        ds_config: the DeepSpeed config the engine was built from.
+        kept: a survivor's kept state (None: a new rank joining).
+        machines: the job's machines in rank order before this change (None: never changed, all of them).
+        failed_machine: waits (briefly) for the machine the launcher declared failed (None: none declared).
+        join_timeout_s: how long a rank waits for the others.
+        log: one line on ds-swift's channel.
+    """
+
+    store: JobStore
+    generation: int
+    env: WorkerEnv
+    cfg: SwiftConfig
+    ds_config: Mapping[str, Any]
+    kept: KeptState | None
+    machines: list[int] | None
+    failed_machine: Callable[[], int | None]
+    join_timeout_s: float
+    log: Callable[[str], None]
+
+    @property
+    def joining(self) -> bool:
+        """A new rank (of a machine that came back), not a survivor."""
+        return self.kept is None
+
+
+class MembershipChange(ABC):
+    """The next generation's shape, and how every rank's recovery into it goes."""
+
+    #: the strategy that made it (the recovery's timeline names it)
+    strategy: str
+    #: this rank's rank in the next generation
+    rank: int
+    #: the next generation's world size
+    world: int
+    #: the DeepSpeed config the next generation's engine is built from
+    ds_config: Mapping[str, Any]
+    #: the job's machines in rank order in the next generation
+    machines: list[int]
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the log: what changes."""
+
+    @abstractmethod
+    def restore(self, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
+        """Every rank of the next generation (joined, its engine built at the new shape): the restore."""

@@ -18,8 +18,11 @@ Which strategy restores the lost ranks is each strategy's own question
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ds_swift.recovery.holdings import BuddyHeld, MessageLogHeld
 
 __all__ = ["LoggingSetup", "RankReport", "RecoveryInputs", "RecoveryPlan"]
 
@@ -38,47 +41,16 @@ class RankReport:
     """The last iteration whose step this rank applied (-1: none, or a replacement)."""
     can_undo: bool = False
     """The rank can undo its steps back to one iteration before ``last_stepped``."""
-    buddy_copies: tuple[tuple[int, int], ...] = ()
-    """(owner rank, iteration) of every complete copy of another rank's optimizer partition this
-    rank holds (ds_swift.protect.buddy): the owner's state after that iteration's step."""
-    ec_chunks: tuple[tuple[int, int, int], ...] = ()
-    """(owner rank, iteration, chunk index) of every erasure-coded chunk of another rank's state this
-    rank holds (strategy pipechurn, ds_swift.recovery.state.erasure)."""
-    ec_k: int = 0
-    """The chunks that rebuild a state (``pipechurn.data_chunks``; 0: no erasure coding)."""
-    log_lost: str | None = None
-    """Why this rank's message log stopped covering its sends (a write error: full disk,
-    unreachable storage), or None: a replay that needs its messages cannot be exact."""
-    own_copies: tuple[int, ...] = ()
-    """The iterations of this survivor's own complete copies of its optimizer partition (the buddy
-    copier's, ds_swift.protect.buddy): it can go back to any of them, bitwise, however many steps
-    (without one, update-undo's inverse update gets one step back within 2 ulp, and the recovery
-    says so)."""
-    inflight: int = -1
-    """The iteration in flight this rank holds a copy of (PipeChurn's partial recomputation,
-    ds_swift.recovery.state.inflight; -1: none)."""
-    inflight_passes: int = -1
-    """Of ``inflight``, the micro-batches ``0 .. n-1`` whose forward and backward passes the copy
-    holds (their sends, the gradients accumulated over them; every micro-batch: all ran); -1: this
-    rank keeps no copy (partial recomputation off)."""
-    inflight_forwards: int = 0
-    """Of ``inflight``, the forward passes that ran before the failure (those beyond
-    ``inflight_passes`` lost their autograd graphs with the engine: redone)."""
-    logged_update: int | None = None
-    """A replacement whose rank logged its updates (strategy tranlogs): the newest iteration its
-    rank's update record was stored for (-1: none); None: not looked up (a survivor, no update log,
-    or the log store could not be listed)."""
+    holdings: Mapping[str, Any] = field(default_factory=dict)
+    """What this rank's protections hold for the recovery, by protection name (JSON objects; a
+    strategy reads one through its view in ds_swift.recovery.holdings, e.g. ``BuddyHeld.of(report)``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RankReport:
-        doc = json.loads(text)
-        doc["buddy_copies"] = tuple((int(o), int(v)) for o, v in doc.get("buddy_copies", ()))
-        doc["ec_chunks"] = tuple((int(o), int(v), int(i)) for o, v, i in doc.get("ec_chunks", ()))
-        doc["own_copies"] = tuple(int(v) for v in doc.get("own_copies", ()))
-        return cls(**doc)
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
@@ -215,7 +187,7 @@ class RecoveryInputs:
             r.rank
             for r in ahead
             if r.last_stepped > consensus
-            and consensus not in r.own_copies
+            and consensus not in BuddyHeld.of(r).own
             and (not r.can_undo or r.last_stepped - consensus > 1)
         )
         return cls(
@@ -254,7 +226,7 @@ class RecoveryInputs:
         """Survivor ``rank`` gets back to iteration ``to`` (default: the consensus; a plan's, where a
         strategy rebased it) bitwise: it holds its own copy of that iteration (otherwise it undoes
         one step by update-undo's inverse update, within 2 ulp)."""
-        return (self.consensus if to is None else to) in self.by_rank[rank].own_copies
+        return (self.consensus if to is None else to) in BuddyHeld.of(self.by_rank[rank]).own
 
     def undo_words(self) -> str:
         """How the survivors of ``undo`` get back to the consensus, for a plan's reason ("" where
@@ -271,10 +243,11 @@ class RecoveryInputs:
         covering their sends: the messages a replay of ``group`` needs from them are missing."""
         members = {r.rank for r in self.reports if r.rank in group}
         coords = {(r.stage, r.dp, r.tp) for r in self.reports if r.rank in members}
+        lost = {r.rank: MessageLogHeld.of(r).lost for r in self.reports}
         return [
-            (r.rank, r.log_lost)
+            (r.rank, why)
             for r in self.reports
-            if r.log_lost is not None
+            if (why := lost[r.rank]) is not None
             and r.rank not in members
             and ((r.stage - 1, r.dp, r.tp) in coords or (r.stage + 1, r.dp, r.tp) in coords)
         ]

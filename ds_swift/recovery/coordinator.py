@@ -18,7 +18,7 @@ Survivors and replacements run the same function with the same inputs, in this o
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from ds_swift import transport
 from ds_swift.checkpoint.periodic import CheckpointManager, Origin
 from ds_swift.jobstore.membership import GenerationFailed, JobStore
 from ds_swift.recovery.base import (
+    MembershipChange,
     RankContext,
     RecoveryOutcome,
     RecoveryStrategy,
@@ -37,11 +38,11 @@ from ds_swift.recovery.base import (
     loud,
 )
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import Held
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES
-from ds_swift.recovery.replay.runner import ReplayRuntime, failed_replay_key
+from ds_swift.recovery.replay.runner import failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
-from ds_swift.recovery.state.inflight import InflightKeeper
 from ds_swift.recovery.verify import (
     OWN_COPY,
     agree,
@@ -60,24 +61,21 @@ class LogPlan:
     Args:
         replayable_stages: stages whose inbound cross-group sends are logged (strategy "logging").
         machine_groups: the selective-logging groups of machines.
-        runtime: what the runtime lends the replay (data, seed, hooks, this rank's records).
         update_stages: stages recovered by logging that log their updates instead (``logging.kinds``).
     """
 
     replayable_stages: Collection[int]
     machine_groups: Sequence[Sequence[int]]
-    runtime: ReplayRuntime
     update_stages: Collection[int] = ()
 
 
 def rank_report(
-    engine: Any, kept: KeptState | None, machine: int, inflight: InflightKeeper | None = None
+    engine: Any, kept: KeptState | None, machine: int, holdings: Mapping[str, Held] | None = None
 ) -> RankReport:
     """This rank's report for the consensus (``engine`` is the rebuilt one: its coordinates;
-    ``inflight``: its copy of the iteration in flight, a survivor's of the failed generation)."""
+    ``holdings``: what its protections hold, by name, ds_swift.protect)."""
     grid = engine.grid
     tp = grid.get_slice_parallel_rank() if hasattr(grid, "get_slice_parallel_rank") else 0
-    held = _inflight_fields(inflight if kept is not None else None)
     return RankReport(
         rank=dist.get_rank(),
         survivor=kept is not None,
@@ -87,16 +85,8 @@ def rank_report(
         machine=int(machine),
         last_stepped=kept.last_stepped if kept is not None else -1,
         can_undo=kept is not None and kept.can_undo,
-        own_copies=kept.own_copies if kept is not None else (),
-        inflight=held[0],
-        inflight_passes=held[1],
-        inflight_forwards=held[2],
+        holdings={name: held.to_doc() for name, held in (holdings or {}).items()},
     )
-
-
-def _inflight_fields(inflight: InflightKeeper | None) -> tuple[int, int, int]:
-    """A survivor's copy of the iteration in flight, for its report (none kept: -1 passes)."""
-    return inflight.report() if inflight is not None else (-1, -1, 0)
 
 
 def optimizer_wrapper(engine: Any) -> str | None:
@@ -123,6 +113,7 @@ def run_recovery(
     optimizer_wrapper: str | None,
     logging: LogPlan | None = None,
     partitioned: bool = False,
+    change: MembershipChange | None = None,
 ) -> RecoveryOutcome:
     """Run steps 1-5 above in ``ctx.generation`` (already joined; ``ctx.engine`` already rebuilt).
 
@@ -137,9 +128,11 @@ def run_recovery(
         optimizer_wrapper: a DeepSpeed optimizer wrapper survivors cannot keep, or None.
         logging: set where the topology plan logs pipeline sends (logging-based recovery possible).
         partitioned: each data-parallel rank holds only its slice of the optimizer state (ZeRO-1, bf16).
+        change: the membership change the strategy made before this generation formed (an elastic
+            shrink or grow): every rank restores through it instead (ds_swift.recovery.base).
     """
-    if logging is not None:
-        ctx.lent.put(logging.runtime)  # the message-log replay's runtime (strategy logging)
+    if change is not None:
+        return change.restore(ctx, zero_stage)
     reports, step = _gather(ctx, world_size, report)
     setup = None
     if logging is not None:

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_swift.logs import say
-from ds_swift.patches.deepspeed_optim_state import UnsupportedWrapper, capture_optimizer, optimizer_payload
+from ds_swift.patches.deepspeed_engine import pipe_topology
+from ds_swift.patches.deepspeed_optim_state import (
+    UnsupportedWrapper,
+    capture_optimizer,
+    is_partitioned,
+    optimizer_payload,
+)
 from ds_swift.recovery.state.transfer import load_state, set_counters
 
 if TYPE_CHECKING:
@@ -18,7 +24,10 @@ if TYPE_CHECKING:
     from ds_swift.recovery.timeline import RankTimeline
     from ds_swift.undo.engine import EngineUndoHandle
 
-__all__ = ["KeptState"]
+__all__ = ["Grid", "KeptState", "grid_of"]
+
+#: (stage, dp, tp) of every rank, accumulation steps, micro-batch, optimizer state partitioned
+Grid = tuple[tuple[tuple[int, int, int], ...], int, int, bool]
 
 
 @dataclass
@@ -48,6 +57,9 @@ class KeptState:
     buddy: Any = None
     """The buddy copies of other ranks' partitions this rank holds, and its own copies of its last
     two steps (ds_swift.protect.buddy.BuddyHoldings)."""
+    grid: Grid | None = None
+    """The failed generation's grid (:func:`grid_of`), taken where the job may change its shape
+    (a strategy whose services have ``elastic``): a membership change plans from it."""
     restored: dict[str, Any] | None = None
     """The own copy an undo took back (optimizer payload, LR scheduler, counters, buffers), loaded
     in place of the kept optimizer state; None: the kept state is loaded as it is."""
@@ -239,3 +251,20 @@ class KeptState:
         load_state(engine, self.state(), consensus + 1)
         if self.counters is not None:
             set_counters(engine, consensus + 1, skipped_steps=self.counters["skipped_steps"])
+
+
+def grid_of(engine: Any) -> Grid:
+    """(stage, dp, tp) of every rank of ``engine``'s grid, its accumulation steps and micro-batch,
+    and whether its optimizer state is partitioned over data-parallel ranks."""
+    topo = pipe_topology(engine)
+    axes = topo.get_axis_names()
+    coords = []
+    for r in range(topo.world_size()):
+        c = topo.get_coord(r)
+        coords.append((int(c.pipe), int(c.data), int(getattr(c, "model", 0)) if "model" in axes else 0))
+    return (
+        tuple(coords),
+        int(engine.gradient_accumulation_steps()),
+        int(engine.train_micro_batch_size_per_gpu()),
+        is_partitioned(engine.optimizer),
+    )

@@ -77,8 +77,3 @@ class StrategyServices:
             else:
                 values[f.name] = a or b
         return StrategyServices(**values)  # type: ignore[arg-type]
-
-    @property
-    def logs_messages(self) -> bool:
-        """Whether any stage may log its inbound pipeline messages (logging-based recovery)."""
-        return "logging" in self.stage_recovery

@@ -39,8 +39,8 @@ from ds_swift.data.keyed import BatchFn
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours, watched_peers
 from ds_swift.patches.determinism import ScopedDeterminism
+from ds_swift.protect.costs import switched_off
 from ds_swift.protect.message_logging import EngineLogging, cache_dir_for
-from ds_swift.protect.switches import switched_off
 from ds_swift.recovery.base import RecoveryOutcome
 from ds_swift.recovery.gradmask import GradScale
 from ds_swift.recovery.registry import load_config, services_of
@@ -53,7 +53,6 @@ from ds_swift.runtime.engine_setup import (
     check_hang_timeout,
     failure_simulation,
     log_protection_costs,
-    running_checkpoints,
 )
 from ds_swift.runtime.guard import GuardTripped, LossGuard
 from ds_swift.runtime.hooks import EngineHooks, make_injector
@@ -135,7 +134,6 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             "_determinism",
             "_grad_scale",
             "_simulation",
-            "_running",
             "_guard",
             "_finish",
         }
@@ -174,7 +172,6 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         logs.enabled = "logging" not in without
         on_gpu = any(p.is_cuda for p in engine.module.parameters())
         self._ckpt = checkpoint_manager(cfg, ctx, dist.get_rank(), dist.get_world_size(), services_of(cfg), gpu=on_gpu)
-        self._running = running_checkpoints(cfg, ctx, self._ckpt, dist.get_rank())
         self._set_origin(origin_of(engine, dist.get_rank()), publish=ctx.env is None or not ctx.env.replacement)
         self._hooks = EngineHooks(seed, make_injector(ctx), logs, without, kept_inflight(cfg, batch_fn, seed))
         self._monitor = FailureMonitor(
@@ -200,7 +197,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
         # Replays and retries must compute what the first run did; the user's settings return on close().
         self._determinism = ScopedDeterminism(on="determinism" not in without)
         self._hooks.install(engine)
-        log_protection_costs(engine, cfg, ctx, self._rebuild, logs, self._ckpt, without, self._hooks.undo_off)
+        log_protection_costs(engine, cfg, ctx, self._rebuild.protect, self._ckpt, without, self._hooks.undo_off)
         if ctx.store is not None:
             assert ctx.env is not None
             self._monitor.start_watchdog(
@@ -314,8 +311,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             self._hooks.logs.restart_iteration()  # the iteration runs again: its sends count from 0
 
     def _after_step(self) -> None:
-        if self._running is not None:
-            self._running.after_step(self._engine)
+        self._rebuild.protect.after_step(self._engine)
         # Under a storage budget: the first iteration's messages are measured and the plan set.
         self._hooks.logs.after_iteration(self._engine, self.suspend_logging)
         if self._ckpt.after_iteration():  # an asynchronous checkpoint just completed

@@ -53,8 +53,7 @@ class CheckpointCalls:
         rank 0's completion marker may not be there yet: then they go after the next one)."""
         found = latest_complete(self._ckpt.ckpt_dir, job=self._ckpt.job_id)
         if found is not None:
-            self._hooks.logs.after_checkpoint(found[0])
-            self._rebuild.after_checkpoint(found[0])
+            self._rebuild.protect.after_checkpoint(found[0])
 
     def save_checkpoint(
         self,

@@ -1,4 +1,4 @@
-"""The engine wrapper's end: the watchdog, the copier threads and the hooks stopped, the last
+"""The engine wrapper's end: the watchdog, the protections and the hooks stopped, the last
 checkpoint landed and the usage written (a mixin of
 :class:`~ds_swift.runtime.engine.SwiftPipelineEngine`, which owns the state named below).
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.runtime.engine_setup import write_usage
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
     from ds_swift.detect.monitor import FailureMonitor
     from ds_swift.patches.determinism import ScopedDeterminism
-    from ds_swift.protect.running_checkpoint import RunningCheckpoints
     from ds_swift.runtime.context import SwiftContext
     from ds_swift.runtime.hooks import EngineHooks
     from ds_swift.runtime.rebuild import Rebuilder
@@ -31,7 +31,6 @@ class EngineShutdown:
     _engine: Any
     _ctx: SwiftContext
     _ckpt: CheckpointManager
-    _running: RunningCheckpoints | None
     _rebuild: Rebuilder
     _timeline: PendingTimeline
     _monitor: FailureMonitor
@@ -55,18 +54,9 @@ class EngineShutdown:
         env, store = self._ctx.env, self._ctx.store
         self._write_usage()
         self._ckpt.close()  # the last asynchronous checkpoint lands first
-        if self._running is not None:
-            self._running.close()
-        buddy = self._rebuild.buddy
-        # Every rank ends its last round (peers send theirs anyway): no exit inside a gloo op.
-        if buddy is not None and not buddy.stop(finish_s=self._ctx.op_timeout_s):
-            self._ctx.log(f"buddy copies: the last round did not finish within {self._ctx.op_timeout_s:g} s")
-        if self._rebuild.digests is not None:
-            self._rebuild.digests.stop()
-        if self._rebuild.updates is not None:
-            if self._ckpt.ckpt_dir is not None:
-                self._checkpointed()  # the last checkpoint may have completed since the last look
-            self._rebuild.updates.stop()
+        if self._ckpt.ckpt_dir is not None and self._rebuild.protect.get(UpdateLogger) is not None:
+            self._checkpointed()  # the last checkpoint may have completed since the last look
+        self._rebuild.protect.close()
         self._timeline.close()
         self._monitor.stop()
         if store is not None and env is not None:
@@ -76,4 +66,4 @@ class EngineShutdown:
         self._determinism.restore()
 
     def _write_usage(self) -> None:
-        write_usage(self._ctx, self._engine, self._hooks.logs, self._rebuild)
+        write_usage(self._ctx, self._engine, self._rebuild.protect)

@@ -1,7 +1,7 @@
 """What the engine wrapper sets up around a DeepSpeed engine, and what it reports of it.
 
 The pieces of :class:`~ds_swift.runtime.engine.SwiftPipelineEngine`'s start that stand alone: the
-failure simulation, the running checkpoints, the watchdog's timeout check, the start-up line per
+failure simulation, the watchdog's timeout check, the start-up line per
 protection with its cost, and the usage record each rank leaves at close (``ds-swift bench``).
 """
 
@@ -15,20 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 from ds_swift.config import ConfigError, SwiftConfig
 from ds_swift.protect.costs import protection_costs, switched_off_line
-from ds_swift.protect.running_checkpoint import RunningCheckpoints
 from ds_swift.runtime.failure_simulation import FailureSimulation
 
 if TYPE_CHECKING:
     from ds_swift.checkpoint.periodic import CheckpointManager
-    from ds_swift.protect.message_logging import EngineLogging
+    from ds_swift.protect.protections import Protections
     from ds_swift.runtime.context import SwiftContext
-    from ds_swift.runtime.rebuild import Rebuilder
 
 __all__ = [
     "check_hang_timeout",
     "failure_simulation",
     "log_protection_costs",
-    "running_checkpoints",
     "speaks_for_stage",
     "write_usage",
 ]
@@ -39,25 +36,6 @@ def failure_simulation(cfg: SwiftConfig, ctx: SwiftContext) -> FailureSimulation
     if cfg.simulate_failure.iteration is None or (ctx.env is not None and ctx.env.replacement):
         return None
     return FailureSimulation(cfg.simulate_failure)
-
-
-def running_checkpoints(
-    cfg: SwiftConfig, ctx: SwiftContext, ckpt: CheckpointManager, rank: int
-) -> RunningCheckpoints | None:
-    """SCAR's running checkpoint of this rank, where the config asks for one and checkpoints have a directory."""
-    fraction, ckpt_dir = cfg.checkpoint.running_fraction, ckpt.ckpt_dir
-    if fraction is None or ckpt_dir is None:
-        return None
-    fresh = ctx.env is None or not ctx.env.replacement
-    return RunningCheckpoints(
-        fraction,
-        cfg.checkpoint.interval,
-        ckpt_dir,
-        rank,
-        fresh,
-        job=ckpt.job_id,
-        wait_s=cfg.checkpoint.save_timeout_s / 2,
-    )
 
 
 def check_hang_timeout(cfg: SwiftConfig, ctx: SwiftContext) -> None:
@@ -74,8 +52,7 @@ def log_protection_costs(
     engine: Any,
     cfg: SwiftConfig,
     ctx: SwiftContext,
-    rebuild: Rebuilder,
-    logs: EngineLogging,
+    protections: Protections,
     ckpt: CheckpointManager,
     without: frozenset[str],
     undo_off: str | None = None,
@@ -89,16 +66,14 @@ def log_protection_costs(
         ctx.log(switched_off_line(without), level=logging.WARNING)
     if not speaks_for_stage(engine):
         return
-    machines = ctx.env.num_machines if ctx.env is not None else None
     for line in protection_costs(
         engine,
         cfg,
-        digests=rebuild.digests,
-        buddy=rebuild.buddy,
-        logs=logs,
+        protections,
         async_ckpt=ckpt.writer is not None,
+        checkpoint_tuner=ckpt.tuner is not None,
         without=without,
-        machines=machines,
+        machines=ctx.env.num_machines if ctx.env is not None else None,
         undo_off=undo_off,
     ):
         ctx.log(line)
@@ -115,23 +90,24 @@ def speaks_for_stage(engine: Any) -> bool:
     return int(grid.get_data_parallel_id()) == 0 and int(tp) == 0
 
 
-def write_usage(ctx: SwiftContext, engine: Any, logs: EngineLogging, rebuild: Rebuilder) -> None:
-    """``<run_dir>/usage/rank<r>.json``: what this rank's protection cost it (``ds-swift bench``
-    reads these): message-log and update-log bytes written, buddy bytes sent and held, peak host memory."""
+def write_usage(ctx: SwiftContext, engine: Any, protections: Protections) -> None:
+    """``<run_dir>/usage/rank<r>.json``: what this rank's protections cost it (``ds-swift bench``
+    reads these: message-log and update-log bytes written, buddy bytes sent and held, what the
+    training thread waited for), and its peak host memory."""
     if ctx.env is None:
         return  # not under ds-swift-launch: no run directory of the job's
-    rank, buddy, updates = ctx.env.rank, rebuild.buddy, rebuild.updates
+    rank = ctx.env.rank
     try:
         record = {
             "rank": rank,
             "iterations": int(engine.global_steps),
-            "log_bytes": logs.bytes_logged() + (updates.bytes if updates is not None else 0),
-            "buddy_bytes_sent": buddy.bytes_sent if buddy is not None else 0,
-            "buddy_host_bytes": buddy.holdings.nbytes() if buddy is not None else 0,
-            "buddy_off": buddy.off if buddy is not None else None,  # a copier error stopped the copies
-            # what the training thread waited for: the last buddy round to land, a digest still running
-            "buddy_wait_s": buddy.wait_s if buddy is not None else 0.0,
-            "digest_wait_s": rebuild.digests.wait_s if rebuild.digests is not None else 0.0,
+            "log_bytes": 0,
+            "buddy_bytes_sent": 0,
+            "buddy_host_bytes": 0,
+            "buddy_off": None,
+            "buddy_wait_s": 0.0,
+            "digest_wait_s": 0.0,
+            **protections.usage(),
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         out = Path(ctx.run_dir) / "usage"

@@ -99,7 +99,7 @@ class EngineHooks:
         inflight: InflightKeeper | None = None,
     ) -> None:
         self.seed = seed
-        #: what a benchmark switched off (ds_swift.protect.switches): "undo", "rng"
+        #: what a benchmark switched off (ds_swift.protect.costs): "undo", "rng"
         self.without = without
         self.injector = injector
         self.logs = logs

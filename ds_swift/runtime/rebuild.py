@@ -15,7 +15,6 @@ A failure during any of this (a cascading failure) moves on to the next generati
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,20 +28,15 @@ from ds_swift.detect.classify import STALL
 from ds_swift.detect.monitor import FailureMonitor
 from ds_swift.detect.wake import watched_peers
 from ds_swift.detect.watchdog import declare_failure
-from ds_swift.jobstore.membership import GenerationFailed, grow_key, read_layout, resumed_key
+from ds_swift.jobstore.membership import GenerationFailed, read_layout, resumed_key
 from ds_swift.patches.deepspeed_optim_state import is_partitioned
-from ds_swift.protect.buddy import BuddyCopier
-from ds_swift.protect.digest_publisher import DigestPublisher
+from ds_swift.protect.base import Site
 from ds_swift.protect.protections import Protections
-from ds_swift.protect.update_logger import UpdateLogger
-from ds_swift.recovery.base import RankContext, RecoveryOutcome
+from ds_swift.recovery.base import MembershipChange, RankContext, RecoveryOutcome
 from ds_swift.recovery.coordinator import optimizer_wrapper, rank_report, run_recovery
-from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.host import RecoveryHost
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES, services_of
-from ds_swift.recovery.state.update_log import UpdateLogStore
-from ds_swift.recovery.strategies.resize import Resize
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.guard import forced_strategy
@@ -112,45 +106,31 @@ class Rebuilder(SurvivorSteps):
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
         #: whether a survivor keeps its engine through a recovery, and the swap of its groups
         self.engine_swap = EngineSwap(ctx)
-        #: the elastic shrink or grow being recovered into (None: the failed machine is replaced)
-        self.resize: Resize | None = None
-        #: the failed generation's grid, taken at teardown (see :func:`grid_of`)
-        self._old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None = None
-        #: the job's machines in rank order (ds_swift.recovery.strategies.elastic)
+        #: the membership change being recovered into (None: the failed machine is replaced)
+        self.change: MembershipChange | None = None
+        #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.base)
         self._machines: list[int] | None = None
         if ctx.env is not None and ctx.store is not None and services_of(cfg).elastic:
             self._machines = read_layout(ctx.store, ctx.env.num_machines)
-        #: the strategy's failure-free services (buddy copies, digests, the update log)
+        #: what runs while nothing fails (ds_swift.protect), built from the strategy's services
         self.protect = Protections(
-            lambda: self._holder.engine,
-            ctx=ctx,
-            cfg=cfg,
-            hooks=hooks,
-            generation=lambda: self._monitor.generation,
-            check_after_receive=monitor.check_after_receive,
-            machine=self._machine,
+            Site(
+                cfg=cfg,
+                services=services_of(cfg),
+                ctx=ctx,
+                hooks=hooks,
+                engine=lambda: self._holder.engine,
+                generation=lambda: self._monitor.generation,
+                machine=self._machine,
+                check_after_receive=monitor.check_after_receive,
+                ckpt=ckpt,
+                host=holder,
+            )
         )
-
-    # The engine wrapper reads these (ds_swift.runtime.engine).
-    @property
-    def buddy(self) -> BuddyCopier | None:
-        return self.protect.buddy
-
-    @property
-    def digests(self) -> DigestPublisher | None:
-        return self.protect.digests
-
-    @property
-    def updates(self) -> UpdateLogger | None:
-        return self.protect.updates
 
     def start_generation(self) -> None:
         """Every rank, once per generation (see :meth:`Protections.start_generation`)."""
         self.protect.start_generation()
-
-    def after_checkpoint(self, done: int) -> None:
-        """A global checkpoint of ``done`` iterations is complete (see :meth:`Protections.after_checkpoint`)."""
-        self.protect.after_checkpoint(done)
 
     def build_engine(self) -> Any:
         """The DeepSpeed rebuild, on the process groups of the generation just joined."""
@@ -180,9 +160,9 @@ class Rebuilder(SurvivorSteps):
         assert store is not None
         if (store.failure(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
-        self._leave_if_my_machine_failed(g)
-        if self.resize is not None and self.engine_swap.active:
-            self._drop_kept_engine(f"the elastic {self.resize.kind} changes the world's shape")
+        self._before_rejoin(g, kept)
+        if self.change is not None and self.engine_swap.active:
+            self._drop_kept_engine(f"{self.change.describe()}: the job changes its shape")
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
@@ -200,6 +180,8 @@ class Rebuilder(SurvivorSteps):
             t_rebuilt=time.time(),
         )
         self._monitor.set_armed(False)
+        if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
+            self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))
         return self.rejoin(generation, None, tl)
 
     # ------------------------------------------------------------------ both
@@ -289,7 +271,7 @@ class Rebuilder(SurvivorSteps):
         return engine
 
     def _drop_kept_engine(self, why: str) -> None:
-        """The survivor rebuilds its engine after all (a resize, a failed replay)."""
+        """The survivor rebuilds its engine after all (a membership change, a failed replay)."""
         trouble = self.engine_swap.drop(self._holder.engine, why)
         if trouble is not None:
             self._ctx.log(trouble + ": it may stay in memory")
@@ -310,59 +292,28 @@ class Rebuilder(SurvivorSteps):
             tl,
             self._ctx.join_timeout_s,
             verify=self._cfg.verify.enabled,
-            lent=Handover(
-                self._hooks.inflight,  # what the runtime kept for the strategies
-                UpdateLogStore(self._cfg.logging.storage) if self.updates is not None else None,
-            ),
+            lent=self.protect.lend(kept),  # what the protections kept for the strategies
         )
-        if self.resize is not None or self._growing(generation):
-            outcome = STRATEGIES.get(self._cfg.strategy).restore_resized(
-                self.resize, ctx, int(engine.zero_optimization_stage())
-            )
-            self.resize = None
-            self.protect.forget_holdings()
-            return outcome
-        if kept is not None and self.updates is not None:
-            self.updates.offer_gradients(kept)  # before the report says whether it can undo
+        change, self.change = self.change, None
+        if change is not None:
+            self.protect.forget()  # what they held is keyed by the old ranks: the new generation starts afresh
+        holdings = self.protect.holdings(kept) if change is None else {}  # before the report says whether it can undo
         return run_recovery(
             ctx,
             world_size=env.world_size,
-            report=dataclasses.replace(
-                self.protect.report(rank_report(engine, kept, self._machine(), self._hooks.inflight)),
-                log_lost=self._hooks.logs.coverage_lost,
-                logged_update=self._newest_update() if kept is None else None,
-            ),
+            report=rank_report(engine, kept, self._machine(), holdings),
             strategy=forced_strategy(store, self._cfg.strategy),  # the post-recovery guard's step back
             zero_stage=int(engine.zero_optimization_stage()),
             optimizer_wrapper=optimizer_wrapper(engine),
             partitioned=is_partitioned(engine.optimizer),
-            logging=self._hooks.logs.log_plan(engine, kept is not None, self._holder),
+            logging=self._hooks.logs.log_plan(engine),
+            change=change,
         )
-
-    def _newest_update(self) -> int | None:
-        """A replacement's newest update record (strategy tranlogs), probed from the newest complete
-        checkpoint (its records run from there); None without an update log."""
-        if self.updates is None:
-            return None
-        found = self._ckpt.latest(None) if self._ckpt is not None else None
-        return self.updates.newest_stored(found[0] if found is not None else 0)
 
     @property
     def machines(self) -> list[int] | None:
         """The job's machines in rank order where an elastic shrink may change them (else None: all)."""
         return self._machines
-
-    def _growing(self, generation: int) -> bool:
-        """A new rank of a machine that came back (``launch/grow/<g-1>``): its state comes from the
-        survivors, resharded (ds_swift.recovery.strategies.elastic)."""
-        env, store = self._ctx.env, self._ctx.store
-        return (
-            services_of(self._cfg).elastic
-            and env is not None
-            and env.replacement
-            and store is not None
-            and store.get(grow_key(generation - 1)) is not None
-        )
 
     def _machine(self) -> int:
         env = self._ctx.env

@@ -1,9 +1,9 @@
 """A survivor's steps between a failure and joining the next generation (a mixin of
 :class:`~ds_swift.runtime.rebuild.Rebuilder`, which owns the state named below).
 
-Tear the failed engine down and keep its state; after a stall, lengthen the op timeout; leave the
-job if its own machine failed; with ``elastic`` in the strategy's services, take this rank's place
-in a shrunk or grown world (ds_swift.recovery.strategies.resize).
+Tear the failed engine down and keep its state; after a stall, lengthen the op timeout; take this
+rank's place in the next generation's shape where the strategy changes the job's machines
+(ds_swift.recovery.base), else leave the job if its own machine failed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
 from ds_swift.detect.watchdog import wait_failed_machine
-from ds_swift.jobstore.membership import fate_key, grow_key, read_layout
-from ds_swift.recovery.kept import KeptState
-from ds_swift.recovery.registry import services_of
-from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, grid_of, plan_resize, resized_ds_config
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.recovery.base import MembershipChange, MembershipRefused, MembershipView
+from ds_swift.recovery.kept import KeptState, grid_of
+from ds_swift.recovery.registry import STRATEGIES, services_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,7 +36,7 @@ __all__ = ["SurvivorSteps"]
 
 
 class SurvivorSteps:
-    """Teardown, a longer op timeout after a stall, leaving or resizing before the next generation."""
+    """Teardown, a longer op timeout after a stall, a membership change or leaving before the next generation."""
 
     # Set by Rebuilder.__init__ (annotations only).
     _holder: EngineHolder
@@ -47,8 +47,7 @@ class SurvivorSteps:
     _hooks: EngineHooks
     _monitor: FailureMonitor
     _op_timeout_s0: float
-    resize: Resize | None
-    _old_grid: tuple[tuple[tuple[int, int, int], ...], int, int, bool] | None
+    change: MembershipChange | None
     _machines: list[int] | None
     protect: Protections
     engine_swap: EngineSwap
@@ -70,19 +69,16 @@ class SurvivorSteps:
             clock[0] = now
 
         poison_neighbours(pipeline_neighbours(self._holder.engine))
-        self._hooks.logs.flush()
-        done("message log flush")
-        self.protect.quiesce()
-        done("copier threads")
+        self.protect.quiesce()  # the message log flushed, the copier threads stopped...
+        done("protections quiesced")
         self._hooks.uninstall()
         engine = self._holder.engine
-        if services_of(self._cfg).elastic:
-            self._old_grid = grid_of(engine)
-        if self._hooks.inflight is not None:  # the gradients of the passes that ran, before they go
-            self._hooks.inflight.on_teardown(engine)
         keep = self.engine_swap.find(engine)  # before the capture: it reads the groups' ranks
         kept = KeptState.capture(engine, self._hooks.take_undo(), engine_kept=keep)
-        kept.buddy = self.protect.holdings()
+        if services_of(self._cfg).elastic:  # the job may change its shape: a membership change plans from it
+            kept.grid = grid_of(engine)
+        buddy = self.protect.get(BuddyCopier)
+        kept.buddy = buddy.holdings if buddy is not None else None
         if keep:
             self.engine_swap.cut(engine)  # the engine stays; only its groups go (ds_swift.runtime.swap)
         else:
@@ -115,51 +111,66 @@ class SurvivorSteps:
             ctx.log(f"after a stall: the op timeout goes from {ctx.op_timeout_s:g} s to {longer:g} s")
             ctx.op_timeout_s = longer
 
-    def _leave_if_my_machine_failed(self, g: int) -> None:
-        """A rank of the failed machine that lives on for a moment (its agent kills it within
-        ~100 ms) must not join the next generation: it would be counted as arrived there and the
-        rendezvous would complete without its replacement. Waiting for the agent's verdict also
-        keeps survivors from joining before the agent declared (it would then fail g+1 too)."""
+    def _before_rejoin(self, g: int, kept: KeptState | None) -> None:
+        """Between the teardown and the join of generation ``g + 1``: the strategy's membership change
+        (a shrink or grow of the job's machines instead of a replacement, applied here), else leave
+        if this rank's own machine failed.
+
+        A rank of the failed machine that lives on for a moment (its agent kills it within ~100 ms)
+        must not join the next generation: it would be counted as arrived there and the rendezvous
+        would complete without its replacement. Waiting for the agent's verdict also keeps survivors
+        from joining before the agent declared (it would then fail g+1 too)."""
         store, env = self._ctx.store, self._ctx.env
         assert store is not None and env is not None
-        if services_of(self._cfg).elastic:
-            back = store.get(grow_key(g))
-            if back is not None:  # not a failure: a machine came back (its agent set the key first)
-                self._resize(g, "grow", int(back))
-                return
-        machine = wait_failed_machine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s))
+        failed: list[int | None] = []
+
+        def failed_machine() -> int | None:  # waited for once, whoever asks first
+            if not failed:
+                failed.append(wait_failed_machine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s)))
+            return failed[0]
+
+        change = STRATEGIES.membership_change(self._cfg.strategy, self._view(g, kept, failed_machine))
+        if change is not None:
+            self._apply(change)
+            return
+        machine = failed_machine()
         if machine == env.machine:
             self._ctx.log(f"machine {machine} (this rank's) failed in generation {g}: leaving the job")
             os._exit(70)
-        if machine is not None and services_of(self._cfg).elastic:
-            fate = store.wait_value(fate_key(g, machine), self._ctx.join_timeout_s)
-            if fate == "shrink":
-                self._resize(g, "shrink", machine)
-            elif fate is None:
-                self._ctx.log(
-                    f"the launcher did not say within {self._ctx.join_timeout_s:g} s what becomes of "
-                    f"machine {machine}: waiting for its replacement"
-                )
 
-    def _resize(self, g: int, kind: str, machine: int) -> None:
-        """The launcher goes on without ``machine`` (a shrink: no spare left, ``--elastic``) or takes it
-        back (a grow): this rank's place in the new world, the DeepSpeed config with its batch, the
-        watchdog on the new ranks."""
-        store, env, cfg = self._ctx.store, self._ctx.env, self._cfg
-        assert store is not None and env is not None and self._machines is not None and self._old_grid is not None
+    def _view(
+        self, g: int, kept: KeptState | None, failed_machine: Callable[[], int | None] = lambda: None
+    ) -> MembershipView:
+        """What the strategy reads to decide a membership change (``kept``: a survivor's; None: a new rank)."""
+        store, env = self._ctx.store, self._ctx.env
+        assert store is not None and env is not None
+        return MembershipView(
+            store=store,
+            generation=g,
+            env=env,
+            cfg=self._cfg,
+            ds_config=self._ds_config,
+            kept=kept,
+            machines=self._machines,
+            failed_machine=failed_machine,
+            join_timeout_s=self._ctx.join_timeout_s,
+            log=self._ctx.log,
+        )
+
+    def _apply(self, change: MembershipChange) -> None:
+        """The next generation has another shape (``change``): this rank's rank and world in it, the
+        DeepSpeed config its engine is built from, the watchdog on its ranks."""
+        env, cfg = self._ctx.env, self._cfg
+        assert env is not None
         if self._build is not None:
-            raise ResizeRefused(
-                f"strategy {cfg.strategy!r}: ds-swift rebuilds the engine with another data-parallel size "
-                "from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn"
+            raise MembershipRefused(
+                f"strategy {change.strategy!r} ({change.describe()}): ds-swift rebuilds the engine at the new "
+                "shape from the DeepSpeed config; pass model_fn to ds_swift.initialize, not engine_fn"
             )
-        layout = read_layout(store, env.num_machines)
-        resize = plan_resize(kind, machine, self._machines, layout, self._old_grid, cfg.elastic, env.rank)
-        rank = resize.new_rank_of(env.rank)
-        assert rank is not None  # this rank's machine is in the new layout
-        self._ctx.log(resize.describe() + f"; rank {env.rank} -> {rank}")
-        self.resize, self._machines = resize, layout
-        self._ctx.env = env = dataclasses.replace(env, rank=rank, world_size=resize.new_world)
+        self.change, self._machines, self._ds_config = change, change.machines, change.ds_config
+        self._ctx.env = env = dataclasses.replace(env, rank=change.rank, world_size=change.world)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(env.rank), str(env.world_size)
-        self._ds_config = resized_ds_config(self._ds_config, resize)
         self._monitor.stop()
-        self._monitor.start_watchdog(env, cfg.watchdog.heartbeat_timeout_s, (), cfg.watchdog.hang_timeout_s, layout)
+        self._monitor.start_watchdog(
+            env, cfg.watchdog.heartbeat_timeout_s, (), cfg.watchdog.hang_timeout_s, change.machines
+        )

@@ -4,17 +4,21 @@ pre-failure iteration, gathered and written by rank 0 (the record itself: ds_swi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ds_swift.recovery.timeline import RankTimeline, collect_timeline
+from ds_swift.jobstore.membership import GenerationFailed, JobStore
+from ds_swift.logs import say_here
+from ds_swift.recovery import registry
+from ds_swift.recovery.consensus import RecoveryPlan
+from ds_swift.recovery.timeline import RankTimeline, Timeline, build_timeline, kill_time, write_timeline
 
 if TYPE_CHECKING:
     from ds_swift.recovery.base import RecoveryOutcome
     from ds_swift.runtime.context import SwiftContext
 
-__all__ = ["PendingTimeline"]
+__all__ = ["PendingTimeline", "collect_timeline", "summary_line"]
 
 
 class PendingTimeline:
@@ -82,3 +86,91 @@ class PendingTimeline:
             deviation=outcome.deviation,
             block=block,
         )
+
+
+def _verification(tl: Timeline) -> str:
+    by_status: dict[str, list[int]] = {}
+    for rank, status in tl.verification.items():
+        by_status.setdefault(status, []).append(int(rank))
+    return "".join(f"; restored state {status} on ranks {sorted(ranks)}" for status, ranks in sorted(by_status.items()))
+
+
+def _strategy_words(tl: Timeline) -> str:
+    """What the strategy that recovered says its restore did (its ``summary_words``); nothing for a
+    name the registry does not hold (a timeline of a strategy since renamed)."""
+    strategies = registry.strategies()
+    if tl.strategy not in strategies.names():
+        return ""
+    return strategies.get(tl.strategy).summary_words(tl.replay, tl.checkpoint_step)
+
+
+def summary_line(tl: Timeline) -> str:
+    what = tl.strategy
+    words = _strategy_words(tl)
+    if words:
+        what += f" ({words})"
+    if tl.deviation:
+        what += f" (APPROXIMATE: {tl.deviation})"
+    undo = f", undo on ranks {tl.undo_ranks}" if tl.undo_ranks else ""
+    stall = any(r.detect_how.startswith("stall") for r in tl.ranks)  # its declarer's verdict (detect.classify)
+    machine = (
+        f"machine {tl.failed_machine}"
+        if tl.failed_machine is not None
+        else "a stall: no rank died, none replaced"
+        if stall
+        else "a failure"
+    )
+    kill = "kill" if tl.t_kill is not None else "detection"
+    return (
+        f"[ds-swift] recovery of generation {tl.failed_generation} ({machine}): {what}; consensus iteration "
+        f"{tl.consensus}{undo}{_verification(tl)}; initialization {tl.initialization_s:.2f} s, recovery {tl.recovery_s:.2f} s, "
+        f"total {tl.total_s:.2f} s ({kill} -> back at iteration {tl.pre_failure_iteration})"
+    )
+
+
+def collect_timeline(
+    store: JobStore,
+    *,
+    generation: int,
+    world_size: int,
+    plan: RecoveryPlan,
+    checkpoint_step: int | None,
+    run_dir: str,
+    replay: dict[str, Any] | None = None,
+    deviation: str | None = None,
+    inject_specs: int,
+    block: bool,
+) -> bool:
+    """Gather every rank's part of the recovery into ``generation``, write it, print the summary.
+
+    Returns False while parts are missing (``block=False``: try again later), True once written
+    (or given up on: an incomplete timeline is reported, not waited on forever).
+    """
+    ranks = range(world_size)
+    if not block and not store.kv.check([f"gen{generation}/timeline/{r}" for r in ranks]):
+        return False
+    try:
+        parts = store.gather(generation, "timeline", ranks, timeout_s=10.0 if block else 1.0)
+    except (TimeoutError, GenerationFailed) as exc:
+        say_here(f"timeline of generation {generation - 1} incomplete: {exc}", name=__name__)
+        return True
+    failed = generation - 1
+    detected = store.get(f"gen{failed}/t/detected")
+    machine = store.get(f"gen{failed}/failed_machine")
+    tl = build_timeline(
+        [RankTimeline.from_json(v) for v in parts.values()],
+        strategy=plan.strategy,
+        reason=plan.reason,
+        consensus=plan.consensus,
+        t_kill=kill_time(store, failed, inject_specs),
+        t_agent_detected=float(detected) if detected else None,
+        failed_machine=int(machine) if machine else None,
+        undo_ranks=list(plan.undo),
+        donors=plan.donors,
+        checkpoint_step=checkpoint_step,
+        replay=replay,
+        deviation=deviation,
+    )
+    path = write_timeline(run_dir, tl)
+    print(summary_line(tl) + f" [{path}]", flush=True)
+    return True

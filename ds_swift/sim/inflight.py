@@ -2,7 +2,7 @@
 
 Once the lost ranks' states are decoded at the consensus, the iteration that was in flight must be
 done again. Today's full retrain runs it again on every rank, pipeline bubbles included: one
-iteration. PipeChurn's partial recomputation (section 3.5; ds_swift.recovery.strategies.pipechurn_partial)
+iteration. PipeChurn's partial recomputation (section 3.5; ds_swift.recovery.strategies.pipechurn)
 runs only the lost ranks' passes, fed from what their surviving neighbours kept: no bubble, since
 every input is already there, so a lost stage's ``M`` passes take ``M`` of the ``M + p - 1`` slots of
 a 1F1B iteration, plus the transfer of the kept sends; lost ranks on different machines run at once.

@@ -7,8 +7,9 @@ import threading
 import pytest
 import torch
 
-from ds_swift.protect.buddy import BuddyHoldings
+from ds_swift.protect.buddy_holdings import BuddyHoldings
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld, holdings_of
 from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.transfer import encode, flat_views
@@ -58,8 +59,9 @@ def reports(
             machine=r // 2,
             last_stepped=stepped.get(r, -1),
             can_undo=can_undo,
-            buddy_copies=tuple(copies.get(r, ())),
-            own_copies=(stepped[r] - 1,) if exact and r in stepped else (),
+            holdings=holdings_of(
+                BuddyHeld(copies=tuple(copies.get(r, ())), own=(stepped[r] - 1,) if exact and r in stepped else ())
+            ),
         )
         for r in range(4)
     ]
@@ -105,8 +107,7 @@ def interval_reports(own: dict[int, tuple[int, ...]]) -> list[RankReport]:
             machine=r // 2,
             last_stepped=10 if r < 2 else -1,
             can_undo=True,
-            buddy_copies=tuple(copies.get(r, ())),
-            own_copies=own.get(r, ()),
+            holdings=holdings_of(BuddyHeld(copies=tuple(copies.get(r, ())), own=own.get(r, ()))),
         )
         for r in range(4)
     ]
@@ -172,8 +173,9 @@ def test_unpartitioned_optimizers_stay_with_replication() -> None:
 
 
 def test_report_round_trips_buddy_copies() -> None:
-    r = RankReport(1, True, 0, 0, 0, 0, 5, True, ((2, 4), (2, 5)), own_copies=(0, 4))
-    assert RankReport.from_json(r.to_json()) == r
+    r = RankReport(1, True, 0, 0, 0, 0, 5, True, holdings_of(BuddyHeld(copies=((2, 4), (2, 5)), own=(0, 4))))
+    back = RankReport.from_json(r.to_json())
+    assert back == r and BuddyHeld.of(back) == BuddyHeld(copies=((2, 4), (2, 5)), own=(0, 4))
 
 
 def test_holdings_keep_two_complete_copies_and_never_report_one_being_overwritten() -> None:

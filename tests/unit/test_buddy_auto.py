@@ -9,7 +9,8 @@ import pytest
 
 from ds_swift.config import SwiftConfig
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.protect.buddy import BuddyCopier, StoreLanding
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.buddy_holdings import StoreLanding
 from ds_swift.protect.buddy_interval import DECIDE_AFTER, AutoInterval, choose_interval, decided, decision
 
 

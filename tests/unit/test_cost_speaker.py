@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ds_swift.protect.switches import ENV
+from ds_swift.protect.costs import ENV
 from ds_swift.runtime.engine_setup import log_protection_costs, speaks_for_stage
 
 
@@ -33,10 +33,10 @@ def test_every_rank_warns_of_protections_a_benchmark_switched_off() -> None:
     said: list[tuple[int, str]] = []
     ctx = SimpleNamespace(log=lambda msg, level=logging.INFO: said.append((level, msg)))
     other: Any = None  # not read on a rank that does not speak for its stage
-    log_protection_costs(engine(1, 0), other, ctx, other, other, other, frozenset({"undo", "logging"}))
+    log_protection_costs(engine(1, 0), other, ctx, other, other, frozenset({"undo", "logging"}))
     ((level, msg),) = said  # the stage's cost lines are another rank's; this one is every rank's
     assert level == logging.WARNING
     assert msg.startswith(f"protections SWITCHED OFF for a benchmark by {ENV} (unset it for training): logging (")
     assert "; undo (update-undo's step records" in msg and "recovered without them" in msg
-    log_protection_costs(engine(1, 0), other, ctx, other, other, other, frozenset())
+    log_protection_costs(engine(1, 0), other, ctx, other, other, frozenset())
     assert len(said) == 1  # nothing switched off: nothing said here

@@ -7,7 +7,7 @@ import pytest
 
 from ds_swift.config import ConfigError
 from ds_swift.recovery.registry import services_of
-from ds_swift.recovery.strategies.elastic import Resize, ResizeRefused, resized_ds_config
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
 from ds_swift.testing.configs import swift_config
 
 # pp 2 x dp 2, rank order tp-pp-dp: rank = stage + 2 dp; machines of 2 ranks hold whole replicas

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from ds_swift.recovery import registry
-from ds_swift.recovery.timeline import RankTimeline, Timeline, build_timeline, summary_line, write_timeline
+from ds_swift.recovery.timeline import RankTimeline, Timeline, build_timeline, write_timeline
+from ds_swift.runtime.timeline import summary_line
 from ds_swift.testing.stub_strategy import StubStrategy
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld, holdings_of
 from ds_swift.recovery.registry import STRATEGIES, plan_recovery
 from ds_swift.recovery.state.buddies import BuddyError, Member
 from ds_swift.recovery.state.erasure import ErasureError, assign_holders, erasure_target, join_chunks, split_payload
@@ -94,8 +95,7 @@ def reports(lost_machines: set[int], k: int = 2, r: int = 1, machines: int = 4, 
                 machine=rank,
                 last_stepped=last if survivor else -1,
                 can_undo=survivor,
-                ec_chunks=held,
-                ec_k=k,
+                holdings=holdings_of(BuddyHeld(chunks=held, k=k)),
             )
         )
     return out

@@ -169,7 +169,8 @@ def reference(config: dict[str, Any]) -> dict[str, torch.Tensor]:
 def test_a_kept_engine_with_swapped_groups_trains_on_bitwise(one_rank: None, config: str, phase: str) -> None:
     from ds_swift.patches.deepspeed_fresh import fresh_iteration
     from ds_swift.patches.deepspeed_rebuild import release_pipeline_activations, teardown_process_groups
-    from ds_swift.patches.group_swap import GroupSwap, StartupLedger, reachable_groups
+    from ds_swift.patches.group_swap import GroupSwap, StartupLedger
+    from ds_swift.testing.groups import reachable_groups
 
     expected = reference(CONFIGS[config])
 

@@ -280,7 +280,8 @@ def test_an_undo_from_the_own_copy_is_bitwise(world: None, kind: str) -> None:
     (rebuilt from the masters) low-precision parameters are bitwise those of the failure-free run at
     that iteration. Update-undo's inverse update on the same step is measured alongside: on this
     4k-parameter model it leaves elements off by an ulp, which is why the own copy exists."""
-    from ds_swift.protect.buddy import BuddyHoldings, stage_own, state_payload
+    from ds_swift.protect.buddy_holdings import BuddyHoldings, stage_own
+    from ds_swift.protect.buddy_payload import state_payload
     from ds_swift.undo import attach_to_engine
 
     def stepped_once_more(holdings: BuddyHoldings | None) -> KeptState:
@@ -333,25 +334,15 @@ def test_the_wire_format_carries_no_pickle() -> None:
 def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: None, kind: str) -> None:
     """The start-up line's buddy bytes (before any step: Adam's moments do not exist yet) are the
     bytes a round stages once the job trains (the fp32 masters, both moments, the step counters)."""
-    from types import SimpleNamespace
-
-    from ds_swift.config import SwiftConfig
-    from ds_swift.protect.buddy import BuddyHoldings, stage_own, state_payload
-    from ds_swift.protect.costs import buddy_round_bytes, protection_costs
+    from ds_swift.protect.base import CostInputs
+    from ds_swift.protect.buddy import BuddyCopier
+    from ds_swift.protect.buddy_holdings import BuddyHoldings, stage_own
+    from ds_swift.protect.buddy_payload import round_bytes, state_payload
 
     eng = engine(kind, steps=0)
-    estimate, how = buddy_round_bytes(eng)
+    estimate, how = round_bytes(eng)
     assert "Adam moments" in how, how
-    lines = protection_costs(
-        eng,
-        SwiftConfig.from_dict({}),
-        digests=None,
-        buddy=SimpleNamespace(factor=2),
-        logs=None,
-        async_ckpt=False,
-        machines=2,
-    )
-    (line,) = [x for x in lines if "buddy copies:" in x]
+    line = BuddyCopier(2, ()).cost_line(eng, CostInputs(None, 0, "cpu", machines=2, without=frozenset()))
     assert f"({2 * estimate} bytes) per iteration sent to 2 buddy rank(s)" in line, line
     _, before = state_payload(eng)
     dtype = next(eng.module.parameters()).dtype
@@ -361,4 +352,4 @@ def test_the_buddy_cost_line_counts_what_the_copier_stages_after_a_step(world: N
     manifest, live = state_payload(eng)
     staged = sum(t.numel() * t.element_size() for t in stage_own(BuddyHoldings(), 0, manifest, live))
     assert staged == estimate > sum(t.numel() * t.element_size() for t in before)
-    assert buddy_round_bytes(eng) == (staged, "measured from the state the copier sends")
+    assert round_bytes(eng) == (staged, "measured from the state the copier sends")

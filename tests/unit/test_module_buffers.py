@@ -1,4 +1,4 @@
-"""ds_swift.protect.module_buffers: a module's non-parameter state, as state_dict gives it, found once."""
+"""ds_swift.protect.buddy_payload: a module's non-parameter state, as state_dict gives it, found once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ds_swift.models.gpt import GPTConfig, gpt_layer_specs
-from ds_swift.protect.module_buffers import persistent_buffers
+from ds_swift.protect.buddy_payload import persistent_buffers
 
 
 def from_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,11 +13,12 @@ import torch
 
 from ds_swift.config import SwiftConfig
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld, InflightHeld, holdings_of
 from ds_swift.recovery.registry import plan_recovery
 from ds_swift.recovery.state.buddies import Member
 from ds_swift.recovery.state.erasure import assign_holders
 from ds_swift.recovery.state.inflight import InflightKeeper, kept_inflight
-from ds_swift.recovery.strategies.pipechurn_partial import partial_blocker, retrain_summary
+from ds_swift.recovery.strategies.pipechurn import partial_blocker, retrain_summary
 from ds_swift.recovery.strategies.pipechurn_passes import transfers
 
 
@@ -48,10 +49,13 @@ def reports(
                 machine=rank,
                 last_stepped=last if survivor else -1,
                 can_undo=survivor,
-                ec_chunks=held,
-                ec_k=k,
-                inflight=(inflight or {}).get(rank, last + 1) if survivor else -1,
-                inflight_passes=(-1 if (inflight or {}).get(rank) == -1 else 4) if survivor else -1,
+                holdings=holdings_of(
+                    BuddyHeld(chunks=held, k=k),
+                    InflightHeld(
+                        iteration=(inflight or {}).get(rank, last + 1) if survivor else -1,
+                        passes=(-1 if (inflight or {}).get(rank) == -1 else 4) if survivor else -1,
+                    ),
+                ),
             )
         )
     return out
@@ -77,7 +81,11 @@ def test_lost_passes_alone_are_recomputed_when_every_survivor_holds_the_iteratio
 
 
 def test_a_survivor_midway_through_the_iteration_redoes_the_rest_and_the_plan_says_so() -> None:
-    rep = [dataclasses.replace(r, inflight_passes=2) if r.rank == 3 else r for r in reports({1})]
+    def two_passes(r: RankReport) -> RankReport:
+        held = dataclasses.replace(InflightHeld.of(r), passes=2)
+        return dataclasses.replace(r, holdings={**r.holdings, **holdings_of(held)})
+
+    rep = [two_passes(r) if r.rank == 3 else r for r in reports({1})]
     plan = plan_recovery(rep, forced="pipechurn", checkpoint_step=6)
     assert "only the lost ranks' passes are recomputed, and the passes survivors [3] had not finished" in plan.reason
 
@@ -193,7 +201,7 @@ def test_a_failure_between_passes_keeps_the_finished_backward_passes_and_their_u
         if k == 0:
             keeper.on_send(eng, "grad", [outs[0]])
     keeper.on_teardown(eng)
-    assert keeper.report() == (5, 2, 2)
+    assert keeper.held() == InflightHeld(5, 2, 2)
     assert [m[0] for m in keeper.kept_messages("grad", 5, range(2))] == outs
     kept = {n: p.grad.clone() for n, p in eng.module.named_parameters()}
     rebuilt = FakeEngine(first=False, last=True)
@@ -216,7 +224,7 @@ def test_a_failure_inside_a_backward_pass_keeps_no_pass(caplog: pytest.LogCaptur
         keeper._backward(eng, dies, buffer_id=1)
     with caplog.at_level(logging.INFO):
         keeper.on_teardown(eng)
-    assert keeper.report() == (5, 0, 0) and keeper.grads is None
+    assert keeper.held() == InflightHeld(5, 0, 0) and keeper.grads is None
     assert "the failure hit inside a backward pass" in caplog.text
 
 
@@ -253,4 +261,5 @@ def test_finishing_the_iteration_runs_only_its_reductions_and_step_then_the_loss
 
 def test_the_report_carries_the_iteration_in_flight_through_the_store() -> None:
     rep = reports({1})[0]
-    assert rep.inflight == 10 and rep.inflight_passes == 4 and RankReport.from_json(rep.to_json()) == rep
+    back = RankReport.from_json(rep.to_json())
+    assert InflightHeld.of(back) == InflightHeld(iteration=10, passes=4, forwards=0) and back == rep

@@ -10,6 +10,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule
 
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import InflightHeld, holdings_of
 from ds_swift.recovery.strategies.pipechurn_passes import (
     RankPasses,
     Transfer,
@@ -44,9 +45,13 @@ def reports(
                 tp=t,
                 machine=rank,
                 last_stepped=last if survivor else -1,
-                inflight=last + 1 if survivor else -1,
-                inflight_passes=n if survivor else -1,
-                inflight_forwards=(forwards or {}).get(rank, n) if survivor else 0,
+                holdings=holdings_of(
+                    InflightHeld(
+                        iteration=last + 1 if survivor else -1,
+                        passes=n if survivor else -1,
+                        forwards=(forwards or {}).get(rank, n) if survivor else 0,
+                    )
+                ),
             )
         )
     return out

@@ -209,3 +209,30 @@ def test_groups_and_budget_flags_are_exclusive(capsys: pytest.CaptureFixture[str
         cli.main(["plan", "--pp", "16", "--groups", "2", "--storage-budget-gb", "5"])
     assert exc.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_every_registered_strategy_is_planned_under_its_registry_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`ds-swift plan` names the strategy as the registry does (it once labelled buddy, pipechurn and
+    scar jobs "checkpoint"), from --strategy and from the config's swift section alike; what each
+    stage recovers by comes from the strategy's services."""
+    from ds_swift.recovery.registry import strategy_names
+
+    base = ["--tp", "1", "--pp", "2", "--dp", "2", "--gpus-per-node", "1"]
+    expected = {
+        "replication": {"replication"},
+        "logging": {"logging"},
+        "checkpoint": {"checkpoint"},
+        "buddy": {"checkpoint"},
+    }
+    for name in strategy_names():
+        js = run_json(capsys, *base, "--strategy", name)
+        assert js["strategy"] == name, (name, js["strategy"])
+        if name in expected:
+            assert {s["strategy"] for s in js["stages"]} == expected[name], (name, js["stages"])
+        code, out, err = run(capsys, *base, "--strategy", name)
+        assert code == 0 and f"; strategy {name}" in out, (name, out, err)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"swift": {"enabled": True, "strategy": "scar"}}))
+    assert run_json(capsys, *base, "--deepspeed-config", str(config))["strategy"] == "scar"

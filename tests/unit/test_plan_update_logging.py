@@ -129,9 +129,9 @@ def test_a_config_check_imports_no_deepspeed_and_plan_json_is_json_alone() -> No
     no DeepSpeed: its import prints the accelerator line on stdout, which a shell reading the JSON
     would get. The command needs no redirect of stdout for it."""
     code = (
-        "import sys; from ds_swift.config import SwiftConfig; from ds_swift.plan.analysis import config_strategy; "
+        "import sys; from ds_swift.config import SwiftConfig; from ds_swift.plan.analysis import stage_mode; "
         "from ds_swift.recovery.registry import services_of; "
-        "cfg = SwiftConfig.from_dict({'strategy': 'auto'}); services_of(cfg); config_strategy(cfg); "
+        "cfg = SwiftConfig.from_dict({'strategy': 'auto'}); services_of(cfg); stage_mode(cfg); "
         "[services_of(SwiftConfig.from_dict({'strategy': n, 'checkpoint': {'dir': '/tmp'}})) "
         "for n in ('logging', 'tranlogs', 'pipechurn', 'buddy')]; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron')))"

@@ -22,8 +22,8 @@ from ds_swift.data.keyed import global_micro_batch, key_forward_rng, rng_seed, s
 from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.patches.determinism import ScopedDeterminism
-from ds_swift.protect.costs import _logging_line, _runtime_lines
-from ds_swift.protect.switches import ENV, switched_off
+from ds_swift.protect.costs import ENV, _runtime_lines, switched_off
+from ds_swift.protect.message_logging import MessageLogging
 from ds_swift.testing.cpu_sampler import CpuSample, per_iteration, sample_tree
 from ds_swift.threadname import name_os_thread, os_thread_name
 
@@ -193,7 +193,7 @@ def test_a_failed_topology_analysis_says_loudly_what_stops(caplog: pytest.LogCap
     (said,) = _warnings(caplog, "ds_swift.protect.message_logging")
     assert said.startswith("topology analysis failed (") and "message logging, update logging by stage and" in said
     assert "recovers from the global checkpoint" in said
-    line = _logging_line(engine, logs)  # the start-up line gives the real reason, not "no send crosses"
+    line = MessageLogging(logs, None).cost_line(engine, None)  # type: ignore[arg-type]  # the real reason, not "no send crosses"
     assert f"off (topology analysis failed: {logs.plan_error};" in line, line
     logs.possible(engine)
     assert len(_warnings(caplog, "ds_swift.protect.message_logging")) == 1  # said once

@@ -8,6 +8,7 @@ import pytest
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import LoggingSetup, RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import MessageLogHeld, holdings_of
 from ds_swift.recovery.registry import STRATEGIES, plan_recovery
 
 
@@ -111,13 +112,15 @@ def test_zero1_and_bf16_partitions_come_from_the_checkpoint_in_a_replay() -> Non
 
 def test_a_sender_whose_log_has_a_hole_forces_the_checkpoint() -> None:
     reports = pipeline_only()
-    reports[1] = dataclasses.replace(reports[1], log_lost="message log on rank 1 lost records: [Errno 28] No space")
+    reports[1] = dataclasses.replace(
+        reports[1], holdings=holdings_of(MessageLogHeld(lost="message log on rank 1 lost records: [Errno 28] No space"))
+    )
     plan = plan_recovery(reports, logging=LoggingSetup(frozenset(range(4))))
     assert plan.strategy == "checkpoint"
     assert "message log of rank(s) [1] stopped covering" in plan.reason and "No space" in plan.reason
     # a hole in a log that the failed group does not need changes nothing
-    reports[1] = dataclasses.replace(reports[1], log_lost=None)
-    reports[0] = dataclasses.replace(reports[0], log_lost="x")
+    reports[1] = dataclasses.replace(reports[1], holdings={})
+    reports[0] = dataclasses.replace(reports[0], holdings=holdings_of(MessageLogHeld(lost="x")))
     assert plan_recovery(reports, logging=LoggingSetup(frozenset(range(4)))).strategy == "logging"
 
 

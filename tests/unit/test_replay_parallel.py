@@ -189,7 +189,7 @@ def test_exact_hp_combination_is_bitwise_bf16_optimizer_accumulation(m: int, h: 
 
 
 def test_parallel_helps_only_with_compute_of_its_own() -> None:
-    from ds_swift.recovery.replay.parallel_plan import parallel_helps
+    from ds_swift.recovery.replay.parallel import parallel_helps
 
     lay = ParallelReplayLayout(stages=(2, 3), replacements=(2, 3), helpers=(0, 1), micro_batches=4)
     one_host = {r: {"host": "h", "cores": 2, "threads": 1, "accelerator": False} for r in range(4)}

@@ -14,7 +14,8 @@ import pytest
 
 from ds_swift.checkpoint import periodic as checkpoint
 from ds_swift.jobstore.membership import JobStore
-from ds_swift.protect.buddy import BuddyCopier, StoreLanding
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.buddy_holdings import StoreLanding
 from ds_swift.recovery import coordinator
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy, Registry
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan

@@ -61,9 +61,8 @@ def closable() -> SwiftPipelineEngine:
         "_monitor": mock.Mock(),
         "_hooks": mock.Mock(),
         "_recv_patch": mock.Mock(),
-        "_rebuild": SimpleNamespace(buddy=None, digests=None, updates=None),
+        "_rebuild": SimpleNamespace(protect=mock.Mock(**{"get.return_value": None})),
         "_ckpt": mock.Mock(),
-        "_running": None,
     }
     vars(engine).update(
         parts, _closed=False, _ctx=SimpleNamespace(env=None, store=None), _determinism=ScopedDeterminism()

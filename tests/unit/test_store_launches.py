@@ -147,7 +147,7 @@ def test_done_keys_created_without_the_secret_do_not_end_the_job() -> None:
 
 
 def test_a_buddy_round_done_key_created_without_the_secret_does_not_end_the_wait() -> None:
-    from ds_swift.protect.buddy import StoreLanding
+    from ds_swift.protect.buddy_holdings import StoreLanding
 
     job = JobStore.host(TOKEN, secret=SECRET)
     job.kv.set("buddy/0/3/done", "1")  # an outsider's key: what a plain etcd lets anyone write

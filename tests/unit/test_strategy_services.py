@@ -18,13 +18,16 @@ import pytest
 import ds_swift.recovery.registry as registry_mod
 from ds_swift.checkpoint.setup import checkpoint_manager
 from ds_swift.config import ConfigError, SwiftConfig
-from ds_swift.plan.analysis import config_strategy
+from ds_swift.plan.analysis import stage_mode
+from ds_swift.protect.buddy import BuddyCopier
+from ds_swift.protect.digest_publisher import DigestPublisher
 from ds_swift.protect.protections import Protections
+from ds_swift.protect.update_logger import UpdateLogger
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.registry import services_of, strategy_names
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.testing.configs import swift_config
+from ds_swift.testing.configs import site, swift_config
 
 # What the runtime chose by name before this issue (config values as they were then).
 OLD_NAMES = (
@@ -69,7 +72,7 @@ def new_choices(cfg: SwiftConfig) -> dict[str, Any]:
         "erasure": s.erasure_chunks,
         "digests": s.digests,
         "updates": s.update_log,
-        "analyzer": config_strategy(cfg),
+        "analyzer": stage_mode(cfg),
         "async": s.async_checkpoints,
         "tuner": s.checkpoint_tuner,
         "running": s.running_checkpoint,
@@ -152,23 +155,16 @@ def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch: pytest.Mo
         env=SimpleNamespace(rank=0, token=None), store=None, log=lines.append, op_timeout_s=1.0, generation=0
     )
     hooks = SimpleNamespace(logs=SimpleNamespace(updates=None), undo=None)
-    made = Protections(
-        lambda: None,
-        ctx=ctx,
-        cfg=cfg,
-        hooks=hooks,
-        generation=lambda: 0,  # type: ignore[arg-type]
-        check_after_receive=lambda: None,
-        machine=lambda: 0,
-    )
-    assert made.buddy is not None and made.buddy.erasure is None
-    assert made.updates is not None and hooks.logs.updates is made.updates
-    assert made.digests is None  # not in its services
+    made = Protections(site(cfg, ctx, hooks))
+    buddy, updates = made.get(BuddyCopier), made.get(UpdateLogger)
+    assert buddy is not None and buddy.erasure is None
+    assert updates is not None and hooks.logs.updates is updates
+    assert made.get(DigestPublisher) is None  # not in its services
     # The checkpoint set-up and the topology analyzer.
     manager = checkpoint_manager(cfg, ctx, rank=0, world_size=1, services=services_of(cfg))
     assert manager.writer is not None and manager.tuner is not None
     manager.writer.close(5.0)
-    assert config_strategy(cfg) == "logging"
+    assert stage_mode(cfg) == "logging"
     # ...and the recovery side: the registry offers it when the config names it.
     assert registry.get("dummy").services(cfg).update_log == "every_rank"
 

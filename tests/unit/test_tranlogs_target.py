@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld, UpdateLogHeld, holdings_of
 from ds_swift.recovery.registry import STRATEGIES
 from ds_swift.recovery.strategies.tranlogs import update_target
 
@@ -24,8 +25,9 @@ def reports(newest: dict[int, int | None], last: int = 9, exact: bool = False) -
             machine=r // 2,
             last_stepped=last if r < 2 else -1,
             can_undo=r < 2,
-            own_copies=(last - 1,) if exact and r < 2 else (),
-            logged_update=newest.get(r),
+            holdings=holdings_of(
+                BuddyHeld(own=(last - 1,) if exact and r < 2 else ()), UpdateLogHeld(newest=newest.get(r))
+            ),
         )
         for r in range(4)
     ]
@@ -71,6 +73,6 @@ def test_other_gaps_stay_at_the_consensus_for_the_check_round() -> None:
 
 def test_a_report_carries_the_newest_record_through_json() -> None:
     (r,) = [x for x in reports({2: 8}) if x.rank == 2]
-    assert RankReport.from_json(r.to_json()).logged_update == 8
+    assert UpdateLogHeld.of(RankReport.from_json(r.to_json())).newest == 8
     (s,) = [x for x in reports({}) if x.rank == 0]
-    assert RankReport.from_json(s.to_json()).logged_update is None
+    assert UpdateLogHeld.of(RankReport.from_json(s.to_json())).newest is None

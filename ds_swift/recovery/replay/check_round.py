@@ -19,8 +19,13 @@ from ds_swift.logs import say
 from ds_swift.recovery.consensus import RankReport, RecoveryPlan
 from ds_swift.recovery.replay.collectives import CollectiveRecord, CollectiveRecorder
 from ds_swift.recovery.replay.log import LogUnavailable, chunks_needed
-from ds_swift.recovery.replay.parallel import ParallelReplayLayout, copy_unsupported_reasons
-from ds_swift.recovery.replay.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
+from ds_swift.recovery.replay.parallel import (
+    ParallelReplayLayout,
+    compute_of_this_rank,
+    copy_unsupported_reasons,
+    parallel_helps,
+    parallel_layout,
+)
 from ds_swift.recovery.replay.plan import plan_of, unsupported_reasons
 
 if TYPE_CHECKING:

@@ -55,10 +55,12 @@ from ds_swift.recovery.replay.parallel import (
     Mode,
     ParallelReplayLayout,
     build_copy_engine,
+    compute_of_this_rank,
+    parallel_helps,
+    parallel_layout,
     parallel_replay,
     transfer_state,
 )
-from ds_swift.recovery.replay.parallel_plan import compute_of_this_rank, parallel_helps, parallel_layout
 from ds_swift.recovery.replay.plan import replay_summary, replay_totals
 from ds_swift.recovery.timeline import RankTimeline
 

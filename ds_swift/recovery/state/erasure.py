@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ds_swift.recovery.consensus import RecoveryInputs
+from ds_swift.recovery.holdings import BuddyHeld
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies
 from ds_swift.recovery.state.transfer import decode, decode_dtype
 
@@ -138,7 +139,7 @@ def _held(inputs: RecoveryInputs) -> dict[int, dict[int, dict[int, int]]]:
     for rep in inputs.reports:
         if not rep.survivor or rep.machine in failed:
             continue
-        for owner, version, index in rep.ec_chunks:
+        for owner, version, index in BuddyHeld.of(rep).chunks:
             if owner in lost:
                 out[owner].setdefault(version, {}).setdefault(index, rep.rank)
     return out
@@ -147,7 +148,7 @@ def _held(inputs: RecoveryInputs) -> dict[int, dict[int, dict[int, int]]]:
 def erasure_target(inputs: RecoveryInputs) -> tuple[int | None, dict[int, list[tuple[int, int]]], str]:
     """The iteration every rank lands on and, per lost rank, the k ``(holder, chunk index)`` to rebuild
     it from (data chunks first: they decode by concatenation); or ``(None, {}, why not)``."""
-    k = max((r.ec_k for r in inputs.reports), default=0)
+    k = max((BuddyHeld.of(r).k for r in inputs.reports), default=0)
     if k < 1:
         return None, {}, "no rank keeps erasure-coded chunks"
     held = _held(inputs)

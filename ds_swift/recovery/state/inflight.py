@@ -16,8 +16,8 @@ iteration it is training (and only that one: bounded by one iteration's messages
   (:meth:`InflightKeeper.on_teardown`: nothing on the failure-free path), unless the failure hit
   inside a backward pass (a half-accumulated buffer: nothing is kept).
 
-The consensus carries what a survivor holds (``RankReport.inflight``, ``inflight_passes``); the
-strategy (ds_swift.recovery.strategies.pipechurn_partial) sends the neighbours the kept messages
+The consensus carries what a survivor holds (:class:`~ds_swift.recovery.holdings.InflightHeld`); the
+strategy (ds_swift.recovery.strategies.pipechurn) sends the neighbours the kept messages
 they need, each rank loads its kept gradients back (:meth:`InflightKeeper.load_into`) and runs the
 passes it does not hold (ds_swift.recovery.replay.midway), then every rank runs the reductions and
 the step live (:func:`finish_iteration`).
@@ -33,6 +33,7 @@ import torch
 
 from ds_swift.data.keyed import BatchFn
 from ds_swift.logs import say_here
+from ds_swift.recovery.holdings import InflightHeld
 from ds_swift.recovery.registry import services_of
 
 __all__ = ["FinishIteration", "InflightKeeper", "Message", "finish_iteration", "kept_inflight"]
@@ -194,9 +195,9 @@ class InflightKeeper:
             )
             self.passes, self.grads = 0, None
 
-    def report(self) -> tuple[int, int, int]:
-        """(iteration, passes held, forward passes run) for the consensus (``RankReport.inflight*``)."""
-        return self.iteration, self.passes, self.forwards
+    def held(self) -> InflightHeld:
+        """What this copy holds, for the consensus."""
+        return InflightHeld(self.iteration, self.passes, self.forwards)
 
     # ------------------------------------------------------------------ recovery
     def kept_messages(self, kind: str, iteration: int, micro_batches: range) -> list[list[torch.Tensor]]:

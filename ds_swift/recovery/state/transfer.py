@@ -1,10 +1,18 @@
 """A rank's training state as bytes and tensors, and its transfer between ranks: what every
 state-moving strategy shares (replication, buddy copies, PipeChurn's chunks, elastic resharding,
-parallel recovery), apart from any one strategy so that none imports another for it.
+parallel recovery), apart from any one strategy.
 
-The state (:func:`capture_state`) is a nested structure of tensors; :func:`encode` turns it into
-a JSON manifest and one flat tensor per dtype, which :func:`send_state` moves on ds-swift's
-transport and :func:`load_state` puts back into an engine.
+The state of a pipeline rank is its stage's module parameters and buffers, everything its
+optimizer wrapper holds (fp32 masters, optimizer state, loss scaler, flags; see
+ds_swift.patches.deepspeed_optim_state), the LR scheduler, the step counters and the RNG state
+(:func:`capture_state`): a nested structure of tensors.
+
+Wire format, over ds-swift's transport (ds_swift.transport: a gloo group of its own, host tensors),
+point-to-point, tensors only (no pickle of a peer's bytes, so a peer can never make this rank run
+code): one int64 length, a UTF-8 JSON manifest (the state with every tensor replaced by
+``{"__t__": index}``, plus each tensor's shape and dtype: :func:`encode`), then one flat buffer
+per dtype holding every tensor of that dtype (:func:`send_state`); :func:`load_state` puts it
+back into an engine. A few large sends instead of hundreds of small ones.
 """
 
 from __future__ import annotations

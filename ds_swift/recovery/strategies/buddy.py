@@ -9,7 +9,7 @@ copying, :func:`assign_buddies` (pure) decides who holds whose copy.
 
 :class:`BuddyStrategy` restores a lost rank's partition from a surviving buddy's copy. A copy is
 the owner's state after some iteration's step; each buddy reports which ones it holds complete
-(:attr:`~ds_swift.recovery.consensus.RankReport.buddy_copies`). The restore must land every rank
+(:class:`~ds_swift.recovery.holdings.BuddyHeld` in each report). The restore must land every rank
 on one iteration: the newest one, at most the consensus, that every lost rank has a copy of and every
 survivor ahead of it can get back to (one step by update-undo; any number to an own copy, where
 ``buddy.interval`` spaces the copies: every rank then trains the iterations since again); otherwise
@@ -30,6 +30,7 @@ from typing import Any
 
 from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrategy
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import BuddyHeld
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.buddies import BuddyError, Member, assign_buddies  # re-exported
 from ds_swift.recovery.state.digest import partition_state
@@ -46,7 +47,7 @@ def copy_holders(inputs: RecoveryInputs, owners: Iterable[int]) -> dict[int, dic
     for r in inputs.reports:
         if not r.survivor or r.machine in failed:
             continue
-        for owner, version in r.buddy_copies:
+        for owner, version in BuddyHeld.of(r).copies:
             if owner in out and owner != r.rank:
                 out[owner].setdefault(version, []).append(r.rank)
     return out
@@ -90,7 +91,9 @@ def buddy_target(inputs: RecoveryInputs) -> tuple[BuddyTarget | None, str]:
         if not inputs.rebased(target).cannot_undo:
             return BuddyTarget(target, _pick(holders, target)), ""
     have = "; ".join(f"rank {r}: iteration(s) {sorted(v)}" for r, v in sorted(holders.items()))
-    own = "; ".join(f"rank {r.rank}: {sorted(r.own_copies)}" for r in inputs.reports if r.survivor and r.own_copies)
+    own = "; ".join(
+        f"rank {r.rank}: {sorted(mine)}" for r in inputs.reports if r.survivor and (mine := BuddyHeld.of(r).own)
+    )
     return None, (
         f"the buddy copies ({have}) do not reach the consensus iteration {c}, and no older one is "
         f"common to every lost rank and reachable by every survivor (one step back by update-undo, "

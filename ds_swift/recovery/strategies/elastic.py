@@ -32,28 +32,38 @@ data-parallel size cannot be loaded into another one).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_swift import transport
-from ds_swift.jobstore.membership import JobStore
-from ds_swift.recovery.base import BenchVariant, RankContext, RecoveryOutcome, loud, say_deviation
+from ds_swift.jobstore.membership import JobStore, fate_key, grow_key, read_layout
+from ds_swift.patches.deepspeed_engine import pipe_topology
+from ds_swift.recovery.base import (
+    BenchVariant,
+    MembershipChange,
+    MembershipView,
+    RankContext,
+    RecoveryOutcome,
+    loud,
+    say_deviation,
+)
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import BuddyHeld, buddy_held
 from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.services import StrategyServices
-from ds_swift.recovery.state.transfer import finish_restore
+from ds_swift.recovery.state.transfer import finish_restore, load_state, recv_state, send_state, set_counters
 from ds_swift.recovery.strategies.buddy import BuddyTarget, buddy_target
 from ds_swift.recovery.strategies.lossy import LossyForwardStrategy
-from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, resized_ds_config
-from ds_swift.recovery.strategies.resize_moves import ResizeMoves, grid_coords, resize_transfers
+from ds_swift.recovery.strategies.resize import Resize, ResizeRefused, plan_resize, resized_ds_config
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.recovery.verify import agree, check_resharded, mismatch_reason
 
-__all__ = ["ElasticStrategy", "Resize", "ResizeRefused", "recover_resized", "resized_ds_config"]
+__all__ = ["ElasticChange", "ElasticStrategy", "recover_resized"]
 
 
 def _agree(
@@ -216,8 +226,8 @@ def _publish_report(
         machine=resize.machine_of(old_rank),
         last_stepped=kept.last_stepped,
         can_undo=kept.can_undo,
-        buddy_copies=kept.buddy.copies() if kept.buddy is not None else (),
-        own_copies=kept.own_copies,  # buddy.interval: copies older than one step are reached by these
+        # buddy.interval: copies older than one step are reached by its own copies
+        holdings={BuddyHeld.NAME: buddy_held(kept.buddy, kept.own_copies).to_doc()},
     )
     store.publish(generation, "resize_report", rank, mine.to_json())
 
@@ -268,30 +278,174 @@ def _outcome(
     return outcome
 
 
+# ---------------------------------------------------------------- the state moves of a resize
+def grid_coords(engine: Any) -> list[tuple[int, int]]:
+    """(stage, tp) of every rank of ``engine``'s grid."""
+    topo = pipe_topology(engine)
+    has_tp = "model" in topo.get_axis_names()
+    return [
+        (int(topo.get_coord(r).pipe), int(topo.get_coord(r).model) if has_tp else 0) for r in range(topo.world_size())
+    ]
+
+
+def resize_transfers(
+    resize: Resize, coords: list[tuple[int, int]], sources: Mapping[int, int], first: Mapping[int, int]
+) -> list[tuple[int, int, int]]:
+    """(old owner, source rank, destination rank) of every old optimizer state each new rank needs,
+    in one order on every rank (the sends are posted first, then received in it): partitioned, every
+    old partition of its (stage, tp); else one whole state, its own or ``first[dst]``'s (an old rank)."""
+    out = []
+    for dst, (stage, tp) in enumerate(coords):
+        owners = (
+            [resize.old_rank_at(stage, q, tp) for q in range(resize.old_dp)] if resize.partitioned else [first[dst]]
+        )
+        for owner in owners:
+            src = resize.new_rank_of(sources[owner])
+            assert src is not None  # sources are survivors
+            out.append((owner, src, dst))
+    return out
+
+
+@dataclass
+class ResizeMoves:
+    """This rank's sends and receives of a resize: a new rank's module, schedule and counters from its
+    donor, and every old optimizer partition (or whole state) each rank joins into its new one."""
+
+    resize: Resize
+    rank: int
+    old_rank: int | None
+    kept: KeptState | None
+    iteration: int
+    sources: Mapping[int, int]
+    donors: Mapping[int, int]
+    transfers: list[tuple[int, int, int]]
+
+    def __post_init__(self) -> None:
+        self.state = self.kept.state() if self.kept is not None else None  # after the undo: what it holds
+        self.sending: list[tuple[Any, torch.Tensor]] = []
+
+    def payload_of(self, owner: int) -> dict[str, Any]:
+        if owner == self.old_rank and self.sources[owner] == owner:
+            assert self.state is not None
+            return {"optimizer": self.state["optimizer"]}
+        if self.kept is None or self.kept.buddy is None:
+            raise RuntimeError(f"rank {self.rank} was chosen to send rank {owner}'s buddy copy but holds none")
+        return {"optimizer": self.kept.buddy.state_of(owner, self.iteration)["optimizer"]}
+
+    def _isend(self, t: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.sending.append((transport.isend(t, dst, group=group), t))
+
+    def run(self, engine: Any) -> tuple[int, dict[int, Any]]:
+        """Post the sends, receive, load; returns the bytes sent and the old partitions joined here
+        (old rank -> its part; None: its whole state, unpartitioned)."""
+        from ds_swift.patches.deepspeed_optim_state import load_optimizer, reshard_optimizer
+
+        rank, kept, state = self.rank, self.kept, self.state
+        moved = 0
+        for dst, src in sorted(self.donors.items()):
+            if src == rank:
+                assert kept is not None and state is not None
+                rest = {k: v for k, v in state.items() if k != "optimizer"}
+                moved += send_state({**rest, "counters": kept.counters or {}}, dst, send=self._isend)
+        for owner, src, dst in self.transfers:
+            if src == rank and dst != rank:
+                moved += send_state(self.payload_of(owner), dst, send=self._isend)
+        if rank in self.donors:
+            rest = recv_state(self.donors[rank])
+            load_state(engine, rest, self.iteration + 1)
+            counters = rest.get("counters") or {}
+        else:
+            assert kept is not None and state is not None
+            load_state(engine, {**state, "optimizer": None}, self.iteration + 1)
+            counters = kept.counters or {}
+        set_counters(engine, self.iteration + 1, skipped_steps=int(counters.get("skipped_steps", 0)))
+        parts: dict[int, dict[str, Any]] = {}
+        owners: dict[int, Any] = {}
+        for owner, src, dst in self.transfers:
+            if dst == rank:
+                dp = self.resize.old_coords[owner][1]
+                parts[dp] = self.payload_of(owner)["optimizer"] if src == rank else recv_state(src)["optimizer"]
+                owners[owner] = parts[dp]
+        for work, _ in self.sending:
+            work.wait()
+        if engine.optimizer is not None and parts:
+            load_optimizer(engine.optimizer, reshard_optimizer([parts[q] for q in sorted(parts)], engine.optimizer))
+        return moved, owners
+
+
+class ElasticChange(MembershipChange):
+    """A shrink or a grow (``resize``; None: a returning machine's new rank, told by rank 0), and
+    this rank's place in it."""
+
+    strategy = "elastic"
+
+    def __init__(
+        self, resize: Resize | None, rank: int, world: int, ds_config: Mapping[str, Any], machines: list[int]
+    ) -> None:
+        self.resize, self.rank, self.world, self.ds_config, self.machines = resize, rank, world, ds_config, machines
+
+    def describe(self) -> str:
+        return self.resize.describe() if self.resize is not None else "a returning machine's rank joins"
+
+    def restore(self, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
+        return recover_resized(
+            store=ctx.store,
+            generation=ctx.generation,
+            engine=ctx.engine,
+            kept=ctx.kept,
+            resize=self.resize,
+            timeline=ctx.timeline,
+            gather_timeout_s=ctx.gather_timeout_s,
+            zero_stage=zero_stage,
+            verify=ctx.verify,
+        )
+
+
 class ElasticStrategy(LossyForwardStrategy):
     """``"strategy": "elastic"``: a failed machine that a spare replaces is restored as by
     ``lossy_forward``; with no spare left (``ds-swift-launch --elastic``) the job goes on with fewer
-    data-parallel replicas, and takes them back when the machine returns (:func:`recover_resized`).
-    Approximate."""
+    data-parallel replicas, and takes them back when the machine returns (:meth:`membership_change`,
+    :func:`recover_resized`). Approximate."""
 
     name = "elastic"
     SERVICES = StrategyServices(buddy_copies=True, digests=True, elastic=True, sim_kind="elastic")
     # ds-swift bench: with no spare, the job goes on without the failed machine (a shrink)
     BENCH_VARIANTS = {"lossy_forward_elastic": BenchVariant(spare=False)}
 
-    def plan(self, inputs: RecoveryInputs) -> RecoveryPlan:
-        # A replaced machine's restore is lossy forward's, and is named so in the timeline.
-        return dataclasses.replace(super().plan(inputs), strategy=LossyForwardStrategy.name)
+    def membership_change(self, view: MembershipView) -> ElasticChange | None:
+        """A shrink where the launcher goes on without the failed machine (``launch/fate/<g>/<m>`` =
+        ``shrink``: no spare left, ``--elastic``); a grow where a machine came back
+        (``launch/grow/<g>``, its agent set it before ending the generation); None: a spare replaces it."""
+        store, env, g = view.store, view.env, view.generation
+        if view.joining:  # a new rank of a machine that came back: its state comes from the survivors, resharded
+            if store.get(grow_key(g)) is None:
+                return None
+            return ElasticChange(None, env.rank, env.world_size, view.ds_config, read_layout(store, env.num_machines))
+        back = store.get(grow_key(g))
+        if back is not None:  # not a failure: a machine came back
+            return self._resize(view, "grow", int(back))
+        machine = view.failed_machine()
+        if machine is None or machine == env.machine:
+            return None  # this rank's own machine failed: it leaves the job
+        fate = store.wait_value(fate_key(g, machine), view.join_timeout_s)
+        if fate == "shrink":
+            return self._resize(view, "shrink", machine)
+        if fate is None:
+            view.log(
+                f"the launcher did not say within {view.join_timeout_s:g} s what becomes of "
+                f"machine {machine}: waiting for its replacement"
+            )
+        return None
 
-    def restore_resized(self, resize: Resize | None, ctx: RankContext, zero_stage: int) -> RecoveryOutcome:
-        return recover_resized(
-            store=ctx.store,
-            generation=ctx.generation,
-            engine=ctx.engine,
-            kept=ctx.kept,
-            resize=resize,
-            timeline=ctx.timeline,
-            gather_timeout_s=ctx.gather_timeout_s,
-            zero_stage=zero_stage,
-            verify=ctx.verify,
-        )
+    @staticmethod
+    def _resize(view: MembershipView, kind: str, machine: int) -> ElasticChange:
+        """The launcher goes on without ``machine`` (a shrink) or takes it back (a grow): this rank's
+        place in the new world and the DeepSpeed config with its batch."""
+        env, kept = view.env, view.kept
+        assert kept is not None and kept.grid is not None and view.machines is not None
+        layout = read_layout(view.store, env.num_machines)
+        resize = plan_resize(kind, machine, view.machines, layout, kept.grid, view.cfg.elastic, env.rank)
+        rank = resize.new_rank_of(env.rank)
+        assert rank is not None  # this rank's machine is in the new layout
+        view.log(resize.describe() + f"; rank {env.rank} -> {rank}")
+        return ElasticChange(resize, rank, resize.new_world, resized_ds_config(view.ds_config, resize), layout)

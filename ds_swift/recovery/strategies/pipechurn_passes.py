@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ds_swift.recovery.consensus import RecoveryInputs
+from ds_swift.recovery.holdings import InflightHeld
 
 __all__ = ["RankPasses", "Transfer", "kept_passes", "rank_passes", "redo_summary", "transfers"]
 
@@ -106,8 +107,9 @@ def kept_passes(inputs: RecoveryInputs, micro_batches: int) -> dict[int, int]:
     in_flight = inputs.consensus + 1
     out: dict[int, int] = {}
     for r in inputs.reports:
-        usable = r.survivor and r.rank in inputs.survivors and r.inflight == in_flight and r.inflight_passes > 0
-        out[r.rank] = min(r.inflight_passes, micro_batches) if usable else 0
+        held = InflightHeld.of(r)
+        usable = r.survivor and r.rank in inputs.survivors and held.iteration == in_flight and held.passes > 0
+        out[r.rank] = min(held.passes, micro_batches) if usable else 0
     peers: dict[tuple[int, int], list[int]] = {}
     for r in inputs.reports:
         peers.setdefault((r.stage, r.dp), []).append(r.rank)
@@ -160,10 +162,11 @@ def redo_summary(inputs: RecoveryInputs, micro_batches: int) -> dict[str, object
     against the full retrain's; forward passes redone because the failure dropped their graphs."""
     kept = kept_passes(inputs, micro_batches)
     redo = {r: micro_batches - k for r, k in sorted(kept.items())}
+    held = {r.rank: InflightHeld.of(r) for r in inputs.reports}
     dropped = {
-        r.rank: max(0, min(r.inflight_forwards, micro_batches) - kept[r.rank])
+        r.rank: max(0, min(held[r.rank].forwards, micro_batches) - kept[r.rank])
         for r in inputs.reports
-        if r.rank in inputs.survivors and r.inflight == inputs.consensus + 1
+        if r.rank in inputs.survivors and held[r.rank].iteration == inputs.consensus + 1
     }
     return {
         "partial": True,

@@ -1,7 +1,8 @@
 """Replication-based recovery: a surviving replica sends its whole training state to a replacement.
 
 :class:`ReplicationStrategy` is the strategy (every lost rank needs a surviving data-parallel
-replica on a machine that did not fail); the rest is the state transfer it runs.
+replica on a machine that did not fail); the state transfer it runs is
+ds_swift.recovery.state.transfer's (its wire format is documented there).
 
 The state of a pipeline rank is its stage's module parameters and buffers, everything its
 optimizer wrapper holds (torch optimizer, FP16_Optimizer/FP16_UnfusedOptimizer: fp32 masters,
@@ -11,13 +12,6 @@ bitwise the same (gradients are all-reduced before every step), so copying it gi
 replacement exactly what the lost rank had at the consensus iteration. Where the optimizer state
 is partitioned over data-parallel ranks (ZeRO-1, BF16_Optimizer) a replica holds another slice:
 ds_swift.recovery.strategies.buddy restores those.
-
-Wire format, over ds-swift's transport (ds_swift.transport: a gloo group of its own, host tensors)
-point-to-point in the new generation, tensors only (no
-pickle of a peer's bytes, so a peer can never make this rank run code): one int64 length, a
-UTF-8 JSON manifest (the state with every tensor replaced by ``{"__t__": index}``, plus each
-tensor's shape and dtype), then one flat buffer per dtype holding every tensor of that dtype.
-A few large sends instead of hundreds of small ones.
 """
 
 from __future__ import annotations
@@ -28,39 +22,15 @@ from ds_swift.recovery.base import RankContext, RecoveryOutcome, RecoveryStrateg
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.digest import Verdict
-from ds_swift.recovery.state.transfer import (  # re-exported: older imports name this module
+from ds_swift.recovery.state.transfer import (
     capture_state,
-    decode,
-    decode_dtype,
-    encode,
     finish_restore,
-    flat_sizes,
-    flatten,
     hand_over,
-    load_received,
     load_state,
-    recv_state,
-    send_state,
-    unflatten,
 )
 from ds_swift.recovery.verify import check_copy, check_received, publish_reference
 
-__all__ = [
-    "ReplicationStrategy",
-    "capture_state",
-    "decode",
-    "decode_dtype",
-    "donors_for",
-    "encode",
-    "finish_restore",
-    "flat_sizes",
-    "flatten",
-    "load_received",
-    "load_state",
-    "recv_state",
-    "send_state",
-    "unflatten",
-]
+__all__ = ["ReplicationStrategy", "donors_for"]
 
 
 # ----------------------------------------------------------------------------- the strategy

@@ -1,5 +1,5 @@
 """An elastic resize, planned: the same on every rank, from the job's layout before and after (pure:
-no process group). Protocol and strategy: :mod:`ds_swift.recovery.strategies.elastic`.
+no process group). Protocol, state moves and strategy: :mod:`ds_swift.recovery.strategies.elastic`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_swift.logs import say
-from ds_swift.patches.deepspeed_engine import pipe_topology
-from ds_swift.patches.deepspeed_optim_state import is_partitioned
+from ds_swift.recovery.base import MembershipRefused
+from ds_swift.recovery.kept import Grid
 
-__all__ = ["Grid", "Resize", "ResizeRefused", "grid_of", "plan_resize", "resized_ds_config"]
-
-#: (stage, dp, tp) of every rank, accumulation steps, micro-batch, optimizer state partitioned
-Grid = tuple[tuple[tuple[int, int, int], ...], int, int, bool]
+__all__ = ["Resize", "ResizeRefused", "plan_resize", "resized_ds_config"]
 
 
-class ResizeRefused(RuntimeError):
+class ResizeRefused(MembershipRefused):
     """The job cannot change its number of replicas (the reason says why and what to do)."""
 
 
@@ -185,7 +182,7 @@ def plan_resize(
     policy: Any,
     rank: int,
 ) -> Resize:
-    """:meth:`Resize.plan` from the failed generation's grid (:func:`grid_of`) and the ``elastic``
+    """:meth:`Resize.plan` from the failed generation's grid (ds_swift.recovery.kept.grid_of) and the ``elastic``
     config section (``policy``); a refusal is said loudly before it is raised."""
     coords, gas, micro, partitioned = old_grid
     try:
@@ -204,20 +201,3 @@ def plan_resize(
     except ResizeRefused as exc:
         say(f"ELASTIC {kind.upper()} REFUSED: {exc}", rank, level=logging.WARNING, name=__name__)
         raise
-
-
-def grid_of(engine: Any) -> Grid:
-    """(stage, dp, tp) of every rank of ``engine``'s grid, its accumulation steps and micro-batch,
-    and whether its optimizer state is partitioned over data-parallel ranks."""
-    topo = pipe_topology(engine)
-    axes = topo.get_axis_names()
-    coords = []
-    for r in range(topo.world_size()):
-        c = topo.get_coord(r)
-        coords.append((int(c.pipe), int(c.data), int(getattr(c, "model", 0)) if "model" in axes else 0))
-    return (
-        tuple(coords),
-        int(engine.gradient_accumulation_steps()),
-        int(engine.train_micro_batch_size_per_gpu()),
-        is_partitioned(engine.optimizer),
-    )

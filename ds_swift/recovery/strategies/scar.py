@@ -29,11 +29,11 @@ distance to the failure-free run.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ds_swift.checkpoint.running import running_dir, running_state
 from ds_swift.recovery.base import (
     RankContext,
     RecoveryOutcome,
@@ -47,43 +47,7 @@ from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore, set_counters
 
-__all__ = ["ScarStrategy", "running_dir", "running_state"]
-
-#: A running checkpoint's blocks: at most this many elements, and at least 64 blocks per rank where
-#: the state is big enough (SCAR's priorities need blocks to choose among).
-BLOCK_ELEMENTS, MIN_BLOCKS = 65536, 64
-
-
-def running_dir(ckpt_dir: str | Path, rank: int, job: str | None) -> Path:
-    """Where ``rank`` of job ``job`` (:func:`ds_swift.checkpoint.periodic.job_id_for`) keeps its running
-    checkpoint: each job its own directory, so that runs sharing ``checkpoint.dir`` never touch
-    each other's (``running/rank<r>`` for a run without a job id, as before job stamps)."""
-    return Path(ckpt_dir) / "running" / (job or "") / f"rank{rank}"
-
-
-def running_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
-    """The live tensors of a rank's optimizer state a running checkpoint keeps (fp32 masters, and the
-    inner optimizer's per-parameter state tensors of the same size), and the groups: each master
-    with its moments, saved block for block together."""
-    from ds_swift.patches.deepspeed_optim_state import capture_optimizer, optimizer_payload
-
-    payload = optimizer_payload(capture_optimizer(optimizer))
-    tensors: dict[str, torch.Tensor] = {}
-    groups: dict[str, list[str]] = {}
-    inner = payload["inner"]["state"]
-    for i, master in enumerate(payload["masters"]):
-        key = f"masters.{i}"
-        tensors[key] = master
-        for name, t in sorted((inner.get(i) or {}).items()):
-            if isinstance(t, torch.Tensor) and t.numel() == master.numel() and t.is_floating_point():
-                tensors[f"state.{i}.{name}"] = t
-                groups.setdefault(key, []).append(f"state.{i}.{name}")
-    return tensors, groups
-
-
-def block_elements(tensors: dict[str, torch.Tensor]) -> int:
-    total = sum(t.numel() for t in tensors.values())
-    return max(1, min(BLOCK_ELEMENTS, total // MIN_BLOCKS))
+__all__ = ["ScarStrategy"]
 
 
 def _schedule(engine: Any) -> dict[str, Any] | None:

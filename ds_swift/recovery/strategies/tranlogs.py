@@ -38,6 +38,7 @@ from ds_swift.recovery.base import (
     redo_words,
 )
 from ds_swift.recovery.consensus import RecoveryInputs, RecoveryPlan
+from ds_swift.recovery.holdings import UpdateLogHeld
 from ds_swift.recovery.services import StrategyServices
 from ds_swift.recovery.state.transfer import finish_restore
 from ds_swift.recovery.state.update_log import UpdateLogStore, load_record, redo_update, restore_after
@@ -58,7 +59,7 @@ def update_target(inputs: RecoveryInputs) -> tuple[int, str]:
     check round then finds the missing record and every rank falls back to the global checkpoint,
     naming it."""
     c, done = inputs.consensus, inputs.checkpoint_step
-    newest = {r: inputs.by_rank[r].logged_update for r in inputs.replacements}
+    newest = {r: UpdateLogHeld.of(inputs.by_rank[r]).newest for r in inputs.replacements}
     behind = sorted(r for r, n in newest.items() if n is not None and n < c)
     if not behind or done > c or any(newest[r] != c - 1 for r in behind) or inputs.rebased(c - 1).cannot_undo:
         return c, ""

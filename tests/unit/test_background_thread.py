@@ -1,4 +1,4 @@
-"""ds_swift.worker: the one background-worker loop behind ds-swift's threads."""
+"""ds_swift.background_thread: the one background-worker loop behind ds-swift's threads."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import threading
 
 import pytest
 
-from ds_swift.worker import OnError, Worker
+from ds_swift.background_thread import BackgroundThread, OnError
 
 
 def test_items_are_handled_in_order_on_a_named_thread() -> None:
     seen: list[tuple[int, str]] = []
-    w: Worker[int] = Worker("ds-swift-test", lambda i: seen.append((i, threading.current_thread().name)))
+    w: BackgroundThread[int] = BackgroundThread(
+        "ds-swift-test", lambda i: seen.append((i, threading.current_thread().name))
+    )
     for i in range(5):
         assert w.submit(i, nbytes=10)
     assert w.wait_idle(10.0)
@@ -28,7 +30,7 @@ def test_record_goes_on_and_check_raises_on_the_calling_thread() -> None:
         if i == 1:
             raise OSError(28, "No space left on device")
 
-    w: Worker[int] = Worker("ds-swift-test", handle, on_error=OnError.RECORD)
+    w: BackgroundThread[int] = BackgroundThread("ds-swift-test", handle, on_error=OnError.RECORD)
     for i in range(3):
         w.submit(i)
     assert w.wait_idle(10.0)
@@ -49,7 +51,7 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
         handled.append(i)
 
     gate = threading.Event()
-    w: Worker[int] = Worker(
+    w: BackgroundThread[int] = BackgroundThread(
         "ds-swift-test", lambda i: (gate.wait(10.0), handle(i)), on_error=OnError.STOP, on_error_hook=hooked.append
     )
     w.submit(0)
@@ -64,7 +66,7 @@ def test_stop_drops_later_items_and_keeps_the_error() -> None:
 
 def test_off_calls_the_hook_once_per_error_and_training_goes_on() -> None:
     said: list[str] = []
-    w: Worker[int] = Worker(
+    w: BackgroundThread[int] = BackgroundThread(
         "ds-swift-test", lambda i: 1 / 0, on_error=OnError.OFF, on_error_hook=lambda e: said.append(f"OFF: {e}")
     )
     w.submit(0)
@@ -75,7 +77,7 @@ def test_off_calls_the_hook_once_per_error_and_training_goes_on() -> None:
 
 def test_a_byte_bound_makes_the_producer_wait_for_room() -> None:
     gate = threading.Event()
-    w: Worker[int] = Worker("ds-swift-test", lambda i: gate.wait(10.0), max_bytes=100)
+    w: BackgroundThread[int] = BackgroundThread("ds-swift-test", lambda i: gate.wait(10.0), max_bytes=100)
     assert w.submit(0, nbytes=80)  # an item alone always goes
     done = threading.Event()
 
@@ -95,7 +97,7 @@ def test_a_byte_bound_makes_the_producer_wait_for_room() -> None:
 
 def test_setup_and_teardown_run_on_the_thread() -> None:
     where: list[str] = []
-    w: Worker[int] = Worker(
+    w: BackgroundThread[int] = BackgroundThread(
         "ds-swift-test",
         lambda i: None,
         setup=lambda: where.append("setup"),
@@ -118,7 +120,7 @@ def test_the_os_sees_the_short_name() -> None:
         path = f"/proc/self/task/{threading.get_native_id()}/comm"
         comm.append(open(path).read().strip() if os.path.exists(path) else "sw-buddy")
 
-    w: Worker[int] = Worker("ds-swift-buddy", handle)
+    w: BackgroundThread[int] = BackgroundThread("ds-swift-buddy", handle)
     w.submit(0)
     assert w.stop(10.0) and comm == ["sw-buddy"]
 
@@ -129,7 +131,9 @@ def test_a_setup_that_fails_ends_the_worker_and_is_said() -> None:
     def setup() -> None:
         raise PermissionError("no tmp dir")
 
-    w: Worker[int] = Worker("ds-swift-test", lambda i: None, setup=setup, on_error_hook=lambda e: said.append(str(e)))
+    w: BackgroundThread[int] = BackgroundThread(
+        "ds-swift-test", lambda i: None, setup=setup, on_error_hook=lambda e: said.append(str(e))
+    )
     w.submit(0)  # may be queued before the thread fails: then dropped
     assert w.stop(10.0) and w.wait_idle(10.0)
     assert said == ["no tmp dir"] and w.off == "PermissionError: no tmp dir" and w.stats.items == 0
@@ -143,7 +147,7 @@ def test_the_worker_thread_does_not_preempt_on_wakeup_and_the_submitter_keeps_it
     worker runs on its core), with its nice value unchanged; the thread that submits is untouched."""
     before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen: list[tuple[int, int]] = []
-    w: Worker[int] = Worker(
+    w: BackgroundThread[int] = BackgroundThread(
         "ds-swift-test",
         lambda i: seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))),
     )
@@ -159,7 +163,7 @@ def test_the_overhead_benchmarks_wakeup_switch_leaves_the_worker_as_before(monke
     """``SWIFT_BENCH_WITHOUT=wakeup`` (gpu_overhead.py's ``-wakeup`` row) measures what SCHED_BATCH buys."""
     monkeypatch.setenv("SWIFT_BENCH_WITHOUT", "logging,wakeup")
     seen: list[int] = []
-    w: Worker[int] = Worker("ds-swift-test", lambda i: seen.append(os.sched_getscheduler(0)))
+    w: BackgroundThread[int] = BackgroundThread("ds-swift-test", lambda i: seen.append(os.sched_getscheduler(0)))
     assert w.submit(0) and w.wait_idle(10.0)
     w.stop(10.0)
     assert seen == [os.SCHED_OTHER]
@@ -167,7 +171,9 @@ def test_the_overhead_benchmarks_wakeup_switch_leaves_the_worker_as_before(monke
 
 def test_a_handler_that_finishes_nothing_turns_the_worker_off_instead_of_holding_the_producer() -> None:
     hung = threading.Event()
-    w: Worker[int] = Worker("ds-swift-test", lambda i: hung.wait(60.0), max_items=1, stuck_after_s=0.3)
+    w: BackgroundThread[int] = BackgroundThread(
+        "ds-swift-test", lambda i: hung.wait(60.0), max_items=1, stuck_after_s=0.3
+    )
     try:
         assert w.submit(0) and w.submit(1)  # the first is in the handler, the second queued
         assert not w.submit(2)  # waited 0.3 s without one item finished: gives up
@@ -181,7 +187,9 @@ def test_a_handler_that_finishes_nothing_turns_the_worker_off_instead_of_holding
 
 def test_a_slow_handler_that_still_finishes_items_never_trips_the_bound() -> None:
     go = threading.Semaphore(0)
-    w: Worker[int] = Worker("ds-swift-test", lambda i: go.acquire(timeout=60.0), max_items=1, stuck_after_s=3.0)
+    w: BackgroundThread[int] = BackgroundThread(
+        "ds-swift-test", lambda i: go.acquire(timeout=60.0), max_items=1, stuck_after_s=3.0
+    )
     stop = threading.Event()
 
     def release() -> None:  # one item every 0.2 s: 20 items take ~4 s, longer than the bound

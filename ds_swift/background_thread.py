@@ -1,11 +1,11 @@
-"""One background worker for ds-swift's threads: a queue, a named thread, a stop, an error policy, stats.
+"""One background thread of ds-swift: a queue, a named thread, a stop, an error policy, stats.
 
 The checkpoint writers, the buddy copier, the digest publisher and the update logger each take
-items from the training thread and handle them off the critical path. :class:`Worker` is that
-loop once: the training thread :meth:`~Worker.submit`\\ s, a daemon thread named ``ds-swift-<role>``
+items from the training thread and handle them off the critical path. :class:`BackgroundThread` is that
+loop once: the training thread :meth:`~BackgroundThread.submit`\\ s, a daemon thread named ``ds-swift-<role>``
 (OS name ``sw-<role>``: ds_swift.threadname) calls ``handle(item)`` for each item in order, and
-:meth:`~Worker.wait_idle` says when all of it is done. A bound on queued items or bytes makes a
-producer faster than the handler wait (counted in :attr:`WorkerStats.stall_s`, never hidden)
+:meth:`~BackgroundThread.wait_idle` says when all of it is done. A bound on queued items or bytes makes a
+producer faster than the handler wait (counted in :attr:`ThreadStats.stall_s`, never hidden)
 instead of holding ever more host memory; ``stuck_after_s`` bounds that wait where a handler that
 makes no progress at all (a hung file system) must not hold the training thread for good.
 
@@ -14,7 +14,7 @@ what the thread protects: a checkpoint that failed to persist is reported and th
 tried (``RECORD``); a buddy copier whose round failed stops, and the training thread turns copying
 off loudly at its next step (``STOP``); an update logger that cannot write stops logging, loudly,
 and training goes on (``OFF``). No policy drops an error silently: ``RECORD`` and ``STOP`` keep it
-for :meth:`~Worker.check` (which raises it on the training thread) and the ``on_error`` hook;
+for :meth:`~BackgroundThread.check` (which raises it on the training thread) and the ``on_error`` hook;
 ``OFF`` needs the hook, which must say it.
 """
 
@@ -30,13 +30,13 @@ from typing import Generic, TypeVar
 
 from ds_swift.threadname import name_os_thread, yield_on_wakeup
 
-__all__ = ["OnError", "Worker", "WorkerStats"]
+__all__ = ["OnError", "BackgroundThread", "ThreadStats"]
 
 T = TypeVar("T")
 
 
 class OnError(enum.Enum):
-    """What a :class:`Worker` does when ``handle`` raises."""
+    """What a :class:`BackgroundThread` does when ``handle`` raises."""
 
     RECORD = "record"
     """Keep the error (``check`` raises it once) and go on with the next item."""
@@ -49,7 +49,7 @@ class OnError(enum.Enum):
 
 
 @dataclass
-class WorkerStats:
+class ThreadStats:
     """What a worker did (read from any thread; written by its own thread and ``submit``)."""
 
     items: int = 0
@@ -69,7 +69,7 @@ class WorkerStats:
 _STOP = object()
 
 
-class Worker(Generic[T]):
+class BackgroundThread(Generic[T]):
     """A daemon thread that handles submitted items in order.
 
     Args:
@@ -111,7 +111,7 @@ class Worker(Generic[T]):
         self.max_bytes = max_bytes
         self.stuck_after_s = stuck_after_s
         self._setup, self._teardown = setup, teardown
-        self.stats = WorkerStats()
+        self.stats = ThreadStats()
         self._queue: queue.SimpleQueue[tuple[object, int]] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._unfinished = 0  # submitted, not yet handled (or dropped)
