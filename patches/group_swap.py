@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -135,6 +136,11 @@ class StartupLedger:
         self._patch: PatchHandle | None = None
         self._world: weakref.ref[Any] | None = None
         self.restored = False
+        self.closed_at: float | None = None
+        """``time.time()`` when the recording ended (ds-swift took the engine over)."""
+        self.seconds: dict[str, float] = {"new_group": 0.0, "ops": 0.0}
+        """Seconds the start-up spent creating groups and in its ops (what a replacement's start-up
+        costs its survivors, who wait in the replay)."""
 
     @classmethod
     def start(cls, restored: bool = False) -> StartupLedger:
@@ -156,8 +162,9 @@ class StartupLedger:
 
     def close(self) -> None:
         """End the recording (ds-swift took the engine over: what runs from now on is training)."""
-        if self._patch is not None:
+        if self._patch is not None and self._patch.active:
             self._patch.remove()
+            self.closed_at = time.time()
 
     def index_of(self, group: Any) -> int | None:
         """The ledger's number of ``group`` (WORLD for the default group; None: not one it saw)."""
@@ -192,7 +199,9 @@ class StartupLedger:
                 )
                 return original(*args, **kwargs)
             call = _Call(name, tuple(self._arg(a) for a in args), {k: self._arg(v) for k, v in kwargs.items()})
+            t0 = time.perf_counter()
             result = original(*args, **kwargs)
+            self.seconds["new_group" if name == "new_group" else "ops"] += time.perf_counter() - t0
             if name == "new_group" and isinstance(result, dist.ProcessGroup):
                 self._index[result] = self._groups
             if name == "new_group":

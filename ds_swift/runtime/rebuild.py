@@ -41,7 +41,7 @@ from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
-from ds_swift.runtime.swap import EngineSwap
+from ds_swift.runtime.swap import EngineSwap, startup_times
 from ds_swift.runtime.teardown import SurvivorSteps
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
@@ -179,6 +179,7 @@ class Rebuilder(SurvivorSteps):
             t_joined=self._ctx.t_joined,
             t_rebuilt=time.time(),
         )
+        tl.extra["startup_s"] = startup_times(self._ctx, tl.t_rebuilt)
         self._monitor.set_armed(False)
         if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
             self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ds_swift.patches.group_swap import GroupSwap
     from ds_swift.runtime.context import SwiftContext
 
-__all__ = ["EngineSwap"]
+__all__ = ["EngineSwap", "startup_times"]
 
 
 class EngineSwap:
@@ -118,3 +118,19 @@ class EngineSwap:
             self.swap = None
             self._ctx.log(f"survivors rebuild their DeepSpeed engine: {why}")
         return release_failed_engine(engine)
+
+
+def startup_times(ctx: SwiftContext, now: float) -> dict[str, float]:
+    """A replacement's start-up after joining its generation, in parts (its recovery timeline's
+    ``extra["startup_s"]``): the script up to ``ds_swift.initialize`` (of which creating process
+    groups and the start-up's ops, which its survivors wait for in their replay), then ds-swift's set-up
+    up to the recovery."""
+    ledger = ctx.ledger
+    if ledger is None or ledger.closed_at is None or not ctx.t_joined:
+        return {}
+    return {
+        "script": round(ledger.closed_at - ctx.t_joined, 4),
+        "groups": round(ledger.seconds["new_group"], 4),
+        "ops": round(ledger.seconds["ops"], 4),
+        "ds_swift_setup": round(now - ledger.closed_at, 4),
+    }
