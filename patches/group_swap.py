@@ -396,6 +396,14 @@ def _template(value: Any, ledger: StartupLedger, where: str) -> Any:
     return value
 
 
+def _groups_in(value: Any) -> list[Any]:
+    if isinstance(value, dist.ProcessGroup):
+        return [value]
+    if isinstance(value, tuple):
+        return [g for v in value for g in _groups_in(v)]
+    return []
+
+
 def _filled(template: Any, made: dict[int, Any]) -> Any:
     if isinstance(template, _Ref):
         return made[template.index]
@@ -460,11 +468,17 @@ class GroupSwap:
                 elif depth > 0 and isinstance(value, list | dict):
                     stack.append((value, here, depth - 1))
 
-    def cut(self) -> None:
-        """Drop every reference (the failed generation's groups can then be freed)."""
+    def cut(self) -> list[Any]:
+        """Drop every reference the slots hold; returns the groups that were there, for the caller to
+        let go of (a gloo group's sockets close and its threads end when its last reference goes:
+        ~15 ms a group, measured on torch 2.13, without the GIL: another thread can do it)."""
+        groups: dict[int, Any] = {}
         for slot in self.slots:
+            for g in _groups_in(slot.old):
+                groups[id(g)] = g
             _write(slot.container, slot.key, None)
             slot.old = None
+        return list(groups.values())
 
     def refill(self, made: dict[int, Any]) -> None:
         """Put the successor of each group cut in its place (``made``: :meth:`StartupLedger.replay`'s)."""

@@ -237,6 +237,8 @@ class Rebuilder(SurvivorSteps):
                 else:
                     self._holder.engine = None
                 teardown_process_groups(engine_kept=self.engine_swap.active)
+                if self.engine_swap.active:
+                    self.engine_swap.release()
                 generation += 1
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")

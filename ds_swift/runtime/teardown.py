@@ -93,6 +93,8 @@ class SurvivorSteps:
         engine = None  # noqa: F841 - the last reference: the process groups must be freed now
         done("keeping the state")
         teardown_process_groups(engine_kept=keep)
+        if keep:
+            self.engine_swap.release()  # the groups close on a thread of their own
         done("destroying the process groups")
         if sum(s for _, s in steps) > 5.0:
             self._ctx.log("slow teardown: " + ", ".join(f"{name} {s:.2f} s" for name, s in steps))

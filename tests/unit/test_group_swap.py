@@ -168,7 +168,7 @@ def reference(config: dict[str, Any]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_a_kept_engine_with_swapped_groups_trains_on_bitwise(one_rank: None, config: str, phase: str) -> None:
     from ds_swift.patches.deepspeed_fresh import fresh_iteration
-    from ds_swift.patches.deepspeed_rebuild import release_pipeline_activations, teardown_process_groups
+    from ds_swift.patches.deepspeed_rebuild import free_groups, release_pipeline_activations, teardown_process_groups
     from ds_swift.patches.group_swap import GroupSwap, StartupLedger
     from ds_swift.testing.groups import reachable_groups
 
@@ -188,8 +188,11 @@ def test_a_kept_engine_with_swapped_groups_trains_on_bitwise(one_rank: None, con
     old = [weakref.ref(g) for g in reachable_groups([engine])]
     assert old, "the engine holds no process group: the walk found nothing"
     release_pipeline_activations(engine)
-    swap.cut()
-    teardown_process_groups(engine_kept=True)  # collects only where a group is still held
+    cut = swap.cut()
+    assert len(cut) == len(old)
+    teardown_process_groups(engine_kept=True)
+    free_groups(cut)  # the runtime does it on a thread of its own (ds_swift.runtime.swap)
+    assert not cut
     alive = [g() for g in old if g() is not None]
     assert not alive, f"{len(alive)} of the failed generation's {len(old)} groups outlived the teardown"
 
