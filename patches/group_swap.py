@@ -166,6 +166,11 @@ class StartupLedger:
             self._patch.remove()
             self.closed_at = time.time()
 
+    def refuse(self, why: str) -> None:
+        """The start-up did something a replacement's will not (a checkpoint load a replacement
+        skips): a replay would disagree with it, so survivors rebuild (``why`` says so)."""
+        self.why_not = self.why_not or why
+
     def index_of(self, group: Any) -> int | None:
         """The ledger's number of ``group`` (WORLD for the default group; None: not one it saw)."""
         if self._world is not None and group is self._world():
