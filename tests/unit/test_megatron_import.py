@@ -84,3 +84,19 @@ def test_a_warm_worker_of_the_example_imports_megatron_core_as_the_example_does(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert "megatron True inductor False" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_warm_worker_loads_deepspeeds_compiled_comm_op_before_its_assignment() -> None:
+    """Issue 50 item 4: the shared-memory comm op DeepSpeed's CPU accelerator loads in
+    ``deepspeed.init_distributed`` (after the replacement joined its generation) is loaded by the warm
+    worker already, and said in its ready line; the later load in the same process is then free."""
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from ds_swift.runtime.warm import held_words, preload_ops
+
+    ops = preload_ops()
+    assert ops == ["deepspeed_shm_comm"]
+    # DeepSpeed's own cache of loaded ops: its next load returns the module without the JIT's check
+    assert build_shm_op() is OpBuilder._loaded_ops["deepspeed_shm_comm"]
+    assert held_words(["torch"], ops, 1.25) == "1 modules imported, compiled ops loaded (deepspeed_shm_comm) in 1.2 s"
