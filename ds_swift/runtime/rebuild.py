@@ -179,7 +179,7 @@ class Rebuilder(SurvivorSteps):
             t_joined=self._ctx.t_joined,
             t_rebuilt=time.time(),
         )
-        tl.extra["startup_s"] = startup_times(self._ctx, tl.t_rebuilt)
+        tl.extra["startup_s"] = startup_times(self._ctx, time.time())
         self._monitor.set_armed(False)
         if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
             self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))

@@ -376,7 +376,8 @@ class InvertibleOptimizer:
             self._validate(rec)
         except UndoError:
             return 0
-        return self.restore_gradients((pr.param, pr.grad()) for grec in rec.groups for pr in grec.params)
+        resident = [(pr.param, pr.grad()) for grec in rec.groups for pr in grec.params]
+        return self.restore_gradients((p, g) for p, g in resident if g is not None)
 
     def undo(self) -> StepRecord:
         """Restore parameters, optimizer state and LR scheduler to before the last step."""
