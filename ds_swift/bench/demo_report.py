@@ -16,6 +16,7 @@ from typing import Any
 
 from ds_swift.config import SwiftConfig
 from ds_swift.recovery.registry import declared_by
+from ds_swift.runtime.timeline import transfer_rate
 
 __all__ = [
     "RECOVERY_PHASES",
@@ -194,13 +195,10 @@ def plot_losses(
 
 
 def transfer_words(tl: dict[str, Any]) -> str:
-    """The state transfer's achieved bandwidth: the bytes the replacements received over the longest
-    receive (the ranks' ``extra["transfer"]``, ds_swift.recovery.state.transfer.hand_over); "" where
-    no rank timed one."""
-    times = [r.get("extra", {}).get("transfer") for r in tl.get("ranks", [])]
-    got = [t for t in times if isinstance(t, dict) and t.get("received_bytes")]
-    if not got:
+    """The state transfer's achieved bandwidth (ds_swift.runtime.timeline.transfer_rate); "" where no
+    rank timed one."""
+    rate = transfer_rate(tl.get("ranks", []))
+    if rate is None:
         return ""
-    nbytes = sum(int(t["received_bytes"]) for t in got)
-    seconds = max(float(t["s"]) for t in got)
+    nbytes, seconds = rate
     return f", received in {seconds:.2f} s: {nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"
