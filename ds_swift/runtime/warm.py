@@ -64,6 +64,9 @@ BASE_MODULES = (
     "ds_swift.recovery.coordinator",
     "ds_swift.patches.deepspeed_rebuild",
     "ds_swift.patches.instructions",
+    # torch's first optimizer imports it (Optimizer.__init__ through torch._compile): 1.25 s on a
+    # 2-core machine, which a replacement would spend in deepspeed.initialize, after joining
+    "torch._dynamo",
 )
 
 
