@@ -46,7 +46,6 @@ from ds_swift.runtime.warm import (
     preload,
     preload_ops,
     run_assigned,
-    script_imports,
 )
 
 __all__ = ["main"]
@@ -167,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if not target.module:
         # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
         sys.path[0] = str(Path(target.script).resolve().parent)
-    source = target.source()
     t0 = time.monotonic()
-    modules = preload([*BASE_MODULES, *(script_imports(source) if source else [])])
+    modules = preload([*BASE_MODULES, *target.imports()])
     held = held_words(modules, preload_ops(), time.monotonic() - t0)
     why = _fork_unsafe()
     if why is not None:

@@ -90,6 +90,17 @@ class WarmTarget:
             raise SystemExit("usage: python -m ds_swift.runtime.warm [--module] SCRIPT [ARGS...]")
         return cls(rest[0], tuple(rest[1:]), module)
 
+    def imports(self) -> list[str]:
+        """What the script imports (:func:`script_imports`), and what a script it runs imports: a
+        wrapper's argument that names a Python file (``-m ds_swift.testing.cpu_fp16_script
+        pretrain_gpt.py``, whose own imports name none of Megatron's modules)."""
+        names = script_imports(self.source() or "")
+        for arg in self.args:
+            if arg.endswith(".py") and Path(arg).is_file():
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    names.extend(script_imports(Path(arg).read_text()))
+        return list(dict.fromkeys(names))
+
     def source(self) -> str | None:
         """The script's source text (None where it cannot be found: then only the base modules load)."""
         try:
@@ -247,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
         sys.path[0] = str(Path(target.script).resolve().parent)
     t0 = time.monotonic()
-    source = target.source()
-    loaded = preload([*BASE_MODULES, *(script_imports(source) if source else [])])
+    loaded = preload([*BASE_MODULES, *target.imports()])
     return await_assignment(target, held_words(loaded, preload_ops(), time.monotonic() - t0))
 
 
