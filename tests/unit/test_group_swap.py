@@ -268,3 +268,25 @@ def test_the_ledger_replays_small_values_and_zeros_for_large_ones(one_rank: None
     made = ledger.replay()
     assert isinstance(made[0], dist.ProcessGroup) and made[0] is not g
     assert ledger.index_of(made[0]) == 0 and ledger.index_of(g) is None
+
+
+def test_the_ledger_is_a_reversible_patch(one_rank: None) -> None:
+    """STYLE habit 4: the recording patch keeps the originals, refuses to record twice at once, and its
+    close puts torch.distributed and DeepSpeed's _broadcast_model back exactly as they were."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_swift.patches._base import PatchError
+    from ds_swift.patches.group_swap import StartupLedger
+
+    join_world()
+    c10d = dist.distributed_c10d
+    before = (dist.new_group, c10d.new_group, dist.broadcast, c10d.all_reduce, DeepSpeedEngine._broadcast_model)
+    ledger = StartupLedger.start()
+    assert dist.new_group is not before[0] and DeepSpeedEngine._broadcast_model is not before[4]
+    with pytest.raises(PatchError, match="already recorded"):
+        StartupLedger.start()
+    ledger.close()
+    ledger.close()  # idempotent
+    after = (dist.new_group, c10d.new_group, dist.broadcast, c10d.all_reduce, DeepSpeedEngine._broadcast_model)
+    assert all(a is b for a, b in zip(after, before, strict=True))
+    assert ledger.closed_at is not None and not ledger.recording
