@@ -55,6 +55,8 @@ class SwiftContext:
     t_start: float = 0.0
     """When this worker process started (a replacement's initialization begins there)."""
     t_joined: float = 0.0
+    t_arrived: float = 0.0
+    """When this worker arrived at its generation's rendezvous (``t_joined``: when everyone had)."""
     backend: str = "gloo"
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     user_timeout: datetime.timedelta | None = None
@@ -211,6 +213,7 @@ def init_distributed(
     env = WorkerEnv.from_env()
     ctx.env = env
     ctx.store = JobStore.from_env(env)
+    ctx.t_arrived = time.time()
     ctx.generation = join_generation(
         ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend, timeout=timeout
     )

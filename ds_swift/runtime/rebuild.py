@@ -180,6 +180,7 @@ class Rebuilder(SurvivorSteps):
             t_rebuilt=time.time(),
         )
         tl.extra["startup_s"] = startup_times(self._ctx, time.time())
+        tl.extra["t_arrived"] = self._ctx.t_arrived
         self._monitor.set_armed(False)
         if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
             self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))
@@ -197,6 +198,7 @@ class Rebuilder(SurvivorSteps):
         for _ in range(MAX_ATTEMPTS):
             try:
                 if not dist.is_initialized():
+                    tl.extra["t_arrived"] = time.time()  # at the rendezvous (t_joined: everyone had)
                     generation = join_generation(
                         store,
                         generation,
