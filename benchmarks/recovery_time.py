@@ -95,6 +95,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take")
     p.add_argument("--keep", default=None, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="exit 1 when a variant's median kill -> back exceeds this many seconds (the regression guard: "
+        "a benchmark-side check, since the tests hold no timed assertion)",
+    )
     return p.parse_args(argv)
 
 
@@ -138,6 +145,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], interval: int) -> dict[str,
             out[variant] = {"other_recoveries": other}
             continue
         out[variant] = {k: statistics.median(t[k] for t in tls) for k in PAPER}
+        names = dict.fromkeys(name for t in tls for name in t.get("phases", {}))
+        out[variant]["phases"] = {n: statistics.median(t.get("phases", {}).get(n, 0.0) for t in tls) for n in names}
         out[variant]["other_recoveries"] = other
         keep = (*PAPER, "phases", "consensus", "checkpoint_step", "replay")
         out[variant]["runs"] = [{k: t.get(k) for k in keep} for t in tls]
@@ -183,13 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                     stalls = f"; {tl['stalls']} stall(s) re-formed in-process before it" if tl["stalls"] else ""
                     print(
                         f"round {r} {variant:16s}: total {tl['total_s']:.2f} s (initialization "
-                        f"{tl['initialization_s']:.2f} s, recovery {tl['recovery_s']:.2f} s){by}{stalls}",
+                        f"{tl['initialization_s']:.2f} s, recovery {tl['recovery_s']:.2f} s){by}{stalls}; "
+                        f"{phase_words(tl.get('phases', {}))}",
                         flush=True,
                     )
     result = summarize(runs, args.interval)
+    over = over_budget(result, variants, args.budget_s)
     if args.json:
-        print(json.dumps(result, sort_keys=True))
-        return 0
+        print(json.dumps({**result, "over_budget": over}, sort_keys=True))
+        return 1 if over else 0
     print(
         f"\nmedian over {args.rounds} round(s), checkpoint every {args.interval}, kill at "
         f"iteration {args.interval + args.interval // 2}:"
@@ -206,13 +217,34 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{variant:17s} {m['initialization_s']:14.2f}s {m['recovery_s']:9.2f}s {m['total_s']:7.2f}s {replay}{also}"
         )
+    for variant in variants:
+        if "phases" in result[variant]:
+            print(f"{variant:17s} median per phase: {phase_words(result[variant]['phases'])}")
     for key, (num, den) in RATIOS.items():
         if key in result:
             print(
                 f"{key} = {result[key]:.3f} ({num} total / {den} total); recovery part only: "
                 f"{result[key + '_recovery']:.3f}"
             )
-    return 0
+    for line in over:
+        print(f"OVER BUDGET: {line}")
+    return 1 if over else 0
+
+
+def phase_words(phases: dict[str, float]) -> str:
+    """The recovery's phases (ds_swift.recovery.timeline's, in their order) as ``name seconds``."""
+    return ", ".join(f"{name} {float(s):.2f}" for name, s in phases.items()) or "no phases"
+
+
+def over_budget(result: dict[str, Any], variants: list[str], budget_s: float | None) -> list[str]:
+    """The variants whose median kill -> back exceeds ``budget_s`` (none without a budget)."""
+    if budget_s is None:
+        return []
+    return [
+        f"{v}: median kill -> back {result[v]['total_s']:.2f} s > {budget_s:g} s ({phase_words(result[v]['phases'])})"
+        for v in variants
+        if "total_s" in result[v] and result[v]["total_s"] > budget_s
+    ]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from ds_swift.config import SwiftConfig
 from ds_swift.recovery.registry import declared_by
+from ds_swift.runtime.timeline import transfer_rate
 
 __all__ = [
     "RECOVERY_PHASES",
@@ -99,7 +100,7 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
     if tl.get("donors"):
         pairs = ", ".join(f"{src}->{dst}" for dst, src in sorted(tl["donors"].items(), key=lambda kv: int(kv[0])))
         moved = sum(int(r.get("bytes_moved", 0)) for r in tl.get("ranks", []))
-        lines.append(f"  state sent donor->replacement: {pairs} ({moved / 1e6:.2f} MB)")
+        lines.append(f"  state sent donor->replacement: {pairs} ({moved / 1e6:.2f} MB{transfer_words(tl)})")
     replay = tl.get("replay")
     if isinstance(replay, dict) and replay.get("iterations") is not None:
         per_rank = replay.get("per_rank") or {}
@@ -191,3 +192,13 @@ def plot_losses(
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def transfer_words(tl: dict[str, Any]) -> str:
+    """The state transfer's achieved bandwidth (ds_swift.runtime.timeline.transfer_rate); "" where no
+    rank timed one."""
+    rate = transfer_rate(tl.get("ranks", []))
+    if rate is None:
+        return ""
+    nbytes, seconds = rate
+    return f", received in {seconds:.2f} s: {nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"

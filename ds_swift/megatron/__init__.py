@@ -140,6 +140,13 @@ class MegatronDeepSpeed:
 
         if WorkerEnv.present() and WorkerEnv.from_env().replacement:
             args.load = None
+        elif getattr(args, "load", None):
+            from ds_swift.runtime.context import current_context
+
+            ctx = current_context()
+            if ctx is not None and ctx.ledger is not None:
+                # Its collectives are in this start-up's ledger, and a replacement's start-up skips it.
+                ctx.ledger.refuse("the start-up loaded Megatron's --load checkpoint, which a replacement's does not")
         self.samples = MegatronSamples()
         self.dataset_provider = self.samples.keep(dataset_provider)
         self.rebuild: Callable[[], Any] | None = None

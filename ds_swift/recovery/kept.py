@@ -69,8 +69,10 @@ class KeptState:
     ds_swift.protect.update_logger.UpdateLogger.offer_gradients), called only by an undo."""
 
     @classmethod
-    def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None) -> KeptState:
-        """Take the references out of ``engine``; detaches ``undo_handle`` from it.
+    def capture(cls, engine: Any, undo_handle: EngineUndoHandle | None, *, engine_kept: bool = False) -> KeptState:
+        """Take the references out of ``engine``; detaches ``undo_handle`` from it. ``engine_kept``:
+        the survivor goes on with this very engine (its process groups swapped), whose gradient buffers
+        are cleared before the recovery: the undo record gets its own copy of g_t first.
 
         ``EngineUndoHandle.remove()`` would run the deferred ``zero_grad`` and drop the step's
         gradients: exactly what an undo after the rebuild needs. And the handle, through the
@@ -104,6 +106,8 @@ class KeptState:
                 undo = None
             elif stepped is not None:
                 last = int(stepped)
+            if undo is not None and engine_kept:
+                undo.own_gradients()
         return cls(
             module=engine.module.state_dict(),
             optimizer=optimizer,

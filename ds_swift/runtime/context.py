@@ -56,6 +56,8 @@ class SwiftContext:
     t_start: float = 0.0
     """When this worker process started (a replacement's initialization begins there)."""
     t_joined: float = 0.0
+    t_arrived: float = 0.0
+    """When this worker arrived at its generation's rendezvous (``t_joined``: when everyone had)."""
     backend: str = "gloo"
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     user_timeout: datetime.timedelta | None = None
@@ -66,6 +68,10 @@ class SwiftContext:
     stepped: bool = False
     """This process finished a step in the generation in force (set by the engine, cleared at each
     join): an error before it is the job's own whatever it is (ds_swift.detect.job_error)."""
+    ledger: Any = None
+    """The process groups and ops of this worker's start-up, from joining its generation to
+    ``ds_swift.initialize`` (ds_swift.patches.group_swap.StartupLedger), which a survivor replays to
+    keep its engine (ds_swift.runtime.swap); None: not recorded (not under ds-swift-launch)."""
 
     @property
     def launched(self) -> bool:
@@ -233,6 +239,7 @@ def init_distributed(
     env = WorkerEnv.from_env()
     ctx.env = env
     ctx.store = JobStore.from_env(env)
+    ctx.t_arrived = time.time()
     ctx.generation = join_generation(
         ctx.store, env.generation, env.rank, env.world_size, op_timeout_s, ctx.join_timeout_s, backend, timeout=timeout
     )
@@ -244,6 +251,9 @@ def init_distributed(
     record_uncaught(ctx.store, env.rank, ctx)
     # DeepSpeed sees torch.distributed initialised and attaches its comm backend to it.
     deepspeed.init_distributed(dist_backend=backend)
+    from ds_swift.patches.group_swap import StartupLedger
+
+    ctx.ledger = StartupLedger.start(restored=env.replacement)  # closed by ds_swift.initialize
     _CONTEXT = ctx
     return ctx
 

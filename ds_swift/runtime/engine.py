@@ -157,6 +157,8 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
     ) -> None:
         from ds_swift.patches.deepspeed_rebuild import patch_recv_check
 
+        if ctx.ledger is not None:
+            ctx.ledger.close()  # the start-up ends here: what follows is the same on every rank
         self._engine = engine
         self._ctx = ctx
         self._batch_fn = batch_fn

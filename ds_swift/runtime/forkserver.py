@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ds_swift.logs import say
@@ -41,9 +42,10 @@ from ds_swift.runtime.warm import (
     WarmTarget,
     _detach_stdin,
     await_assignment,
+    held_words,
     preload,
+    preload_ops,
     run_assigned,
-    script_imports,
 )
 
 __all__ = ["main"]
@@ -140,7 +142,7 @@ def _fork_unsafe() -> str | None:
     return None
 
 
-def _run_request(target: WarmTarget, request: dict[str, object]) -> int:
+def _run_request(target: WarmTarget, request: dict[str, object], held: str) -> int:
     """In a forked worker: run the script with the request's environment and arguments; a warm spare's
     worker first waits for its assignment, as :func:`ds_swift.runtime.warm.main` does."""
     env = request["env"]
@@ -150,7 +152,7 @@ def _run_request(target: WarmTarget, request: dict[str, object]) -> int:
     target = WarmTarget(target.script, tuple(str(a) for a in request["args"]), target.module)
     if not request.get("warm"):
         return run_assigned(target, {})
-    return await_assignment(target, "forked")
+    return await_assignment(target, f"forked from a server that holds {held}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     if not target.module:
         # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
         sys.path[0] = str(Path(target.script).resolve().parent)
-    source = target.source()
-    preload([*BASE_MODULES, *(script_imports(source) if source else [])])
+    t0 = time.monotonic()
+    modules = preload([*BASE_MODULES, *target.imports()])
+    held = held_words(modules, preload_ops(), time.monotonic() - t0)
     why = _fork_unsafe()
     if why is not None:
         say(f"fork server: cannot fork workers here: {why}; run without --fork-server", name=__name__)
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         from ds_swift.interpreter import exit_process
 
         exit_process(0)  # for this, not for the teardown of torch and DeepSpeed (seconds)
-    return _run_request(target, request)
+    return _run_request(target, request, held)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
 from ds_swift.runtime.guard import forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
+from ds_swift.runtime.swap import EngineSwap, startup_times
 from ds_swift.runtime.teardown import SurvivorSteps
 
 __all__ = ["MAX_ATTEMPTS", "EngineHolder", "Rebuilder", "Rejoined"]
@@ -103,6 +104,8 @@ class Rebuilder(SurvivorSteps):
         self._monitor = monitor
         self._ckpt = ckpt
         self._op_timeout_s0 = ctx.op_timeout_s  # the configured one (a stall lengthens ctx's)
+        #: whether a survivor keeps its engine through a recovery, and the swap of its groups
+        self.engine_swap = EngineSwap(ctx)
         #: the membership change being recovered into (None: the failed machine is replaced)
         self.change: MembershipChange | None = None
         #: the job's machines in rank order, where the strategy may change them (ds_swift.recovery.base)
@@ -152,11 +155,14 @@ class Rebuilder(SurvivorSteps):
         tl = RankTimeline(rank=env.rank, role="survivor", failed_generation=g, t_detect=t_detect, detect_how=how)
         kept = self._tear_down()
         tl.t_torn_down = time.time()
+        tl.extra["teardown_s"] = self.teardown_steps
         store = self._ctx.store
         assert store is not None
         if (store.failure(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
         self._before_rejoin(g, kept)
+        if self.change is not None and self.engine_swap.active:
+            self._drop_kept_engine(f"{self.change.describe()}: the job changes its shape")
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
@@ -173,6 +179,8 @@ class Rebuilder(SurvivorSteps):
             t_joined=self._ctx.t_joined,
             t_rebuilt=time.time(),
         )
+        tl.extra["startup_s"] = startup_times(self._ctx, time.time())
+        tl.extra["t_arrived"] = self._ctx.t_arrived
         self._monitor.set_armed(False)
         if services_of(self._cfg).elastic:  # a new rank of a machine the job takes back (a grow)?
             self.change = STRATEGIES.membership_change(self._cfg.strategy, self._view(generation - 1, None))
@@ -183,13 +191,14 @@ class Rebuilder(SurvivorSteps):
         """Join ``generation``, rebuild, run the recovery protocol; retries on cascading failures."""
         import deepspeed
 
-        from ds_swift.patches.deepspeed_rebuild import patient_group_creation, teardown_process_groups
+        from ds_swift.patches.deepspeed_rebuild import teardown_process_groups
 
         ctx, env, store = self._ctx, self._ctx.env, self._ctx.store
         assert env is not None and store is not None
         for _ in range(MAX_ATTEMPTS):
             try:
                 if not dist.is_initialized():
+                    tl.extra["t_arrived"] = time.time()  # at the rendezvous (t_joined: everyone had)
                     generation = join_generation(
                         store,
                         generation,
@@ -208,10 +217,10 @@ class Rebuilder(SurvivorSteps):
                     # a peer lost meanwhile ends it by the abort (ds_swift.transport.nccl).
                     self._monitor.arm_deadline(2 * ctx.join_timeout_s, f"rebuilding generation {generation}")
                     deepspeed.init_distributed(dist_backend=ctx.backend)
-                    # The groups' members include replacements still starting: wait for them as
-                    # long as for their join, then the op timeout applies again.
-                    with patient_group_creation(ctx.join_timeout_s, ctx.op_timeout_s):
-                        self._holder.engine = self.build_engine()
+                    if self.engine_swap.active:
+                        tl.extra["engine_kept_s"] = self.engine_swap.swap_in(self._holder.engine)
+                    else:
+                        self._holder.engine = self._rebuild_engine()
                     tl.t_rebuilt = time.time()
                     self._hooks.install(self._holder.engine)
                     self._monitor.arm_deadline(None)
@@ -229,13 +238,21 @@ class Rebuilder(SurvivorSteps):
                     declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
                 ctx.log(f"generation {generation} failed during recovery ({how}); joining {generation + 1}")
                 self._hooks.uninstall()
-                self._holder.engine = None
                 self._hooks.take_undo()  # the rebuilt engine's, dropped with it
-                teardown_process_groups()
+                if self.engine_swap.refused is not None and self.engine_swap.active:
+                    self._drop_kept_engine(self.engine_swap.refused)
+                if self.engine_swap.active:
+                    self.engine_swap.cut(self._holder.engine)
+                else:
+                    self._holder.engine = None
+                teardown_process_groups(engine_kept=self.engine_swap.active)
+                if self.engine_swap.active:
+                    self.engine_swap.release()
                 generation += 1
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")
         kept = None  # the old optimizer, its step record and g_t go now
+        self.engine_swap.swap = None  # the next failure looks for the groups again
         if env.rank == 0:
             store.set(resumed_key(generation), "1")
         self.start_generation()
@@ -247,6 +264,30 @@ class Rebuilder(SurvivorSteps):
         why = f" ({plan.reason})" if env.rank == 0 else ""
         ctx.log(f"generation {generation}: {plan.strategy}{why}; resuming at iteration {outcome.resume_iteration}")
         return Rejoined(outcome, tl, generation)
+
+    def _rebuild_engine(self) -> Any:
+        """A survivor's new engine on the generation just joined, its start-up recorded for the next
+        failure's swap (ds_swift.runtime.swap)."""
+        from ds_swift.patches.deepspeed_rebuild import patient_group_creation
+        from ds_swift.patches.group_swap import StartupLedger
+
+        # The groups' members include replacements still starting: wait for them as long as for
+        # their join, then the op timeout applies again.
+        with patient_group_creation(self._ctx.join_timeout_s, self._ctx.op_timeout_s):
+            ledger = StartupLedger.start(restored=True)  # its state: the kept one
+            try:
+                engine = self.build_engine()
+            finally:
+                ledger.close()
+        self._ctx.ledger = ledger
+        return engine
+
+    def _drop_kept_engine(self, why: str) -> None:
+        """The survivor rebuilds its engine after all (a membership change, a failed replay)."""
+        trouble = self.engine_swap.drop(self._holder.engine, why)
+        if trouble is not None:
+            self._ctx.log(trouble + ": it may stay in memory")
+        self._holder.engine = None
 
     def _recover(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> RecoveryOutcome:
         """The recovery protocol (ds_swift.recovery.coordinator) in ``generation``, joined and rebuilt."""

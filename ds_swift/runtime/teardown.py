@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ds_swift.runtime.context import SwiftContext
     from ds_swift.runtime.hooks import EngineHooks
     from ds_swift.runtime.rebuild import EngineHolder
+    from ds_swift.runtime.swap import EngineSwap
 
 __all__ = ["SurvivorSteps"]
 
@@ -49,6 +50,8 @@ class SurvivorSteps:
     change: MembershipChange | None
     _machines: list[int] | None
     protect: Protections
+    engine_swap: EngineSwap
+    teardown_steps: dict[str, float]
 
     def _tear_down(self) -> KeptState:
         from ds_swift.patches.deepspeed_rebuild import (
@@ -70,25 +73,32 @@ class SurvivorSteps:
         done("protections quiesced")
         self._hooks.uninstall()
         engine = self._holder.engine
-        kept = KeptState.capture(engine, self._hooks.take_undo())
+        keep = self.engine_swap.find(engine)  # before the capture: it reads the groups' ranks
+        kept = KeptState.capture(engine, self._hooks.take_undo(), engine_kept=keep)
         if services_of(self._cfg).elastic:  # the job may change its shape: a membership change plans from it
             kept.grid = grid_of(engine)
         buddy = self.protect.get(BuddyCopier)
         kept.buddy = buddy.holdings if buddy is not None else None
-        # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy of
-        # the state) alive beside the rebuilt one; the user's script may still hold the old module
-        # (or engine): cut the groups out of them.
-        trouble = release_failed_engine(engine)
-        if trouble is not None:
-            self._ctx.log(trouble + ": it may stay in memory")
-        release_process_groups(engine, engine.module, engine.optimizer)
-        self._holder.engine = None
+        if keep:
+            self.engine_swap.cut(engine)  # the engine stays; only its groups go (ds_swift.runtime.swap)
+        else:
+            # Its graphs in flight and DeepSpeed's hooks would keep the whole engine (and a second copy
+            # of the state) alive beside the rebuilt one; the user's script may still hold the old
+            # module (or engine): cut the groups out of them.
+            trouble = release_failed_engine(engine)
+            if trouble is not None:
+                self._ctx.log(trouble + ": it may stay in memory")
+            release_process_groups(engine, engine.module, engine.optimizer)
+            self._holder.engine = None
         engine = None  # noqa: F841 - the last reference: the process groups must be freed now
         done("keeping the state")
-        teardown_process_groups()
+        teardown_process_groups(engine_kept=keep)
+        if keep:
+            self.engine_swap.release()  # the groups close on a thread of their own
         done("destroying the process groups")
         if sum(s for _, s in steps) > 5.0:
             self._ctx.log("slow teardown: " + ", ".join(f"{name} {s:.2f} s" for name, s in steps))
+        self.teardown_steps = {name: round(s, 4) for name, s in steps}  # the timeline's detail
         return kept
 
     def _lengthen_op_timeout(self) -> None:

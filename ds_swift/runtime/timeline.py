@@ -123,9 +123,36 @@ def summary_line(tl: Timeline) -> str:
     kill = "kill" if tl.t_kill is not None else "detection"
     return (
         f"[ds-swift] recovery of generation {tl.failed_generation} ({machine}): {what}; consensus iteration "
-        f"{tl.consensus}{undo}{_verification(tl)}; initialization {tl.initialization_s:.2f} s, recovery {tl.recovery_s:.2f} s, "
+        f"{tl.consensus}{undo}{_verification(tl)}{_engines(tl)}{_bandwidth(tl)}; initialization "
+        f"{tl.initialization_s:.2f} s, recovery {tl.recovery_s:.2f} s, "
         f"total {tl.total_s:.2f} s ({kill} -> back at iteration {tl.pre_failure_iteration})"
     )
+
+
+def _engines(tl: Timeline) -> str:
+    """How many survivors kept their engine (their groups swapped: ds_swift.runtime.swap)."""
+    survivors = [r for r in tl.ranks if r.role == "survivor"]
+    kept = sum(1 for r in survivors if "engine_kept_s" in r.extra)
+    return f"; {kept} of {len(survivors)} survivors kept their engine" if survivors else ""
+
+
+def transfer_rate(ranks: list[dict[str, Any]]) -> tuple[int, float] | None:
+    """The state the replacements received, in bytes, and the longest receive, in seconds (the ranks'
+    ``extra["transfer"]``: ds_swift.recovery.state.transfer.hand_over); None where no rank timed one."""
+    got = [
+        t for r in ranks if isinstance(t := (r.get("extra") or {}).get("transfer"), dict) and t.get("received_bytes")
+    ]
+    if not got:
+        return None
+    return sum(int(t["received_bytes"]) for t in got), max(float(t["s"]) for t in got)
+
+
+def _bandwidth(tl: Timeline) -> str:
+    rate = transfer_rate([{"extra": r.extra} for r in tl.ranks])
+    if rate is None:
+        return ""
+    nbytes, seconds = rate
+    return f"; {nbytes / 1e6:.1f} MB restored at {nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"
 
 
 def collect_timeline(

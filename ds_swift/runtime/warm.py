@@ -35,7 +35,17 @@ from typing import IO
 from ds_swift.interpreter import collector_paused
 from ds_swift.logs import say
 
-__all__ = ["ASSIGNED_AT_ENV", "WARM_ENV", "WarmTarget", "preload", "read_assignment", "run_assigned", "script_imports"]
+__all__ = [
+    "ASSIGNED_AT_ENV",
+    "WARM_ENV",
+    "WarmTarget",
+    "held_words",
+    "preload",
+    "preload_ops",
+    "read_assignment",
+    "run_assigned",
+    "script_imports",
+]
 
 #: set (to "1") in the environment of a warm worker from its start
 WARM_ENV = "SWIFT_WARM"
@@ -54,6 +64,9 @@ BASE_MODULES = (
     "ds_swift.recovery.coordinator",
     "ds_swift.patches.deepspeed_rebuild",
     "ds_swift.patches.instructions",
+    # torch's first optimizer imports it (Optimizer.__init__ through torch._compile): 1.25 s on a
+    # 2-core machine, which a replacement would spend in deepspeed.initialize, after joining
+    "torch._dynamo",
 )
 
 
@@ -76,6 +89,17 @@ class WarmTarget:
         if not rest:
             raise SystemExit("usage: python -m ds_swift.runtime.warm [--module] SCRIPT [ARGS...]")
         return cls(rest[0], tuple(rest[1:]), module)
+
+    def imports(self) -> list[str]:
+        """What the script imports (:func:`script_imports`), and what a script it runs imports: a
+        wrapper's argument that names a Python file (``-m ds_swift.testing.cpu_fp16_script
+        pretrain_gpt.py``, whose own imports name none of Megatron's modules)."""
+        names = script_imports(self.source() or "")
+        for arg in self.args:
+            if arg.endswith(".py") and Path(arg).is_file():
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    names.extend(script_imports(Path(arg).read_text()))
+        return list(dict.fromkeys(names))
 
     def source(self) -> str | None:
         """The script's source text (None where it cannot be found: then only the base modules load)."""
@@ -149,6 +173,22 @@ def preload(modules: Iterable[str]) -> list[str]:
     return loaded
 
 
+def preload_ops() -> list[str]:
+    """Load the compiled ops DeepSpeed loads when a worker attaches to its world
+    (``deepspeed.init_distributed``, after the worker joined its generation): the CPU accelerator's
+    shared-memory comm op, whose JIT load checks its build each time, 0.36 s in a fresh process on
+    a 2-core machine; once loaded, the process's next load of it is free. Returns what was loaded
+    (none where the accelerator has no such op, or it cannot build: the worker then loads as before)."""
+    loaded = []
+    with contextlib.suppress(Exception), warnings.catch_warnings(), collector_paused():
+        warnings.simplefilter("ignore")
+        from deepspeed.comm.torch import build_shm_op
+
+        if build_shm_op() is not None:
+            loaded.append("deepspeed_shm_comm")
+    return loaded
+
+
 def _warm_device(local_rank: int) -> None:
     """Create the CUDA context of this worker's GPU now (a second or more at first use)."""
     import torch
@@ -218,9 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
         sys.path[0] = str(Path(target.script).resolve().parent)
     t0 = time.monotonic()
-    source = target.source()
-    loaded = preload([*BASE_MODULES, *(script_imports(source) if source else [])])
-    return await_assignment(target, f"{len(loaded)} modules imported in {time.monotonic() - t0:.1f} s")
+    loaded = preload([*BASE_MODULES, *target.imports()])
+    return await_assignment(target, held_words(loaded, preload_ops(), time.monotonic() - t0))
+
+
+def held_words(modules: list[str], ops: list[str], seconds: float) -> str:
+    """What a warm worker holds before its assignment, for its ready line."""
+    held = f"{len(modules)} modules imported"
+    if ops:
+        held += f", compiled ops loaded ({', '.join(ops)})"
+    return f"{held} in {seconds:.1f} s"
 
 
 if __name__ == "__main__":

@@ -362,6 +362,23 @@ class InvertibleOptimizer:
                     n += 1
         return n
 
+    def own_gradients(self) -> int:
+        """Give the last step's record a copy of each gradient g_t it reads, while g_t is still
+        resident and unchanged (else nothing: the undo then fails as it would have). A survivor that
+        keeps its engine across a failure clears the engine's gradient buffers for the next generation
+        (ds_swift.patches.deepspeed_fresh), which hold g_t (BF16_Optimizer's fp32 buffer, ZeRO-0's
+        ``.grad``): an undo after that must not read zeros. Costs one copy of g_t, during a recovery
+        only. Returns how many gradients were copied."""
+        rec = self._record
+        if rec is None or self._released:
+            return 0
+        try:
+            self._validate(rec)
+        except UndoError:
+            return 0
+        resident = [(pr.param, pr.grad()) for grec in rec.groups for pr in grec.params]
+        return self.restore_gradients((p, g) for p, g in resident if g is not None)
+
     def undo(self) -> StepRecord:
         """Restore parameters, optimizer state and LR scheduler to before the last step."""
         rec = self._record

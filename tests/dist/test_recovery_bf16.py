@@ -97,6 +97,9 @@ def test_bf16_zero1_kill_at_backward_recovers_from_buddy_copies(tmp_path: Path, 
     assert tl["failed_machine"] == 1 and (tl["consensus"], tl["undo_ranks"]) in ((6, []), (5, [0, 1])), tl["reason"]
     assert tl["donors"] == {"2": 0, "3": 1}  # each lost partition came from its buddy on machine 0
     assert "checkpoint fallback" not in job.output and tl["checkpoint_step"] is None
+    # Issue 50: the survivors kept their engine (its process groups swapped in place); only the
+    # replacements built one.
+    assert sorted(r["rank"] for r in tl["ranks"] if "engine_kept_s" in r["extra"]) == [0, 1], tl["ranks"]
     # The start-up costs: said by one rank per stage (ranks 0 and 1, data-parallel rank 0), not by all.
     said = sorted(line.split(":")[0] for line in job.output.splitlines() if "protection costs" in line)
     assert said == ["[ds-swift] rank 0", "[ds-swift] rank 1"], said

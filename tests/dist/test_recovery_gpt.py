@@ -78,6 +78,9 @@ def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseli
     assert tl["failed_machine"] == 1 and tl["donors"] == {"2": 0, "3": 1}
     assert tl["consensus"] == 6 and tl["undo_ranks"] == []
     assert "checkpoint fallback" not in job.output  # survivors never reloaded a checkpoint
+    # Issue 50: the survivors kept their engine (its process groups swapped in place); only the
+    # replacements built one.
+    assert sorted(r["rank"] for r in tl["ranks"] if "engine_kept_s" in r["extra"]) == [0, 1], tl["ranks"]
     # Verified recovery (issue 16): each replacement's state checked against its donor's digest.
     assert_verified(tl, [2, 3], r"the state bitwise equal to donor rank [01]'s \(\d+ tensors\)")
     assert_bitwise_equal(baseline.final, checkpoint_tensors(job.final_tag))

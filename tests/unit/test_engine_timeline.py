@@ -184,3 +184,24 @@ def test_a_new_strategy_s_words_need_no_edit_in_the_timeline(monkeypatch: pytest
     assert "): worded (redid 3 passes after global_step5); consensus" in summary_line(
         _timeline("worded", {"passes": 3}, 5)
     )
+
+
+def test_the_summary_says_which_survivors_kept_their_engine_and_the_state_transfers_bandwidth() -> None:
+    """Issue 50: a survivor that kept its engine stamps its swap's times (``engine_kept_s``), a rank that
+    received state its transfer's bytes and seconds (``transfer``); the summary line says both."""
+    rs = ranks()
+    rs[1].extra["engine_kept_s"] = {"replay": 0.4, "refill": 0.001}  # rank 0 kept its engine, rank 1 rebuilt
+    rs[0].extra["transfer"] = {"sent_bytes": 0, "received_bytes": 100_000_000, "s": 0.5}
+    tl = build_timeline(
+        rs,
+        strategy="replication",
+        reason="r",
+        consensus=6,
+        t_kill=100.0,
+        t_agent_detected=None,
+        failed_machine=1,
+        undo_ranks=[],
+        donors={2: 0},
+    )
+    line = summary_line(tl)
+    assert "; 1 of 2 survivors kept their engine; 100.0 MB restored at 200 MB/s;" in line

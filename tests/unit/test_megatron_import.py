@@ -84,3 +84,34 @@ def test_a_warm_worker_of_the_example_imports_megatron_core_as_the_example_does(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert "megatron True inductor False" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_warm_worker_loads_deepspeeds_compiled_comm_op_before_its_assignment() -> None:
+    """Issue 50 item 4: the shared-memory comm op DeepSpeed's CPU accelerator loads in
+    ``deepspeed.init_distributed`` (after the replacement joined its generation) is loaded by the warm
+    worker already, and said in its ready line; the later load in the same process is then free."""
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from ds_swift.runtime.warm import held_words, preload_ops
+
+    ops = preload_ops()
+    assert ops == ["deepspeed_shm_comm"]
+    # DeepSpeed's own cache of loaded ops: its next load returns the module without the JIT's check
+    assert build_shm_op() is OpBuilder._loaded_ops["deepspeed_shm_comm"]
+    assert held_words(["torch"], ops, 1.25) == "1 modules imported, compiled ops loaded (deepspeed_shm_comm) in 1.2 s"
+
+
+def test_a_warm_worker_imports_what_a_wrapped_script_imports(tmp_path: Path) -> None:
+    """Issue 50 item 4: the fp16 CPU runs start Megatron-DeepSpeed's ``pretrain_gpt.py`` through
+    ``-m ds_swift.testing.cpu_fp16_script pretrain_gpt.py ...``; its warm spares imported only the
+    wrapper's modules, and each replacement imported Megatron after the failure (57 s of
+    initialization in the developers' run). The wrapped script's imports are the worker's too."""
+    from ds_swift.runtime.warm import WarmTarget
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import json\nfrom megatron.training import pretrain\n")
+    target = WarmTarget.from_argv(["--module", "ds_swift.testing.cpu_fp16_script", str(script), "--lr", "1e-3"])
+    names = target.imports()
+    assert "ds_swift.patches.cpu_fp16" in names  # the wrapper's own
+    assert "megatron.training" in names and "megatron.training.pretrain" in names and "json" in names

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from ds_swift.patches.deepspeed_optim_state import (
     optimizer_payload,
     refresh_lp_params,
 )
+
+if TYPE_CHECKING:
+    from ds_swift.recovery.timeline import RankTimeline
 
 __all__ = [
     "capture_state",
@@ -116,14 +120,6 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return walk(skeleton)
 
 
-def _dtype_order(tensors: Iterable[torch.Tensor]) -> list[torch.dtype]:
-    seen: list[torch.dtype] = []
-    for t in tensors:
-        if t.dtype not in seen:
-            seen.append(t.dtype)
-    return seen
-
-
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     """``state`` as a JSON manifest (skeleton + each tensor's shape and dtype) and its tensors."""
     skeleton, tensors = flatten(state)
@@ -171,38 +167,59 @@ def flat_sizes(manifest: bytes) -> dict[torch.dtype, int]:
 def send_state(state: Any, dst: int, group: Any = None, send: Callable[..., Any] | None = None) -> int:
     """Send ``state`` to rank ``dst``; returns the payload bytes sent.
 
+    The manifest goes first, then every tensor as it lies in memory, one message each, in the
+    manifest's order: no flat copy of the state is made (a host tensor that is
+    contiguous goes as it is), and with the transport's own send every message is posted at once
+    (``isend``) and waited for at the end, so the link never waits for the next copy.
+
     Args:
         state: nested dicts/lists/tuples of tensors and JSON scalars.
         dst: the receiving rank.
         group: the process group (default: the one ds-swift's transport picks for host tensors).
-        send: ``send(tensor, dst, group=...)``; the transport's by default (tests pass a queue).
+        send: ``send(tensor, dst, group=...)``, blocking or returning something with ``wait()``; the
+            transport's ``isend`` by default (tests pass a queue, or a send that dies midway).
     """
-    send = send or transport.send
+    post = send or transport.isend
     manifest, tensors = encode(state)
     blob = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-    send(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group)
-    send(blob, dst, group=group)
+    pending = [post(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group), post(blob, dst, group=group)]
     sent = blob.numel()
-    for dtype in _dtype_order(tensors):
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors if t.dtype == dtype])
-        send(flat, dst, group=group)
+    for t in _wire_order(tensors):
+        flat = t.detach().reshape(-1).cpu()  # a view of a contiguous host tensor: no copy
+        pending.append(post(flat, dst, group=group))
         sent += flat.numel() * flat.element_size()
+    for work in pending:
+        if work is not None and hasattr(work, "wait"):
+            work.wait()
     return sent
 
 
+def _wire_order(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in the order they travel: the manifest's (:func:`flat_views`' on the receiving
+    end), empty ones left out (a message of no bytes is no message on every transport)."""
+    return [t for t in tensors if t.numel()]
+
+
 def recv_state(src: int, group: Any = None, recv: Callable[..., Any] | None = None) -> Any:
-    """Receive a state sent by :func:`send_state` from rank ``src`` (tensors land on the CPU)."""
-    recv = recv or transport.recv
+    """Receive a state sent by :func:`send_state` from rank ``src`` (tensors land on the CPU, in one
+    flat buffer per dtype, each received in place: every receive posted at once, ``irecv``, unless
+    ``recv`` is given)."""
+    post = recv or transport.irecv
     length = torch.zeros(1, dtype=torch.int64)
-    recv(length, src, group=group)
+    _wait(post(length, src, group=group))
     blob = torch.empty(int(length.item()), dtype=torch.uint8)
-    recv(blob, src, group=group)
+    _wait(post(blob, src, group=group))
     manifest = blob.numpy().tobytes()
-    flats = {}
-    for dtype, n in flat_sizes(manifest).items():
-        flats[dtype] = torch.empty(n, dtype=dtype)
-        recv(flats[dtype], src, group=group)
+    flats = {dtype: torch.empty(n, dtype=dtype) for dtype, n in flat_sizes(manifest).items()}
+    pending = [post(view, src, group=group) for view in flat_views(manifest, flats) if view.numel()]
+    for work in pending:
+        _wait(work)
     return decode(manifest, flats)
+
+
+def _wait(work: Any) -> None:
+    if work is not None and hasattr(work, "wait"):
+        work.wait()
 
 
 def hand_over(
@@ -212,6 +229,7 @@ def hand_over(
     *,
     posted: bool = False,
     on_sent: Callable[[int, int], None] | None = None,
+    timeline: RankTimeline | None = None,
 ) -> tuple[Any, int]:
     """This rank's part of a state transfer: send ``state_for(dst)`` to each of ``recipients`` (in
     their order), then receive this rank's own state from ``donor``. Every byte goes through
@@ -226,6 +244,8 @@ def hand_over(
             sends and receives never waits for a peer that waits for it. Else each send completes
             before the next one starts (one flat copy of the state in flight at a time).
         on_sent: ``on_sent(dst, nbytes)`` after each send is handed over (the strategy's log line).
+        timeline: where the transfer's bytes and seconds go (``extra["transfer"]``: the achieved
+            bandwidth, in the recovery's summary).
 
     Returns:
         The state received (None without a donor) and the payload bytes sent.
@@ -236,6 +256,7 @@ def hand_over(
         posting.append((transport.isend(t, dst, group=group), t))  # t stays alive until its wait
 
     sent = 0
+    t0 = time.perf_counter()
     for dst in recipients:
         n = send_state(state_for(dst), dst, send=isend if posted else None)
         sent += n
@@ -244,6 +265,9 @@ def hand_over(
     received = recv_state(donor) if donor is not None else None
     for work, _ in posting:
         work.wait()
+    if timeline is not None and (sent or received is not None):
+        got = sum(t.numel() * t.element_size() for t in flatten(received)[1]) if received is not None else 0
+        timeline.extra["transfer"] = {"sent_bytes": sent, "received_bytes": got, "s": time.perf_counter() - t0}
     return received, sent
 
 

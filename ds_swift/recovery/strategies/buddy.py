@@ -159,7 +159,9 @@ class BuddyStrategy(RecoveryStrategy):
         # The sends are posted first and waited for last: a rank holding several copies serves its
         # receivers in any order.
         holder = plan.donor_of(ctx.rank)
-        state, outcome.bytes_moved = hand_over(plan.recipients_of(ctx.rank), copy_of, holder, posted=True, on_sent=said)
+        state, outcome.bytes_moved = hand_over(
+            plan.recipients_of(ctx.rank), copy_of, holder, posted=True, on_sent=said, timeline=ctx.timeline
+        )
         if holder is not None:
             load_received(ctx.engine, state, plan.consensus + 1)
             ctx.log(f"received my optimizer partition of iteration {plan.consensus} from buddy rank {holder}")

@@ -104,7 +104,9 @@ class ReplicationStrategy(RecoveryStrategy):
             ctx.log(f"sent state of iteration {plan.consensus} to replacement rank {dst} ({sent / 1e6:.2f} MB)")
 
         donor = plan.donor_of(ctx.rank)
-        received, outcome.bytes_moved = hand_over(plan.recipients_of(ctx.rank), state_for, donor, on_sent=said)
+        received, outcome.bytes_moved = hand_over(
+            plan.recipients_of(ctx.rank), state_for, donor, on_sent=said, timeline=ctx.timeline
+        )
         if donor is not None:
             load_state(ctx.engine, received, plan.consensus + 1)
             ctx.log(f"received state of iteration {plan.consensus} from donor rank {donor}")

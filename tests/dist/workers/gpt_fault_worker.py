@@ -31,7 +31,9 @@ broadcasts it down the pipeline).
 
 And after every recovery, with ``SWIFT_TEST_DUMP_DIR=DIR``, every rank saves the state it resumes
 from as a DeepSpeed checkpoint ``DIR/recovered_gen<g>`` (what an undo left, before any further
-training amplifies its rounding).
+training amplifies its rounding); and, always, every rank checks that no process group its engine
+reaches is of an earlier generation (a survivor keeps its engine: issue 50), and says whether its
+engine was kept.
 
 Together (R=2 stalls, R=3 dies after its step, both on machine 1) they make the update-undo case
 deterministic: rank 3's replica (rank 1) completed the step's collectives with rank 3 and stepped
@@ -182,6 +184,37 @@ def _patch_dump_on_resume(dump_dir: str) -> None:
     SwiftPipelineEngine._resume = resume_and_dump  # type: ignore[method-assign]
 
 
+def _patch_check_groups_on_resume() -> None:
+    """After every recovery, every rank checks that each process group its engine reaches (and
+    DeepSpeed's and megatron-core's module globals hold) belongs to the generation in force: a
+    survivor that kept its engine swapped every one of them (ds_swift.runtime.swap); one left behind
+    would be a dead generation's, closed, and the next collective on it would fail or hang. Found by
+    ds_swift.testing.groups.reachable_groups (a deeper walk than the swap's own); a miss ends the rank
+    (exit 3), and so the job, loudly."""
+    import torch.distributed as dist
+
+    from ds_swift.testing.groups import reachable_groups
+
+    resume = SwiftPipelineEngine._resume
+
+    def resume_and_check(self: Any, *args: Any, **kwargs: Any) -> None:
+        resume(self, *args, **kwargs)
+        live = {id(g) for g in dist.distributed_c10d._world.pg_map}
+        held = reachable_groups([self.engine])
+        stale = [g for g in held if id(g) not in live]
+        kept = "kept" if "engine_kept_s" in args[0].timeline.extra else "built"
+        print(
+            f"[test] rank {dist.get_rank()}: engine {kept}; {len(held)} groups reachable from it, "
+            f"{len(stale)} of an earlier generation",
+            file=sys.stderr,
+            flush=True,
+        )
+        if stale:
+            os._exit(3)
+
+    SwiftPipelineEngine._resume = resume_and_check  # type: ignore[method-assign]
+
+
 def main() -> None:
     stall, kill = fault_spec("SWIFT_TEST_STALL"), fault_spec("SWIFT_TEST_KILL_AFTER_STEP")
     pause = fault_spec("SWIFT_TEST_PAUSE")
@@ -230,6 +263,7 @@ def main() -> None:
     dump_dir = os.environ.get("SWIFT_TEST_DUMP_DIR")
     if dump_dir:
         _patch_dump_on_resume(dump_dir)
+    _patch_check_groups_on_resume()
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     if os.environ.get("SWIFT_TEST_CPU_FP16"):
         from ds_swift.patches.cpu_fp16 import allow_cpu_fp16
