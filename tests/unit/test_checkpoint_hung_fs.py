@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_swift.checkpoint import periodic
@@ -31,16 +30,6 @@ class FakeEngine:
         self.saved.append(tag)
         (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
         self.checkpoint_engine.save({"w": torch.ones(2)}, str(Path(save_dir) / tag / "mp_rank_00_model_states.pt"))
-
-
-@pytest.fixture
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -101,7 +90,7 @@ def test_the_per_iteration_marker_check_never_waits_on_the_file_system(
 
 
 def test_rank_0s_marker_write_on_a_hung_file_system_does_not_hold_training(
-    tmp_path: Path, one_rank: None, hung: Callable[[str], threading.Event], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, gloo_world: None, hung: Callable[[str], threading.Event], capsys: pytest.CaptureFixture[str]
 ) -> None:
     m = _manager(tmp_path)
     gate = hung("write_atomic")
@@ -118,7 +107,7 @@ def test_rank_0s_marker_write_on_a_hung_file_system_does_not_hold_training(
 
 
 def test_a_marker_that_cannot_be_removed_skips_the_checkpoint_on_every_rank(
-    tmp_path: Path, one_rank: None, hung: Callable[[str], threading.Event], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, gloo_world: None, hung: Callable[[str], threading.Event], capsys: pytest.CaptureFixture[str]
 ) -> None:
     m = _manager(tmp_path)
     hung("remove_durable")
@@ -128,7 +117,7 @@ def test_a_marker_that_cannot_be_removed_skips_the_checkpoint_on_every_rank(
     assert "checkpoint global_step8 skipped on every rank" in capsys.readouterr().err
 
 
-def test_logs_go_only_up_to_this_jobs_own_newest_complete_checkpoint(tmp_path: Path, one_rank: None) -> None:
+def test_logs_go_only_up_to_this_jobs_own_newest_complete_checkpoint(tmp_path: Path, gloo_world: None) -> None:
     """An earlier launch of the job reached global_step20; this one restarted from global_step8 and
     saves global_step12. Its logs since 12 are what its recoveries replay: measured against 20 (the
     newest complete tag of the job id in the directory), they went."""

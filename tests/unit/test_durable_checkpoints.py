@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +37,6 @@ class FakeEngine:
 
 
 @pytest.fixture
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A real one-process gloo group: the save's barriers and gathers run as they do in a job."""
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The path of every file or directory os.fsync is called on, in order."""
     seen: list[str] = []
@@ -63,7 +51,7 @@ def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_a_kill_between_the_markers_write_and_its_rename_is_never_trusted(
-    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, gloo_world: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     real_replace = os.replace
 
@@ -98,7 +86,7 @@ def test_a_kill_between_the_markers_write_and_its_rename_is_never_trusted(
 
 
 def test_a_synchronous_save_fsyncs_its_files_then_the_marker_and_its_directory(
-    tmp_path: Path, one_rank: None, fsynced: list[str]
+    tmp_path: Path, gloo_world: None, fsynced: list[str]
 ) -> None:
     engine = FakeEngine(4)
     CheckpointManager(str(tmp_path), interval=4, rank=0, job_id="job-mine").save(engine)
@@ -165,7 +153,7 @@ class _BarrierEngine(FakeEngine):
 
 @pytest.mark.parametrize("where", ["file", "directory"])
 def test_a_write_error_enters_deepspeeds_last_barrier_only_where_the_save_did_not(
-    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, where: str
+    tmp_path: Path, gloo_world: None, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """Every rank must enter DeepSpeed's closing barrier once. A file's fsync fails before it (this
     rank owes it); the fsync of the tag's directory after it (an EIO there sent this rank into a

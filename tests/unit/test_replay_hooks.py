@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -171,17 +170,7 @@ def test_recorder_bytes_round_trip_and_discard() -> None:
     assert list(back.records) == [(4, 0)]
 
 
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Any:
-    """A single-process gloo world: rank 0 plays a rank outside the replayed group."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_guard_takes_step_collectives_from_records_and_refuses_the_rest(one_rank_group: Any) -> None:
+def test_guard_takes_step_collectives_from_records_and_refuses_the_rest(gloo_world: Any) -> None:
     original = dist.all_reduce
     records = {(7, 0): CollectiveRecord("all_reduce", (0,), torch.tensor(42.0))}  # shape () stands in for (1,)
     guard = CollectiveGuard(frozenset({5}), records)
@@ -213,7 +202,7 @@ def test_guard_takes_step_collectives_from_records_and_refuses_the_rest(one_rank
             dist.all_reduce(torch.tensor([1.0]))
 
 
-def test_guard_async_collective_returns_a_completed_work(one_rank_group: Any) -> None:
+def test_guard_async_collective_returns_a_completed_work(gloo_world: Any) -> None:
     guard = CollectiveGuard(frozenset({5}), {(0, 0): CollectiveRecord("broadcast", (0,), torch.tensor([9.0]))})
     with wrap_collectives("test", guard.make):
         guard.begin_step(0)
@@ -222,7 +211,7 @@ def test_guard_async_collective_returns_a_completed_work(one_rank_group: Any) ->
         assert work.wait() and work.is_completed() and t.tolist() == [9.0]
 
 
-def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(one_rank_group: Any) -> None:
+def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(gloo_world: Any) -> None:
     # The record is a copy taken after the collective (a later in-place change of the tensor does not
     # reach it), made where the tensor lives (no host copy in the step: tests/gpu checks no sync).
     rec = CollectiveRecorder()
@@ -239,7 +228,7 @@ def test_recorder_keeps_a_copy_of_each_step_all_reduce_where_the_tensor_lives(on
     assert CollectiveRecorder.from_bytes(rec.to_bytes()).records[(5, 0)].tensor.tolist() == [2.0, 3.0]
 
 
-def test_recorder_numbers_every_step_collective_as_the_replay_guard_does(one_rank_group: Any) -> None:
+def test_recorder_numbers_every_step_collective_as_the_replay_guard_does(gloo_world: Any) -> None:
     # The guard counts every collective of the step; a record keyed by another count would be
     # substituted for the wrong collective in a replay.
     rec = CollectiveRecorder()
