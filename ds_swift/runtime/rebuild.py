@@ -163,6 +163,13 @@ class Rebuilder(SurvivorSteps):
         self._before_rejoin(g, kept)
         if self.change is not None and self.engine_swap.active:
             self._drop_kept_engine(f"{self.change.describe()}: the job changes its shape")
+        elif self.engine_swap.active and self._ckpt.complete < 0:
+            # Any fallback would restart from the initial state, which only a rebuilt engine holds
+            # (model_fn seeds it); a kept engine holds the trained one.
+            self._drop_kept_engine(
+                "no global checkpoint of this job is complete yet: a fallback would restart from the initial "
+                "state, which only a rebuilt engine holds"
+            )
         return self.rejoin(g + 1, kept, tl)
 
     # ------------------------------------------------------------------ replacement
