@@ -179,7 +179,9 @@ def preload_ops() -> list[str]:
     shared-memory comm op, whose JIT load checks its build each time, 0.36 s in a fresh process on
     a 2-core machine; once loaded, the process's next load of it is free. Returns what was loaded
     (none where the accelerator has no such op, or it cannot build: the worker then loads as before)."""
-    loaded = []
+    loaded: list[str] = []
+    if _build_locked("deepspeed_shm_comm"):
+        return loaded  # another process builds it (or one killed while building left torch's lock): no wait here
     with contextlib.suppress(Exception), warnings.catch_warnings(), collector_paused():
         warnings.simplefilter("ignore")
         from deepspeed.comm.torch import build_shm_op
@@ -187,6 +189,17 @@ def preload_ops() -> list[str]:
         if build_shm_op() is not None:
             loaded.append("deepspeed_shm_comm")
     return loaded
+
+
+def _build_locked(name: str) -> bool:
+    """torch's JIT build lock of op ``name`` exists: a load would wait until it goes, for good where
+    its holder was killed (torch's FileBaton records no owner). A warm worker does not wait for it."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / "lock").exists()
+    except Exception:  # noqa: BLE001 - a private helper of torch's: without it, load as before
+        return False
 
 
 def _warm_device(local_rank: int) -> None:

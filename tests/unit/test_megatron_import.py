@@ -115,3 +115,20 @@ def test_a_warm_worker_imports_what_a_wrapped_script_imports(tmp_path: Path) -> 
     names = target.imports()
     assert "ds_swift.patches.cpu_fp16" in names  # the wrapper's own
     assert "megatron.training" in names and "megatron.training.pretrain" in names and "json" in names
+
+
+def test_a_warm_worker_does_not_wait_for_a_build_lock_a_killed_build_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's JIT build lock has no owner: a process killed while it loaded the op (a warm spare
+    stopped at the end of a job) leaves it, and the next load waits for it for good. A warm worker
+    skips its preload there (it loads at its attach as before)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from ds_swift.runtime.warm import preload_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").touch()
+    assert preload_ops() == []  # at once: a wait here would hang the test (its timeout fails it)
