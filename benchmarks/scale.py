@@ -35,15 +35,18 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_capacity import capacity  # noqa: E402
-from scale_common import Layout  # noqa: E402
-from scale_e2e import end_to_end  # noqa: E402
-from scale_groups import group_costs  # noqa: E402
-from scale_recovery import PHASES as RECOVERY_PHASES  # noqa: E402
-from scale_recovery import recovery  # noqa: E402
-from scale_steady import buddy_round, steady_state  # noqa: E402
+# DeepSpeed's loggers write to the stdout of their import (its accelerator's warning among them):
+# imported with stdout on stderr, so that --json prints one JSON object and nothing else.
+with contextlib.redirect_stdout(sys.stderr):
+    from scale_capacity import capacity
+    from scale_common import Layout
+    from scale_e2e import end_to_end
+    from scale_groups import group_costs
+    from scale_recovery import PHASES as RECOVERY_PHASES
+    from scale_recovery import recovery
+    from scale_steady import buddy_round, steady_state
 
-from ds_swift.sim.scale_model import Phase, Poly, ScaleModel, fit_phase, relative_error  # noqa: E402
+    from ds_swift.sim.scale_model import Phase, Poly, ScaleModel, fit_phase, relative_error
 
 PHASES = (*RECOVERY_PHASES, "groups")
 ROUND_TRIPS = {"detect": 4, "join": 4, "groups": 4, "rounds": 30}
