@@ -138,6 +138,16 @@ class BeatFile:
             f.write(f"{self.count} {self.timeout_s!r} {note}".rstrip())
         os.replace(tmp, self.path)  # readers see the old beat or the new one, never half of one
 
+    def finish(self) -> None:
+        """The rank stopped beating on purpose (training ended, its watchdog stopped): a last beat
+        with no timeout, so that its agent does not take the rest of the process's exit (its process
+        groups' teardown can take seconds) for a hang. A watchdog started again beats as before."""
+        self.timeout_s, timeout_s = float("inf"), self.timeout_s
+        try:
+            self.beat("stopped")
+        finally:
+            self.timeout_s = timeout_s
+
 
 def read_beat(path: str) -> tuple[int, float, str] | None:
     """(count, timeout_s, note) of the beat file at ``path``; None before the rank's first beat."""

@@ -21,6 +21,7 @@ machine's own agent, reading its ranks' counters on its clock, finds them silent
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -56,6 +57,12 @@ BEATS_PER_TIMEOUT = 10
 #: a blocking wait that returns this much before the next beat is due still beats (a wait's own
 #: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
 _EARLY_S = 0.005
+#: the longest one blocking wait on the failure flag of a rank that beats for its agent (two requests
+#: when it times out: 1 a second per rank). Bounded because the wait cannot be interrupted: at the end
+#: of training :meth:`Watchdog.stop` waits for it, so that no thread is inside the store's C++ wait
+#: when the interpreter finalizes (a daemon thread returning from it then is ended by pthread_exit,
+#: which unwinds through C++ frames that may not throw: std::terminate, the process killed by SIGABRT).
+WAIT_SLICE_S = 2.0
 
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
 #: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
@@ -169,12 +176,17 @@ class Watchdog:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop both threads; the waiting one may still block in its wait, up to the heartbeat timeout
-        (a daemon thread: it then ends; it declares nothing of a generation gone)."""
+        """Stop both threads; the waiting one is waited for until its wait ends (at most
+        :data:`WAIT_SLICE_S`, or a beat), within ``timeout_s`` (a daemon thread: it declares nothing
+        of a generation gone)."""
         self._stop.set()
+        waiting = min(timeout_s, (WAIT_SLICE_S if self.beat_file is not None else self.beat_every_s) + 0.5)
         for thread in (self._beater, self._thread):
             if thread is not None:
-                thread.join(timeout_s if thread is self._beater else min(timeout_s, 0.1))
+                thread.join(timeout_s if thread is self._beater else waiting)
+        if self.beat_file is not None and self._beater is not None:
+            with contextlib.suppress(OSError):  # the agent's directory gone: the job is ending anyway
+                self.beat_file.finish()
         self._thread = self._beater = None
 
     def set_generation(self, generation: int, watch_ranks: Sequence[int] = ()) -> None:
@@ -311,8 +323,8 @@ class Watchdog:
             # is written, and one that starts after it returns at once, so no failure falls between
             # two turns. Ten reads a second per rank were most of the job's store traffic. A wait that
             # times out is two requests (the wait, its cancellation): beating for its agent, a rank
-            # waits a whole heartbeat timeout.
-            limit = self.heartbeat_timeout_s if local else self._next_beat - self._beats.clock()
+            # waits up to WAIT_SLICE_S (the heartbeat timeout where shorter).
+            limit = min(self.heartbeat_timeout_s, WAIT_SLICE_S) if local else self._next_beat - self._beats.clock()
             with self._lock:
                 if self._deadline is not None:  # a rebuild deadline is checked when it passes, not a wait later
                     limit = min(limit, self._deadline[0] - time.monotonic())

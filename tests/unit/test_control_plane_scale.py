@@ -159,6 +159,25 @@ def test_a_watchdog_beats_for_its_agent_and_waits_on_the_flag(tmp_path: Any) -> 
     assert wd.failed.is_set() and time.monotonic() - t0 < 5
 
 
+def test_a_stopped_watchdog_is_not_a_hung_rank_and_its_wait_has_ended(tmp_path: Any) -> None:
+    """At the end of training the watchdog stops: its last beat has no timeout (the process's exit,
+    its process groups' teardown, may take longer than the heartbeat timeout: its agent declared
+    the machine hung), and its thread is out of the store's C++ wait (one still inside when the
+    interpreter finalizes is ended by pthread_exit: std::terminate, SIGABRT)."""
+    from ds_swift.detect.beats import read_beat
+
+    js = JobStore(counting(), TOKEN)
+    wd = Watchdog(lambda: js, 0, 0, 0.05, 30.0, (1,), beat_file=BeatFile(str(tmp_path), 0, 30.0)).start()
+    deadline = time.monotonic() + 10
+    while read_beat(str(tmp_path / "0")) is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the beater's first beat
+    waiter = wd._thread
+    wd.stop()
+    beat = read_beat(str(tmp_path / "0"))
+    assert beat is not None and beat[1] == float("inf") and beat[2] == "stopped", beat
+    assert waiter is not None and not waiter.is_alive()  # a heartbeat timeout of 30 s: the slice ended it
+
+
 def test_agents_watch_a_bounded_ring_of_neighbours() -> None:
     from ds_swift.launch.liveness import AgentLiveness
 
