@@ -245,7 +245,9 @@ class Rebuilder(SurvivorSteps):
                     declare_failure(store, generation, f"rank {env.rank}: failed during recovery: {str(exc)[:160]}")
                 ctx.log(f"generation {generation} failed during recovery ({how}); joining {generation + 1}")
                 self._hooks.uninstall()
-                self._hooks.take_undo()  # the rebuilt engine's, dropped with it
+                undo = self._hooks.take_undo()  # a rebuilt engine's goes with it
+                if undo is not None and self.engine_swap.active:
+                    undo.detach()  # a kept engine is hooked again in the next generation: its step unpatched first
                 if self.engine_swap.refused is not None and self.engine_swap.active:
                     self._drop_kept_engine(self.engine_swap.refused)
                 if self.engine_swap.active:

@@ -169,6 +169,7 @@ def _agent_argv(line: str) -> list[str]:
 def _run_hosts(lines: dict[str, str], cwd: Path, env_file: Path, env_text: str | None) -> None:
     assert env_text is not None, "no exports file while the agents started"
     env_file.write_text(env_text)
+    env_file.chmod(0o600)  # as the launch host writes it: each host sources only this user's 0600 file
     for line in lines.values():
         done = subprocess.run(
             ["bash", "-c", line], cwd=cwd, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60
