@@ -352,8 +352,10 @@ def release_megatron_groups() -> int:
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is None:
         return 0
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    # Unconditionally: it only sets its globals to None, among them the global memory buffer that the
+    # next initialize_model_parallel asserts is unset (after a kept engine's groups were cut out of
+    # these globals, model_parallel_is_initialized() says False while the buffer is still there).
+    ps.destroy_model_parallel()
     count = 0
     for name, value in list(vars(ps).items()):
         groups = value if isinstance(value, list | tuple) else [value]

@@ -293,10 +293,13 @@ class Rebuilder(SurvivorSteps):
 
     def _drop_kept_engine(self, why: str) -> None:
         """The survivor rebuilds its engine after all (a membership change, a failed replay)."""
+        from ds_swift.patches.deepspeed_rebuild import release_megatron_groups
+
         trouble = self.engine_swap.drop(self._holder.engine, why)
         if trouble is not None:
             self._ctx.log(trouble + ": it may stay in memory")
         self._holder.engine = None
+        release_megatron_groups()  # the rebuild initializes megatron-core's parallel state again
 
     def _recover(self, generation: int, kept: KeptState | None, tl: RankTimeline) -> RecoveryOutcome:
         """The recovery protocol (ds_swift.recovery.coordinator) in ``generation``, joined and rebuilt."""
