@@ -20,8 +20,9 @@ def test_strict_mode_catches_a_host_tensor_sent_over_the_world_group(tmp_path: P
     assert [r["strict"] for r in ranks] == [True, True]
     assert ranks[1]["received"] == [0.0, 1.0, 2.0, 3.0]
     for r in ranks:
-        assert "send of a host tensor on a group the transport did not create as gloo" in r["state_on_world"]
+        # the state transfer posts every tensor at once (isend), also refused before it leaves
+        assert "isend of a host tensor on a group the transport did not create as gloo" in r["state_on_world"]
         assert "isend of a host tensor on a group the transport did not create as gloo" in r["world"]
         assert r["agreed"] == [{"ok": True, "rank": 0}, {"ok": False, "rank": 1}]
     assert "recv:host:cpu" in ranks[1]["routes"] and "send:host:cpu" in ranks[0]["routes"]
-    assert {"isend:foreign:cpu", "send:foreign:cpu"} <= set(ranks[0]["routes"])
+    assert "isend:foreign:cpu" in ranks[0]["routes"]
