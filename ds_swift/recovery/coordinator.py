@@ -276,11 +276,14 @@ def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, ver
             timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
         )
     )  # fmt: skip
-    reason = "; ".join(said["errors"]) or mismatch_reason(
-        {int(r): Verdict.from_json(v) for r, v in said["mismatches"].items()}
-    )
+    errors = "; ".join(said["errors"])
+    reason = errors or mismatch_reason({int(r): Verdict.from_json(v) for r, v in said["mismatches"].items()})
     if reason and ctx.rank == 0:  # agreed, the same on every rank: said once (each fallback line names it again)
-        loud(ctx.rank, f"restore failed ({reason}): ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT")
+        # a mismatch's reason says what failed ("restored state failed verification: ...") itself
+        loud(
+            ctx.rank,
+            f"{f'restore failed ({errors})' if errors else reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT",
+        )
     return reason or None
 
 
