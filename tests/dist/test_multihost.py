@@ -258,7 +258,9 @@ def store_client_when_ready(url: str, token: str, procs: ProcessSet, credentials
 
 
 # ---------------------------------------------------------------------- pdsh / ssh
-@pytest.mark.parametrize("launcher", ["pdsh", "ssh"])
+@pytest.mark.parametrize(
+    "launcher", ["pdsh", pytest.param("ssh", marks=pytest.mark.slow)]
+)  # CI: pdsh (the same agents; ssh with -m slow)
 def test_hostfile_launcher_starts_one_agent_per_host(tmp_path: Path, standins: Path, launcher: str) -> None:
     """--hostfile + --launcher pdsh|ssh: the launch host serves the store (tcp://), --exclude drops a host,
     .deepspeed_env reaches every worker, a killed machine is replaced by the spare host."""

@@ -86,6 +86,7 @@ def test_kill_at_backward_recovers_by_replication_bitwise(tmp_path: Path, baseli
     assert_bitwise_equal(baseline.final, checkpoint_tensors(job.final_tag))
 
 
+@pytest.mark.slow  # fp32 ZeRO-0, two kills: the bf16 + ZeRO-1 tests and the cascading-failure test cover it in CI
 def test_kills_at_forward_and_step_in_one_job(tmp_path: Path, baseline: Baseline) -> None:
     """Machine 1 dies in a forward pass; later its replacement's partner, machine 0, dies at a step."""
     dump = tmp_path / "recovered"
