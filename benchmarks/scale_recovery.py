@@ -163,9 +163,14 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
     tl = RankTimeline(rank, "survivor" if rank not in run.lost else "replacement", 0, t_detect=now, t_rebuilt=now)
     ctx = RankContext(store, generation, rank, None, None, None, tl, TIMEOUT_S, verify=True)
     outcome = run_recovery(
-        ctx, world_size=run.layout.ranks, report=_report(run, rank), strategy="auto", zero_stage=1,
-        optimizer_wrapper=None, partitioned=True,
-    )  # fmt: skip
+        ctx,
+        world_size=run.layout.ranks,
+        report=_report(run, rank),
+        strategy="auto",
+        zero_stage=1,
+        optimizer_wrapper=None,
+        partitioned=True,
+    )
     plan = outcome.plan
     if rank == 0:
         store.set(resumed_key(generation), "1")
@@ -190,9 +195,16 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
 def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
     store = clients["detect"]
     wd = Watchdog(
-        lambda: store, rank, 0, 0.1, 10.0, (), progress=Progress(), ranks_per_machine=PER_MACHINE,
+        lambda: store,
+        rank,
+        0,
+        0.1,
+        10.0,
+        (),
+        progress=Progress(),
+        ranks_per_machine=PER_MACHINE,
         beat_file=BeatFile(run.run_dir, rank, 10.0),
-    )  # fmt: skip
+    )
     conn: JobStore | None = store
     while not wd.failed.is_set():  # its thread's turn that sees the flag (set before the harness starts)
         conn, _ = wd.turn(conn)

@@ -164,9 +164,16 @@ class StoreLanding:
         self._rounds.append(version)
         old = self._rounds.pop(0) if len(self._rounds) > 2 else None
         self.done_value = agree(
-            self.store, prefix, self.rank, "1", range(self.world), lambda _: note,
-            timeout_s=self.timeout_s, stopped=lambda: self._stopped(stopped), leader=self.LEADER,
-        )  # fmt: skip
+            self.store,
+            prefix,
+            self.rank,
+            "1",
+            range(self.world),
+            lambda _: note,
+            timeout_s=self.timeout_s,
+            stopped=lambda: self._stopped(stopped),
+            leader=self.LEADER,
+        )
         if old is not None:
             self.store.delete(f"{JobStore.buddy_round_key(self.generation, old)}/{self.rank}")
             if self.rank == self.LEADER:

@@ -178,9 +178,15 @@ def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list
     store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
     ranks = range(world_size)
     said = agree(
-        store, round_prefix(generation, "report"), ctx.rank, report.to_json(), ranks, pack,
-        timeout_s=timeout_s, generation=generation,
-    )  # fmt: skip
+        store,
+        round_prefix(generation, "report"),
+        ctx.rank,
+        report.to_json(),
+        ranks,
+        pack,
+        timeout_s=timeout_s,
+        generation=generation,
+    )
     reports = [RankReport.from_json(v) for v in unpack(said).values()]
     # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
     # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
@@ -272,10 +278,16 @@ def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, ver
     mine = json.dumps({"error": error or "", "verdict": verdict.to_json() if verdict is not None else None})
     said = json.loads(
         agree(
-            ctx.store, round_prefix(ctx.generation, "restore"), ctx.rank, mine, range(world_size), _restores,
-            timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+            ctx.store,
+            round_prefix(ctx.generation, "restore"),
+            ctx.rank,
+            mine,
+            range(world_size),
+            _restores,
+            timeout_s=ctx.gather_timeout_s,
+            generation=ctx.generation,
         )
-    )  # fmt: skip
+    )
     errors = "; ".join(said["errors"])
     reason = errors or mismatch_reason({int(r): Verdict.from_json(v) for r, v in said["mismatches"].items()})
     if reason and ctx.rank == 0:  # agreed, the same on every rank: said once (each fallback line names it again)

@@ -202,10 +202,16 @@ class LossGuard:
         try:
             said: dict[str, Any] = json.loads(
                 agree(
-                    self.store, round_prefix(generation, "guard_ref"), self.rank, mine, range(world), decide,
-                    timeout_s=timeout_s, generation=generation,
+                    self.store,
+                    round_prefix(generation, "guard_ref"),
+                    self.rank,
+                    mine,
+                    range(world),
+                    decide,
+                    timeout_s=timeout_s,
+                    generation=generation,
                 )
-            )  # fmt: skip
+            )
             return said
         except Exception as exc:  # noqa: BLE001 - a timeout or the next failure: the guard must not end the job
             self.log(f"post-recovery guard: the ranks' losses not gathered ({type(exc).__name__}: {exc})")

@@ -148,9 +148,15 @@ def test_gathers_rounds_and_joins_of_more_than_128_ranks(etcd: Etcd) -> None:
 
     def lead() -> None:
         said["verdict"] = agree(
-            leader, round_prefix(2, "ckpt"), 0, "5", range(n), lambda v: str(min(int(x) for x in v.values())),
-            timeout_s=60, generation=2,
-        )  # fmt: skip
+            leader,
+            round_prefix(2, "ckpt"),
+            0,
+            "5",
+            range(n),
+            lambda v: str(min(int(x) for x in v.values())),
+            timeout_s=60,
+            generation=2,
+        )
 
     t = threading.Thread(target=lead, daemon=True)
     t.start()

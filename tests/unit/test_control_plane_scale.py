@@ -60,10 +60,16 @@ def test_an_agreement_round_costs_a_few_requests_per_rank(n: int) -> None:
     verdicts = on_threads(
         n,
         lambda r: agree(
-            JobStore(store, TOKEN), round_prefix(3, "report"), r, f"rank {r}", range(n),
-            lambda values: str(len(values)), timeout_s=30, generation=3,
+            JobStore(store, TOKEN),
+            round_prefix(3, "report"),
+            r,
+            f"rank {r}",
+            range(n),
+            lambda values: str(len(values)),
+            timeout_s=30,
+            generation=3,
         ),
-    )  # fmt: skip
+    )
     assert set(verdicts.values()) == {str(n)}  # the same verdict on every rank
     tally = store.take()
     # per rank: its write, a wait for the verdict and one read; the leader: one wait for the N

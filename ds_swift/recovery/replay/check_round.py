@@ -114,10 +114,15 @@ def check_round(
         layout = "; ".join(blockers) if blockers else parallel_layout(plan, reports, gas)
     world = sorted(by_rank)
     said = agree(
-        store, round_prefix(generation, "replay_check"), rank, json.dumps(answer), world,
+        store,
+        round_prefix(generation, "replay_check"),
+        rank,
+        json.dumps(answer),
+        world,
         lambda values: json.dumps(_needed({r: json.loads(v) for r, v in values.items()}, by_rank)),
-        timeout_s=gather_timeout_s, generation=generation,
-    )  # fmt: skip
+        timeout_s=gather_timeout_s,
+        generation=generation,
+    )
     return {int(r): a for r, a in json.loads(said).items()}, layout
 
 

@@ -146,10 +146,15 @@ def recover_resized(
     timeline.rank = rank  # its part of the timeline is gathered by the new rank
     mine = _report_of(rank, old_rank, kept, resize, coords[rank])
     said = agree(
-        store, round_prefix(generation, "resize_report"), rank, mine, range(world),
+        store,
+        round_prefix(generation, "resize_report"),
+        rank,
+        mine,
+        range(world),
         lambda values: pack({r: v for r, v in values.items() if v}),  # the survivors' reports
-        timeout_s=gather_timeout_s, generation=generation,
-    )  # fmt: skip
+        timeout_s=gather_timeout_s,
+        generation=generation,
+    )
     inputs, target, why = _agree(
         resize, [RankReport.from_json(v) for v in unpack(said).values()], zero_stage, resize.partitioned
     )
@@ -183,10 +188,8 @@ def recover_resized(
     if verify:
         _verify_resize(store, generation, engine, owners or {first[rank]: None}, iteration, timeline, gather_timeout_s)
     outcome = _outcome(resize, target, iteration, undo, survivor_ranks, donors, moved, rank, timeline)
-    agree(
-        store, round_prefix(generation, "restored"), rank, "", range(world),
-        timeout_s=gather_timeout_s, generation=generation,
-    )  # fmt: skip
+    restored = round_prefix(generation, "restored")  # nobody trains before every rank is at the new shape
+    agree(store, restored, rank, "", range(world), timeout_s=gather_timeout_s, generation=generation)
     timeline.t_restored = time.time()
     timeline.bytes_moved = moved
     return outcome

@@ -92,10 +92,16 @@ def _load_agreed(ctx: RankContext, ckpt: Any, step: int, ranks: list[int]) -> in
         record = json.dumps({"done": done, "error": error, "tried": tried})
         said = json.loads(
             agree(
-                ctx.store, round_prefix(ctx.generation, f"ckpt_load/{attempt}"), ctx.rank, record, ranks, _load_verdict,
-                timeout_s=ctx.gather_timeout_s, generation=ctx.generation,
+                ctx.store,
+                round_prefix(ctx.generation, f"ckpt_load/{attempt}"),
+                ctx.rank,
+                record,
+                ranks,
+                _load_verdict,
+                timeout_s=ctx.gather_timeout_s,
+                generation=ctx.generation,
             )
-        )  # fmt: skip
+        )
         failed, dones, any_tried = said["failed"], said["dones"], said["any_tried"]
         if not failed and len(dones) == 1:
             if done >= 0:
