@@ -166,6 +166,7 @@ def test_tranlogs_reloads_only_the_lost_ranks_and_re_applies_their_updates_bitwi
     assert_bitwise(baseline, job)
 
 
+@pytest.mark.slow  # CI: a full log disk (test_logging_budget.py) and a full checkpoint disk (test_fault_matrix.py)
 def test_tranlogs_on_a_full_disk_stops_logging_loudly_and_a_later_failure_falls_back(
     tmp_path: Path, baseline: JobRun, small_log_disk: Path
 ) -> None:

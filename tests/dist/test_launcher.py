@@ -268,6 +268,7 @@ def test_signal_to_the_launcher_stops_every_worker(
         assert f"got {sig.name}: stopping every worker" in output
 
 
+@pytest.mark.slow  # CI: tests/dist/test_multihost.py (hosts, their agents, a spare host taking a machine over)
 def test_multi_host_agents_with_a_spare(tmp_path: Path) -> None:
     """Three launchers (--node-rank 0, 1 and a spare 2) share the store that agent 0 hosts."""
     run_dir = tmp_path / "run"
