@@ -100,9 +100,10 @@ class FailureMonitor:
     def set_armed(self, on: bool) -> None:
         self._armed = on
 
-    def stop(self) -> None:
+    def stop(self, final: bool = False) -> None:
+        """Stop watching; ``final``: the process exits next (its watchdog's wait is waited out)."""
         if self._watchdog is not None:
-            self._watchdog.stop()
+            self._watchdog.stop(final=final)
 
     # ------------------------------------------------------------------ checks
     def check_after_receive(self, received: torch.Tensor | None = None) -> None:

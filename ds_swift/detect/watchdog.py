@@ -58,11 +58,11 @@ BEATS_PER_TIMEOUT = 10
 #: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
 _EARLY_S = 0.005
 #: the longest one blocking wait on the failure flag of a rank that beats for its agent (two requests
-#: when it times out: 1 a second per rank). Bounded because the wait cannot be interrupted: at the end
-#: of training :meth:`Watchdog.stop` waits for it, so that no thread is inside the store's C++ wait
-#: when the interpreter finalizes (a daemon thread returning from it then is ended by pthread_exit,
-#: which unwinds through C++ frames that may not throw: std::terminate, the process killed by SIGABRT).
-WAIT_SLICE_S = 2.0
+#: when it times out: 0.4 a second per rank). Bounded because the wait cannot be interrupted: at the
+#: end of training :meth:`Watchdog.stop` with ``final`` waits it out, so that no thread is inside the
+#: store's C++ wait when the interpreter finalizes (a daemon thread returning from it then is ended by
+#: pthread_exit, which unwinds through C++ frames that may not throw: std::terminate, SIGABRT).
+WAIT_SLICE_S = 5.0
 
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
 #: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
@@ -175,12 +175,14 @@ class Watchdog:
                 self._beater.start()
         return self
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop both threads; the waiting one is waited for until its wait ends (at most
-        :data:`WAIT_SLICE_S`, or a beat), within ``timeout_s`` (a daemon thread: it declares nothing
-        of a generation gone)."""
+    def stop(self, timeout_s: float = 5.0, final: bool = False) -> None:
+        """Stop both threads. The waiting one (a daemon thread: it declares nothing of a generation
+        gone) is waited for until its wait ends (at most :data:`WAIT_SLICE_S`, or a beat) only when
+        ``final`` (the process is about to exit); otherwise a tenth of a second (an elastic change
+        starts a new watchdog at once)."""
         self._stop.set()
-        waiting = min(timeout_s, (WAIT_SLICE_S if self.beat_file is not None else self.beat_every_s) + 0.5)
+        longest = (WAIT_SLICE_S if self.beat_file is not None else self.beat_every_s) + 0.5
+        waiting = longest if final else min(timeout_s, 0.1)
         for thread in (self._beater, self._thread):
             if thread is not None:
                 thread.join(timeout_s if thread is self._beater else waiting)

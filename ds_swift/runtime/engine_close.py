@@ -62,7 +62,7 @@ class EngineShutdown:
             self._checkpointed()  # the last checkpoint completed since the last look
         self._rebuild.protect.close()
         self._timeline.close()
-        self._monitor.stop()
+        self._monitor.stop(final=True)  # no thread left in a store wait when the interpreter finalizes
         if store is not None and env is not None:
             store.mark_done(env.rank)
         self._hooks.uninstall()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from ds_swift.detect import watchdog
 from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.agreement import GenerationFailed, agree, round_prefix, wake
@@ -178,10 +179,11 @@ def test_a_stopped_watchdog_is_not_a_hung_rank_and_its_wait_has_ended(tmp_path: 
     while read_beat(str(tmp_path / "0")) is None and time.monotonic() < deadline:
         time.sleep(0.02)  # the beater's first beat
     waiter = wd._thread
-    wd.stop()
+    wd.stop(final=True)
     beat = read_beat(str(tmp_path / "0"))
     assert beat is not None and beat[1] == float("inf") and beat[2] == "stopped", beat
     assert waiter is not None and not waiter.is_alive()  # a heartbeat timeout of 30 s: the slice ended it
+    assert watchdog.WAIT_SLICE_S < 30.0
 
 
 def test_agents_watch_a_bounded_ring_of_neighbours() -> None:
