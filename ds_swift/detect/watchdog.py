@@ -58,11 +58,11 @@ BEATS_PER_TIMEOUT = 10
 #: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
 _EARLY_S = 0.005
 #: the longest one blocking wait on the failure flag of a rank that beats for its agent (two requests
-#: when it times out: 0.4 a second per rank). Bounded because the wait cannot be interrupted: at the
+#: when it times out: 1 a second per rank). Bounded because the wait cannot be interrupted: at the
 #: end of training :meth:`Watchdog.stop` with ``final`` waits it out, so that no thread is inside the
 #: store's C++ wait when the interpreter finalizes (a daemon thread returning from it then is ended by
 #: pthread_exit, which unwinds through C++ frames that may not throw: std::terminate, SIGABRT).
-WAIT_SLICE_S = 5.0
+WAIT_SLICE_S = 2.0
 
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
 #: RuntimeError, MembershipError, timeouts, refused connections). Anything else out of a poll is a bug.
