@@ -131,9 +131,12 @@ def test_the_machine_comes_back_and_the_job_grows_back_to_dp2(tmp_path: Path, re
     assert grow["resize"]["machines"] == [1, 0] and grow["resize"]["gradient_accumulation_steps"] == [8, 4], grow
     assert "elastic grow: machine 0 is back" in grow["reason"] and grow["checkpoint_step"] is None, grow["reason"]
     assert "checkpoint fallback" not in job.output
-    # what the grown job resumed from: bitwise what the shrunk one held (its checkpoint after 6 iterations)
-    assert grow["consensus"] == 5, grow["reason"]
-    resumed, had = fp32_masters(tmp_path / "dumps" / "recovered_gen2"), fp32_masters(job.ckpt_dir / "global_step6")
+    # what the grown job resumed from: bitwise what the shrunk one held (its checkpoint after the
+    # consensus iteration). Rank 0 holds at iteration 6 until the machine is back, so the grow lands
+    # there at the latest; a return faster than two of the shrunk job's iterations lands it sooner.
+    assert shrink["consensus"] < grow["consensus"] <= 5, grow["reason"]
+    tag = f"global_step{grow['consensus'] + 1}"
+    resumed, had = fp32_masters(tmp_path / "dumps" / "recovered_gen2"), fp32_masters(job.ckpt_dir / tag)
     assert all(torch.equal(resumed[s], had[s]) for s in had), "the resharded state is not the consensus state"
     # the last iterations were trained by two replicas again (the loss log is written by dp rank 0)
     assert max(p.generation for p in read_loss_log(job.loss_log)) == 2
