@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import Ends
 
 from ds_swift.checkpoint import periodic as checkpoint
 from ds_swift.jobstore.agreement import RoundTimeout, round_prefix, verdict_key
@@ -215,24 +216,13 @@ def test_an_error_in_the_fallback_itself_ends_the_job_with_its_reason(monkeypatc
 
 
 # ------------------------------------------------------------------ buddy rounds that never land
-def test_a_round_whose_keys_never_come_ends_its_wait() -> None:
+def test_a_round_whose_keys_never_come_ends_its_wait(ends: Ends) -> None:
     """A rank whose copier died without a word (its 'off' key unwritten) held every other rank's
     landing wait for good: now the wait raises after its timeout, and that copier stops."""
     store = JobStore.host("unit-buddy-late")
     leader = StoreLanding(store, 0, 2, rank=0, timeout_s=1.0)
-    box: list[BaseException | None] = [None]
-
-    def run() -> None:
-        try:
-            leader(3, lambda: False)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box[0] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(30.0)
-    assert not t.is_alive(), "the landing wait never ends"
-    assert isinstance(box[0], RoundTimeout) and len(box[0].pending) == 1, box[0]  # rank 1's key, named
+    err = ends(lambda: leader(3, lambda: False), 30.0, "the landing wait never ends")
+    assert isinstance(err, RoundTimeout) and len(err.pending) == 1, err  # rank 1's key, named
 
 
 def test_a_step_waits_for_a_round_at_most_its_deadline_then_copies_go_off_loudly(

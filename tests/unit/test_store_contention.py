@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch.distributed as dist
+from conftest import Ends
 
 from ds_swift.jobstore import contention
 from ds_swift.jobstore.contention import StoreContention
@@ -17,21 +14,7 @@ from ds_swift.jobstore.signed_kv import SignedKV
 SECRET = "contention-test-secret-" + "3" * 10
 
 
-def _ends(call: Callable[[], Any]) -> BaseException | None:
-    """Run ``call`` in a thread; the error it ended with (it must end within 20 s)."""
-    box: list[BaseException | None] = [None]
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box[0] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(20.0)
-    assert not t.is_alive(), "the compare-and-swap loop is still spinning"
-    return box[0]
+SPINNING = "the compare-and-swap loop is still spinning"
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +23,7 @@ def small_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(contention, "_MAX_BACKOFF_S", 0.01)
 
 
-def test_a_signed_counter_that_always_loses_its_swap_gives_up_naming_the_key() -> None:
+def test_a_signed_counter_that_always_loses_its_swap_gives_up_naming_the_key(ends: Ends) -> None:
     kv = SignedKV(dist.HashStore(), "tok", SECRET)
     kv.add("gen0/joined", 1)
     lost = {"n": 0}
@@ -50,20 +33,20 @@ def test_a_signed_counter_that_always_loses_its_swap_gives_up_naming_the_key() -
         return False
 
     kv._swap = always_beaten  # type: ignore[method-assign]
-    err = _ends(lambda: kv.add("gen0/joined", 1))
+    err = ends(lambda: kv.add("gen0/joined", 1), 20.0, SPINNING)
     assert isinstance(err, StoreContention) and "'gen0/joined'" in str(err) and lost["n"] == 25, (err, lost)
-    err = _ends(lambda: kv.advance("generation", 7))
+    err = ends(lambda: kv.advance("generation", 7), 20.0, SPINNING)
     assert isinstance(err, StoreContention) and "'generation'" in str(err), err
 
 
-def test_an_etcd_counter_that_always_loses_its_transaction_gives_up() -> None:
+def test_an_etcd_counter_that_always_loses_its_transaction_gives_up(ends: Ends) -> None:
     pytest.importorskip("etcd3gw")
     from ds_swift.jobstore.etcd import EtcdStore
 
     store = EtcdStore([("127.0.0.1", 9)])  # never reached: its requests are replaced below
     store._range = lambda key: {"value": "NA==", "mod_revision": "1"}  # "4"  # type: ignore[method-assign]
     store._txn = lambda compare, success, failure: {"succeeded": False}  # type: ignore[method-assign]
-    err = _ends(lambda: store.add("launch/lost_agents", 1))
+    err = ends(lambda: store.add("launch/lost_agents", 1), 20.0, SPINNING)
     assert isinstance(err, StoreContention) and "'launch/lost_agents'" in str(err), err
 
 
