@@ -12,7 +12,7 @@ from ds_swift import transport
 from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.classify import CommunicatorFailure, Liveness, PeerFailure, classify_failure
 from ds_swift.detect.progress import Progress
-from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved
+from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.membership import JobStore, WorkerEnv
 from ds_swift.logs import say_here
 
@@ -171,6 +171,14 @@ class FailureMonitor:
             return "failure flag"
         return None
 
+    def failure_reason(self, generation: int) -> str | None:
+        """Why ``generation`` failed: what the watchdog read from the flag when it saw it (no request),
+        else the flag itself (None: not failed, or no job store)."""
+        seen = self._watchdog.seen if self._watchdog is not None else None
+        if seen is not None and seen.generation == generation:
+            return seen.reason
+        return self.store.failure(generation) if self.store is not None else None
+
     def classify(self, exc: BaseException, generation: int | None = None, early: bool = False) -> str:
         """How ``exc`` ended ``generation`` (default: the one in force); re-raises it when it is not
         a failure (see :func:`~ds_swift.detect.classify.classify_failure`). ``early``: raised before
@@ -179,11 +187,11 @@ class FailureMonitor:
         return classify_failure(exc, self.store, g, self._poll_interval_s, self._liveness, early=early)
 
     def begin_recovery(self) -> float:
-        """A survivor starts recovering: the recv check is off and the job's generation moved on.
-        Returns when the failure was first seen here."""
+        """A survivor starts recovering: the recv check is off (the job's generation is moved on, if
+        no agent did, before the join: ds_swift.detect.watchdog.FailedMachine). Returns when the
+        failure was first seen here."""
         assert self.store is not None
         seen = self._watchdog.seen if self._watchdog is not None else None
         t_detect = min(time.time(), seen.t_seen) if seen is not None else time.time()
         self._armed = False
-        ensure_generation_moved(self.store, self._generation)
         return t_detect

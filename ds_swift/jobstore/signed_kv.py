@@ -108,11 +108,15 @@ class SignedKV:
         """The raw value at ``key`` now, or None: one request. A TCPStore has no "get if present"
         (``check`` then ``get`` is three requests: get waits for the key first); a ``compare_set``
         from a value no key ever holds answers the value, or that value when the key is absent."""
+        return self._get_in(self.kv, self.prefix, key)
+
+    def _get_in(self, store: dist.Store, prefix: str, key: str) -> bytes | None:
+        """:meth:`_raw_get` of ``key`` in ``store``, whose keys are under ``prefix``."""
         try_get = getattr(self.raw, "try_get", None)  # etcd: one range request
         if try_get is not None:
-            value: bytes | None = try_get(self.prefix + key)
+            value: bytes | None = try_get(prefix + key)
             return value
-        got = bytes(self.kv.compare_set(key, _ABSENT, _NEVER))
+        got = bytes(store.compare_set(key, _ABSENT, _NEVER))
         return None if got == _ABSENT.encode() else got
 
     def wait_keys(self, keys: list[str], timeout_s: float) -> bool:
@@ -136,6 +140,9 @@ class SignedKV:
         """The signed values at ``keys``, which must all exist (after a wait for them): one request
         on a TCPStore, one transaction per 128 keys on etcd; None where a value is not signed with
         the job secret."""
+        if len(keys) == 1:  # one request (a compare_set), where a multi_get is a wait and a read
+            raw = self._raw_get(keys[0])
+            return [None if raw is None else self.sealer.open(keys[0], raw)]
         many = getattr(self.raw, "get_many", None)  # etcd: torch's PrefixStore bridge has no multi_get for it
         if many is not None:
             raws: list[bytes | None] = list(many([self.prefix + k for k in keys]))
@@ -223,10 +230,10 @@ class SignedKV:
 
     # ------------------------------------------------------------------ launches
     def current_launch(self) -> tuple[str, str] | None:
-        """(token, launch id) the store's token record names, or None if absent or not signed by us."""
-        if not self.root.check(["token"]):
-            return None
-        text = self.root_sealer.open("token", bytes(self.root.get("token")))
+        """(token, launch id) the store's token record names, or None if absent or not signed by us
+        (one request: every worker's connection reads it)."""
+        raw = self._get_in(self.root, self.root_prefix, "token")
+        text = None if raw is None else self.root_sealer.open("token", raw)
         if text is None:
             return None
         token, _, launch = text.partition(" ")

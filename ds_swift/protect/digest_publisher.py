@@ -32,7 +32,7 @@ from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
 from ds_swift.protect.base import CostInputs, Protection, Site
 from ds_swift.recovery.state.digest import digest_state, engine_state, named_tensors, start_digest
-from ds_swift.recovery.verify import publish_digest
+from ds_swift.recovery.verify import DigestSlots, publish_digest
 
 __all__ = ["DigestPublisher"]
 
@@ -58,6 +58,8 @@ class DigestPublisher(Protection):
             f"ds-swift-digest-{rank}", self._digest, on_error_hook=self._failed
         )
         self._store: JobStore | None = None
+        self.slots = DigestSlots(rank)
+        """What this process wrote in the rank's digest slots (lent to the recovery: ds_swift.recovery.verify)."""
         self._iteration = -1  # the digest in hand (the thread's)
         self._queued = threading.Event()
         """On a GPU: the last digest's kernels are queued (``_read`` then says when they are done)."""
@@ -106,6 +108,12 @@ class DigestPublisher(Protection):
 
     def close(self, timeout_s: float) -> None:
         self.stop()
+
+    def lent(self, kept: Any) -> DigestSlots:
+        return self.slots  # the recovery's forget_from reads only the slots this process did not write
+
+    def forget(self) -> None:
+        self.slots.forget()  # renumbered: the slots of this rank number were another process's
 
     def cost_line(self, engine: Any, costs: CostInputs) -> str:
         from ds_swift.protect.costs import mb, timed
@@ -204,7 +212,7 @@ class DigestPublisher(Protection):
         try:
             finish = self._start(state, device, stepped)
             self._store = self._store or self._store_factory()
-            publish_digest(self._store, self.rank, self._iteration, self.interval, finish())
+            publish_digest(self._store, self.rank, self._iteration, self.interval, finish(), self.slots)
         finally:
             self._queued.set()
         if self._warned:

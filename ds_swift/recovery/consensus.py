@@ -44,13 +44,18 @@ class RankReport:
     holdings: Mapping[str, Any] = field(default_factory=dict)
     """What this rank's protections hold for the recovery, by protection name (JSON objects; a
     strategy reads one through its view in ds_swift.recovery.holdings, e.g. ``BuddyHeld.of(report)``)."""
+    checkpoints: tuple[int, ...] = ()
+    """The iterations of the newest checkpoints this rank can load, newest first (a few: see
+    ds_swift.recovery.coordinator ``common_checkpoint``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RankReport:
-        return cls(**json.loads(text))
+        doc = json.loads(text)
+        doc["checkpoints"] = tuple(doc.get("checkpoints", ()))
+        return cls(**doc)
 
 
 @dataclass(frozen=True)

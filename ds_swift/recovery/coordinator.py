@@ -2,8 +2,8 @@
 
 Survivors and replacements run the same function with the same inputs, in this order:
 
-1. publish a :class:`~ds_swift.recovery.consensus.RankReport` (and the newest complete checkpoint
-   it sees) in the job store; rank 0 gathers them once and hands every rank all of them (the
+1. publish a :class:`~ds_swift.recovery.consensus.RankReport` (naming the newest complete
+   checkpoints it can load) in the job store; rank 0 gathers them once and hands every rank all of them (the
    agreement round of ds_swift.jobstore.agreement: O(N) store requests, no rank reads every rank's key);
 2. agree on the consensus (:class:`~ds_swift.recovery.consensus.RecoveryInputs`) and ask the
    registered strategies (:mod:`ds_swift.recovery.registry`), cheapest first, which can restore
@@ -19,6 +19,7 @@ Survivors and replacements run the same function with the same inputs, in this o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -48,13 +49,19 @@ from ds_swift.recovery.replay.runner import failed_replay_key
 from ds_swift.recovery.state.digest import Verdict
 from ds_swift.recovery.verify import (
     OWN_COPY,
+    DigestSlots,
     check_published,
     forget_from,
     mismatch_reason,
 )
 
-__all__ = ["FallbackFailed", "LogPlan", "optimizer_wrapper", "rank_report", "run_recovery"]
+__all__ = ["FallbackFailed", "LogPlan", "common_checkpoint", "optimizer_wrapper", "rank_report", "run_recovery"]
 
+#: checkpoints a rank names in its report, its newest loadable ones: a survivor's own bound (its
+#: last step + 1) is at most one iteration above the job's (survivors' last steps differ by at most
+#: one), so two make the checkpoint round unneeded unless a rank sees newer checkpoints than any
+#: survivor trained (an earlier run's, in the same directory)
+REPORTED_CHECKPOINTS = 2
 #: distinct restore errors named in the agreed reason (the rest are counted)
 NAMED_ERRORS = 8
 
@@ -164,7 +171,7 @@ def run_recovery(
     outcome, plan = _restore(ctx, world_size, inputs, plan, chosen)
     _say_inexact_undo(ctx, inputs, plan, outcome)
     if ctx.verify:  # what is trained again is published again; a later replay must not meet the old digests
-        forget_from(ctx.store, ctx.rank, outcome.resume_iteration)
+        forget_from(ctx.store, ctx.rank, outcome.resume_iteration, ctx.lent.get(DigestSlots))
     outcome.latest_checkpoint = step
     ctx.timeline.t_restored = time.time()
     ctx.timeline.bytes_moved = outcome.bytes_moved
@@ -173,15 +180,19 @@ def run_recovery(
 
 def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list[RankReport], int]:
     """Step 1: every rank's report, and the newest checkpoint complete for every rank (-1: none).
-    Two agreement rounds (ds_swift.jobstore.agreement): rank 0 reads the reports and hands every
-    rank all of them in one verdict, then the checkpoint every rank can load."""
+    One agreement round (ds_swift.jobstore.agreement): rank 0 reads the reports and hands every
+    rank all of them in one verdict. Each report names the newest checkpoints its rank can load
+    (:data:`REPORTED_CHECKPOINTS`), from which every rank finds the same checkpoint; only where a
+    rank named none old enough, and may hold an older one, a second round asks every rank."""
     store, generation, timeout_s = ctx.store, ctx.generation, ctx.gather_timeout_s
     ranks = range(world_size)
+    own_bound = report.last_stepped + 1 if report.survivor else None  # at least the job's bound
+    mine = _loadable_checkpoints(store, ctx.ckpt, own_bound) if ctx.ckpt is not None else ()
     said = agree(
         store,
         round_prefix(generation, "report"),
         ctx.rank,
-        report.to_json(),
+        dataclasses.replace(report, checkpoints=mine).to_json(),
         ranks,
         pack,
         timeout_s=timeout_s,
@@ -190,13 +201,33 @@ def _gather(ctx: RankContext, world_size: int, report: RankReport) -> tuple[list
     reports = [RankReport.from_json(v) for v in unpack(said).values()]
     # Never a checkpoint newer than what every survivor trained (one of an earlier run in the same
     # directory, say): at most consensus + 1 iterations done; and only this job's (or its origin).
-    latest = _loadable_checkpoint(store, ctx.ckpt, checkpoint_bound(reports)) if ctx.ckpt is not None else None
-    # Every rank must load the same tag: the newest one that is complete for all of them.
-    step = agree(
-        store, round_prefix(generation, "ckpt"), ctx.rank, str(latest if latest is not None else -1), ranks,
-        lambda tags: str(min(int(v) for v in tags.values())), timeout_s=timeout_s, generation=generation,
-    )  # fmt: skip
-    return reports, int(step)
+    bound = checkpoint_bound(reports)
+    step = common_checkpoint(reports, bound)
+    if step is None:
+        # Every rank must load the same tag: the newest one that is complete for all of them.
+        latest = _loadable_checkpoint(store, ctx.ckpt, bound) if ctx.ckpt is not None else None
+        step = int(agree(
+            store, round_prefix(generation, "ckpt"), ctx.rank, str(latest if latest is not None else -1), ranks,
+            lambda tags: str(min(int(v) for v in tags.values())), timeout_s=timeout_s, generation=generation,
+        ))  # fmt: skip
+    return reports, step
+
+
+def common_checkpoint(reports: Sequence[RankReport], bound: int | None) -> int | None:
+    """The newest checkpoint every rank can load with at most ``bound`` iterations done (-1: none),
+    from the checkpoints the reports name (each rank's newest, at most :data:`REPORTED_CHECKPOINTS`,
+    up to a bound of its own no lower than ``bound``); None where a rank named only newer ones and
+    may hold an older one it did not name (a round then asks every rank)."""
+    newest = []
+    for r in reports:
+        fit = [c for c in r.checkpoints if bound is None or c <= bound]
+        if fit:
+            newest.append(max(fit))
+        elif len(r.checkpoints) >= REPORTED_CHECKPOINTS:
+            return None
+        else:
+            newest.append(-1)  # it named every one it can load: none within the bound
+    return min(newest, default=-1)
 
 
 def _restore(
@@ -380,3 +411,16 @@ def _loadable_checkpoint(store: JobStore, ckpt: CheckpointManager, at_most: int 
         ckpt.origin = Origin.from_json(raw) if raw else None
     found = ckpt.latest(at_most)
     return found[0] if found is not None else None
+
+
+def _loadable_checkpoints(store: JobStore, ckpt: CheckpointManager, at_most: int | None) -> tuple[int, ...]:
+    """The iterations of the newest :data:`REPORTED_CHECKPOINTS` checkpoints this rank can load
+    with at most ``at_most`` iterations done, newest first."""
+    found: list[int] = []
+    while len(found) < REPORTED_CHECKPOINTS:
+        done = _loadable_checkpoint(store, ckpt, at_most)
+        if done is None:
+            break
+        found.append(done)
+        at_most = done - 1
+    return tuple(found)

@@ -25,12 +25,15 @@ The references, by strategy:
 The coordinator then gathers every rank's :class:`~ds_swift.recovery.state.digest.Verdict`
 (:func:`agree`): one mismatch anywhere makes every rank fall back to the global checkpoint, loudly,
 naming the tensor. After each recovery, every rank forgets its own digests of the iterations it
-trains again (:func:`forget_from`), which a later replay would otherwise be checked against.
+trains again (:func:`forget_from`), which a later replay would otherwise be checked against: a
+rank reads only the slots its process did not write itself (:class:`DigestSlots`, which the
+digest publisher lends the recovery), so a survivor that published its ring reads none.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OWN_COPY",
     "SLOTS",
+    "DigestSlots",
     "ReplayCheck",
     "agree_verdicts",
     "check_copy",
@@ -76,9 +80,48 @@ def digest_key(rank: int, slot: int) -> str:
     return f"digest/{rank}/{slot}"
 
 
-def publish_digest(store: JobStore, rank: int, iteration: int, interval: int, digest: StateDigest) -> None:
-    """Store ``rank``'s digest of its state after ``iteration``'s step (overwrites the oldest slot)."""
-    store.set(digest_key(rank, (iteration // interval) % SLOTS), digest.to_json(iteration))
+class DigestSlots:
+    """What this process wrote in ``rank``'s digest slots (slot -> the iteration there; None: dropped),
+    so that :func:`forget_from` reads only the slots it does not know. Only the process holding a
+    rank writes its slots, so what it wrote is what they hold while it keeps the rank: a slot it
+    never wrote (its predecessor's), or whose write failed, is read. Lent to the recovery by the
+    digest publisher (ds_swift.protect.digest_publisher), forgotten at an elastic renumbering."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._slots: dict[int, int | None] = {}
+
+    def writing(self, slot: int) -> None:
+        """A write of ``slot`` starts: unknown until it succeeded (a write that raised may have landed)."""
+        with self._lock:
+            self._slots.pop(slot, None)
+
+    def wrote(self, slot: int, iteration: int | None) -> None:
+        with self._lock:
+            self._slots[slot] = iteration
+
+    def known(self, slot: int) -> tuple[bool, int | None]:
+        """(whether this process knows what ``slot`` holds, the iteration there: None for none)."""
+        with self._lock:
+            return slot in self._slots, self._slots.get(slot)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+
+def publish_digest(
+    store: JobStore, rank: int, iteration: int, interval: int, digest: StateDigest, slots: DigestSlots | None = None
+) -> None:
+    """Store ``rank``'s digest of its state after ``iteration``'s step (overwrites the oldest slot);
+    ``slots``: this process's record of them, kept up to date."""
+    slot = (iteration // interval) % SLOTS
+    if slots is not None:
+        slots.writing(slot)
+    store.set(digest_key(rank, slot), digest.to_json(iteration))
+    if slots is not None:
+        slots.wrote(slot, iteration)
 
 
 def published_digests(store: JobStore, rank: int) -> dict[int, dict[str, Any]]:
@@ -92,13 +135,22 @@ def published_digests(store: JobStore, rank: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def forget_from(store: JobStore, rank: int, iteration: int) -> None:
+def forget_from(store: JobStore, rank: int, iteration: int, slots: DigestSlots | None = None) -> None:
     """Drop ``rank``'s digests of ``iteration`` and later: training resumes there, and what the
-    recovery undid or rolled back is published again as it is trained again."""
+    recovery undid or rolled back is published again as it is trained again. ``slots``: what this
+    process wrote in them (a slot it knows is not read: one request each saved)."""
+    mine = slots if slots is not None and slots.rank == rank else None
     for slot in range(SLOTS):
-        raw = store.get(digest_key(rank, slot))
-        if raw and int(json.loads(raw)["iteration"]) >= iteration:
+        known, held = mine.known(slot) if mine is not None else (False, None)
+        if not known:
+            raw = store.get(digest_key(rank, slot))
+            held = int(json.loads(raw)["iteration"]) if raw else None
+        if held is not None and held >= iteration:
+            if mine is not None:
+                mine.writing(slot)
             store.set(digest_key(rank, slot), "")
+        if mine is not None:
+            mine.wrote(slot, held if held is None or held < iteration else None)
 
 
 # ----------------------------------------------------------------------------- donors

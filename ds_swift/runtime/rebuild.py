@@ -156,9 +156,7 @@ class Rebuilder(SurvivorSteps):
         kept = self._tear_down()
         tl.t_torn_down = time.time()
         tl.extra["teardown_s"] = self.teardown_steps
-        store = self._ctx.store
-        assert store is not None
-        if (store.failure(g) or "").startswith(STALL):
+        if (self._monitor.failure_reason(g) or "").startswith(STALL):
             self._lengthen_op_timeout()
         self._before_rejoin(g, kept)
         if self.change is not None and self.engine_swap.active:

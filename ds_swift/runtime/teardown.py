@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
-from ds_swift.detect.watchdog import wait_failed_machine
+from ds_swift.detect.watchdog import FailedMachine
 from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.recovery.base import MembershipChange, MembershipRefused, MembershipView
 from ds_swift.recovery.kept import KeptState, grid_of
@@ -124,15 +124,11 @@ class SurvivorSteps:
         from joining before the agent declared (it would then fail g+1 too)."""
         store, env = self._ctx.store, self._ctx.env
         assert store is not None and env is not None
-        failed: list[int | None] = []
-
-        def failed_machine() -> int | None:  # waited for once, whoever asks first
-            if not failed:
-                failed.append(wait_failed_machine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s)))
-            return failed[0]
-
+        # Also where the job's generation is moved past g, if no agent did (a declarer died half-way).
+        failed_machine = FailedMachine(store, g, max(2.0, 20 * self._cfg.watchdog.poll_interval_s))
         change = STRATEGIES.membership_change(self._cfg.strategy, self._view(g, kept, failed_machine))
         if change is not None:
+            failed_machine.settle()
             self._apply(change)
             return
         machine = failed_machine()

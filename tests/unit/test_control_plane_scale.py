@@ -238,3 +238,100 @@ def test_ds_swifts_gloo_groups_connect_no_full_mesh() -> None:
 
     on_threads(n, ring)
     assert store.take().total_requests <= 3 * 2 * n  # each pair: a wait and a read of its peer's address
+
+
+def test_a_survivor_forgets_its_undone_digests_without_reading_its_slots() -> None:
+    """After a recovery every rank drops its digests of the iterations trained again: a process reads
+    back only the slots it did not write itself (a replacement: its predecessor's), one each."""
+    from ds_swift.recovery.state.digest import StateDigest
+    from ds_swift.recovery.verify import SLOTS, DigestSlots, forget_from, publish_digest, published_digests
+
+    raw = counting()
+    store, digest = JobStore(raw, TOKEN), StateDigest(("w",), ("0" * 16,))
+    slots = DigestSlots(3)
+    for iteration in range(0, 101, 10):  # its ring: 70, 80, 90, 100
+        publish_digest(store, 3, iteration, 10, digest, slots)
+    raw.take()
+    forget_from(store, 3, 101, slots)  # resumes after them all: nothing to drop, nothing read
+    assert raw.take().total_requests == 0
+    forget_from(store, 3, 85, slots)  # a step back: 90 and 100 dropped, written without a read
+    tally = raw.take()
+    assert tally.calls == {"set": 2}, dict(tally.calls)
+    assert sorted(published_digests(store, 3)) == [70, 80]
+    raw.take()
+    forget_from(store, 3, 85, DigestSlots(3))  # a replacement's process: it reads every slot once
+    assert raw.take().calls == {"compare_set": SLOTS}
+    forget_from(store, 3, 85, slots)  # what it wrote stays known: still nothing read
+    assert raw.take().total_requests == 0
+
+
+def test_the_checkpoint_every_rank_loads_follows_from_the_reports() -> None:
+    """The checkpoint round is needed only where a rank named nothing old enough but may hold more:
+    from each rank's newest loadable checkpoints (up to its own bound), the same checkpoint as every
+    rank naming its newest one within the job's bound, min over the ranks."""
+    import random
+
+    from ds_swift.recovery.consensus import RankReport
+    from ds_swift.recovery.coordinator import REPORTED_CHECKPOINTS, checkpoint_bound, common_checkpoint
+
+    rng = random.Random(48)
+    decided = 0
+    for _ in range(2000):
+        consensus = rng.randrange(0, 40)
+        reports, loadable = [], []
+        for rank in range(rng.randrange(1, 6)):
+            survivor = rank == 0 or rng.random() < 0.7
+            stepped = consensus + rng.randrange(2) if survivor else -1
+            tags = sorted(rng.sample(range(0, 60), rng.randrange(0, 6)), reverse=True)
+            own = [t for t in tags if not survivor or t <= stepped + 1]
+            loadable.append(tags)
+            reports.append(
+                RankReport(rank, survivor, 0, rank, 0, rank, stepped, checkpoints=tuple(own[:REPORTED_CHECKPOINTS]))
+            )
+        bound = checkpoint_bound(reports)
+        expected = min(max((t for t in tags if bound is None or t <= bound), default=-1) for tags in loadable)
+        found = common_checkpoint(reports, bound)
+        if found is not None:
+            decided += 1
+            assert found == expected, (reports, bound)
+        else:  # only where a rank's named checkpoints are all above the bound
+            assert any(r.checkpoints and min(r.checkpoints) > (bound or 0) for r in reports)
+    assert decided > 1500  # most recoveries need no round of their own
+    text = RankReport(1, True, 0, 0, 0, 0, 5, checkpoints=(6, 4)).to_json()
+    assert RankReport.from_json(text).checkpoints == (6, 4)
+
+
+def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded by the machine's agent after its declaration (the generation moved with it): two
+    requests; no record (a worker declared) or nobody asking: the generation is moved here."""
+    from ds_swift.detect.watchdog import FailedMachine
+    from ds_swift.launch.control import JobControl
+
+    raw = counting()
+    store = JobStore(raw, TOKEN)
+    store.begin("")
+    store.declare_failure(0, "machine 2 died")
+    JobControl(store).record_failure_timeline(0, 2, 1.0, 2.0)
+    raw.take()
+    assert FailedMachine(store, 0, 5.0)() == 2
+    assert raw.take().calls == {"wait": 1, "compare_set": 1}
+    # the first declarer died half-way: flag written, generation not moved, nothing recorded
+    store.kv.set("gen1/failed", store.sealer.seal("gen1/failed", "a worker's declaration"))
+    failed = FailedMachine(store, 1, 0.2)
+    assert failed() is None and store.generation() == 2
+    raw.take()
+    FailedMachine(store, 2, 0.2).settle()  # asked by nobody (a membership change): moved all the same
+    assert raw.take().total_requests == 2 and store.generation() == 3  # its read and its move
+
+
+def test_a_connection_reads_the_launch_in_one_request_and_one_key_in_one() -> None:
+    raw = counting()
+    store = JobStore(raw, TOKEN, "unit-scale-secret-0123")
+    store.begin("L1")
+    raw.take()
+    assert JobStore(raw, TOKEN, "unit-scale-secret-0123").current_launch() == (TOKEN, "L1")
+    assert raw.take().total_requests == 1  # a check, then a get (its wait and its read) were three
+    store.publish(1, "digest_sent", 5, "x")
+    raw.take()
+    assert store.gather(1, "digest_sent", [5], timeout_s=5) == {5: "x"}
+    assert raw.take().calls == {"wait": 1, "compare_set": 1}  # a multi_get is a wait and a read more
