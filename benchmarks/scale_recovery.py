@@ -7,14 +7,15 @@ it (ds_swift.runtime.rebuild ``as_survivor``/``rejoin``/``_recover``, ds_swift.r
 
 - the failed machine's agent: launch/fate.py ``MachineFate.handle`` (declare, timeline, fate, the
   spare's request); the spare's agent: ``MachineAgent.poll_store`` (claim, replacement started);
-- each survivor: its watchdog's turn that sees the flag (``Watchdog.turn``), the generation
-  moved on (``ensure_generation_moved``), the failed machine's name (``wait_failed_machine``), the
-  join of g+1 (``JobStore.join``);
+- each survivor: its watchdog's turn that sees the flag (``Watchdog.turn``), the failed machine's
+  name (``FailedMachine``: the generation moved on where no agent recorded it), the join of g+1
+  (``JobStore.join``);
 - each replacement, :data:`REPLACEMENT_DELAY_S` later (a warm spare handed its ranks): its store
   connection and the same join;
 - every rank: the recovery protocol itself (ds_swift.recovery.coordinator ``run_recovery``: its
   rounds, the consensus and the choice of strategy, whose CPU time is measured, verification, the
-  digests of undone iterations dropped), with a restore that does what a replication or buddy
+  digests of undone iterations dropped: every rank published its ring of digests while it trained,
+  and a survivor's process knows what it wrote there), with a restore that does what a replication or buddy
   restore asks of the store (the donors' digests of what they send, the replacements' check of
   them: ds_swift.recovery.verify); then rank 0's ``resumed`` key, the post-recovery guard's round
   (``LossGuard.after_recovery``) and the timeline (each rank's part, rank 0's ``collect_timeline``).
@@ -31,7 +32,7 @@ import io
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -42,7 +43,7 @@ from scale_steady import _HealthyGpus, _spawn
 
 from ds_swift.detect.beats import BeatFile
 from ds_swift.detect.progress import Progress
-from ds_swift.detect.watchdog import Watchdog, ensure_generation_moved, wait_failed_machine
+from ds_swift.detect.watchdog import FailedMachine, Watchdog
 from ds_swift.jobstore.membership import JobStore, resumed_key
 from ds_swift.launch.agent import MachineAgent
 from ds_swift.launch.args import Command
@@ -53,10 +54,12 @@ from ds_swift.recovery import coordinator
 from ds_swift.recovery.base import RankContext, RecoveryOutcome
 from ds_swift.recovery.consensus import RankReport, RecoveryInputs, RecoveryPlan
 from ds_swift.recovery.coordinator import run_recovery
+from ds_swift.recovery.handover import Handover
 from ds_swift.recovery.holdings import BuddyHeld
 from ds_swift.recovery.registry import STRATEGIES
+from ds_swift.recovery.state.digest import StateDigest
 from ds_swift.recovery.timeline import RankTimeline
-from ds_swift.recovery.verify import check_received, publish_reference
+from ds_swift.recovery.verify import DigestSlots, check_received, publish_digest, publish_reference
 from ds_swift.runtime.guard import LossGuard
 from ds_swift.runtime.timeline import collect_timeline
 
@@ -71,6 +74,7 @@ PHASES = ("detect", "join", "rounds")
 REPLACEMENT_DELAY_S = 1.0
 TIMEOUT_S = 300.0
 ITERATION = 100
+DIGEST_INTERVAL = 10
 
 
 @dataclass
@@ -82,6 +86,8 @@ class _Run:
     errors: list[BaseException]
     run_dir: str
     plan: Any = None
+    slots: dict[int, DigestSlots] = field(default_factory=dict)
+    """survivor rank -> what its digest publisher wrote in its slots (lent to its recovery)"""
 
     @property
     def lost(self) -> range:
@@ -161,7 +167,8 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
     0's ``resumed`` key, the post-recovery guard's round and the timeline."""
     now = time.time()
     tl = RankTimeline(rank, "survivor" if rank not in run.lost else "replacement", 0, t_detect=now, t_rebuilt=now)
-    ctx = RankContext(store, generation, rank, None, None, None, tl, TIMEOUT_S, verify=True)
+    lent = Handover(run.slots.get(rank))  # a survivor's digest publisher lends what it wrote
+    ctx = RankContext(store, generation, rank, None, None, None, tl, TIMEOUT_S, verify=True, lent=lent)
     outcome = run_recovery(
         ctx,
         world_size=run.layout.ranks,
@@ -193,9 +200,9 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
 
 
 def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
-    store = clients["detect"]
+    store, waiting = clients["detect"], clients["watchdog"]
     wd = Watchdog(
-        lambda: store,
+        lambda: waiting,
         rank,
         0,
         0.1,
@@ -205,11 +212,10 @@ def _survivor(run: _Run, rank: int, clients: dict[str, JobStore]) -> None:
         ranks_per_machine=PER_MACHINE,
         beat_file=BeatFile(run.run_dir, rank, 10.0),
     )
-    conn: JobStore | None = store
-    while not wd.failed.is_set():  # its thread's turn that sees the flag (set before the harness starts)
+    conn: JobStore | None = waiting
+    while not wd.failed.is_set():  # its thread's turn, blocked on the flag when the machine dies
         conn, _ = wd.turn(conn)
-    ensure_generation_moved(store, 0)
-    wait_failed_machine(store, 0, 2.0)
+    FailedMachine(store, 0, 2.0)()  # before the join (ds_swift.runtime.teardown: the generation moved too)
     clients["join"].join(1, rank, run.layout.ranks, TIMEOUT_S)
     _rounds(run, rank, 1, clients["rounds"])
 
@@ -228,6 +234,22 @@ def _guarded(run: _Run, fn: Any, rank: int, clients: dict[str, JobStore]) -> Non
         run.errors.append(exc)
 
 
+def _watchdogs_waiting(run: _Run, survivors: list[threading.Thread]) -> None:
+    """Start the survivors: each one's watchdog blocks on the failure flag, as it does while nothing
+    fails. Those waits are the steady state's (benchmarks/scale_steady.py counts them): once every
+    one is asked, they are taken off the count; what the watchdogs ask after the flag is set is the
+    recovery's (a slice that timed out meanwhile, at most WAIT_SLICE_S, would be counted too)."""
+    counting = run.stores.counting("watchdog")
+    for t in survivors:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while counting.tally.calls["wait"] < len(survivors):
+        if run.errors or time.monotonic() > deadline:
+            raise RuntimeError(f"the survivors' watchdogs did not start waiting: {run.errors[:1]!r}")
+        time.sleep(0.01)
+    run.stores.take("watchdog")
+
+
 def recovery(layout: Layout) -> dict[str, Any]:
     """Requests of one recovery by part (agents, ranks) and key family, its wall time here, and the
     consensus's CPU time per rank."""
@@ -235,34 +257,44 @@ def recovery(layout: Layout) -> dict[str, Any]:
     run = _Run(layout, stores, layout.machines // 2, [], [], tempfile.mkdtemp(prefix="scale-timeline-"))
     job = _job(layout)
     agents = stores.client("detect")
+    setup = stores.client("setup")
+    digest = StateDigest(("w",), ("0" * 16,))
     for rank in range(layout.ranks):  # every rank beat once before the failure (replacements count on)
-        stores.client("setup").heartbeat(rank)
+        setup.heartbeat(rank)
+        # and published its digests while it trained (verify.digest_interval 10): its ring of slots
+        run.slots[rank] = DigestSlots(rank)
+        for iteration in range(0, ITERATION + 1, DIGEST_INTERVAL):
+            publish_digest(setup, rank, iteration, DIGEST_INTERVAL, digest, run.slots[rank])
+    for rank in run.lost:  # a replacement's process starts with nothing written: it reads its slots
+        del run.slots[rank]
     spare = MachineAgent(layout.machines, job, agents, EventLog(None), spawn=_spawn, gpu_monitor=_HealthyGpus())
-    # a rank's connection is its process's, opened before the failure (one per phase: counted apart)
-    clients = {r: {phase: stores.client(phase) for phase in PHASES} for r in range(layout.ranks)}
-    for part in ("setup", *PHASES):
+    # a rank's connection is its process's, opened before the failure (one per phase: counted apart;
+    # its watchdog's own)
+    clients = {r: {part: stores.client(part) for part in (*PHASES, "watchdog")} for r in range(layout.ranks)}
+    for part in ("setup", "watchdog", *PHASES):
         stores.take(part)
-    t0 = time.monotonic()
     with quiet(), mock.patch.object(coordinator, "STRATEGIES", _StoreSide(run)):
+        threads = {
+            r: threading.Thread(
+                target=_guarded, args=(run, _replacement if r in run.lost else _survivor, r, clients[r]), daemon=True
+            )
+            for r in range(layout.ranks)
+        }
+        _watchdogs_waiting(run, [threads[r] for r in range(layout.ranks) if r not in run.lost])
+        t0 = time.monotonic()
         fate = MachineFate(run.failed_machine, job, agents, JobControl(agents), EventLog(None))
         fate.handle(run.failed_machine, f"machine {run.failed_machine}: rank died", time.time(), own=True)
         spare.poll_store()
-        threads = [
-            threading.Thread(
-                target=_guarded,
-                args=(run, _replacement if r in run.lost else _survivor, r, clients[r]),
-                daemon=True,
-            )
-            for r in range(layout.ranks)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
+        for r in run.lost:
+            threads[r].start()
+        for t in threads.values():
             t.join(TIMEOUT_S)
     wall_s = time.monotonic() - t0
-    if run.errors or any(t.is_alive() for t in threads):
+    if run.errors or any(t.is_alive() for t in threads.values()):
         raise RuntimeError(f"the simulated recovery did not finish: {run.errors[:1]!r}")
     phases = {phase: stores.take(phase) for phase in PHASES}
+    # what the survivors' watchdogs asked once the flag was set (their waits before: the steady state's)
+    phases["detect"] = phases["detect"].merged(stores.take("watchdog"))
     total = phases["detect"].merged(phases["join"]).merged(phases["rounds"])
     return {
         "ranks": layout.ranks,
