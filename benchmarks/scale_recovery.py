@@ -17,8 +17,8 @@ it (ds_swift.runtime.rebuild ``as_survivor``/``rejoin``/``_recover``, ds_swift.r
   digests of undone iterations dropped: every rank published its ring of digests while it trained,
   and a survivor's process knows what it wrote there), with a restore that does what a replication or buddy
   restore asks of the store (the donors' digests of what they send, the replacements' check of
-  them: ds_swift.recovery.verify); then rank 0's ``resumed`` key, the post-recovery guard's round
-  (``LossGuard.after_recovery``) and the timeline (each rank's part, rank 0's ``collect_timeline``).
+  them: ds_swift.recovery.verify); then rank 0's ``resumed`` key, the post-recovery guard's reference
+  (``LossGuard.after_recovery``, agreed in the restore round) and the timeline (each rank's part, rank 0's ``collect_timeline``).
 
 Not here: the state itself (sent on the transport, measured by benchmarks/recovery_time.py) and
 the process groups (gloo rendezvous: :func:`scale_groups.group_costs`). The watchdogs' own polling
@@ -164,10 +164,12 @@ class _StoreSide:
 
 def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
     """Every rank, joined into ``generation``: the recovery protocol (coordinator.run_recovery), rank
-    0's ``resumed`` key, the post-recovery guard's round and the timeline."""
+    0's ``resumed`` key, the post-recovery guard's reference and the timeline."""
     now = time.time()
     tl = RankTimeline(rank, "survivor" if rank not in run.lost else "replacement", 0, t_detect=now, t_rebuilt=now)
-    lent = Handover(run.slots.get(rank))  # a survivor's digest publisher lends what it wrote
+    guard = LossGuard(20, 2.0, rank, store)
+    # a survivor's digest publisher lends what it wrote; the guard agrees its losses in the restore round
+    lent = Handover(run.slots.get(rank), guard.rider(generation))
     ctx = RankContext(store, generation, rank, None, None, None, tl, TIMEOUT_S, verify=True, lent=lent)
     outcome = run_recovery(
         ctx,
@@ -182,7 +184,7 @@ def _rounds(run: _Run, rank: int, generation: int, store: JobStore) -> None:
     if rank == 0:
         store.set(resumed_key(generation), "1")
     engine = SimpleNamespace(global_steps=plan.consensus + 1, skipped_steps=0)
-    LossGuard(20, 2.0, rank, store).after_recovery(engine, outcome, generation, run.layout.ranks, TIMEOUT_S, rank)
+    guard.after_recovery(engine, outcome, generation, run.layout.ranks, TIMEOUT_S, rank)
     tl.t_back = time.time()
     store.publish(generation, "timeline", rank, tl.to_json())
     if rank == 0:

@@ -45,6 +45,7 @@ __all__ = [
     "RecoveryStrategy",
     "Registry",
     "RestoreFailed",
+    "Rider",
     "announce_deviation",
     "checkpoint_source",
     "loud",
@@ -116,6 +117,21 @@ def say_deviation(rank: int, lowest: bool, strategy: str, outcome: RecoveryOutco
     outcome.deviation = deviation
     if lowest:
         loud(rank, f"APPROXIMATE RECOVERY (strategy {strategy}): {deviation}")
+
+
+@dataclass
+class Rider:
+    """What the runtime agrees in the recovery's restore round instead of in a round of its own (three
+    store requests per rank saved): each rank's ``value(resume_iteration)``, the round leader's
+    ``decide`` over every rank's (the same function on every rank), and, once the round ended without
+    a fallback, the decision (``said``, the same on every rank). Lent to the recovery
+    (``RankContext.lent``) for ``generation``; ds-swift's post-recovery guard agrees its reference
+    losses this way (ds_swift.runtime.guard)."""
+
+    generation: int
+    value: Callable[[int], str]
+    decide: Callable[[Mapping[int, str]], str]
+    said: str | None = None
 
 
 @dataclass

@@ -38,6 +38,7 @@ from ds_swift.recovery.base import (
     RecoveryOutcome,
     RecoveryStrategy,
     RestoreFailed,
+    Rider,
     announce_deviation,
     loud,
 )
@@ -250,7 +251,9 @@ def _restore(
             raise  # the generation failed meanwhile (a cascading failure): the next one recovers
         error = f"rank {ctx.rank}: strategy {plan.strategy!r} raised {type(exc).__name__}: {str(exc)[:200]}"
         loud(ctx.rank, error)
-    reason = _agree_on_restores(ctx, world_size, error, verdict)
+    reason = _agree_on_restores(
+        ctx, world_size, error, verdict, None if error is not None else outcome.resume_iteration
+    )
     if reason is not None:
         plan, chosen = STRATEGIES.fall_back(inputs, reason)
         outcome = _fall_back(ctx, world_size, inputs, plan, chosen)
@@ -300,13 +303,26 @@ def _fall_back(
     raise failed
 
 
-def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, verdict: Verdict | None) -> str | None:
+def _agree_on_restores(
+    ctx: RankContext, world_size: int, error: str | None, verdict: Verdict | None, resume: int | None
+) -> str | None:
     """The round after every rank's restore: each says whether its restore raised (a strategy's bug,
     an op its peer abandoned) and its check of the state it restored; any error or mismatch makes
     every rank fall back to the global checkpoint together, loudly, naming it (a rank falling back
     alone would leave its peers waiting in the strategy's collectives). Returns the reason, or None
-    when every restore worked: then every rank holds its state, and training may resume."""
-    mine = json.dumps({"error": error or "", "verdict": verdict.to_json() if verdict is not None else None})
+    when every restore worked: then every rank holds its state, and training may resume. What the
+    runtime lent to ride the round (:class:`~ds_swift.recovery.base.Rider`, for ``resume``) is
+    decided in it too."""
+    rider = ctx.lent.get(Rider)
+    if rider is not None and rider.generation != ctx.generation:
+        rider = None
+    mine = json.dumps(
+        {
+            "error": error or "",
+            "verdict": verdict.to_json() if verdict is not None else None,
+            "rider": rider.value(resume) if rider is not None and resume is not None else "",
+        }
+    )
     said = json.loads(
         agree(
             ctx.store,
@@ -314,7 +330,7 @@ def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, ver
             ctx.rank,
             mine,
             range(world_size),
-            _restores,
+            lambda values: _restores(values, rider),
             timeout_s=ctx.gather_timeout_s,
             generation=ctx.generation,
         )
@@ -327,13 +343,15 @@ def _agree_on_restores(ctx: RankContext, world_size: int, error: str | None, ver
             ctx.rank,
             f"{f'restore failed ({errors})' if errors else reason}: ALL RANKS FALL BACK TO THE GLOBAL CHECKPOINT",
         )
+    if rider is not None and not reason:
+        rider.said = said.get("rider")
     return reason or None
 
 
-def _restores(values: Mapping[int, str]) -> str:
+def _restores(values: Mapping[int, str], rider: Rider | None = None) -> str:
     """The restore round's verdict: the distinct errors, the lowest ranks' first (at most
     :data:`NAMED_ERRORS`, then how many more: a thousand ranks' errors in one key read by every rank
-    would be a million copies), and the lowest ranks' mismatches."""
+    would be a million copies), and the lowest ranks' mismatches; and the ``rider``'s decision."""
     said = {r: json.loads(v) for r, v in sorted(values.items())}
     errors = _distinct({r: a["error"] for r, a in said.items()})
     bad = {
@@ -341,7 +359,10 @@ def _restores(values: Mapping[int, str]) -> str:
         for r, a in said.items()
         if a["verdict"] and Verdict.from_json(a["verdict"]).status == "mismatch"
     }
-    return json.dumps({"errors": errors, "mismatches": dict(list(bad.items())[:NAMED_ERRORS])})
+    out: dict[str, Any] = {"errors": errors, "mismatches": dict(list(bad.items())[:NAMED_ERRORS])}
+    if rider is not None:
+        out["rider"] = rider.decide({r: a.get("rider", "") for r, a in said.items()})
+    return json.dumps(out)
 
 
 def _distinct(errors: Mapping[int, str]) -> list[str]:

@@ -198,6 +198,7 @@ class SwiftPipelineEngine(CheckpointCalls, IterationInputs, EngineShutdown):
             hooks=self._hooks,
             monitor=self._monitor,
             ckpt=self._ckpt,
+            guard=self._guard,
         )
         self._recv_patch = patch_recv_check(self._monitor.check_after_receive)
         # Replays and retries must compute what the first run did; the user's settings return on close().

@@ -33,7 +33,7 @@ from typing import Any
 
 from ds_swift.jobstore.agreement import agree, round_prefix
 from ds_swift.logs import say
-from ds_swift.recovery.base import loud
+from ds_swift.recovery.base import Rider, loud
 from ds_swift.recovery.registry import STRATEGIES
 
 __all__ = ["FIRST_TRIP_KEY", "GuardTripped", "LossGuard", "ROLLBACK_KEY", "forced_strategy", "judge", "reference_of"]
@@ -134,6 +134,7 @@ class LossGuard:
         self.history: deque[tuple[int, Any]] = deque(maxlen=_KEPT)
         self.window: _Window | None = None
         self._judged = -1
+        self._rider: Rider | None = None  # what the recovery in progress agrees for the guard
         self._skipped = 0
 
     def log(self, msg: str) -> None:
@@ -190,14 +191,31 @@ class LossGuard:
         self.store.declare_failure(generation, why)
         return why
 
+    def rider(self, generation: int) -> Rider | None:
+        """What the guard agrees in the recovery of ``generation`` (ds_swift.recovery.base.Rider): the
+        same as its own round (:meth:`_round`), in the restore round (None: the guard is off)."""
+        if self.iterations <= 0 or self.store is None:
+            return None
+        self._rider = Rider(
+            generation, lambda resume: ",".join(repr(x) for _, x in self._kept_before(resume)), self._decide
+        )
+        return self._rider
+
+    def _kept_before(self, resume_iteration: int) -> list[tuple[int, float]]:
+        """This rank's last finite losses before ``resume_iteration`` (at most WINDOW)."""
+        read = [(i, float(x)) for i, x in self.history if i < resume_iteration]
+        return [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
+
+    def _decide(self, lists: Mapping[int, str]) -> str:
+        """The leader's verdict: the longest of the ranks' losses, and the step back the guard asked
+        for and whether it was served, read once (before rank 0 marks it served)."""
+        wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
+        return json.dumps({"losses": _longest(lists), "wanted": wanted, "served": served, "agreed": True})
+
     def _round(self, generation: int, world: int, timeout_s: float, mine: str) -> dict[str, Any]:
         """The guard's round (ds_swift.jobstore.agreement): survivors hold the same losses (every rank
         judges the broadcast one), replacements none: its verdict is the longest list, and the step
         back the guard asked for and whether it was served, read once by the leader."""
-
-        def decide(lists: Mapping[int, str]) -> str:
-            wanted, served = self.store.get(ROLLBACK_KEY), self.store.get(SERVED_KEY)
-            return json.dumps({"losses": _longest(lists), "wanted": wanted, "served": served, "agreed": True})
 
         try:
             said: dict[str, Any] = json.loads(
@@ -207,7 +225,7 @@ class LossGuard:
                     self.rank,
                     mine,
                     range(world),
-                    decide,
+                    self._decide,
                     timeout_s=timeout_s,
                     generation=generation,
                 )
@@ -235,11 +253,13 @@ class LossGuard:
         self._judged = resume_iteration - 1
         if self.iterations <= 0 or self.store is None:
             return
-        read = [(i, float(x)) for i, x in self.history if i < resume_iteration]
-        kept = [(i, x) for i, x in read if math.isfinite(x)][-WINDOW:]
-        mine = [x for _, x in kept]
+        kept = self._kept_before(resume_iteration)
         self.history = deque(kept, maxlen=_KEPT)
-        said = self._round(generation, world, timeout_s, ",".join(repr(x) for x in mine))
+        rider, self._rider = self._rider, None
+        if rider is not None and rider.generation == generation and rider.said is not None:
+            said: dict[str, Any] = json.loads(rider.said)  # agreed in the recovery's restore round
+        else:  # a fallback, a membership change: a round of its own
+            said = self._round(generation, world, timeout_s, ",".join(repr(x) for _, x in kept))
         wanted, served = said["wanted"], said["served"]
         # Read once, by the round's leader, before rank 0 marks it served: the same answer on every rank.
         pending = wanted is not None and (

@@ -39,7 +39,7 @@ from ds_swift.recovery.kept import KeptState
 from ds_swift.recovery.registry import STRATEGIES, services_of
 from ds_swift.recovery.timeline import RankTimeline
 from ds_swift.runtime.context import SwiftContext, join_generation
-from ds_swift.runtime.guard import forced_strategy
+from ds_swift.runtime.guard import LossGuard, forced_strategy
 from ds_swift.runtime.hooks import EngineHooks
 from ds_swift.runtime.swap import EngineSwap, startup_times
 from ds_swift.runtime.teardown import SurvivorSteps
@@ -93,8 +93,10 @@ class Rebuilder(SurvivorSteps):
         hooks: EngineHooks,
         monitor: FailureMonitor,
         ckpt: CheckpointManager,
+        guard: LossGuard | None = None,
     ) -> None:
         self._holder = holder
+        self._guard = guard
         self._ctx = ctx
         self._cfg = cfg
         self._ds_config = ds_config
@@ -316,6 +318,9 @@ class Rebuilder(SurvivorSteps):
             verify=self._cfg.verify.enabled,
             lent=self.protect.lend(kept),  # what the protections kept for the strategies
         )
+        rider = self._guard.rider(generation) if self._guard is not None else None
+        if rider is not None:
+            ctx.lent.put(rider)  # the post-recovery guard's round rides the restore round
         change, self.change = self.change, None
         if change is not None:
             self.protect.forget()  # what they held is keyed by the old ranks: the new generation starts afresh

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -154,3 +155,45 @@ def test_an_elastic_resize_renumbers_the_rank_the_guard_publishes_under() -> Non
     guard.after_recovery(engine, Outcome(Plan("lossy_forward")), 1, 1, 1.0, rank=0)  # world 1 after the shrink
     assert store.get("gen1/guard_ref/0") == "3.0,2.5,2.75" and guard.rank == 0
     assert guard.window is not None and guard.window.reference is not None
+
+
+def test_the_reference_is_agreed_in_the_recoverys_restore_round(ends: Any) -> None:
+    """Lent to the recovery, the guard's values ride its restore round (ds_swift.recovery.coordinator):
+    the same reference on every rank as its own round gave, and no round of its own (three store
+    requests per rank). A recovery that falls back leaves it undecided: the guard's own round then."""
+    import threading
+
+    from ds_swift.recovery.base import RankContext, Rider
+    from ds_swift.recovery.coordinator import _agree_on_restores
+    from ds_swift.recovery.handover import Handover
+    from ds_swift.recovery.timeline import RankTimeline
+
+    store = FakeStore()
+    a, b = LossGuard(4, 2.0, 0, store), LossGuard(4, 2.0, 1, store)
+    ea, eb = Engine(), Engine()
+    for loss in (3.0, 2.8, 2.6, 2.5, 2.4, 2.3):
+        train(a, ea, loss)
+    riders = {0: a.rider(1), 1: b.rider(1)}
+    reasons: dict[int, Any] = {}
+
+    def restore_round(rank: int) -> None:
+        rider = riders[rank]
+        assert rider is not None
+        ctx = RankContext(
+            store, 1, rank, None, None, None, RankTimeline(rank, "survivor", 0), 5.0, lent=Handover(rider)
+        )
+        reasons[rank] = _agree_on_restores(ctx, 2, None, None, 6)
+
+    threads = [threading.Thread(target=restore_round, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    assert ends(lambda: [t.join(10) for t in threads], 15, "the restore round") is None
+    assert reasons == {0: None, 1: None}
+    assert all(isinstance(r, Rider) and r.said is not None for r in riders.values())
+    for guard, engine in ((a, ea), (b, eb)):
+        engine.global_steps = 6
+        guard.after_recovery(engine, Outcome(Plan("buddy")), 1, 2, 0.5)
+        assert guard.window is not None and guard.window.reference == 3.0  # the replacement's from the survivor's
+    assert not store.kv.check(["gen1/guard_ref/0"]) and not store.kv.check(["gen1/guard_ref/1"])
+    off = LossGuard(0, 2.0, 0, store)
+    assert off.rider(1) is None  # off: nothing rides the round
