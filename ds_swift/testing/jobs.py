@@ -35,7 +35,6 @@ __all__ = [
     "JobTimeout",
     "assert_verified",
     "build_deepspeed_shm_op",
-    "deepspeed_shm_op_built",
     "fork_zygote",
     "run_job",
 ]
@@ -241,16 +240,6 @@ def fork_zygote(directory: str | Path, timeout_s: float = 300.0) -> Iterator[Pat
 
 # ---------------------------------------------------------------------------- DeepSpeed's first start
 _SHM_BUILD = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-
-
-def deepspeed_shm_op_built() -> bool:
-    """Whether DeepSpeed's shm comm op is already built (its first start on a machine builds it, ~40 s)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return (Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so").exists()
-    except Exception:  # noqa: BLE001 - a private helper; without it just build (fast when cached)
-        return False
 
 
 def build_deepspeed_shm_op(log_dir: str | Path, timeout_s: float = 600.0) -> None:
