@@ -42,8 +42,9 @@ from scale_common import LAUNCH, PER_MACHINE, SECRET, TOKEN, Layout, StoreSet, q
 from scale_steady import _HealthyGpus, _spawn
 
 from ds_swift.detect.beats import BeatFile
+from ds_swift.detect.failed_machine import FailedMachine
 from ds_swift.detect.progress import Progress
-from ds_swift.detect.watchdog import FailedMachine, Watchdog
+from ds_swift.detect.watchdog import Watchdog
 from ds_swift.jobstore.membership import JobStore, resumed_key
 from ds_swift.launch.agent import MachineAgent
 from ds_swift.launch.args import Command

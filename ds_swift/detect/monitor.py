@@ -188,7 +188,7 @@ class FailureMonitor:
 
     def begin_recovery(self) -> float:
         """A survivor starts recovering: the recv check is off (the job's generation is moved on, if
-        no agent did, before the join: ds_swift.detect.watchdog.FailedMachine). Returns when the
+        no agent did, before the join: ds_swift.detect.failed_machine.FailedMachine). Returns when the
         failure was first seen here."""
         assert self.store is not None
         seen = self._watchdog.seen if self._watchdog is not None else None

@@ -14,8 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ds_swift.detect.failed_machine import FailedMachine
 from ds_swift.detect.wake import pipeline_neighbours, poison_neighbours
-from ds_swift.detect.watchdog import FailedMachine
 from ds_swift.protect.buddy import BuddyCopier
 from ds_swift.recovery.base import MembershipChange, MembershipRefused, MembershipView
 from ds_swift.recovery.kept import KeptState, grid_of

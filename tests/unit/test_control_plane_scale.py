@@ -304,7 +304,7 @@ def test_the_checkpoint_every_rank_loads_follows_from_the_reports() -> None:
 def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Recorded by the machine's agent after its declaration (the generation moved with it): two
     requests; no record (a worker declared) or nobody asking: the generation is moved here."""
-    from ds_swift.detect.watchdog import FailedMachine
+    from ds_swift.detect.failed_machine import FailedMachine
     from ds_swift.launch.control import JobControl
 
     raw = counting()
