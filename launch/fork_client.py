@@ -11,6 +11,7 @@ which is its parent and reaps it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from ds_swift.jobstore.worker_env import WorkerEnv
@@ -27,10 +28,13 @@ from ds_swift.jobstore.worker_env import WorkerEnv
 from .args import Command
 from .spawn import Worker, dies_with_us, warm_environ, worker_argv, worker_environ
 
-__all__ = ["ForkServer", "ForkedProcess"]
+__all__ = ["ZYGOTE_ENV", "ForkServer", "ForkedProcess", "ZygoteChild"]
 
 #: how long the first worker may wait for the server's imports (a busy host of 2 cores: ~10 s)
 READY_TIMEOUT_S = 300.0
+#: the Unix socket of a fork server zygote (``python -m ds_swift.runtime.forkserver --zygote PATH``):
+#: where set, the server is forked from it, imports done, instead of started and importing
+ZYGOTE_ENV = "SWIFT_FORK_ZYGOTE"
 
 
 class ForkedProcess:
@@ -73,7 +77,7 @@ class ForkServer:
         for key in WorkerEnv.ENV_KEYS:
             env.pop(key, None)  # no rank yet: each worker gets its whole environment with its request
         self._env = env
-        self.proc: subprocess.Popen[bytes] | None = None  # started at the first worker
+        self.proc: subprocess.Popen[bytes] | ZygoteChild | None = None  # started at the first worker
         self._requests: socket.socket | None = None
         self._reports = -1
         self._pending = b""
@@ -83,15 +87,19 @@ class ForkServer:
         self._gone = False  # the server ended: its workers died with it (PR_SET_PDEATHSIG)
         self._ready = False  # it imported, and serves
 
-    def _start(self) -> subprocess.Popen[bytes]:
+    def _start(self) -> subprocess.Popen[bytes] | ZygoteChild:
         # One message, one request (SOCK_SEQPACKET), and a warm spare's assignment pipe with it.
         self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         reports_r, reports_w = os.pipe()
-        argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
-        argv += ["--reports", str(reports_w), *(["--module"] if self.command.module else []), self.command.script]
+        script = [*(["--module"] if self.command.module else []), self.command.script]
+        zygote = self._env.get(ZYGOTE_ENV)
         try:
-            proc = subprocess.Popen(
-                dies_with_us(argv),
+            if zygote:
+                fds = (theirs.fileno(), reports_w, sys.stdout.fileno(), sys.stderr.fileno())
+                return ZygoteChild.fork(zygote, script, self._env, fds)
+            argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
+            return subprocess.Popen(
+                dies_with_us([*argv, "--reports", str(reports_w), *script]),
                 env=self._env,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), reports_w),
@@ -100,9 +108,8 @@ class ForkServer:
         finally:
             theirs.close()
             os.close(reports_w)
-        self._reports = reports_r
-        os.set_blocking(reports_r, False)
-        return proc
+            self._reports = reports_r
+            os.set_blocking(reports_r, False)
 
     # ------------------------------------------------------------------ reports
     def _pump(self, timeout_s: float = 0.0) -> None:
@@ -236,3 +243,73 @@ class ForkServer:
             self.proc.wait()
         os.close(self._reports)
         self._reports, self._gone = -1, True
+
+
+class ZygoteChild:
+    """A process forked by a zygote (a fork server, or a harness's launcher), as its requester uses a
+    ``Popen`` (``pid``, ``poll``, ``returncode``, ``wait``, ``kill``): the zygote is its parent, and says
+    its exit code on the connection the request came on."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def fork(
+        cls,
+        path: str,
+        argv: list[str],
+        env: Mapping[str, str],
+        fds: Sequence[int],
+        module: str | None = None,
+        cwd: str | None = None,
+    ) -> ZygoteChild:
+        """Ask the zygote at ``path`` for a fork server with arguments ``argv`` (its script) and ``fds``
+        (its request socket and report pipe, then stdout and stderr), or with ``module``, for
+        ``python -m module *argv`` with ``fds`` its stdout and stderr. OSError where the zygote does
+        not answer."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.settimeout(30.0)
+            conn.connect(path)
+            request = {"argv": argv, "env": dict(env), "cwd": cwd or os.getcwd()}
+            if module is not None:
+                request["module"] = module
+            socket.send_fds(conn, [json.dumps(request).encode()], list(fds))
+            answer = conn.recv(256).decode().split()
+            if answer[:1] != ["pid"]:
+                raise OSError(f"the fork server zygote at {path} ({ZYGOTE_ENV}) answered {answer!r}")
+            conn.setblocking(False)
+            return cls(conn, int(answer[1]))
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, OSError):
+                raise OSError(f"the fork server zygote at {path} ({ZYGOTE_ENV}): {exc}") from None
+            raise
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                answer = self._conn.recv(256).decode().split()
+            except BlockingIOError:
+                return None
+            except OSError:
+                answer = []
+            # "exit CODE"; a closed connection without it: the zygote is gone, and its server with it
+            self.returncode = int(answer[1]) if answer[:1] == ["exit"] else -signal.SIGKILL
+            self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            select.select([self._conn], [], [], 0.1)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)

@@ -27,15 +27,9 @@ from typing import Any
 import ds_swift
 from ds_swift.bench.demo_report import format_timeline, iterations_lost, losses_by_iteration, plot_losses, read_loss_log
 from ds_swift.logs import say
+from ds_swift.runtime.warm import deepspeed_shm_op_built
 from ds_swift.testing.checkpoints import compare_checkpoints
-from ds_swift.testing.jobs import (
-    JobRun,
-    JobSpec,
-    JobTimeout,
-    build_deepspeed_shm_op,
-    deepspeed_shm_op_built,
-    run_job,
-)
+from ds_swift.testing.jobs import JobRun, JobSpec, JobTimeout, build_deepspeed_shm_op, run_job
 
 __all__ = ["DemoError", "RepoFiles", "find_repo", "register"]
 

@@ -20,14 +20,27 @@ line each: ``ready 0 0`` once it imported, ``pid ID PID`` once request ID is for
 ``subprocess`` gives it: negative for a signal). When the launcher closes its end of the socket this
 process exits, and every worker still running dies with it (``PR_SET_PDEATHSIG``), as a worker dies
 with its launcher.
+
+A zygote (``--zygote PATH``, :func:`zygote`) serves harnesses that launch many jobs one after the
+other (the multi-process tests, the fault matrix): it imports once for all of them, listens on the
+Unix socket ``PATH``, and forks a fork server per launcher that asks (``SWIFT_FORK_ZYGOTE=PATH`` in
+the launcher's environment, :class:`launch.fork_client.ForkServer`). The launcher sends what it
+would have started the server with: its arguments, environment, working directory, and the request
+socket, report pipe, stdout and stderr as file descriptors; the zygote answers with the server's
+pid, and with its exit code once it ended. The forked server is the one a launcher starts itself,
+less the imports: the same requests, reports and workers. A harness may have the zygote fork the
+launcher itself too (``python -m ds_swift.launch.cli ...``: a request that names a ``module``), which
+then imports nothing either.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -39,6 +52,7 @@ from pathlib import Path
 from ds_swift.logs import say
 from ds_swift.runtime.warm import (
     BASE_MODULES,
+    MEGATRON_IMPORT,
     WarmTarget,
     _detach_stdin,
     await_assignment,
@@ -156,12 +170,15 @@ def _run_request(target: WarmTarget, request: dict[str, object], held: str) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--zygote"] and len(argv) == 2:
+        argv = zygote(argv[1])  # returns in a forked child only: a server's arguments from its launcher
     p = argparse.ArgumentParser(prog="python -m ds_swift.runtime.forkserver")
     p.add_argument("--requests", type=int, required=True, help="the fd of the socket requests come on")
     p.add_argument("--reports", type=int, required=True, help="the fd of the pipe the launcher reads reports from")
     p.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
     p.add_argument("script")
-    ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    ns = p.parse_args(argv)
     target = WarmTarget(ns.script, (), ns.module)
     if not target.module:
         # As `python script.py` does: the script's directory first on the path (-m put the cwd there).
@@ -184,6 +201,113 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_process(0)  # for this, not for the teardown of torch and DeepSpeed (seconds)
     return _run_request(target, request, held)
+
+
+# ---------------------------------------------------------------------------- the zygote
+#: what a zygote imports for every job's server (the example GPT's imports, megatron-core's included)
+ZYGOTE_MODULES = (*BASE_MODULES, MEGATRON_IMPORT, "megatron.core", "megatron.core.parallel_state")
+
+
+def zygote(path: str) -> list[str]:
+    """Import :data:`ZYGOTE_MODULES`, listen on the Unix socket ``path`` (it appears once the imports
+    are done: a harness waits for it) and fork a child per connection: a fork server (the request's
+    descriptors: its request socket, report pipe, stdout, stderr) or ``python -m`` a module (stdout,
+    stderr). Returns only in a forked server: the arguments of :func:`main` its launcher sent, with
+    its environment, working directory and descriptors in place; a module's child runs the module and
+    exits. The zygote itself serves until it is killed."""
+    t0 = time.monotonic()
+    preload(ZYGOTE_MODULES)
+    preload_ops()
+    why = _fork_unsafe()
+    if why is not None:
+        say(f"fork server zygote: cannot fork servers here: {why}", name=__name__)
+        sys.exit(1)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    staging = f"{path}.{os.getpid()}"
+    listener.bind(staging)
+    listener.listen(64)
+    os.rename(staging, path)  # the path appears listening: a client that sees it can connect
+    say(f"fork server zygote: ready in {time.monotonic() - t0:.1f} s on {path}", name=__name__)
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    clients: dict[int, socket.socket] = {}  # server pid -> its launcher's connection (for its exit code)
+    while True:
+        _reap_servers(clients)
+        ready, _, _ = select.select([listener.fileno(), wake_r], [], [], 1.0)
+        if wake_r in ready:
+            while _read_some(wake_r):
+                pass
+        if listener.fileno() not in ready:
+            continue
+        conn, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
+        request = json.loads(message) if message else {}
+        if len(fds) != (2 if "module" in request else 4):
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for open_socket in (listener, conn, *clients.values()):
+                open_socket.close()
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+            return _become_child(request, fds)
+        for fd in fds:
+            os.close(fd)
+        try:
+            conn.sendall(f"pid {pid}\n".encode())
+            clients[pid] = conn
+        except OSError:  # the launcher is gone already: its server ends at its closed request socket
+            conn.close()
+
+
+def _reap_servers(clients: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
+def _become_child(request: dict[str, object], fds: list[int]) -> list[str]:
+    """In the zygote's forked child: a session of its own, the requester's environment, working
+    directory, stdout and stderr (a server's workers write there, as they would); then a module runs
+    here (``python -m``, exiting with its code), or a server's arguments are returned."""
+    os.setsid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    *passed, stdout, stderr = fds
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    env, cwd, argv = request["env"], request["cwd"], request["argv"]
+    assert isinstance(env, dict) and isinstance(cwd, str) and isinstance(argv, list)
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    os.chdir(cwd)
+    module = request.get("module")
+    if isinstance(module, str):
+        sys.argv = [module, *(str(a) for a in argv)]
+        sys.path[0] = cwd  # as `python -m` puts it
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        sys.exit(0)
+    requests, reports = passed
+    return ["--requests", str(requests), "--reports", str(reports), *(str(a) for a in argv)]
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ __all__ = [
     "WARM_ENV",
     "WarmTarget",
     "held_words",
+    "deepspeed_shm_op_built",
+    "op_build_file",
     "preload",
     "preload_ops",
     "read_assignment",
@@ -192,15 +194,28 @@ def preload_ops() -> list[str]:
     return loaded
 
 
-def _build_locked(name: str) -> bool:
-    """torch's JIT build lock of op ``name`` exists: a load would wait until it goes, for good where
-    its holder was killed (torch's FileBaton records no owner). A warm worker does not wait for it."""
+def op_build_file(name: str, file: str) -> Path | None:
+    """``file`` in torch's JIT build directory of op ``name`` (``lock`` while a build runs, or after
+    one was killed; ``<name>.so`` once built), or None where torch's private helper is missing."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(name, verbose=False)) / "lock").exists()
+        return Path(_get_build_directory(name, verbose=False)) / file
     except Exception:  # noqa: BLE001 - a private helper of torch's: without it, load as before
-        return False
+        return None
+
+
+def deepspeed_shm_op_built() -> bool:
+    """Whether DeepSpeed's shm comm op is already built (its first start on a machine builds it, ~40 s)."""
+    built = op_build_file("deepspeed_shm_comm", "deepspeed_shm_comm.so")
+    return built is not None and built.exists()
+
+
+def _build_locked(name: str) -> bool:
+    """torch's JIT build lock of op ``name`` exists: a load would wait until it goes, for good where
+    its holder was killed (torch's FileBaton records no owner). A warm worker does not wait for it."""
+    lock = op_build_file(name, "lock")
+    return lock is not None and lock.exists()
 
 
 def _warm_device(local_rank: int) -> None:

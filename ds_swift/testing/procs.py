@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from ds_swift.launch.fork_client import ZygoteChild
+
 __all__ = ["ProcessSet", "free_port", "worker_env"]
 
 
@@ -43,7 +45,7 @@ class ProcessSet:
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | ZygoteChild] = {}
 
     def spawn(
         self,
@@ -72,6 +74,25 @@ class ProcessSet:
 
     def spawn_python(self, name: str, args: Sequence[str], **kw: object) -> subprocess.Popen[bytes]:
         return self.spawn(name, [sys.executable, *args], **kw)  # type: ignore[arg-type]
+
+    def fork_module(
+        self,
+        name: str,
+        zygote: str,
+        module: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str],
+    ) -> ZygoteChild:
+        """``python -m module *args`` forked by the zygote at ``zygote`` (its imports done), in a
+        session of its own, its output in the log as :meth:`spawn`'s; killed on exit as the others."""
+        if name in self.procs:
+            raise ValueError(f"process name {name!r} already used")
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            fds = (log.fileno(), log.fileno())
+            proc = ZygoteChild.fork(zygote, list(args), env, fds, module=module, cwd=str(cwd))
+        self.procs[name] = proc
+        return proc
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"

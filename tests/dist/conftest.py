@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from standin_hosts import kill_hosts, write_standins
 
-from ds_swift.testing.jobs import FORK_SERVER_ENV, JobRun, JobSpec, build_deepspeed_shm_op, run_job
+from ds_swift.testing.jobs import FORK_SERVER_ENV, JobRun, JobSpec, build_deepspeed_shm_op, fork_zygote, run_job
 
 # Strict transport mode in every process these tests start (they inherit the environment): a host
 # tensor that ds-swift sends on a group that would be NCCL on a GPU cluster fails here, on CPU.
@@ -42,6 +42,18 @@ def warm_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The first DeepSpeed start on a fresh machine JIT-builds its shm comm op (~45 s): do it once,
     before any job whose ranks would each spend their start-up deadline on it."""
     build_deepspeed_shm_op(tmp_path_factory.mktemp("warm"), timeout_s=300)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_zygote(tmp_path_factory: pytest.TempPathFactory, warm_deepspeed: None) -> Iterator[None]:
+    """Every --fork-server job's server forked from one zygote that imported torch, DeepSpeed and
+    megatron-core once for the session: ~5 CPU-s less per job, on the critical path of its start.
+    SWIFT_TEST_FORK_SERVER=0 (no fork server) or SWIFT_TEST_ZYGOTE=0 starts each server on its own."""
+    if os.environ.get(FORK_SERVER_ENV) != "1" or os.environ.get("SWIFT_TEST_ZYGOTE", "1") != "1":
+        yield
+        return
+    with fork_zygote(tmp_path_factory.mktemp("zygote")):
+        yield
 
 
 @pytest.fixture

@@ -3,7 +3,9 @@ forked from one pre-imported interpreter behave as the agent expects of a worker
 the script as ``__main__`` with its own arguments and whole environment (nothing of the server's
 left over), in a process group of its own (the agent kills a machine with ``killpg``), stdin at
 /dev/null, and its exit code, or the signal that killed it, comes back as ``Popen`` gives it. A warm
-spare's worker is forked too, and runs the script once its agent hands it a rank."""
+spare's worker is forked too, and runs the script once its agent hands it a rank. All of it whether
+the server is started by its launcher or forked by the session's zygote (tests/dist/conftest.py), which
+also forks a module as ``python -m`` would run it (a harness's launcher), with the exit code back."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 
 from ds_swift.jobstore.worker_env import WorkerEnv
 from ds_swift.launch.args import Command
-from ds_swift.launch.fork_client import ForkServer
+from ds_swift.launch.fork_client import ZYGOTE_ENV, ForkServer, ZygoteChild
 from ds_swift.launch.spawn import assign_warm
 from ds_swift.runtime.forkserver import _fork_unsafe
 
@@ -67,11 +69,21 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> dict[str, object]:
     return json.loads(path.read_text())
 
 
-def test_forked_workers_get_their_own_args_environment_group_and_exit_code(tmp_path: Path) -> None:
+def zygote() -> str:
+    path = os.environ.get(ZYGOTE_ENV)
+    if not path:
+        pytest.skip(f"no session zygote ({ZYGOTE_ENV} unset: SWIFT_TEST_ZYGOTE=0 or SWIFT_TEST_FORK_SERVER=0)")
+    return path
+
+
+@pytest.mark.parametrize("zygote_forked", [True, False], ids=["zygote", "started"])
+def test_forked_workers_get_their_own_args_environment_group_and_exit_code(tmp_path: Path, zygote_forked: bool) -> None:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     command = Command(str(script), ("--flag", "x"))
-    server = ForkServer(command, base_env={**os.environ, "FS_SERVER_ONLY": "1"})
+    env = {**os.environ, "FS_SERVER_ONLY": "1"}
+    env.pop(ZYGOTE_ENV, None)
+    server = ForkServer(command, base_env={**env, ZYGOTE_ENV: zygote()} if zygote_forked else env)
     workers = []
     try:
         server.wait_ready()  # what the launcher does before its agents' first tick
@@ -111,6 +123,47 @@ def test_forked_workers_get_their_own_args_environment_group_and_exit_code(tmp_p
             w.signal_group(signal.SIGKILL)
         server.close()
     assert server.proc is not None and server.proc.returncode == 0
+    assert isinstance(server.proc, ZygoteChild) == zygote_forked
+
+
+MODULE = textwrap.dedent(
+    """
+    import json, os, sys
+    json.dump({"name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("ZY_ONLY"),
+               "sid": os.getsid(0), "pid": os.getpid(), "torch": "torch" in sys.modules}, sys.stdout)
+    sys.stdout.flush()
+    if sys.argv[1] == "sleep":
+        import time
+        time.sleep(60)  # killed by the test
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def test_the_zygote_forks_a_module_as_python_m_with_its_exit_code(tmp_path: Path) -> None:
+    path = zygote()
+    (tmp_path / "zy_module.py").write_text(MODULE)
+    env = {**os.environ, "ZY_ONLY": "yes", "PYTHONPATH": str(tmp_path)}
+    children = []
+    try:
+        for arg in ("7", "sleep"):
+            with open(tmp_path / f"out.{arg}", "wb") as out:
+                children.append(
+                    ZygoteChild.fork(path, [arg], env, (out.fileno(), out.fileno()), "zy_module", str(tmp_path))
+                )
+        ended, sleeping = children
+        assert ended.wait(timeout=60) == 7
+        info = json.loads((tmp_path / "out.7").read_text())
+        assert info == {
+            "name": "__main__", "argv": ["7"], "cwd": str(tmp_path), "env": "yes",
+            "sid": ended.pid, "pid": ended.pid, "torch": True,
+        }, info  # fmt: skip  # one expected record, as the child wrote it
+        assert sleeping.poll() is None
+        sleeping.kill()
+        assert sleeping.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        for child in children:
+            child.kill()
 
 
 def test_a_server_with_a_thread_refuses_to_fork() -> None:

@@ -221,6 +221,7 @@ def test_layout_from_real_parallel_state_world_of_one() -> None:
     from megatron.core import parallel_state as ps
 
     assert not dist.is_initialized(), "another test left a process group behind"
+    ps.destroy_model_parallel()  # megatron-core's globals as a fresh process has them, whatever ran before here
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="not initialised"):
