@@ -150,6 +150,10 @@ class MachineAgent(FailureHandling):
                 pids = [wp.pid for wp in self._pool.procs.values()]
                 self.events(f"{self.name}: " + "; ".join(lines), event="warm_replaced", node=self.node, pids=pids)
 
+    def requested_spare(self) -> bool:
+        """This agent requested a spare since the last call (see :meth:`MachineFate.take_request`)."""
+        return self._fates.take_request()
+
     def poll_store(self) -> None:
         """A spare looks for a replacement request it can claim."""
         if self.state is not AgentState.SPARE:

@@ -34,6 +34,8 @@ class MachineFate:
         self.store = store
         self.control = control
         self.events = events
+        #: a spare was requested since the launcher last asked (:meth:`take_request`)
+        self.requested = False
 
     def handle(
         self, machine: int, reason: str, t_detected: float, own: bool, generation: int | None = None, **fields: object
@@ -70,6 +72,12 @@ class MachineFate:
         self.control.set_fate(failed_generation, machine, fate)
         return fate, failed_generation
 
+    def take_request(self) -> bool:
+        """Whether a spare was requested since the last call (the launcher then looks at the store
+        at once, so that a spare it runs takes over now rather than at its next look)."""
+        requested, self.requested = self.requested, False
+        return requested
+
     def one_too_many(self, reason: str) -> bool:
         """Count a failure; past ``--max-failures`` the job is aborted with ``reason`` (True)."""
         count = self.control.record_failure()
@@ -101,6 +109,7 @@ class MachineFate:
             slot = self.control.take_spare()
             if slot <= self.job.num_spares:
                 self.control.request_replacement(slot, machine, failed_generation)
+                self.requested = True
                 self.events(
                     f"machine {machine}: spare {slot} of {self.job.num_spares} requested",
                     event="spare_requested",

@@ -165,6 +165,10 @@ class Supervisor:
             for node in self.liveness.step():
                 if self.liveness.claim(node):
                     self.agents[0].adopt_lost_machine(node, self.liveness.silent_for(node))
+        if any([agent.requested_spare() for agent in self.agents]):
+            # A spare of this launcher takes over at the next turn, not at the next look (up to
+            # LOOK_S later: the replacement's start, which every survivor waits for at the rendezvous).
+            self._look_at = time.monotonic()
         return None
 
     def _look(self) -> int | None:

@@ -41,7 +41,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,17 @@ import torch
 import torch.distributed as dist
 
 from ds_swift.patches._base import PatchError, PatchHandle, check_deepspeed, check_version
+from ds_swift.patches.group_walk import (
+    SwapRefused,
+    entries,
+    groups_in,
+    has_group,
+    is_group,
+    module_roots,
+    named,
+    skip,
+    write,
+)
 
 __all__ = ["GLOBAL_PACKAGES", "GroupSwap", "StartupLedger", "SwapRefused", "module_roots"]
 
@@ -85,10 +96,6 @@ MAX_OBJECTS = 2_000_000
 def _check_versions() -> None:
     check_deepspeed()
     check_version("torch", torch.__version__.split("+")[0], *_TORCH_RANGE)
-
-
-class SwapRefused(RuntimeError):
-    """The engine's groups cannot all be swapped; the message says which and why."""
 
 
 # ---------------------------------------------------------------------------- the ledger
@@ -330,66 +337,8 @@ class _Ref:
     index: int
 
 
-def module_roots(packages: Iterable[str]) -> list[types.ModuleType]:
-    import sys
-
-    prefixes = tuple(packages)
-    return [
-        m
-        for name, m in list(sys.modules.items())
-        if isinstance(m, types.ModuleType) and (name.split(".")[0] in prefixes)
-    ]
-
-
-def _skip(value: Any) -> bool:
-    """Values a walk never enters: leaves, classes, modules found as values, the groups themselves."""
-    return (
-        value is None
-        or isinstance(value, str | bytes | int | float | bool | complex | type | types.ModuleType | dist.ProcessGroup)
-        or isinstance(value, types.BuiltinFunctionType)
-        or type(value).__module__.startswith("numpy")
-    )
-
-
-def _entries(obj: Any) -> Iterator[tuple[Any, Any, Any]]:
-    """(container, key, value) of what ``obj`` holds, where a write of the key replaces it;
-    container None where it cannot be written (a tuple's item, a set's member)."""
-    if isinstance(obj, dict):
-        for k, v in list(obj.items()):
-            if isinstance(k, dist.ProcessGroup):
-                raise SwapRefused(f"a process group is a dict key (in a {type(obj).__name__})")
-            yield obj, k, v
-    elif isinstance(obj, list):
-        yield from ((obj, i, v) for i, v in enumerate(list(obj)))
-    elif isinstance(obj, tuple | set | frozenset):
-        yield from ((None, None, v) for v in list(obj))
-    elif isinstance(obj, types.MethodType):
-        yield None, None, obj.__self__
-    elif isinstance(obj, types.FunctionType):
-        for cell in obj.__closure__ or ():
-            try:
-                yield cell, None, cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-        yield None, None, obj.__defaults__
-    elif isinstance(obj, functools.partial):
-        yield None, None, obj.func
-        yield None, None, obj.args
-        yield None, None, obj.keywords
-    elif isinstance(obj, types.ModuleType):
-        yield from ((vars(obj), k, v) for k, v in list(vars(obj).items()))
-    else:
-        attrs = getattr(obj, "__dict__", None)
-        if isinstance(attrs, dict):
-            yield from ((attrs, k, v) for k, v in list(attrs.items()))
-
-
-def _has_group(value: Any) -> bool:
-    return isinstance(value, tuple) and any(isinstance(v, dist.ProcessGroup) or _has_group(v) for v in value)
-
-
 def _template(value: Any, ledger: StartupLedger, where: str) -> Any:
-    if isinstance(value, dist.ProcessGroup):
+    if is_group(value):
         index = ledger.index_of(value)
         if index is None:
             raise SwapRefused(
@@ -401,27 +350,12 @@ def _template(value: Any, ledger: StartupLedger, where: str) -> Any:
     return value
 
 
-def _groups_in(value: Any) -> list[Any]:
-    if isinstance(value, dist.ProcessGroup):
-        return [value]
-    if isinstance(value, tuple):
-        return [g for v in value for g in _groups_in(v)]
-    return []
-
-
 def _filled(template: Any, made: dict[int, Any]) -> Any:
     if isinstance(template, _Ref):
         return made[template.index]
     if isinstance(template, tuple):
         return tuple(_filled(v, made) for v in template)
     return template
-
-
-def _write(container: Any, key: Any, value: Any) -> None:
-    if isinstance(container, types.CellType):
-        container.cell_contents = value
-    else:
-        container[key] = value
 
 
 class GroupSwap:
@@ -446,8 +380,8 @@ class GroupSwap:
         walk of every module's globals costs a tenth of a second, and the objects behind them are
         the engine's, walked from it)."""
         seen: set[int] = set()
-        # (object, where it was found, how many more levels to enter: None for no limit)
-        stack: list[tuple[Any, str, int | None]] = [
+        # (object, where it was found (see _named), how many more levels to enter: None for no limit)
+        stack: list[tuple[Any, Any, int | None]] = [
             (r, getattr(r, "__name__", type(r).__name__), 1 if isinstance(r, types.ModuleType) else None) for r in roots
         ]
         while stack:
@@ -459,14 +393,15 @@ class GroupSwap:
                 raise SwapRefused(f"the engine reaches more than {MAX_OBJECTS} objects")
             if isinstance(obj, types.ModuleType) and depth is None:
                 continue  # a module found along the way: only the roots' globals are searched
-            for container, key, value in _entries(obj):
-                here = f"{where}.{key}" if container is not None and not isinstance(container, list) else where
-                if isinstance(value, dist.ProcessGroup) or _has_group(value):
+            for container, key, value in entries(obj):
+                here = (where, key) if container is not None and not isinstance(container, list) else where
+                if is_group(value) or has_group(value):
                     if container is None:
-                        raise SwapRefused(f"{here} holds a process group where it cannot be replaced")
-                    self.slots.append(_Slot(container, key, _template(value, self._ledger, here), value, here))
+                        raise SwapRefused(f"{named(here)} holds a process group where it cannot be replaced")
+                    name = named(here)
+                    self.slots.append(_Slot(container, key, _template(value, self._ledger, name), value, name))
                     continue
-                if _skip(value) or id(value) in seen:
+                if skip(value) or id(value) in seen:
                     continue
                 if depth is None:
                     stack.append((value, here, None))
@@ -479,22 +414,22 @@ class GroupSwap:
         ~15 ms a group, measured on torch 2.13, without the GIL: another thread can do it)."""
         groups: dict[int, Any] = {}
         for slot in self.slots:
-            for g in _groups_in(slot.old):
+            for g in groups_in(slot.old):
                 groups[id(g)] = g
-            _write(slot.container, slot.key, None)
+            write(slot.container, slot.key, None)
             slot.old = None
         return list(groups.values())
 
     def refill(self, made: dict[int, Any]) -> None:
         """Put the successor of each group cut in its place (``made``: :meth:`StartupLedger.replay`'s)."""
         for slot in self.slots:
-            _write(slot.container, slot.key, _filled(slot.template, made))
+            write(slot.container, slot.key, _filled(slot.template, made))
 
     def restore(self) -> None:
         """Put the groups found back where they were (only before :meth:`cut`: after it they are gone)."""
         for slot in self.slots:
             if slot.old is not None:
-                _write(slot.container, slot.key, slot.old)
+                write(slot.container, slot.key, slot.old)
 
     def __len__(self) -> int:
         return len(self.slots)

@@ -21,6 +21,7 @@ from ds_swift.runtime.timeline import transfer_rate
 __all__ = [
     "RECOVERY_PHASES",
     "LossPoint",
+    "engine_words",
     "format_timeline",
     "iterations_lost",
     "losses_by_iteration",
@@ -32,7 +33,8 @@ RECOVERY_PHASES = (
     ("detect", "the kill seen (node agent or a neighbour's comm error)"),
     ("teardown", "survivors dropped the dead generation's process groups"),
     ("rendezvous", "the next generation formed, replacement ranks included"),
-    ("rebuild", "DeepSpeed engines rebuilt in-process on every rank"),
+    # The timeline's key since the first release; what its survivors did: engine_words()
+    ("rebuild", "process groups re-formed under every engine (survivors' swapped in place, or rebuilt)"),
     ("consensus_undo", "agreed on the iteration to resume from (and undid steps past it)"),
     ("checkpoint_load", "lost ranks loaded the last global checkpoint"),
     ("replay", "lost ranks replayed the iterations since, from the message log"),
@@ -112,14 +114,36 @@ def format_timeline(tl: dict[str, Any]) -> list[str]:
         )
     phases = tl.get("phases", {})
     known = dict(RECOVERY_PHASES)
+    engines = engine_words(tl)
+    if engines is not None:
+        known["rebuild"] = engines[1]
     for key in [k for k, _ in RECOVERY_PHASES if k in phases] + [k for k in phases if k not in known]:
-        lines.append(f"  {key.replace('_', ' '):<16}{float(phases[key]):7.2f} s   {known.get(key, '')}".rstrip())
+        name = engines[0] if key == "rebuild" and engines is not None else key.replace("_", " ")
+        lines.append(f"  {name:<16}{float(phases[key]):7.2f} s   {known.get(key, '')}".rstrip())
     lines.append(
         f"  initialization {tl['initialization_s']:.2f} s (detection -> replacements joined), recovery "
         f"{tl['recovery_s']:.2f} s (joined -> back), total {tl['total_s']:.2f} s "
         f"({'kill' if tl.get('t_kill') is not None else 'detection'} -> back)"
     )
     return lines
+
+
+def engine_words(tl: dict[str, Any]) -> tuple[str, str] | None:
+    """The timeline's ``rebuild`` phase as what its survivors did: its name ("swap" where every survivor
+    kept its DeepSpeed engine and swapped the process groups under it, else "rebuild") and its line;
+    None where the timeline names no survivor (an older one, or a stall's)."""
+    ranks = tl.get("ranks") or []
+    survivors = [r for r in ranks if r.get("role") == "survivor"]
+    if not survivors:
+        return None
+    kept = sum(1 for r in survivors if "engine_kept_s" in (r.get("extra") or {}))
+    built = sum(1 for r in ranks if r.get("role") == "replacement")
+    new = f"; {built} replacement{'s' if built > 1 else ''} built {'theirs' if built > 1 else 'its'}" if built else ""
+    if kept == len(survivors):
+        return "swap", f"{kept} of {kept} survivors kept their engine, its process groups swapped in place{new}"
+    rebuilt = len(survivors) - kept
+    kept_too = f"{kept} of {len(survivors)} survivors kept their engine (groups swapped in place), " if kept else ""
+    return "rebuild", f"{kept_too}{rebuilt} rebuilt theirs in-process{new}"
 
 
 # ---------------------------------------------------------------------------- plot

@@ -273,11 +273,9 @@ def _await(
     while True:
         left = deadline - time.monotonic()
         slice_s = BACKSTOP_S if stopped is None else min(BACKSTOP_S, LEADER_SLICE_S)
-        if store.wait_keys([key], min(slice_s, max(0.0, left))):
-            held = store.get(key)
-            if held is not None:
-                return _opened(held, generation, what)
-            time.sleep(min(0.05, max(0.0, left)))  # a forged verdict: the leader overwrites it
+        held = store.wait_signed(key, min(slice_s, max(0.0, left)))  # a forged verdict: waited past
+        if held is not None:
+            return _opened(held, generation, what)
         if stopped is not None and stopped():
             return None
         _failed(store, generation)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -361,15 +360,7 @@ class JobStore(SignedKV):
     def wait_value(self, key: str, timeout_s: float) -> str | None:
         """The value at ``key`` once set, or None after ``timeout_s``: one blocking wait, one read
         (a value not signed with the job secret is waited past, without polling, until the timeout)."""
-        deadline = time.monotonic() + timeout_s
-        while self.wait_keys([key], deadline - time.monotonic()):  # False: the whole time passed
-            value = self._read(key)
-            if value is not None:
-                return value
-            time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))  # forged: the real one overwrites it
-            if time.monotonic() >= deadline:
-                break
-        return None
+        return self.wait_signed(key, timeout_s)
 
     def get(self, key: str) -> str | None:
         """The signed value at ``key``; None when absent or not signed with the job secret."""

@@ -147,7 +147,7 @@ def build_timeline(
         ("detect", first_detect),
         ("teardown", _max([r.t_torn_down for r in ranks])),
         ("rendezvous", _max([r.t_joined for r in ranks])),
-        ("rebuild", joined_at),
+        ("rebuild", joined_at),  # survivors' groups swapped (or engines rebuilt), replacements' engines built
         ("consensus_undo", _max([r.t_undone or r.t_consensus for r in ranks])),
         ("checkpoint_load", _max([r.t_loaded for r in ranks])),
         ("replay", _max([r.t_replayed for r in ranks])),

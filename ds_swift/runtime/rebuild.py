@@ -254,9 +254,9 @@ class Rebuilder(SurvivorSteps):
                     self.engine_swap.cut(self._holder.engine)
                 else:
                     self._holder.engine = None
-                teardown_process_groups(engine_kept=self.engine_swap.active)
+                held = teardown_process_groups(engine_kept=self.engine_swap.active)
                 if self.engine_swap.active:
-                    self.engine_swap.release()
+                    self.engine_swap.release(held)
                 generation += 1
         else:
             raise RuntimeError(f"ds-swift: recovery failed {MAX_ATTEMPTS} times in a row")

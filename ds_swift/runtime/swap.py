@@ -83,14 +83,18 @@ class EngineSwap:
         release_pipeline_activations(engine)
         self._cut.extend(self.swap.cut())
 
-    def release(self) -> None:
-        """Let go of the groups :meth:`cut` took out, on a thread of their own: their sockets close
-        and their threads end there (~15 ms a group, without the GIL) while this rank joins the next
-        generation. The previous release is waited for first (bounded by its groups' count)."""
+    def release(self, also: list[Any] | None = None) -> None:
+        """Let go of the groups :meth:`cut` took out, and ``also`` (those torch's registry let go of:
+        ds_swift.patches.deepspeed_rebuild.teardown_process_groups), on a thread of their own: their
+        sockets close and their threads end there (~15 ms a group, without the GIL) while this rank
+        joins the next generation. The previous release is waited for first (bounded by its groups'
+        count)."""
         from ds_swift.patches.deepspeed_rebuild import free_groups
 
         self.join_release()
-        groups, self._cut = self._cut, []
+        groups, self._cut = [*self._cut, *(also or [])], []
+        if also:
+            also.clear()  # the thread's list holds the last references: none may be dropped here
 
         def free() -> None:
             took = free_groups(groups)

