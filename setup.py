@@ -49,6 +49,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # scripts/check.sh runs the single-process tests on both cores
             "hypothesis>=6.100",
             "ruff>=0.6",
             "mypy>=1.10",

@@ -26,8 +26,15 @@ mkdocs build --strict || exit 1
 # Tests marked slow (a variant another CI test covers) run with `bash scripts/check.sh -m slow`.
 marker=(-m "not slow")
 for a in "$@"; do [[ $a == -m ]] && marker=(); done
-python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
-rc=$?
-# pytest exits 5 when it collected no test: that is not a failure of the code.
-if [[ $rc == 5 ]]; then echo "pytest collected no tests"; exit 0; fi
-exit $rc
+tests() {
+    python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
+    local rc=$?
+    # pytest exits 5 when it collected no test: that is not a failure of the code.
+    if [[ $rc == 5 ]]; then echo "pytest collected no tests"; return 0; fi
+    return $rc
+}
+if [[ $# -gt 0 ]]; then tests "$@"; exit $?; fi
+# The single-process tests on both cores (pytest-xdist); the multi-process ones one at a time (each
+# starts 4-12 processes of its own on this 2-core machine).
+tests -n 2 tests/unit tests/gpu || exit 1
+tests tests/dist
