@@ -14,7 +14,8 @@ class FailedMachine:
     the generation's move included, so where the record comes the generation has moved; where none
     comes (a failure a worker declared), or nobody asks, the generation is moved here before the
     join (its first declarer may have died half-way: the job must not stay in a failed generation).
-    Two requests where an agent declared, as against a read of the generation, a wait and a read."""
+    Three requests where an agent declared (a wait, the check that a write woke it, a read), as
+    against a read of the generation, a wait, a check and a read."""
 
     def __init__(self, store: JobStore, generation: int, timeout_s: float) -> None:
         self.store, self.generation, self.timeout_s = store, generation, timeout_s

@@ -302,8 +302,9 @@ def test_the_checkpoint_every_rank_loads_follows_from_the_reports() -> None:
 
 
 def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Recorded by the machine's agent after its declaration (the generation moved with it): two
-    requests; no record (a worker declared) or nobody asking: the generation is moved here."""
+    """Recorded by the machine's agent after its declaration (the generation moved with it): three
+    requests (the wait, the check that it was a write that woke it, the read); no record (a worker
+    declared) or nobody asking: the generation is moved here."""
     from ds_swift.detect.failed_machine import FailedMachine
     from ds_swift.launch.control import JobControl
 
@@ -314,7 +315,7 @@ def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: 
     JobControl(store).record_failure_timeline(0, 2, 1.0, 2.0)
     raw.take()
     assert FailedMachine(store, 0, 5.0)() == 2
-    assert raw.take().calls == {"wait": 1, "compare_set": 1}
+    assert raw.take().calls == {"wait": 1, "check": 1, "compare_set": 1}
     # the first declarer died half-way: flag written, generation not moved, nothing recorded
     store.kv.set("gen1/failed", store.sealer.seal("gen1/failed", "a worker's declaration"))
     failed = FailedMachine(store, 1, 0.2)
