@@ -182,7 +182,9 @@ class MachineAgent(FailureHandling):
                 return
 
     def close(self) -> None:
-        """The job ended: the ranks' beat files go."""
+        """The job ended: the failure flag's relay ends (every agent's), the ranks' beat files go."""
+        if self._relay is not None:
+            self._relay.close(self.store)
         self._health.close()
 
     def signal_all(self, sig: int) -> None:

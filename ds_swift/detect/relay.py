@@ -2,9 +2,11 @@
 
 Under ``ds-swift-launch`` a rank beats in a file for its agent (:class:`ds_swift.detect.beats.BeatFile`)
 and learns that its generation failed from its agent too: the agent's :class:`FailureRelay` thread
-waits on the job store's failure flag once for the whole machine (a blocking wait, woken the moment
-the flag is set), writes the reason next to the beat files (``failed.<generation>``) and wakes each
-rank's watchdog through its FIFO (``wake.<rank>``), on which the watchdog blocks with ``select``.
+waits on the job store's failure flag once for the whole machine (a blocking wait on the key its
+declarer writes after the flag, ``gen<g>/relay``, woken the moment it is set), writes the reason
+next to the beat files (``failed.<generation>``) and wakes each rank's watchdog through its FIFO
+(``wake.<rank>``), on which the watchdog blocks with ``select``. At the job's end the agents write
+``"job over"`` there: every relay's wait ends while the store is still up.
 
 Why not a store wait per rank: at 16,384 ranks each rank's wait in 2 s slices was 1 request a second
 (16k a second, most of the steady load of one TCPStore server), every wait that timed out logged two
@@ -39,6 +41,8 @@ __all__ = ["BACKSTOP_S", "FailureRelay", "WakeFifo", "open_wake", "relay_failure
 BACKSTOP_S = 10.0
 #: the relay's store wait, per request (a wait that times out logs a warning in torch's store client)
 RELAY_WAIT_S = 3600.0
+#: what the relay key says when the job ended (:meth:`FailureRelay.close`)
+JOB_OVER = "job over"
 
 
 def _failed_path(directory: str, generation: int) -> str:
@@ -146,6 +150,13 @@ class FailureRelay:
         self._thread.start()
         return self
 
+    def close(self, store: JobStore, timeout_s: float = 2.0) -> None:
+        """The job is over: end every relay's wait (this agent's and the others', on any host) with
+        ``"job over"`` while the store is still there, and wait for this one's thread to end."""
+        with contextlib.suppress(Exception):  # the store gone already: the process ends anyway
+            store.set(store.relay_key(max(self.generation, store.generation())), JOB_OVER)
+        self._thread.join(timeout_s)
+
     def _run(self) -> None:
         store: JobStore | None = None
         said = False
@@ -153,10 +164,13 @@ class FailureRelay:
             try:
                 store = store or self._factory()
                 t0 = time.monotonic()
-                reason = store.wait_for_failure(self.generation, RELAY_WAIT_S)
+                woken = store.wait_value(store.relay_key(self.generation), RELAY_WAIT_S)
+                reason = store.failure(self.generation) if woken is not None else None
                 if reason is not None:
                     relay_failure(self.directory, self.generation, reason)
                     self.generation += 1
+                elif woken == JOB_OVER:
+                    return
                 elif time.monotonic() - t0 < 1.0:
                     time.sleep(1.0)  # a store whose waits do not block (a test's): no busy loop
                 said = False

@@ -82,7 +82,8 @@ def test_a_fallback_skips_another_jobs_checkpoints_in_the_same_directory(
     assert tl["checkpoint_step"] == 4, tl
     assert set(loaded(job)) == {"global_step4"}, job.output[-4000:]
     assert re.search(r"checkpoint global_step6 in \S+ belongs to job-[0-9a-f]{16}, not this job", job.output)
-    assert "global_step9 in" not in job.output  # newer than the consensus: not even a candidate
+    # global_step9 is newer than the consensus: never loaded (above). A replacement reports the checkpoints
+    # it could load before it knows the consensus (issue 48: no round of its own), so it may look at it.
     diff = compare_tensors(reference, checkpoint_tensors(job.final_tag))
     assert diff.bitwise_equal, diff.describe()
 
