@@ -94,22 +94,25 @@ class ForkServer:
         script = [*(["--module"] if self.command.module else []), self.command.script]
         zygote = self._env.get(ZYGOTE_ENV)
         try:
+            proc: subprocess.Popen[bytes] | ZygoteChild
             if zygote:
                 fds = (theirs.fileno(), reports_w, sys.stdout.fileno(), sys.stderr.fileno())
-                return ZygoteChild.fork(zygote, script, self._env, fds)
-            argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
-            return subprocess.Popen(
-                dies_with_us([*argv, "--reports", str(reports_w), *script]),
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(), reports_w),
-                start_new_session=True,
-            )
+                proc = ZygoteChild.fork(zygote, script, self._env, fds)
+            else:
+                argv = [sys.executable, "-u", "-m", "ds_swift.runtime.forkserver", "--requests", str(theirs.fileno())]
+                proc = subprocess.Popen(
+                    dies_with_us([*argv, "--reports", str(reports_w), *script]),
+                    env=self._env,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(), reports_w),
+                    start_new_session=True,
+                )
         finally:
             theirs.close()
             os.close(reports_w)
-            self._reports = reports_r
-            os.set_blocking(reports_r, False)
+        self._reports = reports_r
+        os.set_blocking(reports_r, False)
+        return proc
 
     # ------------------------------------------------------------------ reports
     def _pump(self, timeout_s: float = 0.0) -> None:

@@ -47,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ds_swift.logs import say
@@ -73,25 +74,15 @@ class _Server:
     def __init__(self, requests: int, reports: int) -> None:
         self.requests = socket.socket(fileno=requests)
         self.reports = reports
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
         # A worker's death wakes the loop at once (the launcher sees it within its own tick).
-        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        self.wake_r, self.wake_w = _woken_by_children()
 
     def report(self, line: str) -> None:
         os.write(self.reports, line.encode() + b"\n")
 
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            self.report(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+        for pid, code in _ended_children():
+            self.report(f"exit {pid} {code}")
 
     def serve(self) -> dict[str, object] | None:
         """Fork a worker per request. Returns the request in the forked worker; None in this
@@ -137,6 +128,28 @@ class _Server:
         else:
             os.dup2(stdin, 0)
             os.close(stdin)
+
+
+def _woken_by_children() -> tuple[int, int]:
+    """A non-blocking pipe that a child's end (SIGCHLD) writes to: (read end, write end)."""
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    return wake_r, wake_w
+
+
+def _ended_children() -> Iterator[tuple[int, int]]:
+    """(pid, exit code as ``subprocess`` gives it) of each child that ended, reaped; none left: stops."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _read_some(fd: int) -> bytes:
@@ -228,11 +241,7 @@ def zygote(path: str) -> list[str]:
     listener.listen(64)
     os.rename(staging, path)  # the path appears listening: a client that sees it can connect
     say(f"fork server zygote: ready in {time.monotonic() - t0:.1f} s on {path}", name=__name__)
-    wake_r, wake_w = os.pipe()
-    for fd in (wake_r, wake_w):
-        os.set_blocking(fd, False)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    wake_r, wake_w = _woken_by_children()
     clients: dict[int, socket.socket] = {}  # server pid -> its launcher's connection (for its exit code)
     while True:
         _reap_servers(clients)
@@ -269,17 +278,11 @@ def zygote(path: str) -> list[str]:
 
 
 def _reap_servers(clients: dict[int, socket.socket]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in _ended_children():
         conn = clients.pop(pid, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.sendall(f"exit {code}\n".encode())
             conn.close()
 
 
