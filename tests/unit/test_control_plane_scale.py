@@ -341,10 +341,14 @@ def test_a_connection_reads_the_launch_in_one_request_and_one_key_in_one() -> No
 def _tcp_pair() -> tuple[dist.TCPStore, Callable[[], CountingStore]]:
     """A real TCPStore server (torch's libuv one, whose waits a compare_set of the key ends) and a
     factory of counted clients of it."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
 
     def client() -> CountingStore:
-        return CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30)))
+        return CountingStore(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        )
 
     return server, client
 
