@@ -10,7 +10,7 @@ is given what NCCL does when a peer is lost, instead of gloo's immediate error:
   behind the stuck one and does nothing; a wait for the device (:meth:`synchronize`, what
   ``torch.cuda`` synchronisation is on a GPU) blocks until the communicators are aborted.
 - **an abort ends it.** :meth:`abort` (ds-swift's, through ds_swift.transport.communicators) frees
-  the waits; every later call on the generation's groups raises, as NCCL's aborted communicators do
+  the waits, a blocking send or receive from a peer that is alive but never comes too; every later call on the generation's groups raises, as NCCL's aborted communicators do
   (``DistBackendError``). Unaborted, a stuck wait ends after the op timeout the way torch's own
   watchdog ends it under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: an error recorded (:meth:`errors`,
   ``ProcessGroupNCCL::getError``), then the abort.
@@ -146,6 +146,8 @@ class NcclStandIn:
                 return _Done() if call.async_op else None
         if call.name not in _P2P:
             self._create(group)
+        elif call.name in _BLOCKING_P2P:
+            return self._blocking_p2p(call)
         try:
             out = call.run()
         except RuntimeError as exc:
@@ -154,6 +156,43 @@ class NcclStandIn:
         if call.async_op and out is not None:
             return [_Work(self, call.name, w) for w in out] if isinstance(out, list) else _Work(self, call.name, out)
         return out
+
+    def _blocking_p2p(self, call: Call) -> Any:
+        """A blocking send or receive, whose host wait an abort ends (NCCL: the kernel waiting on a
+        peer that never comes dies with this rank's communicators). Gloo's blocking call is ended by
+        nothing but its peer: a survivor's receive from a neighbour that left for the next generation
+        (alive, so never an error) waited forever although the rank's watchdog had aborted. The gloo
+        call runs on a thread of its own; an abort ends the wait with NCCL's error; unaborted, the op
+        timeout ends it as torch's watchdog would (:meth:`synchronize`). The abandoned call ends when
+        its group is destroyed."""
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(("ok", call.run()))
+            except RuntimeError as exc:
+                result.append(("error", exc))
+            with self._cond:
+                self._cond.notify_all()
+
+        threading.Thread(target=run, name=f"nccl-standin-{call.name}", daemon=True).start()
+        deadline = time.monotonic() + self.op_timeout_s
+        with self._cond:
+            while not result and not self.aborted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stuck = self.stuck or call.name
+                    self.error = f"TIMEOUT (stand-in: {call.name} for {self.op_timeout_s:g} s)"
+                    self.aborted = True  # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: torch aborts after recording
+                    break
+                self._cond.wait(left)
+            if not result:
+                raise StandInAborted(f"NCCL communicator was aborted ({call.name} pending; stand-in for NCCL)")
+        kind, value = result[0]
+        if kind == "error":
+            self.stick(call.name, value)
+            return None
+        return value
 
     def _create(self, group: Any) -> None:
         """Create ``group``'s communicator if this world has not yet: wait for every member."""
@@ -219,6 +258,7 @@ class NcclStandIn:
 
 
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_BLOCKING_P2P = ("send", "recv")
 _TRUE = ("1", "true", "yes", "on", "y")
 
 
