@@ -268,8 +268,16 @@ class JobStore(SignedKV):
         first = self.add(f"gen{generation}/failed_n", 1) == 1
         if first or self.failure(generation) is None:
             self._put(self.failed_key(generation), reason)
+            self._put(self.relay_key(generation), "failed")  # the agents' relays (ds_swift.detect.relay) wake
         self.advance_generation(generation)
         return first
+
+    @staticmethod
+    def relay_key(generation: int) -> str:
+        """What the agents' relays of the failure flag wait on (ds_swift.detect.relay): written after
+        ``generation``'s flag, or with ``"job over"`` when the job ends (their waits end before the
+        store goes away: a wait cut by a closed store prints a C++ stack trace)."""
+        return f"gen{generation}/relay"
 
     def advance_generation(self, generation: int) -> None:
         """Move the job's generation from ``generation`` to the next; never backwards (a late
