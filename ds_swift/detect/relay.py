@@ -157,6 +157,26 @@ class FailureRelay:
             store.set(store.relay_key(max(self.generation, store.generation())), JOB_OVER)
         self._thread.join(timeout_s)
 
+    def catch_up(self, store: JobStore) -> bool:
+        """Relay every failed generation from the one waited on to the job's current one, and wait on
+        that one next; True if any was relayed. The job's generation is read, not assumed one more than
+        the last relayed: a relay behind (a wait that ended late, a store error, its first wait started
+        after generations failed), or a generation the job left without its flag, never leaves the relay
+        waiting on a generation that is over (its ranks would learn of every later failure only from
+        their backstop read, :data:`BACKSTOP_S` late)."""
+        relayed = False
+        while True:
+            reason = store.failure(self.generation)
+            if reason is not None:
+                relay_failure(self.directory, self.generation, reason)
+                self.generation += 1
+                relayed = True
+                continue
+            current = store.generation()
+            if current <= self.generation:
+                return relayed
+            self.generation = current  # left without a failure flag: nothing of it to relay
+
     def _run(self) -> None:
         store: JobStore | None = None
         said = False
@@ -165,13 +185,9 @@ class FailureRelay:
                 store = store or self._factory()
                 t0 = time.monotonic()
                 woken = store.wait_value(store.relay_key(self.generation), RELAY_WAIT_S)
-                reason = store.failure(self.generation) if woken is not None else None
-                if reason is not None:
-                    relay_failure(self.directory, self.generation, reason)
-                    self.generation += 1
-                elif woken == JOB_OVER:
+                if woken == JOB_OVER:
                     return
-                elif time.monotonic() - t0 < 1.0:
+                if not self.catch_up(store) and time.monotonic() - t0 < 1.0:
                     time.sleep(1.0)  # a store whose waits do not block (a test's): no busy loop
                 said = False
             except FileNotFoundError:

@@ -194,8 +194,8 @@ class Watchdog:
         if self.beat_file is not None and self._beater is not None:
             with contextlib.suppress(OSError):  # the agent's directory gone: the job is ending anyway
                 self.beat_file.finish()
-        if final and self._wake is not None:
-            self._wake.close()
+        if self._wake is not None and (final or self._thread is None or not self._thread.is_alive()):
+            self._wake.close()  # (an elastic change's new watchdog opens the rank's FIFO again)
             self._wake = None
         self._thread = self._beater = None
 

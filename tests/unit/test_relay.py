@@ -103,3 +103,74 @@ def test_the_agents_relay_writes_each_generations_failure_and_wakes_its_ranks(tm
     agent_relay.close(JobStore(store, TOKEN), timeout_s=10.0)  # the job's end: its wait ends, the store still up
     assert not agent_relay._thread.is_alive()
     assert relayed_failure(str(beats), 2) is None  # "job over" is not a failure
+
+
+def relay_of(store: CountingStore, beats: Path) -> FailureRelay:
+    return FailureRelay(lambda: JobStore(store, TOKEN), str(beats), 0, "agent 0").start()
+
+
+def test_a_declaration_whose_first_writer_died_after_the_flag_is_relayed_by_a_later_declarer(tmp_path: Path) -> None:
+    """The first declarer of generation 0 set the flag and died before the rest of its writes; a later
+    declarer finishes them. The relay, waiting on generation 0, wakes and relays it, and then the next
+    generation's failure: not a relay waiting on generation 0 for ever while the job goes on."""
+    store = counting()
+    agent_relay = relay_of(store, tmp_path)
+    try:
+        dying = JobStore(store, TOKEN)
+        assert dying.add("gen0/failed_n", 1) == 1
+        dying.set(JobStore.failed_key(0), "machine 1 died")  # ... and killed here
+        assert not JobStore(store, TOKEN).declare_failure(0, "rank 0: a stall")  # the flag set: not first
+        wait_until(lambda: relayed_failure(str(tmp_path), 0) == "machine 1 died")
+        JobStore(store, TOKEN).declare_failure(1, "machine 0 died")
+        wait_until(lambda: relayed_failure(str(tmp_path), 1) == "machine 0 died")
+    finally:
+        agent_relay.close(JobStore(store, TOKEN), timeout_s=10.0)
+    assert not agent_relay._thread.is_alive()
+
+
+def test_the_relay_follows_the_jobs_generation_past_one_left_without_a_failure_flag(tmp_path: Path) -> None:
+    """The job leaves generation 0 without its flag (the generation moved by a rank past a failure of
+    which it saw only a verdict): the relay follows the job's generation, not the last it relayed plus
+    one, and relays generation 1's failure."""
+    store = counting()
+    agent_relay = relay_of(store, tmp_path)
+    try:
+        JobStore(store, TOKEN).advance_generation(0)
+        wait_until(lambda: agent_relay.generation == 1)
+        JobStore(store, TOKEN).declare_failure(1, "machine 0 died")
+        wait_until(lambda: relayed_failure(str(tmp_path), 1) == "machine 0 died")
+        assert relayed_failure(str(tmp_path), 0) is None
+    finally:
+        agent_relay.close(JobStore(store, TOKEN), timeout_s=10.0)
+
+
+def test_a_relay_started_after_generations_failed_catches_up_at_its_first_wake(tmp_path: Path) -> None:
+    """The machine's first ranks start (and its relay with them) in generation 0 while the job is
+    already past generations 0 and 1: one wake relays both and waits on generation 2."""
+    store = counting()
+    JobStore(store, TOKEN).declare_failure(0, "machine 1 died")
+    JobStore(store, TOKEN).declare_failure(1, "machine 2 died")
+    agent_relay = relay_of(store, tmp_path)
+    try:
+        wait_until(lambda: agent_relay.generation == 2)
+        assert relayed_failure(str(tmp_path), 0) == "machine 1 died"
+        assert relayed_failure(str(tmp_path), 1) == "machine 2 died"
+    finally:
+        agent_relay.close(JobStore(store, TOKEN), timeout_s=10.0)
+
+
+def test_a_non_final_stop_closes_the_ranks_fifo(tmp_path: Path) -> None:
+    """An elastic change stops the rank's watchdog (not final) and starts another: the old one's FIFO
+    ends are closed, not left open for every change."""
+    wd = started(tmp_path, JobStore(counting(), TOKEN))
+    wait_until(lambda: (tmp_path / "wake.0").exists())
+    fifo = wd._wake
+    assert fifo is not None
+    wd.stop()
+    assert wd._wake is None
+    for fd in (fifo._r, fifo._w):  # closed (or its number reused by another file)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        assert target != str(tmp_path / "wake.0"), "the FIFO is still open"
