@@ -247,8 +247,9 @@ class JobStore(SignedKV):
 
     def failure(self, generation: int) -> str | None:
         """The reason generation ``generation`` failed, or None while it is healthy (or only a
-        write not signed with the job secret says otherwise: rejected, see :mod:`.store_auth`)."""
-        return self._read(self.failed_key(generation))
+        write not signed with the job secret says otherwise: rejected, see :mod:`.store_auth`). Read
+        with a check first: every rank's watchdog waits on the flag (:meth:`SignedKV._peek`)."""
+        return self._peek(self.failed_key(generation))
 
     def wait_for_failure(self, generation: int, timeout_s: float) -> str | None:
         """The reason generation ``generation`` failed, once its flag is set; None after ``timeout_s``."""

@@ -302,8 +302,8 @@ def test_the_checkpoint_every_rank_loads_follows_from_the_reports() -> None:
 
 
 def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Recorded by the machine's agent after its declaration (the generation moved with it): three
-    requests (the wait, the check that it was a write that woke it, the read); no record (a worker
+    """Recorded by the machine's agent after its declaration (the generation moved with it): two
+    requests (the wait, the read); no record (a worker
     declared) or nobody asking: the generation is moved here."""
     from ds_swift.detect.failed_machine import FailedMachine
     from ds_swift.launch.control import JobControl
@@ -315,7 +315,7 @@ def test_a_survivor_learns_the_failed_machine_in_a_wait_and_a_read(monkeypatch: 
     JobControl(store).record_failure_timeline(0, 2, 1.0, 2.0)
     raw.take()
     assert FailedMachine(store, 0, 5.0)() == 2
-    assert raw.take().calls == {"wait": 1, "check": 1, "compare_set": 1}
+    assert raw.take().calls == {"wait": 1, "compare_set": 1}
     # the first declarer died half-way: flag written, generation not moved, nothing recorded
     store.kv.set("gen1/failed", store.sealer.seal("gen1/failed", "a worker's declaration"))
     failed = FailedMachine(store, 1, 0.2)
@@ -337,3 +337,68 @@ def test_a_connection_reads_the_launch_in_one_request_and_one_key_in_one() -> No
     raw.take()
     assert store.gather(1, "digest_sent", [5], timeout_s=5) == {5: "x"}
     assert raw.take().calls == {"wait": 1, "compare_set": 1}  # a multi_get is a wait and a read more
+
+
+def _tcp_pair() -> tuple[dist.TCPStore, Callable[[], CountingStore]]:
+    """A real TCPStore server (torch's libuv one, whose waits a compare_set of the key ends) and a
+    factory of counted clients of it."""
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+
+    def client() -> CountingStore:
+        return CountingStore(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        )
+
+    return server, client
+
+
+def _waiting(client: CountingStore, timeout_s: float = 10.0) -> None:
+    """Until ``client`` has asked the server for its wait (counted before the request is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while client.tally.calls["wait"] == 0:
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.005)
+
+
+def test_reading_the_absent_failure_flag_wakes_no_rank_waiting_on_it() -> None:
+    """Every rank's watchdog waits on the flag; a read of it while absent (a declarer's first look,
+    a poison check, a round's backstop) must not end their waits: on a TCPStore a compare_set of
+    an absent key does, and each woken rank's read would wake the others again."""
+    server, client = _tcp_pair()
+    waiter_raw = client()
+    got: list[str | None] = []
+    t = threading.Thread(target=lambda: got.append(JobStore(waiter_raw, TOKEN).wait_for_failure(4, 30)), daemon=True)
+    t.start()
+    reader = JobStore(client(), TOKEN)
+    _waiting(waiter_raw)
+    for _ in range(20):  # reads spread over the wait's first 0.2 s: the waiter's request is in by then
+        assert reader.failure(4) is None
+        time.sleep(0.01)
+    reader.declare_failure(4, "machine 3 died")
+    t.join(30)
+    assert got == ["machine 3 died"]
+    assert waiter_raw.take().calls == {"wait": 1, "compare_set": 1}, "the waiter was woken before the write"
+    del server
+
+
+def test_a_waiter_woken_by_a_read_of_the_absent_key_wakes_the_others_at_most_once() -> None:
+    """A read that wakes a key's waiters while it is absent (a bug elsewhere) costs a check and a wait
+    per wake-up after the first: no waiter reads the absent key twice, so no storm outlives it."""
+    server, client = _tcp_pair()
+    waiter_raw = client()
+    got: list[str | None] = []
+    t = threading.Thread(target=lambda: got.append(JobStore(waiter_raw, TOKEN).wait_signed("v", 30)), daemon=True)
+    t.start()
+    _waiting(waiter_raw)
+    writer = JobStore(client(), TOKEN)
+    for _ in range(5):
+        time.sleep(0.05)
+        writer.kv.compare_set("v", "\x00never", "x")  # a one-request read of the absent key: wakes its waiters
+    writer.claim("v", "the verdict")
+    t.join(30)
+    assert got == ["the verdict"]
+    calls = waiter_raw.take().calls
+    assert calls["compare_set"] <= 2, calls  # one read of the absent key at most, then the verdict's
+    del server
