@@ -97,6 +97,25 @@ class _Turn:
     run: Callable[[], float] = field(compare=False)
 
 
+class _RelayedWake:
+    """A rank's wake-up FIFO (ds_swift.detect.relay.WakeFifo) on the fake clock: its wait blocks for
+    its timeout and asks the store nothing (no failure is relayed in the steady state). The agent's
+    own wait on the flag, one per machine, times out once an hour (relay.RELAY_WAIT_S): not counted."""
+
+    def __init__(self, counting: Any) -> None:
+        self.counting = counting
+
+    def wait(self, generation: int, timeout_s: float) -> str | None:
+        self.counting.slept_s += timeout_s
+        return None
+
+    def poke(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _watchdogs(stores: StoreSet, layout: Layout, cfg: SteadyConfig) -> list[Callable[[], float]]:
     turns = []
     counting = stores.counting("watchdog")
@@ -115,6 +134,8 @@ def _watchdogs(stores: StoreSet, layout: Layout, cfg: SteadyConfig) -> list[Call
             ranks_per_machine=PER_MACHINE,
             beat_file=BeatFile(beat_dir, rank, cfg.heartbeat_timeout_s) if beat_dir else None,
         )
+        if wd.beat_file is not None:
+            wd._wake = _RelayedWake(counting)  # type: ignore[assignment]  # its agent relays the flag
         state: dict[str, Any] = {"store": client}
 
         def turn(wd: Watchdog = wd, state: dict[str, Any] = state) -> float:

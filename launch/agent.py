@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ds_swift.detect.relay import FailureRelay
 from ds_swift.jobstore.layout import grow_key, grown_layout, read_layout, resumed_key
 from ds_swift.jobstore.membership import JobStore
 
@@ -84,6 +85,7 @@ class MachineAgent(FailureHandling):
         self._spawn_generation = 0  # the generation the machine's workers were started in
         self._spawned_replacements = False
         self._pool: WarmPool | None = None
+        self._relay: FailureRelay | None = None  # started with the machine's first ranks (ds_swift.detect.relay)
         if self.state is AgentState.SPARE and job.warm_spares and supports_warm(job.command):
             self._pool = WarmPool(job.nproc_per_node, lambda lr: warm_start(job.command, lr, job.nproc_per_node))
 
@@ -180,7 +182,9 @@ class MachineAgent(FailureHandling):
                 return
 
     def close(self) -> None:
-        """The job ended: the ranks' beat files go."""
+        """The job ended: the failure flag's relay ends (every agent's), the ranks' beat files go."""
+        if self._relay is not None:
+            self._relay.close(self.store)
         self._health.close()
 
     def signal_all(self, sig: int) -> None:
@@ -221,6 +225,9 @@ class MachineAgent(FailureHandling):
         wenvs = self.job.worker_envs(self.machine, generation, replacement, self._layout)
         beats = self._health.fresh_beats([w.rank for w in wenvs])  # a new worker is judged from its first beat
         wenvs = [dataclasses.replace(w, beat_dir=beats) for w in wenvs]
+        if self._relay is None and wenvs:  # the failure flag, waited on once for the machine's ranks
+            first = wenvs[0]
+            self._relay = FailureRelay(lambda: JobStore.from_env(first), beats, generation, self.name).start()
         self._spawn_generation = generation
         self._spawned_replacements = replacement
         if self._pool is not None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ds_swift.detect.watchdog import ensure_generation_moved, wait_failed_machine
 from ds_swift.jobstore.membership import JobStore
 
-__all__ = ["FailedMachine"]
+__all__ = ["FailedMachine", "ensure_generation_moved", "wait_failed_machine"]
 
 
 class FailedMachine:
@@ -35,3 +34,15 @@ class FailedMachine:
         """Before the join: the generation has moved on (one request, where nobody asked for the machine)."""
         if not self._known:
             ensure_generation_moved(self.store, self.generation)
+
+
+def ensure_generation_moved(store: JobStore, generation: int) -> None:
+    """Move the job's generation past a failed one (only from ``generation``: never backwards)."""
+    store.advance_generation(generation)
+
+
+def wait_failed_machine(store: JobStore, generation: int, timeout_s: float) -> int | None:
+    """The machine whose failure ended ``generation``, as its node agent records it (None if no
+    agent says so within ``timeout_s``: a failure declared by a worker, with nobody dead)."""
+    machine = store.wait_value(f"gen{generation}/failed_machine", timeout_s)
+    return int(machine) if machine is not None else None

@@ -1,7 +1,8 @@
 """Failure detection inside a worker: a thread that waits on the job's failure flag and heartbeats.
 
-The thread has its own store connection: the main thread may sit in a store call of its own
-(a rendezvous wait) and the watchdog must not queue behind it.
+The thread has its own store connection: the main thread may sit in a store call of its own (a
+rendezvous wait) and the watchdog must not queue behind it. Under ds-swift-launch it waits on its
+agent's relay of the flag instead (:mod:`.relay`: no store request), with a backstop read.
 
 What the watchdog does *not* do on gloo is unblock the main thread. Nothing in gloo can interrupt
 a pending op from another thread (shared/NOTES-deepspeed-cpu.md); a worker blocked on a peer is
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 from ds_swift.detect.beats import BeatFile, CounterClock
 from ds_swift.detect.progress import Progress
+from ds_swift.detect.relay import BACKSTOP_S, WakeFifo, open_wake
 from ds_swift.jobstore.agreement import wake
 from ds_swift.jobstore.membership import JobStore
 from ds_swift.logs import say
@@ -41,10 +44,8 @@ __all__ = [
     "FailureSeen",
     "Watchdog",
     "declare_failure",
-    "ensure_generation_moved",
     "hung_machine_key",
     "suspect_key",
-    "wait_failed_machine",
 ]
 
 #: Heartbeats a worker writes (and reads of its watched peers' heartbeats) per heartbeat timeout. A
@@ -57,11 +58,9 @@ BEATS_PER_TIMEOUT = 10
 #: a blocking wait that returns this much before the next beat is due still beats (a wait's own
 #: timer may end it early: the turn would otherwise wait the rest again, and miss the beat)
 _EARLY_S = 0.005
-#: the longest one blocking wait on the failure flag of a rank that beats for its agent (two requests
-#: when it times out: 1 a second per rank). Bounded because the wait cannot be interrupted: at the
-#: end of training :meth:`Watchdog.stop` with ``final`` waits it out, so that no thread is inside the
-#: store's C++ wait when the interpreter finalizes (a daemon thread returning from it then is ended by
-#: pthread_exit, which unwinds through C++ frames that may not throw: std::terminate, SIGABRT).
+#: the longest one wait of a rank that beats for its agent: on its FIFO (:mod:`.relay`), or, without
+#: one, on the store, whose C++ wait cannot be interrupted: ``stop(final=True)`` waits it out (a daemon
+#: thread leaving it during finalization unwinds C++ frames that may not throw: SIGABRT)
 WAIT_SLICE_S = 2.0
 
 #: What a job store that cannot be reached raises (torch's DistStoreError, etcd's errors as
@@ -164,10 +163,14 @@ class Watchdog:
         self._bugs_said: set[str] = set()
         #: (monotonic time, seconds, what): the generation in force fails if ``what`` is not done by then
         self._deadline: tuple[float, float, str] | None = None
+        self._wake: WakeFifo | None = None  # beating for its agent: the agent relays the flag (detect/relay.py)
+        self._next_backstop = -math.inf  # the observer clock's time of the next read of the flag itself
 
     # ------------------------------------------------------------------ control
     def start(self) -> Watchdog:
         if self._thread is None:
+            if self.beat_file is not None and self._wake is None:
+                self._wake = open_wake(os.path.dirname(self.beat_file.path), self.rank)
             self._thread = threading.Thread(target=self._run, name=f"ds-swift-watchdog-{self.rank}", daemon=True)
             self._thread.start()
             if self.beat_file is not None:  # the beats and the hang check, beside the thread's long waits
@@ -177,10 +180,12 @@ class Watchdog:
 
     def stop(self, timeout_s: float = 5.0, final: bool = False) -> None:
         """Stop both threads. The waiting one (a daemon thread: it declares nothing of a generation
-        gone) is waited for until its wait ends (at most :data:`WAIT_SLICE_S`, or a beat) only when
-        ``final`` (the process is about to exit); otherwise a tenth of a second (an elastic change
-        starts a new watchdog at once)."""
+        gone) is woken where it waits on its FIFO (:mod:`.relay`); one in a store wait is waited for
+        until its wait ends (at most :data:`WAIT_SLICE_S`, or a beat) only when ``final`` (the process
+        is about to exit); otherwise a tenth of a second (an elastic change starts a new watchdog at once)."""
         self._stop.set()
+        if self._wake is not None:
+            self._wake.poke()
         longest = (WAIT_SLICE_S if self.beat_file is not None else self.beat_every_s) + 0.5
         waiting = longest if final else min(timeout_s, 0.1)
         for thread in (self._beater, self._thread):
@@ -189,6 +194,9 @@ class Watchdog:
         if self.beat_file is not None and self._beater is not None:
             with contextlib.suppress(OSError):  # the agent's directory gone: the job is ending anyway
                 self.beat_file.finish()
+        if self._wake is not None and (final or self._thread is None or not self._thread.is_alive()):
+            self._wake.close()  # (an elastic change's new watchdog opens the rank's FIFO again)
+            self._wake = None
         self._thread = self._beater = None
 
     def set_generation(self, generation: int, watch_ranks: Sequence[int] = ()) -> None:
@@ -321,19 +329,28 @@ class Watchdog:
         if reason is None and beat and self.beat_file is None:  # peers' counters, as often as this rank beats
             reason = self._stale_peer(store, now, watch, g)
         if reason is None and wait:
-            # A blocking wait, not a poll: a TCPStore wait (an etcd watch) returns the moment the flag
-            # is written, and one that starts after it returns at once, so no failure falls between
-            # two turns. Ten reads a second per rank were most of the job's store traffic. A wait that
-            # times out is two requests (the wait, its cancellation): beating for its agent, a rank
-            # waits up to WAIT_SLICE_S (the heartbeat timeout where shorter).
+            # A blocking wait, not a poll (a TCPStore wait, an etcd watch, the agent's relay): it returns
+            # the moment the flag is written, or at once if it was, so no failure falls between turns.
             limit = min(self.heartbeat_timeout_s, WAIT_SLICE_S) if local else self._next_beat - self._beats.clock()
             with self._lock:
                 if self._deadline is not None:  # a rebuild deadline is checked when it passes, not a wait later
                     limit = min(limit, self._deadline[0] - time.monotonic())
-            reason = store.wait_for_failure(g, max(0.0, limit))
+            reason = self._relayed(store, g, max(0.0, limit)) if local else store.wait_for_failure(g, max(0.0, limit))
         if reason is None:
             return None
         return self._handle(store, g, reason)
+
+    def _relayed(self, store: JobStore, g: int, limit: float) -> str | None:
+        """Beating for its agent: the failure the agent relayed (a wait on the rank's FIFO, no store
+        request), and every :data:`BACKSTOP_S` the flag read in the store itself (a relay gone)."""
+        if self._wake is None:  # no FIFO here (said when it was tried): the store wait, as without an agent
+            return store.wait_for_failure(g, limit)
+        reason = self._wake.wait(g, limit)
+        now = self._beats.clock()
+        if reason is None and now >= self._next_backstop:
+            self._next_backstop = now + BACKSTOP_S
+            reason = store.failure(g)
+        return reason
 
     def _beat(self, store: JobStore | None) -> None:
         note = self.progress.note() if self.progress is not None else ""
@@ -474,15 +491,3 @@ def declare_failure(store: JobStore, generation: int, reason: str) -> bool:
     """Declare ``generation`` failed (see :meth:`JobStore.declare_failure`, which also repairs a
     declaration whose first writer died half-way)."""
     return store.declare_failure(generation, reason)
-
-
-def ensure_generation_moved(store: JobStore, generation: int) -> None:
-    """Move the job's generation past a failed one (only from ``generation``: never backwards)."""
-    store.advance_generation(generation)
-
-
-def wait_failed_machine(store: JobStore, generation: int, timeout_s: float) -> int | None:
-    """The machine whose failure ended ``generation``, as its node agent records it (None if no
-    agent says so within ``timeout_s``: a failure declared by a worker, with nobody dead)."""
-    machine = store.wait_value(f"gen{generation}/failed_machine", timeout_s)
-    return int(machine) if machine is not None else None

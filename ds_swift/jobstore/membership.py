@@ -269,13 +269,32 @@ class JobStore(SignedKV):
         first = self.add(f"gen{generation}/failed_n", 1) == 1
         if first or self.failure(generation) is None:
             self._put(self.failed_key(generation), reason)
-        self.advance_generation(generation)
+        self.advance_generation(generation)  # after the flag: the relays read it when they wake
         return first
+
+    @staticmethod
+    def relay_key(generation: int) -> str:
+        """What the agents' relays of the failure flag wait on (ds_swift.detect.relay): written when the
+        job leaves ``generation`` (:meth:`advance_generation`), or with ``"job over"`` when the job ends
+        (their waits end before the store goes away: a wait cut by a closed store prints a C++ stack trace)."""
+        return f"gen{generation}/relay"
 
     def advance_generation(self, generation: int) -> None:
         """Move the job's generation from ``generation`` to the next; never backwards (a late
-        declarer of an older generation finds another value and changes nothing)."""
-        self.advance("generation", generation + 1)
+        declarer of an older generation finds another value and changes nothing: one request).
+
+        The only way the generation moves, and it wakes the agents' relays first (``relay_key``), by
+        whatever path the job leaves ``generation``: a failure's declarer (its flag set before), a
+        later declarer finishing what one that died half-way left undone, a rank moving it past a
+        failure it saw, an elastic grow. A relay waiting on a generation the job left without it would
+        wait there for ever, and its ranks would learn of every later failure only by their backstop read."""
+        raw = self._raw_get("generation")
+        now = None if raw is None else self.sealer.open("generation", raw)
+        if now is not None and int(now) > generation:
+            return
+        self._put(self.relay_key(generation), "failed")
+        if not self._swap("generation", raw, self.sealer.seal("generation", str(generation + 1)).encode()):
+            self.advance("generation", generation + 1)  # moved meanwhile: from what it holds now
 
     def join(self, generation: int, rank: int, world_size: int, timeout_s: float) -> dist.PrefixStore:
         """Arrive at ``generation``; return the store prefix for its process group once all arrived.

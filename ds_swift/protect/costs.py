@@ -95,8 +95,9 @@ def _runtime_lines(cfg: Any, without: frozenset[str], undo_off: str | None = Non
         + (
             off
             if "watchdog" in without
-            else "a watchdog thread waits on the failure flag (a blocking job-store wait, woken when it is set, at most "
-            f"2 s each: about 1 request a second) and beats every {beat:g} s, in a file its node agent reads under "
+            else "a watchdog thread waits on the failure flag (under ds-swift-launch its node agent waits on it for the "
+            "machine and wakes it through a FIFO, and it reads the flag itself every 10 s; else a blocking job-store "
+            f"wait: about 1 request a second) and beats every {beat:g} s, in a file its node agent reads under "
             f"ds-swift-launch (else in the job store, reading its pipeline neighbours'){hang}; the training thread "
             "looks at the watchdog's event before every iteration (no store read), and reads the flag after a "
             "pipeline receive only when the buffer carries the poison mark (a look at its first 4 bytes)"

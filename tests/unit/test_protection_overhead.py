@@ -121,7 +121,8 @@ def test_scoped_determinism_off_changes_nothing() -> None:
 def test_startup_lines_say_what_detection_undo_and_determinism_cost() -> None:
     cfg = SwiftConfig.from_dict({"enabled": True})
     text = "\n".join(_runtime_lines(cfg, frozenset()))
-    assert "waits on the failure flag (a blocking job-store wait" in text and "beats every 1 s" in text
+    assert "waits on the failure flag (under ds-swift-launch its node agent waits on it" in text
+    assert "else a blocking job-store wait" in text and "beats every 1 s" in text
     assert "update-undo: a step record" in text and "deterministic algorithms on" in text
     off = "\n".join(_runtime_lines(cfg, frozenset({"watchdog", "undo"})))
     assert f"failure detection: OFF (benchmark: {ENV})" in off and f"update-undo: OFF (benchmark: {ENV})" in off
