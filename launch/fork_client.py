@@ -115,6 +115,16 @@ class ForkServer:
         return proc
 
     # ------------------------------------------------------------------ reports
+    def reports_fd(self) -> int:
+        """The pipe the server reports on (a worker's exit among them), for a ``select`` that must
+        wake when one ends (the launcher's loop: its workers are the server's children, so no
+        SIGCHLD reaches the launcher); -1 once the server is gone. Read it with :meth:`pump`."""
+        return -1 if self._gone else self._reports
+
+    def pump(self) -> None:
+        """Read what the server reported (exits, pids), without waiting."""
+        self._pump()
+
     def _pump(self, timeout_s: float = 0.0) -> None:
         """Read what the server reported (waiting up to ``timeout_s`` for something)."""
         if self._gone or self._reports < 0:

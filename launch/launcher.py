@@ -71,8 +71,11 @@ class Supervisor:
         liveness: AgentLiveness | None = None,
         clear_after: int = 0,
         inject: Sequence[FaultSpec] = (),
+        server: ForkServer | None = None,
     ) -> None:
         self.agents = agents
+        self.server = server
+        """``--fork-server``: its reports wake the loop (a worker's exit), as SIGCHLD does without it."""
         self.inject = tuple(inject)
         """The job's --inject specs, for the line at its end on any that never fired (one launcher says it)."""
         self.store = store
@@ -216,12 +219,18 @@ class Supervisor:
             )
 
     def _sleep(self, pause_s: float) -> None:
-        """Wait ``pause_s``, or less if a signal (a child's death, Ctrl-C) arrives."""
-        if self._wake_r is None:
+        """Wait ``pause_s``, or less if a signal (a child's death, Ctrl-C) arrives, or the fork server
+        reports (a worker it forked ended: the launcher gets no SIGCHLD for it, and a death seen only
+        at the next look was up to :data:`LOOK_S` late)."""
+        reports = self.server.reports_fd() if self.server is not None else -1
+        fds: list[int | socket.socket] = [f for f in (self._wake_r, reports) if f is not None and f != -1]
+        if not fds:
             time.sleep(pause_s)
             return
-        readable, _, _ = select.select([self._wake_r], [], [], pause_s)
-        if readable:
+        readable, _, _ = select.select(fds, [], [], pause_s)
+        if reports in readable and self.server is not None:
+            self.server.pump()
+        if self._wake_r is not None and self._wake_r in readable:
             try:
                 while self._wake_r.recv(4096):
                     pass
@@ -409,5 +418,6 @@ def run(args: LaunchArgs, server: ForkServer | None = None) -> int:
         liveness=liveness,
         clear_after=clear_after,
         inject=args.inject if args.node_rank in (None, 0) else (),
+        server=server,
     )
     return supervisor.run()
