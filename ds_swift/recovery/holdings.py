@@ -112,6 +112,9 @@ class InflightHeld(Held):
     forwards: int = 0
     """Of ``iteration``, the forward passes that ran before the failure (those beyond ``passes`` lost
     their autograd graphs with the engine: redone)."""
+    micro_batches: int = 0
+    """The micro-batches of ``iteration`` (0: not known), so that a plan can say which survivors had
+    not finished theirs even when none had."""
 
 
 @dataclass(frozen=True)

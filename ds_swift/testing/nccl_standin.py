@@ -182,8 +182,7 @@ class NcclStandIn:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.stuck = self.stuck or call.name
-                    self.error = f"TIMEOUT (stand-in: {call.name} for {self.op_timeout_s:g} s)"
-                    self.aborted = True  # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: torch aborts after recording
+                    self._time_out(call.name)
                     break
                 self._cond.wait(left)
             if not result:
@@ -251,10 +250,15 @@ class NcclStandIn:
             while self.stuck is not None and not self.aborted:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.error = f"TIMEOUT (stand-in: {self.stuck} for {self.op_timeout_s:g} s)"
-                    self.aborted = True  # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: torch aborts after recording
+                    self._time_out(self.stuck)
                     break
                 self._cond.wait(left)
+
+    def _time_out(self, call: str) -> None:
+        """``call`` waited the op timeout unaborted: torch's watchdog records the error and aborts
+        (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``). Holding ``_cond``."""
+        self.error = f"TIMEOUT (stand-in: {call} for {self.op_timeout_s:g} s)"
+        self.aborted = True
 
 
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")

@@ -90,6 +90,19 @@ def test_a_survivor_midway_through_the_iteration_redoes_the_rest_and_the_plan_sa
     assert "only the lost ranks' passes are recomputed, and the passes survivors [3] had not finished" in plan.reason
 
 
+def test_survivors_that_all_stopped_midway_are_all_said_to_redo_passes() -> None:
+    """Every survivor two passes into an iteration of four (the kill came early for all of them):
+    each redoes two, and the plan says so, which it could not when it compared survivors only with
+    one another (a timing-dependent reason: tests/dist/test_pipechurn_midway.py)."""
+
+    def midway(r: RankReport) -> RankReport:
+        held = dataclasses.replace(InflightHeld.of(r), passes=2, micro_batches=4) if r.survivor else InflightHeld.of(r)
+        return dataclasses.replace(r, holdings={**r.holdings, **holdings_of(held)})
+
+    plan = plan_recovery([midway(r) for r in reports({1})], forced="pipechurn", checkpoint_step=6)
+    assert "the passes survivors [0, 2, 3] had not finished when the failure hit (they hold [2, 2, 2]" in plan.reason
+
+
 def test_where_a_survivor_keeps_no_copy_every_rank_retrains_and_the_plan_says_why() -> None:
     rep = reports({1}, {3: -1}, r=2, k=1)
     why = "ranks [3] keep no copy of iteration 10 (pipechurn.partial_recompute off)"
@@ -201,7 +214,7 @@ def test_a_failure_between_passes_keeps_the_finished_backward_passes_and_their_u
         if k == 0:
             keeper.on_send(eng, "grad", [outs[0]])
     keeper.on_teardown(eng)
-    assert keeper.held() == InflightHeld(5, 2, 2)
+    assert keeper.held() == InflightHeld(5, 2, 2, micro_batches=2)
     assert [m[0] for m in keeper.kept_messages("grad", 5, range(2))] == outs
     kept = {n: p.grad.clone() for n, p in eng.module.named_parameters()}
     rebuilt = FakeEngine(first=False, last=True)

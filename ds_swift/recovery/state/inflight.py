@@ -73,6 +73,7 @@ class InflightKeeper:
         """The iteration whose every pass this rank holds (-1: none)."""
         self.passes = 0  # backward passes run (micro-batches 0 .. passes-1)
         self.forwards = 0
+        self.micro_batches = 0  # of the iteration (0: no pass ran yet)
         self.pending: Message | None = None  # the last backward's gradient output, not sent yet
         self.unusable: str | None = None  # why the copy cannot be used (set at the teardown)
         self._in_backward = False
@@ -129,6 +130,7 @@ class InflightKeeper:
         if eng.module.training and not self.paused:
             self._at(eng)
             self.forwards += 1
+            self.micro_batches = int(eng.micro_batches)
         return out
 
     def _backward(self, eng: Any, call_next: Callable[..., Any], **kw: Any) -> Any:
@@ -197,7 +199,7 @@ class InflightKeeper:
 
     def held(self) -> InflightHeld:
         """What this copy holds, for the consensus."""
-        return InflightHeld(self.iteration, self.passes, self.forwards)
+        return InflightHeld(self.iteration, self.passes, self.forwards, self.micro_batches)
 
     # ------------------------------------------------------------------ recovery
     def kept_messages(self, kind: str, iteration: int, micro_batches: range) -> list[list[torch.Tensor]]:

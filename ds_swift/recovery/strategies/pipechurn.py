@@ -164,7 +164,9 @@ def partial_reason(inputs: RecoveryInputs) -> str:
     """The plan's words for a partial recomputation (which survivors redo passes of their own)."""
     in_flight = inputs.consensus + 1
     held = {r: InflightHeld.of(inputs.by_rank[r]) for r in inputs.survivors}
-    most = max((h.passes for h in held.values() if h.iteration == in_flight), default=0)
+    # All of the iteration's micro-batches where a rank said how many (else the most any survivor ran):
+    # survivors that all stopped half-way had not finished either.
+    most = max((max(h.passes, h.micro_batches) for h in held.values() if h.iteration == in_flight), default=0)
     short = {r: h.passes if h.iteration == in_flight else 0 for r, h in held.items()}
     short = {r: n for r, n in short.items() if n < most}
     reason = f"of iteration {in_flight}, only the lost ranks' passes are recomputed"
