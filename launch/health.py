@@ -37,6 +37,39 @@ HUNG_POLL_S = 1.0
 #: a look at the ranks' beats longer than this after the last one starts every silence afresh
 LOCAL_GAP_S = 5.0
 
+#: the beat directories' names (``<prefix><node>-<random>``, in /dev/shm where there is one)
+BEAT_DIR_PREFIX = "ds-swift-beats-"
+#: a beat directory nothing wrote in for this long is a dead launcher's (a live one's ranks beat every
+#: second or so): removed when an agent makes its own
+STALE_BEAT_DIR_S = 3600.0
+
+
+def sweep_stale_beat_dirs(root: str, now: float | None = None) -> list[str]:
+    """Remove the beat directories under ``root`` (this user's) that nothing wrote in for
+    :data:`STALE_BEAT_DIR_S`: a launcher SIGKILLed (a cancelled job, a test's kill) cannot remove its
+    own, and /dev/shm kept every one (beats, the relay's FIFOs and failure files). Judged by age, not
+    by the launcher's pid: containers sharing /dev/shm (``--ipc=host``) do not share pids. Returns
+    what was removed."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(BEAT_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            newest = max([os.stat(path).st_mtime, *(e.stat().st_mtime for e in os.scandir(path))])
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if now - newest > STALE_BEAT_DIR_S:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 __all__ = ["GPU_POLL_S", "HUNG_POLL_S", "MachineHealth"]
 
 
@@ -119,7 +152,8 @@ class MachineHealth:
         is one), their previous workers' beats gone: a new worker is judged from its first beat."""
         if self._beat_dir is None:
             shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            self._beat_dir = tempfile.mkdtemp(prefix=f"ds-swift-beats-{self.node}-", dir=shm)
+            sweep_stale_beat_dirs(shm or tempfile.gettempdir())
+            self._beat_dir = tempfile.mkdtemp(prefix=f"{BEAT_DIR_PREFIX}{self.node}-", dir=shm)
         for rank in ranks:
             self._local.forget(rank)
             with contextlib.suppress(FileNotFoundError):
