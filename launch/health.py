@@ -59,9 +59,10 @@ def sweep_stale_beat_dirs(root: str, now: float | None = None) -> list[str]:
     for name in names:
         path = os.path.join(root, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            st = os.stat(path)
+            if st.st_uid != os.getuid():
                 continue
-            newest = max([os.stat(path).st_mtime, *(e.stat().st_mtime for e in os.scandir(path))])
+            newest = max([st.st_mtime, *(e.stat().st_mtime for e in os.scandir(path))])
         except OSError:
             continue  # gone meanwhile, or not ours to read
         if now - newest > STALE_BEAT_DIR_S:

@@ -288,13 +288,7 @@ class JobStore(SignedKV):
         later declarer finishing what one that died half-way left undone, a rank moving it past a
         failure it saw, an elastic grow. A relay waiting on a generation the job left without it would
         wait there for ever, and its ranks would learn of every later failure only by their backstop read."""
-        raw = self._raw_get("generation")
-        now = None if raw is None else self.sealer.open("generation", raw)
-        if now is not None and int(now) > generation:
-            return
-        self._put(self.relay_key(generation), "failed")
-        if not self._swap("generation", raw, self.sealer.seal("generation", str(generation + 1)).encode()):
-            self.advance("generation", generation + 1)  # moved meanwhile: from what it holds now
+        self.advance("generation", generation + 1, before=lambda: self._put(self.relay_key(generation), "failed"))
 
     def join(self, generation: int, rank: int, world_size: int, timeout_s: float) -> dist.PrefixStore:
         """Arrive at ``generation``; return the store prefix for its process group once all arrived.

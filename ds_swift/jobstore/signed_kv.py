@@ -41,6 +41,8 @@ from ds_swift.jobstore.auth import Sealer
 from ds_swift.jobstore.contention import CasBudget
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch.distributed as dist
 
 __all__ = ["BEAT_S", "LAUNCH_ENV", "STALE_S", "SignedKV", "check_launch_id", "new_launch_id"]
@@ -251,8 +253,9 @@ class SignedKV:
                 return new
             budget.lost()
 
-    def advance(self, key: str, value: int) -> None:
-        """Set the signed decimal at ``key`` to ``value`` unless it holds as much already (never backwards)."""
+    def advance(self, key: str, value: int, before: Callable[[], None] | None = None) -> None:
+        """Set the signed decimal at ``key`` to ``value`` unless it holds as much already (never
+        backwards). ``before``: called once, just before the first write, only where the key moves."""
         desired = self.sealer.seal(key, str(value)).encode()
         budget = CasBudget(key)
         while True:
@@ -260,6 +263,9 @@ class SignedKV:
             text = None if raw is None else self.sealer.open(key, raw)
             if text is not None and int(text) >= value:
                 return
+            if before is not None:
+                before()
+                before = None
             if self._swap(key, raw, desired):
                 return
             budget.lost()

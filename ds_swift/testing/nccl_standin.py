@@ -10,8 +10,8 @@ is given what NCCL does when a peer is lost, instead of gloo's immediate error:
   behind the stuck one and does nothing; a wait for the device (:meth:`synchronize`, what
   ``torch.cuda`` synchronisation is on a GPU) blocks until the communicators are aborted.
 - **an abort ends it.** :meth:`abort` (ds-swift's, through ds_swift.transport.communicators) frees
-  the waits, a blocking send or receive from a peer that is alive but never comes too; every later call on the generation's groups raises, as NCCL's aborted communicators do
-  (``DistBackendError``). Unaborted, a stuck wait ends after the op timeout the way torch's own
+  the waits, a blocking send or receive from a peer that is alive but never comes too; every later
+  call on the generation's groups raises, as NCCL's aborted communicators do (``DistBackendError``). Unaborted, a stuck wait ends after the op timeout the way torch's own
   watchdog ends it under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: an error recorded (:meth:`errors`,
   ``ProcessGroupNCCL::getError``), then the abort.
 - **its own errors:** once a call is stuck, torch's watchdog would record a communicator error:
